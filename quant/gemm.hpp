@@ -1,0 +1,71 @@
+// quant/gemm.hpp -- CPU GEMMs C[M,N] = A[M,K] · B[N,K]^T (row-major; lda = ldb = K, ldc = N).
+// defines: gemm_desc, gemm_config, gemm_packed_b, gemm_pack_{f32,bf16,fp8},
+//          gemm_{f32,bf16,fp8}, gemm_{f32,bf16,fp8}_ref
+//
+// Each precision has a scalar reference (`*_ref`, built with -ffp-contract=off) that defines
+// the result bit for bit, and a fast path that must equal it exactly:
+//   f32   out = fma(a[k], b[k], out) for k = 0..K-1 (sequential)
+//   bf16  acc over pairs i = 0..K/2-1: acc = fma(a[2i+1], b[2i+1], acc);
+//         acc = fma(a[2i], b[2i], acc), inputs DAZ, each result FTZ (the VDPBF16PS model)
+//   fp8   fp8-numerics.md §5.2: per 128-K block the bf16 pair model on decoded (unscaled)
+//         E4M3 values, then out = fma(sa[m][kb] * sb[n][kb], acc, out)
+// Every output element has one fixed accumulation order that depends on neither M, the
+// thread count nor the tiling: results are batch-invariant (generation and training agree).
+// A ragged K is zero-padded (padding contributes exactly nothing to these models).
+#pragma once
+#include <cstdint>
+#include <string>
+
+#include "quant/aligned.hpp"
+#include "quant/cpu_isa.hpp"
+#include "quant/qtensor.hpp"
+
+namespace fp8rl::quant {
+
+struct gemm_desc {  // the problem
+  int64_t M = 0, N = 0, K = 0;
+  void check() const;  // throws std::invalid_argument naming the bad dimension
+  std::string str() const;
+};
+
+struct gemm_config {  // tuning only; never changes a result
+  cpu_isa max_isa = cpu_isa::avx512_bf16;  // further limited by cpu_isa_active()
+  int64_t fp8_stream_max_m = 16;  // M <= this: decode FP8 weight bytes in registers (GEMV)
+};
+
+enum class gemm_dtype : uint8_t { f32, bf16, fp8 };
+
+// B packed into 32-column panels (NP = ceil(N/32) panels, zero-padded). Weights are packed
+// once per weight version; activations used as B (wgrad) are packed per call.
+struct gemm_packed_b {
+  gemm_dtype dtype = gemm_dtype::f32;
+  scale_mode mode = scale_mode::pow2;  // fp8 only
+  std::string name;
+  int64_t N = 0, K = 0, Kp = 0;   // Kp: K zero-padded (f32: K, bf16: even, fp8: 128-multiple)
+  avector<float> f32;             // f32: [NP][K][32]
+  avector<uint16_t> bf16;         // bf16/fp8: [NP][Kp/2][32][2] (fp8: decoded, unscaled)
+  avector<uint8_t> fp8;           // fp8: [NP][Kp/2][64] codes in decoder order
+  avector<float> scale_inv;       // fp8: [NP][Kp/128][32]
+  int64_t panels() const { return (N + 31) / 32; }
+  int64_t bytes() const;
+};
+
+gemm_packed_b gemm_pack_f32(const float* B, int64_t N, int64_t K, std::string name = "B");
+gemm_packed_b gemm_pack_bf16(const uint16_t* B, int64_t N, int64_t K, std::string name = "B");
+// B: any layout (block_128x128 weights, or 1x128 tiles as operand rows, e.g. wgrad's X^T).
+gemm_packed_b gemm_pack_fp8(const qtensor& B);
+
+// References (the definition of each result).
+void gemm_f32_ref(const gemm_desc& d, const float* A, const float* B, float* C);
+void gemm_bf16_ref(const gemm_desc& d, const uint16_t* A, const uint16_t* B, float* C);
+// A: 1x128 tiles (rowwise, or colwise as its transposed operand). B: any layout.
+void gemm_fp8_ref(const qtensor& A, const qtensor& B, float* C);
+
+// Fast paths (oneTBB inside; the calling arena's threads).
+void gemm_f32(const gemm_desc& d, const float* A, const gemm_packed_b& B, float* C,
+              const gemm_config& cfg = {});
+void gemm_bf16(const gemm_desc& d, const uint16_t* A, const gemm_packed_b& B, float* C,
+               const gemm_config& cfg = {});
+void gemm_fp8(const qtensor& A, const gemm_packed_b& B, float* C, const gemm_config& cfg = {});
+
+}  // namespace fp8rl::quant

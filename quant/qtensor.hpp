@@ -1,0 +1,74 @@
+// quant/qtensor.hpp -- blockwise FP8 (E4M3) quantization of row-major matrices.
+// defines: qlayout, qtensor, nonfinite_error, quantize, quantize_ref, dequantize,
+//          qtensor_transpose_blocks, qtensor_scale_inv, qtensor_validate
+//
+// Legend: a source matrix X is row-major [rows, cols]. As a GEMM operand (C = A·B^T) an
+// FP8 tensor is an "operand matrix" [R, K] whose rows are contiguous in `data`:
+//   rowwise_1x128  tiles of 1 row x 128 cols      data [rows][cols]   R = rows, K = cols
+//   colwise_1x128  tiles of 128 rows x 1 col      data [cols][rows]   R = cols, K = rows
+//                  (stored transposed, as on Hopper; quantized from the source, never
+//                  transposed from the rowwise copy)
+//   block_128x128  blocks of 128 x 128            data [rows][cols]   R = rows, K = cols
+// Scale arrays use the cuBLASLt layouts of fp8-numerics.md §7 so both backends move identical
+// bytes: tiles -> VEC128_32F s[kb][r], shape [ceil(K/128)][roundup(R,4)];
+//        blocks -> BLK128x128_32F s[rb][kb], shape [ceil(R/128)][roundup(ceil(K/128),4)].
+// Padding entries of scale arrays are 0. Ragged edges: a partial tile/block takes its amax
+// from valid elements only; no padding bytes are stored.
+#pragma once
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "quant/scale.hpp"
+
+namespace fp8rl::quant {
+
+enum class qlayout : uint8_t { rowwise_1x128 = 0, colwise_1x128 = 1, block_128x128 = 2 };
+inline constexpr int64_t kBlock = 128;
+
+struct qtensor {
+  std::string name;                 // tensor name, used in every error
+  int64_t rows = 0, cols = 0;       // source shape [rows, cols]
+  qlayout layout = qlayout::rowwise_1x128;
+  scale_mode mode = scale_mode::pow2;
+  std::vector<uint8_t> data;        // E4M3 codes, operand matrix [R][K]
+  std::vector<float> scale_inv;     // cuBLASLt layout, see above
+
+  int64_t op_rows() const { return layout == qlayout::colwise_1x128 ? cols : rows; }  // R
+  int64_t op_cols() const { return layout == qlayout::colwise_1x128 ? rows : cols; }  // K
+  int64_t k_blocks() const { return (op_cols() + kBlock - 1) / kBlock; }
+  int64_t scale_ld() const;          // leading dimension of the scale array
+  int64_t scale_count() const;       // entries including padding
+  // scale_inv of operand row r (0 <= r < R), K-block kb
+  float scale_at(int64_t r, int64_t kb) const;
+};
+
+// Raised when a tile or block holds NaN/Inf. Names the tensor, the block and the count.
+struct nonfinite_error : std::runtime_error {
+  nonfinite_error(std::string tensor, int64_t block_row, int64_t block_col, int64_t count,
+                  std::string what);
+  std::string tensor;
+  int64_t block_row, block_col;  // index in the tile/block grid of the *operand* matrix
+  int64_t count;                 // non-finite values in that block
+};
+
+// Quantize x [rows, cols] (row-major). Throws nonfinite_error; never encodes NaN/Inf.
+// `quantize` dispatches to the fastest path (bit-identical to quantize_ref).
+qtensor quantize(const float* x, int64_t rows, int64_t cols, qlayout layout, scale_mode mode,
+                 std::string name);
+qtensor quantize_ref(const float* x, int64_t rows, int64_t cols, qlayout layout,
+                     scale_mode mode, std::string name);
+
+// out [rows, cols] row-major (source orientation) = decode(q) * scale_inv.
+void dequantize(const qtensor& q, float* out);
+
+// W [rows, cols] in 128x128 blocks -> W^T [cols, rows] in 128x128 blocks with the same block
+// scales (fp8-numerics.md §3.2: the same blocks serve the transpose in dgrad). Exact.
+qtensor qtensor_transpose_blocks(const qtensor& w);
+
+// Checks sizes, scale finiteness/positivity and NaN codes; throws std::invalid_argument naming
+// the tensor and what is wrong. Use on anything that crossed a process boundary.
+void qtensor_validate(const qtensor& q);
+
+}  // namespace fp8rl::quant

@@ -1,0 +1,172 @@
+// quant/quantize.cpp -- blockwise quantization: scalar reference, dispatch, dequantization.
+// Built with -ffp-contract=off: x * scale must be one IEEE multiply.
+#include <cmath>
+#include <sstream>
+
+#include "quant/cpu_isa.hpp"
+#include "quant/fp8.hpp"
+#include "quant/quantize_impl.hpp"
+#include "quant/qtensor.hpp"
+
+namespace fp8rl::quant {
+
+int64_t qtensor::scale_ld() const {
+  if (layout == qlayout::block_128x128) return (k_blocks() + 3) / 4 * 4;
+  return (op_rows() + 3) / 4 * 4;
+}
+
+int64_t qtensor::scale_count() const {
+  if (layout == qlayout::block_128x128) return (op_rows() + kBlock - 1) / kBlock * scale_ld();
+  return k_blocks() * scale_ld();
+}
+
+float qtensor::scale_at(int64_t r, int64_t kb) const {
+  if (layout == qlayout::block_128x128) return scale_inv[(r / kBlock) * scale_ld() + kb];
+  return scale_inv[kb * scale_ld() + r];
+}
+
+nonfinite_error::nonfinite_error(std::string t, int64_t br, int64_t bc, int64_t n,
+                                 std::string what)
+    : std::runtime_error(std::move(what)), tensor(std::move(t)), block_row(br), block_col(bc),
+      count(n) {}
+
+namespace detail {
+
+[[noreturn]] void throw_nonfinite(const std::string& name, qlayout layout, int64_t br,
+                                  int64_t bc, int64_t count) {
+  std::ostringstream os;
+  const char* kind = layout == qlayout::block_128x128   ? "128x128 block"
+                     : layout == qlayout::rowwise_1x128 ? "1x128 tile (rowwise)"
+                                                         : "128x1 tile (columnwise)";
+  os << "tensor '" << name << "': " << kind << " (" << br << ", " << bc << ") holds " << count
+     << " non-finite value" << (count == 1 ? "" : "s") << "; refusing to quantize";
+  throw nonfinite_error(name, br, bc, count, os.str());
+}
+
+qtensor qtensor_alloc(int64_t rows, int64_t cols, qlayout layout, scale_mode mode,
+                      std::string name) {
+  if (rows < 0 || cols < 0) throw std::invalid_argument("tensor '" + name + "': negative shape");
+  qtensor q;
+  q.name = std::move(name);
+  q.rows = rows;
+  q.cols = cols;
+  q.layout = layout;
+  q.mode = mode;
+  q.data.assign(static_cast<size_t>(rows * cols), 0);
+  q.scale_inv.assign(static_cast<size_t>(q.scale_count()), 0.0f);
+  return q;
+}
+
+// One tile/block of the operand matrix: rows [r0, r1) x cols [k0, k1) of the *source*
+// gathered by `at(r, k)` (operand coordinates). Returns false on non-finite (count in *bad).
+template <class At>
+inline bool block_amax(At at, int64_t r0, int64_t r1, int64_t k0, int64_t k1, float* amax,
+                       int64_t* bad) {
+  float m = 0.0f;
+  int64_t n = 0;
+  for (int64_t r = r0; r < r1; ++r)
+    for (int64_t k = k0; k < k1; ++k) {
+      uint32_t u = float_bits(at(r, k)) & 0x7fffffffu;
+      if (u >= 0x7f800000u) { ++n; continue; }
+      float a = float_from_bits(u);
+      if (a > m) m = a;
+    }
+  *amax = m;
+  *bad = n;
+  return n == 0;
+}
+
+qtensor quantize_scalar(const float* x, int64_t rows, int64_t cols, qlayout layout,
+                        scale_mode mode, std::string name) {
+  qtensor q = qtensor_alloc(rows, cols, layout, mode, std::move(name));
+  const int64_t R = q.op_rows(), K = q.op_cols();
+  // operand element (r, k) in source coordinates
+  auto at = [&](int64_t r, int64_t k) {
+    return layout == qlayout::colwise_1x128 ? x[k * cols + r] : x[r * cols + k];
+  };
+  const int64_t rstep = layout == qlayout::block_128x128 ? kBlock : 1;
+  for (int64_t r0 = 0; r0 < R; r0 += rstep) {
+    int64_t r1 = std::min(R, r0 + rstep);
+    for (int64_t kb = 0; kb * kBlock < K; ++kb) {
+      int64_t k0 = kb * kBlock, k1 = std::min(K, k0 + kBlock);
+      float amax;
+      int64_t bad;
+      if (!block_amax(at, r0, r1, k0, k1, &amax, &bad)) throw_nonfinite(q.name, layout, r0 / rstep, kb, bad);
+      block_scale s = scale_from_amax(amax, mode);
+      for (int64_t r = r0; r < r1; ++r)
+        for (int64_t k = k0; k < k1; ++k) q.data[r * K + k] = e4m3_from_float(at(r, k) * s.scale);
+      if (layout == qlayout::block_128x128)
+        q.scale_inv[(r0 / kBlock) * q.scale_ld() + kb] = s.scale_inv;
+      else
+        q.scale_inv[kb * q.scale_ld() + r0] = s.scale_inv;
+    }
+  }
+  return q;
+}
+
+}  // namespace detail
+
+qtensor quantize_ref(const float* x, int64_t rows, int64_t cols, qlayout layout,
+                     scale_mode mode, std::string name) {
+  return detail::quantize_scalar(x, rows, cols, layout, mode, std::move(name));
+}
+
+qtensor quantize(const float* x, int64_t rows, int64_t cols, qlayout layout, scale_mode mode,
+                 std::string name) {
+  if (cpu_isa_active() >= cpu_isa::avx512)
+    return detail::quantize_avx512(x, rows, cols, layout, mode, std::move(name));
+  return detail::quantize_scalar(x, rows, cols, layout, mode, std::move(name));
+}
+
+void e4m3_encode_array(const float* x, int64_t n, uint8_t* out) {
+  if (cpu_isa_active() >= cpu_isa::avx512) return detail::e4m3_encode_array_avx512(x, n, out);
+  for (int64_t i = 0; i < n; ++i) out[i] = e4m3_from_float(x[i]);
+}
+
+void dequantize(const qtensor& q, float* out) {
+  const int64_t K = q.op_cols();
+  const float* lut = e4m3_table();
+  for (int64_t r = 0; r < q.op_rows(); ++r)
+    for (int64_t k = 0; k < K; ++k) {
+      float v = lut[q.data[r * K + k]] * q.scale_at(r, k / kBlock);
+      if (q.layout == qlayout::colwise_1x128) out[k * q.cols + r] = v;
+      else out[r * q.cols + k] = v;
+    }
+}
+
+qtensor qtensor_transpose_blocks(const qtensor& w) {
+  if (w.layout != qlayout::block_128x128)
+    throw std::invalid_argument("tensor '" + w.name + "': transpose needs 128x128 blocks");
+  qtensor t = detail::qtensor_alloc(w.cols, w.rows, qlayout::block_128x128, w.mode, w.name + ".T");
+  for (int64_t r = 0; r < w.rows; ++r)
+    for (int64_t c = 0; c < w.cols; ++c) t.data[c * w.rows + r] = w.data[r * w.cols + c];
+  for (int64_t rb = 0; rb * kBlock < w.rows; ++rb)
+    for (int64_t cb = 0; cb * kBlock < w.cols; ++cb)
+      t.scale_inv[cb * t.scale_ld() + rb] = w.scale_inv[rb * w.scale_ld() + cb];
+  return t;
+}
+
+void qtensor_validate(const qtensor& q) {
+  auto fail = [&](const std::string& what) {
+    throw std::invalid_argument("tensor '" + q.name + "': " + what);
+  };
+  if (q.rows < 0 || q.cols < 0) fail("negative shape");
+  if (static_cast<int64_t>(q.data.size()) != q.rows * q.cols)
+    fail("holds " + std::to_string(q.data.size()) + " bytes, shape needs " +
+         std::to_string(q.rows * q.cols));
+  if (static_cast<int64_t>(q.scale_inv.size()) != q.scale_count())
+    fail("holds " + std::to_string(q.scale_inv.size()) + " scales, layout needs " +
+         std::to_string(q.scale_count()));
+  const int64_t rstep = q.layout == qlayout::block_128x128 ? kBlock : 1;
+  for (int64_t r = 0; r < q.op_rows(); r += rstep)
+    for (int64_t kb = 0; kb < q.k_blocks(); ++kb) {
+      float s = q.scale_at(r, kb);
+      if (!(s > 0.0f) || !std::isfinite(s))
+        fail("scale of block (" + std::to_string(r / rstep) + ", " + std::to_string(kb) +
+             ") is " + std::to_string(s) + " (missing or invalid)");
+    }
+  for (size_t i = 0; i < q.data.size(); ++i)
+    if ((q.data[i] & 0x7f) == 0x7f) fail("NaN code at byte " + std::to_string(i));
+}
+
+}  // namespace fp8rl::quant

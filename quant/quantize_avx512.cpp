@@ -1,0 +1,155 @@
+// quant/quantize_avx512.cpp -- AVX-512 blockwise quantizer, oneTBB across rows.
+// Bit-identical to quantize_scalar (tests/quant/quantize_test.cpp). Compiled with -mavx512*.
+#include <tbb/parallel_for.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstring>
+#include <mutex>
+
+#include "quant/fp8_avx512.hpp"
+#include "quant/quantize_impl.hpp"
+
+namespace fp8rl::quant::detail {
+namespace {
+
+inline __mmask16 tail_mask(int64_t n) {
+  return n >= 16 ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << n) - 1u);
+}
+
+// Lowest (block_row, block_col) holding non-finite values, found by parallel tasks.
+struct first_bad {
+  std::mutex mu;
+  bool any = false;
+  int64_t br = 0, bc = 0, count = 0;
+  void report(int64_t r, int64_t c, int64_t n) {
+    std::lock_guard<std::mutex> g(mu);
+    if (!any || r < br || (r == br && c < bc)) { any = true; br = r; bc = c; count = n; }
+  }
+};
+
+// amax over a [nr x nk] region with row stride ld; returns false if non-finite (count in *bad)
+inline bool region_amax(const float* x, int64_t ld, int64_t nr, int64_t nk, float* amax,
+                        int* bad) {
+  __m512 acc = _mm512_setzero_ps();
+  int n = 0;
+  for (int64_t r = 0; r < nr; ++r)
+    for (int64_t k = 0; k < nk; k += 16) {
+      __mmask16 m = tail_mask(nk - k);
+      acc = abs_max_acc(acc, _mm512_maskz_loadu_ps(m, x + r * ld + k), m, &n);
+    }
+  *amax = _mm512_reduce_max_ps(acc);
+  *bad = n;
+  return n == 0;
+}
+
+inline void encode_row(const float* x, int64_t nk, float scale, uint8_t* out) {
+  const __m512 s = _mm512_set1_ps(scale);
+  for (int64_t k = 0; k < nk; k += 16) {
+    __mmask16 m = tail_mask(nk - k);
+    __m512i c = e4m3_encode16(_mm512_mul_ps(_mm512_maskz_loadu_ps(m, x + k), s));
+    _mm512_mask_cvtepi32_storeu_epi8(out + k, m, c);
+  }
+}
+
+void quantize_rows(const float* x, qtensor& q, first_bad& fb) {
+  const int64_t R = q.rows, K = q.cols, ld = q.scale_ld();
+  tbb::parallel_for(tbb::blocked_range<int64_t>(0, R, 16), [&](const auto& rr) {
+    for (int64_t r = rr.begin(); r < rr.end(); ++r)
+      for (int64_t kb = 0; kb * kBlock < K; ++kb) {
+        const int64_t k0 = kb * kBlock, nk = std::min(kBlock, K - k0);
+        float amax;
+        int bad;
+        if (!region_amax(x + r * K + k0, K, 1, nk, &amax, &bad)) { fb.report(r, kb, bad); continue; }
+        block_scale s = scale_from_amax(amax, q.mode);
+        encode_row(x + r * K + k0, nk, s.scale, q.data.data() + r * K + k0);
+        q.scale_inv[kb * ld + r] = s.scale_inv;
+      }
+  });
+}
+
+void quantize_blocks(const float* x, qtensor& q, first_bad& fb) {
+  const int64_t R = q.rows, K = q.cols, ld = q.scale_ld();
+  const int64_t RB = (R + kBlock - 1) / kBlock, KB = q.k_blocks();
+  tbb::parallel_for(tbb::blocked_range<int64_t>(0, RB * KB), [&](const auto& br) {
+    for (int64_t b = br.begin(); b < br.end(); ++b) {
+      const int64_t rb = b / KB, kb = b % KB;
+      const int64_t r0 = rb * kBlock, k0 = kb * kBlock;
+      const int64_t nr = std::min(kBlock, R - r0), nk = std::min(kBlock, K - k0);
+      float amax;
+      int bad;
+      if (!region_amax(x + r0 * K + k0, K, nr, nk, &amax, &bad)) { fb.report(rb, kb, bad); continue; }
+      block_scale s = scale_from_amax(amax, q.mode);
+      for (int64_t r = r0; r < r0 + nr; ++r)
+        encode_row(x + r * K + k0, nk, s.scale, q.data.data() + r * K + k0);
+      q.scale_inv[rb * ld + kb] = s.scale_inv;
+    }
+  });
+}
+
+// Columnwise: operand row c = source column c, tiles of 128 source rows. 16 columns at once.
+void quantize_cols(const float* x, qtensor& q, first_bad& fb) {
+  const int64_t rows = q.rows, cols = q.cols, ld = q.scale_ld();
+  const int64_t CG = (cols + 15) / 16, TB = q.k_blocks();
+  tbb::parallel_for(tbb::blocked_range<int64_t>(0, CG * TB), [&](const auto& br) {
+    alignas(64) uint8_t tmp[kBlock][16];
+    alignas(64) float amax16[16];
+    alignas(64) int32_t bad16[16];
+    for (int64_t g = br.begin(); g < br.end(); ++g) {
+      const int64_t c0 = (g / TB) * 16, tb = g % TB;
+      const int64_t r0 = tb * kBlock, nr = std::min(kBlock, rows - r0);
+      const int64_t nc = std::min<int64_t>(16, cols - c0);
+      const __mmask16 m = tail_mask(nc);
+      __m512 acc = _mm512_setzero_ps();
+      __m512i nbad = _mm512_setzero_si512();
+      for (int64_t r = 0; r < nr; ++r) {
+        __m512i a = _mm512_and_si512(
+            _mm512_castps_si512(_mm512_maskz_loadu_ps(m, x + (r0 + r) * cols + c0)),
+            _mm512_set1_epi32(0x7fffffff));
+        __mmask16 b = _mm512_mask_cmpge_epu32_mask(m, a, _mm512_set1_epi32(0x7f800000));
+        nbad = _mm512_mask_add_epi32(nbad, b, nbad, _mm512_set1_epi32(1));
+        acc = _mm512_mask_max_ps(acc, m & static_cast<__mmask16>(~b), acc, _mm512_castsi512_ps(a));
+      }
+      _mm512_store_ps(amax16, acc);
+      _mm512_store_si512(bad16, nbad);
+      alignas(64) float sc[16];
+      bool ok = true;
+      for (int64_t j = 0; j < nc; ++j) {
+        if (bad16[j]) { fb.report(c0 + j, tb, bad16[j]); ok = false; continue; }
+        block_scale s = scale_from_amax(amax16[j], q.mode);
+        sc[j] = s.scale;
+        q.scale_inv[tb * ld + c0 + j] = s.scale_inv;
+      }
+      if (!ok) continue;
+      for (int64_t j = nc; j < 16; ++j) sc[j] = 1.0f;
+      const __m512 s = _mm512_load_ps(sc);
+      for (int64_t r = 0; r < nr; ++r) {
+        __m512i c = e4m3_encode16(_mm512_mul_ps(_mm512_maskz_loadu_ps(m, x + (r0 + r) * cols + c0), s));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(&tmp[r][0]), _mm512_cvtepi32_epi8(c));
+      }
+      for (int64_t j = 0; j < nc; ++j) {
+        uint8_t* dst = q.data.data() + (c0 + j) * rows + r0;
+        for (int64_t r = 0; r < nr; ++r) dst[r] = tmp[r][j];
+      }
+    }
+  });
+}
+
+}  // namespace
+
+void e4m3_encode_array_avx512(const float* x, int64_t n, uint8_t* out) { encode_row(x, n, 1.0f, out); }
+
+qtensor quantize_avx512(const float* x, int64_t rows, int64_t cols, qlayout layout,
+                        scale_mode mode, std::string name) {
+  qtensor q = qtensor_alloc(rows, cols, layout, mode, std::move(name));
+  first_bad fb;
+  switch (layout) {
+    case qlayout::rowwise_1x128: quantize_rows(x, q, fb); break;
+    case qlayout::block_128x128: quantize_blocks(x, q, fb); break;
+    case qlayout::colwise_1x128: quantize_cols(x, q, fb); break;
+  }
+  if (fb.any) throw_nonfinite(q.name, layout, fb.br, fb.bc, fb.count);
+  return q;
+}
+
+}  // namespace fp8rl::quant::detail

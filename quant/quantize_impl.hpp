@@ -1,0 +1,19 @@
+// quant/quantize_impl.hpp -- internal: shared helpers of the quantizer implementations.
+#pragma once
+#include <string>
+
+#include "quant/qtensor.hpp"
+
+namespace fp8rl::quant::detail {
+
+[[noreturn]] void throw_nonfinite(const std::string& name, qlayout layout, int64_t br,
+                                  int64_t bc, int64_t count);
+qtensor qtensor_alloc(int64_t rows, int64_t cols, qlayout layout, scale_mode mode,
+                      std::string name);
+qtensor quantize_scalar(const float* x, int64_t rows, int64_t cols, qlayout layout,
+                        scale_mode mode, std::string name);
+void e4m3_encode_array_avx512(const float* x, int64_t n, uint8_t* out);
+qtensor quantize_avx512(const float* x, int64_t rows, int64_t cols, qlayout layout,
+                        scale_mode mode, std::string name);
+
+}  // namespace fp8rl::quant::detail

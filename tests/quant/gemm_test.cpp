@@ -1,0 +1,218 @@
+// tests/quant/gemm_test.cpp -- CPU GEMMs: every fast path equals its scalar reference bit for
+// bit (random and ragged shapes, every ISA level, thread counts), each path against FP64 with a
+// named tolerance, and exact-integer FP8 inputs give exact results (fp8-numerics.md §6).
+#include <gtest/gtest.h>
+#include <tbb/task_arena.h>
+
+#include <cfloat>
+#include <cmath>
+
+#include "quant/fp8.hpp"
+#include "quant/gemm.hpp"
+#include "tests/test_util.hpp"
+#include "tests/tolerances.hpp"
+
+using namespace fp8rl::quant;
+using fp8rl::test::first_diff;
+using fp8rl::test::randn;
+
+namespace {
+const cpu_isa kIsas[] = {cpu_isa::portable, cpu_isa::avx512_bf16};
+const int64_t kShapes[][3] = {{1, 32, 128}, {1, 4096 / 8, 1024}, {3, 33, 129}, {8, 64, 256}, {9, 70, 300},
+                              {17, 100, 127}, {64, 96, 384}, {130, 257, 250}, {5, 31, 1}};
+
+bool have(cpu_isa isa) { return cpu_isa_detected() >= isa; }
+
+std::vector<uint16_t> to_bf16(const std::vector<float>& x) {
+  std::vector<uint16_t> b(x.size());
+  for (size_t i = 0; i < x.size(); ++i) b[i] = bf16_from_float(x[i]);
+  return b;
+}
+
+// C = A·B^T in FP64 from float operands
+std::vector<double> gemm_f64(const std::vector<float>& A, const std::vector<float>& B, int64_t M,
+                             int64_t N, int64_t K) {
+  std::vector<double> C(M * N);
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t n = 0; n < N; ++n) {
+      double s = 0;
+      for (int64_t k = 0; k < K; ++k) s += double(A[m * K + k]) * B[n * K + k];
+      C[m * N + n] = s;
+    }
+  return C;
+}
+}  // namespace
+
+TEST(Gemm, F32FastEqualsReference) {
+  uint64_t seed = 100;
+  for (auto& s : kShapes) {
+    const gemm_desc d{s[0], s[1], s[2]};
+    auto A = randn(d.M * d.K, seed++), B = randn(d.N * d.K, seed++);
+    std::vector<float> ref(d.M * d.N), fast(d.M * d.N, -1.0f);
+    gemm_f32_ref(d, A.data(), B.data(), ref.data());
+    auto pb = gemm_pack_f32(B.data(), d.N, d.K);
+    for (cpu_isa isa : kIsas) {
+      if (!have(isa)) continue;
+      gemm_f32(d, A.data(), pb, fast.data(), {isa});
+      ASSERT_EQ(first_diff(fast, ref), -1) << d.str() << " isa " << cpu_isa_name(isa);
+    }
+    EXPECT_LT(fp8rl::tol::calc_diff(fp8rl::test::to_double(ref), gemm_f64(A, B, d.M, d.N, d.K)),
+              fp8rl::tol::kGemmF32VsF64Diff) << d.str();
+  }
+}
+
+TEST(Gemm, Bf16FastEqualsReference) {
+  uint64_t seed = 200;
+  for (auto& s : kShapes) {
+    const gemm_desc d{s[0], s[1], s[2]};
+    auto Af = randn(d.M * d.K, seed++), Bf = randn(d.N * d.K, seed++);
+    auto A = to_bf16(Af), B = to_bf16(Bf);
+    std::vector<float> ref(d.M * d.N), fast(d.M * d.N, -1.0f);
+    gemm_bf16_ref(d, A.data(), B.data(), ref.data());
+    auto pb = gemm_pack_bf16(B.data(), d.N, d.K);
+    for (cpu_isa isa : kIsas) {
+      if (!have(isa)) continue;
+      gemm_bf16(d, A.data(), pb, fast.data(), {isa});
+      ASSERT_EQ(first_diff(fast, ref), -1) << d.str() << " isa " << cpu_isa_name(isa);
+    }
+    // same BF16 inputs in FP64: only FP32 accumulation error remains
+    std::vector<float> Ar(A.size()), Br(B.size());
+    for (size_t i = 0; i < A.size(); ++i) Ar[i] = bf16_to_float(A[i]);
+    for (size_t i = 0; i < B.size(); ++i) Br[i] = bf16_to_float(B[i]);
+    EXPECT_LT(fp8rl::tol::calc_diff(fp8rl::test::to_double(ref), gemm_f64(Ar, Br, d.M, d.N, d.K)),
+              fp8rl::tol::kGemmBf16VsF64Diff);
+    EXPECT_LT(fp8rl::tol::calc_diff(fp8rl::test::to_double(ref), gemm_f64(Af, Bf, d.M, d.N, d.K)),
+              fp8rl::tol::kGemmBf16VsF32DataDiff);
+  }
+}
+
+// VDPBF16PS treats denormal inputs as zero and flushes denormal results; the reference models it.
+TEST(Gemm, Bf16DenormalsFollowTheDazFtzModel) {
+  const gemm_desc d{2, 32, 4};
+  std::vector<float> Af = {1e-39f, 1.0f, 1e-20f, 1e-20f, 2.0f, -1e-39f, 3.0f, 1e-19f};
+  std::vector<float> Bf(32 * 4);
+  for (int n = 0; n < 32; ++n) {
+    Bf[n * 4 + 0] = 1.0f; Bf[n * 4 + 1] = 1e-30f * float(n + 1); Bf[n * 4 + 2] = 1e-20f; Bf[n * 4 + 3] = -1e-20f;
+  }
+  auto A = to_bf16(Af), B = to_bf16(Bf);
+  std::vector<float> ref(64), fast(64);
+  gemm_bf16_ref(d, A.data(), B.data(), ref.data());
+  auto pb = gemm_pack_bf16(B.data(), d.N, d.K);
+  for (cpu_isa isa : kIsas) {
+    if (!have(isa)) continue;
+    gemm_bf16(d, A.data(), pb, fast.data(), {isa});
+    EXPECT_EQ(first_diff(fast, ref), -1) << cpu_isa_name(isa);
+  }
+}
+
+TEST(Gemm, Fp8FastEqualsReference) {
+  uint64_t seed = 300;
+  for (scale_mode mode : {scale_mode::pow2, scale_mode::fp32})
+    for (qlayout bl : {qlayout::block_128x128, qlayout::rowwise_1x128})
+      for (auto& s : kShapes) {
+        const int64_t M = s[0], N = s[1], K = s[2];
+        auto Af = randn(M * K, seed++, 2.0f), Bf = randn(N * K, seed++, 0.5f);
+        qtensor A = quantize(Af.data(), M, K, qlayout::rowwise_1x128, mode, "A");
+        qtensor B = quantize(Bf.data(), N, K, bl, mode, "B");
+        std::vector<float> ref(M * N), fast(M * N, -1.0f);
+        gemm_fp8_ref(A, B, ref.data());
+        auto pb = gemm_pack_fp8(B);
+        for (cpu_isa isa : kIsas) {
+          if (!have(isa)) continue;
+          for (int64_t stream_max : {int64_t{0}, int64_t{1} << 20}) {  // both B forms
+            gemm_fp8(A, pb, fast.data(), {isa, stream_max});
+            ASSERT_EQ(first_diff(fast, ref), -1)
+                << "M=" << M << " N=" << N << " K=" << K << " isa " << cpu_isa_name(isa)
+                << " stream " << (stream_max > 0) << " mode " << int(mode) << " B layout " << int(bl);
+          }
+        }
+      }
+}
+
+// Against FP64 on the original data. Outlier-free normal data, as DeepGEMM's bound assumes
+// (outlier blocks push small values toward E4M3 subnormals, which the bound does not cover).
+TEST(Gemm, Fp8CloseToFp64OnNormalData) {
+  uint64_t seed = 400;
+  for (auto& s : kShapes) {
+    const int64_t M = s[0], N = s[1], K = s[2];
+    if (M * N < 256) continue;  // too few outputs for a normwise statistic
+    auto Af = randn(M * K, seed++, 1.0f, 0.0f), Bf = randn(N * K, seed++, 1.0f, 0.0f);
+    qtensor A = quantize(Af.data(), M, K, qlayout::rowwise_1x128, scale_mode::pow2, "A");
+    qtensor B = quantize(Bf.data(), N, K, qlayout::block_128x128, scale_mode::pow2, "B");
+    std::vector<float> C(M * N);
+    gemm_fp8(A, gemm_pack_fp8(B), C.data());
+    EXPECT_LT(fp8rl::tol::calc_diff(fp8rl::test::to_double(C), gemm_f64(Af, Bf, M, N, K)),
+              fp8rl::tol::kGemmFp8VsF64Diff) << M << "x" << N << "x" << K;
+  }
+}
+
+TEST(Gemm, Fp8WgradOperandsColumnwise) {
+  // dW[out,in] = dY^T · X: A = dY columnwise (operand [out][T]), B = X columnwise ([in][T])
+  const int64_t T = 300, out = 96, in = 160;
+  auto dY = randn(T * out, 1), X = randn(T * in, 2);
+  qtensor A = quantize(dY.data(), T, out, qlayout::colwise_1x128, scale_mode::pow2, "dY");
+  qtensor B = quantize(X.data(), T, in, qlayout::colwise_1x128, scale_mode::pow2, "X");
+  std::vector<float> ref(out * in), fast(out * in);
+  gemm_fp8_ref(A, B, ref.data());
+  gemm_fp8(A, gemm_pack_fp8(B), fast.data());
+  EXPECT_EQ(first_diff(fast, ref), -1);
+  std::vector<double> want(out * in, 0.0);
+  for (int64_t o = 0; o < out; ++o)
+    for (int64_t i = 0; i < in; ++i)
+      for (int64_t t = 0; t < T; ++t) want[o * in + i] += double(dY[t * out + o]) * X[t * in + i];
+  EXPECT_LT(fp8rl::tol::calc_diff(fp8rl::test::to_double(ref), want), fp8rl::tol::kGemmFp8VsF64Diff);
+}
+
+// Integer E4M3 inputs in [-8, 8] with pow2 scales: every block sum is an integer < 2^14, exact in
+// FP32 in any order, so the result equals the exact (int64) value times the scales.
+TEST(Gemm, Fp8ExactIntegerInputsGiveExactResults) {
+  const int64_t M = 37, N = 70, K = 512;
+  std::mt19937 g(4);
+  std::vector<float> Af(M * K), Bf(N * K);
+  for (auto& v : Af) v = float(int(g() % 17) - 8);
+  for (auto& v : Bf) v = float(int(g() % 17) - 8);
+  Af[0] = 8.0f; Bf[0] = 8.0f;  // make sure amax = 8 in the first block
+  // pow2 with amax 8 -> scale_inv 2^-5: values become integers * 32 <= 256 (exact in E4M3)
+  qtensor A = quantize(Af.data(), M, K, qlayout::rowwise_1x128, scale_mode::pow2, "A");
+  qtensor B = quantize(Bf.data(), N, K, qlayout::block_128x128, scale_mode::pow2, "B");
+  std::vector<float> fast(M * N);
+  gemm_fp8(A, gemm_pack_fp8(B), fast.data());
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t n = 0; n < N; ++n) {
+      int64_t exact = 0;
+      for (int64_t k = 0; k < K; ++k) exact += int64_t(Af[m * K + k]) * int64_t(Bf[n * K + k]);
+      ASSERT_EQ(double(fast[m * N + n]), double(exact)) << m << "," << n;
+    }
+}
+
+TEST(Gemm, ResultsDoNotDependOnThreadCountOrBatch) {
+  const int64_t M = 64, N = 200, K = 640;
+  auto Af = randn(M * K, 8), Bf = randn(N * K, 9);
+  qtensor A = quantize(Af.data(), M, K, qlayout::rowwise_1x128, scale_mode::pow2, "A");
+  auto pb = gemm_pack_fp8(quantize(Bf.data(), N, K, qlayout::block_128x128, scale_mode::pow2, "B"));
+  std::vector<float> c1(M * N), c2(M * N);
+  tbb::task_arena(1).execute([&] { gemm_fp8(A, pb, c1.data()); });
+  tbb::task_arena(2).execute([&] { gemm_fp8(A, pb, c2.data()); });
+  EXPECT_EQ(first_diff(c1, c2), -1);
+  // one row at a time (decode) equals the batched rows (prefill/training)
+  for (int64_t m = 0; m < M; m += 13) {
+    qtensor row = quantize(Af.data() + m * K, 1, K, qlayout::rowwise_1x128, scale_mode::pow2, "row");
+    std::vector<float> c(N);
+    gemm_fp8(row, pb, c.data());
+    for (int64_t n = 0; n < N; ++n) ASSERT_EQ(float_bits(c[n]), float_bits(c1[m * N + n])) << m;
+  }
+}
+
+TEST(Gemm, BadOperandsAreErrors) {
+  auto x = randn(128 * 256, 1);
+  qtensor A = quantize(x.data(), 128, 256, qlayout::block_128x128, scale_mode::pow2, "A2d");
+  qtensor B = quantize(x.data(), 256, 128, qlayout::block_128x128, scale_mode::pow2, "Bk");
+  std::vector<float> C(128 * 256);
+  EXPECT_THROW(gemm_fp8_ref(A, A, C.data()), std::invalid_argument);  // 2Dx2D
+  qtensor Ar = quantize(x.data(), 128, 256, qlayout::rowwise_1x128, scale_mode::pow2, "A");
+  EXPECT_THROW(gemm_fp8(Ar, gemm_pack_fp8(B), C.data()), std::invalid_argument);  // K mismatch
+  qtensor Af = quantize(x.data(), 128, 256, qlayout::rowwise_1x128, scale_mode::fp32, "Afp32");
+  qtensor Bw = quantize(x.data(), 128, 256, qlayout::block_128x128, scale_mode::pow2, "W");
+  EXPECT_THROW(gemm_fp8(Af, gemm_pack_fp8(Bw), C.data()), std::invalid_argument);  // modes differ
+  EXPECT_THROW(gemm_desc({-1, 2, 3}).check(), std::invalid_argument);
+}

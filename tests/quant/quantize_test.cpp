@@ -1,0 +1,202 @@
+// tests/quant/quantize_test.cpp -- blockwise quantization: fast == reference bytes and scales,
+// round-trip error bounds per mode, the pow2 formula, zero blocks, ragged shapes, NaN/Inf.
+#include <gtest/gtest.h>
+
+#include <cfloat>
+#include <cmath>
+#include <limits>
+
+#include "quant/cpu_isa.hpp"
+#include "quant/fp8.hpp"
+#include "quant/qtensor.hpp"
+#include "tests/test_util.hpp"
+#include "tests/tolerances.hpp"
+
+using namespace fp8rl::quant;
+
+namespace {
+const qlayout kLayouts[] = {qlayout::rowwise_1x128, qlayout::colwise_1x128, qlayout::block_128x128};
+const scale_mode kModes[] = {scale_mode::pow2, scale_mode::fp32};
+
+void expect_same(const qtensor& a, const qtensor& b, const char* what) {
+  ASSERT_EQ(a.data.size(), b.data.size()) << what;
+  ASSERT_EQ(a.scale_inv.size(), b.scale_inv.size()) << what;
+  for (size_t i = 0; i < a.data.size(); ++i) ASSERT_EQ(a.data[i], b.data[i]) << what << " byte " << i;
+  for (size_t i = 0; i < a.scale_inv.size(); ++i)
+    ASSERT_EQ(float_bits(a.scale_inv[i]), float_bits(b.scale_inv[i])) << what << " scale " << i;
+}
+}  // namespace
+
+TEST(Quantize, FastEqualsReferenceOnRaggedShapes) {
+  const int64_t shapes[][2] = {{1, 1}, {3, 127}, {5, 128}, {7, 129}, {128, 128}, {130, 300}, {257, 255}, {64, 1000}};
+  uint64_t seed = 1;
+  for (auto& s : shapes)
+    for (qlayout l : kLayouts)
+      for (scale_mode m : kModes) {
+        auto x = fp8rl::test::randn(size_t(s[0] * s[1]), seed++, 3.0f);
+        qtensor ref = quantize_ref(x.data(), s[0], s[1], l, m, "x");
+        qtensor fast = quantize(x.data(), s[0], s[1], l, m, "x");
+        expect_same(fast, ref, "fast vs ref");
+      }
+}
+
+TEST(Quantize, PortablePathEqualsReference) {
+  auto x = fp8rl::test::randn(200 * 300, 7, 2.0f);
+  cpu_isa_set_limit(cpu_isa::portable);
+  qtensor a = quantize(x.data(), 200, 300, qlayout::block_128x128, scale_mode::pow2, "x");
+  cpu_isa_set_limit(cpu_isa::avx512_bf16);
+  expect_same(a, quantize_ref(x.data(), 200, 300, qlayout::block_128x128, scale_mode::pow2, "x"), "portable");
+}
+
+TEST(Quantize, RoundTripErrorBoundsPerMode) {
+  for (qlayout l : kLayouts)
+    for (scale_mode m : kModes) {
+      auto x = fp8rl::test::randn(300 * 260, 11, 0.05f, 0.02f, 100.0f);
+      qtensor q = quantize(x.data(), 300, 260, l, m, "x");
+      std::vector<float> y(x.size());
+      dequantize(q, y.data());
+      for (int64_t r = 0; r < 300; ++r)
+        for (int64_t c = 0; c < 260; ++c) {
+          // operand coordinates of source element (r, c)
+          const int64_t orow = l == qlayout::colwise_1x128 ? c : r;
+          const int64_t ocol = l == qlayout::colwise_1x128 ? r : c;
+          const double sinv = q.scale_at(orow, ocol / kBlock);
+          const double xv = x[r * 260 + c], err = std::fabs(y[r * 260 + c] - xv);
+          // normal E4M3 range: half an ulp of 3 mantissa bits; subnormal range: half a step
+          const double bound = std::max(fp8rl::tol::kE4M3RelHalfUlp * std::fabs(xv),
+                                        fp8rl::tol::kE4M3SubnormalHalfStep * sinv);
+          ASSERT_LE(err, bound) << "layout " << int(l) << " mode " << int(m) << " at " << r << "," << c;
+        }
+    }
+}
+
+TEST(Quantize, Pow2ExponentMatchesDirectDefinition) {
+  std::mt19937 g(3);
+  for (int i = 0; i < 200000; ++i) {
+    // amax over the normal range where neither DeepGEMM nor TE clamps
+    const uint32_t u = (g() % (254u - 1u) + 1u) << 23 | (g() & 0x7fffffu);
+    const float amax = float_from_bits(u);
+    const int e = pow2_exponent(amax);
+    const double ratio = double(amax) / 448.0;
+    const int direct = static_cast<int>(std::ceil(std::log2(ratio)));  // DeepGEMM ceil_to_ue8m0
+    if (direct < -126) { EXPECT_EQ(e, -126); continue; }
+    ASSERT_EQ(e, direct) << "amax " << amax;
+    const double q = double(amax) / std::ldexp(1.0, e);
+    ASSERT_GT(q, 224.0);
+    ASSERT_LE(q, 448.0);
+  }
+  EXPECT_EQ(pow2_exponent(448.0f), 0);
+  EXPECT_EQ(pow2_exponent(std::nextafter(448.0f, 1e9f)), 1);
+  EXPECT_EQ(pow2_exponent(224.0f), -1);
+  EXPECT_EQ(pow2_exponent(float_from_bits(1)), -126);  // subnormal amax -> UE8M0 code 1
+}
+
+TEST(Quantize, Fp32ModeIsTransformerEngineFormula) {
+  for (float amax : {1.0f, 3.0f, 448.0f, 1e-30f, 7.77e5f}) {
+    block_scale s = scale_from_amax(amax, scale_mode::fp32);
+    float want = 448.0f / amax;
+    if (std::isinf(want)) want = FLT_MAX;
+    EXPECT_EQ(float_bits(s.scale), float_bits(want));
+    EXPECT_EQ(float_bits(s.scale_inv), float_bits(1.0f / want));
+  }
+  block_scale tiny = scale_from_amax(float_from_bits(1), scale_mode::fp32);  // 448/denormal = inf
+  EXPECT_EQ(tiny.scale, FLT_MAX);
+}
+
+TEST(Quantize, ZeroBlocksGetUnitScaleAndZeroBytes) {
+  for (qlayout l : kLayouts)
+    for (scale_mode m : kModes) {
+      std::vector<float> x(130 * 140, 0.0f);
+      x[5] = -0.0f;
+      qtensor q = quantize(x.data(), 130, 140, l, m, "zeros");
+      for (size_t i = 0; i < q.data.size(); ++i) EXPECT_TRUE(q.data[i] == 0x00 || q.data[i] == 0x80);
+      const int64_t rstep = l == qlayout::block_128x128 ? kBlock : 1;
+      for (int64_t r = 0; r < q.op_rows(); r += rstep)
+        for (int64_t kb = 0; kb < q.k_blocks(); ++kb) EXPECT_EQ(q.scale_at(r, kb), 1.0f);
+      if (l != qlayout::colwise_1x128) { EXPECT_EQ(q.data[5], 0x80); }  // -0 keeps its sign
+    }
+}
+
+TEST(Quantize, PartialBlockAmaxUsesValidElementsOnly) {
+  // one 128x128 block over a 3x5 matrix: amax = 7 -> pow2 e = (2-127... ) scale_inv 2^-6
+  std::vector<float> x(15, 1.0f);
+  x[7] = 7.0f;
+  qtensor q = quantize(x.data(), 3, 5, qlayout::block_128x128, scale_mode::pow2, "tiny");
+  EXPECT_EQ(q.scale_inv[0], std::ldexp(1.0f, pow2_exponent(7.0f)));
+  EXPECT_EQ(q.scale_ld(), 4);            // roundup(ceil(5/128), 4)
+  EXPECT_EQ(q.scale_count(), 4);
+  qtensor r = quantize(x.data(), 3, 5, qlayout::rowwise_1x128, scale_mode::pow2, "tiny");
+  EXPECT_EQ(r.scale_ld(), 4);            // VEC128: [ceil(K/128)][roundup(R,4)]
+  EXPECT_EQ(r.scale_inv[1], std::ldexp(1.0f, pow2_exponent(7.0f)));  // row 1 holds x[7]
+  EXPECT_EQ(r.scale_inv[3], 0.0f);       // padding entry
+}
+
+TEST(Quantize, ColumnwiseEqualsRowwiseOfTranspose) {
+  const int64_t R = 300, C = 200;
+  auto x = fp8rl::test::randn(R * C, 5);
+  std::vector<float> xt(R * C);
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t c = 0; c < C; ++c) xt[c * R + r] = x[r * C + c];
+  qtensor col = quantize(x.data(), R, C, qlayout::colwise_1x128, scale_mode::pow2, "x");
+  qtensor row = quantize(xt.data(), C, R, qlayout::rowwise_1x128, scale_mode::pow2, "xt");
+  EXPECT_EQ(col.data, row.data);
+  EXPECT_EQ(col.scale_inv, row.scale_inv);
+}
+
+TEST(Quantize, TransposeBlocksIsExact) {
+  const int64_t R = 260, C = 130;
+  auto w = fp8rl::test::randn(R * C, 9);
+  qtensor q = quantize(w.data(), R, C, qlayout::block_128x128, scale_mode::fp32, "w");
+  qtensor t = qtensor_transpose_blocks(q);
+  std::vector<float> a(R * C), b(R * C);
+  dequantize(q, a.data());
+  dequantize(t, b.data());
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t c = 0; c < C; ++c) ASSERT_EQ(a[r * C + c], b[c * R + r]);
+}
+
+TEST(Quantize, NonFiniteIsAnErrorNamingTensorAndBlock) {
+  const float bad[] = {std::numeric_limits<float>::quiet_NaN(), std::numeric_limits<float>::infinity(),
+                       -std::numeric_limits<float>::infinity()};
+  for (float v : bad)
+    for (qlayout l : kLayouts) {
+      std::vector<float> x(300 * 400, 1.0f);
+      x[200 * 400 + 300] = v;  // row 200, col 300
+      x[200 * 400 + 301] = v;
+      x[290 * 400 + 10] = v;   // a later block
+      for (int path = 0; path < 2; ++path) {
+        try {
+          if (path) quantize(x.data(), 300, 400, l, scale_mode::pow2, "layer3.up");
+          else quantize_ref(x.data(), 300, 400, l, scale_mode::pow2, "layer3.up");
+          FAIL() << "no error";
+        } catch (const nonfinite_error& e) {
+          EXPECT_EQ(e.tensor, "layer3.up");
+          EXPECT_NE(std::string(e.what()).find("layer3.up"), std::string::npos);
+          if (l == qlayout::block_128x128) {
+            EXPECT_EQ(e.block_row, 1); EXPECT_EQ(e.block_col, 2); EXPECT_EQ(e.count, 2);
+          } else if (l == qlayout::rowwise_1x128) {
+            EXPECT_EQ(e.block_row, 200); EXPECT_EQ(e.block_col, 2); EXPECT_EQ(e.count, 2);
+          } else {  // operand row = column 10 sorts first
+            EXPECT_EQ(e.block_row, 10); EXPECT_EQ(e.block_col, 2); EXPECT_EQ(e.count, 1);
+          }
+        }
+      }
+    }
+}
+
+TEST(Quantize, ValidateRejectsMissingScaleAndNaNCodes) {
+  auto x = fp8rl::test::randn(130 * 130, 2);
+  qtensor q = quantize(x.data(), 130, 130, qlayout::block_128x128, scale_mode::pow2, "w");
+  EXPECT_NO_THROW(qtensor_validate(q));
+  qtensor missing = q;
+  missing.scale_inv[1] = 0.0f;
+  EXPECT_THROW(qtensor_validate(missing), std::invalid_argument);
+  qtensor nan = q;
+  nan.data[17] = 0xFF;
+  try { qtensor_validate(nan); FAIL(); } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("byte 17"), std::string::npos);
+  }
+  qtensor short_data = q;
+  short_data.data.pop_back();
+  EXPECT_THROW(qtensor_validate(short_data), std::invalid_argument);
+}

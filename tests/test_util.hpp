@@ -1,0 +1,34 @@
+// tests/test_util.hpp -- seeded random data and small helpers shared by the test suites.
+#pragma once
+#include <cstdint>
+#include <cstring>
+#include <random>
+#include <vector>
+
+namespace fp8rl::test {
+
+// Normal(0, sigma) values with a few outliers (x outlier_mul) so blocks have varied amax.
+inline std::vector<float> randn(size_t n, uint64_t seed, float sigma = 1.0f,
+                                float outlier_frac = 0.01f, float outlier_mul = 30.0f) {
+  std::mt19937_64 g(seed);
+  std::normal_distribution<float> nd(0.0f, sigma);
+  std::uniform_real_distribution<float> u(0.0f, 1.0f);
+  std::vector<float> v(n);
+  for (auto& x : v) x = nd(g) * (u(g) < outlier_frac ? outlier_mul : 1.0f);
+  return v;
+}
+
+inline bool same_bits(const std::vector<float>& a, const std::vector<float>& b) {
+  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * 4) == 0;
+}
+
+// Index of the first element whose bits differ, or -1.
+inline int64_t first_diff(const std::vector<float>& a, const std::vector<float>& b) {
+  for (size_t i = 0; i < a.size() && i < b.size(); ++i)
+    if (std::memcmp(&a[i], &b[i], 4)) return static_cast<int64_t>(i);
+  return a.size() == b.size() ? -1 : static_cast<int64_t>(std::min(a.size(), b.size()));
+}
+
+inline std::vector<double> to_double(const std::vector<float>& v) { return {v.begin(), v.end()}; }
+
+}  // namespace fp8rl::test

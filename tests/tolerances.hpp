@@ -1,0 +1,51 @@
+// tests/tolerances.hpp -- every numeric tolerance of the test suite, named, with its reason.
+// Bit-exact stages compare bytes (EXPECT_EQ on bits / memcmp); everything here is for stages
+// that round differently by design. Tie each bound to a format (style.md practice 3).
+#pragma once
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+namespace fp8rl::tol {
+
+// E4M3 has 3 mantissa bits: RNE error <= 2^-4 relative to the element for normals.
+inline constexpr double kE4M3RelHalfUlp = 1.0 / 16.0;
+// E4M3 subnormal spacing is 2^-9 of the scale; half a spacing is the absolute error bound.
+inline constexpr double kE4M3SubnormalHalfStep = 1.0 / 1024.0;
+// BF16 has 8 significant bits: RNE relative error <= 2^-8.
+inline constexpr double kBF16RelHalfUlp = 1.0 / 256.0;
+// FP32 GEMM vs FP64, normwise (calc_diff, which squares relative error): FP32 sums of K random-
+// sign terms err ~sqrt(K)*2^-24 relative, i.e. calc_diff ~ K*2^-48 << 1e-9 for K <= 4096.
+inline constexpr double kGemmF32VsF64Diff = 1e-9;
+// BF16-input GEMM vs FP64 on the *same* BF16 inputs: products are exact, only FP32
+// accumulation error remains, as above.
+inline constexpr double kGemmBf16VsF64Diff = 1e-9;
+// FP8 GEMM vs FP64 on the original (normal, outlier-free) data: each operand's E4M3 rounding
+// has mean-square relative error 2^-8/3 * E[1/(1+f)^2] ~ 6.5e-4 (f: mantissa fraction), so two
+// operands give calc_diff ~ 6.5e-4; DeepGEMM's FP8 bound (deep_gemm/testing/numeric.py) 0.001.
+inline constexpr double kGemmFp8VsF64Diff = 1e-3;
+// BF16 GEMM vs FP64 on the original FP32 data: two BF16 roundings (relative <= 2^-8 each,
+// mean square ~2^-16/3 each) give calc_diff ~ 2^-16/3 ~ 5e-6; 1e-4 leaves room for outliers.
+inline constexpr double kGemmBf16VsF32DataDiff = 1e-4;
+
+// DeepGEMM's normwise, scale-invariant difference: 1 - 2Σxy / Σ(x²+y²).
+inline double calc_diff(const std::vector<double>& x, const std::vector<double>& y) {
+  double xy = 0, xx = 0;
+  for (size_t i = 0; i < x.size(); ++i) {
+    xy += x[i] * y[i];
+    xx += x[i] * x[i] + y[i] * y[i];
+  }
+  return xx == 0 ? 0.0 : 1.0 - 2.0 * xy / xx;
+}
+
+// Relative normwise error ||x - y|| / ||y||.
+inline double rel_norm_err(const std::vector<double>& x, const std::vector<double>& y) {
+  double d = 0, n = 0;
+  for (size_t i = 0; i < x.size(); ++i) {
+    d += (x[i] - y[i]) * (x[i] - y[i]);
+    n += y[i] * y[i];
+  }
+  return n == 0 ? std::sqrt(d) : std::sqrt(d / n);
+}
+
+}  // namespace fp8rl::tol
