@@ -1,4 +1,5 @@
-// quant/gemm.cpp -- GEMM dispatch: checks operands, prepares A, picks the kernel.
+// quant/gemm.cpp -- GEMM dispatch: checks operands, prepares A, picks the kernel and form.
+// Every choice made here changes speed only, never a bit of the result.
 #include <tbb/parallel_for.h>
 
 #include <stdexcept>
@@ -8,6 +9,9 @@
 
 namespace fp8rl::quant {
 namespace {
+
+using detail::gemm_a_operand;
+using detail::gemm_model;
 
 cpu_isa effective_isa(const gemm_config& cfg) {
   cpu_isa a = cpu_isa_active();
@@ -23,32 +27,50 @@ void check_packed(const gemm_desc& d, const gemm_packed_b& B, gemm_dtype want, c
                                 ", " + std::to_string(B.K) + "], problem is " + d.str());
 }
 
+// Narrow (VDPBF16PS) kernels for small M or when only the narrow form exists.
+bool use_narrow(const gemm_packed_b& B, bool has_narrow, int64_t M, cpu_isa isa, const gemm_config& cfg) {
+  if (isa < cpu_isa::avx512_bf16 || !has_narrow) return false;
+  return M <= cfg.stream_max_m || B.wide.empty();
+}
+
+void run_wide(gemm_model model, const gemm_a_operand& A, const gemm_packed_b& B, float* C, cpu_isa isa) {
+  if (B.wide.empty())
+    throw std::logic_error("gemm: B '" + B.name + "' has no FP32 form and this CPU path needs it");
+  if (isa >= cpu_isa::avx512) detail::gemm_wide_avx512(model, A, B, C);
+  else detail::gemm_wide_portable(model, A, B, C);
+}
+
 }  // namespace
 
 void gemm_f32(const gemm_desc& d, const float* A, const gemm_packed_b& B, float* C,
               const gemm_config& cfg) {
   check_packed(d, B, gemm_dtype::f32, "gemm_f32");
   if (d.M == 0 || d.N == 0) return;
-  if (effective_isa(cfg) >= cpu_isa::avx512) detail::gemm_f32_avx512(d, A, B, C);
-  else detail::gemm_f32_portable(d, A, B, C);
+  run_wide(gemm_model::seq, {d.M, d.K, A, nullptr, nullptr}, B, C, effective_isa(cfg));
 }
 
 void gemm_bf16(const gemm_desc& d, const uint16_t* A, const gemm_packed_b& B, float* C,
                const gemm_config& cfg) {
   check_packed(d, B, gemm_dtype::bf16, "gemm_bf16");
   if (d.M == 0 || d.N == 0) return;
-  avector<uint16_t> padded;
-  const uint16_t* a = A;
-  int64_t lda = d.K;
-  if (d.K % 2) {  // odd K: zero-pad A to the packed pair count
-    lda = B.Kp;
-    padded.assign(static_cast<size_t>(d.M * lda), 0);
-    for (int64_t m = 0; m < d.M; ++m)
-      for (int64_t k = 0; k < d.K; ++k) padded[m * lda + k] = A[m * d.K + k];
-    a = padded.data();
+  const cpu_isa isa = effective_isa(cfg);
+  const int64_t lda = B.Kp;
+  if (use_narrow(B, !B.bf16.empty(), d.M, isa, cfg)) {
+    avector<uint16_t> padded;
+    const uint16_t* a = A;
+    if (d.K != lda) {  // odd K: zero-pad to the packed pair count
+      padded.assign(static_cast<size_t>(d.M * lda), 0);
+      for (int64_t m = 0; m < d.M; ++m) std::copy(A + m * d.K, A + (m + 1) * d.K, padded.data() + m * lda);
+      a = padded.data();
+    }
+    detail::gemm_narrow_avx512(gemm_model::pairs, {d.M, lda, nullptr, a, nullptr}, B, C);
+    return;
   }
-  if (effective_isa(cfg) >= cpu_isa::avx512_bf16) detail::gemm_bf16_avx512(d.M, a, lda, B, C);
-  else detail::gemm_bf16_portable(d.M, a, lda, B, C);
+  avector<float> af(static_cast<size_t>(d.M * lda), 0.0f);
+  tbb::parallel_for(int64_t{0}, d.M, [&](int64_t m) {
+    for (int64_t k = 0; k < d.K; ++k) af[m * lda + k] = bf16_to_float(A[m * d.K + k]);
+  });
+  run_wide(gemm_model::pairs, {d.M, lda, af.data(), nullptr, nullptr}, B, C, isa);
 }
 
 void gemm_fp8(const qtensor& A, const gemm_packed_b& B, float* C, const gemm_config& cfg) {
@@ -61,27 +83,22 @@ void gemm_fp8(const qtensor& A, const gemm_packed_b& B, float* C, const gemm_con
     throw std::invalid_argument("gemm_fp8: scale modes differ between '" + A.name + "' and '" + B.name + "'");
   if (d.M == 0 || d.N == 0) return;
   const cpu_isa isa = effective_isa(cfg);
-  detail::fp8_a_operand a;
-  a.M = d.M;
-  a.Kp = B.Kp;
-  a.KB = B.Kp / kBlock;
-  a.bf16.assign(static_cast<size_t>(a.M * a.Kp), 0);
-  a.scale_inv.assign(static_cast<size_t>(a.M * a.KB), 0.0f);
-  tbb::parallel_for(int64_t{0}, a.M, [&](int64_t m) {
+  const int64_t lda = B.Kp, KB = B.Kp / kBlock;
+  const bool narrow = use_narrow(B, !B.fp8.empty(), d.M, isa, cfg);
+  avector<float> sa(static_cast<size_t>(d.M * KB), 0.0f);
+  avector<uint16_t> ab;
+  avector<float> af;
+  if (narrow) ab.assign(static_cast<size_t>(d.M * lda), 0);
+  else af.assign(static_cast<size_t>(d.M * lda), 0.0f);
+  const float* lut = e4m3_table();
+  tbb::parallel_for(int64_t{0}, d.M, [&](int64_t m) {
     const uint8_t* src = A.data.data() + m * d.K;
-    uint16_t* dst = a.bf16.data() + m * a.Kp;
-    if (isa >= cpu_isa::avx512_bf16) {
-      detail::e4m3_to_bf16_avx512(src, d.K, dst);
-    } else {
-      const float* lut = e4m3_table();
-      for (int64_t k = 0; k < d.K; ++k) dst[k] = bf16_from_float(lut[src[k]]);
-    }
-    for (int64_t kb = 0; kb < a.KB; ++kb) a.scale_inv[m * a.KB + kb] = A.scale_at(m, kb);
+    if (narrow) detail::e4m3_to_bf16_avx512(src, d.K, ab.data() + m * lda);
+    else for (int64_t k = 0; k < d.K; ++k) af[m * lda + k] = lut[src[k]];
+    for (int64_t kb = 0; kb < KB; ++kb) sa[m * KB + kb] = A.scale_at(m, kb);
   });
-  if (isa >= cpu_isa::avx512_bf16)
-    detail::gemm_fp8_avx512(a, B, C, d.M <= cfg.fp8_stream_max_m);
-  else
-    detail::gemm_fp8_portable(a, B, C);
+  if (narrow) detail::gemm_narrow_avx512(gemm_model::fp8, {d.M, lda, nullptr, ab.data(), sa.data()}, B, C);
+  else run_wide(gemm_model::fp8, {d.M, lda, af.data(), nullptr, sa.data()}, B, C, isa);
 }
 
 }  // namespace fp8rl::quant

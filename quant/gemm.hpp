@@ -30,7 +30,16 @@ struct gemm_desc {  // the problem
 
 struct gemm_config {  // tuning only; never changes a result
   cpu_isa max_isa = cpu_isa::avx512_bf16;  // further limited by cpu_isa_active()
-  int64_t fp8_stream_max_m = 16;  // M <= this: decode FP8 weight bytes in registers (GEMV)
+  int64_t stream_max_m = 16;  // M <= this: stream the narrow form (GEMV/decode: bytes matter)
+};
+
+// Which packed forms of B to build. Every kernel gives the same bits; forms trade memory for
+// speed: `wide` (FP32 values) feeds FMA kernels (compute-bound, large M), `narrow` (BF16 pairs
+// or FP8 codes, decoded in registers for VDPBF16PS) feeds small-M kernels (bandwidth-bound).
+// Whatever is asked, packing adds the form the active CPU needs.
+struct gemm_pack_forms {
+  bool wide = true;
+  bool narrow = true;
 };
 
 enum class gemm_dtype : uint8_t { f32, bf16, fp8 };
@@ -42,18 +51,19 @@ struct gemm_packed_b {
   scale_mode mode = scale_mode::pow2;  // fp8 only
   std::string name;
   int64_t N = 0, K = 0, Kp = 0;   // Kp: K zero-padded (f32: K, bf16: even, fp8: 128-multiple)
-  avector<float> f32;             // f32: [NP][K][32]
-  avector<uint16_t> bf16;         // bf16/fp8: [NP][Kp/2][32][2] (fp8: decoded, unscaled)
-  avector<uint8_t> fp8;           // fp8: [NP][Kp/2][64] codes in decoder order
+  avector<float> wide;            // [NP][Kp][32] values as FP32 (bf16/fp8: exact, unscaled)
+  avector<uint16_t> bf16;         // bf16 narrow: [NP][Kp/2][32][2]
+  avector<uint8_t> fp8;           // fp8 narrow: [NP][Kp/2][64] codes in decoder order
   avector<float> scale_inv;       // fp8: [NP][Kp/128][32]
   int64_t panels() const { return (N + 31) / 32; }
   int64_t bytes() const;
 };
 
 gemm_packed_b gemm_pack_f32(const float* B, int64_t N, int64_t K, std::string name = "B");
-gemm_packed_b gemm_pack_bf16(const uint16_t* B, int64_t N, int64_t K, std::string name = "B");
+gemm_packed_b gemm_pack_bf16(const uint16_t* B, int64_t N, int64_t K, std::string name = "B",
+                             gemm_pack_forms forms = {});
 // B: any layout (block_128x128 weights, or 1x128 tiles as operand rows, e.g. wgrad's X^T).
-gemm_packed_b gemm_pack_fp8(const qtensor& B);
+gemm_packed_b gemm_pack_fp8(const qtensor& B, gemm_pack_forms forms = {});
 
 // References (the definition of each result).
 void gemm_f32_ref(const gemm_desc& d, const float* A, const float* B, float* C);

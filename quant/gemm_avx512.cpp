@@ -1,10 +1,13 @@
-// quant/gemm_avx512.cpp -- AVX-512 / AVX512_BF16 GEMM kernels (register-tiled, oneTBB).
+// quant/gemm_avx512.cpp -- AVX-512 GEMM kernels (register-tiled, oneTBB over tiles).
 // Compiled with -mavx512f -mavx512bw -mavx512vl -mavx512dq -mavx512bf16 -mavx512vbmi.
 //
-// Micro-tile: MR rows of A x one 32-column panel of B (two zmm). Each output element keeps
-// one accumulator and sees K in increasing order, exactly as the *_ref models: a VDPBF16PS
-// lane computes acc = fma(a[2i+1]·b[2i+1], acc) then fma(a[2i]·b[2i]) (SDM pseudocode; verified
-// against the model by tests/quant/gemm_test.cpp on the machine that runs the suite).
+// Micro-tile: MR rows of A x one 32-column panel of B (two zmm accumulators per row). Each
+// output element keeps one accumulator and sees K in the order of its model (quant/gemm.hpp):
+//  * wide kernels: VFMADD231PS on FP32 values; BF16/FP8 values are exact in FP32 and the pair
+//    model is two fmas, odd element first (BF16 adds MXCSR DAZ|FTZ, which is VDPBF16PS's rule).
+//  * narrow kernels: VDPBF16PS on BF16 pairs (the SDM accumulates element 2i+1, then 2i, each
+//    rounded), with B read as BF16 or as FP8 codes decoded in registers.
+// Both give the same bits (tests/quant/gemm_test.cpp checks every kernel against *_ref).
 #include <immintrin.h>
 #include <tbb/blocked_range2d.h>
 #include <tbb/parallel_for.h>
@@ -23,12 +26,6 @@ constexpr int64_t kMTB = 16;   // micro-tiles per L2 block of A (128 rows)
 
 inline __mmask16 col_mask(int64_t n) {
   return n >= 16 ? static_cast<__mmask16>(0xffff) : n <= 0 ? 0 : static_cast<__mmask16>((1u << n) - 1u);
-}
-
-inline __m512bh bcast_pair(const uint16_t* p) {
-  int32_t v;
-  std::memcpy(&v, p, 4);
-  return (__m512bh)_mm512_set1_epi32(v);
 }
 
 // E4M3 -> BF16 in registers: two 128-entry byte tables (high and low byte of the BF16 value
@@ -62,180 +59,207 @@ const e4m3_bf16_tables& tables() {
   return t;
 }
 
-// acc[r] += A[r, 2*i0 : 2*i1] · panel pairs [i0, i1)   (BF16 panel in memory)
-template <int MR>
-inline void dot_bf16(const uint16_t* A, int64_t lda, const uint16_t* P, int64_t i0, int64_t i1,
-                     __m512 (&acc)[MR][2]) {
-  for (int64_t i = i0; i < i1; ++i) {
-    const __m512bh b0 = (__m512bh)_mm512_load_si512(P + i * 64);
-    const __m512bh b1 = (__m512bh)_mm512_load_si512(P + i * 64 + 32);
-    for (int r = 0; r < MR; ++r) {
-      const __m512bh a = bcast_pair(A + r * lda + 2 * i);
-      acc[r][0] = _mm512_dpbf16_ps(acc[r][0], a, b0);
-      acc[r][1] = _mm512_dpbf16_ps(acc[r][1], a, b1);
-    }
+// Accumulators of a micro-tile: MR rows x PN panels x 2 zmm (32 columns per panel). Small MR
+// takes several panels at once so enough independent FMA/VDPBF16PS chains are in flight
+// (each output element still has exactly one chain, in its model's order).
+template <int MR, int PN>
+struct tile_acc {
+  __m512 v[MR][2 * PN];
+  void zero() {
+    for (int r = 0; r < MR; ++r)
+      for (int j = 0; j < 2 * PN; ++j) v[r][j] = _mm512_setzero_ps();
   }
-}
+};
 
-// Same, with the panel held as FP8 codes decoded in registers (GEMV / decode path).
-template <int MR>
-inline void dot_fp8_stream(const uint16_t* A, int64_t lda, const uint8_t* P, int64_t i0,
-                           int64_t i1, const e4m3_bf16_tables& t, __m512 (&acc)[MR][2]) {
-  for (int64_t i = i0; i < i1; ++i) {
-    __m512i w0, w1;
-    t.decode(_mm512_load_si512(P + i * 64), &w0, &w1);
-    const __m512bh b0 = (__m512bh)w0, b1 = (__m512bh)w1;
-    for (int r = 0; r < MR; ++r) {
-      const __m512bh a = bcast_pair(A + r * lda + 2 * i);
-      acc[r][0] = _mm512_dpbf16_ps(acc[r][0], a, b0);
-      acc[r][1] = _mm512_dpbf16_ps(acc[r][1], a, b1);
-    }
+// ---- wide: FP32 FMA on panels P[p] ([Kp][32] floats), element k ----
+template <int MR, int PN>
+inline void fma_step(const float* A, int64_t lda, const float* const (&P)[PN], int64_t k,
+                     tile_acc<MR, PN>& acc) {
+  __m512 b[2 * PN];
+  for (int p = 0; p < PN; ++p) {
+    b[2 * p] = _mm512_load_ps(P[p] + k * 32);
+    b[2 * p + 1] = _mm512_load_ps(P[p] + k * 32 + 16);
   }
-}
-
-template <int MR>
-inline void zero(__m512 (&acc)[MR][2]) {
-  for (int r = 0; r < MR; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
-}
-
-template <int MR>
-inline void store_tile(const __m512 (&acc)[MR][2], float* C, int64_t ldc, int64_t ncols) {
-  const __mmask16 m0 = col_mask(ncols), m1 = col_mask(ncols - 16);
   for (int r = 0; r < MR; ++r) {
-    _mm512_mask_storeu_ps(C + r * ldc, m0, acc[r][0]);
-    _mm512_mask_storeu_ps(C + r * ldc + 16, m1, acc[r][1]);
+    const __m512 a = _mm512_set1_ps(A[r * lda + k]);
+    for (int j = 0; j < 2 * PN; ++j) acc.v[r][j] = _mm512_fmadd_ps(a, b[j], acc.v[r][j]);
   }
 }
 
-// ---- f32: out = fma(a[k], b[k], out), k increasing ----
-template <int MR>
-void tile_f32(const float* A, int64_t K, const float* P, float* C, int64_t ldc, int64_t ncols) {
-  __m512 acc[MR][2];
-  zero(acc);
-  for (int64_t k = 0; k < K; ++k) {
-    const __m512 b0 = _mm512_load_ps(P + k * 32), b1 = _mm512_load_ps(P + k * 32 + 16);
-    for (int r = 0; r < MR; ++r) {
-      const __m512 a = _mm512_set1_ps(A[r * K + k]);
-      acc[r][0] = _mm512_fmadd_ps(a, b0, acc[r][0]);
-      acc[r][1] = _mm512_fmadd_ps(a, b1, acc[r][1]);
+template <int MR, int PN, bool kPairs>
+inline void dot_wide(const float* A, int64_t lda, const float* const (&P)[PN], int64_t k0, int64_t k1,
+                     tile_acc<MR, PN>& acc) {
+  if constexpr (kPairs) {
+    for (int64_t k = k0; k < k1; k += 2) {  // odd element first
+      fma_step<MR, PN>(A, lda, P, k + 1, acc);
+      fma_step<MR, PN>(A, lda, P, k, acc);
     }
+  } else {
+    for (int64_t k = k0; k < k1; ++k) fma_step<MR, PN>(A, lda, P, k, acc);
   }
-  store_tile(acc, C, ldc, ncols);
 }
 
-// ---- bf16: one accumulator over all pairs ----
-template <int MR>
-void tile_bf16(const uint16_t* A, int64_t lda, const uint16_t* P, int64_t KH, float* C,
-               int64_t ldc, int64_t ncols) {
-  __m512 acc[MR][2];
-  zero(acc);
-  dot_bf16<MR>(A, lda, P, 0, KH, acc);
-  store_tile(acc, C, ldc, ncols);
+// ---- narrow: VDPBF16PS on BF16 pairs i of panels P[p] (BF16 pairs or FP8 codes) ----
+inline __m512bh bcast_pair(const uint16_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return (__m512bh)_mm512_set1_epi32(v);
 }
 
-// ---- fp8: per 128-K block acc, then out = fma(sa*sb, acc, out) ----
-template <int MR, bool kStream>
-void tile_fp8(const uint16_t* A, int64_t lda, const float* sa, int64_t KB, const void* P,
-              const float* sb, float* C, int64_t ldc, int64_t ncols) {
-  alignas(64) float out[MR][32];
-  for (int r = 0; r < MR; ++r)
-    for (int j = 0; j < 32; ++j) out[r][j] = 0.0f;
+template <int MR, int PN, bool kFp8>
+inline void dot_narrow(const uint16_t* A, int64_t lda, const void* const (&P)[PN], int64_t i0,
+                       int64_t i1, tile_acc<MR, PN>& acc) {
   const e4m3_bf16_tables& t = tables();
-  for (int64_t kb = 0; kb < KB; ++kb) {
-    __m512 acc[MR][2];
-    zero(acc);
-    if constexpr (kStream)
-      dot_fp8_stream<MR>(A, lda, static_cast<const uint8_t*>(P), kb * 64, kb * 64 + 64, t, acc);
-    else
-      dot_bf16<MR>(A, lda, static_cast<const uint16_t*>(P), kb * 64, kb * 64 + 64, acc);
-    const __m512 s0 = _mm512_load_ps(sb + kb * 32), s1 = _mm512_load_ps(sb + kb * 32 + 16);
-    for (int r = 0; r < MR; ++r) {
-      const __m512 a = _mm512_set1_ps(sa[r * KB + kb]);
-      // scale product rounded first, then one fused multiply-add (§5.2)
-      _mm512_store_ps(out[r], _mm512_fmadd_ps(_mm512_mul_ps(a, s0), acc[r][0], _mm512_load_ps(out[r])));
-      _mm512_store_ps(out[r] + 16, _mm512_fmadd_ps(_mm512_mul_ps(a, s1), acc[r][1], _mm512_load_ps(out[r] + 16)));
+  for (int64_t i = i0; i < i1; ++i) {
+    __m512bh b[2 * PN];
+    for (int p = 0; p < PN; ++p) {
+      if constexpr (kFp8) {
+        __m512i w0, w1;
+        t.decode(_mm512_load_si512(static_cast<const uint8_t*>(P[p]) + i * 64), &w0, &w1);
+        b[2 * p] = (__m512bh)w0;
+        b[2 * p + 1] = (__m512bh)w1;
+      } else {
+        const uint16_t* q = static_cast<const uint16_t*>(P[p]) + i * 64;
+        b[2 * p] = (__m512bh)_mm512_load_si512(q);
+        b[2 * p + 1] = (__m512bh)_mm512_load_si512(q + 32);
+      }
     }
-  }
-  const __mmask16 m0 = col_mask(ncols), m1 = col_mask(ncols - 16);
-  for (int r = 0; r < MR; ++r) {
-    _mm512_mask_storeu_ps(C + r * ldc, m0, _mm512_load_ps(out[r]));
-    _mm512_mask_storeu_ps(C + r * ldc + 16, m1, _mm512_load_ps(out[r] + 16));
+    for (int r = 0; r < MR; ++r) {
+      const __m512bh a = bcast_pair(A + r * lda + 2 * i);
+      for (int j = 0; j < 2 * PN; ++j) acc.v[r][j] = _mm512_dpbf16_ps(acc.v[r][j], a, b[j]);
+    }
   }
 }
 
-// Runs tile(MR, row0, panel) over the (M x panels) grid: blocks of kMTB micro-tiles keep A in
-// L2 while panels stream; tails use smaller MR instantiations.
-template <class TileFn>
-void for_each_tile(int64_t M, int64_t NP, TileFn&& tile) {
-  const int64_t MT = (M + kMR - 1) / kMR;
-  tbb::parallel_for(tbb::blocked_range2d<int64_t>(0, MT, 4, 0, NP, 4), [&](const auto& rg) {
+// ---- tile driver: MR rows x PN panels starting at panel pn ----
+template <int MR, int PN, bool kWide>
+void tile(gemm_model model, const gemm_a_operand& A, int64_t m0, const gemm_packed_b& B,
+          int64_t pn, float* C) {
+  const int64_t N = B.N, Kp = B.Kp, lda = A.lda, KB = Kp / kBlock;
+  tile_acc<MR, PN> acc;
+  const float* pw[PN];
+  const void* pnw[PN];
+  for (int p = 0; p < PN; ++p) {
+    const int64_t off = (pn + p) * Kp * 32;
+    pw[p] = kWide ? B.wide.data() + off : nullptr;
+    pnw[p] = kWide ? nullptr
+             : model == gemm_model::fp8 ? static_cast<const void*>(B.fp8.data() + off)
+                                        : static_cast<const void*>(B.bf16.data() + off);
+  }
+  auto dot = [&](int64_t k0, int64_t k1) {
+    if constexpr (kWide) {
+      if (model == gemm_model::seq) dot_wide<MR, PN, false>(A.f32 + m0 * lda, lda, pw, k0, k1, acc);
+      else dot_wide<MR, PN, true>(A.f32 + m0 * lda, lda, pw, k0, k1, acc);
+    } else {
+      if (model == gemm_model::fp8) dot_narrow<MR, PN, true>(A.bf16 + m0 * lda, lda, pnw, k0 / 2, k1 / 2, acc);
+      else dot_narrow<MR, PN, false>(A.bf16 + m0 * lda, lda, pnw, k0 / 2, k1 / 2, acc);
+    }
+  };
+  alignas(64) float out[MR][32 * PN];
+  if (model != gemm_model::fp8) {
+    acc.zero();
+    dot(0, Kp);
+    for (int r = 0; r < MR; ++r)
+      for (int j = 0; j < 2 * PN; ++j) _mm512_store_ps(out[r] + 16 * j, acc.v[r][j]);
+  } else {
+    for (int r = 0; r < MR; ++r)
+      for (int j = 0; j < 32 * PN; ++j) out[r][j] = 0.0f;
+    for (int64_t kb = 0; kb < KB; ++kb) {
+      acc.zero();
+      dot(kb * kBlock, (kb + 1) * kBlock);
+      // out = fma(sa * sb, acc, out): scale product rounded first (§5.2)
+      for (int p = 0; p < PN; ++p) {
+        const float* sb = B.scale_inv.data() + ((pn + p) * KB + kb) * 32;
+        const __m512 s0 = _mm512_load_ps(sb), s1 = _mm512_load_ps(sb + 16);
+        for (int r = 0; r < MR; ++r) {
+          const __m512 a = _mm512_set1_ps(A.scale_inv[(m0 + r) * KB + kb]);
+          float* o = out[r] + 32 * p;
+          _mm512_store_ps(o, _mm512_fmadd_ps(_mm512_mul_ps(a, s0), acc.v[r][2 * p], _mm512_load_ps(o)));
+          _mm512_store_ps(o + 16, _mm512_fmadd_ps(_mm512_mul_ps(a, s1), acc.v[r][2 * p + 1], _mm512_load_ps(o + 16)));
+        }
+      }
+    }
+  }
+  for (int p = 0; p < PN; ++p) {
+    const int64_t ncols = N - (pn + p) * 32;
+    const __mmask16 m0m = col_mask(ncols), m1m = col_mask(ncols - 16);
+    for (int r = 0; r < MR; ++r) {
+      float* c = C + (m0 + r) * N + (pn + p) * 32;
+      _mm512_mask_storeu_ps(c, m0m, _mm512_load_ps(out[r] + 32 * p));
+      _mm512_mask_storeu_ps(c + 16, m1m, _mm512_load_ps(out[r] + 32 * p + 16));
+    }
+  }
+}
+
+// Row count -> (MR, PN) instantiation: full tiles 8x1; short tiles take 2 or 4 panels.
+template <bool kWide>
+void tile_dispatch(int rows, int npan, gemm_model model, const gemm_a_operand& A, int64_t m0,
+                   const gemm_packed_b& B, int64_t pn, float* C) {
+  if (npan >= 4 && rows <= 2) {
+    if (rows == 2) tile<2, 4, kWide>(model, A, m0, B, pn, C);
+    else tile<1, 4, kWide>(model, A, m0, B, pn, C);
+    return;
+  }
+  if (npan >= 2 && rows <= 4) {
+    switch (rows) {
+      case 4: tile<4, 2, kWide>(model, A, m0, B, pn, C); break;
+      case 3: tile<3, 2, kWide>(model, A, m0, B, pn, C); break;
+      case 2: tile<2, 2, kWide>(model, A, m0, B, pn, C); break;
+      default: tile<1, 2, kWide>(model, A, m0, B, pn, C); break;
+    }
+    return;
+  }
+  switch (rows) {
+    case 8: tile<8, 1, kWide>(model, A, m0, B, pn, C); break;
+    case 7: tile<7, 1, kWide>(model, A, m0, B, pn, C); break;
+    case 6: tile<6, 1, kWide>(model, A, m0, B, pn, C); break;
+    case 5: tile<5, 1, kWide>(model, A, m0, B, pn, C); break;
+    case 4: tile<4, 1, kWide>(model, A, m0, B, pn, C); break;
+    case 3: tile<3, 1, kWide>(model, A, m0, B, pn, C); break;
+    case 2: tile<2, 1, kWide>(model, A, m0, B, pn, C); break;
+    default: tile<1, 1, kWide>(model, A, m0, B, pn, C); break;
+  }
+}
+
+// Runs every (row tile, panel group): blocks of kMTB micro-tiles keep A in L2 while panels
+// stream. Panels are grouped by 4 so short tiles can use several at once.
+template <bool kWide>
+void run_tiles(gemm_model model, const gemm_a_operand& A, const gemm_packed_b& B, float* C) {
+  const int64_t MT = (A.M + kMR - 1) / kMR, NP = B.panels(), NG = (NP + 3) / 4;
+  tbb::parallel_for(tbb::blocked_range2d<int64_t>(0, MT, 4, 0, NG, 1), [&](const auto& rg) {
+    // BF16 on FMA units follows VDPBF16PS's denormal rule: DAZ|FTZ for this task.
+    const unsigned csr = _mm_getcsr();
+    if (kWide && model == gemm_model::pairs) _mm_setcsr(csr | 0x8040u);
     for (int64_t mt0 = rg.rows().begin(); mt0 < rg.rows().end(); mt0 += kMTB) {
       const int64_t mt1 = std::min(rg.rows().end(), mt0 + kMTB);
-      for (int64_t pn = rg.cols().begin(); pn < rg.cols().end(); ++pn)
+      for (int64_t g = rg.cols().begin(); g < rg.cols().end(); ++g)
         for (int64_t mt = mt0; mt < mt1; ++mt) {
           const int64_t m0 = mt * kMR;
-          tile(static_cast<int>(std::min<int64_t>(kMR, M - m0)), m0, pn);
+          const int rows = static_cast<int>(std::min<int64_t>(kMR, A.M - m0));
+          for (int64_t pn = g * 4; pn < std::min(NP, g * 4 + 4);) {
+            const int npan = static_cast<int>(std::min<int64_t>(4, NP - pn));
+            tile_dispatch<kWide>(rows, npan, model, A, m0, B, pn, C);
+            pn += (npan >= 4 && rows <= 2) ? 4 : (npan >= 2 && rows <= 4) ? 2 : 1;
+          }
         }
     }
+    _mm_setcsr(csr);
   });
-}
-
-// Calls f.template operator()<MR>() for MR = rows (1..kMR).
-template <class F>
-inline void with_mr(int rows, F&& f) {
-  switch (rows) {
-    case 8: f.template operator()<8>(); break;
-    case 7: f.template operator()<7>(); break;
-    case 6: f.template operator()<6>(); break;
-    case 5: f.template operator()<5>(); break;
-    case 4: f.template operator()<4>(); break;
-    case 3: f.template operator()<3>(); break;
-    case 2: f.template operator()<2>(); break;
-    default: f.template operator()<1>(); break;
-  }
 }
 
 }  // namespace
 
-void gemm_f32_avx512(const gemm_desc& d, const float* A, const gemm_packed_b& B, float* C) {
-  const int64_t K = d.K;
-  for_each_tile(d.M, B.panels(), [&](int rows, int64_t m0, int64_t pn) {
-    with_mr(rows, [&]<int MR>() {
-      tile_f32<MR>(A + m0 * K, K, B.f32.data() + pn * K * 32, C + m0 * d.N + pn * 32, d.N,
-                   d.N - pn * 32);
-    });
-  });
+void gemm_wide_avx512(gemm_model model, const gemm_a_operand& A, const gemm_packed_b& B, float* C) {
+  run_tiles<true>(model, A, B, C);
 }
 
-void gemm_bf16_avx512(int64_t M, const uint16_t* A, int64_t lda, const gemm_packed_b& B, float* C) {
-  const int64_t KH = B.Kp / 2, N = B.N;
-  for_each_tile(M, B.panels(), [&](int rows, int64_t m0, int64_t pn) {
-    with_mr(rows, [&]<int MR>() {
-      tile_bf16<MR>(A + m0 * lda, lda, B.bf16.data() + pn * KH * 64, KH, C + m0 * N + pn * 32,
-                    N, N - pn * 32);
-    });
-  });
-}
-
-void gemm_fp8_avx512(const fp8_a_operand& A, const gemm_packed_b& B, float* C, bool stream) {
-  const int64_t KH = B.Kp / 2, KB = B.Kp / kBlock, N = B.N;
-  for_each_tile(A.M, B.panels(), [&](int rows, int64_t m0, int64_t pn) {
-    with_mr(rows, [&]<int MR>() {
-      const uint16_t* a = A.bf16.data() + m0 * A.Kp;
-      const float* sa = A.scale_inv.data() + m0 * KB;
-      const float* sb = B.scale_inv.data() + pn * KB * 32;
-      float* c = C + m0 * N + pn * 32;
-      if (stream)
-        tile_fp8<MR, true>(a, A.Kp, sa, KB, B.fp8.data() + pn * KH * 64, sb, c, N, N - pn * 32);
-      else
-        tile_fp8<MR, false>(a, A.Kp, sa, KB, B.bf16.data() + pn * KH * 64, sb, c, N, N - pn * 32);
-    });
-  });
+void gemm_narrow_avx512(gemm_model model, const gemm_a_operand& A, const gemm_packed_b& B, float* C) {
+  run_tiles<false>(model, A, B, C);
 }
 
 void e4m3_to_bf16_avx512(const uint8_t* src, int64_t n, uint16_t* dst) {
   const e4m3_bf16_tables& t = tables();
-  // natural order from the unpacked halves: 128-bit lanes (lo.L0, hi.L0, lo.L1, hi.L1), ...
+  // natural order from the unpacked halves: 128-bit lanes (w0.L0, w1.L0, w0.L1, w1.L1), ...
   const __m512i first = _mm512_set_epi64(11, 10, 3, 2, 9, 8, 1, 0);
   const __m512i second = _mm512_set_epi64(15, 14, 7, 6, 13, 12, 5, 4);
   int64_t i = 0;

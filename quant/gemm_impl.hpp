@@ -13,20 +13,22 @@ inline int fp8_stream_pos(int j, int h) {
   return 16 * (w / 8) + (j >= 16 ? 8 : 0) + (w % 8);
 }
 
-// A operand of the FP8 kernels: decoded (unscaled) codes [M][Kp] as BF16 and scales [M][KB].
-struct fp8_a_operand {
-  int64_t M = 0, Kp = 0, KB = 0;
-  avector<uint16_t> bf16;
-  avector<float> scale_inv;
+// The accumulation model of a kernel (quant/gemm.hpp): sequential FP32, BF16 pairs (odd element
+// first, DAZ/FTZ), or FP8 (pairs per 128-K block, then the scaled promotion).
+enum class gemm_model : uint8_t { seq, pairs, fp8 };
+
+// A operand prepared for a kernel: values zero-padded to lda = Kp, as FP32 (wide kernels) or
+// BF16 (narrow kernels); FP8 scales [M][KB].
+struct gemm_a_operand {
+  int64_t M = 0, lda = 0;
+  const float* f32 = nullptr;
+  const uint16_t* bf16 = nullptr;
+  const float* scale_inv = nullptr;
 };
 
-void gemm_f32_avx512(const gemm_desc& d, const float* A, const gemm_packed_b& B, float* C);
-void gemm_bf16_avx512(int64_t M, const uint16_t* A, int64_t lda, const gemm_packed_b& B, float* C);
-void gemm_fp8_avx512(const fp8_a_operand& A, const gemm_packed_b& B, float* C, bool stream);
+void gemm_wide_avx512(gemm_model model, const gemm_a_operand& A, const gemm_packed_b& B, float* C);
+void gemm_narrow_avx512(gemm_model model, const gemm_a_operand& A, const gemm_packed_b& B, float* C);
+void gemm_wide_portable(gemm_model model, const gemm_a_operand& A, const gemm_packed_b& B, float* C);
 void e4m3_to_bf16_avx512(const uint8_t* src, int64_t n, uint16_t* dst);
-
-void gemm_f32_portable(const gemm_desc& d, const float* A, const gemm_packed_b& B, float* C);
-void gemm_bf16_portable(int64_t M, const uint16_t* A, int64_t lda, const gemm_packed_b& B, float* C);
-void gemm_fp8_portable(const fp8_a_operand& A, const gemm_packed_b& B, float* C);
 
 }  // namespace fp8rl::quant::detail

@@ -59,6 +59,10 @@ qtensor quantize(const float* x, int64_t rows, int64_t cols, qlayout layout, sca
                  std::string name);
 qtensor quantize_ref(const float* x, int64_t rows, int64_t cols, qlayout layout,
                      scale_mode mode, std::string name);
+// Same as quantize, reusing out's buffers (steady-state activations: no allocation, no page
+// faults). out.name names the tensor in errors.
+void quantize_into(const float* x, int64_t rows, int64_t cols, qlayout layout, scale_mode mode,
+                   qtensor& out);
 
 // out [rows, cols] row-major (source orientation) = decode(q) * scale_inv.
 void dequantize(const qtensor& q, float* out);

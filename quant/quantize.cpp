@@ -43,17 +43,21 @@ namespace detail {
   throw nonfinite_error(name, br, bc, count, os.str());
 }
 
-qtensor qtensor_alloc(int64_t rows, int64_t cols, qlayout layout, scale_mode mode,
-                      std::string name) {
-  if (rows < 0 || cols < 0) throw std::invalid_argument("tensor '" + name + "': negative shape");
-  qtensor q;
-  q.name = std::move(name);
+void qtensor_reset(qtensor& q, int64_t rows, int64_t cols, qlayout layout, scale_mode mode) {
+  if (rows < 0 || cols < 0) throw std::invalid_argument("tensor '" + q.name + "': negative shape");
   q.rows = rows;
   q.cols = cols;
   q.layout = layout;
   q.mode = mode;
-  q.data.assign(static_cast<size_t>(rows * cols), 0);
+  q.data.resize(static_cast<size_t>(rows * cols));
   q.scale_inv.assign(static_cast<size_t>(q.scale_count()), 0.0f);
+}
+
+qtensor qtensor_alloc(int64_t rows, int64_t cols, qlayout layout, scale_mode mode,
+                      std::string name) {
+  qtensor q;
+  q.name = std::move(name);
+  qtensor_reset(q, rows, cols, layout, mode);
   return q;
 }
 
@@ -111,11 +115,18 @@ qtensor quantize_ref(const float* x, int64_t rows, int64_t cols, qlayout layout,
   return detail::quantize_scalar(x, rows, cols, layout, mode, std::move(name));
 }
 
+void quantize_into(const float* x, int64_t rows, int64_t cols, qlayout layout, scale_mode mode,
+                   qtensor& out) {
+  if (cpu_isa_active() >= cpu_isa::avx512) return detail::quantize_avx512(x, rows, cols, layout, mode, out);
+  out = detail::quantize_scalar(x, rows, cols, layout, mode, std::move(out.name));
+}
+
 qtensor quantize(const float* x, int64_t rows, int64_t cols, qlayout layout, scale_mode mode,
                  std::string name) {
-  if (cpu_isa_active() >= cpu_isa::avx512)
-    return detail::quantize_avx512(x, rows, cols, layout, mode, std::move(name));
-  return detail::quantize_scalar(x, rows, cols, layout, mode, std::move(name));
+  qtensor q;
+  q.name = std::move(name);
+  quantize_into(x, rows, cols, layout, mode, q);
+  return q;
 }
 
 void e4m3_encode_array(const float* x, int64_t n, uint8_t* out) {

@@ -139,9 +139,9 @@ void quantize_cols(const float* x, qtensor& q, first_bad& fb) {
 
 void e4m3_encode_array_avx512(const float* x, int64_t n, uint8_t* out) { encode_row(x, n, 1.0f, out); }
 
-qtensor quantize_avx512(const float* x, int64_t rows, int64_t cols, qlayout layout,
-                        scale_mode mode, std::string name) {
-  qtensor q = qtensor_alloc(rows, cols, layout, mode, std::move(name));
+void quantize_avx512(const float* x, int64_t rows, int64_t cols, qlayout layout,
+                     scale_mode mode, qtensor& q) {
+  qtensor_reset(q, rows, cols, layout, mode);
   first_bad fb;
   switch (layout) {
     case qlayout::rowwise_1x128: quantize_rows(x, q, fb); break;
@@ -149,7 +149,6 @@ qtensor quantize_avx512(const float* x, int64_t rows, int64_t cols, qlayout layo
     case qlayout::colwise_1x128: quantize_cols(x, q, fb); break;
   }
   if (fb.any) throw_nonfinite(q.name, layout, fb.br, fb.bc, fb.count);
-  return q;
 }
 
 }  // namespace fp8rl::quant::detail

@@ -10,10 +10,13 @@ namespace fp8rl::quant::detail {
                                   int64_t bc, int64_t count);
 qtensor qtensor_alloc(int64_t rows, int64_t cols, qlayout layout, scale_mode mode,
                       std::string name);
+// Shapes q for (rows, cols, layout, mode) reusing its capacity; bytes are left for the
+// quantizer to overwrite, scale padding is zeroed.
+void qtensor_reset(qtensor& q, int64_t rows, int64_t cols, qlayout layout, scale_mode mode);
 qtensor quantize_scalar(const float* x, int64_t rows, int64_t cols, qlayout layout,
                         scale_mode mode, std::string name);
 void e4m3_encode_array_avx512(const float* x, int64_t n, uint8_t* out);
-qtensor quantize_avx512(const float* x, int64_t rows, int64_t cols, qlayout layout,
-                        scale_mode mode, std::string name);
+void quantize_avx512(const float* x, int64_t rows, int64_t cols, qlayout layout,
+                     scale_mode mode, qtensor& q);
 
 }  // namespace fp8rl::quant::detail

@@ -17,7 +17,8 @@ using fp8rl::test::first_diff;
 using fp8rl::test::randn;
 
 namespace {
-const cpu_isa kIsas[] = {cpu_isa::portable, cpu_isa::avx512_bf16};
+const cpu_isa kIsas[] = {cpu_isa::portable, cpu_isa::avx512, cpu_isa::avx512_bf16};
+const int64_t kStreamMax[] = {0, int64_t{1} << 20};  // 0: wide FMA kernels; huge: narrow kernels
 const int64_t kShapes[][3] = {{1, 32, 128}, {1, 4096 / 8, 1024}, {3, 33, 129}, {8, 64, 256}, {9, 70, 300},
                               {17, 100, 127}, {64, 96, 384}, {130, 257, 250}, {5, 31, 1}};
 
@@ -70,11 +71,12 @@ TEST(Gemm, Bf16FastEqualsReference) {
     std::vector<float> ref(d.M * d.N), fast(d.M * d.N, -1.0f);
     gemm_bf16_ref(d, A.data(), B.data(), ref.data());
     auto pb = gemm_pack_bf16(B.data(), d.N, d.K);
-    for (cpu_isa isa : kIsas) {
-      if (!have(isa)) continue;
-      gemm_bf16(d, A.data(), pb, fast.data(), {isa});
-      ASSERT_EQ(first_diff(fast, ref), -1) << d.str() << " isa " << cpu_isa_name(isa);
-    }
+    for (cpu_isa isa : kIsas)
+      for (int64_t sm : kStreamMax) {
+        if (!have(isa)) continue;
+        gemm_bf16(d, A.data(), pb, fast.data(), {isa, sm});
+        ASSERT_EQ(first_diff(fast, ref), -1) << d.str() << " isa " << cpu_isa_name(isa) << " stream " << sm;
+      }
     // same BF16 inputs in FP64: only FP32 accumulation error remains
     std::vector<float> Ar(A.size()), Br(B.size());
     for (size_t i = 0; i < A.size(); ++i) Ar[i] = bf16_to_float(A[i]);
@@ -98,11 +100,12 @@ TEST(Gemm, Bf16DenormalsFollowTheDazFtzModel) {
   std::vector<float> ref(64), fast(64);
   gemm_bf16_ref(d, A.data(), B.data(), ref.data());
   auto pb = gemm_pack_bf16(B.data(), d.N, d.K);
-  for (cpu_isa isa : kIsas) {
-    if (!have(isa)) continue;
-    gemm_bf16(d, A.data(), pb, fast.data(), {isa});
-    EXPECT_EQ(first_diff(fast, ref), -1) << cpu_isa_name(isa);
-  }
+  for (cpu_isa isa : kIsas)
+    for (int64_t sm : kStreamMax) {
+      if (!have(isa)) continue;
+      gemm_bf16(d, A.data(), pb, fast.data(), {isa, sm});
+      EXPECT_EQ(first_diff(fast, ref), -1) << cpu_isa_name(isa) << " stream " << sm;
+    }
 }
 
 TEST(Gemm, Fp8FastEqualsReference) {
@@ -119,7 +122,7 @@ TEST(Gemm, Fp8FastEqualsReference) {
         auto pb = gemm_pack_fp8(B);
         for (cpu_isa isa : kIsas) {
           if (!have(isa)) continue;
-          for (int64_t stream_max : {int64_t{0}, int64_t{1} << 20}) {  // both B forms
+          for (int64_t stream_max : kStreamMax) {
             gemm_fp8(A, pb, fast.data(), {isa, stream_max});
             ASSERT_EQ(first_diff(fast, ref), -1)
                 << "M=" << M << " N=" << N << " K=" << K << " isa " << cpu_isa_name(isa)

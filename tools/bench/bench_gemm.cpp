@@ -1,0 +1,151 @@
+// tools/bench/bench_gemm.cpp -- build/bin/bench-gemm: our FP8/BF16/FP32 GEMMs vs OpenBLAS sgemm
+// and oneDNN bf16 (default ISA, plus a child run limited to AVX512_CORE_BF16, the instruction
+// our kernels use), side by side in one run, medians of repetitions. One JSON line per result:
+//   {"bench":"gemm","impl":...,"M":..,"N":..,"K":..,"threads":..,"median_s":..,"gflops":..,"runs":..}
+// Usage: bench-gemm [--json] [--quick] [--threads=1,2] [--reps=N] [--only=IMPL]
+#include <cblas.h>
+#include <tbb/parallel_for.h>
+#include <tbb/task_arena.h>
+
+#include <dnnl.hpp>
+#include <memory>
+#include <string>
+
+#include "quant/fp8.hpp"
+#include "quant/gemm.hpp"
+#include "tools/bench/bench_util.hpp"
+
+extern "C" void omp_set_num_threads(int);
+extern "C" void openblas_set_num_threads(int);
+
+namespace fp8rl::bench {
+double vdpbf16ps_peak_gflops(int threads);  // bench_peak_avx512.cpp
+}
+
+using namespace fp8rl;
+using namespace fp8rl::bench;
+using namespace fp8rl::quant;
+
+namespace {
+
+struct shape { int64_t M, N, K; };
+
+std::vector<float> rnd(size_t n, uint32_t seed) {
+  std::vector<float> v(n);
+  uint32_t s = seed * 2654435761u + 1;
+  for (auto& x : v) { s = s * 1664525u + 1013904223u; x = float(int32_t(s >> 8) % 2001 - 1000) / 1000.0f; }
+  return v;
+}
+
+struct onednn_bf16 {  // matmul with weights reordered once ("packed"), like our packed B
+  dnnl::engine eng{dnnl::engine::kind::cpu, 0};
+  dnnl::stream st{eng};
+  dnnl::memory a, b, c;
+  std::unique_ptr<dnnl::matmul> mm;
+  std::string isa;
+  onednn_bf16(const shape& s, const std::vector<uint16_t>& A, const std::vector<uint16_t>& B) {
+    using dt = dnnl::memory::data_type;
+    using tag = dnnl::memory::format_tag;
+    dnnl::memory::desc ad({s.M, s.K}, dt::bf16, tag::ab), bd({s.K, s.N}, dt::bf16, tag::any),
+        bplain({s.K, s.N}, dt::bf16, tag::ba), cd({s.M, s.N}, dt::f32, tag::ab);
+    dnnl::matmul::primitive_desc pd(dnnl::matmul::desc(ad, bd, cd), eng);
+    isa = pd.impl_info_str();
+    a = dnnl::memory(ad, eng, const_cast<uint16_t*>(A.data()));
+    dnnl::memory bp(bplain, eng, const_cast<uint16_t*>(B.data()));
+    b = dnnl::memory(pd.weights_desc(), eng);
+    dnnl::reorder(bp, b).execute(st, bp, b);
+    c = dnnl::memory(cd, eng);
+    mm = std::make_unique<dnnl::matmul>(pd);
+    st.wait();
+  }
+  void run() {
+    mm->execute(st, {{DNNL_ARG_SRC, a}, {DNNL_ARG_WEIGHTS, b}, {DNNL_ARG_DST, c}});
+    st.wait();
+  }
+};
+
+void emit(const bench_args& a, const std::string& impl, const shape& s, int t, double sec,
+          const std::string& note = "") {
+  std::vector<std::pair<std::string, std::string>> f = {
+      {"bench", jstr("gemm")}, {"impl", jstr(impl)}, {"M", jnum(double(s.M))}, {"N", jnum(double(s.N))},
+      {"K", jnum(double(s.K))}, {"threads", jnum(t)}, {"median_s", jnum(sec)},
+      {"gflops", jnum(2.0 * s.M * s.N * s.K / sec / 1e9)}, {"runs", jnum(a.reps)}};
+  if (!note.empty()) f.push_back({"note", jstr(note)});
+  bench_emit(a, f);
+}
+
+void run_shape(const bench_args& a, const shape& s, int t) {
+  auto Af = rnd(size_t(s.M * s.K), 1), Bf = rnd(size_t(s.N * s.K), 2);
+  std::vector<uint16_t> Ab(Af.size()), Bb(Bf.size());
+  for (size_t i = 0; i < Af.size(); ++i) Ab[i] = bf16_from_float(Af[i]);
+  for (size_t i = 0; i < Bf.size(); ++i) Bb[i] = bf16_from_float(Bf[i]);
+  std::vector<float> C(size_t(s.M * s.N));
+  const bool child = a.extra.count("onednn-isa") > 0;
+  tbb::task_arena arena(t);
+  if (!child) {
+    arena.execute([&] {
+      const gemm_desc d{s.M, s.N, s.K};
+      if (bench_selected(a, "fp8")) {
+        qtensor qa = quantize(Af.data(), s.M, s.K, qlayout::rowwise_1x128, scale_mode::pow2, "A");
+        auto pb = gemm_pack_fp8(quantize(Bf.data(), s.N, s.K, qlayout::block_128x128, scale_mode::pow2, "B"));
+        emit(a, "fp8", s, t, bench_median(a.reps, [&] { gemm_fp8(qa, pb, C.data()); }));
+        emit(a, "fp8+quantA", s, t, bench_median(a.reps, [&] {
+          qtensor q = quantize(Af.data(), s.M, s.K, qlayout::rowwise_1x128, scale_mode::pow2, "A");
+          gemm_fp8(q, pb, C.data());
+        }));
+      }
+      if (bench_selected(a, "bf16")) {
+        auto pb = gemm_pack_bf16(Bb.data(), s.N, s.K);
+        emit(a, "bf16", s, t, bench_median(a.reps, [&] { gemm_bf16(d, Ab.data(), pb, C.data()); }));
+      }
+      if (bench_selected(a, "f32")) {
+        auto pb = gemm_pack_f32(Bf.data(), s.N, s.K);
+        emit(a, "f32", s, t, bench_median(a.reps, [&] { gemm_f32(d, Af.data(), pb, C.data()); }));
+      }
+    });
+    if (bench_selected(a, "openblas_sgemm")) {
+      openblas_set_num_threads(t);
+      emit(a, "openblas_sgemm", s, t, bench_median(a.reps, [&] {
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, int(s.M), int(s.N), int(s.K), 1.0f, Af.data(),
+                    int(s.K), Bf.data(), int(s.K), 0.0f, C.data(), int(s.N));
+      }));
+    }
+  }
+  if (bench_selected(a, "onednn_bf16")) {
+    omp_set_num_threads(t);
+    onednn_bf16 o(s, Ab, Bb);
+    const std::string impl = child ? "onednn_bf16_" + a.extra.at("onednn-isa") : "onednn_bf16";
+    emit(a, impl, s, t, bench_median(a.reps, [&] { o.run(); }), o.isa);
+  }
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  bench_args a = bench_parse(argc, argv);
+  if (a.extra.count("onednn-isa")) {  // child: oneDNN limited to one ISA (must precede any use)
+    if (a.extra["onednn-isa"] != "avx512_core_bf16") { std::fprintf(stderr, "unsupported isa\n"); return 2; }
+    dnnl::set_max_cpu_isa(dnnl::cpu_isa::avx512_core_bf16);
+  }
+  std::vector<shape> shapes;
+  for (int64_t n : a.quick ? std::vector<int64_t>{1024, 2048} : std::vector<int64_t>{1024, 2048, 4096})
+    shapes.push_back({n, n, n});
+  for (int64_t m : {1, 8, 64, 512})
+    for (auto nk : {std::pair<int64_t, int64_t>{2048, 2048}, {5632, 2048}, {2048, 5632}})
+      shapes.push_back({m, nk.first, nk.second});
+  shapes.push_back({1, 4096, 4096});  // GEMV (decode, weights from memory)
+  if (!a.extra.count("onednn-isa") && bench_selected(a, "peak"))
+    for (int t : a.threads)
+      bench_emit(a, {{"bench", jstr("gemm")}, {"impl", jstr("vdpbf16ps_peak")}, {"threads", jnum(t)},
+                     {"gflops", jnum(vdpbf16ps_peak_gflops(t))}, {"runs", jnum(a.reps)}});
+  for (const auto& s : shapes)
+    for (int t : a.threads) run_shape(a, s, t);
+  // the oneDNN AVX512_CORE_BF16 baseline runs in a child process (set_max_cpu_isa is once per process)
+  if (!a.extra.count("onednn-isa") && bench_selected(a, "onednn_bf16")) {
+    std::string cmd = std::string(argv[0]) + " --onednn-isa=avx512_core_bf16 --only=onednn_bf16";
+    for (int i = 1; i < argc; ++i) cmd += std::string(" ") + argv[i];
+    std::fflush(stdout);
+    return std::system(cmd.c_str()) == 0 ? 0 : 1;
+  }
+  return 0;
+}

@@ -1,0 +1,103 @@
+// tools/bench/bench_util.hpp -- shared harness of the bench-* programs: median timing over
+// repetitions, thread-count control (oneTBB arena), and one JSON object per line with --json.
+#pragma once
+#include <tbb/task_arena.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <functional>
+#include <map>
+#include <string>
+#include <vector>
+
+namespace fp8rl::bench {
+
+struct bench_args {
+  bool json = false;
+  bool quick = false;     // fewer shapes/repetitions (smoke runs)
+  int reps = 7;           // repetitions; the median is reported
+  std::vector<int> threads = {1, 2};
+  std::string only;       // run only impls containing this substring
+  std::map<std::string, std::string> extra;  // --key=value options of the program
+};
+
+inline bench_args bench_parse(int argc, char** argv) {
+  bench_args a;
+  for (int i = 1; i < argc; ++i) {
+    std::string s = argv[i];
+    if (s == "--json") a.json = true;
+    else if (s == "--quick") { a.quick = true; a.reps = 3; }
+    else if (s.rfind("--reps=", 0) == 0) a.reps = std::stoi(s.substr(7));
+    else if (s.rfind("--only=", 0) == 0) a.only = s.substr(7);
+    else if (s.rfind("--threads=", 0) == 0) {
+      a.threads.clear();
+      std::string t = s.substr(10);
+      for (size_t p = 0; p <= t.size();) {
+        size_t q = t.find(',', p);
+        if (q == std::string::npos) q = t.size();
+        a.threads.push_back(std::stoi(t.substr(p, q - p)));
+        p = q + 1;
+      }
+    } else if (s.rfind("--", 0) == 0 && s.find('=') != std::string::npos) {
+      a.extra[s.substr(2, s.find('=') - 2)] = s.substr(s.find('=') + 1);
+    } else if (s == "--help" || s == "-h") {
+      std::printf("options: --json --quick --reps=N --threads=1,2 --only=IMPL\n");
+      std::exit(0);
+    } else {
+      std::fprintf(stderr, "unknown option '%s' (see --help)\n", s.c_str());
+      std::exit(2);
+    }
+  }
+  return a;
+}
+
+inline bool bench_selected(const bench_args& a, const std::string& impl) {
+  return a.only.empty() || impl.find(a.only) != std::string::npos;
+}
+
+// Median seconds per call of fn over `reps` repetitions; each repetition runs fn enough times to
+// last >= min_s (after one warm-up call), so short kernels are not timer-bound.
+inline double bench_median(int reps, const std::function<void()>& fn, double min_s = 0.05) {
+  using clk = std::chrono::steady_clock;
+  fn();
+  auto t0 = clk::now();
+  fn();
+  double one = std::chrono::duration<double>(clk::now() - t0).count();
+  int inner = std::max(1, static_cast<int>(min_s / std::max(one, 1e-9)));
+  std::vector<double> v;
+  for (int r = 0; r < reps; ++r) {
+    auto a = clk::now();
+    for (int i = 0; i < inner; ++i) fn();
+    v.push_back(std::chrono::duration<double>(clk::now() - a).count() / inner);
+  }
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
+// One result line. fields: ordered key -> already-formatted JSON value.
+inline void bench_emit(const bench_args& a, const std::vector<std::pair<std::string, std::string>>& f) {
+  if (a.json) {
+    std::string s = "{";
+    for (size_t i = 0; i < f.size(); ++i) s += (i ? ", \"" : "\"") + f[i].first + "\": " + f[i].second;
+    std::printf("%s}\n", s.c_str());
+  } else {
+    for (const auto& kv : f) {
+      std::string v = kv.second;
+      if (!v.empty() && v.front() == '"') v = v.substr(1, v.size() - 2);
+      std::printf("%s=%s  ", kv.first.c_str(), v.c_str());
+    }
+    std::printf("\n");
+  }
+  std::fflush(stdout);
+}
+
+inline std::string jstr(const std::string& s) { return "\"" + s + "\""; }
+inline std::string jnum(double v) {
+  char b[64];
+  std::snprintf(b, sizeof b, "%.6g", v);
+  return b;
+}
+
+}  // namespace fp8rl::bench
