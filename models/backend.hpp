@@ -1,0 +1,146 @@
+// models/backend.hpp -- the compute backend interface: every op the transformer runs.
+// defines: backend, prepared_linear, linear_source, attn_params, logit_processing, buffer
+//
+// Pointers to activations and weights live in the backend's memory (host for the CPU backend,
+// device for CUDA); small per-batch metadata (token ids, positions, sequence offsets, per-token
+// scalars) is passed as host pointers. Shapes are in comments; legend in models/config.hpp.
+// Ops are stateless except prepared weights, which are built once per weight version.
+// Implementations: models/cpu/cpu_backend.cpp (always), gpu/ (when CUDA is present).
+#pragma once
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "models/precision.hpp"
+#include "quant/qtensor.hpp"
+
+namespace fp8rl::models {
+
+// The compute form of one linear weight W [out, in], from which a backend prepares its own.
+struct linear_source {
+  std::string name;
+  int64_t out = 0, in = 0;
+  precision prec = precision::fp32;
+  quant::scale_mode mode = quant::scale_mode::pow2;
+  const float* f32 = nullptr;            // host FP32 values (quantized / rounded per prec)
+  const quant::qtensor* fp8 = nullptr;   // or: already-quantized 128x128 blocks (bundles)
+};
+
+struct prepared_linear {
+  virtual ~prepared_linear() = default;
+  std::string name;
+  int64_t out = 0, in = 0;
+  precision prec = precision::fp32;
+};
+
+// Logit processing that defines the sampled distribution; the learner's logprobs apply the
+// same (rl-algorithm.md §2: g_t is the logprob after processing). top_k = 0 and top_p = 1 mean
+// off. Temperature 0 means greedy sampling; logprobs are then taken at temperature 1.
+struct logit_processing {
+  float temperature = 1.0f;
+  int32_t top_k = 0;
+  float top_p = 1.0f;
+  bool identity() const { return (temperature == 1.0f || temperature == 0.0f) && top_k == 0 && top_p >= 1.0f; }
+};
+
+struct attn_params {
+  int64_t T = 0, H = 0, KV = 0, D = 0;
+  const int32_t* seq_start = nullptr;  // host [S+1]: packed sequence offsets; causal within each
+  int64_t S = 0;
+  precision operand = precision::fp32;  // fp32, or bf16 (Q, K, V, P rounded to BF16)
+  const float* q_scale = nullptr;       // FP8 attention: host [H], [KV], [KV] scale_inv per head
+  const float* k_scale = nullptr;       //   (null: not FP8)
+  const float* v_scale = nullptr;
+};
+
+class backend {
+ public:
+  virtual ~backend() = default;
+  virtual std::string name() const = 0;
+
+  // ---- memory ----
+  virtual void* alloc(size_t bytes) = 0;
+  virtual void release(void* p) = 0;
+  virtual void to_device(void* dst, const void* host_src, size_t bytes) = 0;
+  virtual void to_host(void* host_dst, const void* src, size_t bytes) = 0;
+  virtual void zero(void* p, size_t bytes) = 0;
+
+  // ---- elementwise / normalization ----
+  // out[T,C] = wte[tokens[t], :]
+  virtual void embedding_forward(const float* wte, const int32_t* tokens, int64_t T, int64_t C, float* out) = 0;
+  // dwte[V,C] += scatter of dout[T,C] by token (deterministic order)
+  virtual void embedding_backward(const float* dout, const int32_t* tokens, int64_t T, int64_t C, float* dwte) = 0;
+  // out[T,C] = x / rms(x) * w, rstd[T] kept for backward
+  virtual void rmsnorm_forward(const float* x, const float* w, int64_t T, int64_t C, float eps, float* out, float* rstd) = 0;
+  // dx[T,C] += ..., dw[C] += ...
+  virtual void rmsnorm_backward(const float* dout, const float* x, const float* w, const float* rstd, int64_t T,
+                                int64_t C, float* dx, float* dw) = 0;
+  // x[T, nh, D] rotated in place by positions pos[T] (HF rotate_half convention); inverse=true
+  // applies the transpose rotation (backward).
+  virtual void rope(float* x, const int32_t* pos, int64_t T, int64_t nh, int64_t D, double theta, bool inverse) = 0;
+  // h[T,F] = silu(gate) * up
+  virtual void swiglu_forward(const float* gate, const float* up, int64_t n, float* h) = 0;
+  virtual void swiglu_backward(const float* dh, const float* gate, const float* up, int64_t n, float* dgate, float* dup) = 0;
+  // y[n] += x[n]
+  virtual void add_inplace(float* y, const float* x, int64_t n) = 0;
+  // y[n] = x[n]
+  virtual void copy(float* y, const float* x, int64_t n) = 0;
+
+  // ---- linear layers: y[T,out] = x[T,in] · W^T ----
+  virtual std::unique_ptr<prepared_linear> linear_prepare(const linear_source& w, bool for_backward) = 0;
+  virtual void linear_forward(const prepared_linear& w, const float* x, int64_t T, float* y) = 0;
+  // dx[T,in] = dy · W (overwritten; skipped if null); dw[out,in] += dy^T · x (skipped if null)
+  virtual void linear_backward(const prepared_linear& w, const float* x, const float* dy, int64_t T, float* dx,
+                               float* dw) = 0;
+
+  // ---- attention (grouped-query, causal within packed sequences) ----
+  // q[T,H,D], k/v[T,KV,D] (post-RoPE) -> out[T,H,D], lse[T,H] (log-sum-exp of scaled scores)
+  virtual void attention_forward(const attn_params& p, const float* q, const float* k, const float* v, float* out,
+                                 float* lse) = 0;
+  // dq[T,H,D], dk/dv[T,KV,D] overwritten
+  virtual void attention_backward(const attn_params& p, const float* q, const float* k, const float* v,
+                                  const float* out, const float* lse, const float* dout, float* dq, float* dk,
+                                  float* dv) = 0;
+
+  // ---- output head ----
+  // logp[t] (host) = log p(targets[t]) under `proc` applied to logits[t, :V]; targets[t] < 0 -> 0.
+  // entropy (host, optional) = entropy of the processed distribution.
+  virtual void logprob_forward(const float* logits, const int32_t* targets, int64_t T, int64_t V,
+                               const logit_processing& proc, float* logp, float* entropy) = 0;
+  // dlogits[T,V] = dlogp[t] * d logp[t] / d logits (overwritten)
+  virtual void logprob_backward(const float* logits, const int32_t* targets, int64_t T, int64_t V,
+                                const logit_processing& proc, const float* dlogp, float* dlogits) = 0;
+};
+
+// Owning backend buffer of n elements of T.
+template <class T>
+class buffer {
+ public:
+  buffer() = default;
+  buffer(backend& b, int64_t n) : b_(&b), n_(n) {
+    p_ = static_cast<T*>(b.alloc(static_cast<size_t>(n) * sizeof(T)));
+    b.zero(p_, static_cast<size_t>(n) * sizeof(T));
+  }
+  buffer(const buffer&) = delete;
+  buffer& operator=(const buffer&) = delete;
+  buffer(buffer&& o) noexcept : b_(o.b_), p_(o.p_), n_(o.n_) { o.p_ = nullptr; o.n_ = 0; }
+  buffer& operator=(buffer&& o) noexcept {
+    if (this != &o) { reset(); b_ = o.b_; p_ = o.p_; n_ = o.n_; o.p_ = nullptr; o.n_ = 0; }
+    return *this;
+  }
+  ~buffer() { reset(); }
+  void reset() { if (p_) b_->release(p_); p_ = nullptr; n_ = 0; }
+  // grows (and zeroes) only when needed
+  void ensure(backend& b, int64_t n) { if (n > n_ || b_ != &b) *this = buffer(b, n); }
+  T* data() { return p_; }
+  const T* data() const { return p_; }
+  int64_t size() const { return n_; }
+
+ private:
+  backend* b_ = nullptr;
+  T* p_ = nullptr;
+  int64_t n_ = 0;
+};
+
+}  // namespace fp8rl::models

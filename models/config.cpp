@@ -1,0 +1,153 @@
+// models/config.cpp -- strict config.json reader/writer (nlohmann::json).
+#include "models/config.hpp"
+
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <set>
+#include <sstream>
+#include <stdexcept>
+
+namespace fp8rl::models {
+namespace {
+
+using json = nlohmann::json;
+
+[[noreturn]] void fail(const std::string& source, const std::string& field, const std::string& why) {
+  throw std::invalid_argument(source + ": field '" + field + "': " + why);
+}
+
+// Metadata that does not change the math.
+const std::set<std::string> kIgnored = {
+    "_name_or_path", "architectures", "model_type", "torch_dtype", "transformers_version",
+    "use_cache", "pad_token_id", "pretraining_tp", "attention_dropout", "mlp_bias",
+    "attention_bias", "hidden_act", "rope_scaling", "bos_token_id", "eos_token_id",
+    "initializer_range", "tie_word_embeddings", "head_dim", "dtype", "use_sliding_window",
+    "sliding_window", "max_window_layers"};
+
+}  // namespace
+
+void model_config::validate() const {
+  auto pos = [&](const char* f, int64_t v) {
+    if (v <= 0) fail("model_config", f, "must be > 0, got " + std::to_string(v));
+  };
+  pos("hidden_size", hidden_size);
+  pos("intermediate_size", intermediate_size);
+  pos("num_hidden_layers", num_hidden_layers);
+  pos("num_attention_heads", num_attention_heads);
+  pos("num_key_value_heads", num_key_value_heads);
+  pos("head_dim", head_dim);
+  pos("vocab_size", vocab_size);
+  pos("max_position_embeddings", max_position_embeddings);
+  if (num_attention_heads % num_key_value_heads)
+    fail("model_config", "num_key_value_heads", "must divide num_attention_heads");
+  if (head_dim % 2) fail("model_config", "head_dim", "must be even for RoPE");
+  if (!(rms_norm_eps > 0)) fail("model_config", "rms_norm_eps", "must be > 0");
+  if (!(rope_theta > 0)) fail("model_config", "rope_theta", "must be > 0");
+}
+
+model_config model_config_parse(const std::string& text, const std::string& source) {
+  json j;
+  try {
+    j = json::parse(text);
+  } catch (const json::exception& e) {
+    throw std::invalid_argument(source + ": not valid JSON: " + e.what());
+  }
+  if (!j.is_object()) throw std::invalid_argument(source + ": top level must be a JSON object");
+  model_config c;
+  auto get_int = [&](const char* f, int64_t& out, bool required) {
+    if (!j.contains(f)) {
+      if (required) fail(source, f, "missing");
+      return;
+    }
+    if (!j[f].is_number_integer()) fail(source, f, "must be an integer");
+    out = j[f].get<int64_t>();
+  };
+  auto get_num = [&](const char* f, double& out) {
+    if (!j.contains(f)) return;
+    if (!j[f].is_number()) fail(source, f, "must be a number");
+    out = j[f].get<double>();
+  };
+  get_int("hidden_size", c.hidden_size, true);
+  get_int("intermediate_size", c.intermediate_size, true);
+  get_int("num_hidden_layers", c.num_hidden_layers, true);
+  get_int("num_attention_heads", c.num_attention_heads, true);
+  c.num_key_value_heads = c.num_attention_heads;
+  get_int("num_key_value_heads", c.num_key_value_heads, false);
+  get_int("vocab_size", c.vocab_size, true);
+  get_int("max_position_embeddings", c.max_position_embeddings, false);
+  get_num("rms_norm_eps", c.rms_norm_eps);
+  get_num("rope_theta", c.rope_theta);
+  get_num("initializer_range", c.initializer_range);
+  if (j.contains("head_dim") && !j["head_dim"].is_null()) get_int("head_dim", c.head_dim, false);
+  if (c.head_dim == 0 && c.num_attention_heads > 0) c.head_dim = c.hidden_size / c.num_attention_heads;
+  if (j.contains("tie_word_embeddings")) {
+    if (!j["tie_word_embeddings"].is_boolean()) fail(source, "tie_word_embeddings", "must be true or false");
+    c.tie_word_embeddings = j["tie_word_embeddings"].get<bool>();
+  }
+  for (const char* f : {"bos_token_id", "eos_token_id"}) {
+    if (!j.contains(f) || j[f].is_null()) continue;
+    int64_t& dst = std::string(f) == "bos_token_id" ? c.bos_token_id : c.eos_token_id;
+    if (j[f].is_number_integer()) dst = j[f].get<int64_t>();
+    else if (j[f].is_array() && !j[f].empty() && j[f][0].is_number_integer()) dst = j[f][0].get<int64_t>();
+    else fail(source, f, "must be an integer or a list of integers");
+  }
+  // unsupported values of known fields
+  if (j.contains("rope_scaling") && !j["rope_scaling"].is_null())
+    fail(source, "rope_scaling", "RoPE scaling (" + j["rope_scaling"].dump() + ") is not implemented");
+  for (const char* f : {"attention_bias", "mlp_bias"})
+    if (j.contains(f) && !(j[f].is_boolean() && !j[f].get<bool>())) fail(source, f, "biases are not supported");
+  if (j.contains("hidden_act") && j["hidden_act"] != "silu")
+    fail(source, "hidden_act", "only 'silu' (SwiGLU) is supported, got " + j["hidden_act"].dump());
+  if (j.contains("pretraining_tp") && j["pretraining_tp"] != 1) fail(source, "pretraining_tp", "must be 1");
+  if (j.contains("use_sliding_window") && j["use_sliding_window"] == true)
+    fail(source, "use_sliding_window", "sliding-window attention is not supported");
+  if (j.contains("architectures")) {
+    for (const auto& a : j["architectures"])
+      if (a != "LlamaForCausalLM" && a != "Qwen2ForCausalLM" && a != "MistralForCausalLM")
+        fail(source, "architectures", "unsupported architecture " + a.dump());
+  }
+  static const std::set<std::string> known = {
+      "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+      "num_key_value_heads", "vocab_size", "max_position_embeddings", "rms_norm_eps", "rope_theta"};
+  for (auto it = j.begin(); it != j.end(); ++it)
+    if (!known.count(it.key()) && !kIgnored.count(it.key())) fail(source, it.key(), "unknown field");
+  try {
+    c.validate();
+  } catch (const std::invalid_argument& e) {
+    throw std::invalid_argument(source + ": " + e.what());
+  }
+  return c;
+}
+
+model_config model_config_load(const std::string& path) {
+  std::ifstream f(path);
+  if (!f) throw std::invalid_argument(path + ": cannot open");
+  std::stringstream ss;
+  ss << f.rdbuf();
+  return model_config_parse(ss.str(), path);
+}
+
+std::string model_config_to_json(const model_config& c) {
+  json j = {{"architectures", {"LlamaForCausalLM"}},
+            {"model_type", "llama"},
+            {"hidden_size", c.hidden_size},
+            {"intermediate_size", c.intermediate_size},
+            {"num_hidden_layers", c.num_hidden_layers},
+            {"num_attention_heads", c.num_attention_heads},
+            {"num_key_value_heads", c.num_key_value_heads},
+            {"head_dim", c.head_dim},
+            {"vocab_size", c.vocab_size},
+            {"rms_norm_eps", c.rms_norm_eps},
+            {"rope_theta", c.rope_theta},
+            {"max_position_embeddings", c.max_position_embeddings},
+            {"tie_word_embeddings", c.tie_word_embeddings},
+            {"initializer_range", c.initializer_range},
+            {"hidden_act", "silu"},
+            {"attention_bias", false},
+            {"torch_dtype", "float32"}};
+  if (c.bos_token_id >= 0) j["bos_token_id"] = c.bos_token_id;
+  if (c.eos_token_id >= 0) j["eos_token_id"] = c.eos_token_id;
+  return j.dump(2);
+}
+
+}  // namespace fp8rl::models

@@ -1,0 +1,39 @@
+// models/config.hpp -- Llama-family model configuration (Hugging Face config.json fields).
+// defines: model_config, model_config_load, model_config_parse, model_config_to_json
+//
+// Legend used across models/: T = tokens in a packed batch, C = hidden size, H = attention
+// heads, KV = key/value heads, D = head dim (C / H unless given), F = intermediate size,
+// V = vocabulary, L = layers.
+#pragma once
+#include <cstdint>
+#include <string>
+
+namespace fp8rl::models {
+
+struct model_config {
+  int64_t hidden_size = 0;              // C
+  int64_t intermediate_size = 0;        // F
+  int64_t num_hidden_layers = 0;        // L
+  int64_t num_attention_heads = 0;      // H
+  int64_t num_key_value_heads = 0;      // KV (GQA: H % KV == 0)
+  int64_t head_dim = 0;                 // D (0 in the file -> C / H)
+  int64_t vocab_size = 0;               // V
+  double rms_norm_eps = 1e-5;
+  double rope_theta = 10000.0;
+  int64_t max_position_embeddings = 2048;
+  bool tie_word_embeddings = false;
+  double initializer_range = 0.02;
+  int64_t bos_token_id = -1, eos_token_id = -1;
+
+  int64_t q_dim() const { return num_attention_heads * head_dim; }     // H*D
+  int64_t kv_dim() const { return num_key_value_heads * head_dim; }    // KV*D
+  void validate() const;  // throws std::invalid_argument naming the field
+};
+
+// Parses config.json text; `source` names the file in errors. Unknown fields and unsupported
+// values (rope_scaling, biases, other activations, ...) are errors naming the field.
+model_config model_config_parse(const std::string& json_text, const std::string& source);
+model_config model_config_load(const std::string& path);
+std::string model_config_to_json(const model_config& c);
+
+}  // namespace fp8rl::models

@@ -1,0 +1,82 @@
+// models/cpu/cpu_backend.cpp -- backend implementation on host memory.
+#include "models/cpu/cpu_backend.hpp"
+
+#include <tbb/parallel_for.h>
+
+#include <cstring>
+#include <new>
+
+#include "models/cpu/cpu_ops.hpp"
+
+namespace fp8rl::models {
+namespace {
+
+class cpu_backend final : public backend {
+ public:
+  std::string name() const override { return "cpu"; }
+  void* alloc(size_t bytes) override { return ::operator new(bytes ? bytes : 1, std::align_val_t{64}); }
+  void release(void* p) override { ::operator delete(p, std::align_val_t{64}); }
+  void to_device(void* dst, const void* src, size_t n) override { if (n) std::memcpy(dst, src, n); }
+  void to_host(void* dst, const void* src, size_t n) override { if (n) std::memcpy(dst, src, n); }
+  void zero(void* p, size_t n) override { if (n) std::memset(p, 0, n); }
+
+  void embedding_forward(const float* wte, const int32_t* tok, int64_t T, int64_t C, float* out) override {
+    cpu_embedding_forward(wte, tok, T, C, out);
+  }
+  void embedding_backward(const float* dout, const int32_t* tok, int64_t T, int64_t C, float* dwte) override {
+    cpu_embedding_backward(dout, tok, T, C, dwte);
+  }
+  void rmsnorm_forward(const float* x, const float* w, int64_t T, int64_t C, float eps, float* out, float* rstd) override {
+    cpu_rmsnorm_forward(x, w, T, C, eps, out, rstd);
+  }
+  void rmsnorm_backward(const float* dout, const float* x, const float* w, const float* rstd, int64_t T, int64_t C,
+                        float* dx, float* dw) override {
+    cpu_rmsnorm_backward(dout, x, w, rstd, T, C, dx, dw);
+  }
+  void rope(float* x, const int32_t* pos, int64_t T, int64_t nh, int64_t D, double theta, bool inverse) override {
+    cpu_rope(x, pos, T, nh, D, theta, inverse);
+  }
+  void swiglu_forward(const float* g, const float* u, int64_t n, float* h) override { cpu_swiglu_forward(g, u, n, h); }
+  void swiglu_backward(const float* dh, const float* g, const float* u, int64_t n, float* dg, float* du) override {
+    cpu_swiglu_backward(dh, g, u, n, dg, du);
+  }
+  void add_inplace(float* y, const float* x, int64_t n) override {
+    tbb::parallel_for(tbb::blocked_range<int64_t>(0, n, 1 << 14), [&](const auto& r) {
+      for (int64_t i = r.begin(); i < r.end(); ++i) y[i] += x[i];
+    });
+  }
+  void copy(float* y, const float* x, int64_t n) override { if (n) std::memcpy(y, x, static_cast<size_t>(n) * 4); }
+
+  std::unique_ptr<prepared_linear> linear_prepare(const linear_source& w, bool for_backward) override {
+    return cpu_linear_prepare(w, for_backward);
+  }
+  void linear_forward(const prepared_linear& w, const float* x, int64_t T, float* y) override {
+    cpu_linear_forward(w, x, T, y);
+  }
+  void linear_backward(const prepared_linear& w, const float* x, const float* dy, int64_t T, float* dx,
+                       float* dw) override {
+    cpu_linear_backward(w, x, dy, T, dx, dw);
+  }
+  void attention_forward(const attn_params& p, const float* q, const float* k, const float* v, float* out,
+                         float* lse) override {
+    cpu_attention_forward(p, q, k, v, out, lse);
+  }
+  void attention_backward(const attn_params& p, const float* q, const float* k, const float* v, const float* out,
+                          const float* lse, const float* dout, float* dq, float* dk, float* dv) override {
+    cpu_attention_backward(p, q, k, v, out, lse, dout, dq, dk, dv);
+  }
+  void logprob_forward(const float* logits, const int32_t* targets, int64_t T, int64_t V,
+                       const logit_processing& proc, float* logp, float* entropy) override {
+    cpu_logprob_forward(logits, targets, T, V, proc, logp, entropy);
+  }
+  void logprob_backward(const float* logits, const int32_t* targets, int64_t T, int64_t V,
+                        const logit_processing& proc, const float* dlogp, float* dlogits) override {
+    cpu_logprob_backward(logits, targets, T, V, proc, dlogp, dlogits);
+  }
+};
+
+}  // namespace
+
+std::unique_ptr<backend> make_cpu_backend() { return std::make_unique<cpu_backend>(); }
+
+}  // namespace fp8rl::models

@@ -1,0 +1,30 @@
+// models/cpu/cpu_backend.hpp -- the CPU backend: quant/ GEMMs + oneTBB kernels on host memory.
+// defines: make_cpu_backend, cpu_attn_query, cpu_attn_round
+//
+// Every op gives the same bits for the same inputs whatever the thread count, and per-token ops
+// give the same bits whatever the batch: each output element has one fixed computation order.
+#pragma once
+#include <memory>
+
+#include "models/backend.hpp"
+
+namespace fp8rl::models {
+
+std::unique_ptr<backend> make_cpu_backend();
+
+// How attention operands are rounded before use (shared by training and the decode cache).
+struct attn_rounding {
+  precision operand = precision::fp32;  // fp32 | bf16
+  float scale = 0.0f;                   // > 0: FP8 per-head scale_inv (code = e4m3(x / s))
+};
+// x rounded as an attention operand would be (BF16 RNE, or FP8 quantize-dequantize).
+float cpu_attn_round(float x, const attn_rounding& r);
+
+// One query row of causal attention over n keys -- the single definition used by training,
+// prefill and decode. q[D] (unrounded; rounded here per rq), kt[D][ldk] keys transposed and
+// already rounded, v[n][D] values already rounded. Writes out[D], returns lse of scaled scores.
+// scratch: >= n + D floats.
+float cpu_attn_query(const float* q, const attn_rounding& rq, const float* kt, int64_t ldk, const float* v,
+                     int64_t n, int64_t D, precision p_operand, float* out, float* scratch);
+
+}  // namespace fp8rl::models

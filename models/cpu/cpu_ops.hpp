@@ -1,0 +1,29 @@
+// models/cpu/cpu_ops.hpp -- internal: CPU kernels behind cpu_backend (shapes: models/backend.hpp).
+#pragma once
+#include "models/backend.hpp"
+
+namespace fp8rl::models {
+
+void cpu_embedding_forward(const float* wte, const int32_t* tokens, int64_t T, int64_t C, float* out);
+void cpu_embedding_backward(const float* dout, const int32_t* tokens, int64_t T, int64_t C, float* dwte);
+void cpu_rmsnorm_forward(const float* x, const float* w, int64_t T, int64_t C, float eps, float* out, float* rstd);
+void cpu_rmsnorm_backward(const float* dout, const float* x, const float* w, const float* rstd, int64_t T, int64_t C,
+                          float* dx, float* dw);
+void cpu_rope(float* x, const int32_t* pos, int64_t T, int64_t nh, int64_t D, double theta, bool inverse);
+void cpu_swiglu_forward(const float* gate, const float* up, int64_t n, float* h);
+void cpu_swiglu_backward(const float* dh, const float* gate, const float* up, int64_t n, float* dgate, float* dup);
+
+std::unique_ptr<prepared_linear> cpu_linear_prepare(const linear_source& w, bool for_backward);
+void cpu_linear_forward(const prepared_linear& w, const float* x, int64_t T, float* y);
+void cpu_linear_backward(const prepared_linear& w, const float* x, const float* dy, int64_t T, float* dx, float* dw);
+
+void cpu_attention_forward(const attn_params& p, const float* q, const float* k, const float* v, float* out, float* lse);
+void cpu_attention_backward(const attn_params& p, const float* q, const float* k, const float* v, const float* out,
+                            const float* lse, const float* dout, float* dq, float* dk, float* dv);
+
+void cpu_logprob_forward(const float* logits, const int32_t* targets, int64_t T, int64_t V, const logit_processing& proc,
+                         float* logp, float* entropy);
+void cpu_logprob_backward(const float* logits, const int32_t* targets, int64_t T, int64_t V,
+                          const logit_processing& proc, const float* dlogp, float* dlogits);
+
+}  // namespace fp8rl::models

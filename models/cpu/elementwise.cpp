@@ -1,0 +1,105 @@
+// models/cpu/elementwise.cpp -- embedding, RMSNorm, RoPE, SwiGLU on the CPU (oneTBB over rows).
+#include <tbb/parallel_for.h>
+
+#include <cmath>
+#include <vector>
+
+#include "models/cpu/cpu_ops.hpp"
+
+namespace fp8rl::models {
+
+void cpu_embedding_forward(const float* wte, const int32_t* tokens, int64_t T, int64_t C, float* out) {
+  tbb::parallel_for(int64_t{0}, T, [&](int64_t t) {
+    const float* src = wte + static_cast<int64_t>(tokens[t]) * C;
+    std::copy(src, src + C, out + t * C);
+  });
+}
+
+void cpu_embedding_backward(const float* dout, const int32_t* tokens, int64_t T, int64_t C, float* dwte) {
+  // columns in parallel, tokens in order: the same sums whatever the thread count
+  const int64_t chunk = 64;
+  tbb::parallel_for(int64_t{0}, (C + chunk - 1) / chunk, [&](int64_t b) {
+    const int64_t c0 = b * chunk, c1 = std::min(C, c0 + chunk);
+    for (int64_t t = 0; t < T; ++t) {
+      float* dst = dwte + static_cast<int64_t>(tokens[t]) * C;
+      for (int64_t c = c0; c < c1; ++c) dst[c] += dout[t * C + c];
+    }
+  });
+}
+
+void cpu_rmsnorm_forward(const float* x, const float* w, int64_t T, int64_t C, float eps, float* out, float* rstd) {
+  tbb::parallel_for(int64_t{0}, T, [&](int64_t t) {
+    const float* xt = x + t * C;
+    double ss = 0.0;
+    for (int64_t c = 0; c < C; ++c) ss += static_cast<double>(xt[c]) * xt[c];
+    const float r = static_cast<float>(1.0 / std::sqrt(ss / static_cast<double>(C) + eps));
+    rstd[t] = r;
+    for (int64_t c = 0; c < C; ++c) out[t * C + c] = w[c] * (xt[c] * r);
+  });
+}
+
+void cpu_rmsnorm_backward(const float* dout, const float* x, const float* w, const float* rstd, int64_t T, int64_t C,
+                          float* dx, float* dw) {
+  // dx: rows in parallel
+  tbb::parallel_for(int64_t{0}, T, [&](int64_t t) {
+    const float* xt = x + t * C;
+    const float* dt = dout + t * C;
+    const float r = rstd[t];
+    double dot = 0.0;  // sum_c dout*w*x
+    for (int64_t c = 0; c < C; ++c) dot += static_cast<double>(dt[c]) * w[c] * xt[c];
+    const float k = static_cast<float>(dot / static_cast<double>(C)) * r * r * r;
+    for (int64_t c = 0; c < C; ++c) dx[t * C + c] += dt[c] * w[c] * r - xt[c] * k;
+  });
+  // dw: columns in parallel, rows in order
+  const int64_t chunk = 64;
+  tbb::parallel_for(int64_t{0}, (C + chunk - 1) / chunk, [&](int64_t b) {
+    const int64_t c0 = b * chunk, c1 = std::min(C, c0 + chunk);
+    for (int64_t t = 0; t < T; ++t)
+      for (int64_t c = c0; c < c1; ++c) dw[c] += dout[t * C + c] * x[t * C + c] * rstd[t];
+  });
+}
+
+void cpu_rope(float* x, const int32_t* pos, int64_t T, int64_t nh, int64_t D, double theta, bool inverse) {
+  // HF Llama: inv_freq[i] = 1 / theta^(2i/D) in FP32, angle = pos * inv_freq (FP32), rotate_half
+  const int64_t half = D / 2;
+  std::vector<float> inv_freq(static_cast<size_t>(half));
+  for (int64_t i = 0; i < half; ++i)
+    inv_freq[i] = 1.0f / std::pow(static_cast<float>(theta), static_cast<float>(2 * i) / static_cast<float>(D));
+  tbb::parallel_for(int64_t{0}, T, [&](int64_t t) {
+    std::vector<float> cs(static_cast<size_t>(half)), sn(static_cast<size_t>(half));
+    for (int64_t i = 0; i < half; ++i) {
+      const float a = static_cast<float>(pos[t]) * inv_freq[i];
+      cs[i] = std::cos(a);
+      sn[i] = inverse ? -std::sin(a) : std::sin(a);
+    }
+    for (int64_t h = 0; h < nh; ++h) {
+      float* v = x + (t * nh + h) * D;
+      for (int64_t i = 0; i < half; ++i) {
+        const float a = v[i], b = v[i + half];
+        v[i] = a * cs[i] - b * sn[i];
+        v[i + half] = b * cs[i] + a * sn[i];
+      }
+    }
+  });
+}
+
+void cpu_swiglu_forward(const float* gate, const float* up, int64_t n, float* h) {
+  tbb::parallel_for(tbb::blocked_range<int64_t>(0, n, 4096), [&](const auto& r) {
+    for (int64_t i = r.begin(); i < r.end(); ++i) {
+      const float g = gate[i];
+      h[i] = g / (1.0f + std::exp(-g)) * up[i];
+    }
+  });
+}
+
+void cpu_swiglu_backward(const float* dh, const float* gate, const float* up, int64_t n, float* dgate, float* dup) {
+  tbb::parallel_for(tbb::blocked_range<int64_t>(0, n, 4096), [&](const auto& r) {
+    for (int64_t i = r.begin(); i < r.end(); ++i) {
+      const float g = gate[i], s = 1.0f / (1.0f + std::exp(-g)), silu = g * s;
+      dup[i] = dh[i] * silu;
+      dgate[i] = dh[i] * up[i] * s * (1.0f + g * (1.0f - s));
+    }
+  });
+}
+
+}  // namespace fp8rl::models

@@ -1,0 +1,141 @@
+// models/cpu/linear.cpp -- linear layers under a precision: quant/ GEMMs on packed weights.
+//   fp32  y = x · W^T                              (gemm_f32)
+//   bf16  y = bf16(x) · bf16(W)^T, FP32 accumulate (gemm_bf16)
+//   fp8   fprop  X 1x128 · W 128x128; dgrad dY 1x128 · W^T (same blocks); wgrad dY^T, X^T as
+//         1x128 columnwise tiles (TransformerEngine Float8BlockScaling, fp8-numerics.md §3.2)
+#include <tbb/parallel_for.h>
+
+#include <stdexcept>
+#include <vector>
+
+#include "models/cpu/cpu_ops.hpp"
+#include "quant/fp8.hpp"
+#include "quant/gemm.hpp"
+
+namespace fp8rl::models {
+namespace {
+
+using namespace quant;
+
+struct cpu_linear : prepared_linear {
+  scale_mode mode = scale_mode::pow2;
+  gemm_packed_b fwd;  // B = W [out, in]
+  gemm_packed_b bwd;  // B = W^T [in, out] (dgrad), when prepared for backward
+};
+
+std::vector<uint16_t> to_bf16(const float* x, int64_t n) {
+  std::vector<uint16_t> b(static_cast<size_t>(n));
+  tbb::parallel_for(tbb::blocked_range<int64_t>(0, n, 1 << 14), [&](const auto& r) {
+    for (int64_t i = r.begin(); i < r.end(); ++i) b[i] = bf16_from_float(x[i]);
+  });
+  return b;
+}
+
+std::vector<float> transpose(const float* x, int64_t rows, int64_t cols) {
+  std::vector<float> t(static_cast<size_t>(rows * cols));
+  tbb::parallel_for(int64_t{0}, cols, [&](int64_t c) {
+    for (int64_t r = 0; r < rows; ++r) t[c * rows + r] = x[r * cols + c];
+  });
+  return t;
+}
+
+// C[M,N] = A[M,K] · B^T in `prec`, A given as FP32 values; B packed in the same precision.
+void matmul(precision prec, scale_mode mode, const float* A, int64_t M, int64_t K, const gemm_packed_b& B, float* C,
+            const std::string& name) {
+  const gemm_desc d{M, B.N, K};
+  switch (prec) {
+    case precision::fp32: gemm_f32(d, A, B, C); break;
+    case precision::bf16: {
+      auto a = to_bf16(A, M * K);
+      gemm_bf16(d, a.data(), B, C);
+      break;
+    }
+    case precision::fp8: {
+      qtensor q;
+      q.name = name;
+      quantize_into(A, M, K, qlayout::rowwise_1x128, mode, q);
+      gemm_fp8(q, B, C);
+      break;
+    }
+  }
+}
+
+gemm_packed_b pack(precision prec, scale_mode mode, const float* B, int64_t N, int64_t K, const std::string& name,
+                   gemm_pack_forms forms) {
+  switch (prec) {
+    case precision::fp32: return gemm_pack_f32(B, N, K, name);
+    case precision::bf16: {
+      auto b = to_bf16(B, N * K);
+      return gemm_pack_bf16(b.data(), N, K, name, forms);
+    }
+    case precision::fp8:
+      return gemm_pack_fp8(quantize(B, N, K, qlayout::block_128x128, mode, name), forms);
+  }
+  throw std::logic_error("bad precision");
+}
+
+}  // namespace
+
+std::unique_ptr<prepared_linear> cpu_linear_prepare(const linear_source& w, bool for_backward) {
+  auto p = std::make_unique<cpu_linear>();
+  p->name = w.name;
+  p->out = w.out;
+  p->in = w.in;
+  p->prec = w.prec;
+  p->mode = w.mode;
+  // training runs large-M GEMMs only; generation also needs the narrow (decode) form
+  const gemm_pack_forms forms{true, !for_backward};
+  if (w.fp8) {
+    if (w.prec != precision::fp8) throw std::invalid_argument("linear '" + w.name + "': FP8 bytes for a non-FP8 layer");
+    if (w.fp8->rows != w.out || w.fp8->cols != w.in || w.fp8->layout != qlayout::block_128x128)
+      throw std::invalid_argument("linear '" + w.name + "': FP8 weight has the wrong shape or layout");
+    p->mode = w.fp8->mode;
+    p->fwd = gemm_pack_fp8(*w.fp8, forms);
+    if (for_backward) p->bwd = gemm_pack_fp8(qtensor_transpose_blocks(*w.fp8), {true, false});
+    return p;
+  }
+  if (!w.f32) throw std::invalid_argument("linear '" + w.name + "': no weight values");
+  if (w.prec == precision::fp8) {
+    qtensor q = quantize(w.f32, w.out, w.in, qlayout::block_128x128, w.mode, w.name);
+    p->fwd = gemm_pack_fp8(q, forms);
+    if (for_backward) p->bwd = gemm_pack_fp8(qtensor_transpose_blocks(q), {true, false});
+    return p;
+  }
+  p->fwd = pack(w.prec, w.mode, w.f32, w.out, w.in, w.name, forms);
+  if (for_backward) {
+    auto wt = transpose(w.f32, w.out, w.in);
+    p->bwd = pack(w.prec, w.mode, wt.data(), w.in, w.out, w.name + ".T", {true, false});
+  }
+  return p;
+}
+
+void cpu_linear_forward(const prepared_linear& w, const float* x, int64_t T, float* y) {
+  const auto& l = static_cast<const cpu_linear&>(w);
+  matmul(l.prec, l.mode, x, T, l.in, l.fwd, y, l.name + ".x");
+}
+
+void cpu_linear_backward(const prepared_linear& w, const float* x, const float* dy, int64_t T, float* dx, float* dw) {
+  const auto& l = static_cast<const cpu_linear&>(w);
+  if (dx) {
+    if (l.bwd.N != l.in) throw std::logic_error("linear '" + l.name + "' was not prepared for backward");
+    matmul(l.prec, l.mode, dy, T, l.out, l.bwd, dx, l.name + ".dy");
+  }
+  if (!dw) return;
+  std::vector<float> g(static_cast<size_t>(l.out * l.in));
+  if (l.prec == precision::fp8) {
+    // dW[out,in] = dY^T · X with both operands tiled 1x128 along tokens (columnwise)
+    qtensor a = quantize(dy, T, l.out, qlayout::colwise_1x128, l.mode, l.name + ".dy^T");
+    qtensor b = quantize(x, T, l.in, qlayout::colwise_1x128, l.mode, l.name + ".x^T");
+    gemm_fp8(a, gemm_pack_fp8(b, {true, false}), g.data());
+  } else {
+    auto dyt = transpose(dy, T, l.out);  // [out, T]
+    auto xt = transpose(x, T, l.in);     // [in, T]
+    matmul(l.prec, l.mode, dyt.data(), l.out, T,
+           pack(l.prec, l.mode, xt.data(), l.in, T, l.name + ".x^T", {true, false}), g.data(), l.name + ".dy^T");
+  }
+  tbb::parallel_for(tbb::blocked_range<int64_t>(0, l.out * l.in, 1 << 14), [&](const auto& r) {
+    for (int64_t i = r.begin(); i < r.end(); ++i) dw[i] += g[i];
+  });
+}
+
+}  // namespace fp8rl::models

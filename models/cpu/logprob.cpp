@@ -1,0 +1,58 @@
+// models/cpu/logprob.cpp -- per-token log-probabilities of targets under processed logits,
+// and their gradient. d logp_t / d z_v = 1[v = target] - softmax(z)_v over kept tokens.
+#include <tbb/parallel_for.h>
+
+#include <cmath>
+#include <limits>
+#include <vector>
+
+#include "models/cpu/cpu_ops.hpp"
+#include "models/sampling.hpp"
+
+namespace fp8rl::models {
+
+void cpu_logprob_forward(const float* logits, const int32_t* targets, int64_t T, int64_t V, const logit_processing& proc,
+                         float* logp, float* entropy) {
+  tbb::parallel_for(int64_t{0}, T, [&](int64_t t) {
+    std::vector<float> z(static_cast<size_t>(V));
+    std::vector<int32_t> work;
+    if (targets[t] < 0) {
+      logp[t] = 0.0f;
+      if (entropy) entropy[t] = 0.0f;
+      return;
+    }
+    const double lse = logits_process(logits + t * V, V, proc, z.data(), work);
+    const float zt = z[targets[t]];
+    logp[t] = std::isinf(zt) ? -std::numeric_limits<float>::infinity() : static_cast<float>(zt - lse);
+    if (entropy) {
+      double h = 0.0;
+      for (int64_t v = 0; v < V; ++v) {
+        if (std::isinf(z[v])) continue;
+        const double lp = z[v] - lse;
+        h -= std::exp(lp) * lp;
+      }
+      entropy[t] = static_cast<float>(h);
+    }
+  });
+}
+
+void cpu_logprob_backward(const float* logits, const int32_t* targets, int64_t T, int64_t V,
+                          const logit_processing& proc, const float* dlogp, float* dlogits) {
+  const float inv_temp = (proc.temperature != 1.0f && proc.temperature != 0.0f) ? 1.0f / proc.temperature : 1.0f;
+  tbb::parallel_for(int64_t{0}, T, [&](int64_t t) {
+    float* g = dlogits + t * V;
+    if (targets[t] < 0 || dlogp[t] == 0.0f) {
+      std::fill(g, g + V, 0.0f);
+      return;
+    }
+    std::vector<float> z(static_cast<size_t>(V));
+    std::vector<int32_t> work;
+    const double lse = logits_process(logits + t * V, V, proc, z.data(), work);
+    for (int64_t v = 0; v < V; ++v) {
+      const double p = std::isinf(z[v]) ? 0.0 : std::exp(z[v] - lse);
+      g[v] = static_cast<float>(dlogp[t] * ((v == targets[t] ? 1.0 : 0.0) - p) * inv_temp);
+    }
+  });
+}
+
+}  // namespace fp8rl::models

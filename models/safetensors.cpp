@@ -1,0 +1,192 @@
+// models/safetensors.cpp -- strict safetensors reader and writer.
+#include "models/safetensors.hpp"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+
+#include "quant/fp8.hpp"
+
+namespace fp8rl::models {
+namespace {
+
+using json = nlohmann::json;
+namespace fs = std::filesystem;
+
+[[noreturn]] void fail(const std::string& source, const std::string& what) { throw st_error(source + ": " + what); }
+
+float f16_to_float(uint16_t h) {
+  const uint32_t s = (h >> 15) & 1, e = (h >> 10) & 31, m = h & 1023;
+  float v;
+  if (e == 0) v = std::ldexp(static_cast<float>(m), -24);
+  else if (e == 31) v = m ? NAN : INFINITY;
+  else v = std::ldexp(1.0f + static_cast<float>(m) / 1024.0f, static_cast<int>(e) - 15);
+  return s ? -v : v;
+}
+
+std::vector<uint8_t> read_file(const std::string& path) {
+  std::ifstream f(path, std::ios::binary);
+  if (!f) throw st_error(path + ": cannot open");
+  f.seekg(0, std::ios::end);
+  const std::streamoff n = f.tellg();
+  if (n < 0) throw st_error(path + ": cannot read size");
+  f.seekg(0);
+  std::vector<uint8_t> b(static_cast<size_t>(n));
+  if (n && !f.read(reinterpret_cast<char*>(b.data()), n)) throw st_error(path + ": read failed");
+  return b;
+}
+
+}  // namespace
+
+int64_t st_tensor::numel() const {
+  int64_t n = 1;
+  for (int64_t d : shape) n *= d;
+  return n;
+}
+
+st_tensors safetensors_parse(const std::vector<uint8_t>& bytes, const std::string& source) {
+  if (bytes.size() < 8) fail(source, "file is " + std::to_string(bytes.size()) + " bytes, shorter than the 8-byte header length");
+  uint64_t hlen = 0;
+  for (int i = 7; i >= 0; --i) hlen = (hlen << 8) | bytes[static_cast<size_t>(i)];
+  if (hlen > bytes.size() - 8) fail(source, "header length " + std::to_string(hlen) + " exceeds the file");
+  json h;
+  try {
+    h = json::parse(bytes.begin() + 8, bytes.begin() + 8 + static_cast<std::ptrdiff_t>(hlen));
+  } catch (const json::exception& e) {
+    fail(source, std::string("header is not valid JSON: ") + e.what());
+  }
+  if (!h.is_object()) fail(source, "header is not a JSON object");
+  const uint64_t data_size = bytes.size() - 8 - hlen;
+  const uint8_t* data = bytes.data() + 8 + hlen;
+  st_tensors out;
+  std::vector<std::pair<uint64_t, uint64_t>> ranges;
+  for (auto it = h.begin(); it != h.end(); ++it) {
+    const std::string& name = it.key();
+    if (name == "__metadata__") continue;
+    const std::string where = "tensor '" + name + "': ";
+    const json& t = it.value();
+    if (!t.is_object() || !t.contains("dtype") || !t.contains("shape") || !t.contains("data_offsets"))
+      fail(source, where + "entry needs dtype, shape and data_offsets");
+    if (!t["dtype"].is_string()) fail(source, where + "dtype is not a string");
+    const std::string dt = t["dtype"].get<std::string>();
+    size_t esize;
+    if (dt == "F32") esize = 4;
+    else if (dt == "BF16" || dt == "F16") esize = 2;
+    else fail(source, where + "unsupported dtype '" + dt + "' (F32, BF16, F16 are read)");
+    st_tensor st;
+    if (!t["shape"].is_array()) fail(source, where + "shape is not a list");
+    uint64_t numel = 1;
+    for (const auto& d : t["shape"]) {
+      if (!d.is_number_unsigned()) fail(source, where + "shape entries must be non-negative integers");
+      const uint64_t v = d.get<uint64_t>();
+      if (v > (1ull << 40) || (v && numel > (1ull << 40) / v)) fail(source, where + "shape is too large");
+      numel *= v;
+      st.shape.push_back(static_cast<int64_t>(v));
+    }
+    const json& off = t["data_offsets"];
+    if (!off.is_array() || off.size() != 2 || !off[0].is_number_unsigned() || !off[1].is_number_unsigned())
+      fail(source, where + "data_offsets must be two non-negative integers");
+    const uint64_t b = off[0].get<uint64_t>(), e = off[1].get<uint64_t>();
+    if (b > e || e > data_size)
+      fail(source, where + "data_offsets [" + std::to_string(b) + ", " + std::to_string(e) +
+                       ") outside the " + std::to_string(data_size) + "-byte data section");
+    if (e - b != numel * esize)
+      fail(source, where + "holds " + std::to_string(e - b) + " bytes, shape and dtype need " +
+                       std::to_string(numel * esize));
+    ranges.push_back({b, e});
+    st.data.resize(numel);
+    const uint8_t* p = data + b;
+    for (uint64_t i = 0; i < numel; ++i) {
+      if (esize == 4) {
+        std::memcpy(&st.data[i], p + 4 * i, 4);
+      } else {
+        const uint16_t v = static_cast<uint16_t>(p[2 * i] | (p[2 * i + 1] << 8));
+        st.data[i] = dt == "BF16" ? quant::bf16_to_float(v) : f16_to_float(v);
+      }
+    }
+    out.emplace(name, std::move(st));
+  }
+  std::sort(ranges.begin(), ranges.end());
+  for (size_t i = 1; i < ranges.size(); ++i)
+    if (ranges[i].first < ranges[i - 1].second) fail(source, "tensor byte ranges overlap");
+  return out;
+}
+
+st_tensors safetensors_read(const std::string& path) { return safetensors_parse(read_file(path), path); }
+
+void safetensors_write(const std::string& path, const st_tensors& tensors, st_dtype dtype,
+                       const std::map<std::string, std::string>& metadata) {
+  if (dtype == st_dtype::f16) throw st_error(path + ": writing F16 is not supported");
+  const size_t esize = dtype == st_dtype::f32 ? 4 : 2;
+  json h = json::object();
+  if (!metadata.empty()) h["__metadata__"] = metadata;
+  uint64_t off = 0;
+  for (const auto& [name, t] : tensors) {
+    if (static_cast<int64_t>(t.data.size()) != t.numel())
+      throw st_error(path + ": tensor '" + name + "' has " + std::to_string(t.data.size()) + " values for its shape");
+    const uint64_t n = t.data.size() * esize;
+    h[name] = {{"dtype", dtype == st_dtype::f32 ? "F32" : "BF16"}, {"shape", t.shape}, {"data_offsets", {off, off + n}}};
+    off += n;
+  }
+  std::string hs = h.dump();
+  while ((8 + hs.size()) % 8) hs.push_back(' ');  // align the data section
+  const std::string tmp = path + ".tmp";
+  {
+    std::ofstream f(tmp, std::ios::binary);
+    if (!f) throw st_error(tmp + ": cannot create");
+    uint8_t len[8];
+    for (int i = 0; i < 8; ++i) len[i] = static_cast<uint8_t>((uint64_t(hs.size()) >> (8 * i)) & 0xff);
+    f.write(reinterpret_cast<const char*>(len), 8);
+    f.write(hs.data(), static_cast<std::streamsize>(hs.size()));
+    for (const auto& [name, t] : tensors) {
+      if (dtype == st_dtype::f32) {
+        f.write(reinterpret_cast<const char*>(t.data.data()), static_cast<std::streamsize>(t.data.size() * 4));
+      } else {
+        std::vector<uint16_t> b(t.data.size());
+        for (size_t i = 0; i < b.size(); ++i) b[i] = quant::bf16_from_float(t.data[i]);
+        f.write(reinterpret_cast<const char*>(b.data()), static_cast<std::streamsize>(b.size() * 2));
+      }
+    }
+    if (!f) throw st_error(tmp + ": write failed");
+  }
+  fs::rename(tmp, path);
+}
+
+st_tensors safetensors_load_dir(const std::string& dir) {
+  const fs::path single = fs::path(dir) / "model.safetensors";
+  const fs::path index = fs::path(dir) / "model.safetensors.index.json";
+  if (fs::exists(single)) return safetensors_read(single.string());
+  if (!fs::exists(index)) throw st_error(dir + ": neither model.safetensors nor model.safetensors.index.json exists");
+  json j;
+  try {
+    std::ifstream f(index);
+    j = json::parse(f);
+  } catch (const json::exception& e) {
+    throw st_error(index.string() + ": not valid JSON: " + e.what());
+  }
+  if (!j.contains("weight_map") || !j["weight_map"].is_object())
+    throw st_error(index.string() + ": missing object 'weight_map'");
+  std::map<std::string, std::vector<std::string>> shards;  // file -> tensor names
+  for (auto it = j["weight_map"].begin(); it != j["weight_map"].end(); ++it) {
+    if (!it.value().is_string()) throw st_error(index.string() + ": weight_map['" + it.key() + "'] is not a file name");
+    const std::string file = it.value().get<std::string>();
+    if (file.find('/') != std::string::npos || file.find("..") != std::string::npos)
+      throw st_error(index.string() + ": weight_map['" + it.key() + "'] names a path outside the directory");
+    shards[file].push_back(it.key());
+  }
+  st_tensors out;
+  for (const auto& [file, names] : shards) {
+    st_tensors part = safetensors_read((fs::path(dir) / file).string());
+    for (const auto& n : names) {
+      auto it = part.find(n);
+      if (it == part.end()) throw st_error((fs::path(dir) / file).string() + ": tensor '" + n + "' listed in the index is missing");
+      out.emplace(n, std::move(it->second));
+    }
+  }
+  return out;
+}
+
+}  // namespace fp8rl::models

@@ -1,0 +1,68 @@
+// models/sampling.cpp -- the one definition of the sampled distribution.
+#include "models/sampling.hpp"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+
+namespace fp8rl::models {
+
+double logits_process(const float* logits, int64_t V, const logit_processing& p, float* z,
+                      std::vector<int32_t>& work) {
+  const float ninf = -std::numeric_limits<float>::infinity();
+  const bool scale = p.temperature != 1.0f && p.temperature != 0.0f;
+  for (int64_t v = 0; v < V; ++v) z[v] = scale ? logits[v] / p.temperature : logits[v];
+  if (p.top_k > 0 && p.top_k < V) {
+    work.resize(static_cast<size_t>(V));
+    for (int64_t v = 0; v < V; ++v) work[v] = static_cast<int32_t>(v);
+    std::nth_element(work.begin(), work.begin() + (p.top_k - 1), work.end(),
+                     [&](int32_t a, int32_t b) { return z[a] > z[b] || (z[a] == z[b] && a < b); });
+    const float thr = z[work[p.top_k - 1]];
+    for (int64_t v = 0; v < V; ++v)
+      if (z[v] < thr) z[v] = ninf;
+  }
+  float m = ninf;
+  for (int64_t v = 0; v < V; ++v) m = std::max(m, z[v]);
+  double sum = 0.0;
+  for (int64_t v = 0; v < V; ++v) sum += std::exp(static_cast<double>(z[v]) - m);
+  double lse = m + std::log(sum);
+  if (p.top_p < 1.0f) {
+    work.resize(static_cast<size_t>(V));
+    int64_t n = 0;
+    for (int64_t v = 0; v < V; ++v)
+      if (z[v] != ninf) work[n++] = static_cast<int32_t>(v);
+    std::sort(work.begin(), work.begin() + n, [&](int32_t a, int32_t b) { return z[a] > z[b] || (z[a] == z[b] && a < b); });
+    double cum = 0.0;
+    int64_t keep = n;
+    for (int64_t i = 0; i < n; ++i) {
+      cum += std::exp(static_cast<double>(z[work[i]]) - lse);
+      if (cum >= p.top_p) { keep = i + 1; break; }
+    }
+    for (int64_t i = keep; i < n; ++i) z[work[i]] = ninf;
+    sum = 0.0;
+    for (int64_t v = 0; v < V; ++v) sum += std::exp(static_cast<double>(z[v]) - m);
+    lse = m + std::log(sum);
+  }
+  return lse;
+}
+
+int32_t sample_processed(const float* z, int64_t V, double lse, double u) {
+  double cum = 0.0;
+  int32_t last = -1;
+  for (int64_t v = 0; v < V; ++v) {
+    if (std::isinf(z[v]) && z[v] < 0) continue;
+    last = static_cast<int32_t>(v);
+    cum += std::exp(static_cast<double>(z[v]) - lse);
+    if (u < cum) return last;
+  }
+  return last;  // u rounding past the total mass: the last kept token
+}
+
+int32_t argmax_logits(const float* logits, int64_t V) {
+  int32_t best = 0;
+  for (int64_t v = 1; v < V; ++v)
+    if (logits[v] > logits[best]) best = static_cast<int32_t>(v);
+  return best;
+}
+
+}  // namespace fp8rl::models

@@ -1,0 +1,27 @@
+// models/sampling.hpp -- logit processing shared by the sampler and the learner's logprobs.
+// defines: logits_process, sample_processed
+//
+// z = logits / T (T = temperature; T = 0 -> greedy, logprobs taken at T = 1), then top-k keeps
+// tokens whose z is >= the k-th largest (ties at the threshold all stay), then top-p keeps the
+// smallest prefix of tokens sorted by probability (descending, ties by lower id) whose mass
+// reaches p (the crossing token included). Dropped tokens get z = -inf. The same function runs
+// on both sides, so the sampled token's logprob g_t and the learner's p_t share one definition.
+#pragma once
+#include <cstdint>
+#include <vector>
+
+#include "models/backend.hpp"
+
+namespace fp8rl::models {
+
+// z[V] <- processed logits (-inf where dropped); returns log-sum-exp over kept entries.
+// work: scratch of at least V entries (indices) when top-k/top-p is on.
+double logits_process(const float* logits, int64_t V, const logit_processing& p, float* z,
+                      std::vector<int32_t>& work);
+
+// Samples from softmax(z) with uniform u in [0, 1) (inverse CDF, token order): deterministic
+// given u. Greedy (temperature 0): argmax of the raw logits, lowest id on ties.
+int32_t sample_processed(const float* z, int64_t V, double lse, double u);
+int32_t argmax_logits(const float* logits, int64_t V);
+
+}  // namespace fp8rl::models
