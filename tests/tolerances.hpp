@@ -37,6 +37,25 @@ inline constexpr double kGoldenF32Grads = 1e-4;
 // parameters by up to lr * relative error; losses stay within 1e-4 relative.
 inline constexpr double kGoldenAdamLoss = 1e-4;
 
+// FP32 central differences with h = 1e-2: truncation ~h^2 |f'''| ~ 1e-4 and rounding
+// ~2^-24 |L| / h ~ 1e-5 relative; 5e-3 normwise leaves room for curvature of exp/softmax.
+inline constexpr double kFiniteDiffF32 = 5e-3;
+
+// Relative RMS error of one RNE rounding to a format with m explicit mantissa bits: the half-ulp
+// 2^-(m+1) relative at the bottom of a binade, uniform, so 2^-(m+1)/sqrt(3).
+inline constexpr double kUnitRmsBF16 = 0.0039 / 1.7320508;  // m = 7
+inline constexpr double kUnitRmsE4M3 = 0.0625 / 1.7320508;  // m = 3
+// Whole-model logits vs FP32 (3 layers, random init): ~13 GEMM stages round their operands;
+// errors add in quadrature (sqrt(13) ~ 3.6) and the network's gain is ~2, so allow 8 units.
+inline constexpr double kModelBf16VsF32 = 8 * kUnitRmsBF16;   // 0.018
+inline constexpr double kModelFp8VsF32 = 8 * kUnitRmsE4M3;    // 0.29
+// Gradients cross every GEMM twice more (dgrad, wgrad): allow 12 units.
+inline constexpr double kModelBf16VsF32Grad = 12 * kUnitRmsBF16;
+inline constexpr double kModelFp8VsF32Grad = 12 * kUnitRmsE4M3;
+// FP8 Q/K/V (per-head scales, amax*1.05/448) vs BF16 attention: 3 layers x 3 operands rounded
+// (sqrt(9) = 3) with gain ~1.3: 4 units of E4M3.
+inline constexpr double kFp8AttentionVsBf16 = 4 * kUnitRmsE4M3;
+
 // DeepGEMM's normwise, scale-invariant difference: 1 - 2Σxy / Σ(x²+y²).
 inline double calc_diff(const std::vector<double>& x, const std::vector<double>& y) {
   double xy = 0, xx = 0;

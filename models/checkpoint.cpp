@@ -1,0 +1,72 @@
+// models/checkpoint.cpp -- atomic checkpoint directories.
+#include "models/checkpoint.hpp"
+
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <sstream>
+#include <stdexcept>
+
+namespace fp8rl::models {
+namespace fs = std::filesystem;
+
+void checkpoint_save(const std::string& dir, const checkpoint& c) {
+  const fs::path tmp = dir + ".tmp";
+  fs::remove_all(tmp);
+  model_save(tmp.string(), c.params);
+  if (!c.opt.m.empty()) {
+    st_tensors t;
+    for (const auto& info : c.params.layout.infos) {
+      st_tensor m, v;
+      m.shape = v.shape = info.shape;
+      m.data.assign(c.opt.m.begin() + info.offset, c.opt.m.begin() + info.offset + info.numel);
+      v.data.assign(c.opt.v.begin() + info.offset, c.opt.v.begin() + info.offset + info.numel);
+      t.emplace("m." + info.name, std::move(m));
+      t.emplace("v." + info.name, std::move(v));
+    }
+    safetensors_write((tmp / "optimizer.safetensors").string(), t);
+  }
+  nlohmann::json s = nlohmann::json::parse(c.state_json);
+  s["adam_step"] = c.opt.step;
+  std::ofstream(tmp / "state.json") << s.dump(2) << "\n";
+  if (fs::exists(dir)) fs::remove_all(dir);
+  fs::rename(tmp, dir);
+}
+
+checkpoint checkpoint_load(const std::string& dir) {
+  checkpoint c;
+  c.params = model_load(dir);
+  const fs::path st = fs::path(dir) / "state.json";
+  if (!fs::exists(st)) throw std::invalid_argument(st.string() + ": missing (not a training checkpoint)");
+  nlohmann::json s;
+  try {
+    std::ifstream f(st);
+    s = nlohmann::json::parse(f);
+  } catch (const nlohmann::json::exception& e) {
+    throw std::invalid_argument(st.string() + ": not valid JSON: " + e.what());
+  }
+  if (!s.contains("adam_step") || !s["adam_step"].is_number_integer())
+    throw std::invalid_argument(st.string() + ": key 'adam_step' missing or not an integer");
+  c.opt.step = s["adam_step"].get<int64_t>();
+  c.state_json = s.dump();
+  const fs::path op = fs::path(dir) / "optimizer.safetensors";
+  if (fs::exists(op)) {
+    auto t = safetensors_read(op.string());
+    c.opt.m.assign(static_cast<size_t>(c.params.layout.total), 0.0f);
+    c.opt.v.assign(static_cast<size_t>(c.params.layout.total), 0.0f);
+    for (const auto& info : c.params.layout.infos) {
+      for (const char* k : {"m.", "v."}) {
+        auto it = t.find(k + info.name);
+        if (it == t.end() || it->second.numel() != info.numel)
+          throw std::invalid_argument(op.string() + ": tensor '" + std::string(k) + info.name + "' missing or misshapen");
+        auto& dst = k[0] == 'm' ? c.opt.m : c.opt.v;
+        std::copy(it->second.data.begin(), it->second.data.end(), dst.begin() + info.offset);
+      }
+    }
+  } else if (c.opt.step > 0) {
+    throw std::invalid_argument(op.string() + ": missing, but state.json says adam_step = " + std::to_string(c.opt.step));
+  }
+  return c;
+}
+
+}  // namespace fp8rl::models

@@ -1,0 +1,172 @@
+// tests/models/precision_test.cpp -- BF16 and FP8 policies: linear layers are bit-identical to
+// "quantize with quant/, then the quant/ reference GEMM"; whole-model logits and gradients stay
+// within format-derived tolerances of FP32; BF16-kept layers; FP8 attention.
+#include <gtest/gtest.h>
+
+#include "models/cpu/cpu_backend.hpp"
+#include "models/transformer.hpp"
+#include "quant/fp8.hpp"
+#include "quant/gemm.hpp"
+#include "tests/test_util.hpp"
+#include "tests/tolerances.hpp"
+
+using namespace fp8rl::models;
+using namespace fp8rl::quant;
+using fp8rl::test::first_diff;
+using fp8rl::test::randn;
+
+namespace {
+model_config small_config() {
+  model_config c;
+  c.hidden_size = 256; c.intermediate_size = 384; c.num_hidden_layers = 3; c.num_attention_heads = 4;
+  c.num_key_value_heads = 2; c.head_dim = 64; c.vocab_size = 97; c.max_position_embeddings = 256;
+  c.initializer_range = 0.05;
+  return c;
+}
+
+std::vector<uint16_t> bf16v(const std::vector<float>& x) {
+  std::vector<uint16_t> b(x.size());
+  for (size_t i = 0; i < x.size(); ++i) b[i] = bf16_from_float(x[i]);
+  return b;
+}
+
+std::vector<float> transpose(const std::vector<float>& x, int64_t r, int64_t c) {
+  std::vector<float> t(x.size());
+  for (int64_t i = 0; i < r; ++i)
+    for (int64_t j = 0; j < c; ++j) t[j * r + i] = x[i * c + j];
+  return t;
+}
+}  // namespace
+
+TEST(Precision, Fp8LinearIsQuantizeThenReferenceGemm) {
+  auto be = make_cpu_backend();
+  const int64_t T = 150, out = 256, in = 384;
+  auto x = randn(T * in, 1), w = randn(out * in, 2, 0.05f), dy = randn(T * out, 3);
+  auto pl = be->linear_prepare({"w", out, in, precision::fp8, scale_mode::pow2, w.data(), nullptr}, true);
+  std::vector<float> y(T * out), dx(T * in), dw(out * in, 0.0f), ref_y(T * out), ref_dx(T * in), ref_dw(out * in);
+  be->linear_forward(*pl, x.data(), T, y.data());
+  be->linear_backward(*pl, x.data(), dy.data(), T, dx.data(), dw.data());
+  qtensor wq = quantize_ref(w.data(), out, in, qlayout::block_128x128, scale_mode::pow2, "w");
+  gemm_fp8_ref(quantize_ref(x.data(), T, in, qlayout::rowwise_1x128, scale_mode::pow2, "x"), wq, ref_y.data());
+  gemm_fp8_ref(quantize_ref(dy.data(), T, out, qlayout::rowwise_1x128, scale_mode::pow2, "dy"),
+               qtensor_transpose_blocks(wq), ref_dx.data());
+  gemm_fp8_ref(quantize_ref(dy.data(), T, out, qlayout::colwise_1x128, scale_mode::pow2, "dyT"),
+               quantize_ref(x.data(), T, in, qlayout::colwise_1x128, scale_mode::pow2, "xT"), ref_dw.data());
+  EXPECT_EQ(first_diff(y, ref_y), -1) << "fprop";
+  EXPECT_EQ(first_diff(dx, ref_dx), -1) << "dgrad";
+  EXPECT_EQ(first_diff(dw, ref_dw), -1) << "wgrad";
+}
+
+TEST(Precision, Bf16LinearIsRoundThenReferenceGemm) {
+  auto be = make_cpu_backend();
+  const int64_t T = 33, out = 40, in = 70;
+  auto x = randn(T * in, 4), w = randn(out * in, 5), dy = randn(T * out, 6);
+  auto pl = be->linear_prepare({"w", out, in, precision::bf16, scale_mode::pow2, w.data(), nullptr}, true);
+  std::vector<float> y(T * out), dx(T * in), dw(out * in, 0.0f), ry(T * out), rdx(T * in), rdw(out * in);
+  be->linear_forward(*pl, x.data(), T, y.data());
+  be->linear_backward(*pl, x.data(), dy.data(), T, dx.data(), dw.data());
+  auto xb = bf16v(x), wb = bf16v(w), dyb = bf16v(dy);
+  gemm_bf16_ref({T, out, in}, xb.data(), wb.data(), ry.data());
+  auto wtb = bf16v(transpose(w, out, in));
+  gemm_bf16_ref({T, in, out}, dyb.data(), wtb.data(), rdx.data());
+  auto dytb = bf16v(transpose(dy, T, out)), xtb = bf16v(transpose(x, T, in));
+  gemm_bf16_ref({out, in, T}, dytb.data(), xtb.data(), rdw.data());
+  EXPECT_EQ(first_diff(y, ry), -1);
+  EXPECT_EQ(first_diff(dx, rdx), -1);
+  EXPECT_EQ(first_diff(dw, rdw), -1);
+}
+
+TEST(Precision, PolicyPicksFp8OnlyWhereAllowed) {
+  model_config c = small_config();
+  precision_policy p = precision_policy::named("fp8");
+  EXPECT_EQ(p.linear_for(c, 1, "mlp.up_proj", 384, 256), precision::fp8);
+  p.bf16_first = 1;
+  p.bf16_last = 1;
+  EXPECT_EQ(p.linear_for(c, 0, "mlp.up_proj", 384, 256), precision::bf16);
+  EXPECT_EQ(p.linear_for(c, 2, "mlp.up_proj", 384, 256), precision::bf16);
+  EXPECT_EQ(p.linear_for(c, 1, "mlp.up_proj", 384, 256), precision::fp8);
+  EXPECT_EQ(p.linear_for(c, 1, "mlp.up_proj", 100, 256), precision::bf16);  // not a 128-multiple
+  p.bf16_names = {"self_attn.o_proj"};
+  EXPECT_EQ(p.linear_for(c, 1, "self_attn.o_proj", 256, 256), precision::bf16);
+  auto be = make_cpu_backend();
+  model_params mp = model_params_init(c, 1);
+  auto w = model_weights_build(*be, c, p, {&mp, nullptr, nullptr}, false);
+  EXPECT_EQ(w->layers[0].up->prec, precision::bf16);
+  EXPECT_EQ(w->layers[1].up->prec, precision::fp8);
+  EXPECT_EQ(w->layers[1].o->prec, precision::bf16);
+  EXPECT_EQ(w->lm_head->prec, precision::bf16);  // never FP8
+  precision_policy bad = precision_policy::named("fp8");
+  bad.head = precision::fp8;
+  EXPECT_THROW(bad.validate(), std::invalid_argument);
+}
+
+TEST(Precision, ModelLogitsAndGradientsNearFp32) {
+  model_config c = small_config();
+  model_params p = model_params_init(c, 7);
+  auto be = make_cpu_backend();
+  token_batch b;
+  fp8rl::models::rng g(3);
+  for (int s = 0; s < 3; ++s) {
+    std::vector<int32_t> seq(60 + 17 * s);
+    for (auto& t : seq) t = static_cast<int32_t>(g.next_u64() % 97);
+    b.add(seq);
+  }
+  auto targets = b.next_targets();
+  auto run_policy = [&](const char* name, std::vector<float>& logits, std::vector<float>& grads) {
+    model_runner run(*be);
+    auto w = model_weights_build(*be, c, precision_policy::named(name), {&p, nullptr, nullptr}, true);
+    run.forward(*w, b, true);
+    logits.resize(static_cast<size_t>(b.T() * c.vocab_size));
+    be->to_host(logits.data(), run.logits(), logits.size() * 4);
+    std::vector<float> dlogp(targets.size());
+    for (size_t t = 0; t < targets.size(); ++t) dlogp[t] = targets[t] >= 0 ? -1.0f / float(b.T()) : 0.0f;
+    grads.assign(static_cast<size_t>(p.layout.total), 0.0f);
+    run.backward(*w, targets, {}, dlogp.data(), grads.data());
+  };
+  std::vector<float> l32, g32, l16, g16, l8, g8;
+  run_policy("fp32", l32, g32);
+  run_policy("bf16", l16, g16);
+  run_policy("fp8", l8, g8);
+  using fp8rl::test::to_double;
+  const double e16 = fp8rl::tol::rel_norm_err(to_double(l16), to_double(l32));
+  const double e8 = fp8rl::tol::rel_norm_err(to_double(l8), to_double(l32));
+  const double ge16 = fp8rl::tol::rel_norm_err(to_double(g16), to_double(g32));
+  const double ge8 = fp8rl::tol::rel_norm_err(to_double(g8), to_double(g32));
+  EXPECT_LT(e16, fp8rl::tol::kModelBf16VsF32);
+  EXPECT_LT(e8, fp8rl::tol::kModelFp8VsF32);
+  EXPECT_LT(ge16, fp8rl::tol::kModelBf16VsF32Grad);
+  EXPECT_LT(ge8, fp8rl::tol::kModelFp8VsF32Grad);
+  EXPECT_GT(e8, e16) << "FP8 should be measurably coarser than BF16";
+  RecordProperty("logits_rel_err_bf16", std::to_string(e16));
+  RecordProperty("logits_rel_err_fp8", std::to_string(e8));
+  std::printf("logits rel err: bf16 %.3g fp8 %.3g; grads: bf16 %.3g fp8 %.3g\n", e16, e8, ge16, ge8);
+}
+
+TEST(Precision, Fp8AttentionNearBf16Attention) {
+  model_config c = small_config();
+  model_params p = model_params_init(c, 8);
+  auto be = make_cpu_backend();
+  token_batch b;
+  std::vector<int32_t> seq(90);
+  for (size_t i = 0; i < seq.size(); ++i) seq[i] = static_cast<int32_t>((i * 37 + 5) % 97);
+  b.add(seq);
+  // calibrate per-head scales on this batch (amax * 1.05 / 448), as the calibration actor does
+  model_runner run(*be);
+  auto w8 = model_weights_build(*be, c, precision_policy::named("fp8"), {&p, nullptr, nullptr}, false);
+  qkv_stats st;
+  run.forward(*w8, b, false, nullptr, &st);
+  std::vector<float> base(static_cast<size_t>(b.T() * c.vocab_size)), fp8a(base.size());
+  be->to_host(base.data(), run.logits(), base.size() * 4);
+  attn_fp8_scales sc;
+  for (float a : st.q) sc.q.push_back(a * 1.05f / 448.0f);
+  for (float a : st.k) sc.k.push_back(a * 1.05f / 448.0f);
+  for (float a : st.v) sc.v.push_back(a * 1.05f / 448.0f);
+  auto wkv = model_weights_build(*be, c, precision_policy::named("fp8-kv"), {&p, nullptr, nullptr}, false);
+  run.forward(*wkv, b, false, &sc);
+  be->to_host(fp8a.data(), run.logits(), fp8a.size() * 4);
+  const double e = fp8rl::tol::rel_norm_err(fp8rl::test::to_double(fp8a), fp8rl::test::to_double(base));
+  EXPECT_GT(e, 0.0);
+  EXPECT_LT(e, fp8rl::tol::kFp8AttentionVsBf16);
+  std::printf("fp8 attention vs bf16 attention logits rel err %.3g\n", e);
+  EXPECT_THROW(run.forward(*w8, b, false, &sc), std::invalid_argument);  // policy without fp8_attention
+}
