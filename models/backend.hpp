@@ -54,6 +54,23 @@ struct attn_params {
   const float* v_scale = nullptr;
 };
 
+// A KV cache on a backend: per slot, layer and KV head, K^T [D][max_ctx] and V [max_ctx][D]
+// in `dtype`; FP8 entries keep the scale they were written with (per position), so entries
+// written under an older scale snapshot stay decodable (KV policy `keep`).
+struct kv_cache {
+  virtual ~kv_cache() = default;
+  int64_t slots = 0, layers = 0, kv_heads = 0, head_dim = 0, max_ctx = 0;
+  kv_dtype dtype = kv_dtype::f32;
+  virtual int64_t bytes() const = 0;
+};
+
+// Where each token of an engine step lives in the cache.
+struct kv_step {
+  int64_t T = 0;
+  const int32_t* slot = nullptr;  // host [T]
+  const int32_t* pos = nullptr;   // host [T]; token t attends to positions 0..pos[t] of its slot
+};
+
 class backend {
  public:
   virtual ~backend() = default;
@@ -102,6 +119,19 @@ class backend {
   virtual void attention_backward(const attn_params& p, const float* q, const float* k, const float* v,
                                   const float* out, const float* lse, const float* dout, float* dq, float* dk,
                                   float* dv) = 0;
+
+  // ---- KV cache (generation) ----
+  virtual std::unique_ptr<kv_cache> kv_cache_create(int64_t slots, int64_t layers, int64_t KV, int64_t D,
+                                                    int64_t max_ctx, kv_dtype dtype) = 0;
+  // Writes k, v [T,KV,D] (post-RoPE) of `layer` at (slot[t], pos[t]). BF16 rounds to nearest
+  // even; FP8 stores e4m3(x / scale) with saturation, k_scale/v_scale [KV]. Returns how many
+  // elements saturated (|x / scale| > 448).
+  virtual int64_t kv_cache_write(kv_cache& c, int64_t layer, const kv_step& st, const float* k, const float* v,
+                                 const float* k_scale, const float* v_scale) = 0;
+  // out[T,H,D]: token t's query q[t] attends to its slot's positions 0..pos[t] (the same
+  // per-query arithmetic as attention_forward). q_scale [H] enables FP8 queries.
+  virtual void attention_cached(const kv_cache& c, int64_t layer, const kv_step& st, const float* q, int64_t H,
+                                precision operand, const float* q_scale, float* out) = 0;
 
   // ---- output head ----
   // logp[t] (host) = log p(targets[t]) under `proc` applied to logits[t, :V]; targets[t] < 0 -> 0.

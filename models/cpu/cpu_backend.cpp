@@ -65,6 +65,18 @@ class cpu_backend final : public backend {
                           const float* lse, const float* dout, float* dq, float* dk, float* dv) override {
     cpu_attention_backward(p, q, k, v, out, lse, dout, dq, dk, dv);
   }
+  std::unique_ptr<kv_cache> kv_cache_create(int64_t slots, int64_t layers, int64_t KV, int64_t D, int64_t max_ctx,
+                                            kv_dtype dtype) override {
+    return cpu_kv_cache_create(slots, layers, KV, D, max_ctx, dtype);
+  }
+  int64_t kv_cache_write(kv_cache& c, int64_t layer, const kv_step& st, const float* k, const float* v,
+                         const float* ks, const float* vs) override {
+    return cpu_kv_cache_write(c, layer, st, k, v, ks, vs);
+  }
+  void attention_cached(const kv_cache& c, int64_t layer, const kv_step& st, const float* q, int64_t H,
+                        precision operand, const float* q_scale, float* out) override {
+    cpu_attention_cached(c, layer, st, q, H, operand, q_scale, out);
+  }
   void logprob_forward(const float* logits, const int32_t* targets, int64_t T, int64_t V,
                        const logit_processing& proc, float* logp, float* entropy) override {
     cpu_logprob_forward(logits, targets, T, V, proc, logp, entropy);

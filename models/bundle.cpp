@@ -1,0 +1,130 @@
+// models/bundle.cpp -- params <-> bundles.
+#include "models/bundle.hpp"
+
+#include <cstring>
+#include <stdexcept>
+
+#include "quant/fp8.hpp"
+
+namespace fp8rl::models {
+namespace {
+
+using quant::bundle_dtype;
+
+// dtype of each tensor under the policy (linears per layer; head tensors fp32/bf16)
+bundle_dtype dtype_for(const model_config& c, const precision_policy& pol, const param_info& info) {
+  const std::string& n = info.name;
+  const auto dot = n.find(".layers.");
+  if (dot != std::string::npos && info.shape.size() == 2) {
+    const int64_t layer = std::stoll(n.substr(dot + 8));
+    const std::string proj = n.substr(n.find('.', dot + 8) + 1, n.rfind(".weight") - n.find('.', dot + 8) - 1);
+    switch (pol.linear_for(c, layer, proj, info.shape[0], info.shape[1])) {
+      case precision::fp8: return bundle_dtype::fp8;
+      case precision::bf16: return bundle_dtype::bf16;
+      case precision::fp32: return bundle_dtype::f32;
+    }
+  }
+  return pol.head == precision::bf16 ? bundle_dtype::bf16 : bundle_dtype::f32;
+}
+
+}  // namespace
+
+quant::weight_bundle bundle_from_params(const model_params& p, const precision_policy& policy, uint64_t weight_version,
+                                        uint64_t scale_version, const attn_fp8_scales* attn) {
+  policy.validate();
+  quant::weight_bundle b;
+  b.weight_version = weight_version;
+  auto& s = b.snapshot;
+  s.weight_version = weight_version;
+  s.scale_version = scale_version;
+  s.mode = policy.scales;
+  s.policy = policy.fingerprint();
+  s.layers = static_cast<int32_t>(p.cfg.num_hidden_layers);
+  s.heads = static_cast<int32_t>(p.cfg.num_attention_heads);
+  s.kv_heads = static_cast<int32_t>(p.cfg.num_key_value_heads);
+  if (attn) {
+    s.q_scale = attn->q;
+    s.k_scale = attn->k;
+    s.v_scale = attn->v;
+  }
+  for (const auto& info : p.layout.infos) {
+    quant::bundle_tensor t;
+    t.name = info.name;
+    t.shape = info.shape;
+    t.dtype = dtype_for(p.cfg, policy, info);
+    const float* src = p.data.data() + info.offset;
+    switch (t.dtype) {
+      case bundle_dtype::f32:
+        t.bytes.resize(static_cast<size_t>(info.numel * 4));
+        std::memcpy(t.bytes.data(), src, t.bytes.size());
+        break;
+      case bundle_dtype::bf16:
+        t.bytes.resize(static_cast<size_t>(info.numel * 2));
+        for (int64_t i = 0; i < info.numel; ++i) {
+          const uint16_t v = quant::bf16_from_float(src[i]);
+          std::memcpy(t.bytes.data() + 2 * i, &v, 2);
+        }
+        break;
+      case bundle_dtype::fp8: {
+        quant::qtensor q = quant::quantize(src, info.shape[0], info.shape[1], quant::qlayout::block_128x128,
+                                           policy.scales, info.name);
+        t.bytes = std::move(q.data);
+        s.weight_scales[info.name] = std::move(q.scale_inv);
+        break;
+      }
+    }
+    b.tensors.push_back(std::move(t));
+  }
+  return b;
+}
+
+bundle_contents bundle_unpack(const quant::weight_bundle& b, const model_config& cfg, const precision_policy& policy) {
+  const std::string tag = "bundle v" + std::to_string(b.weight_version) + ": ";
+  if (b.snapshot.policy != policy.fingerprint())
+    throw std::invalid_argument(tag + "made for precision policy '" + b.snapshot.policy + "', this engine runs '" +
+                                policy.fingerprint() + "'");
+  if (b.snapshot.mode != policy.scales) throw std::invalid_argument(tag + "scale mode differs from the policy's");
+  quant::bundle_validate(b, policy.kv == kv_dtype::fp8 || policy.fp8_attention);
+  const param_layout layout = model_param_layout(cfg);
+  std::map<std::string, const quant::bundle_tensor*> by_name;
+  for (const auto& t : b.tensors) by_name[t.name] = &t;
+  bundle_contents out;
+  for (const auto& info : layout.infos) {
+    auto it = by_name.find(info.name);
+    if (it == by_name.end()) throw std::invalid_argument(tag + "tensor '" + info.name + "' is missing");
+    const quant::bundle_tensor& t = *it->second;
+    if (t.shape != info.shape) throw std::invalid_argument(tag + "tensor '" + info.name + "' has the wrong shape");
+    const bundle_dtype want = dtype_for(cfg, policy, info);
+    if (t.dtype != want)
+      throw std::invalid_argument(tag + "tensor '" + info.name + "' has dtype " + std::to_string(int(t.dtype)) +
+                                  ", the policy needs " + std::to_string(int(want)));
+    if (t.dtype == bundle_dtype::fp8) {
+      quant::qtensor q;
+      q.name = t.name;
+      q.rows = t.shape[0];
+      q.cols = t.shape[1];
+      q.layout = quant::qlayout::block_128x128;
+      q.mode = b.snapshot.mode;
+      q.data = t.bytes;
+      q.scale_inv = b.snapshot.weight_scales.at(t.name);
+      out.fp8.emplace(t.name, std::move(q));
+      continue;
+    }
+    std::vector<float> v(static_cast<size_t>(info.numel));
+    if (t.dtype == bundle_dtype::f32) {
+      std::memcpy(v.data(), t.bytes.data(), v.size() * 4);
+    } else {
+      for (int64_t i = 0; i < info.numel; ++i) {
+        uint16_t x;
+        std::memcpy(&x, t.bytes.data() + 2 * i, 2);
+        v[i] = quant::bf16_to_float(x);
+      }
+    }
+    out.values.emplace(t.name, std::move(v));
+  }
+  if (by_name.size() != layout.infos.size()) throw std::invalid_argument(tag + "holds tensors this config does not have");
+  if (b.snapshot.has_attention_scales()) out.attn = {b.snapshot.q_scale, b.snapshot.k_scale, b.snapshot.v_scale};
+  return out;
+}
+
+}  // namespace fp8rl::models

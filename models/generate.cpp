@@ -1,0 +1,258 @@
+// models/generate.cpp -- generation engine: slots, KV cache, sampling, adoption.
+#include "models/generate.hpp"
+
+#include <algorithm>
+#include <limits>
+#include <stdexcept>
+
+#include "models/sampling.hpp"
+
+namespace fp8rl::models {
+
+struct generation_engine::state {
+  std::unique_ptr<model_weights> weights;
+  attn_fp8_scales attn;  // FP8 attention / KV scales ([L][H], [L][KV], [L][KV]); empty if unused
+  uint64_t weight_version = 0, scale_version = 0;
+};
+
+struct generation_engine::slot {
+  gen_request req;
+  std::vector<int32_t> ctx;            // prompt + generated tokens
+  int64_t fed = 0;                     // ctx[0, fed) have K/V in the cache
+  std::vector<uint64_t> pos_version;   // weight version that wrote each cached position
+  gen_result res;
+};
+
+generation_engine::generation_engine(backend& be, const model_config& cfg, engine_config ec)
+    : be_(be), cfg_(cfg), ec_(std::move(ec)) {
+  cfg_.validate();
+  ec_.policy.validate();
+  if (ec_.slots <= 0 || ec_.max_context <= 1) throw std::invalid_argument("engine: slots and max_context must be positive");
+  if (ec_.max_context > cfg_.max_position_embeddings)
+    throw std::invalid_argument("engine: max_context exceeds max_position_embeddings");
+  slots_.resize(static_cast<size_t>(ec_.slots));
+  cache_ = be_.kv_cache_create(ec_.slots, cfg_.num_hidden_layers, cfg_.num_key_value_heads, cfg_.head_dim,
+                               ec_.max_context, ec_.policy.kv);
+  stats_.kv_saturated.assign(static_cast<size_t>(cfg_.num_hidden_layers), 0);
+}
+
+generation_engine::~generation_engine() = default;
+
+std::string generation_engine::install(std::shared_ptr<const state> s) {
+  std::lock_guard<std::mutex> g(adopt_mu_);
+  if (current_ && s->weight_version < current_->weight_version)
+    return "bundle v" + std::to_string(s->weight_version) + " is older than the adopted v" +
+           std::to_string(current_->weight_version);
+  pending_ = std::move(s);
+  return "";
+}
+
+std::string generation_engine::adopt(std::shared_ptr<const quant::weight_bundle> b) {
+  if (!b) return "null bundle";
+  try {
+    bundle_contents c = bundle_unpack(*b, cfg_, ec_.policy);
+    auto s = std::make_shared<state>();
+    s->weights = model_weights_build(be_, cfg_, ec_.policy, c.source(), false);
+    s->attn = std::move(c.attn);
+    s->weight_version = b->snapshot.weight_version;
+    s->scale_version = b->snapshot.scale_version;
+    return install(std::move(s));
+  } catch (const std::exception& e) {
+    return e.what();
+  }
+}
+
+std::string generation_engine::adopt_params(const model_params& p, uint64_t weight_version, uint64_t scale_version,
+                                            const attn_fp8_scales* attn) {
+  try {
+    if ((ec_.policy.kv == kv_dtype::fp8 || ec_.policy.fp8_attention) && !attn)
+      return "policy '" + ec_.policy.name + "' needs FP8 attention/KV scales";
+    auto s = std::make_shared<state>();
+    s->weights = model_weights_build(be_, cfg_, ec_.policy, {&p, nullptr, nullptr}, false);
+    if (attn) s->attn = *attn;
+    s->weight_version = weight_version;
+    s->scale_version = scale_version;
+    return install(std::move(s));
+  } catch (const std::exception& e) {
+    return e.what();
+  }
+}
+
+void generation_engine::submit(gen_request r) {
+  if (r.prompt.empty()) throw std::invalid_argument("request " + std::to_string(r.id) + ": empty prompt");
+  if (static_cast<int64_t>(r.prompt.size()) >= ec_.max_context)
+    throw std::invalid_argument("request " + std::to_string(r.id) + ": prompt of " + std::to_string(r.prompt.size()) +
+                                " tokens does not fit max_context " + std::to_string(ec_.max_context));
+  for (int32_t t : r.prompt)
+    if (t < 0 || t >= cfg_.vocab_size)
+      throw std::invalid_argument("request " + std::to_string(r.id) + ": token " + std::to_string(t) + " outside the vocabulary");
+  if (r.max_tokens <= 0) throw std::invalid_argument("request " + std::to_string(r.id) + ": max_tokens must be > 0");
+  waiting_.push_back(std::move(r));
+}
+
+bool generation_engine::idle() const {
+  return waiting_.empty() && std::none_of(slots_.begin(), slots_.end(), [](const auto& s) { return s != nullptr; });
+}
+
+bool generation_engine::has_weights() const { return current_ != nullptr; }
+uint64_t generation_engine::weight_version() const { return current_ ? current_->weight_version : 0; }
+
+std::vector<gen_request> generation_engine::drain() {
+  std::vector<gen_request> out(waiting_.begin(), waiting_.end());
+  waiting_.clear();
+  for (auto& s : slots_)
+    if (s) {
+      out.push_back(s->req);
+      s.reset();
+    }
+  return out;
+}
+
+void generation_engine::forward(const std::vector<int32_t>& tokens, const std::vector<int32_t>& slot_of,
+                                const std::vector<int32_t>& pos, const std::vector<int64_t>& rows,
+                                std::vector<float>& logits) {
+  const model_weights& w = *current_->weights;
+  const model_config& c = cfg_;
+  const int64_t T = static_cast<int64_t>(tokens.size()), C = c.hidden_size, F = c.intermediate_size,
+                H = c.num_attention_heads, KV = c.num_key_value_heads, D = c.head_dim, R = static_cast<int64_t>(rows.size());
+  buffer<float> x(be_, T * C), xn(be_, T * C), q(be_, T * H * D), k(be_, T * KV * D), v(be_, T * KV * D),
+      att(be_, T * H * D), tmp(be_, T * std::max(C, H * D)), gate(be_, T * F), up(be_, T * F), rstd(be_, T),
+      xr(be_, R * C), lg(be_, R * c.vocab_size);
+  const kv_step st{T, slot_of.data(), pos.data()};
+  const attn_fp8_scales& a = current_->attn;
+  const bool fp8q = ec_.policy.fp8_attention, fp8kv = ec_.policy.kv == kv_dtype::fp8;
+  const float eps = static_cast<float>(c.rms_norm_eps);
+  be_.embedding_forward(w.wte.data(), tokens.data(), T, C, x.data());
+  for (int64_t i = 0; i < c.num_hidden_layers; ++i) {
+    const auto& lw = w.layers[i];
+    be_.rmsnorm_forward(x.data(), lw.attn_norm.data(), T, C, eps, xn.data(), rstd.data());
+    be_.linear_forward(*lw.q, xn.data(), T, q.data());
+    be_.linear_forward(*lw.k, xn.data(), T, k.data());
+    be_.linear_forward(*lw.v, xn.data(), T, v.data());
+    be_.rope(q.data(), pos.data(), T, H, D, c.rope_theta, false);
+    be_.rope(k.data(), pos.data(), T, KV, D, c.rope_theta, false);
+    stats_.kv_saturated[i] += be_.kv_cache_write(*cache_, i, st, k.data(), v.data(),
+                                                 fp8kv ? a.k.data() + i * KV : nullptr,
+                                                 fp8kv ? a.v.data() + i * KV : nullptr);
+    be_.attention_cached(*cache_, i, st, q.data(), H, w.policy.attention, fp8q ? a.q.data() + i * H : nullptr, att.data());
+    be_.linear_forward(*lw.o, att.data(), T, tmp.data());
+    be_.add_inplace(x.data(), tmp.data(), T * C);
+    be_.rmsnorm_forward(x.data(), lw.mlp_norm.data(), T, C, eps, xn.data(), rstd.data());
+    be_.linear_forward(*lw.gate, xn.data(), T, gate.data());
+    be_.linear_forward(*lw.up, xn.data(), T, up.data());
+    be_.swiglu_forward(gate.data(), up.data(), T * F, gate.data());
+    be_.linear_forward(*lw.down, gate.data(), T, tmp.data());
+    be_.add_inplace(x.data(), tmp.data(), T * C);
+  }
+  be_.rmsnorm_forward(x.data(), w.final_norm.data(), T, C, eps, xn.data(), rstd.data());
+  for (int64_t r = 0; r < R; ++r) be_.copy(xr.data() + r * C, xn.data() + rows[r] * C, C);
+  be_.linear_forward(*w.lm_head, xr.data(), R, lg.data());
+  logits.resize(static_cast<size_t>(R * c.vocab_size));
+  be_.to_host(logits.data(), lg.data(), logits.size() * 4);
+}
+
+std::vector<gen_result> generation_engine::step() {
+  bool adopted = false;
+  {
+    std::lock_guard<std::mutex> g(adopt_mu_);
+    if (pending_) {
+      current_ = std::move(pending_);
+      pending_.reset();
+      adopted = true;
+    }
+  }
+  if (!current_) throw std::logic_error("generation engine: no weights adopted");
+  if (adopted) {
+    ++stats_.adoptions;
+    if (ec_.on_adopt == kv_adopt_policy::recompute)
+      for (auto& s : slots_)
+        if (s && s->fed > 0) {
+          stats_.recomputed_tokens += s->fed;
+          s->fed = 0;
+        }
+  }
+  for (auto& s : slots_) {
+    if (s || waiting_.empty()) continue;
+    s = std::make_unique<slot>();
+    s->req = std::move(waiting_.front());
+    waiting_.pop_front();
+    s->ctx = s->req.prompt;
+    s->pos_version.assign(static_cast<size_t>(ec_.max_context), 0);
+    s->res.id = s->req.id;
+    s->res.prompt = s->req.prompt;
+    s->res.kv_policy = ec_.on_adopt;
+  }
+  std::vector<int32_t> tokens, slot_of, pos;
+  std::vector<int64_t> rows;
+  std::vector<size_t> active;
+  for (size_t i = 0; i < slots_.size(); ++i) {
+    slot* s = slots_[i].get();
+    if (!s) continue;
+    active.push_back(i);
+    const int64_t n = static_cast<int64_t>(s->ctx.size());
+    for (int64_t p = s->fed; p < n; ++p) {
+      tokens.push_back(s->ctx[p]);
+      slot_of.push_back(static_cast<int32_t>(i));
+      pos.push_back(static_cast<int32_t>(p));
+      s->pos_version[p] = current_->weight_version;
+    }
+    if (s->fed == 0) stats_.prefill_tokens += n; else stats_.decode_tokens += n - s->fed;
+    s->fed = n;
+    rows.push_back(static_cast<int64_t>(tokens.size()) - 1);
+  }
+  std::vector<gen_result> done;
+  if (active.empty()) return done;
+  std::vector<float> logits;
+  forward(tokens, slot_of, pos, rows, logits);
+  ++stats_.steps;
+  const int64_t V = cfg_.vocab_size;
+  std::vector<float> z(static_cast<size_t>(V));
+  std::vector<int32_t> work;
+  for (size_t r = 0; r < active.size(); ++r) {
+    auto& sp = slots_[active[r]];
+    slot& s = *sp;
+    const float* lg = logits.data() + r * V;
+    const size_t index = s.res.tokens.size();
+    int32_t tok;
+    float lp;
+    if (s.req.proc.temperature == 0.0f) {  // greedy; logprob at temperature 1
+      const double lse = logits_process(lg, V, logit_processing{}, z.data(), work);
+      tok = argmax_logits(lg, V);
+      lp = static_cast<float>(z[tok] - lse);
+    } else {
+      const double lse = logits_process(lg, V, s.req.proc, z.data(), work);
+      rng g(s.req.seed * 0x9e3779b97f4a7c15ull ^ (s.req.id + 1) * 0xc2b2ae3d27d4eb4full ^ (index + 1) * 0x165667b19e3779f9ull);
+      tok = sample_processed(z.data(), V, lse, g.uniform());
+      lp = static_cast<float>(z[tok] - lse);
+    }
+    uint64_t oldest = std::numeric_limits<uint64_t>::max();
+    for (int64_t p = 0; p < s.fed; ++p) oldest = std::min(oldest, s.pos_version[p]);
+    s.res.tokens.push_back(tok);
+    s.res.logprobs.push_back(lp);
+    s.res.weight_version.push_back(current_->weight_version);
+    s.res.scale_version.push_back(current_->scale_version);
+    s.res.oldest_kv_version.push_back(oldest);
+    s.ctx.push_back(tok);
+    const bool stop = std::find(s.req.stop_tokens.begin(), s.req.stop_tokens.end(), tok) != s.req.stop_tokens.end();
+    const bool full = static_cast<int64_t>(s.res.tokens.size()) >= s.req.max_tokens ||
+                      static_cast<int64_t>(s.ctx.size()) >= ec_.max_context;
+    if (stop || full) {
+      s.res.finish = stop ? "stop" : "length";
+      done.push_back(std::move(s.res));
+      sp.reset();
+    }
+  }
+  return done;
+}
+
+std::vector<gen_result> generation_engine::run_to_completion() {
+  std::vector<gen_result> all;
+  while (!idle()) {
+    auto d = step();
+    for (auto& r : d) all.push_back(std::move(r));
+  }
+  std::sort(all.begin(), all.end(), [](const gen_result& a, const gen_result& b) { return a.id < b.id; });
+  return all;
+}
+
+}  // namespace fp8rl::models

@@ -1,0 +1,105 @@
+// models/generate.hpp -- the generation engine a rollout actor runs: continuous batching over a
+// fixed number of slots, KV cache (F32/BF16/FP8), seeded sampling with per-token logprobs and
+// version tags, and bundle adoption at step boundaries.
+// defines: gen_request, gen_result, kv_adopt_policy, engine_config, engine_stats,
+//          generation_engine
+//
+// One step: (1) adopt a pending bundle if any (KV policy `recompute` re-prefills every active
+// sequence under the new weights; `keep` keeps cache entries, and tokens record the oldest
+// weight version in their context); (2) admit waiting requests into free slots; (3) one
+// forward over all new context tokens (prefill) and last tokens (decode) of active slots;
+// (4) sample one token per slot. Every per-token computation is batch-invariant, so a request's
+// tokens and logprobs do not depend on what else is in the batch, and equal the training
+// forward's logprobs of the same sequence under the same policy.
+#pragma once
+#include <cstdint>
+#include <deque>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "models/backend.hpp"
+#include "models/bundle.hpp"
+#include "models/transformer.hpp"
+
+namespace fp8rl::models {
+
+struct gen_request {
+  uint64_t id = 0;
+  std::vector<int32_t> prompt;
+  int32_t max_tokens = 64;
+  std::vector<int32_t> stop_tokens;
+  logit_processing proc;   // temperature 0 = greedy
+  uint64_t seed = 0;       // sampling stream: (seed, id, token index) -> uniform
+};
+
+enum class kv_adopt_policy : uint8_t { recompute = 0, keep = 1 };
+
+struct gen_result {
+  uint64_t id = 0;
+  std::vector<int32_t> prompt, tokens;      // generated tokens
+  std::vector<float> logprobs;              // g_t of each generated token (processed distribution)
+  std::vector<uint64_t> weight_version;     // per token: versions it was sampled under
+  std::vector<uint64_t> scale_version;
+  std::vector<uint64_t> oldest_kv_version;  // per token: oldest weight version in its KV context
+  kv_adopt_policy kv_policy = kv_adopt_policy::recompute;
+  std::string finish;                       // "stop" | "length"
+};
+
+struct engine_config {
+  int64_t slots = 8;
+  int64_t max_context = 512;
+  kv_adopt_policy on_adopt = kv_adopt_policy::recompute;
+  precision_policy policy;                  // generation policy (FP8 KV / attention allowed)
+};
+
+struct engine_stats {
+  int64_t steps = 0, prefill_tokens = 0, decode_tokens = 0, adoptions = 0, recomputed_tokens = 0;
+  std::vector<int64_t> kv_saturated;  // per layer: FP8 KV elements that saturated
+};
+
+class generation_engine {
+ public:
+  generation_engine(backend& be, const model_config& cfg, engine_config ec);
+  ~generation_engine();
+
+  // Validates and prepares a bundle on the caller's thread; it takes effect at the next step
+  // boundary (never during a forward pass). Returns "" on success, else the reason it was
+  // refused -- the engine then keeps its current weights. Thread-safe.
+  std::string adopt(std::shared_ptr<const quant::weight_bundle> b);
+  // Learner-side shortcut (tests, tools): weights straight from master params.
+  std::string adopt_params(const model_params& p, uint64_t weight_version, uint64_t scale_version,
+                           const attn_fp8_scales* attn = nullptr);
+
+  void submit(gen_request r);
+  std::vector<gen_result> step();               // one engine step; finished results
+  std::vector<gen_result> run_to_completion();  // steps until nothing is waiting or active
+  bool idle() const;
+  bool has_weights() const;
+  uint64_t weight_version() const;
+  const engine_stats& stats() const { return stats_; }
+  const engine_config& config() const { return ec_; }
+  // Requests not finished (waiting + active, with what they generated so far discarded), e.g.
+  // to re-queue elsewhere when this engine is stopped.
+  std::vector<gen_request> drain();
+
+ private:
+  struct state;       // adopted weights of one version
+  struct slot;        // an active sequence
+  backend& be_;
+  model_config cfg_;
+  engine_config ec_;
+  std::mutex adopt_mu_;
+  std::shared_ptr<const state> pending_;  // guarded by adopt_mu_
+  std::shared_ptr<const state> current_;
+  std::deque<gen_request> waiting_;
+  std::vector<std::unique_ptr<slot>> slots_;
+  std::unique_ptr<kv_cache> cache_;
+  engine_stats stats_;
+  std::string install(std::shared_ptr<const state> s);
+  void forward(const std::vector<int32_t>& tokens, const std::vector<int32_t>& slot_of, const std::vector<int32_t>& pos,
+               const std::vector<int64_t>& rows, std::vector<float>& logits);
+};
+
+}  // namespace fp8rl::models

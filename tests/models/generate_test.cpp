@@ -1,0 +1,258 @@
+// tests/models/generate_test.cpp -- the generation engine: logprobs equal the training forward
+// bit for bit (every policy with its matching KV cache), continuous batching equals running each
+// request alone, adoption at step boundaries with version tags (recompute / keep), concurrent
+// adoption, refused bundles, FP8 KV-cache mismatch measured.
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <cmath>
+#include <cstring>
+#include <thread>
+
+#include "models/cpu/cpu_backend.hpp"
+#include "models/generate.hpp"
+
+using namespace fp8rl::models;
+
+namespace {
+model_config cfg() {
+  model_config c;
+  c.hidden_size = 256; c.intermediate_size = 256; c.num_hidden_layers = 2; c.num_attention_heads = 4;
+  c.num_key_value_heads = 2; c.head_dim = 64; c.vocab_size = 61; c.max_position_embeddings = 128;
+  c.initializer_range = 0.08;
+  return c;
+}
+
+std::vector<gen_request> requests(int n, float temp, int top_k = 0, float top_p = 1.0f) {
+  std::vector<gen_request> r;
+  for (int i = 0; i < n; ++i) {
+    gen_request q;
+    q.id = 100 + i;
+    for (int j = 0; j < 3 + (i * 5) % 11; ++j) q.prompt.push_back((7 * i + 13 * j + 1) % 61);
+    q.max_tokens = 4 + (i * 3) % 9;
+    q.proc = {temp, top_k, top_p};
+    q.seed = 42 + i;
+    r.push_back(q);
+  }
+  return r;
+}
+
+engine_config ecfg(const char* policy, int64_t slots) {
+  engine_config e;
+  e.slots = slots;
+  e.max_context = 64;
+  e.policy = precision_policy::named(policy);
+  return e;
+}
+
+// Training-forward logprobs of each result's generated tokens (prompt + tokens as one sequence).
+std::vector<std::vector<float>> learner_logprobs(const model_params& p, const precision_policy& pol,
+                                                 const std::vector<gen_result>& res, const logit_processing& proc) {
+  auto be = make_cpu_backend();
+  auto w = model_weights_build(*be, p.cfg, pol, {&p, nullptr, nullptr}, false);
+  model_runner run(*be);
+  token_batch b;
+  for (const auto& r : res) {
+    auto seq = r.prompt;
+    seq.insert(seq.end(), r.tokens.begin(), r.tokens.end());
+    b.add(seq);
+  }
+  run.forward(*w, b, false);
+  auto targets = b.next_targets();
+  std::vector<float> lp(targets.size());
+  run.logprobs(targets, proc, lp.data());
+  std::vector<std::vector<float>> out;
+  for (size_t i = 0; i < res.size(); ++i) {
+    const int32_t s0 = b.seq_start[i], np = static_cast<int32_t>(res[i].prompt.size());
+    out.emplace_back(lp.begin() + s0 + np - 1, lp.begin() + s0 + np - 1 + res[i].tokens.size());
+  }
+  return out;
+}
+
+bool same(const std::vector<float>& a, const std::vector<float>& b) {
+  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * 4) == 0;
+}
+}  // namespace
+
+class GenConsistency : public ::testing::TestWithParam<const char*> {};
+
+TEST_P(GenConsistency, LogprobsEqualTrainingForwardBitForBit) {
+  const model_params p = model_params_init(cfg(), 3);
+  auto be = make_cpu_backend();
+  for (logit_processing proc : {logit_processing{1.0f, 0, 1.0f}, logit_processing{0.7f, 0, 1.0f},
+                                logit_processing{1.0f, 10, 0.9f}}) {
+    generation_engine eng(*be, p.cfg, ecfg(GetParam(), 3));
+    ASSERT_EQ(eng.adopt_params(p, 1, 1), "");
+    for (auto& r : requests(6, proc.temperature, proc.top_k, proc.top_p)) eng.submit(r);
+    auto res = eng.run_to_completion();
+    ASSERT_EQ(res.size(), 6u);
+    auto lp = learner_logprobs(p, eng.config().policy.training(), res, proc);
+    for (size_t i = 0; i < res.size(); ++i)
+      EXPECT_TRUE(same(res[i].logprobs, lp[i])) << GetParam() << " request " << i << " T=" << proc.temperature;
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Policies, GenConsistency, ::testing::Values("fp32", "bf16", "fp8"));
+
+TEST(Generate, ContinuousBatchingEqualsRunningAlone) {
+  const model_params p = model_params_init(cfg(), 4);
+  auto be = make_cpu_backend();
+  generation_engine batched(*be, p.cfg, ecfg("fp8", 3));
+  batched.adopt_params(p, 1, 1);
+  auto reqs = requests(8, 0.9f);
+  for (auto& r : reqs) batched.submit(r);
+  auto all = batched.run_to_completion();
+  for (const auto& r : reqs) {
+    generation_engine alone(*be, p.cfg, ecfg("fp8", 1));
+    alone.adopt_params(p, 1, 1);
+    alone.submit(r);
+    auto one = alone.run_to_completion();
+    const auto& b = *std::find_if(all.begin(), all.end(), [&](const gen_result& x) { return x.id == r.id; });
+    EXPECT_EQ(one[0].tokens, b.tokens) << r.id;
+    EXPECT_TRUE(same(one[0].logprobs, b.logprobs)) << r.id;
+  }
+}
+
+TEST(Generate, SeededSamplingIsReproducibleAndGreedyIsArgmax) {
+  const model_params p = model_params_init(cfg(), 5);
+  auto be = make_cpu_backend();
+  auto run = [&](float temp, uint64_t seed) {
+    generation_engine e(*be, p.cfg, ecfg("fp32", 2));
+    e.adopt_params(p, 1, 1);
+    auto r = requests(2, temp);
+    for (auto& q : r) { q.seed = seed; q.max_tokens = 12; e.submit(q); }
+    return e.run_to_completion();
+  };
+  auto a = run(1.0f, 7), b = run(1.0f, 7), c = run(1.0f, 8);
+  EXPECT_EQ(a[0].tokens, b[0].tokens);
+  EXPECT_NE(a[0].tokens, c[0].tokens);  // 12 draws over 61 tokens: identical streams are ~impossible
+  auto g = run(0.0f, 1);
+  auto lp = learner_logprobs(p, precision_policy::named("fp32"), g, {});
+  for (size_t i = 0; i < g.size(); ++i) {
+    EXPECT_TRUE(same(g[i].logprobs, lp[i]));
+    for (float x : g[i].logprobs) EXPECT_GT(x, -std::log(61.0f) - 1.0f);  // argmax beats uniform-ish
+  }
+}
+
+TEST(Generate, AdoptionAtStepBoundariesTagsTokens) {
+  const model_params p1 = model_params_init(cfg(), 6), p2 = model_params_init(cfg(), 7);
+  auto be = make_cpu_backend();
+  for (kv_adopt_policy pol : {kv_adopt_policy::recompute, kv_adopt_policy::keep}) {
+    engine_config ec = ecfg("fp8", 2);
+    ec.on_adopt = pol;
+    generation_engine e(*be, p1.cfg, ec);
+    e.adopt_params(p1, 1, 1);
+    auto r = requests(1, 1.0f);
+    r[0].max_tokens = 10;
+    e.submit(r[0]);
+    for (int i = 0; i < 4; ++i) e.step();
+    ASSERT_EQ(e.adopt(std::make_shared<fp8rl::quant::weight_bundle>(
+                  bundle_from_params(p2, ec.policy, 2, 5, nullptr))), "");
+    auto res = e.run_to_completion();
+    ASSERT_EQ(res.size(), 1u);
+    const auto& t = res[0];
+    for (size_t i = 0; i < t.tokens.size(); ++i) {
+      EXPECT_EQ(t.weight_version[i], i < 4 ? 1u : 2u) << i;
+      EXPECT_EQ(t.scale_version[i], i < 4 ? 1u : 5u) << i;
+      const uint64_t want_oldest = i < 4 ? 1 : (pol == kv_adopt_policy::recompute ? 2 : 1);
+      EXPECT_EQ(t.oldest_kv_version[i], want_oldest) << i;
+    }
+    EXPECT_EQ(t.kv_policy, pol);
+    if (pol == kv_adopt_policy::recompute) {  // after recompute, tokens are exactly v2's
+      auto lp = learner_logprobs(p2, ec.policy.training(), res, {});
+      for (size_t i = 4; i < t.tokens.size(); ++i) EXPECT_EQ(std::memcmp(&t.logprobs[i], &lp[0][i], 4), 0) << i;
+    }
+  }
+}
+
+TEST(Generate, ConcurrentAdopterNeverTearsAStep) {
+  const model_params base = model_params_init(cfg(), 8);
+  std::vector<model_params> vers;
+  for (int v = 0; v < 6; ++v) { vers.push_back(base); for (auto& x : vers.back().data) x *= 1.0f + 0.01f * v; }
+  auto be = make_cpu_backend();
+  engine_config ec = ecfg("fp8", 4);
+  generation_engine e(*be, base.cfg, ec);
+  e.adopt_params(vers[0], 1, 1);
+  std::vector<std::shared_ptr<const fp8rl::quant::weight_bundle>> bundles;
+  for (int v = 1; v < 6; ++v)
+    bundles.push_back(std::make_shared<fp8rl::quant::weight_bundle>(bundle_from_params(vers[v], ec.policy, v + 1, v + 1, nullptr)));
+  for (auto& r : requests(12, 1.0f)) { r.max_tokens = 20; e.submit(r); }
+  std::atomic<bool> stop{false};
+  std::thread adopter([&] {
+    for (const auto& b : bundles) {
+      EXPECT_EQ(e.adopt(b), "");
+      std::this_thread::sleep_for(std::chrono::milliseconds(3));
+    }
+    stop = true;
+  });
+  std::vector<gen_result> res;
+  while (!e.idle()) for (auto& r : e.step()) res.push_back(std::move(r));
+  adopter.join();
+  ASSERT_EQ(res.size(), 12u);
+  for (const auto& r : res)
+    for (size_t i = 1; i < r.tokens.size(); ++i) {
+      EXPECT_GE(r.weight_version[i], r.weight_version[i - 1]);
+      EXPECT_EQ(r.weight_version[i], r.scale_version[i]);
+      EXPECT_LE(r.oldest_kv_version[i], r.weight_version[i]);
+    }
+}
+
+TEST(Generate, RefusedBundlesKeepTheOldWeights) {
+  const model_params p = model_params_init(cfg(), 9);
+  auto be = make_cpu_backend();
+  engine_config ec = ecfg("fp8", 2);
+  generation_engine e(*be, p.cfg, ec);
+  ASSERT_EQ(e.adopt_params(p, 3, 3), "");
+  e.submit(requests(1, 1.0f)[0]);
+  e.step();
+  auto good = bundle_from_params(p, ec.policy, 4, 4, nullptr);
+  auto missing = good;
+  missing.snapshot.weight_scales.erase("model.layers.0.mlp.up_proj.weight");
+  EXPECT_NE(e.adopt(std::make_shared<fp8rl::quant::weight_bundle>(missing)).find("model.layers.0.mlp.up_proj.weight"),
+            std::string::npos);
+  auto zero = good;
+  zero.snapshot.weight_scales.begin()->second[0] = 0.0f;
+  EXPECT_NE(e.adopt(std::make_shared<fp8rl::quant::weight_bundle>(zero)), "");
+  auto other = bundle_from_params(p, precision_policy::named("bf16"), 4, 4, nullptr);
+  EXPECT_NE(e.adopt(std::make_shared<fp8rl::quant::weight_bundle>(other)).find("precision policy"), std::string::npos);
+  auto shape = good;
+  shape.tensors[1].shape = {3};
+  EXPECT_NE(e.adopt(std::make_shared<fp8rl::quant::weight_bundle>(shape)), "");
+  auto older = bundle_from_params(p, ec.policy, 2, 2, nullptr);
+  EXPECT_NE(e.adopt(std::make_shared<fp8rl::quant::weight_bundle>(older)).find("older"), std::string::npos);
+  engine_config kv = ecfg("fp8-kv", 2);
+  generation_engine ek(*be, p.cfg, kv);
+  EXPECT_NE(ek.adopt(std::make_shared<fp8rl::quant::weight_bundle>(bundle_from_params(p, kv.policy, 1, 1, nullptr))), "");
+  auto res = e.run_to_completion();
+  for (uint64_t v : res[0].weight_version) EXPECT_EQ(v, 3u);
+}
+
+// FP8 KV cache + FP8 attention vs the BF16 learner: the mismatch is measured, not asserted away.
+TEST(Generate, Fp8KvCacheMismatchIsMeasured) {
+  const model_params p = model_params_init(cfg(), 10);
+  auto be = make_cpu_backend();
+  // calibrate Q/K/V scales on the prompts (amax * 1.05 / 448)
+  model_runner run(*be);
+  auto w = model_weights_build(*be, p.cfg, precision_policy::named("fp8"), {&p, nullptr, nullptr}, false);
+  token_batch b;
+  for (auto& r : requests(6, 1.0f)) b.add(r.prompt);
+  qkv_stats st;
+  run.forward(*w, b, false, nullptr, &st);
+  attn_fp8_scales sc;
+  for (float a : st.q) sc.q.push_back(a * 1.05f / 448.0f);
+  for (float a : st.k) sc.k.push_back(a * 1.05f / 448.0f);
+  for (float a : st.v) sc.v.push_back(a * 1.05f / 448.0f);
+  generation_engine e(*be, p.cfg, ecfg("fp8-kv", 3));
+  ASSERT_EQ(e.adopt_params(p, 1, 1, &sc), "");
+  for (auto& r : requests(6, 1.0f)) e.submit(r);
+  auto res = e.run_to_completion();
+  auto lp = learner_logprobs(p, e.config().policy.training(), res, {});
+  double n = 0, err = 0;
+  for (size_t i = 0; i < res.size(); ++i)
+    for (size_t t = 0; t < res[i].logprobs.size(); ++t) { err += std::exp(std::fabs(res[i].logprobs[t] - lp[i][t])); n += 1; }
+  const double tmpe = err / n;  // token_mult_prob_error (rl-algorithm.md §6)
+  std::printf("fp8 KV cache + attention vs bf16 learner: token_mult_prob_error = %.5f over %.0f tokens\n", tmpe, n);
+  RecordProperty("token_mult_prob_error_fp8_kv", std::to_string(tmpe));
+  EXPECT_TRUE(std::isfinite(tmpe));
+  EXPECT_GT(tmpe, 1.0);  // FP8 K/V differ from BF16: the error is real, and reported
+}

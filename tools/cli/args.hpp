@@ -1,0 +1,33 @@
+// tools/cli/args.hpp -- a small strict argument parser for the fp8rl subcommands that run
+// without the actor system (score, generate, sft, eval). Unknown flags are errors.
+#pragma once
+#include <map>
+#include <set>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+namespace fp8rl::cli {
+
+struct args {
+  std::map<std::string, std::string> kv;  // --key value or --key=value
+  std::set<std::string> flags;            // --switch
+  bool has(const std::string& k) const { return kv.count(k) > 0; }
+  std::string get(const std::string& k, const std::string& def = "") const {
+    auto it = kv.find(k);
+    return it == kv.end() ? def : it->second;
+  }
+  std::string need(const std::string& k) const {
+    auto it = kv.find(k);
+    if (it == kv.end()) throw std::invalid_argument("missing required option --" + k);
+    return it->second;
+  }
+  long long get_int(const std::string& k, long long def) const;
+  double get_num(const std::string& k, double def) const;
+};
+
+// valued: options that take a value; switches: options without one.
+args args_parse(int argc, char** argv, int first, const std::set<std::string>& valued,
+                const std::set<std::string>& switches);
+
+}  // namespace fp8rl::cli

@@ -1,0 +1,47 @@
+// tools/cli/cmd_score.cpp -- `fp8rl score`: per-token log-probabilities of given sequences.
+//   fp8rl score --model DIR --input FILE.jsonl [--policy fp32|bf16|fp8] [--bf16-layers F,L]
+//               [--scale-mode pow2|fp32] [--threads N] [--max-batch-tokens N]
+// Input lines {"tokens": [ids...]}; output one line per input, {"logprobs": [...]} with n-1
+// entries: log p(token i | tokens < i) for i = 1..n-1, under the chosen precision policy.
+#include <cstdio>
+#include <nlohmann/json.hpp>
+
+#include "models/cpu/cpu_backend.hpp"
+#include "models/transformer.hpp"
+#include "tools/cli/commands.hpp"
+#include "tools/cli/common.hpp"
+
+namespace fp8rl::cli {
+
+int cmd_score(int argc, char** argv) {
+  const args a = args_parse(argc, argv, 2, {"model", "input", "policy", "bf16-layers", "scale-mode", "threads",
+                                            "max-batch-tokens", "log-level"}, {});
+  const auto params = models::model_load(a.need("model"));
+  const auto policy = policy_from_args(a).training();
+  const auto items = read_token_jsonl(a.need("input"), params.cfg.vocab_size);
+  const int64_t max_tokens = a.get_int("max-batch-tokens", 4096);
+  with_threads(a, [&] {
+    auto be = models::make_cpu_backend();
+    auto w = models::model_weights_build(*be, params.cfg, policy, {&params, nullptr, nullptr}, false);
+    models::model_runner run(*be);
+    size_t i = 0;
+    while (i < items.size()) {
+      models::token_batch b;
+      const size_t first = i;
+      while (i < items.size() && (b.T() == 0 || b.T() + static_cast<int64_t>(items[i].tokens.size()) <= max_tokens))
+        b.add(items[i++].tokens);
+      run.forward(*w, b, false);
+      auto targets = b.next_targets();
+      std::vector<float> lp(targets.size());
+      run.logprobs(targets, {}, lp.data());
+      for (size_t k = first; k < i; ++k) {
+        const int32_t s0 = b.seq_start[k - first], s1 = b.seq_start[k - first + 1];
+        nlohmann::json out = {{"logprobs", std::vector<float>(lp.begin() + s0, lp.begin() + s1 - 1)}};
+        std::printf("%s\n", out.dump().c_str());
+      }
+    }
+  });
+  return 0;
+}
+
+}  // namespace fp8rl::cli

@@ -1,0 +1,6 @@
+// tools/cli/commands.hpp -- the fp8rl subcommands (each returns the process exit code).
+#pragma once
+
+namespace fp8rl::cli {
+int cmd_score(int argc, char** argv);     // tools/cli/cmd_score.cpp
+}  // namespace fp8rl::cli

@@ -1,0 +1,73 @@
+// tools/cli/common.cpp -- shared subcommand helpers.
+#include "tools/cli/common.hpp"
+
+#include <tbb/task_arena.h>
+
+#include <fstream>
+#include <nlohmann/json.hpp>
+
+namespace fp8rl::cli {
+
+std::vector<jsonl_item> read_token_jsonl(const std::string& path, int64_t vocab) {
+  std::ifstream f(path);
+  if (!f) throw std::invalid_argument(path + ": cannot open");
+  std::vector<jsonl_item> out;
+  std::string line;
+  int64_t n = 0;
+  while (std::getline(f, line)) {
+    ++n;
+    if (line.find_first_not_of(" \t\r") == std::string::npos) continue;
+    const std::string where = path + ":" + std::to_string(n) + ": ";
+    nlohmann::json j;
+    try {
+      j = nlohmann::json::parse(line);
+    } catch (const nlohmann::json::exception& e) {
+      throw std::invalid_argument(where + "not valid JSON (" + e.what() + ")");
+    }
+    if (!j.is_object() || !j.contains("tokens") || !j["tokens"].is_array())
+      throw std::invalid_argument(where + "expected an object with a list 'tokens'");
+    jsonl_item it;
+    it.line = n;
+    for (const auto& t : j["tokens"]) {
+      if (!t.is_number_integer()) throw std::invalid_argument(where + "'tokens' holds a non-integer");
+      const int64_t v = t.get<int64_t>();
+      if (v < 0 || v >= vocab)
+        throw std::invalid_argument(where + "token " + std::to_string(v) + " is outside the vocabulary [0, " +
+                                    std::to_string(vocab) + ")");
+      it.tokens.push_back(static_cast<int32_t>(v));
+    }
+    if (it.tokens.empty()) throw std::invalid_argument(where + "'tokens' is empty");
+    out.push_back(std::move(it));
+  }
+  return out;
+}
+
+models::precision_policy policy_from_args(const args& a, const std::string& def) {
+  models::precision_policy p = models::precision_policy::named(a.get("policy", def));
+  if (a.has("bf16-layers")) {
+    const std::string s = a.get("bf16-layers");
+    const auto comma = s.find(',');
+    try {
+      p.bf16_first = std::stoll(s.substr(0, comma));
+      p.bf16_last = comma == std::string::npos ? 0 : std::stoll(s.substr(comma + 1));
+    } catch (const std::exception&) {
+      throw std::invalid_argument("option --bf16-layers: expected FIRST,LAST (layer counts), got '" + s + "'");
+    }
+  }
+  if (a.has("scale-mode")) {
+    auto m = quant::scale_mode_parse(a.get("scale-mode"));
+    if (!m) throw std::invalid_argument("option --scale-mode: expected pow2 or fp32");
+    p.scales = *m;
+  }
+  p.validate();
+  return p;
+}
+
+void with_threads(const args& a, const std::function<void()>& fn) {
+  const long long n = a.get_int("threads", 0);
+  if (n < 0) throw std::invalid_argument("option --threads must be >= 0");
+  tbb::task_arena arena(n > 0 ? static_cast<int>(n) : tbb::task_arena::automatic);
+  arena.execute(fn);
+}
+
+}  // namespace fp8rl::cli

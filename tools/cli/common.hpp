@@ -1,0 +1,26 @@
+// tools/cli/common.hpp -- helpers shared by the non-actor subcommands: JSONL token input with
+// line-numbered errors, precision-policy flags, thread arena.
+#pragma once
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "models/precision.hpp"
+#include "tools/cli/args.hpp"
+
+namespace fp8rl::cli {
+
+// Reads lines {"tokens": [ids...]}. Errors name file:line and what is wrong.
+struct jsonl_item {
+  std::vector<int32_t> tokens;
+  int64_t line = 0;
+};
+std::vector<jsonl_item> read_token_jsonl(const std::string& path, int64_t vocab);
+
+// --policy NAME [--bf16-layers FIRST,LAST] [--scale-mode pow2|fp32]
+models::precision_policy policy_from_args(const args& a, const std::string& def = "fp32");
+
+// Runs fn in a oneTBB arena of --threads N (default: all cores).
+void with_threads(const args& a, const std::function<void()>& fn);
+
+}  // namespace fp8rl::cli

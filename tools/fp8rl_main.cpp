@@ -1,0 +1,37 @@
+// tools/fp8rl_main.cpp -- the `fp8rl` program: one binary for every role and subcommand.
+//   fp8rl score ...      per-token logprobs of sequences (tools/cli/cmd_score.cpp)
+// Errors go to stderr as "fp8rl: <what>" with exit code 2 (bad input) or 1 (failure).
+#include <cstdio>
+#include <cstring>
+#include <stdexcept>
+#include <string>
+
+#include "tools/cli/commands.hpp"
+
+namespace {
+void usage() {
+  std::fprintf(stderr,
+               "usage: fp8rl <command> [options]\n"
+               "  score     per-token logprobs of sequences under a precision policy\n");
+}
+}  // namespace
+
+int main(int argc, char** argv) {
+  if (argc < 2 || !std::strcmp(argv[1], "--help") || !std::strcmp(argv[1], "-h")) {
+    usage();
+    return argc < 2 ? 2 : 0;
+  }
+  const std::string cmd = argv[1];
+  try {
+    if (cmd == "score") return fp8rl::cli::cmd_score(argc, argv);
+    std::fprintf(stderr, "fp8rl: unknown command '%s'\n", cmd.c_str());
+    usage();
+    return 2;
+  } catch (const std::invalid_argument& e) {
+    std::fprintf(stderr, "fp8rl %s: %s\n", cmd.c_str(), e.what());
+    return 2;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "fp8rl %s: error: %s\n", cmd.c_str(), e.what());
+    return 1;
+  }
+}
