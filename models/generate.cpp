@@ -108,19 +108,21 @@ std::vector<gen_request> generation_engine::drain() {
   return out;
 }
 
-void generation_engine::forward(const std::vector<int32_t>& tokens, const std::vector<int32_t>& slot_of,
-                                const std::vector<int32_t>& pos, const std::vector<int64_t>& rows,
-                                std::vector<float>& logits) {
-  const model_weights& w = *current_->weights;
-  const model_config& c = cfg_;
+void engine_forward(backend& be_, const model_weights& w, kv_cache& cache, const attn_fp8_scales& a,
+                    const std::vector<int32_t>& tokens, const std::vector<int32_t>& slot_of,
+                    const std::vector<int32_t>& pos, const std::vector<int64_t>& rows, std::vector<float>& logits,
+                    std::vector<int64_t>* kv_saturated) {
+  const model_config& c = w.cfg;
   const int64_t T = static_cast<int64_t>(tokens.size()), C = c.hidden_size, F = c.intermediate_size,
                 H = c.num_attention_heads, KV = c.num_key_value_heads, D = c.head_dim, R = static_cast<int64_t>(rows.size());
   buffer<float> x(be_, T * C), xn(be_, T * C), q(be_, T * H * D), k(be_, T * KV * D), v(be_, T * KV * D),
       att(be_, T * H * D), tmp(be_, T * std::max(C, H * D)), gate(be_, T * F), up(be_, T * F), rstd(be_, T),
       xr(be_, R * C), lg(be_, R * c.vocab_size);
   const kv_step st{T, slot_of.data(), pos.data()};
-  const attn_fp8_scales& a = current_->attn;
-  const bool fp8q = ec_.policy.fp8_attention, fp8kv = ec_.policy.kv == kv_dtype::fp8;
+  const bool fp8q = w.policy.fp8_attention, fp8kv = w.policy.kv == kv_dtype::fp8;
+  if ((fp8q || fp8kv) && (a.q.size() != static_cast<size_t>(c.num_hidden_layers * H) ||
+                          a.k.size() != static_cast<size_t>(c.num_hidden_layers * KV)))
+    throw std::invalid_argument("engine forward: FP8 attention/KV scales missing");
   const float eps = static_cast<float>(c.rms_norm_eps);
   be_.embedding_forward(w.wte.data(), tokens.data(), T, C, x.data());
   for (int64_t i = 0; i < c.num_hidden_layers; ++i) {
@@ -131,10 +133,10 @@ void generation_engine::forward(const std::vector<int32_t>& tokens, const std::v
     be_.linear_forward(*lw.v, xn.data(), T, v.data());
     be_.rope(q.data(), pos.data(), T, H, D, c.rope_theta, false);
     be_.rope(k.data(), pos.data(), T, KV, D, c.rope_theta, false);
-    stats_.kv_saturated[i] += be_.kv_cache_write(*cache_, i, st, k.data(), v.data(),
-                                                 fp8kv ? a.k.data() + i * KV : nullptr,
-                                                 fp8kv ? a.v.data() + i * KV : nullptr);
-    be_.attention_cached(*cache_, i, st, q.data(), H, w.policy.attention, fp8q ? a.q.data() + i * H : nullptr, att.data());
+    const int64_t sat = be_.kv_cache_write(cache, i, st, k.data(), v.data(), fp8kv ? a.k.data() + i * KV : nullptr,
+                                           fp8kv ? a.v.data() + i * KV : nullptr);
+    if (kv_saturated) (*kv_saturated)[i] += sat;
+    be_.attention_cached(cache, i, st, q.data(), H, w.policy.attention, fp8q ? a.q.data() + i * H : nullptr, att.data());
     be_.linear_forward(*lw.o, att.data(), T, tmp.data());
     be_.add_inplace(x.data(), tmp.data(), T * C);
     be_.rmsnorm_forward(x.data(), lw.mlp_norm.data(), T, C, eps, xn.data(), rstd.data());
@@ -203,7 +205,7 @@ std::vector<gen_result> generation_engine::step() {
   std::vector<gen_result> done;
   if (active.empty()) return done;
   std::vector<float> logits;
-  forward(tokens, slot_of, pos, rows, logits);
+  engine_forward(be_, *current_->weights, *cache_, current_->attn, tokens, slot_of, pos, rows, logits, &stats_.kv_saturated);
   ++stats_.steps;
   const int64_t V = cfg_.vocab_size;
   std::vector<float> z(static_cast<size_t>(V));

@@ -59,6 +59,16 @@ struct engine_stats {
   std::vector<int64_t> kv_saturated;  // per layer: FP8 KV elements that saturated
 };
 
+// One forward of the rollout model over tokens living in `cache` at (slot_of[t], pos[t]): writes
+// their K/V, attends to each token's cached context, and returns logits of the `rows` [R, V]
+// (host). attn: FP8 Q/K/V scales when the policy has an FP8 KV cache / attention. kv_saturated
+// (per layer, optional) accumulates saturated FP8 KV elements. The engine's step and the
+// decode benchmark both run this.
+void engine_forward(backend& be, const model_weights& w, kv_cache& cache, const attn_fp8_scales& attn,
+                    const std::vector<int32_t>& tokens, const std::vector<int32_t>& slot_of,
+                    const std::vector<int32_t>& pos, const std::vector<int64_t>& rows, std::vector<float>& logits,
+                    std::vector<int64_t>* kv_saturated);
+
 class generation_engine {
  public:
   generation_engine(backend& be, const model_config& cfg, engine_config ec);
@@ -98,8 +108,6 @@ class generation_engine {
   std::unique_ptr<kv_cache> cache_;
   engine_stats stats_;
   std::string install(std::shared_ptr<const state> s);
-  void forward(const std::vector<int32_t>& tokens, const std::vector<int32_t>& slot_of, const std::vector<int32_t>& pos,
-               const std::vector<int64_t>& rows, std::vector<float>& logits);
 };
 
 }  // namespace fp8rl::models

@@ -1,5 +1,6 @@
 // tools/fp8rl_main.cpp -- the `fp8rl` program: one binary for every role and subcommand.
 //   fp8rl score ...      per-token logprobs of sequences (tools/cli/cmd_score.cpp)
+//   fp8rl generate ...   sampling with the rollout engine (tools/cli/cmd_generate.cpp)
 // Errors go to stderr as "fp8rl: <what>" with exit code 2 (bad input) or 1 (failure).
 #include <cstdio>
 #include <cstring>
@@ -12,7 +13,8 @@ namespace {
 void usage() {
   std::fprintf(stderr,
                "usage: fp8rl <command> [options]\n"
-               "  score     per-token logprobs of sequences under a precision policy\n");
+               "  score     per-token logprobs of sequences under a precision policy\n"
+               "  generate  batched sampling with the rollout engine (logprobs, version tags)\n");
 }
 }  // namespace
 
@@ -24,6 +26,7 @@ int main(int argc, char** argv) {
   const std::string cmd = argv[1];
   try {
     if (cmd == "score") return fp8rl::cli::cmd_score(argc, argv);
+    if (cmd == "generate") return fp8rl::cli::cmd_generate(argc, argv);
     std::fprintf(stderr, "fp8rl: unknown command '%s'\n", cmd.c_str());
     usage();
     return 2;

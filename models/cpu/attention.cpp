@@ -17,7 +17,7 @@ float cpu_attn_round(float x, const attn_rounding& r) {
   return x;
 }
 
-float cpu_attn_query(const float* q, const attn_rounding& rq, const float* kt, int64_t ldk, const float* v,
+FP8RL_VECTOR_CLONES float cpu_attn_query(const float* q, const attn_rounding& rq, const float* kt, int64_t ldk, const float* v,
                      int64_t n, int64_t D, precision p_operand, float* out, float* scratch) {
   float* s = scratch;      // [n] scores, then probabilities
   float* qr = scratch + n; // [D]

@@ -27,6 +27,25 @@ struct cpu_kv_cache final : kv_cache {
   }
 };
 
+// K^T [D][n] and V [n][D] of positions 0..n-1 widened to FP32 (BF16 exact; FP8 times the scale
+// each position was written with).
+FP8RL_VECTOR_CLONES void widen(const cpu_kv_cache& c, int64_t b, int64_t sb, int64_t n, float* kt, float* vv) {
+  const int64_t D = c.head_dim, M = c.max_ctx;
+  if (c.dtype == kv_dtype::bf16) {
+    for (int64_t d = 0; d < D; ++d)
+      for (int64_t j = 0; j < n; ++j) kt[d * n + j] = quant::bf16_to_float(c.bf16[b + d * M + j]);
+    for (int64_t j = 0; j < n * D; ++j) vv[j] = quant::bf16_to_float(c.bf16[b + D * M + j]);
+    return;
+  }
+  const float* lut = quant::e4m3_table();
+  const float* ks = c.kscale.data() + sb;
+  const float* vs = c.vscale.data() + sb;
+  for (int64_t d = 0; d < D; ++d)
+    for (int64_t j = 0; j < n; ++j) kt[d * n + j] = lut[c.fp8[b + d * M + j]] * ks[j];
+  for (int64_t j = 0; j < n; ++j)
+    for (int64_t d = 0; d < D; ++d) vv[j * D + d] = lut[c.fp8[b + D * M + j * D + d]] * vs[j];
+}
+
 }  // namespace
 
 std::unique_ptr<kv_cache> cpu_kv_cache_create(int64_t slots, int64_t layers, int64_t KV, int64_t D, int64_t max_ctx,
@@ -99,16 +118,7 @@ void cpu_attention_cached(const kv_cache& cache, int64_t layer, const kv_step& s
     } else {  // widen the used range: K^T [D][n], V [n][D]
       kt.resize(static_cast<size_t>(D * n));
       vv.resize(static_cast<size_t>(n * D));
-      const float* ks = c.dtype == kv_dtype::fp8 ? c.kscale.data() + c.sbase(slot, layer, g) : nullptr;
-      const float* vs = c.dtype == kv_dtype::fp8 ? c.vscale.data() + c.sbase(slot, layer, g) : nullptr;
-      for (int64_t d = 0; d < D; ++d)
-        for (int64_t j = 0; j < n; ++j)
-          kt[d * n + j] = c.dtype == kv_dtype::bf16 ? quant::bf16_to_float(c.bf16[b + d * M + j])
-                                                    : quant::e4m3_to_float(c.fp8[b + d * M + j]) * ks[j];
-      for (int64_t j = 0; j < n; ++j)
-        for (int64_t d = 0; d < D; ++d)
-          vv[j * D + d] = c.dtype == kv_dtype::bf16 ? quant::bf16_to_float(c.bf16[b + D * M + j * D + d])
-                                                    : quant::e4m3_to_float(c.fp8[b + D * M + j * D + d]) * vs[j];
+      widen(c, b, c.sbase(slot, layer, g), n, kt.data(), vv.data());
       kp = kt.data();
       vp = vv.data();
       ldk = n;

@@ -3,4 +3,5 @@
 
 namespace fp8rl::cli {
 int cmd_score(int argc, char** argv);     // tools/cli/cmd_score.cpp
+int cmd_generate(int argc, char** argv);  // tools/cli/cmd_generate.cpp
 }  // namespace fp8rl::cli

@@ -1,0 +1,164 @@
+// tools/bench/bench_decode.cpp -- build/bin/bench-decode: rollout decode and prefill tokens/s for
+// the TinyLlama-1.1B shape (hidden 2048, 22 layers, 32 heads / 4 KV heads, intermediate 5632,
+// vocab 32000, random weights), weights fp32/bf16/fp8 x KV cache bf16/fp8, batch 1 and 16,
+// context 512, 1 and 2 threads. Decode steps run at positions 512.. after the cache is filled
+// with K/V (random values: a decode step's cost depends on the context length, not on values).
+// Each line: {"bench":"decode","phase":"decode"|"prefill","weights":..,"kv":..,"batch":..,
+//  "threads":..,"tokens_per_s":..,"bytes_per_token":..,"gbps":..,"bw_fraction":..,"runs":..}
+// bytes_per_token (decode) = (weight bytes read per step + KV bytes read) / batch; bw_fraction
+// compares the achieved bytes/s with a measured streaming-read bandwidth at the same threads.
+// Options: --json --quick (2 layers) --reps=N --threads=1,2 --only=SUBSTR --layers=N --prefill=0|1
+#include <tbb/parallel_for.h>
+#include <tbb/task_arena.h>
+
+#include <chrono>
+#include <numeric>
+
+#include "models/cpu/cpu_backend.hpp"
+#include "models/generate.hpp"
+#include "tools/bench/bench_util.hpp"
+
+using namespace fp8rl;
+using namespace fp8rl::bench;
+using namespace fp8rl::models;
+
+namespace {
+
+model_config tinyllama(int64_t layers) {
+  model_config c;
+  c.hidden_size = 2048; c.intermediate_size = 5632; c.num_hidden_layers = layers; c.num_attention_heads = 32;
+  c.num_key_value_heads = 4; c.head_dim = 64; c.vocab_size = 32000; c.max_position_embeddings = 2048;
+  return c;
+}
+
+// Fast deterministic init (uniform, std 0.02); Box-Muller over 1.1B values would dominate the run.
+model_params random_params(const model_config& c) {
+  model_params p;
+  p.cfg = c;
+  p.layout = model_param_layout(c);
+  p.data.resize(static_cast<size_t>(p.layout.total));
+  tbb::parallel_for(tbb::blocked_range<int64_t>(0, p.layout.total, 1 << 20), [&](const auto& r) {
+    uint64_t s = static_cast<uint64_t>(r.begin()) * 0x9e3779b97f4a7c15ull + 1;
+    for (int64_t i = r.begin(); i < r.end(); ++i) {
+      s = s * 6364136223846793005ull + 1442695040888963407ull;
+      p.data[i] = (static_cast<float>(s >> 40) / 16777216.0f - 0.5f) * 0.0693f;  // std 0.02
+    }
+  });
+  for (const auto& info : p.layout.infos)
+    if (!info.is_matrix) std::fill(p.data.begin() + info.offset, p.data.begin() + info.offset + info.numel, 1.0f);
+  return p;
+}
+
+double stream_read_gbps(int threads) {
+  static std::vector<float> big(size_t(1) << 28, 1.0f);  // 1 GiB
+  tbb::task_arena arena(threads);
+  double best = 0;
+  for (int r = 0; r < 3; ++r) {
+    std::vector<double> part(64, 0.0);
+    auto t0 = std::chrono::steady_clock::now();
+    arena.execute([&] {
+      tbb::parallel_for(0, 64, [&](int c) {
+        const size_t n = big.size() / 64;
+        const uint32_t* u = reinterpret_cast<const uint32_t*>(big.data());
+        uint32_t s = 0;  // integer OR: vectorizes, so the loop is bound by memory, not by adds
+        for (size_t i = c * n; i < (c + 1) * n; ++i) s |= u[i];
+        part[c] = s;
+      });
+    });
+    double sec = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    best = std::max(best, double(big.size()) * 4 / sec / 1e9);
+  }
+  return best;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  bench_args a = bench_parse(argc, argv);
+  const int64_t layers = a.extra.count("layers") ? std::stoll(a.extra["layers"]) : (a.quick ? 2 : 22);
+  const bool do_prefill = !a.extra.count("prefill") || a.extra["prefill"] != "0";
+  const model_config cfg = tinyllama(layers);
+  const int64_t ctx = 512, decode_steps = a.quick ? 4 : 8;
+  const model_params params = random_params(cfg);
+  std::map<int, double> bw;
+  for (int t : a.threads) bw[t] = stream_read_gbps(t);
+  auto be = make_cpu_backend();
+  for (const char* wname : {"fp32", "bf16", "fp8"}) {
+    for (const char* kvname : {"bf16", "fp8"}) {
+      const std::string tag = std::string(wname) + "/" + kvname;
+      if (!bench_selected(a, tag)) continue;
+      precision_policy pol = precision_policy::named(std::string(wname) == "fp32" ? "bf16" : wname);
+      if (std::string(wname) == "fp32") { pol.linear = precision::fp32; pol.head = precision::fp32; }
+      pol.name = tag;
+      pol.kv = *kv_dtype_parse(kvname);
+      pol.fp8_attention = pol.kv == kv_dtype::fp8;
+      const auto w = model_weights_build(*be, cfg, pol, {&params, nullptr, nullptr}, false);
+      attn_fp8_scales sc;
+      sc.q.assign(static_cast<size_t>(layers * 32), 0.01f);
+      sc.k.assign(static_cast<size_t>(layers * 4), 0.01f);
+      sc.v.assign(static_cast<size_t>(layers * 4), 0.01f);
+      // bytes of weights a decode step reads (narrow forms: FP8 codes, BF16, or FP32 values)
+      // per layer: q [2048x2048], k,v [256x2048], o [2048x2048], gate/up/down [5632x2048]; lm_head [32000x2048]
+      const double layer_params = 2048.0 * (2048 + 2 * 256) + 2048.0 * 2048 + 3.0 * 2048 * 5632;
+      const double wbytes = (std::string(wname) == "fp8" ? 1.0 : std::string(wname) == "bf16" ? 2.0 : 4.0) * layer_params * layers +
+                            (std::string(wname) == "fp32" ? 4.0 : 2.0) * 32000.0 * 2048;
+      const double kv_esize = pol.kv == kv_dtype::fp8 ? 1.0 : 2.0;
+      for (int64_t batch : {int64_t{1}, int64_t{16}}) {
+        auto cache = be->kv_cache_create(batch, layers, 4, 64, ctx + decode_steps + 1, pol.kv);
+        for (int t : a.threads) {
+          tbb::task_arena arena(t);
+          arena.execute([&] {
+            // fill positions 0..ctx-1 of every slot with random K/V
+            std::vector<float> kv(static_cast<size_t>(ctx * 4 * 64));
+            for (size_t i = 0; i < kv.size(); ++i) kv[i] = float(int64_t(i * 2654435761u % 2001) - 1000) * 1e-3f;
+            std::vector<int32_t> slot(static_cast<size_t>(ctx)), pos(static_cast<size_t>(ctx));
+            for (int64_t s = 0; s < batch; ++s) {
+              std::fill(slot.begin(), slot.end(), static_cast<int32_t>(s));
+              std::iota(pos.begin(), pos.end(), 0);
+              for (int64_t l = 0; l < layers; ++l)
+                be->kv_cache_write(*cache, l, {ctx, slot.data(), pos.data()}, kv.data(), kv.data(), sc.k.data(), sc.v.data());
+            }
+            std::vector<float> logits;
+            std::vector<int32_t> tok(static_cast<size_t>(batch)), sl(static_cast<size_t>(batch)), ps(static_cast<size_t>(batch));
+            std::vector<int64_t> rows(static_cast<size_t>(batch));
+            for (int64_t b = 0; b < batch; ++b) { tok[b] = static_cast<int32_t>(b + 7); sl[b] = static_cast<int32_t>(b); rows[b] = b; }
+            int step = 0;
+            const double sec = bench_median(a.reps, [&] {
+              for (int64_t b = 0; b < batch; ++b) ps[b] = static_cast<int32_t>(ctx + (step % decode_steps));
+              ++step;
+              engine_forward(*be, *w, *cache, sc, tok, sl, ps, rows, logits, nullptr);
+            }, 0.0);
+            const double kvbytes = double(batch) * layers * 4 * 2 * 64 * (ctx + 1) * kv_esize;
+            const double bpt = (wbytes + kvbytes) / double(batch);
+            bench_emit(a, {{"bench", jstr("decode")}, {"phase", jstr("decode")}, {"weights", jstr(wname)},
+                           {"kv", jstr(kvname)}, {"batch", jnum(double(batch))}, {"threads", jnum(t)},
+                           {"context", jnum(double(ctx))}, {"layers", jnum(double(layers))},
+                           {"tokens_per_s", jnum(double(batch) / sec)}, {"bytes_per_token", jnum(bpt)},
+                           {"gbps", jnum(bpt * double(batch) / sec / 1e9)},
+                           {"bw_fraction", jnum(bpt * double(batch) / sec / 1e9 / bw[t])}, {"runs", jnum(a.reps)}});
+            if (!do_prefill || std::string(kvname) != "bf16") return;  // prefill cost does not depend on the KV dtype
+            // prefill: `batch` prompts of ctx tokens in one forward (rows: the last token of each)
+            const int64_t T = batch * ctx;
+            std::vector<int32_t> pt(static_cast<size_t>(T)), psl(static_cast<size_t>(T)), ppos(static_cast<size_t>(T));
+            std::vector<int64_t> prow(static_cast<size_t>(batch));
+            for (int64_t i = 0; i < T; ++i) {
+              pt[i] = static_cast<int32_t>((i * 7919) % 32000);
+              psl[i] = static_cast<int32_t>(i / ctx);
+              ppos[i] = static_cast<int32_t>(i % ctx);
+            }
+            for (int64_t b = 0; b < batch; ++b) prow[b] = (b + 1) * ctx - 1;
+            const double psec = bench_median(std::min(a.reps, batch > 1 ? 1 : 3), [&] {
+              engine_forward(*be, *w, *cache, sc, pt, psl, ppos, prow, logits, nullptr);
+            }, 0.0);
+            bench_emit(a, {{"bench", jstr("decode")}, {"phase", jstr("prefill")}, {"weights", jstr(wname)},
+                           {"kv", jstr(kvname)}, {"batch", jnum(double(batch))}, {"threads", jnum(t)},
+                           {"context", jnum(double(ctx))}, {"layers", jnum(double(layers))},
+                           {"tokens_per_s", jnum(double(T) / psec)}, {"runs", jnum(std::min(a.reps, batch > 1 ? 1 : 3))}});
+          });
+        }
+      }
+    }
+  }
+  for (int t : a.threads)
+    bench_emit(a, {{"bench", jstr("decode")}, {"phase", jstr("stream_read")}, {"threads", jnum(t)}, {"gbps", jnum(bw[t])}});
+}
