@@ -45,3 +45,13 @@ add_library(fp8rl::openblas SHARED IMPORTED)
 set_target_properties(fp8rl::openblas PROPERTIES IMPORTED_LOCATION "${OPENBLAS_LIBRARY}"
   INTERFACE_INCLUDE_DIRECTORIES "${CBLAS_INCLUDE_DIR}")
 find_package(Gloo CONFIG REQUIRED)
+
+# PCRE2 runs the pre-tokenizer regexes of Hugging Face tokenizer.json files (\p{L}, lookahead).
+find_path(PCRE2_INCLUDE_DIR pcre2.h)
+find_library(PCRE2_LIBRARY pcre2-8)
+if(NOT PCRE2_INCLUDE_DIR OR NOT PCRE2_LIBRARY)
+  message(FATAL_ERROR "PCRE2 not found: run tools/setup (libpcre2-dev)")
+endif()
+add_library(fp8rl::pcre2 SHARED IMPORTED)
+set_target_properties(fp8rl::pcre2 PROPERTIES IMPORTED_LOCATION "${PCRE2_LIBRARY}"
+  INTERFACE_INCLUDE_DIRECTORIES "${PCRE2_INCLUDE_DIR}" INTERFACE_COMPILE_DEFINITIONS PCRE2_CODE_UNIT_WIDTH=8)

@@ -1,0 +1,388 @@
+// models/tokenizer.cpp -- character tokenizer and HF byte-level BPE (PCRE2 for pre-tokenizer regexes).
+#include "models/tokenizer.hpp"
+
+#include <pcre2.h>
+
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <nlohmann/json.hpp>
+#include <stdexcept>
+#include <unordered_map>
+
+namespace fp8rl::models {
+namespace {
+
+using json = nlohmann::json;
+
+// ---------------------------------------------------------------- character tokenizer
+class char_tok final : public tokenizer {
+ public:
+  explicit char_tok(const std::string& alphabet) : chars_(alphabet) {
+    bos = 1; eos = 2; pad = 0;
+    for (size_t i = 0; i < alphabet.size(); ++i) {
+      const unsigned char c = static_cast<unsigned char>(alphabet[i]);
+      if (c >= 128) throw std::invalid_argument("char tokenizer: alphabet must be ASCII");
+      if (id_[c] >= 0) throw std::invalid_argument(std::string("char tokenizer: duplicate character '") + alphabet[i] + "'");
+      id_[c] = static_cast<int32_t>(3 + i);
+    }
+  }
+  std::vector<int32_t> encode(std::string_view text, bool add_special) const override {
+    std::vector<int32_t> ids;
+    if (add_special) ids.push_back(bos);
+    for (size_t i = 0; i < text.size(); ++i) {
+      const unsigned char c = static_cast<unsigned char>(text[i]);
+      if (c >= 128 || id_[c] < 0)
+        throw std::invalid_argument("char tokenizer: character '" + std::string(1, text[i]) + "' at offset " +
+                                    std::to_string(i) + " is not in the alphabet");
+      ids.push_back(id_[c]);
+    }
+    return ids;
+  }
+  std::string decode(const std::vector<int32_t>& ids, bool skip_special) const override {
+    std::string s;
+    for (int32_t id : ids) {
+      if (id >= 3 && id < 3 + static_cast<int32_t>(chars_.size())) s += chars_[static_cast<size_t>(id - 3)];
+      else if (!skip_special) s += id == 0 ? "<pad>" : id == 1 ? "<bos>" : id == 2 ? "<eos>" : "<?>";
+    }
+    return s;
+  }
+  int64_t vocab_size() const override { return 3 + static_cast<int64_t>(chars_.size()); }
+  int32_t token_id(std::string_view t) const override {
+    if (t == "<pad>") return 0;
+    if (t == "<bos>") return 1;
+    if (t == "<eos>") return 2;
+    if (t.size() == 1 && static_cast<unsigned char>(t[0]) < 128) return id_[static_cast<unsigned char>(t[0])];
+    return -1;
+  }
+
+ private:
+  std::string chars_;
+  int32_t id_[128] = {};
+  struct init { init(int32_t* a) { for (int i = 0; i < 128; ++i) a[i] = -1; } } init_{id_};
+};
+
+// ---------------------------------------------------------------- byte-level BPE
+std::string utf8(uint32_t cp) {
+  std::string s;
+  if (cp < 0x80) s += static_cast<char>(cp);
+  else if (cp < 0x800) { s += static_cast<char>(0xc0 | (cp >> 6)); s += static_cast<char>(0x80 | (cp & 0x3f)); }
+  else if (cp < 0x10000) {
+    s += static_cast<char>(0xe0 | (cp >> 12)); s += static_cast<char>(0x80 | ((cp >> 6) & 0x3f));
+    s += static_cast<char>(0x80 | (cp & 0x3f));
+  } else {
+    s += static_cast<char>(0xf0 | (cp >> 18)); s += static_cast<char>(0x80 | ((cp >> 12) & 0x3f));
+    s += static_cast<char>(0x80 | ((cp >> 6) & 0x3f)); s += static_cast<char>(0x80 | (cp & 0x3f));
+  }
+  return s;
+}
+
+// Splits a UTF-8 string into code-point substrings.
+std::vector<std::string> utf8_chars(const std::string& s) {
+  std::vector<std::string> out;
+  for (size_t i = 0; i < s.size();) {
+    const unsigned char c = static_cast<unsigned char>(s[i]);
+    size_t n = c < 0x80 ? 1 : (c >> 5) == 6 ? 2 : (c >> 4) == 14 ? 3 : 4;
+    if (i + n > s.size()) n = s.size() - i;
+    out.push_back(s.substr(i, n));
+    i += n;
+  }
+  return out;
+}
+
+class regex {
+ public:
+  regex(const std::string& pattern, const std::string& where) {
+    int err;
+    PCRE2_SIZE off;
+    re_ = pcre2_compile(reinterpret_cast<PCRE2_SPTR>(pattern.c_str()), pattern.size(), PCRE2_UTF | PCRE2_UCP, &err, &off, nullptr);
+    if (!re_) {
+      PCRE2_UCHAR buf[256];
+      pcre2_get_error_message(err, buf, sizeof buf);
+      throw std::invalid_argument(where + ": regex does not compile at offset " + std::to_string(off) + ": " +
+                                  reinterpret_cast<char*>(buf));
+    }
+    md_ = pcre2_match_data_create_from_pattern(re_, nullptr);
+  }
+  ~regex() { pcre2_match_data_free(md_); pcre2_code_free(re_); }
+  regex(const regex&) = delete;
+  regex& operator=(const regex&) = delete;
+  // Isolated split: matches and the gaps between them, in order, non-empty.
+  std::vector<std::string> split(const std::string& s) const {
+    std::vector<std::string> out;
+    size_t pos = 0, last = 0;
+    while (pos <= s.size()) {
+      const int rc = pcre2_match(re_, reinterpret_cast<PCRE2_SPTR>(s.c_str()), s.size(), pos, 0, md_, nullptr);
+      if (rc < 0) break;
+      const PCRE2_SIZE* ov = pcre2_get_ovector_pointer(md_);
+      const size_t b = ov[0], e = ov[1];
+      if (e == b) {  // empty match: step one code point
+        pos = b + 1;
+        while (pos < s.size() && (static_cast<unsigned char>(s[pos]) & 0xc0) == 0x80) ++pos;
+        continue;
+      }
+      if (b > last) out.push_back(s.substr(last, b - last));
+      out.push_back(s.substr(b, e - b));
+      last = pos = e;
+    }
+    if (last < s.size()) out.push_back(s.substr(last));
+    return out;
+  }
+
+ private:
+  pcre2_code* re_ = nullptr;
+  pcre2_match_data* md_ = nullptr;
+};
+
+const char* kGpt2Pattern = "'s|'t|'re|'ve|'m|'ll|'d| ?\\p{L}+| ?\\p{N}+| ?[^\\s\\p{L}\\p{N}]+|\\s+(?!\\S)|\\s+";
+
+class bpe_tok final : public tokenizer {
+ public:
+  bpe_tok(const json& j, const std::string& src) {
+    auto where = [&](const std::string& k) { return src + ": " + k; };
+    byte_tables();
+    // model
+    if (!j.contains("model") || !j["model"].is_object()) throw std::invalid_argument(where("'model' missing"));
+    const json& m = j["model"];
+    if (m.value("type", "") != "BPE") throw std::invalid_argument(where("model.type '" + m.value("type", "?") + "' is not supported (BPE only)"));
+    if (m.contains("byte_fallback") && m["byte_fallback"] == true) throw std::invalid_argument(where("model.byte_fallback is not supported"));
+    if (!m.contains("vocab") || !m["vocab"].is_object()) throw std::invalid_argument(where("model.vocab missing"));
+    for (auto it = m["vocab"].begin(); it != m["vocab"].end(); ++it) {
+      if (!it.value().is_number_integer()) throw std::invalid_argument(where("model.vocab['" + it.key() + "'] is not an id"));
+      add_token(it.key(), it.value().get<int32_t>());
+    }
+    ignore_merges_ = m.value("ignore_merges", false);
+    if (!m.contains("merges") || !m["merges"].is_array()) throw std::invalid_argument(where("model.merges missing"));
+    int32_t rank = 0;
+    for (const auto& e : m["merges"]) {
+      std::string a, b;
+      if (e.is_string()) {
+        const std::string s = e.get<std::string>();
+        const auto sp = s.find(' ');
+        if (sp == std::string::npos) throw std::invalid_argument(where("model.merges[" + std::to_string(rank) + "] has no space"));
+        a = s.substr(0, sp);
+        b = s.substr(sp + 1);
+      } else if (e.is_array() && e.size() == 2 && e[0].is_string() && e[1].is_string()) {
+        a = e[0].get<std::string>();
+        b = e[1].get<std::string>();
+      } else {
+        throw std::invalid_argument(where("model.merges[" + std::to_string(rank) + "] is malformed"));
+      }
+      ranks_.emplace(a + '\x01' + b, rank++);
+    }
+    // added tokens
+    if (j.contains("added_tokens") && j["added_tokens"].is_array())
+      for (const auto& t : j["added_tokens"]) {
+        const std::string c = t.value("content", "");
+        const int32_t id = t.value("id", -1);
+        if (c.empty() || id < 0) throw std::invalid_argument(where("added_tokens entry needs content and id"));
+        add_token(c, id);
+        added_.emplace_back(c, id);
+        if (t.value("special", false)) special_.insert({id, true});
+      }
+    std::sort(added_.begin(), added_.end(), [](const auto& x, const auto& y) { return x.first.size() > y.first.size(); });
+    // normalizer
+    if (j.contains("normalizer") && !j["normalizer"].is_null()) {
+      const std::string t = j["normalizer"].value("type", "");
+      if (t != "NFC") throw std::invalid_argument(where("normalizer type '" + t + "' is not supported (null, NFC)"));
+      nfc_ = true;
+    }
+    // pre-tokenizer
+    if (j.contains("pre_tokenizer") && !j["pre_tokenizer"].is_null()) add_pre(j["pre_tokenizer"], where("pre_tokenizer"));
+    // post-processor
+    if (j.contains("post_processor") && !j["post_processor"].is_null()) {
+      const json& p = j["post_processor"];
+      const std::string t = p.value("type", "");
+      if (t == "TemplateProcessing") {
+        for (const auto& piece : p["single"]) {
+          if (piece.contains("SpecialToken")) {
+            const std::string id = piece["SpecialToken"]["id"].get<std::string>();
+            const int32_t tid = token_id(id);
+            if (tid < 0) throw std::invalid_argument(where("post_processor special token '" + id + "' is not in the vocabulary"));
+            (template_seen_seq_ ? suffix_ : prefix_).push_back(tid);
+          } else if (piece.contains("Sequence")) {
+            template_seen_seq_ = true;
+          }
+        }
+      } else if (t != "ByteLevel") {
+        throw std::invalid_argument(where("post_processor type '" + t + "' is not supported"));
+      }
+    }
+    if (j.contains("decoder") && !j["decoder"].is_null() && j["decoder"].value("type", "") != "ByteLevel")
+      throw std::invalid_argument(where("decoder type '" + j["decoder"].value("type", "") + "' is not supported (ByteLevel)"));
+    for (const char* n : {"<|begin_of_text|>", "<s>", "<|im_start|>"}) if (bos < 0) bos = token_id(n);
+    for (const char* n : {"<|end_of_text|>", "</s>", "<|endoftext|>", "<|im_end|>"}) if (eos < 0) eos = token_id(n);
+    if (!prefix_.empty()) bos = prefix_.front();
+  }
+
+  std::vector<int32_t> encode(std::string_view text, bool add_special) const override {
+    std::vector<int32_t> ids;
+    if (add_special) ids = prefix_;
+    // split on added tokens (longest first at each position)
+    std::string pending;
+    size_t i = 0;
+    while (i < text.size()) {
+      bool hit = false;
+      for (const auto& [c, id] : added_)
+        if (text.compare(i, c.size(), c) == 0) {
+          encode_text(pending, ids);
+          pending.clear();
+          ids.push_back(id);
+          i += c.size();
+          hit = true;
+          break;
+        }
+      if (!hit) pending += text[i++];
+    }
+    encode_text(pending, ids);
+    if (add_special) ids.insert(ids.end(), suffix_.begin(), suffix_.end());
+    return ids;
+  }
+
+  std::string decode(const std::vector<int32_t>& ids, bool skip_special) const override {
+    std::string bytes;
+    for (int32_t id : ids) {
+      if (id < 0 || id >= static_cast<int32_t>(by_id_.size()) || by_id_[id].empty())
+        throw std::invalid_argument("decode: id " + std::to_string(id) + " is not in the vocabulary");
+      if (special_.count(id)) {
+        if (!skip_special) bytes += by_id_[id];
+        continue;
+      }
+      for (const auto& ch : utf8_chars(by_id_[id])) {
+        auto it = unbyte_.find(ch);
+        if (it == unbyte_.end()) bytes += ch;  // an added non-byte-level token: raw text
+        else bytes += static_cast<char>(it->second);
+      }
+    }
+    return bytes;
+  }
+  int64_t vocab_size() const override { return static_cast<int64_t>(by_id_.size()); }
+  int32_t token_id(std::string_view t) const override {
+    auto it = vocab_.find(std::string(t));
+    return it == vocab_.end() ? -1 : it->second;
+  }
+
+ private:
+  std::unordered_map<std::string, int32_t> vocab_;
+  std::vector<std::string> by_id_;
+  std::unordered_map<std::string, int32_t> ranks_;  // "a\x01b" -> rank
+  std::vector<std::pair<std::string, int32_t>> added_;
+  std::map<int32_t, bool> special_;
+  std::string byte_char_[256];
+  std::unordered_map<std::string, uint8_t> unbyte_;
+  std::vector<std::unique_ptr<regex>> splits_;  // Split pre-tokenizers in order
+  bool byte_level_ = false, byte_level_regex_ = false, prefix_space_ = false, ignore_merges_ = false, nfc_ = false;
+  std::unique_ptr<regex> gpt2_;
+  std::vector<int32_t> prefix_, suffix_;
+  bool template_seen_seq_ = false;
+
+  void add_token(const std::string& t, int32_t id) {
+    vocab_[t] = id;
+    if (static_cast<size_t>(id) >= by_id_.size()) by_id_.resize(static_cast<size_t>(id) + 1);
+    by_id_[static_cast<size_t>(id)] = t;
+  }
+
+  void byte_tables() {  // GPT-2 bytes_to_unicode
+    std::vector<int> bs, cs;
+    for (int b = 33; b <= 126; ++b) bs.push_back(b);
+    for (int b = 161; b <= 172; ++b) bs.push_back(b);
+    for (int b = 174; b <= 255; ++b) bs.push_back(b);
+    cs = bs;
+    int n = 0;
+    for (int b = 0; b < 256; ++b)
+      if (std::find(bs.begin(), bs.end(), b) == bs.end()) { bs.push_back(b); cs.push_back(256 + n++); }
+    for (size_t i = 0; i < bs.size(); ++i) {
+      byte_char_[bs[i]] = utf8(static_cast<uint32_t>(cs[i]));
+      unbyte_[byte_char_[bs[i]]] = static_cast<uint8_t>(bs[i]);
+    }
+  }
+
+  void add_pre(const json& p, const std::string& where) {
+    const std::string t = p.value("type", "");
+    if (t == "Sequence") {
+      for (const auto& q : p["pretokenizers"]) add_pre(q, where + ".pretokenizers");
+    } else if (t == "Split") {
+      if (p.value("behavior", "") != "Isolated" || p.value("invert", false))
+        throw std::invalid_argument(where + ": Split behavior must be Isolated (invert false)");
+      if (!p.contains("pattern") || !p["pattern"].contains("Regex"))
+        throw std::invalid_argument(where + ": Split needs pattern.Regex");
+      splits_.push_back(std::make_unique<regex>(p["pattern"]["Regex"].get<std::string>(), where));
+    } else if (t == "ByteLevel") {
+      byte_level_ = true;
+      byte_level_regex_ = p.value("use_regex", true);
+      prefix_space_ = p.value("add_prefix_space", false);
+      if (byte_level_regex_) gpt2_ = std::make_unique<regex>(kGpt2Pattern, where);
+    } else {
+      throw std::invalid_argument(where + ": pre-tokenizer type '" + t + "' is not supported");
+    }
+  }
+
+  void encode_text(std::string text, std::vector<int32_t>& ids) const {
+    if (text.empty()) return;
+    if (nfc_)
+      for (unsigned char c : text)
+        if (c >= 0x80) throw std::invalid_argument("tokenizer: NFC normalization of non-ASCII text is not implemented");
+    if (prefix_space_ && text[0] != ' ') text = " " + text;
+    std::vector<std::string> pieces = {text};
+    for (const auto& r : splits_) {
+      std::vector<std::string> next;
+      for (const auto& p : pieces) for (auto& q : r->split(p)) next.push_back(std::move(q));
+      pieces.swap(next);
+    }
+    if (gpt2_) {
+      std::vector<std::string> next;
+      for (const auto& p : pieces) for (auto& q : gpt2_->split(p)) next.push_back(std::move(q));
+      pieces.swap(next);
+    }
+    for (const auto& p : pieces) bpe(p, ids);
+  }
+
+  void bpe(const std::string& raw, std::vector<int32_t>& ids) const {
+    std::vector<std::string> sym;
+    std::string word;
+    for (unsigned char c : raw) {
+      sym.push_back(byte_level_ ? byte_char_[c] : std::string(1, static_cast<char>(c)));
+      word += sym.back();
+    }
+    if (ignore_merges_) {
+      auto it = vocab_.find(word);
+      if (it != vocab_.end()) { ids.push_back(it->second); return; }
+    }
+    while (sym.size() > 1) {
+      int32_t best = INT32_MAX;
+      size_t at = 0;
+      for (size_t i = 0; i + 1 < sym.size(); ++i) {
+        auto it = ranks_.find(sym[i] + '\x01' + sym[i + 1]);
+        if (it != ranks_.end() && it->second < best) { best = it->second; at = i; }
+      }
+      if (best == INT32_MAX) break;
+      sym[at] += sym[at + 1];
+      sym.erase(sym.begin() + static_cast<long>(at) + 1);
+    }
+    for (const auto& s : sym) {
+      auto it = vocab_.find(s);
+      if (it == vocab_.end()) throw std::invalid_argument("tokenizer: symbol '" + s + "' has no id (vocabulary incomplete)");
+      ids.push_back(it->second);
+    }
+  }
+};
+
+}  // namespace
+
+std::unique_ptr<tokenizer> char_tokenizer_make(const std::string& alphabet) { return std::make_unique<char_tok>(alphabet); }
+
+std::unique_ptr<tokenizer> tokenizer_load(const std::string& path) {
+  std::string file = path;
+  if (std::filesystem::is_directory(path)) file = (std::filesystem::path(path) / "tokenizer.json").string();
+  std::ifstream f(file);
+  if (!f) throw std::invalid_argument(file + ": cannot open");
+  json j;
+  try {
+    j = json::parse(f);
+  } catch (const json::exception& e) {
+    throw std::invalid_argument(file + ": not valid JSON: " + e.what());
+  }
+  return std::make_unique<bpe_tok>(j, file);
+}
+
+}  // namespace fp8rl::models

@@ -1,0 +1,36 @@
+// models/tokenizer.hpp -- tokenizers: a built-in character-level tokenizer for the built-in tasks,
+// and Hugging Face tokenizer.json byte-level BPE (Llama 3, SmolLM, Qwen2 format).
+// defines: tokenizer, char_tokenizer_make, tokenizer_load
+//
+// tokenizer.json support: added (special) tokens matched first; normalizer null or NFC (NFC is
+// the identity on ASCII; non-ASCII text with an NFC normalizer is an error, not silently
+// unnormalized); pre-tokenizers Split (regex, Isolated), ByteLevel (with or without its GPT-2
+// regex), Sequence; model BPE (merges as "a b" or [a, b], ignore_merges); post-processors
+// TemplateProcessing, ByteLevel or none; decoder ByteLevel. Anything else is an error naming
+// the key. Checked against @huggingface/tokenizers (tests/models/tokenizer_test.cpp).
+#pragma once
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <string_view>
+#include <vector>
+
+namespace fp8rl::models {
+
+class tokenizer {
+ public:
+  virtual ~tokenizer() = default;
+  // add_special: apply the post-processor template (e.g. prepend BOS).
+  virtual std::vector<int32_t> encode(std::string_view text, bool add_special = false) const = 0;
+  virtual std::string decode(const std::vector<int32_t>& ids, bool skip_special = false) const = 0;
+  virtual int64_t vocab_size() const = 0;
+  virtual int32_t token_id(std::string_view token) const = 0;  // -1 when absent
+  int32_t bos = -1, eos = -1, pad = -1;
+};
+
+// ids: 0 <pad>, 1 <bos>, 2 <eos>, then one id per character of `alphabet` (ASCII).
+std::unique_ptr<tokenizer> char_tokenizer_make(const std::string& alphabet);
+// A tokenizer.json file, or a directory holding one.
+std::unique_ptr<tokenizer> tokenizer_load(const std::string& path);
+
+}  // namespace fp8rl::models
