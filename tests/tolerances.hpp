@@ -56,6 +56,13 @@ inline constexpr double kModelFp8VsF32Grad = 12 * kUnitRmsE4M3;
 // (sqrt(9) = 3) with gain ~1.3: 4 units of E4M3.
 inline constexpr double kFp8AttentionVsBf16 = 4 * kUnitRmsE4M3;
 
+// Policy-loss finite differences: the loss is computed in FP64 from FP32 logprobs, h = 1e-3;
+// truncation ~h^2 |L'''| on exp(c - p) terms is ~1e-6 relative.
+inline constexpr double kFiniteDiffLoss = 1e-4;
+// Metrics from FP32 logprob inputs vs hand-computed FP64 values: inputs like -1.1f carry a
+// representation error ~1e-7, which exp() propagates at that scale.
+inline constexpr double kMetricFromFloatInputs = 1e-6;
+
 // DeepGEMM's normwise, scale-invariant difference: 1 - 2Σxy / Σ(x²+y²).
 inline double calc_diff(const std::vector<double>& x, const std::vector<double>& y) {
   double xy = 0, xx = 0;

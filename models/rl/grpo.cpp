@@ -1,0 +1,180 @@
+// models/rl/grpo.cpp -- advantages, importance weights, policy loss, metrics.
+#include "models/rl/grpo.hpp"
+
+#include <algorithm>
+#include <cmath>
+#include <stdexcept>
+
+namespace fp8rl::models {
+
+std::optional<is_mode> is_mode_parse(std::string_view s) {
+  if (s == "none") return is_mode::none;
+  if (s == "tis") return is_mode::tis;
+  if (s == "icepop") return is_mode::icepop;
+  if (s == "seq-mask-tis") return is_mode::seq_mask_tis;
+  return std::nullopt;
+}
+
+std::string_view is_mode_name(is_mode m) {
+  switch (m) {
+    case is_mode::none: return "none";
+    case is_mode::tis: return "tis";
+    case is_mode::icepop: return "icepop";
+    case is_mode::seq_mask_tis: return "seq-mask-tis";
+  }
+  return "?";
+}
+
+std::vector<float> grpo_advantages(const std::vector<float>& r, int64_t G, bool normalize_std, float eps) {
+  if (G <= 0 || r.size() % static_cast<size_t>(G))
+    throw std::invalid_argument("grpo_advantages: " + std::to_string(r.size()) + " rewards are not groups of " + std::to_string(G));
+  std::vector<float> a(r.size());
+  for (size_t g0 = 0; g0 < r.size(); g0 += static_cast<size_t>(G)) {
+    double mean = 0, var = 0;
+    for (int64_t i = 0; i < G; ++i) mean += r[g0 + i];
+    mean /= double(G);
+    for (int64_t i = 0; i < G; ++i) var += (r[g0 + i] - mean) * (r[g0 + i] - mean);
+    const double sd = G > 1 ? std::sqrt(var / double(G - 1)) : 0.0;  // unbiased, as torch.std
+    for (int64_t i = 0; i < G; ++i) {
+      const double d = r[g0 + i] - mean;  // identical rewards: A = 0 (also when eps = 0)
+      a[g0 + i] = static_cast<float>(!normalize_std || d == 0.0 ? d : d / (sd + eps));
+    }
+  }
+  return a;
+}
+
+is_result is_weights(const token_batch_rl& b, const grpo_config& cfg) {
+  const int64_t n = b.size();
+  is_result out;
+  out.w.assign(static_cast<size_t>(n), 0.0f);
+  out.mask = b.mask;
+  // optional sequence filter on e_i = mean_t exp(|g - p|)
+  if (cfg.seq_logprob_error_threshold > 0.0f) {
+    std::vector<double> e(static_cast<size_t>(b.n_seqs), 0.0), cnt(static_cast<size_t>(b.n_seqs), 0.0);
+    for (int64_t t = 0; t < n; ++t)
+      if (b.mask[t] > 0) { e[b.seq[t]] += std::exp(std::fabs(b.g[t] - b.p[t])); cnt[b.seq[t]] += 1; }
+    for (int64_t s = 0; s < b.n_seqs; ++s)
+      if (cnt[s] > 0 && e[s] / cnt[s] > cfg.seq_logprob_error_threshold) {
+        ++out.masked_seqs;
+        for (int64_t t = 0; t < n; ++t) if (b.seq[t] == s) out.mask[t] = 0.0f;
+      }
+  }
+  std::vector<double> seq_sum(static_cast<size_t>(b.n_seqs), 0.0), seq_cnt(static_cast<size_t>(b.n_seqs), 0.0);
+  for (int64_t t = 0; t < n; ++t) {
+    double w = std::exp(static_cast<double>(b.p[t]) - b.g[t]);
+    if (!std::isfinite(w)) {
+      if (out.mask[t] > 0) ++out.nonfinite;
+      w = 0.0;
+    }
+    float wt = static_cast<float>(w);
+    if (out.mask[t] > 0 && (cfg.is == is_mode::tis || cfg.is == is_mode::icepop) && (w > cfg.is_hi || w < cfg.is_lo)) ++out.oob;
+    switch (cfg.is) {
+      case is_mode::none: break;
+      case is_mode::tis: wt = std::clamp(wt, cfg.is_lo, cfg.is_hi); break;
+      case is_mode::icepop: if (w < cfg.is_lo || w > cfg.is_hi) wt = 0.0f; break;
+      case is_mode::seq_mask_tis:
+        if (out.mask[t] > 0 && std::isfinite(b.p[t] - b.g[t])) { seq_sum[b.seq[t]] += double(b.p[t]) - b.g[t]; seq_cnt[b.seq[t]] += 1; }
+        break;
+    }
+    out.w[t] = wt;
+  }
+  if (cfg.is == is_mode::seq_mask_tis)
+    for (int64_t s = 0; s < b.n_seqs; ++s) {
+      if (seq_cnt[s] == 0) continue;
+      const double rho = std::exp(seq_sum[s] / seq_cnt[s]);
+      if (rho < cfg.is_lo || rho > cfg.is_hi) {
+        ++out.oob_seqs;
+        for (int64_t t = 0; t < n; ++t) if (b.seq[t] == s) out.w[t] = 0.0f;
+      }
+    }
+  return out;
+}
+
+loss_result policy_loss(const token_batch_rl& b, const grpo_config& cfg, double N) {
+  const int64_t n = b.size();
+  if (b.p.size() != b.c.size() || b.g.size() != b.c.size() || b.adv.size() != b.c.size() || b.mask.size() != b.c.size())
+    throw std::invalid_argument("policy_loss: c, p, g, adv, mask must have the same length");
+  if (cfg.kl_beta > 0 && b.ref.size() != b.c.size()) throw std::invalid_argument("policy_loss: kl_beta > 0 needs ref logprobs");
+  if (!(N > 0)) throw std::invalid_argument("policy_loss: N (global token count) must be > 0");
+  const is_result is = is_weights(b, cfg);
+  loss_result out;
+  out.dc.assign(static_cast<size_t>(n), 0.0f);
+  double clipped = 0;
+  for (int64_t t = 0; t < n; ++t) {
+    const double m = is.mask[t];
+    if (m == 0.0) continue;
+    const double A = b.adv[t], r = std::exp(static_cast<double>(b.c[t]) - b.p[t]);
+    const double rc = std::clamp(r, 1.0 - cfg.clip_low, 1.0 + cfg.clip_high);
+    const double u = -A * r, v = -A * rc;
+    double L, dL;  // dL/dc
+    if (u >= v) { L = u; dL = -A * r; }
+    else { L = v; dL = (r == rc) ? -A * r : 0.0; ++clipped; }
+    if (cfg.dual_clip > 1.0f && A < 0 && -cfg.dual_clip * A < L) { L = -cfg.dual_clip * A; dL = 0.0; }
+    const double w = is.w[t];
+    out.actor += m * w * L / N;
+    double g = m * w * dL / N;
+    if (cfg.kl_beta > 0) {
+      const double lr_raw = static_cast<double>(b.ref[t]) - b.c[t];
+      const double lr = std::clamp(lr_raw, -20.0, 20.0);
+      const double k3_raw = std::exp(lr) - lr - 1.0;
+      const double k3 = std::clamp(k3_raw, -10.0, 10.0);
+      out.kl += cfg.kl_beta * m * k3 / N;
+      if (lr == lr_raw && k3 == k3_raw) g += cfg.kl_beta * m * (1.0 - std::exp(lr)) / N;
+    }
+    out.dc[t] = static_cast<float>(g);
+  }
+  out.loss = out.actor + out.kl;
+  mismatch_metrics(b, is, cfg, N, "", out.metrics);
+  double nm = 0;
+  for (int64_t t = 0; t < n; ++t) nm += is.mask[t];
+  out.metrics["clip_fraction"] = nm > 0 ? clipped / nm : 0.0;
+  out.metrics["loss"] = out.loss;
+  out.metrics["kl_penalty"] = out.kl;
+  return out;
+}
+
+void mismatch_metrics(const token_batch_rl& b, const is_result& is, const grpo_config& cfg, double N,
+                      const std::string& prefix, metric_map& out) {
+  const int64_t n = b.size();
+  double tmpe = 0, gkl = 0, pkl = 0, js = 0, sir = 0, ent = 0, ntok = 0;
+  std::vector<double> e(static_cast<size_t>(b.n_seqs), 0.0), cnt(static_cast<size_t>(b.n_seqs), 0.0);
+  for (int64_t t = 0; t < n; ++t) {
+    const double m = is.mask[t];
+    if (m == 0.0) continue;
+    const double g = b.g[t], p = b.p[t], d = p - g;
+    tmpe += m * std::exp(std::fabs(g - p));
+    gkl += m * (std::exp(d) - d - 1.0);
+    pkl += m * (std::exp(-d) - (-d) - 1.0);
+    const double l = std::log(0.5 * std::exp(p) + 0.5 * std::exp(g));
+    js += m * 0.5 * ((std::exp(p - l) - (p - l) - 1.0) + (std::exp(g - l) - (g - l) - 1.0));
+    sir += m * is.w[t];
+    ent += -m * std::exp(static_cast<double>(b.c[t]) - g) * b.c[t];
+    ntok += m;
+    e[b.seq[t]] += std::exp(std::fabs(g - p));
+    cnt[b.seq[t]] += 1;
+  }
+  out[prefix + "token_mult_prob_error"] = tmpe / N;
+  out[prefix + "gen_kl_error"] = gkl / N;
+  out[prefix + "policy_kl_error"] = pkl / N;
+  out[prefix + "js_divergence_error"] = js / N;
+  out[prefix + "sampling_importance_ratio"] = sir / N;
+  out[prefix + "approx_entropy"] = ent / N;
+  double emax = 0, emin = 0, esum = 0, nseq = 0;
+  for (int64_t s = 0; s < b.n_seqs; ++s) {
+    if (cnt[s] == 0) continue;
+    const double es = e[s] / cnt[s];
+    emax = nseq == 0 ? es : std::max(emax, es);
+    emin = nseq == 0 ? es : std::min(emin, es);
+    esum += es;
+    nseq += 1;
+  }
+  out[prefix + "seq_mult_prob_error_max"] = emax;
+  out[prefix + "seq_mult_prob_error_mean"] = nseq > 0 ? esum / nseq : 0.0;
+  out[prefix + "seq_mult_prob_error_min"] = emin;
+  out[prefix + "is_oob_ratio"] = cfg.is == is_mode::seq_mask_tis ? (b.n_seqs > 0 ? double(is.oob_seqs) / double(b.n_seqs) : 0.0)
+                                                                   : (ntok > 0 ? double(is.oob) / ntok : 0.0);
+  out[prefix + "nonfinite_is_weights"] = static_cast<double>(is.nonfinite);
+  out[prefix + "num_masked_seqs"] = static_cast<double>(is.masked_seqs);
+}
+
+}  // namespace fp8rl::models

@@ -1,0 +1,72 @@
+// models/rl/grpo.hpp -- GRPO: group advantages, importance sampling with truncation, the PPO
+// clipped policy loss with its gradient, and the mismatch metrics (rl-algorithm.md §1, §3, §6).
+// defines: is_mode, grpo_config, grpo_advantages, token_batch_rl, is_weights, policy_loss,
+//          loss_result, metric_map
+//
+// Per response token t: mask m_t, generation logprob g_t (rollout), proximal p_t (learner before
+// the update; p_t := c_t detached in async mode), current c_t (learner, with gradient), ref_t
+// (reference policy, only for KL). N = sum m_t over the global batch, given by the caller.
+#pragma once
+#include <cstdint>
+#include <map>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+namespace fp8rl::models {
+
+enum class is_mode : uint8_t { none = 0, tis = 1, icepop = 2, seq_mask_tis = 3 };
+std::optional<is_mode> is_mode_parse(std::string_view s);
+std::string_view is_mode_name(is_mode m);
+
+struct grpo_config {
+  int64_t group_size = 8;
+  bool normalize_std = true;   // A = (r - mean) / (std + eps); false: r - mean
+  float adv_eps = 1e-6f;
+  float clip_low = 0.2f, clip_high = 0.2f;
+  float dual_clip = 0.0f;      // c > 1 enables the dual clip for A < 0
+  is_mode is = is_mode::tis;
+  float is_lo = 0.0f, is_hi = 2.0f;
+  float kl_beta = 0.0f;        // > 0: k3 KL to the reference policy (not IS-weighted)
+  float seq_logprob_error_threshold = 0.0f;  // > 0: drop sequences with e_i above it
+};
+
+// Advantages for rewards laid out as consecutive groups of `group_size`.
+std::vector<float> grpo_advantages(const std::vector<float>& rewards, int64_t group_size, bool normalize_std, float eps);
+
+// Flattened response tokens of a global batch.
+struct token_batch_rl {
+  std::vector<float> c, p, g, ref;   // logprobs [n]; ref empty unless kl_beta > 0
+  std::vector<float> adv, mask;      // [n]
+  std::vector<int32_t> seq;          // [n] sequence index, non-decreasing
+  std::vector<uint64_t> weight_version;  // [n] optional: per-token behaviour version
+  int64_t n_seqs = 0;
+  int64_t size() const { return static_cast<int64_t>(c.size()); }
+};
+
+using metric_map = std::map<std::string, double>;
+
+// Truncated IS weights w~ (no gradient) and the masks after seq-mask-tis / the sequence
+// logprob-error filter. Non-finite raw weights become 0 and are counted in metrics.
+struct is_result {
+  std::vector<float> w;     // w~ [n]
+  std::vector<float> mask;  // effective mask [n] (sequence filter applied)
+  int64_t nonfinite = 0, oob = 0, oob_seqs = 0, masked_seqs = 0;
+};
+is_result is_weights(const token_batch_rl& b, const grpo_config& cfg);
+
+struct loss_result {
+  double loss = 0, actor = 0, kl = 0;
+  std::vector<float> dc;  // dL/dc_t [n]
+  metric_map metrics;
+};
+// loss = sum_t m_t w~_t L_t / N + beta sum_t m_t k3_t / N, and its gradient w.r.t. c.
+loss_result policy_loss(const token_batch_rl& b, const grpo_config& cfg, double N);
+
+// The mismatch metrics of rl-algorithm.md §6 (token and sequence level), with `prefix` prepended
+// to each name. Uses g, p, c, w~ and the effective mask.
+void mismatch_metrics(const token_batch_rl& b, const is_result& is, const grpo_config& cfg, double N,
+                      const std::string& prefix, metric_map& out);
+
+}  // namespace fp8rl::models

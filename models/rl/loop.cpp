@@ -1,0 +1,94 @@
+// models/rl/loop.cpp -- the synchronous GRPO step and calibration.
+#include "models/rl/loop.hpp"
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <stdexcept>
+
+#include "models/cpu/cpu_backend.hpp"
+
+namespace fp8rl::models {
+
+attn_fp8_scales calibrate_attention(model_runner& run, const model_weights& w, const std::vector<token_batch>& batches,
+                                    double percentile, float margin) {
+  if (batches.empty()) throw std::invalid_argument("calibrate_attention: no batches");
+  std::vector<qkv_stats> samples;
+  for (const auto& b : batches) {
+    qkv_stats st;
+    run.forward(w, b, false, nullptr, &st);
+    samples.push_back(std::move(st));
+  }
+  auto pick = [&](auto member) {
+    const size_t n = (samples[0].*member).size();
+    std::vector<float> out(n);
+    for (size_t i = 0; i < n; ++i) {
+      std::vector<float> v;
+      for (const auto& s : samples) v.push_back((s.*member)[i]);
+      std::sort(v.begin(), v.end());
+      const float amax = v[static_cast<size_t>(std::llround(percentile * double(v.size() - 1)))];
+      out[i] = std::max(amax, 1e-6f) * margin / 448.0f;
+    }
+    return out;
+  };
+  return {pick(&qkv_stats::q), pick(&qkv_stats::k), pick(&qkv_stats::v)};
+}
+
+std::shared_ptr<quant::weight_bundle> make_bundle(const rl_state& st, const rl_run_config& cfg,
+                                                  const std::vector<token_batch>& calib, uint64_t scale_version) {
+  attn_fp8_scales sc;
+  const bool need = cfg.gen_policy.kv == kv_dtype::fp8 || cfg.gen_policy.fp8_attention;
+  if (need) {
+    auto be = make_cpu_backend();
+    model_runner run(*be);
+    auto w = model_weights_build(*be, st.params.cfg, cfg.gen_policy.training(), {&st.params, nullptr, nullptr}, false);
+    sc = calibrate_attention(run, *w, calib, cfg.kv_percentile, cfg.kv_margin);
+  }
+  return std::make_shared<quant::weight_bundle>(
+      bundle_from_params(st.params, cfg.gen_policy, st.version, scale_version, need ? &sc : nullptr));
+}
+
+std::vector<task_example> take_prompts(const dataset& d, uint64_t cursor, int64_t n) {
+  std::vector<task_example> out;
+  for (int64_t i = 0; i < n; ++i) out.push_back(d.items[(cursor + static_cast<uint64_t>(i)) % d.items.size()]);
+  return out;
+}
+
+metric_map rl_sync_step(rl_state& st, generation_engine& eng, const dataset& train, const tokenizer& tok,
+                        const rl_run_config& cfg) {
+  using clk = std::chrono::steady_clock;
+  const auto t0 = clk::now();
+  const auto prompts = take_prompts(train, st.prompt_cursor, cfg.prompts_per_step);
+  // calibration batch: the prompts of this step (the batch the new weights will generate on)
+  token_batch calib;
+  for (const auto& p : prompts) calib.add(tok.encode(p.prompt, true));
+  const std::string err = eng.adopt(make_bundle(st, cfg, {calib}, st.version));
+  if (!err.empty()) throw std::runtime_error("rl_sync_step: adoption refused: " + err);
+  for (auto& r : rollout_requests(prompts, st.prompt_cursor, tok, cfg.grpo.group_size, cfg.proc, cfg.max_new_tokens,
+                                  cfg.seed + st.version))
+    eng.submit(std::move(r));
+  const auto results = eng.run_to_completion();
+  std::map<uint64_t, std::string> answers;
+  for (size_t i = 0; i < prompts.size(); ++i) answers[st.prompt_cursor + i] = prompts[i].answer;
+  const auto samples = rollout_samples(results, answers, tok, cfg.verifier, cfg.grpo);
+  const auto t1 = clk::now();
+  double N = 0;
+  for (const auto& s : samples) N += double(s.response.size());
+  auto be = make_cpu_backend();
+  model_runner run(*be);
+  auto w = model_weights_build(*be, st.params.cfg, cfg.train_policy.training(), {&st.params, nullptr, nullptr}, true);
+  learner_out lo = learner_grpo(run, *w, samples, cfg.grpo, N, st.version, nullptr, cfg.proc);
+  const double gnorm = adamw_step(cfg.opt, st.params.layout, st.params.data.data(), lo.grads.data(), st.opt);
+  metric_map m = lo.loss.metrics;
+  rl_batch_metrics(samples, st.version, m);
+  m["grad_norm"] = gnorm;
+  m["weight_version"] = double(st.version);
+  m["generation_s"] = std::chrono::duration<double>(t1 - t0).count();
+  m["training_s"] = std::chrono::duration<double>(clk::now() - t1).count();
+  m["tokens"] = N;
+  st.version += 1;
+  st.prompt_cursor += static_cast<uint64_t>(cfg.prompts_per_step);
+  return m;
+}
+
+}  // namespace fp8rl::models

@@ -1,0 +1,50 @@
+// models/rl/loop.hpp -- one synchronous GRPO step as plain functions: the reference loop that the
+// actor system reproduces exactly with max_staleness = 0, and Q/K/V calibration.
+// defines: rl_run_config, rl_state, calibrate_attention, make_bundle, rl_sync_step
+#pragma once
+#include <memory>
+
+#include "models/rl/rl.hpp"
+
+namespace fp8rl::models {
+
+struct rl_run_config {
+  grpo_config grpo;
+  adamw_config opt;
+  int64_t prompts_per_step = 16;
+  int32_t max_new_tokens = 8;
+  logit_processing proc;             // sampling (temperature 1 by default)
+  precision_policy gen_policy, train_policy;
+  verifier_kind verifier = verifier_kind::numeric;
+  uint64_t seed = 1;
+  float kv_margin = 1.05f;           // calibration: scale = amax_p * margin / 448
+  double kv_percentile = 0.999;
+};
+
+struct rl_state {
+  model_params params;
+  adamw_state opt;
+  uint64_t version = 0;        // weight_version of params
+  uint64_t prompt_cursor = 0;  // next prompt of the training set
+};
+
+// Per-layer, per-head Q/K/V scales from forward passes over `batches` with the given weights
+// (rl-algorithm.md §5): per head, the sorted amax sample number round(p * (n - 1)) over the
+// batches, then scale = amax * margin / 448 (floored at a tiny positive value so an all-zero
+// head is still a valid snapshot entry).
+attn_fp8_scales calibrate_attention(model_runner& run, const model_weights& w, const std::vector<token_batch>& batches,
+                                    double percentile, float margin);
+
+// The bundle the rollout adopts for `st.params` (FP8 attention scales calibrated on `calib`
+// when the generation policy needs them).
+std::shared_ptr<quant::weight_bundle> make_bundle(const rl_state& st, const rl_run_config& cfg,
+                                                  const std::vector<token_batch>& calib, uint64_t scale_version);
+
+// Prompts [cursor, cursor + n) of the dataset (wrapping), as (prompt_id -> example).
+std::vector<task_example> take_prompts(const dataset& d, uint64_t cursor, int64_t n);
+
+// One synchronous step: rollout under st.version, rewards, GRPO gradient, AdamW; version += 1.
+metric_map rl_sync_step(rl_state& st, generation_engine& eng, const dataset& train, const tokenizer& tok,
+                        const rl_run_config& cfg);
+
+}  // namespace fp8rl::models

@@ -1,0 +1,209 @@
+// models/rl/rl.cpp -- rollout, learner gradient, SFT, evaluation.
+#include "models/rl/rl.hpp"
+
+#include <algorithm>
+#include <cmath>
+#include <stdexcept>
+
+#include "models/cpu/cpu_backend.hpp"
+
+namespace fp8rl::models {
+
+std::vector<gen_request> rollout_requests(const std::vector<task_example>& prompts, uint64_t first_prompt_id,
+                                          const tokenizer& tok, int64_t G, const logit_processing& proc,
+                                          int32_t max_tokens, uint64_t seed) {
+  std::vector<gen_request> out;
+  for (size_t i = 0; i < prompts.size(); ++i) {
+    const std::vector<int32_t> ids = tok.encode(prompts[i].prompt, true);
+    for (int64_t j = 0; j < G; ++j) {
+      gen_request r;
+      r.id = (first_prompt_id + i) * static_cast<uint64_t>(G) + static_cast<uint64_t>(j);
+      r.prompt = ids;
+      r.max_tokens = max_tokens;
+      r.proc = proc;
+      r.seed = seed;
+      if (tok.eos >= 0) r.stop_tokens = {tok.eos};
+      out.push_back(std::move(r));
+    }
+  }
+  return out;
+}
+
+std::vector<rl_sample> rollout_samples(const std::vector<gen_result>& results, const std::map<uint64_t, std::string>& answers,
+                                       const tokenizer& tok, verifier_kind vk, const grpo_config& cfg) {
+  const int64_t G = cfg.group_size;
+  std::vector<rl_sample> s;
+  for (const auto& r : results) {
+    rl_sample x;
+    x.prompt_id = r.id / static_cast<uint64_t>(G);
+    x.group_index = static_cast<int32_t>(r.id % static_cast<uint64_t>(G));
+    x.prompt = r.prompt;
+    x.response = r.tokens;
+    x.gen_logprobs = r.logprobs;
+    x.weight_version = r.weight_version;
+    x.scale_version = r.scale_version;
+    x.oldest_kv_version = r.oldest_kv_version;
+    std::vector<int32_t> body = r.tokens;
+    if (!body.empty() && body.back() == tok.eos) body.pop_back();
+    auto it = answers.find(x.prompt_id);
+    if (it == answers.end()) throw std::invalid_argument("rollout_samples: no answer for prompt " + std::to_string(x.prompt_id));
+    x.reward = verify(vk, tok.decode(body, true), it->second);
+    s.push_back(std::move(x));
+  }
+  std::sort(s.begin(), s.end(), [](const rl_sample& a, const rl_sample& b) {
+    return a.prompt_id != b.prompt_id ? a.prompt_id < b.prompt_id : a.group_index < b.group_index;
+  });
+  std::vector<float> rw;
+  for (const auto& x : s) rw.push_back(x.reward);
+  const auto adv = grpo_advantages(rw, G, cfg.normalize_std, cfg.adv_eps);
+  for (size_t i = 0; i < s.size(); ++i) s[i].advantage = adv[i];
+  return s;
+}
+
+learner_out learner_grpo(model_runner& run, const model_weights& w, const std::vector<rl_sample>& samples,
+                         const grpo_config& cfg, double N_global, uint64_t learner_version, const model_weights* ref,
+                         const logit_processing& proc) {
+  learner_out out;
+  out.grads.assign(static_cast<size_t>(model_param_layout(w.cfg).total), 0.0f);
+  if (samples.empty()) return out;
+  token_batch b;
+  for (const auto& s : samples) {
+    auto seq = s.prompt;
+    seq.insert(seq.end(), s.response.begin(), s.response.end());
+    b.add(seq);
+  }
+  const auto targets = b.next_targets();
+  // response token j of sample i is predicted at position seq_start[i] + |prompt| - 1 + j
+  std::vector<int64_t> at;
+  token_batch_rl rl;
+  for (size_t i = 0; i < samples.size(); ++i) {
+    const auto& s = samples[i];
+    for (size_t j = 0; j < s.response.size(); ++j) {
+      at.push_back(b.seq_start[i] + static_cast<int64_t>(s.prompt.size()) - 1 + static_cast<int64_t>(j));
+      rl.g.push_back(s.gen_logprobs[j]);
+      rl.adv.push_back(s.advantage);
+      rl.mask.push_back(1.0f);
+      rl.seq.push_back(static_cast<int32_t>(i));
+      rl.weight_version.push_back(s.weight_version[j]);
+    }
+  }
+  rl.n_seqs = static_cast<int64_t>(samples.size());
+  std::vector<float> all(targets.size());
+  if (ref) {
+    run.forward(*ref, b, false);
+    run.logprobs(targets, proc, all.data());
+    for (int64_t t : at) rl.ref.push_back(all[t]);
+  }
+  run.forward(w, b, true);
+  run.logprobs(targets, proc, all.data());
+  for (int64_t t : at) rl.c.push_back(all[t]);
+  rl.p = rl.c;  // p := sg(c): one optimizer step per batch
+  out.loss = policy_loss(rl, cfg, N_global);
+  out.tokens = static_cast<double>(rl.c.size());
+  // per-version and per-staleness mismatch (Δ = learner_version - weight_version)
+  std::map<uint64_t, std::vector<int64_t>> by_v;
+  for (int64_t t = 0; t < rl.size(); ++t) by_v[rl.weight_version[t]].push_back(t);
+  const is_result is = is_weights(rl, cfg);
+  for (const auto& [v, idx] : by_v) {
+    token_batch_rl sub;
+    is_result sis;
+    sub.n_seqs = rl.n_seqs;
+    for (int64_t t : idx) {
+      sub.c.push_back(rl.c[t]); sub.p.push_back(rl.p[t]); sub.g.push_back(rl.g[t]);
+      sub.adv.push_back(rl.adv[t]); sub.mask.push_back(rl.mask[t]); sub.seq.push_back(rl.seq[t]);
+      sis.w.push_back(is.w[t]); sis.mask.push_back(is.mask[t]);
+    }
+    const double n = static_cast<double>(idx.size());
+    metric_map m;
+    mismatch_metrics(sub, sis, cfg, n, "", m);
+    const uint64_t delta = learner_version >= v ? learner_version - v : 0;
+    out.loss.metrics["by_version/" + std::to_string(v) + "/token_mult_prob_error"] = m["token_mult_prob_error"];
+    out.loss.metrics["by_version/" + std::to_string(v) + "/gen_kl_error"] = m["gen_kl_error"];
+    out.loss.metrics["by_version/" + std::to_string(v) + "/tokens"] = n;
+    out.loss.metrics["by_staleness/" + std::to_string(delta) + "/token_mult_prob_error"] = m["token_mult_prob_error"];
+    out.loss.metrics["by_staleness/" + std::to_string(delta) + "/gen_kl_error"] = m["gen_kl_error"];
+  }
+  std::vector<float> dlogp(targets.size(), 0.0f);
+  for (size_t k = 0; k < at.size(); ++k) dlogp[at[k]] = out.loss.dc[k];
+  run.backward(w, targets, proc, dlogp.data(), out.grads.data());
+  return out;
+}
+
+void rl_batch_metrics(const std::vector<rl_sample>& s, uint64_t learner_version, metric_map& out) {
+  if (s.empty()) return;
+  double sum = 0, sq = 0, acc = 0, len = 0;
+  std::map<uint64_t, double> hist;
+  for (const auto& x : s) {
+    sum += x.reward;
+    sq += double(x.reward) * x.reward;
+    acc += x.reward > 0.5f;
+    len += double(x.response.size());
+    for (uint64_t v : x.weight_version) hist[learner_version >= v ? learner_version - v : 0] += 1;
+  }
+  const double n = double(s.size()), mean = sum / n;
+  out["reward_mean"] = mean;
+  out["reward_std"] = std::sqrt(std::max(0.0, sq / n - mean * mean));
+  out["accuracy"] = acc / n;
+  out["response_length"] = len / n;
+  for (const auto& [d, c] : hist) out["staleness_hist/" + std::to_string(d)] = c;
+}
+
+std::vector<double> sft_train(model_params& params, adamw_state& opt, const dataset& data, const tokenizer& tok,
+                              const sft_config& cfg, const std::function<void(int64_t, double)>& on_step) {
+  if (data.items.empty()) throw std::invalid_argument("sft: empty dataset");
+  auto be = make_cpu_backend();
+  model_runner run(*be);
+  rng g(cfg.seed);
+  std::vector<double> losses;
+  for (int64_t step = 0; step < cfg.steps; ++step) {
+    token_batch b;
+    std::vector<float> mask;
+    for (int64_t i = 0; i < cfg.batch; ++i) {
+      const auto& ex = data.items[g.next_u64() % data.items.size()];
+      auto p = tok.encode(ex.prompt, true);
+      auto a = tok.encode(ex.answer, false);
+      if (tok.eos >= 0) a.push_back(tok.eos);
+      std::vector<int32_t> seq = p;
+      seq.insert(seq.end(), a.begin(), a.end());
+      b.add(seq);
+      for (size_t t = 0; t < seq.size(); ++t) mask.push_back(t + 1 >= p.size() && t + 1 < seq.size() ? 1.0f : 0.0f);
+    }
+    auto w = model_weights_build(*be, params.cfg, cfg.policy.training(), {&params, nullptr, nullptr}, true);
+    run.forward(*w, b, true);
+    const auto targets = b.next_targets();
+    std::vector<float> lp(targets.size()), dl(targets.size());
+    run.logprobs(targets, {}, lp.data());
+    double n = 0, loss = 0;
+    for (float m : mask) n += m;
+    for (size_t t = 0; t < targets.size(); ++t) {
+      loss -= mask[t] * lp[t] / n;
+      dl[t] = static_cast<float>(-mask[t] / n);
+    }
+    std::vector<float> grads(static_cast<size_t>(params.layout.total), 0.0f);
+    run.backward(*w, targets, {}, dl.data(), grads.data());
+    adamw_step(cfg.opt, params.layout, params.data.data(), grads.data(), opt);
+    losses.push_back(loss);
+    if (on_step) on_step(step, loss);
+  }
+  return losses;
+}
+
+eval_result evaluate(generation_engine& eng, const dataset& data, const tokenizer& tok, verifier_kind vk,
+                     int32_t max_tokens, uint64_t seed) {
+  eval_result r;
+  r.n = static_cast<int64_t>(data.items.size());
+  for (float temp : {0.0f, 1.0f}) {
+    auto reqs = rollout_requests(data.items, 0, tok, 1, {temp, 0, 1.0f}, max_tokens, seed);
+    for (auto& q : reqs) eng.submit(std::move(q));
+    double correct = 0;
+    for (const auto& res : eng.run_to_completion()) {
+      std::vector<int32_t> body = res.tokens;
+      if (!body.empty() && body.back() == tok.eos) body.pop_back();
+      correct += verify(vk, tok.decode(body, true), data.items[res.id].answer);
+    }
+    (temp == 0.0f ? r.greedy_accuracy : r.sampled_accuracy) = correct / double(r.n);
+  }
+  return r;
+}
+
+}  // namespace fp8rl::models

@@ -1,0 +1,77 @@
+// models/rl/rl.hpp -- the RL loop's plain functions (no actors): rollout requests and samples,
+// rewards, the learner's GRPO gradient, SFT warm start and evaluation. The actors call exactly
+// these; the synchronous loop in tests calls them directly.
+// defines: rl_sample, rollout_requests, rollout_samples, learner_grpo, rl_batch_metrics,
+//          sft_config, sft_train, eval_result, evaluate
+#pragma once
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "models/adamw.hpp"
+#include "models/generate.hpp"
+#include "models/rl/grpo.hpp"
+#include "models/rl/task.hpp"
+#include "models/tokenizer.hpp"
+
+namespace fp8rl::models {
+
+// One sampled response with everything the learner needs.
+struct rl_sample {
+  uint64_t prompt_id = 0;           // index of the prompt (groups share it)
+  int32_t group_index = 0;          // 0..G-1 within its group
+  std::vector<int32_t> prompt, response;
+  std::vector<float> gen_logprobs;  // g_t per response token
+  std::vector<uint64_t> weight_version, scale_version, oldest_kv_version;
+  float reward = 0.0f;
+  float advantage = 0.0f;
+};
+
+// G requests per prompt: prompt = BOS + tokens(prompt text); ids = prompt_id * G + j.
+std::vector<gen_request> rollout_requests(const std::vector<task_example>& prompts, uint64_t first_prompt_id,
+                                          const tokenizer& tok, int64_t G, const logit_processing& proc,
+                                          int32_t max_tokens, uint64_t seed);
+// Scores results (EOS stripped before decoding) and fills advantages group-wise. Results must
+// hold complete groups; `answers` maps prompt_id -> answer text.
+std::vector<rl_sample> rollout_samples(const std::vector<gen_result>& results, const std::map<uint64_t, std::string>& answers,
+                                       const tokenizer& tok, verifier_kind vk, const grpo_config& cfg);
+
+struct learner_out {
+  std::vector<float> grads;  // dL/dθ (host, layout of model_params), this shard's share of the global sum
+  loss_result loss;          // loss, dc, metrics (mismatch metrics on this shard)
+  double tokens = 0;         // masked response tokens in this shard
+};
+// GRPO gradient on `samples` (one learner's shard) with the global token count N. Computes
+// c_t with the training weights, sets p_t := c_t (one optimizer step per batch, rl-algorithm.md
+// §4), IS weights from g_t, and per-version / per-staleness metrics (Δ = learner_version - v).
+// ref: reference weights for the KL term (cfg.kl_beta > 0).
+learner_out learner_grpo(model_runner& run, const model_weights& w, const std::vector<rl_sample>& samples,
+                         const grpo_config& cfg, double N_global, uint64_t learner_version,
+                         const model_weights* ref = nullptr, const logit_processing& proc = {});
+
+// Reward mean/std, accuracy (reward > 0.5), response length, staleness histogram.
+void rl_batch_metrics(const std::vector<rl_sample>& samples, uint64_t learner_version, metric_map& out);
+
+struct sft_config {
+  int64_t steps = 300, batch = 32;
+  adamw_config opt;
+  uint64_t seed = 1;
+  precision_policy policy;  // training policy
+};
+// Supervised warm start on prompt -> answer demonstrations: sequences BOS prompt answer EOS,
+// loss on answer + EOS. Returns the loss per step; `on_step(step, loss)` is called if set.
+std::vector<double> sft_train(model_params& params, adamw_state& opt, const dataset& data, const tokenizer& tok,
+                              const sft_config& cfg, const std::function<void(int64_t, double)>& on_step = {});
+
+struct eval_result {
+  double greedy_accuracy = 0, sampled_accuracy = 0;
+  int64_t n = 0;
+};
+// Validation accuracy with the generation engine (its adopted weights): greedy pass@1 and one
+// sampled (temperature 1) pass@1.
+eval_result evaluate(generation_engine& eng, const dataset& data, const tokenizer& tok, verifier_kind vk,
+                     int32_t max_tokens, uint64_t seed);
+
+}  // namespace fp8rl::models

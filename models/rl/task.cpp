@@ -1,0 +1,122 @@
+// models/rl/task.cpp -- datasets, verifiers, built-in arithmetic.
+#include "models/rl/task.hpp"
+
+#include <cctype>
+#include <cmath>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <sstream>
+#include <stdexcept>
+
+#include "models/params.hpp"
+
+namespace fp8rl::models {
+
+dataset dataset_load_jsonl(const std::string& path) {
+  std::ifstream f(path);
+  if (!f) throw std::invalid_argument(path + ": cannot open");
+  dataset d;
+  d.source = path;
+  std::string line, errors;
+  int64_t n = 0, nerr = 0;
+  while (std::getline(f, line)) {
+    ++n;
+    if (line.find_first_not_of(" \t\r") == std::string::npos) continue;
+    auto bad = [&](const std::string& why) {
+      if (++nerr <= 20) errors += "\n  " + path + ":" + std::to_string(n) + ": " + why;
+    };
+    nlohmann::json j;
+    try {
+      j = nlohmann::json::parse(line);
+    } catch (const nlohmann::json::exception&) {
+      bad("not valid JSON");
+      continue;
+    }
+    if (!j.is_object()) { bad("not a JSON object"); continue; }
+    if (!j.contains("prompt") || !j["prompt"].is_string()) { bad("'prompt' missing or not a string"); continue; }
+    if (!j.contains("answer") || !(j["answer"].is_string() || j["answer"].is_number())) {
+      bad("'answer' missing or not a string/number");
+      continue;
+    }
+    task_example e;
+    e.prompt = j["prompt"].get<std::string>();
+    e.answer = j["answer"].is_string() ? j["answer"].get<std::string>() : j["answer"].dump();
+    if (e.prompt.empty()) { bad("'prompt' is empty"); continue; }
+    d.items.push_back(std::move(e));
+  }
+  if (nerr) throw std::invalid_argument(path + ": " + std::to_string(nerr) + " malformed line(s):" + errors);
+  if (d.items.empty()) throw std::invalid_argument(path + ": no examples");
+  return d;
+}
+
+std::optional<verifier_kind> verifier_parse(std::string_view s) {
+  if (s == "exact") return verifier_kind::exact;
+  if (s == "numeric") return verifier_kind::numeric;
+  return std::nullopt;
+}
+
+std::string answer_normalize(std::string_view s) {
+  std::string out;
+  bool space = false;
+  for (char c : s) {
+    if (std::isspace(static_cast<unsigned char>(c))) { space = !out.empty(); continue; }
+    if (space) out += ' ';
+    space = false;
+    out += static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+  }
+  if (!out.empty() && out.back() == '.') out.pop_back();
+  return out;
+}
+
+namespace {
+std::optional<double> parse_number(std::string_view s) {
+  std::string t;
+  for (char c : answer_normalize(s))
+    if (c != ',') t += c;
+  if (!t.empty() && t[0] == '+') t.erase(0, 1);
+  if (t.empty()) return std::nullopt;
+  try {
+    size_t pos = 0;
+    double v = std::stod(t, &pos);
+    if (pos != t.size() || !std::isfinite(v)) return std::nullopt;
+    return v;
+  } catch (const std::exception&) {
+    return std::nullopt;
+  }
+}
+}  // namespace
+
+float verify(verifier_kind k, std::string_view response, std::string_view answer) {
+  if (k == verifier_kind::exact) return answer_normalize(response) == answer_normalize(answer) ? 1.0f : 0.0f;
+  auto r = parse_number(response), a = parse_number(answer);
+  if (!r || !a) return 0.0f;
+  return std::fabs(*r - *a) <= 1e-6 * std::max(1.0, std::fabs(*a)) ? 1.0f : 0.0f;
+}
+
+std::string arithmetic_alphabet() { return "0123456789+*="; }
+
+dataset arithmetic_dataset(const arithmetic_config& c, bool validation, int64_t n, uint64_t seed) {
+  if (c.op != '+' && c.op != '*') throw std::invalid_argument("arithmetic: op must be '+' or '*'");
+  if (c.digits < 1 || c.digits > 6) throw std::invalid_argument("arithmetic: digits must be 1..6");
+  int64_t lo = 1, hi = 10;
+  for (int i = 1; i < c.digits; ++i) { lo *= 10; hi *= 10; }
+  if (c.digits == 1) lo = 0;
+  const uint64_t buckets = 1000, val_buckets = static_cast<uint64_t>(c.val_fraction * buckets);
+  dataset d;
+  d.source = std::string("builtin:arithmetic") + c.op + std::to_string(c.digits);
+  rng g(seed ^ (validation ? 0x5bd1e995ull : 0x1b873593ull));
+  int64_t guard = 0;
+  while (static_cast<int64_t>(d.items.size()) < n) {
+    if (++guard > n * 1000) throw std::invalid_argument("arithmetic: cannot draw enough distinct examples");
+    const int64_t a = lo + static_cast<int64_t>(g.next_u64() % static_cast<uint64_t>(hi - lo));
+    const int64_t b = lo + static_cast<int64_t>(g.next_u64() % static_cast<uint64_t>(hi - lo));
+    rng h(static_cast<uint64_t>(a) * 1000003ull + static_cast<uint64_t>(b));
+    const bool is_val = h.next_u64() % buckets < val_buckets;
+    if (is_val != validation) continue;
+    const int64_t r = c.op == '+' ? a + b : a * b;
+    d.items.push_back({std::to_string(a) + c.op + std::to_string(b) + "=", std::to_string(r)});
+  }
+  return d;
+}
+
+}  // namespace fp8rl::models

@@ -1,0 +1,49 @@
+// models/rl/task.hpp -- tasks for RL with verifiable rewards: user datasets and the built-in
+// arithmetic family, and the verifiers that score a response.
+// defines: task_example, dataset, dataset_load_jsonl, verifier_kind, verify, answer_normalize,
+//          arithmetic_config, arithmetic_dataset, arithmetic_alphabet
+#pragma once
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+namespace fp8rl::models {
+
+struct task_example {
+  std::string prompt;
+  std::string answer;
+};
+
+struct dataset {
+  std::string source;
+  std::vector<task_example> items;
+};
+
+// JSONL lines {"prompt": "...", "answer": "..." | number}; blank lines skipped. Every malformed
+// line is reported (all of them, with line numbers) in one std::invalid_argument.
+dataset dataset_load_jsonl(const std::string& path);
+
+enum class verifier_kind : uint8_t { exact = 0, numeric = 1 };
+std::optional<verifier_kind> verifier_parse(std::string_view s);
+
+// Trim, collapse internal whitespace, lowercase, drop one trailing period.
+std::string answer_normalize(std::string_view s);
+// 1 if the response matches the answer, else 0. numeric: both parse as numbers (commas and a
+// leading '+' ignored) and agree to 1e-6 relative; a response that does not parse scores 0.
+float verify(verifier_kind k, std::string_view response, std::string_view answer);
+
+// Built-in arithmetic: "a+b=" -> "c" (or '*'), operands with `digits` digits (difficulty).
+// Train and validation are disjoint by construction: an operand pair is validation iff a hash
+// of (a, b) falls in the `val_fraction` bucket. Deterministic in the seed.
+struct arithmetic_config {
+  char op = '+';
+  int digits = 2;
+  double val_fraction = 0.1;
+};
+dataset arithmetic_dataset(const arithmetic_config& c, bool validation, int64_t n, uint64_t seed);
+// Characters the built-in tasks use (for char_tokenizer_make).
+std::string arithmetic_alphabet();
+
+}  // namespace fp8rl::models

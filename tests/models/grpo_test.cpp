@@ -1,0 +1,193 @@
+// tests/models/grpo_test.cpp -- GRPO pieces: advantages, the policy loss's gradient w.r.t. the
+// current logprobs by finite differences for every IS mode (with dual clip and KL), each metric
+// against a hand-computed example, and the async variant's reduction to the on-policy loss.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <set>
+
+#include "models/params.hpp"
+#include "models/rl/grpo.hpp"
+#include "models/rl/task.hpp"
+#include "tests/tolerances.hpp"
+
+using namespace fp8rl::models;
+
+namespace {
+token_batch_rl random_batch(uint64_t seed, int64_t nseq, bool kl) {
+  rng g(seed);
+  token_batch_rl b;
+  b.n_seqs = nseq;
+  for (int64_t s = 0; s < nseq; ++s) {
+    const float adv = static_cast<float>(g.normal());
+    const int64_t len = 2 + static_cast<int64_t>(g.next_u64() % 5);
+    for (int64_t t = 0; t < len; ++t) {
+      const float p = static_cast<float>(-0.3 - 2.0 * g.uniform());
+      b.p.push_back(p);
+      b.g.push_back(p + static_cast<float>(0.6 * (g.uniform() - 0.5)));
+      b.c.push_back(p + static_cast<float>(0.5 * (g.uniform() - 0.5)));
+      if (kl) b.ref.push_back(p + static_cast<float>(0.3 * (g.uniform() - 0.5)));
+      b.adv.push_back(adv);
+      b.mask.push_back(g.uniform() < 0.85 ? 1.0f : 0.0f);
+      b.seq.push_back(static_cast<int32_t>(s));
+    }
+  }
+  return b;
+}
+
+// true if c_t sits within h of a kink of the clipped objective (r at a clip bound)
+bool near_kink(const token_batch_rl& b, const grpo_config& cfg, int64_t t, double h) {
+  const double r = std::exp(double(b.c[t]) - b.p[t]);
+  const double lo = std::log(1.0 - cfg.clip_low), hi = std::log(1.0 + cfg.clip_high), d = std::log(r);
+  if (std::fabs(d - lo) < 2 * h || std::fabs(d - hi) < 2 * h) return true;
+  if (cfg.dual_clip > 1.0f && b.adv[t] < 0 && std::fabs(r - cfg.dual_clip) < 2 * h * r) return true;
+  return false;
+}
+}  // namespace
+
+TEST(Grpo, AdvantagesAreGroupNormalized) {
+  auto a = grpo_advantages({1, 0, 0, 1, 1, 1, 1, 1}, 4, true, 0.0f);
+  const float sd = std::sqrt(1.0f / 3.0f);  // unbiased std of {1,0,0,1}
+  EXPECT_FLOAT_EQ(a[0], 0.5f / sd);
+  EXPECT_FLOAT_EQ(a[1], -0.5f / sd);
+  for (int i = 4; i < 8; ++i) EXPECT_EQ(a[i], 0.0f);  // identical rewards: no signal
+  auto m = grpo_advantages({3, 1}, 2, false, 0.0f);
+  EXPECT_FLOAT_EQ(m[0], 1.0f);
+  EXPECT_THROW(grpo_advantages({1, 2, 3}, 2, true, 0.0f), std::invalid_argument);
+}
+
+TEST(Grpo, LossGradientMatchesFiniteDifferencesForEveryIsMode) {
+  for (is_mode mode : {is_mode::none, is_mode::tis, is_mode::icepop, is_mode::seq_mask_tis})
+    for (bool kl : {false, true}) {
+      grpo_config cfg;
+      cfg.is = mode;
+      cfg.is_lo = mode == is_mode::seq_mask_tis ? 0.9f : 0.5f;
+      cfg.is_hi = mode == is_mode::seq_mask_tis ? 1.1f : 1.2f;
+      cfg.dual_clip = 3.0f;
+      cfg.kl_beta = kl ? 0.1f : 0.0f;
+      token_batch_rl b = random_batch(17 + static_cast<uint64_t>(mode), 12, kl);
+      const double N = 37.0;
+      const loss_result lr = policy_loss(b, cfg, N);
+      const double h = 1e-3;
+      std::vector<double> num, ana;
+      for (int64_t t = 0; t < b.size(); ++t) {
+        if (near_kink(b, cfg, t, h)) continue;
+        const float c0 = b.c[t];
+        b.c[t] = static_cast<float>(c0 + h);
+        const double fp = policy_loss(b, cfg, N).loss;
+        b.c[t] = static_cast<float>(c0 - h);
+        const double fm = policy_loss(b, cfg, N).loss;
+        b.c[t] = c0;
+        const double dh = (double(static_cast<float>(c0 + h)) - double(static_cast<float>(c0 - h)));
+        num.push_back((fp - fm) / dh);
+        ana.push_back(lr.dc[t]);
+      }
+      ASSERT_GT(num.size(), 20u);
+      EXPECT_LE(fp8rl::tol::rel_norm_err(ana, num), fp8rl::tol::kFiniteDiffLoss)
+          << is_mode_name(mode) << " kl " << kl;
+    }
+}
+
+TEST(Grpo, MetricsMatchHandComputedExample) {
+  token_batch_rl b;
+  b.g = {-1.0f, -0.5f, -2.0f};
+  b.p = {-1.1f, -0.5f, -1.5f};
+  b.c = {-1.0f, -0.4f, -1.6f};
+  b.adv = {1, 1, -1};
+  b.mask = {1, 1, 1};
+  b.seq = {0, 0, 1};
+  b.n_seqs = 2;
+  grpo_config cfg;  // tis, C = 2
+  const loss_result r = policy_loss(b, cfg, 3.0);
+  // values computed by hand (python, double precision) from the formulas of rl-algorithm.md §6
+  const double tol = fp8rl::tol::kMetricFromFloatInputs;
+  EXPECT_NEAR(r.metrics.at("token_mult_prob_error"), 1.251297396258592, tol);
+  EXPECT_NEAR(r.metrics.at("gen_kl_error"), 0.05118622957869593, tol);
+  EXPECT_NEAR(r.metrics.at("policy_kl_error"), 0.03723385926276035, tol);
+  EXPECT_NEAR(r.metrics.at("js_divergence_error"), 0.010726427711262273, tol);
+  EXPECT_NEAR(r.metrics.at("sampling_importance_ratio"), 1.184519562912029, tol);
+  EXPECT_NEAR(r.metrics.at("approx_entropy"), 1.2763292944854305, tol);
+  EXPECT_NEAR(r.metrics.at("seq_mult_prob_error_max"), 1.6487212707001282, tol);
+  EXPECT_NEAR(r.metrics.at("seq_mult_prob_error_mean"), 1.350653364868976, tol);
+  EXPECT_NEAR(r.metrics.at("seq_mult_prob_error_min"), 1.0525854590378239, tol);
+  EXPECT_EQ(r.metrics.at("is_oob_ratio"), 0.0);
+  // one out-of-bounds token under tis with C = 1.2: w = exp(0.5) = 1.65 > 1.2
+  cfg.is_hi = 1.2f;
+  EXPECT_NEAR(policy_loss(b, cfg, 3.0).metrics.at("is_oob_ratio"), 1.0 / 3.0, 1e-12);
+}
+
+TEST(Grpo, NonFiniteWeightsAreZeroedAndCounted) {
+  token_batch_rl b;
+  b.g = {-1.0f, -INFINITY, -0.5f};
+  b.p = {-1.0f, -1.0f, NAN};
+  b.c = b.p;
+  b.c[2] = -0.5f;
+  b.p[2] = NAN;
+  b.adv = {1, 1, 1};
+  b.mask = {1, 1, 1};
+  b.seq = {0, 0, 0};
+  b.n_seqs = 1;
+  grpo_config cfg;
+  cfg.is = is_mode::none;
+  is_result is = is_weights(b, cfg);
+  EXPECT_EQ(is.w[1], 0.0f);
+  EXPECT_EQ(is.w[2], 0.0f);
+  EXPECT_EQ(is.nonfinite, 2);
+}
+
+TEST(Grpo, AsyncVariantReducesToOnPolicyLoss) {
+  // g = p = c: weights are 1, the ratio is 1, so loss = -sum m A / N and dL/dc = -m A / N
+  token_batch_rl b = random_batch(5, 9, false);
+  b.p = b.c;
+  b.g = b.c;
+  for (is_mode mode : {is_mode::none, is_mode::tis, is_mode::icepop, is_mode::seq_mask_tis}) {
+    grpo_config cfg;
+    cfg.is = mode;
+    cfg.is_lo = 0.5f;
+    cfg.is_hi = 2.0f;
+    const double N = 20.0;
+    const loss_result r = policy_loss(b, cfg, N);
+    double want = 0;
+    for (int64_t t = 0; t < b.size(); ++t) {
+      want += -b.mask[t] * b.adv[t] / N;
+      EXPECT_NEAR(r.dc[t], -b.mask[t] * b.adv[t] / N, 1e-7);
+    }
+    EXPECT_NEAR(r.loss, want, 1e-9);
+    EXPECT_NEAR(r.metrics.at("token_mult_prob_error"), b.size() ? r.metrics.at("token_mult_prob_error") : 1.0, 0);
+    EXPECT_EQ(r.metrics.at("clip_fraction"), 0.0);
+  }
+}
+
+TEST(Tasks, VerifiersAndDatasets) {
+  EXPECT_EQ(verify(verifier_kind::exact, "  Paris. ", "paris"), 1.0f);
+  EXPECT_EQ(verify(verifier_kind::exact, "Lyon", "paris"), 0.0f);
+  EXPECT_EQ(verify(verifier_kind::numeric, "1,000", "1000"), 1.0f);
+  EXPECT_EQ(verify(verifier_kind::numeric, "+46", "46.0"), 1.0f);
+  EXPECT_EQ(verify(verifier_kind::numeric, "4x6", "46"), 0.0f);
+  const arithmetic_config c{'*', 2, 0.1};
+  auto tr = arithmetic_dataset(c, false, 500, 3), va = arithmetic_dataset(c, true, 100, 3);
+  std::set<std::string> train_prompts;
+  for (const auto& e : tr.items) train_prompts.insert(e.prompt);
+  for (const auto& e : va.items) EXPECT_EQ(train_prompts.count(e.prompt), 0u) << e.prompt;  // disjoint
+  const auto& e = tr.items[0];
+  const auto star = e.prompt.find('*');
+  EXPECT_EQ(std::stol(e.answer), std::stol(e.prompt.substr(0, star)) * std::stol(e.prompt.substr(star + 1)));
+  EXPECT_EQ(arithmetic_dataset(c, false, 50, 3).items[7].prompt, tr.items[7].prompt);  // deterministic
+}
+
+TEST(Tasks, MalformedDatasetLinesAreAllReported) {
+  const auto path = std::filesystem::temp_directory_path() / ("fp8rl_ds_" + std::to_string(::getpid()) + ".jsonl");
+  std::ofstream(path) << "{\"prompt\": \"1+1=\", \"answer\": 2}\n\n{\"prompt\": 3}\nnot json\n{\"prompt\": \"x\", \"answer\": \"y\"}\n";
+  try {
+    dataset_load_jsonl(path.string());
+    FAIL();
+  } catch (const std::invalid_argument& e) {
+    const std::string w = e.what();
+    EXPECT_NE(w.find(":3: 'prompt' missing or not a string"), std::string::npos) << w;
+    EXPECT_NE(w.find(":4: not valid JSON"), std::string::npos) << w;
+    EXPECT_NE(w.find("2 malformed"), std::string::npos) << w;
+  }
+  std::filesystem::remove(path);
+}
