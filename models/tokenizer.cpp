@@ -373,7 +373,11 @@ std::unique_ptr<tokenizer> char_tokenizer_make(const std::string& alphabet) { re
 
 std::unique_ptr<tokenizer> tokenizer_load(const std::string& path) {
   std::string file = path;
-  if (std::filesystem::is_directory(path)) file = (std::filesystem::path(path) / "tokenizer.json").string();
+  if (std::filesystem::is_directory(path)) {
+    const auto chr = std::filesystem::path(path) / "fp8rl-char-tokenizer.json";
+    if (std::filesystem::exists(chr)) file = chr.string();
+    else file = (std::filesystem::path(path) / "tokenizer.json").string();
+  }
   std::ifstream f(file);
   if (!f) throw std::invalid_argument(file + ": cannot open");
   json j;
@@ -382,7 +386,17 @@ std::unique_ptr<tokenizer> tokenizer_load(const std::string& path) {
   } catch (const json::exception& e) {
     throw std::invalid_argument(file + ": not valid JSON: " + e.what());
   }
+  if (j.is_object() && j.value("type", "") == "fp8rl-char") {
+    if (!j.contains("alphabet") || !j["alphabet"].is_string()) throw std::invalid_argument(file + ": 'alphabet' missing");
+    return char_tokenizer_make(j["alphabet"].get<std::string>());
+  }
   return std::make_unique<bpe_tok>(j, file);
+}
+
+void char_tokenizer_save(const std::string& dir, const std::string& alphabet) {
+  std::ofstream f(std::filesystem::path(dir) / "fp8rl-char-tokenizer.json");
+  f << json{{"type", "fp8rl-char"}, {"alphabet", alphabet}}.dump() << "\n";
+  if (!f) throw std::runtime_error(dir + "/fp8rl-char-tokenizer.json: write failed");
 }
 
 }  // namespace fp8rl::models

@@ -30,7 +30,9 @@ class tokenizer {
 
 // ids: 0 <pad>, 1 <bos>, 2 <eos>, then one id per character of `alphabet` (ASCII).
 std::unique_ptr<tokenizer> char_tokenizer_make(const std::string& alphabet);
-// A tokenizer.json file, or a directory holding one.
+// A tokenizer.json file, or a directory holding tokenizer.json or fp8rl-char-tokenizer.json
+// ({"type": "fp8rl-char", "alphabet": "..."}, written by char_tokenizer_save).
 std::unique_ptr<tokenizer> tokenizer_load(const std::string& path);
+void char_tokenizer_save(const std::string& dir, const std::string& alphabet);
 
 }  // namespace fp8rl::models

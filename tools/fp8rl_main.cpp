@@ -14,7 +14,9 @@ void usage() {
   std::fprintf(stderr,
                "usage: fp8rl <command> [options]\n"
                "  score     per-token logprobs of sequences under a precision policy\n"
-               "  generate  batched sampling with the rollout engine (logprobs, version tags)\n");
+               "  generate  batched sampling with the rollout engine (logprobs, version tags)\n"
+               "  sft       supervised warm start on a task; writes a checkpoint\n"
+               "  eval      validation accuracy (greedy and sampled pass@1) of a checkpoint\n");
 }
 }  // namespace
 
@@ -27,6 +29,8 @@ int main(int argc, char** argv) {
   try {
     if (cmd == "score") return fp8rl::cli::cmd_score(argc, argv);
     if (cmd == "generate") return fp8rl::cli::cmd_generate(argc, argv);
+    if (cmd == "sft") return fp8rl::cli::cmd_sft(argc, argv);
+    if (cmd == "eval") return fp8rl::cli::cmd_eval(argc, argv);
     std::fprintf(stderr, "fp8rl: unknown command '%s'\n", cmd.c_str());
     usage();
     return 2;

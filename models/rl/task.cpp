@@ -119,4 +119,24 @@ dataset arithmetic_dataset(const arithmetic_config& c, bool validation, int64_t 
   return d;
 }
 
+task_spec task_spec_parse(const std::string& s) {
+  task_spec t;
+  if (s.rfind("builtin:", 0) != 0) {
+    t.path = s;
+    return t;
+  }
+  const std::string b = s.substr(8);
+  if (b.size() != 4 || (b.substr(0, 3) != "add" && b.substr(0, 3) != "mul") || b[3] < '1' || b[3] > '6')
+    throw std::invalid_argument("task '" + s + "': built-in tasks are builtin:add1..add6 and builtin:mul1..mul6");
+  t.builtin = true;
+  t.arith.op = b[0] == 'a' ? '+' : '*';
+  t.arith.digits = b[3] - '0';
+  return t;
+}
+
+dataset task_load(const task_spec& t, bool validation, int64_t n, uint64_t seed) {
+  if (t.builtin) return arithmetic_dataset(t.arith, validation, n, seed);
+  return dataset_load_jsonl(t.path);
+}
+
 }  // namespace fp8rl::models

@@ -46,4 +46,14 @@ dataset arithmetic_dataset(const arithmetic_config& c, bool validation, int64_t 
 // Characters the built-in tasks use (for char_tokenizer_make).
 std::string arithmetic_alphabet();
 
+// A task spec: "builtin:add2" / "builtin:mul1" (op and digit count) or a JSONL path.
+struct task_spec {
+  bool builtin = false;
+  arithmetic_config arith;
+  std::string path;
+};
+task_spec task_spec_parse(const std::string& s);  // throws std::invalid_argument
+// Train or validation split of a task: built-in (n examples), or the file itself.
+dataset task_load(const task_spec& t, bool validation, int64_t n, uint64_t seed);
+
 }  // namespace fp8rl::models
