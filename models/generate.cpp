@@ -94,7 +94,10 @@ bool generation_engine::idle() const {
   return waiting_.empty() && std::none_of(slots_.begin(), slots_.end(), [](const auto& s) { return s != nullptr; });
 }
 
-bool generation_engine::has_weights() const { return current_ != nullptr; }
+bool generation_engine::has_weights() const {
+  std::lock_guard<std::mutex> g(const_cast<std::mutex&>(adopt_mu_));
+  return current_ != nullptr || pending_ != nullptr;  // pending weights are adopted by the next step
+}
 uint64_t generation_engine::weight_version() const { return current_ ? current_->weight_version : 0; }
 
 std::vector<gen_request> generation_engine::drain() {

@@ -1,4 +1,5 @@
 // tools/fp8rl_main.cpp -- the `fp8rl` program: one binary for every role and subcommand.
+//   fp8rl train ...      the RL run (actors/train.cpp)
 //   fp8rl score ...      per-token logprobs of sequences (tools/cli/cmd_score.cpp)
 //   fp8rl generate ...   sampling with the rollout engine (tools/cli/cmd_generate.cpp)
 // Errors go to stderr as "fp8rl: <what>" with exit code 2 (bad input) or 1 (failure).
@@ -7,12 +8,14 @@
 #include <stdexcept>
 #include <string>
 
+#include "actors/train.hpp"
 #include "tools/cli/commands.hpp"
 
 namespace {
 void usage() {
   std::fprintf(stderr,
                "usage: fp8rl <command> [options]\n"
+               "  train     asynchronous FP8 GRPO (actors); no arguments: the embedded default\n"
                "  score     per-token logprobs of sequences under a precision policy\n"
                "  generate  batched sampling with the rollout engine (logprobs, version tags)\n"
                "  sft       supervised warm start on a task; writes a checkpoint\n"
@@ -27,6 +30,10 @@ int main(int argc, char** argv) {
   }
   const std::string cmd = argv[1];
   try {
+    if (cmd == "train" || cmd == "--dump-config") {
+      if (cmd == "--dump-config") { char* a[] = {argv[0], const_cast<char*>("--dump-config")}; return fp8rl::actors::train_main(2, a); }
+      return fp8rl::actors::train_main(argc - 1, argv + 1);
+    }
     if (cmd == "score") return fp8rl::cli::cmd_score(argc, argv);
     if (cmd == "generate") return fp8rl::cli::cmd_generate(argc, argv);
     if (cmd == "sft") return fp8rl::cli::cmd_sft(argc, argv);

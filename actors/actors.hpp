@@ -1,0 +1,36 @@
+// actors/actors.hpp -- spawn functions of every fp8rl actor (behaviors live in actors/*.cpp).
+// defines: spawn_rollout, spawn_reward, spawn_buffer, spawn_learner, spawn_calibration,
+//          spawn_weight_sync, spawn_controller, controller_options
+//
+// Actors do no math themselves: they call models/ (engine, learner_grpo, AdamW, calibration)
+// inside a oneTBB arena sized by their device, and exchange the typed messages of messages/.
+#pragma once
+#include <functional>
+#include <memory>
+#include <string>
+
+#include "actors/env.hpp"
+#include "actors/topology.hpp"
+#include "messages/interfaces.hpp"
+
+namespace fp8rl::actors {
+
+msg::rollout_actor spawn_rollout(caf::actor_system& sys, std::shared_ptr<const actor_env> env, std::string name,
+                                 device_spec dev);
+msg::reward_actor spawn_reward(caf::actor_system& sys, std::shared_ptr<const actor_env> env);
+msg::buffer_actor spawn_buffer(caf::actor_system& sys, std::shared_ptr<const actor_env> env);
+msg::learner_actor spawn_learner(caf::actor_system& sys, std::shared_ptr<const actor_env> env, int32_t rank,
+                                 int32_t world, device_spec dev);
+msg::calibration_actor spawn_calibration(caf::actor_system& sys, std::shared_ptr<const actor_env> env, device_spec dev);
+msg::weight_sync_actor spawn_weight_sync(caf::actor_system& sys, std::shared_ptr<const actor_env> env);
+
+// The controller: issues prompt groups within the staleness window, writes metrics.jsonl,
+// supervises every actor (monitors; re-queues a lost rollout's work), and shuts the run down.
+struct controller_options {
+  std::function<void(int)> on_done;  // called once with the exit code when the run ends
+  bool print_progress = true;
+};
+msg::controller_actor spawn_controller(caf::actor_system& sys, std::shared_ptr<const actor_env> env,
+                                       controller_options opts);
+
+}  // namespace fp8rl::actors

@@ -1,0 +1,171 @@
+// actors/calib_sync.cpp -- the calibration actor (requantizes weights and recomputes Q/K/V scales
+// after every step, off the learner's critical path, publishing an immutable bundle) and the
+// weight-sync actor (bundle registry, zero-copy hand-off in process, chunked raw-byte transfer
+// across processes with one chunk in flight, adoption acks, sync latency).
+#include <tbb/task_arena.h>
+
+#include <chrono>
+#include <deque>
+#include <map>
+#include <set>
+
+#include "actors/actors.hpp"
+#include "actors/trace.hpp"
+#include "models/log.hpp"
+
+namespace fp8rl::actors {
+namespace {
+
+double now_s() { return std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count(); }
+
+struct calibration_state {
+  std::shared_ptr<const actor_env> env;
+  msg::peers_msg peers;
+  std::unique_ptr<tbb::task_arena> arena;
+};
+
+struct sync_version {
+  std::shared_ptr<const quant::weight_bundle> bundle;
+  double published_at = 0, max_latency = 0;
+  std::set<std::string> waiting;  // rollouts that have not acked
+  bool cross = false;
+};
+
+struct sync_state {
+  std::shared_ptr<const actor_env> env;
+  msg::peers_msg peers;
+  std::map<uint64_t, sync_version> versions;  // registry: the last max_staleness + 1 bundles
+  int64_t refused = 0;
+};
+
+}  // namespace
+
+msg::calibration_actor spawn_calibration(caf::actor_system& sys, std::shared_ptr<const actor_env> env, device_spec dev) {
+  using self_t = msg::calibration_actor::stateful_pointer<calibration_state>;
+  return sys.spawn([env, dev](self_t self) -> msg::calibration_actor::behavior_type {
+    self->state.env = env;
+    self->state.arena = std::make_unique<tbb::task_arena>(dev.index > 0 ? static_cast<int>(dev.index) : tbb::task_arena::automatic);
+    return {
+        [self](msg::peers_msg& p) { self->state.peers = std::move(p); },
+        [self](msg::params_msg& pm) {
+          log_get("calibration")->debug("calibrating v{}", pm.version);
+          auto& s = self->state;
+          const auto t0 = std::chrono::steady_clock::now();
+          std::shared_ptr<quant::weight_bundle> b;
+          try {
+            trace_span span("calibration", "calibrate", static_cast<int64_t>(pm.version));
+            models::rl_state st;
+            st.params.cfg = s.env->model;
+            st.params.layout = models::model_param_layout(s.env->model);
+            st.params.data = *pm.params;
+            st.version = pm.version;
+            std::vector<models::token_batch> calib(1);
+            for (const auto& q : pm.calib) calib[0].add(q);
+            s.arena->execute([&] { b = models::make_bundle(st, s.env->rl, calib, pm.version); });
+          } catch (const std::exception& e) {
+            self->send(s.peers.controller, std::string("calibration"), std::string(e.what()));
+            return;
+          }
+          const double sec = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+          self->send(s.peers.controller, msg::step_report{pm.version, {{"calibration_s", sec}}});
+          self->send(s.peers.weight_sync, msg::bundle_msg{{}, std::move(b), now_s()});
+        },
+    };
+  });
+}
+
+msg::weight_sync_actor spawn_weight_sync(caf::actor_system& sys, std::shared_ptr<const actor_env> env) {
+  using self_t = msg::weight_sync_actor::stateful_pointer<sync_state>;
+  return sys.spawn([env](self_t self) -> msg::weight_sync_actor::behavior_type {
+    self->state.env = env;
+    auto log = log_get("weight_sync");
+    // Sends a bundle to one remote rollout as raw-byte chunks, one request in flight.
+    auto send_chunks = [self, log](msg::rollout_actor r, std::string name, std::shared_ptr<const std::vector<char>> bytes,
+                                   uint64_t version, double published_at) {
+      constexpr size_t kChunk = size_t{32} << 20;  // 32 MiB, far below CAF's 4 GiB frame limit
+      const uint32_t total = static_cast<uint32_t>(std::max<size_t>(1, (bytes->size() + kChunk - 1) / kChunk));
+      auto next = std::make_shared<std::function<void(uint32_t)>>();
+      *next = [self, r, name, bytes, version, published_at, total, next, log](uint32_t seq) {
+        msg::bundle_chunk c;
+        c.version = version;
+        c.seq = seq;
+        c.total = total;
+        c.published_at = published_at;
+        const size_t b = size_t(seq) * kChunk, e = std::min(bytes->size(), b + kChunk);
+        c.bytes.assign(bytes->begin() + static_cast<long>(b), bytes->begin() + static_cast<long>(e));
+        self->request(r, std::chrono::seconds(60), std::move(c)).then(
+            [next, total](msg::chunk_ack& a) {
+              if (a.seq + 1 < total) (*next)(a.seq + 1);
+              else *next = nullptr;  // break the cycle
+            },
+            [self, name, next, log, version](caf::error& err) {
+              log->warn("bundle v{} to {} failed: {}", version, name, self->system().render(err));
+              *next = nullptr;
+            });
+      };
+      (*next)(0);
+    };
+    return {
+        [self](msg::peers_msg& p) {
+          auto& s = self->state;
+          s.peers = std::move(p);
+          // rollouts that left no longer hold up adoption accounting
+          std::set<std::string> live(s.peers.rollout_names.begin(), s.peers.rollout_names.end());
+          for (auto& [v, sv] : s.versions)
+            for (auto it = sv.waiting.begin(); it != sv.waiting.end();) it = live.count(*it) ? std::next(it) : sv.waiting.erase(it);
+        },
+        [self, send_chunks](msg::bundle_msg& bm) {
+          auto& s = self->state;
+          const uint64_t v = bm.bundle->weight_version;
+          log_get("weight_sync")->debug("publishing v{} to {} rollouts", v, s.peers.rollouts.size());
+          trace_span span("weight_sync", "publish", static_cast<int64_t>(v), static_cast<double>(bm.bundle->bytes()));
+          auto& sv = s.versions[v];
+          sv.bundle = bm.bundle;
+          sv.published_at = now_s();
+          std::shared_ptr<const std::vector<char>> bytes;
+          for (size_t i = 0; i < s.peers.rollouts.size(); ++i) {
+            const auto& r = s.peers.rollouts[i];
+            sv.waiting.insert(s.peers.rollout_names[i]);
+            if (r.node() == self->node()) {
+              self->send(r, msg::bundle_msg{bm.trace, sv.bundle, sv.published_at});
+            } else {
+              sv.cross = true;
+              if (!bytes) {
+                auto buf = std::make_shared<std::vector<char>>();
+                caf::binary_serializer sink(self->system(), *buf);
+                auto w = msg::bundle_to_wire(*sv.bundle);
+                if (auto err = sink(w)) {
+                  self->send(s.peers.controller, std::string("weight_sync"), "cannot serialize bundle: " + self->system().render(err));
+                  return;
+                }
+                bytes = std::move(buf);
+              }
+              send_chunks(r, s.peers.rollout_names[i], bytes, v, sv.published_at);
+            }
+          }
+          while (s.versions.size() > static_cast<size_t>(s.env->cfg.max_staleness + 1)) s.versions.erase(s.versions.begin());
+        },
+        [self, log](msg::adopted_msg& a) {
+          auto& s = self->state;
+          if (!a.error.empty()) {
+            ++s.refused;
+            log->error("{} refused bundle v{}: {}", a.rollout, a.weight_version, a.error);
+            self->send(s.peers.controller, std::string(a.rollout), "refused bundle v" + std::to_string(a.weight_version) + ": " + a.error);
+            return;
+          }
+          auto it = s.versions.find(a.weight_version);
+          if (it == s.versions.end()) return;
+          it->second.waiting.erase(a.rollout);
+          it->second.max_latency = std::max(it->second.max_latency, a.latency_s);
+          if (it->second.waiting.empty())
+            self->send(s.peers.controller, msg::sync_report{a.weight_version, it->second.max_latency,
+                                                             static_cast<double>(it->second.bundle->bytes()), it->second.cross});
+        },
+        [self](msg::status_atom) -> msg::metrics_t {
+          return {{"versions_held", double(self->state.versions.size())}, {"refused", double(self->state.refused)}};
+        },
+    };
+  });
+}
+
+}  // namespace fp8rl::actors

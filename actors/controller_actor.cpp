@@ -1,0 +1,202 @@
+// actors/controller_actor.cpp -- the controller: work issue within the staleness window, metrics,
+// progress, supervision, shutdown.
+//
+// Work for learner step s (prompt groups s*B .. s*B+B-1, sampling seed = seed + s) is issued
+// once learner_version >= s - max_staleness, so with max_staleness = 0 generation of step s
+// starts only after step s-1 was trained (the synchronous loop) and with k > 0 rollouts run up
+// to k steps ahead. Every group is tracked until the buffer admits it; a rollout that goes down
+// (monitor; remote peers via middleman heartbeats) has its groups re-issued to live rollouts,
+// and the buffer drops the duplicate if the lost one shows up after all.
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <map>
+#include <set>
+
+#include "actors/actors.hpp"
+#include "actors/run_dir.hpp"
+#include "actors/trace.hpp"
+#include "models/log.hpp"
+
+namespace fp8rl::actors {
+namespace {
+
+struct controller_state {
+  std::shared_ptr<const actor_env> env;
+  controller_options opts;
+  msg::peers_msg peers;
+  std::vector<caf::actor> agents;
+  models::dataset train;
+  metrics_writer metrics;
+  uint64_t learner_version = 0, next_step = 0, end = 0;
+  size_t rr = 0;  // round-robin over live rollouts
+  std::map<std::pair<uint64_t, uint64_t>, std::pair<std::string, msg::work_msg>> in_flight;
+  std::map<std::string, double> extras;  // latest calibration / sync metrics
+  int64_t reissued = 0, rollouts_lost = 0;
+  bool stopping = false;
+  std::chrono::steady_clock::time_point t0 = std::chrono::steady_clock::now();
+  double tokens = 0;
+};
+
+}  // namespace
+
+msg::controller_actor spawn_controller(caf::actor_system& sys, std::shared_ptr<const actor_env> env, controller_options opts) {
+  using self_t = msg::controller_actor::stateful_pointer<controller_state>;
+  return sys.spawn([env, opts](self_t self) -> msg::controller_actor::behavior_type {
+    auto& st = self->state;
+    st.env = env;
+    st.opts = opts;
+    st.learner_version = env->start_version;
+    st.next_step = env->start_version;
+    st.end = static_cast<uint64_t>(env->cfg.steps);
+    st.train = models::task_load(models::task_spec_parse(env->cfg.task), false, env->cfg.train_size,
+                                 static_cast<uint64_t>(env->cfg.seed));
+    st.metrics.open(env->run_dir, env->start_version > 0);
+    auto log = log_get("controller");
+    auto all_actors = [self] {
+      auto& p = self->state.peers;
+      std::vector<caf::actor> v = {caf::actor_cast<caf::actor>(p.buffer), caf::actor_cast<caf::actor>(p.reward),
+                                   caf::actor_cast<caf::actor>(p.weight_sync), caf::actor_cast<caf::actor>(p.calibration)};
+      for (auto& l : p.learners) v.push_back(caf::actor_cast<caf::actor>(l));
+      for (auto& r : p.rollouts) v.push_back(caf::actor_cast<caf::actor>(r));
+      return v;
+    };
+    auto finish = [self, all_actors, log](int code, const std::string& why) {
+      auto& s = self->state;
+      if (s.stopping) return;
+      s.stopping = true;
+      if (code == 0) {
+        const std::string perr = plots_write(s.env->run_dir);
+        if (!perr.empty()) log->warn("plots: {}", perr);
+        log->info("run finished: {} steps in {:.1f} s; metrics in {}", s.learner_version,
+                  std::chrono::duration<double>(std::chrono::steady_clock::now() - s.t0).count(), s.metrics.path());
+      } else {
+        log->error("run failed: {}", why);
+      }
+      for (auto& a : all_actors()) self->send_exit(a, caf::exit_reason::user_shutdown);
+      for (auto& a : s.agents) self->send(caf::actor_cast<msg::node_agent_actor>(a), msg::stop_atom::value);
+      if (s.opts.on_done) s.opts.on_done(code);
+      self->quit();
+    };
+    auto issue = [self](msg::work_msg w) {
+      auto& s = self->state;
+      if (s.peers.rollouts.empty()) return;
+      const size_t i = s.rr++ % s.peers.rollouts.size();
+      w.trace.lamport = trace_now_us();
+      s.in_flight[{w.step, w.prompt_id}] = {s.peers.rollout_names[i], w};
+      self->send(s.peers.rollouts[i], std::move(w));
+    };
+    auto issue_ready = [self, issue] {
+      auto& s = self->state;
+      const uint64_t B = static_cast<uint64_t>(s.env->cfg.prompts_per_step);
+      while (s.next_step < s.end && s.next_step <= s.learner_version + static_cast<uint64_t>(s.env->cfg.max_staleness)) {
+        const uint64_t step = s.next_step++;
+        const auto prompts = models::take_prompts(s.train, step * B, static_cast<int64_t>(B));
+        for (uint64_t i = 0; i < B; ++i) {
+          msg::work_msg w;
+          w.step = step;
+          w.prompt_id = step * B + i;
+          w.prompt = prompts[i].prompt;
+          w.answer = prompts[i].answer;
+          w.group_size = static_cast<int32_t>(s.env->cfg.group_size);
+          w.seed = static_cast<uint64_t>(s.env->cfg.seed) + step;
+          issue(std::move(w));
+        }
+      }
+    };
+    auto broadcast_peers = [self] {
+      auto& p = self->state.peers;
+      self->send(p.buffer, p);
+      self->send(p.reward, p);
+      self->send(p.weight_sync, p);
+      self->send(p.calibration, p);
+      for (auto& l : p.learners) self->send(l, p);
+      for (auto& r : p.rollouts) self->send(r, p);
+    };
+    self->set_down_handler([self, finish, issue, broadcast_peers, log](caf::down_msg& dm) {
+      auto& s = self->state;
+      if (s.stopping) return;
+      for (size_t i = 0; i < s.peers.rollouts.size(); ++i) {
+        if (s.peers.rollouts[i].address() != dm.source) continue;
+        const std::string name = s.peers.rollout_names[i];
+        log->warn("{} is down ({}); re-queueing its work", name, self->system().render(dm.reason));
+        s.peers.rollouts.erase(s.peers.rollouts.begin() + static_cast<long>(i));
+        s.peers.rollout_names.erase(s.peers.rollout_names.begin() + static_cast<long>(i));
+        ++s.rollouts_lost;
+        if (s.peers.rollouts.empty()) return finish(1, "every rollout actor is gone");
+        broadcast_peers();
+        std::vector<msg::work_msg> redo;
+        for (auto& [key, v] : s.in_flight) if (v.first == name) redo.push_back(v.second);
+        for (auto& w : redo) { ++s.reissued; issue(std::move(w)); }
+        return;
+      }
+      finish(1, "an actor went down: " + self->system().render(dm.reason));
+    });
+    return {
+        [self, all_actors, issue_ready, broadcast_peers](msg::peers_msg& p, std::vector<caf::actor>& agents) {
+          auto& s = self->state;
+          s.peers = std::move(p);
+          s.agents = std::move(agents);
+          log_get("controller")->debug("wired: {} learners, {} rollouts", s.peers.learners.size(), s.peers.rollouts.size());
+          for (auto& a : all_actors()) self->monitor(a);
+          for (auto& a : s.agents) self->monitor(a);
+          broadcast_peers();
+          for (auto& l : s.peers.learners) self->send(l, msg::start_atom::value, s.learner_version);
+          issue_ready();
+        },
+        [self, finish, issue_ready](msg::step_report& r) {
+          auto& s = self->state;
+          if (r.metrics.size() == 1 && r.metrics.count("calibration_s")) {  // from the calibration actor
+            s.extras["calibration_s"] = r.metrics["calibration_s"];
+            return;
+          }
+          s.learner_version = std::max(s.learner_version, r.version);
+          for (const auto& [k, v] : s.extras) r.metrics.emplace(k, v);
+          r.metrics["in_flight_groups"] = double(s.in_flight.size());
+          r.metrics["reissued_groups_total"] = double(s.reissued);
+          r.metrics["rollouts_lost_total"] = double(s.rollouts_lost);
+          r.metrics["rollouts_live"] = double(s.peers.rollouts.size());
+          const double el = std::chrono::duration<double>(std::chrono::steady_clock::now() - s.t0).count();
+          s.tokens += r.metrics.count("tokens") ? r.metrics["tokens"] : 0.0;
+          r.metrics["elapsed_s"] = el;
+          r.metrics["samples_per_s"] = double((r.version - s.env->start_version) * s.env->cfg.prompts_per_step * s.env->cfg.group_size) / el;
+          s.metrics.write(r.version, r.metrics);
+          if (s.opts.print_progress) {
+            double stale = 0, cnt = 0;
+            for (const auto& [k, v] : r.metrics)
+              if (k.rfind("staleness_hist/", 0) == 0) { stale += std::stod(k.substr(15)) * v; cnt += v; }
+            const double done = double(r.version - s.env->start_version), left = double(s.end - r.version);
+            std::string val = r.metrics.count("val_accuracy") ? "  val_acc " + std::to_string(r.metrics["val_accuracy"]).substr(0, 5) : "";
+            std::fprintf(stderr, "step %4lu/%lu  reward %.3f  acc %.3f%s  staleness %.2f  tmpe %.4f  tok/s %.0f  ETA %.0fs\n",
+                         static_cast<unsigned long>(r.version), static_cast<unsigned long>(s.end), r.metrics["reward_mean"],
+                         r.metrics["accuracy"], val.c_str(), cnt > 0 ? stale / cnt : 0.0, r.metrics["token_mult_prob_error"],
+                         s.tokens / el, done > 0 ? el / done * left : 0.0);
+          }
+          if (r.version >= s.end) return finish(0, "");
+          issue_ready();
+        },
+        [self, issue](msg::admitted_msg& a) {
+          auto& s = self->state;
+          auto it = s.in_flight.find({a.step, a.prompt_id});
+          if (it == s.in_flight.end()) return;
+          if (a.dropped && a.reason.rfind("stale", 0) == 0) {
+            ++s.reissued;
+            msg::work_msg w = it->second.second;
+            s.in_flight.erase(it);
+            issue(std::move(w));
+            return;
+          }
+          if (!a.dropped) s.in_flight.erase(it);
+        },
+        [self](msg::sync_report& r) {
+          auto& s = self->state;
+          s.extras["sync_latency_s"] = r.latency_s;
+          s.extras["sync_bytes"] = r.bytes;
+          s.extras["sync_cross_process"] = r.cross_process ? 1.0 : 0.0;
+        },
+        [finish](std::string& who, std::string& what) { finish(1, who + ": " + what); },
+    };
+  });
+}
+
+}  // namespace fp8rl::actors

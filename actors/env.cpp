@@ -1,0 +1,31 @@
+// actors/env.cpp -- per-process actor environment.
+#include "actors/env.hpp"
+
+#include <filesystem>
+#include <stdexcept>
+
+#include "models/cpu/cpu_backend.hpp"
+#include "models/params.hpp"
+
+namespace fp8rl::actors {
+
+std::shared_ptr<const actor_env> env_make(const run_config& cfg, const std::string& node, const std::string& run_dir,
+                                          const std::string& init_dir, uint64_t start_version) {
+  auto e = std::make_shared<actor_env>();
+  e->cfg = cfg;
+  e->rl = recipe_rl_config(cfg);
+  e->node = node;
+  e->run_dir = run_dir;
+  e->init_dir = init_dir;
+  e->start_version = start_version;
+  e->model = models::model_config_load((std::filesystem::path(init_dir) / "config.json").string());
+  e->tok = models::tokenizer_load(init_dir);
+  return e;
+}
+
+std::unique_ptr<models::backend> backend_for(const device_spec& d) {
+  if (d.kind == "cpu") return models::make_cpu_backend();
+  throw std::invalid_argument("device '" + d.str() + "': this build has no CUDA backend for actors (gpu/ is kernel-level only)");
+}
+
+}  // namespace fp8rl::actors

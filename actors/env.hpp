@@ -1,0 +1,31 @@
+// actors/env.hpp -- what every actor of a process shares: the recipe, the run directory, the
+// policy model's config and tokenizer, and the initial checkpoint every learner starts from.
+// defines: actor_env, env_make, backend_for
+#pragma once
+#include <memory>
+#include <string>
+
+#include "actors/recipe.hpp"
+#include "actors/topology.hpp"
+#include "models/backend.hpp"
+#include "models/tokenizer.hpp"
+
+namespace fp8rl::actors {
+
+struct actor_env {
+  run_config cfg;
+  models::rl_run_config rl;
+  std::string node, run_dir, init_dir;  // init_dir: checkpoint the run starts from
+  uint64_t start_version = 0;           // resume: weight_version of init_dir
+  models::model_config model;
+  std::shared_ptr<const models::tokenizer> tok;
+};
+
+// Loads the model config and tokenizer from init_dir; throws std::invalid_argument.
+std::shared_ptr<const actor_env> env_make(const run_config& cfg, const std::string& node, const std::string& run_dir,
+                                          const std::string& init_dir, uint64_t start_version);
+
+// The compute backend for a device ("cpu:N"; "cuda:K" needs the CUDA build).
+std::unique_ptr<models::backend> backend_for(const device_spec& d);
+
+}  // namespace fp8rl::actors

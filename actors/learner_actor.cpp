@@ -1,0 +1,256 @@
+// actors/learner_actor.cpp -- a learner actor: FP32 master weights + AdamW on one device.
+// Per step: pull this rank's shard of the step's batch from the buffer, GRPO gradient with the
+// global token count (rl-algorithm.md §3), all-reduce (sum) across learners with Gloo, AdamW,
+// weight_version += 1; rank 0 hands the new master weights and the batch just trained to the
+// calibration actor, reports metrics, evaluates and checkpoints on schedule, and (audit mode)
+// re-scores trajectories under the exact weights that produced them.
+#include <gloo/allreduce_ring.h>
+#include <gloo/rendezvous/context.h>
+#include <gloo/rendezvous/file_store.h>
+#include <gloo/rendezvous/prefix_store.h>
+#include <gloo/transport/tcp/device.h>
+#include <tbb/task_arena.h>
+
+#include <chrono>
+#include <cmath>
+#include <deque>
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+
+#include "actors/actors.hpp"
+#include "actors/trace.hpp"
+#include "models/checkpoint.hpp"
+#include "models/log.hpp"
+
+namespace fp8rl::actors {
+namespace {
+
+namespace fs = std::filesystem;
+
+struct learner_state {
+  std::shared_ptr<const actor_env> env;
+  int32_t rank = 0, world = 1;
+  msg::peers_msg peers;
+  std::unique_ptr<models::backend> be;
+  std::unique_ptr<tbb::task_arena> arena;
+  std::unique_ptr<models::model_runner> run;
+  models::checkpoint ck;
+  uint64_t version = 0, end_version = 0;
+  models::dataset train, val;
+  std::shared_ptr<gloo::Context> gloo;
+  std::deque<std::pair<uint64_t, std::vector<float>>> past;  // audit: recent master weights by version
+};
+
+using clk = std::chrono::steady_clock;
+double secs(clk::time_point a) { return std::chrono::duration<double>(clk::now() - a).count(); }
+
+void allreduce(learner_state& s, std::vector<float>& g) {
+  if (s.world == 1) return;
+  if (!s.gloo) {
+    gloo::transport::tcp::attr attr;
+    attr.hostname = "127.0.0.1";
+    auto dev = gloo::transport::tcp::CreateDevice(attr);
+    const fs::path dir = fs::path(s.env->run_dir) / "gloo";
+    fs::create_directories(dir);
+    gloo::rendezvous::FileStore store(dir.string());
+    gloo::rendezvous::PrefixStore prefix(s.env->cfg.name + "-" + std::to_string(s.env->start_version), store);
+    auto ctx = std::make_shared<gloo::rendezvous::Context>(s.rank, s.world);
+    ctx->connectFullMesh(prefix, dev);
+    s.gloo = ctx;
+  }
+  std::vector<float*> ptrs{g.data()};
+  gloo::AllreduceRing<float> ar(s.gloo, ptrs, static_cast<int>(g.size()));
+  ar.run();
+}
+
+// token_batch of BOS+prompt for the prompts of `step` (calibration before anything was trained)
+std::vector<std::vector<int32_t>> step_prompts(const learner_state& s, uint64_t step) {
+  std::vector<std::vector<int32_t>> out;
+  for (const auto& p : models::take_prompts(s.train, step * static_cast<uint64_t>(s.env->cfg.prompts_per_step),
+                                            s.env->cfg.prompts_per_step))
+    out.push_back(s.env->tok->encode(p.prompt, true));
+  return out;
+}
+
+void evaluate_into(learner_state& s, msg::metrics_t& m) {
+  const auto t0 = clk::now();
+  models::engine_config ec;
+  ec.slots = s.env->cfg.slots;
+  ec.max_context = s.env->cfg.max_context;
+  ec.policy = s.env->rl.gen_policy;
+  models::generation_engine eng(*s.be, s.env->model, ec);
+  models::rl_state st;
+  st.params = s.ck.params;
+  st.version = s.version;
+  models::token_batch calib;
+  for (const auto& q : step_prompts(s, s.version)) calib.add(q);
+  const std::string err = eng.adopt(models::make_bundle(st, s.env->rl, {calib}, s.version));
+  if (!err.empty()) throw std::runtime_error("evaluation: " + err);
+  const auto r = models::evaluate(eng, s.val, *s.env->tok, s.env->rl.verifier, s.env->rl.max_new_tokens,
+                                  static_cast<uint64_t>(s.env->cfg.seed));
+  m["val_accuracy"] = r.greedy_accuracy;
+  m["val_accuracy_sampled"] = r.sampled_accuracy;
+  m["eval_s"] = secs(t0);
+}
+
+void checkpoint(learner_state& s, uint64_t prompt_cursor) {
+  const fs::path dir = fs::path(s.env->run_dir) / "checkpoints" / ("step_" + std::to_string(s.version));
+  nlohmann::json j = {{"weight_version", s.version}, {"prompt_cursor", prompt_cursor}, {"run", s.env->cfg.name}};
+  s.ck.state_json = j.dump();
+  models::checkpoint_save(dir.string(), s.ck);
+  for (const char* f : {"fp8rl-char-tokenizer.json", "tokenizer.json"})
+    if (fs::exists(fs::path(s.env->init_dir) / f))
+      fs::copy_file(fs::path(s.env->init_dir) / f, dir / f, fs::copy_options::overwrite_existing);
+  std::ofstream(fs::path(s.env->run_dir) / "checkpoints" / "latest") << dir.filename().string() << "\n";
+}
+
+// Re-scores sampled trajectories at their behaviour version in BF16 (q_t): log w = (c - q) + (q - g).
+void audit_into(learner_state& s, const std::vector<models::rl_sample>& samples, msg::metrics_t& m) {
+  models::precision_policy bf = models::precision_policy::named("bf16");
+  double stale_kl = 0, prec_kl = 0, prec_tmpe = 0, n = 0;
+  const int64_t want = s.env->cfg.audit_samples;
+  for (const auto& smp : samples) {
+    if (n >= double(want) * 8 || smp.response.empty()) break;
+    const uint64_t v = smp.weight_version.front();
+    if (std::any_of(smp.weight_version.begin(), smp.weight_version.end(), [&](uint64_t x) { return x != v; })) continue;
+    const std::vector<float>* w = nullptr;
+    if (v == s.version) w = &s.ck.params.data;
+    for (const auto& [pv, pw] : s.past) if (pv == v) w = &pw;
+    if (!w) continue;
+    models::model_params p = s.ck.params;
+    p.data = *w;
+    auto wq = models::model_weights_build(*s.be, p.cfg, bf, {&p, nullptr, nullptr}, false);
+    auto wc = models::model_weights_build(*s.be, p.cfg, s.env->rl.train_policy.training(), {&s.ck.params, nullptr, nullptr}, false);
+    models::token_batch b;
+    auto seq = smp.prompt;
+    seq.insert(seq.end(), smp.response.begin(), smp.response.end());
+    b.add(seq);
+    const auto targets = b.next_targets();
+    std::vector<float> q(targets.size()), c(targets.size());
+    s.run->forward(*wq, b, false);
+    s.run->logprobs(targets, s.env->rl.proc, q.data());
+    s.run->forward(*wc, b, false);
+    s.run->logprobs(targets, s.env->rl.proc, c.data());
+    for (size_t j = 0; j < smp.response.size(); ++j) {
+      const size_t t = smp.prompt.size() - 1 + j;
+      const double dq = double(c[t]) - q[t], dg = double(q[t]) - smp.gen_logprobs[j];
+      stale_kl += std::exp(-dq) + dq - 1.0;  // k3 of (q | c): staleness (+ learner FP8 error)
+      prec_kl += std::exp(-dg) + dg - 1.0;   // k3 of (g | q): rollout precision and kernels
+      prec_tmpe += std::exp(std::fabs(dg));
+      n += 1;
+    }
+  }
+  if (n == 0) return;
+  m["audit/staleness_kl"] = stale_kl / n;
+  m["audit/precision_kl"] = prec_kl / n;
+  m["audit/precision_token_mult_prob_error"] = prec_tmpe / n;
+  m["audit/tokens"] = n;
+}
+
+}  // namespace
+
+msg::learner_actor spawn_learner(caf::actor_system& sys, std::shared_ptr<const actor_env> env, int32_t rank,
+                                 int32_t world, device_spec dev) {
+  using self_t = msg::learner_actor::stateful_pointer<learner_state>;
+  return sys.spawn([env, rank, world, dev](self_t self) -> msg::learner_actor::behavior_type {
+    auto& st = self->state;
+    st.env = env;
+    st.rank = rank;
+    st.world = world;
+    st.be = backend_for(dev);
+    st.arena = std::make_unique<tbb::task_arena>(dev.index > 0 ? static_cast<int>(dev.index) : tbb::task_arena::automatic);
+    st.run = std::make_unique<models::model_runner>(*st.be);
+    st.ck = models::checkpoint_load(env->init_dir);
+    st.version = env->start_version;
+    st.end_version = static_cast<uint64_t>(env->cfg.steps);
+    const auto task = models::task_spec_parse(env->cfg.task);
+    st.train = models::task_load(task, false, env->cfg.train_size, static_cast<uint64_t>(env->cfg.seed));
+    st.val = models::task_load(task, true, env->cfg.val_size, static_cast<uint64_t>(env->cfg.seed));
+    auto log = log_get("learner");
+    auto fail = [self](const std::string& what) {
+      self->send(self->state.peers.controller, std::string("learner" + std::to_string(self->state.rank)), what);
+      self->quit(caf::make_error(caf::sec::runtime_error, what));
+    };
+    auto request_batch = std::make_shared<std::function<void()>>();
+    *request_batch = [self, fail, request_batch, log] {
+      auto& s = self->state;
+      if (s.version >= s.end_version) return;
+      const auto t_wait = clk::now();
+      const int64_t t0 = trace_now_us();
+      self->request(s.peers.buffer, std::chrono::minutes(30), msg::batch_atom::value, s.version, s.rank, s.world, s.version)
+          .then(
+              [self, fail, request_batch, t_wait, t0](msg::batch_msg& b) {
+                auto& s = self->state;
+                trace_writer::process().event("learner" + std::to_string(s.rank), "wait_batch", "span", t0, trace_now_us() - t0);
+                msg::metrics_t m;
+                try {
+                  const auto t_train = clk::now();
+                  trace_span span("learner" + std::to_string(s.rank), "train_step", static_cast<int64_t>(s.version));
+                  models::learner_out lo;
+                  double gnorm = 0;
+                  s.arena->execute([&] {
+                    auto w = models::model_weights_build(*s.be, s.ck.params.cfg, s.env->rl.train_policy.training(),
+                                                         {&s.ck.params, nullptr, nullptr}, true);
+                    lo = models::learner_grpo(*s.run, *w, b.samples, s.env->rl.grpo, b.n_global, s.version, nullptr, s.env->rl.proc);
+                    allreduce(s, lo.grads);
+                    if (s.env->cfg.audit_every > 0 && s.env->cfg.max_staleness > 0) {
+                      s.past.emplace_back(s.version, s.ck.params.data);
+                      while (s.past.size() > static_cast<size_t>(s.env->cfg.max_staleness + 1)) s.past.pop_front();
+                    }
+                    gnorm = models::adamw_step(s.env->rl.opt, s.ck.params.layout, s.ck.params.data.data(), lo.grads.data(), s.ck.opt);
+                  });
+                  m = lo.loss.metrics;
+                  models::rl_batch_metrics(b.samples, s.version, m);
+                  for (const auto& [k, v] : b.buffer_metrics) m[k] = v;
+                  m["grad_norm"] = gnorm;
+                  m["tokens"] = b.n_global;
+                  m["wait_batch_s"] = std::chrono::duration<double>(t_train - t_wait).count();
+                  m["train_s"] = secs(t_train);
+                  s.version += 1;
+                  if (s.rank == 0) {
+                    msg::params_msg pm;
+                    pm.version = s.version;
+                    pm.params = std::make_shared<const std::vector<float>>(s.ck.params.data);
+                    for (const auto& x : b.samples) {
+                      auto seq = x.prompt;
+                      seq.insert(seq.end(), x.response.begin(), x.response.end());
+                      pm.calib.push_back(std::move(seq));
+                    }
+                    self->send(s.peers.calibration, std::move(pm));
+                    const bool last = s.version >= s.end_version;
+                    if (s.env->cfg.audit_every > 0 && s.version % static_cast<uint64_t>(s.env->cfg.audit_every) == 0)
+                      s.arena->execute([&] { audit_into(s, b.samples, m); });
+                    if (last || (s.env->cfg.eval_every > 0 && s.version % static_cast<uint64_t>(s.env->cfg.eval_every) == 0))
+                      s.arena->execute([&] { evaluate_into(s, m); });
+                    if (last || (s.env->cfg.checkpoint_every > 0 && s.version % static_cast<uint64_t>(s.env->cfg.checkpoint_every) == 0))
+                      checkpoint(s, s.version * static_cast<uint64_t>(s.env->cfg.prompts_per_step));
+                    self->send(s.peers.controller, msg::step_report{s.version, std::move(m)});
+                  }
+                } catch (const std::exception& e) {
+                  fail(std::string("step failed: ") + e.what());
+                  return;
+                }
+                (*request_batch)();
+              },
+              [fail](caf::error& err) { fail("batch request failed: " + caf::to_string(err)); });
+    };
+    return {
+        [self](msg::peers_msg& p) { self->state.peers = std::move(p); },
+        [self, request_batch, fail](msg::start_atom, uint64_t) {
+          log_get("learner")->debug("learner{} start at v{}", self->state.rank, self->state.version);
+          auto& s = self->state;
+          if (s.rank == 0) {  // the bundle of the starting version, calibrated on its first prompts
+            msg::params_msg pm;
+            pm.version = s.version;
+            pm.params = std::make_shared<const std::vector<float>>(s.ck.params.data);
+            pm.calib = step_prompts(s, s.version);
+            self->send(s.peers.calibration, std::move(pm));
+          }
+          (*request_batch)();
+        },
+    };
+  });
+}
+
+}  // namespace fp8rl::actors

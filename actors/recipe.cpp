@@ -1,0 +1,268 @@
+// actors/recipe.cpp -- the key table, file/CLI application, validation, dump.
+#include "actors/recipe.hpp"
+
+#include "models/log.hpp"
+
+#include <caf/actor_system_config.hpp>
+#include <caf/config_value.hpp>
+
+#include <algorithm>
+#include <cmath>
+#include <iomanip>
+#include <nlohmann/json.hpp>
+#include <set>
+#include <sstream>
+#include <stdexcept>
+
+namespace fp8rl::actors {
+
+std::vector<recipe_key> recipe_keys(run_config& r) {
+  return {
+      {"run", "name", &r.name, "run name (printed, stored in metrics)"},
+      {"run", "seed", &r.seed, "seed of data order, init and sampling"},
+      {"run", "steps", &r.steps, "optimizer steps (GRPO steps) to run"},
+      {"run", "eval_every", &r.eval_every, "validation accuracy every N steps (0: only at the end)"},
+      {"run", "checkpoint_every", &r.checkpoint_every, "checkpoint every N steps (0: only at the end)"},
+      {"run", "log_level", &r.log_level, "trace, debug, info, warn, error, off"},
+      {"model", "init", &r.init, "'tiny' (built-in model + SFT warm start) or a Hugging Face model directory"},
+      {"model", "sft_steps", &r.sft_steps, "SFT warm-start steps for model.init = tiny"},
+      {"model", "sft_batch", &r.sft_batch, "SFT batch (sequences)"},
+      {"model", "sft_lr", &r.sft_lr, "SFT learning rate"},
+      {"model", "max_context", &r.max_context, "rollout KV-cache context per sequence (tokens)"},
+      {"task", "name", &r.task, "builtin:add1..6 / builtin:mul1..6, or a JSONL file {prompt, answer}"},
+      {"task", "verifier", &r.verifier, "exact or numeric"},
+      {"task", "val_size", &r.val_size, "validation examples (built-in tasks)"},
+      {"task", "train_size", &r.train_size, "training examples (built-in tasks)"},
+      {"rollout", "prompts_per_step", &r.prompts_per_step, "prompts per optimizer step"},
+      {"rollout", "group_size", &r.group_size, "completions per prompt (G)"},
+      {"rollout", "max_new_tokens", &r.max_new_tokens, "generation length limit"},
+      {"rollout", "temperature", &r.temperature, "sampling temperature (g_t is taken after it)"},
+      {"rollout", "top_k", &r.top_k, "top-k (0: off)"},
+      {"rollout", "top_p", &r.top_p, "top-p (1: off)"},
+      {"rollout", "slots", &r.slots, "continuous-batching slots per rollout actor"},
+      {"rollout", "kv_policy", &r.kv_policy, "KV cache on weight adoption: recompute or keep"},
+      {"precision", "generation", &r.generation, "generation policy: fp32, bf16, fp8, fp8-kv"},
+      {"precision", "training", &r.training, "training policy: fp32, bf16, fp8"},
+      {"precision", "scale_mode", &r.scale_mode, "pow2 or fp32 (run-wide)"},
+      {"precision", "bf16_first", &r.bf16_first, "first N transformer layers kept BF16 (both sides)"},
+      {"precision", "bf16_last", &r.bf16_last, "last N transformer layers kept BF16 (both sides)"},
+      {"grpo", "normalize_std", &r.normalize_std, "divide advantages by the group std"},
+      {"grpo", "clip_low", &r.clip_low, "PPO clip epsilon below"},
+      {"grpo", "clip_high", &r.clip_high, "PPO clip epsilon above"},
+      {"grpo", "dual_clip", &r.dual_clip, "dual clip c (> 1 enables)"},
+      {"grpo", "is_mode", &r.is_mode, "importance sampling: none, tis, icepop, seq-mask-tis"},
+      {"grpo", "is_lo", &r.is_lo, "lower IS bound"},
+      {"grpo", "is_hi", &r.is_hi, "upper IS bound C"},
+      {"grpo", "kl_beta", &r.kl_beta, "k3 KL penalty to the initial policy (0: off)"},
+      {"grpo", "seq_logprob_error_threshold", &r.seq_logprob_error_threshold, "drop sequences above (0: off)"},
+      {"optim", "lr", &r.lr, "AdamW learning rate"},
+      {"optim", "beta1", &r.beta1, "AdamW beta1"},
+      {"optim", "beta2", &r.beta2, "AdamW beta2"},
+      {"optim", "eps", &r.eps, "AdamW epsilon"},
+      {"optim", "weight_decay", &r.weight_decay, "decoupled weight decay (matrices)"},
+      {"optim", "grad_clip", &r.grad_clip, "global-norm clip (0: off)"},
+      {"async", "max_staleness", &r.max_staleness, "max learner_version - weight_version admitted (0 = synchronous)"},
+      {"calibration", "percentile", &r.percentile, "Q/K/V amax percentile over calibration forwards"},
+      {"calibration", "margin", &r.margin, "scale = amax * margin / 448"},
+      {"audit", "every", &r.audit_every, "re-score sampled trajectories under their own snapshot every N steps (0: off)"},
+      {"audit", "samples", &r.audit_samples, "trajectories per audit"},
+      {"trace", "enabled", &r.trace, "write per-process trace events (runs/<dir>/traces)"},
+  };
+}
+
+namespace {
+
+std::string type_name(const recipe_key& k) {
+  switch (k.ptr.index()) {
+    case 0: return "an integer";
+    case 1: return "a number";
+    case 2: return "true or false";
+    default: return "a string";
+  }
+}
+
+void set_from_config_value(const recipe_key& k, const caf::config_value& v, const std::string& where) {
+  const std::string key = std::string(k.section) + "." + k.name;
+  auto bad = [&] { throw std::invalid_argument(where + ": key '" + key + "' must be " + type_name(k) + ", got " + caf::to_string(v)); };
+  std::visit([&](auto* p) {
+    using T = std::remove_pointer_t<decltype(p)>;
+    if constexpr (std::is_same_v<T, int64_t>) {
+      auto x = caf::get_if<int64_t>(&v);
+      if (!x) bad();
+      *p = *x;
+    } else if constexpr (std::is_same_v<T, double>) {
+      if (auto x = caf::get_if<double>(&v)) *p = *x;
+      else if (auto y = caf::get_if<int64_t>(&v)) *p = static_cast<double>(*y);
+      else bad();
+    } else if constexpr (std::is_same_v<T, bool>) {
+      auto x = caf::get_if<bool>(&v);
+      if (!x) bad();
+      *p = *x;
+    } else {
+      if (auto x = caf::get_if<std::string>(&v)) *p = *x;
+      else if (auto a = caf::get_if<caf::atom_value>(&v)) *p = caf::to_string(*a);
+      else bad();
+    }
+  }, k.ptr);
+}
+
+}  // namespace
+
+void recipe_load_file(run_config& r, const std::string& path) {
+  auto parsed = caf::actor_system_config::parse_config_file(path.c_str());
+  if (!parsed) throw std::invalid_argument(path + ": " + caf::to_string(parsed.error()));
+  auto keys = recipe_keys(r);
+  for (const auto& [section, value] : *parsed) {
+    auto dict = caf::get_if<caf::config_value::dictionary>(&value);
+    if (!dict) throw std::invalid_argument(path + ": '" + section + "' is not a [section]");
+    bool known_section = false;
+    for (const auto& k : keys) known_section |= section == k.section;
+    if (!known_section) throw std::invalid_argument(path + ": unknown section [" + section + "]");
+    for (const auto& [name, v] : *dict) {
+      auto it = std::find_if(keys.begin(), keys.end(), [&](const recipe_key& k) { return section == k.section && name == k.name; });
+      if (it == keys.end()) throw std::invalid_argument(path + ": unknown key '" + section + "." + name + "'");
+      set_from_config_value(*it, v, path);
+    }
+  }
+}
+
+void recipe_apply_cli(run_config& r, const std::string& arg) {
+  if (arg.rfind("--", 0) != 0 || arg.find('=') == std::string::npos)
+    throw std::invalid_argument("option '" + arg + "': expected --section.key=value");
+  const std::string key = arg.substr(2, arg.find('=') - 2), val = arg.substr(arg.find('=') + 1);
+  for (const auto& k : recipe_keys(r)) {
+    if (key != std::string(k.section) + "." + k.name) continue;
+    auto bad = [&] { throw std::invalid_argument("option --" + key + ": '" + val + "' is not " + type_name(k)); };
+    std::visit([&](auto* p) {
+      using T = std::remove_pointer_t<decltype(p)>;
+      try {
+        size_t pos = 0;
+        if constexpr (std::is_same_v<T, int64_t>) { *p = std::stoll(val, &pos); if (pos != val.size()) bad(); }
+        else if constexpr (std::is_same_v<T, double>) { *p = std::stod(val, &pos); if (pos != val.size()) bad(); }
+        else if constexpr (std::is_same_v<T, bool>) {
+          if (val == "true") *p = true;
+          else if (val == "false") *p = false;
+          else bad();
+        } else {
+          *p = val.size() >= 2 && val.front() == '"' && val.back() == '"' ? val.substr(1, val.size() - 2) : val;
+        }
+      } catch (const std::invalid_argument&) {
+        throw;
+      } catch (const std::exception&) {
+        bad();
+      }
+    }, k.ptr);
+    return;
+  }
+  throw std::invalid_argument("unknown option --" + key);
+}
+
+void recipe_validate(const run_config& r) {
+  auto fail = [](const char* key, const std::string& why) { throw std::invalid_argument("recipe key '" + std::string(key) + "': " + why); };
+  auto positive = [&](const char* key, int64_t v) { if (v <= 0) fail(key, "must be > 0"); };
+  positive("run.steps", r.steps);
+  positive("rollout.prompts_per_step", r.prompts_per_step);
+  positive("rollout.group_size", r.group_size);
+  positive("rollout.max_new_tokens", r.max_new_tokens);
+  positive("rollout.slots", r.slots);
+  positive("model.max_context", r.max_context);
+  if (r.max_staleness < 0) fail("async.max_staleness", "must be >= 0");
+  if (r.eval_every < 0 || r.checkpoint_every < 0) fail("run.eval_every", "must be >= 0");
+  if (r.kv_policy != "recompute" && r.kv_policy != "keep") fail("rollout.kv_policy", "must be recompute or keep");
+  if (!models::is_mode_parse(r.is_mode)) fail("grpo.is_mode", "must be none, tis, icepop or seq-mask-tis");
+  if (!models::verifier_parse(r.verifier)) fail("task.verifier", "must be exact or numeric");
+  if (!quant::scale_mode_parse(r.scale_mode)) fail("precision.scale_mode", "must be pow2 or fp32");
+  if (r.is_lo > r.is_hi) fail("grpo.is_lo", "must be <= grpo.is_hi");
+  if (r.temperature < 0) fail("rollout.temperature", "must be >= 0");
+  if (r.percentile <= 0 || r.percentile > 1) fail("calibration.percentile", "must be in (0, 1]");
+  try {
+    models::task_spec_parse(r.task);
+    models::precision_policy::named(r.generation).validate();
+    models::precision_policy::named(r.training).validate();
+  } catch (const std::invalid_argument& e) {
+    fail("precision/task", e.what());
+  }
+  if (models::precision_policy::named(r.training).fp8_attention) fail("precision.training", "FP8 attention is generation-only");
+  try {
+    fp8rl::log_set_level(r.log_level);
+  } catch (const std::invalid_argument& e) {
+    fail("run.log_level", e.what());
+  }
+}
+
+std::string recipe_dump(const run_config& r0) {
+  run_config r = r0;
+  std::ostringstream os;
+  std::string section;
+  for (const auto& k : recipe_keys(r)) {
+    if (section != k.section) {
+      os << (section.empty() ? "" : "\n") << "[" << k.section << "]\n";
+      section = k.section;
+    }
+    os << "; " << k.help << "\n" << k.name << "=";
+    std::visit([&](auto* p) {
+      using T = std::remove_pointer_t<decltype(p)>;
+      if constexpr (std::is_same_v<T, std::string>) os << std::quoted(*p);
+      else if constexpr (std::is_same_v<T, bool>) os << (*p ? "true" : "false");
+      else if constexpr (std::is_same_v<T, double>) os << std::setprecision(10) << *p << (*p == std::floor(*p) ? ".0" : "");
+      else os << *p;
+    }, k.ptr);
+    os << "\n";
+  }
+  return os.str();
+}
+
+std::string recipe_to_json(const run_config& r0) {
+  run_config r = r0;
+  nlohmann::json j;
+  for (const auto& k : recipe_keys(r))
+    std::visit([&](auto* p) { j[std::string(k.section) + "." + k.name] = *p; }, k.ptr);
+  return j.dump();
+}
+
+run_config recipe_from_json(const std::string& s) {
+  run_config r;
+  const auto j = nlohmann::json::parse(s);
+  for (const auto& k : recipe_keys(r)) {
+    const std::string key = std::string(k.section) + "." + k.name;
+    if (!j.contains(key)) throw std::invalid_argument("recipe json: key '" + key + "' missing");
+    std::visit([&](auto* p) { *p = j[key].get<std::remove_pointer_t<decltype(p)>>(); }, k.ptr);
+  }
+  return r;
+}
+
+models::rl_run_config recipe_rl_config(const run_config& r) {
+  models::rl_run_config c;
+  c.grpo.group_size = r.group_size;
+  c.grpo.normalize_std = r.normalize_std;
+  c.grpo.clip_low = static_cast<float>(r.clip_low);
+  c.grpo.clip_high = static_cast<float>(r.clip_high);
+  c.grpo.dual_clip = static_cast<float>(r.dual_clip);
+  c.grpo.is = *models::is_mode_parse(r.is_mode);
+  c.grpo.is_lo = static_cast<float>(r.is_lo);
+  c.grpo.is_hi = static_cast<float>(r.is_hi);
+  c.grpo.kl_beta = static_cast<float>(r.kl_beta);
+  c.grpo.seq_logprob_error_threshold = static_cast<float>(r.seq_logprob_error_threshold);
+  c.opt.lr = static_cast<float>(r.lr);
+  c.opt.beta1 = static_cast<float>(r.beta1);
+  c.opt.beta2 = static_cast<float>(r.beta2);
+  c.opt.eps = static_cast<float>(r.eps);
+  c.opt.weight_decay = static_cast<float>(r.weight_decay);
+  c.opt.grad_clip = static_cast<float>(r.grad_clip);
+  c.prompts_per_step = r.prompts_per_step;
+  c.max_new_tokens = static_cast<int32_t>(r.max_new_tokens);
+  c.proc = {static_cast<float>(r.temperature), static_cast<int32_t>(r.top_k), static_cast<float>(r.top_p)};
+  for (auto* p : {&c.gen_policy, &c.train_policy}) {
+    *p = models::precision_policy::named(p == &c.gen_policy ? r.generation : r.training);
+    p->bf16_first = r.bf16_first;
+    p->bf16_last = r.bf16_last;
+    p->scales = *quant::scale_mode_parse(r.scale_mode);
+  }
+  c.verifier = *models::verifier_parse(r.verifier);
+  c.seed = static_cast<uint64_t>(r.seed);
+  c.kv_margin = static_cast<float>(r.margin);
+  c.kv_percentile = r.percentile;
+  return c;
+}
+
+}  // namespace fp8rl::actors

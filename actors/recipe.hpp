@@ -1,0 +1,80 @@
+// actors/recipe.hpp -- the run configuration ("recipe"): every key of a training run, read from
+// files in CAF's config syntax and from `--section.key=value` flags, strictly validated.
+// defines: run_config, recipe_key, recipe_keys, recipe_load_file, recipe_apply_cli,
+//          recipe_dump, recipe_to_json, recipe_from_json, recipe_validate, recipe_policies
+//
+// Every key, its type, default and meaning is listed once, in recipe_keys() (recipe.cpp), and
+// documented in configs/default.conf. Unknown keys and ill-typed values are errors naming the
+// file (or flag) and the key; CAF's own parser accepts unknown file keys silently
+// (caf-0.17.md §6), so fp8rl walks the parsed settings itself.
+#pragma once
+#include <cstdint>
+#include <string>
+#include <variant>
+#include <vector>
+
+#include "models/rl/loop.hpp"
+
+namespace fp8rl::actors {
+
+struct run_config {
+  // [run]
+  std::string name = "fp8rl";
+  int64_t seed = 1, steps = 30, eval_every = 10, checkpoint_every = 10;
+  std::string log_level = "info";
+  // [model]
+  std::string init = "tiny";  // "tiny" (built-in, SFT warm start) or a HF model directory
+  int64_t sft_steps = 450, sft_batch = 64;
+  double sft_lr = 2e-3;
+  int64_t max_context = 32;
+  // [task]
+  std::string task = "builtin:add2", verifier = "numeric";
+  int64_t val_size = 200, train_size = 4000;
+  // [rollout]
+  int64_t prompts_per_step = 32, group_size = 8, max_new_tokens = 5, top_k = 0, slots = 256;
+  double temperature = 1.0, top_p = 1.0;
+  std::string kv_policy = "recompute";
+  // [precision]
+  std::string generation = "fp8", training = "fp8", scale_mode = "pow2";
+  int64_t bf16_first = 0, bf16_last = 0;
+  // [grpo]
+  bool normalize_std = true;
+  double clip_low = 0.2, clip_high = 0.2, dual_clip = 0.0, is_lo = 0.0, is_hi = 2.0, kl_beta = 0.0,
+         seq_logprob_error_threshold = 0.0;
+  std::string is_mode = "tis";
+  // [optim]
+  double lr = 5e-4, beta1 = 0.9, beta2 = 0.999, eps = 1e-8, weight_decay = 0.0, grad_clip = 1.0;
+  // [async]
+  int64_t max_staleness = 1;
+  // [calibration]
+  double percentile = 0.999, margin = 1.05;
+  // [audit]
+  int64_t audit_every = 0, audit_samples = 16;
+  // [trace]
+  bool trace = true;
+};
+
+struct recipe_key {
+  const char* section;
+  const char* name;
+  std::variant<int64_t*, double*, bool*, std::string*> ptr;
+  const char* help;
+};
+std::vector<recipe_key> recipe_keys(run_config& r);
+
+// Applies a recipe file (CAF config syntax) over r. Throws std::invalid_argument naming the file
+// and key (unknown section/key, wrong type).
+void recipe_load_file(run_config& r, const std::string& path);
+// Applies "--section.key=value" (value typed per key). Throws std::invalid_argument naming it.
+void recipe_apply_cli(run_config& r, const std::string& arg);
+// Checks values (enums, ranges, policy names); throws std::invalid_argument naming the key.
+void recipe_validate(const run_config& r);
+// The effective configuration in CAF config syntax (what `fp8rl train --dump-config` prints).
+std::string recipe_dump(const run_config& r);
+std::string recipe_to_json(const run_config& r);
+run_config recipe_from_json(const std::string& json);
+
+// The derived objects the RL functions take.
+models::rl_run_config recipe_rl_config(const run_config& r);
+
+}  // namespace fp8rl::actors

@@ -1,0 +1,141 @@
+// actors/reward_buffer.cpp -- the reward actor (verifier -> rewards, group advantages) and the
+// trajectory buffer (admission by max_staleness, de-duplication, per-learner batch shards).
+#include <map>
+#include <set>
+
+#include "actors/actors.hpp"
+#include "actors/trace.hpp"
+#include "models/log.hpp"
+
+namespace fp8rl::actors {
+namespace {
+
+struct reward_state {
+  std::shared_ptr<const actor_env> env;
+  msg::peers_msg peers;
+};
+
+struct pending_batch {
+  caf::typed_response_promise<msg::batch_msg> rp;
+  int32_t rank = 0, world = 1;
+};
+
+struct buffer_state {
+  std::shared_ptr<const actor_env> env;
+  msg::peers_msg peers;
+  uint64_t learner_version = 0;
+  std::map<uint64_t, std::map<uint64_t, msg::group_msg>> steps;  // step -> prompt_id -> group
+  std::map<uint64_t, std::vector<pending_batch>> waiting;        // step -> learners waiting
+  std::set<std::pair<uint64_t, uint64_t>> delivered;             // (step, prompt_id) handed to learners
+  int64_t admitted = 0, dropped_stale = 0, dropped_dup = 0;
+};
+
+// Oldest weight version any token of the group was sampled under.
+uint64_t oldest_version(const msg::group_msg& g) {
+  uint64_t v = UINT64_MAX;
+  for (const auto& s : g.samples)
+    for (uint64_t x : s.weight_version) v = std::min(v, x);
+  return v == UINT64_MAX ? 0 : v;
+}
+
+}  // namespace
+
+msg::reward_actor spawn_reward(caf::actor_system& sys, std::shared_ptr<const actor_env> env) {
+  using self_t = msg::reward_actor::stateful_pointer<reward_state>;
+  return sys.spawn([env](self_t self) -> msg::reward_actor::behavior_type {
+    self->state.env = env;
+    return {
+        [self](msg::peers_msg& p) { self->state.peers = std::move(p); },
+        [self](msg::group_msg& g) {
+          auto& s = self->state;
+          trace_span span("reward", "score", -1, double(g.samples.size()));
+          const auto& tok = *s.env->tok;
+          std::vector<float> rewards;
+          for (auto& x : g.samples) {
+            std::vector<int32_t> body = x.response;
+            if (!body.empty() && body.back() == tok.eos) body.pop_back();
+            x.reward = models::verify(s.env->rl.verifier, tok.decode(body, true), g.answer);
+            rewards.push_back(x.reward);
+          }
+          const auto adv = models::grpo_advantages(rewards, static_cast<int64_t>(rewards.size()), s.env->rl.grpo.normalize_std,
+                                                   s.env->rl.grpo.adv_eps);
+          for (size_t i = 0; i < adv.size(); ++i) g.samples[i].advantage = adv[i];
+          self->send(s.peers.buffer, std::move(g));
+        },
+    };
+  });
+}
+
+msg::buffer_actor spawn_buffer(caf::actor_system& sys, std::shared_ptr<const actor_env> env) {
+  using self_t = msg::buffer_actor::stateful_pointer<buffer_state>;
+  return sys.spawn([env](self_t self) -> msg::buffer_actor::behavior_type {
+    self->state.env = env;
+    auto log = log_get("buffer");
+    // Delivers step `step` to its waiting learners once all its groups are in and fresh.
+    auto try_deliver = [self, log](uint64_t step) {
+      auto& s = self->state;
+      auto wt = s.waiting.find(step);
+      if (wt == s.waiting.end() || wt->second.empty()) return;
+      auto& groups = s.steps[step];
+      const int64_t need = s.env->cfg.prompts_per_step;
+      // drop groups that became too stale for this learner version; the controller re-issues them
+      for (auto it = groups.begin(); it != groups.end();) {
+        const uint64_t v = oldest_version(it->second);
+        if (s.learner_version > v && s.learner_version - v > static_cast<uint64_t>(s.env->cfg.max_staleness)) {
+          ++s.dropped_stale;
+          self->send(s.peers.controller, msg::admitted_msg{step, it->first, true, "stale: weight_version " + std::to_string(v)});
+          it = groups.erase(it);
+        } else {
+          ++it;
+        }
+      }
+      if (static_cast<int64_t>(groups.size()) < need) return;
+      double n = 0;
+      for (const auto& [pid, g] : groups)
+        for (const auto& x : g.samples) n += double(x.response.size());
+      for (auto& pb : wt->second) {
+        msg::batch_msg b;
+        b.step = step;
+        b.n_global = n;
+        int64_t i = 0;
+        for (const auto& [pid, g] : groups) {
+          if (i++ % pb.world != pb.rank) continue;
+          for (const auto& x : g.samples) b.samples.push_back(x);
+        }
+        b.buffer_metrics = {{"buffer/admitted_total", double(s.admitted)}, {"buffer/dropped_stale_total", double(s.dropped_stale)},
+                            {"buffer/dropped_duplicate_total", double(s.dropped_dup)}};
+        pb.rp.deliver(std::move(b));
+      }
+      for (const auto& [pid, g] : groups) s.delivered.insert({step, pid});
+      s.waiting.erase(wt);
+      s.steps.erase(step);
+    };
+    return {
+        [self](msg::peers_msg& p) { self->state.peers = std::move(p); },
+        [self, try_deliver](msg::group_msg& g) {
+          auto& s = self->state;
+          const auto key = std::make_pair(g.step, g.prompt_id);
+          if (s.delivered.count(key) || s.steps[g.step].count(g.prompt_id)) {  // re-issued work finished twice
+            ++s.dropped_dup;
+            self->send(s.peers.controller, msg::admitted_msg{g.step, g.prompt_id, true, "duplicate"});
+            return;
+          }
+          ++s.admitted;
+          const uint64_t step = g.step, pid = g.prompt_id;
+          s.steps[step].emplace(pid, std::move(g));
+          self->send(s.peers.controller, msg::admitted_msg{step, pid, false, ""});
+          try_deliver(step);
+        },
+        [self, try_deliver](msg::batch_atom, uint64_t step, int32_t rank, int32_t world, uint64_t learner_version) {
+          auto& s = self->state;
+          s.learner_version = std::max(s.learner_version, learner_version);
+          auto rp = self->make_response_promise<msg::batch_msg>();
+          s.waiting[step].push_back({rp, rank, world});
+          try_deliver(step);
+          return rp;
+        },
+    };
+  });
+}
+
+}  // namespace fp8rl::actors

@@ -1,0 +1,167 @@
+// actors/rollout_actor.cpp -- a rollout actor: one generation engine on one device.
+// It samples prompt groups with the newest adopted bundle; a bundle arriving while the engine
+// runs is adopted between two engine steps (each step is one message to itself, so the mailbox
+// orders adoption and decoding); every token carries (weight_version, scale_version).
+#include <tbb/task_arena.h>
+
+#include <chrono>
+#include <deque>
+#include <map>
+
+#include "actors/actors.hpp"
+#include "actors/trace.hpp"
+#include "models/log.hpp"
+
+namespace fp8rl::actors {
+namespace {
+
+struct rollout_state {
+  std::shared_ptr<const actor_env> env;
+  std::string name;
+  std::unique_ptr<models::backend> be;
+  std::unique_ptr<tbb::task_arena> arena;
+  std::unique_ptr<models::generation_engine> eng;
+  msg::peers_msg peers;
+  std::map<uint64_t, msg::work_msg> work;                 // prompt_id -> group being generated
+  std::map<uint64_t, std::vector<models::gen_result>> done;  // prompt_id -> finished completions
+  bool step_scheduled = false;
+  std::vector<uint8_t> chunks;                            // cross-process bundle being received
+  uint64_t chunk_version = 0;
+  uint64_t lamport = 0;
+  int64_t tokens = 0, groups = 0;
+};
+
+double now_s() { return std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count(); }
+
+}  // namespace
+
+msg::rollout_actor spawn_rollout(caf::actor_system& sys, std::shared_ptr<const actor_env> env, std::string name,
+                                 device_spec dev) {
+  using self_t = msg::rollout_actor::stateful_pointer<rollout_state>;
+  return sys.spawn([env, name, dev](self_t self) -> msg::rollout_actor::behavior_type {
+    auto& st = self->state;
+    st.env = env;
+    st.name = name;
+    st.be = backend_for(dev);
+    st.arena = std::make_unique<tbb::task_arena>(dev.index > 0 ? static_cast<int>(dev.index) : tbb::task_arena::automatic);
+    models::engine_config ec;
+    ec.slots = env->cfg.slots;
+    ec.max_context = env->cfg.max_context;
+    ec.on_adopt = env->cfg.kv_policy == "keep" ? models::kv_adopt_policy::keep : models::kv_adopt_policy::recompute;
+    ec.policy = env->rl.gen_policy;
+    st.eng = std::make_unique<models::generation_engine>(*st.be, env->model, ec);
+    auto log = log_get("rollout");
+    auto schedule = [self] {
+      auto& s = self->state;
+      if (!s.step_scheduled && s.eng->has_weights() && !s.eng->idle()) {
+        s.step_scheduled = true;
+        self->send(self, msg::step_atom::value);
+      }
+    };
+    auto adopt = [self, schedule, log](std::shared_ptr<const quant::weight_bundle> b, double published_at) {
+      auto& s = self->state;
+      trace_span span(s.name, "adopt", static_cast<int64_t>(b->weight_version), static_cast<double>(b->bytes()));
+      log->debug("{} adopting v{}", s.name, b->weight_version);
+      std::string err;
+      s.arena->execute([&] { err = s.eng->adopt(b); });
+      if (!err.empty()) log->error("{}: refused bundle v{}: {}", s.name, b->weight_version, err);
+      self->send(s.peers.weight_sync, msg::adopted_msg{s.name, b->weight_version, b->snapshot.scale_version,
+                                                       now_s() - published_at, err});
+      schedule();
+    };
+    return {
+        [self](msg::peers_msg& p) { self->state.peers = std::move(p); },
+        [self, schedule](msg::work_msg& w) {
+          auto& s = self->state;
+          s.lamport = std::max(s.lamport, w.trace.lamport) + 1;
+          const auto prompt = s.env->tok->encode(w.prompt, true);
+          for (int32_t j = 0; j < w.group_size; ++j) {
+            models::gen_request r;
+            r.id = w.prompt_id * static_cast<uint64_t>(w.group_size) + static_cast<uint64_t>(j);
+            r.prompt = prompt;
+            r.max_tokens = s.env->rl.max_new_tokens;
+            r.proc = s.env->rl.proc;
+            r.seed = w.seed;
+            if (s.env->tok->eos >= 0) r.stop_tokens = {s.env->tok->eos};
+            s.eng->submit(std::move(r));
+          }
+          s.work[w.prompt_id] = std::move(w);
+          schedule();
+        },
+        [adopt](msg::bundle_msg& b) { adopt(b.bundle, b.published_at); },
+        [self, adopt](msg::bundle_chunk& c) -> msg::chunk_ack {
+          auto& s = self->state;
+          if (c.seq == 0) { s.chunks.clear(); s.chunk_version = c.version; }
+          if (c.version == s.chunk_version) s.chunks.insert(s.chunks.end(), c.bytes.begin(), c.bytes.end());
+          if (c.seq + 1 == c.total && c.version == s.chunk_version) {
+            msg::bundle_wire w;
+            caf::binary_deserializer src(self->system(), s.chunks);
+            std::shared_ptr<quant::weight_bundle> b;
+            if (auto err = src(w)) {
+              self->send(s.peers.weight_sync, msg::adopted_msg{s.name, c.version, 0, 0, "bundle does not deserialize: " + self->system().render(err)});
+            } else {
+              try {
+                b = std::make_shared<quant::weight_bundle>(msg::bundle_from_wire(std::move(w)));
+              } catch (const std::exception& e) {
+                self->send(s.peers.weight_sync, msg::adopted_msg{s.name, c.version, 0, 0, e.what()});
+              }
+            }
+            s.chunks.clear();
+            s.chunks.shrink_to_fit();
+            if (b) adopt(b, c.published_at);
+          }
+          return {c.version, c.seq};
+        },
+        [self, schedule](msg::step_atom) {
+          auto& s = self->state;
+          s.step_scheduled = false;
+          if (!s.eng->has_weights() || s.eng->idle()) return;
+          std::vector<models::gen_result> fin;
+          {
+            trace_span span(s.name, "decode_step", static_cast<int64_t>(s.eng->weight_version()));
+            s.arena->execute([&] { fin = s.eng->step(); });
+          }
+          for (auto& r : fin) {
+            const uint64_t pid = r.id / static_cast<uint64_t>(s.env->cfg.group_size);
+            s.tokens += static_cast<int64_t>(r.tokens.size());
+            auto& d = s.done[pid];
+            d.push_back(std::move(r));
+            auto it = s.work.find(pid);
+            if (it == s.work.end() || static_cast<int32_t>(d.size()) < it->second.group_size) continue;
+            msg::group_msg g;
+            g.trace.lamport = ++s.lamport;
+            g.step = it->second.step;
+            g.prompt_id = pid;
+            g.answer = it->second.answer;
+            g.rollout = s.name;
+            for (auto& x : d) {
+              models::rl_sample smp;
+              smp.prompt_id = pid;
+              smp.group_index = static_cast<int32_t>(x.id % static_cast<uint64_t>(it->second.group_size));
+              smp.prompt = std::move(x.prompt);
+              smp.response = std::move(x.tokens);
+              smp.gen_logprobs = std::move(x.logprobs);
+              smp.weight_version = std::move(x.weight_version);
+              smp.scale_version = std::move(x.scale_version);
+              smp.oldest_kv_version = std::move(x.oldest_kv_version);
+              g.samples.push_back(std::move(smp));
+            }
+            std::sort(g.samples.begin(), g.samples.end(), [](const auto& a, const auto& b) { return a.group_index < b.group_index; });
+            ++s.groups;
+            self->send(s.peers.reward, std::move(g));
+            s.done.erase(pid);
+            s.work.erase(it);
+          }
+          schedule();
+        },
+        [self](msg::status_atom) -> msg::metrics_t {
+          auto& s = self->state;
+          const auto& es = s.eng->stats();
+          return {{"tokens", double(s.tokens)}, {"groups", double(s.groups)}, {"weight_version", double(s.eng->weight_version())},
+                  {"adoptions", double(es.adoptions)}, {"recomputed_tokens", double(es.recomputed_tokens)}};
+        },
+    };
+  });
+}
+
+}  // namespace fp8rl::actors

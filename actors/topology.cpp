@@ -1,0 +1,157 @@
+// actors/topology.cpp -- topology files and the placement plan.
+#include "actors/topology.hpp"
+
+#include <caf/actor_system_config.hpp>
+#include <caf/config_value.hpp>
+
+#include <algorithm>
+#include <map>
+#include <set>
+#include <stdexcept>
+
+namespace fp8rl::actors {
+
+namespace {
+const std::set<std::string> kRoles = {"controller", "buffer", "reward", "weight_sync", "calibration"};
+}
+
+device_spec device_spec::parse(const std::string& s, const std::string& where) {
+  const auto colon = s.find(':');
+  device_spec d;
+  d.kind = s.substr(0, colon);
+  if (d.kind != "cpu" && d.kind != "cuda") throw std::invalid_argument(where + ": device '" + s + "' must be cpu:N or cuda:K");
+  if (colon != std::string::npos) {
+    try {
+      size_t pos = 0;
+      d.index = std::stoll(s.substr(colon + 1), &pos);
+      if (pos != s.size() - colon - 1 || d.index < 0) throw std::invalid_argument("");
+    } catch (const std::exception&) {
+      throw std::invalid_argument(where + ": device '" + s + "' has a bad index");
+    }
+  } else if (d.kind == "cuda") {
+    throw std::invalid_argument(where + ": device '" + s + "' needs a GPU index (cuda:K)");
+  }
+  return d;
+}
+
+bool node_spec::has(const std::string& role) const { return std::find(roles.begin(), roles.end(), role) != roles.end(); }
+
+const node_spec& topology::controller_node() const {
+  for (const auto& n : nodes) if (n.has("controller")) return n;
+  throw std::invalid_argument(source + ": no node has the controller role");
+}
+
+const node_spec* topology::find(const std::string& name) const {
+  for (const auto& n : nodes) if (n.name == name) return &n;
+  return nullptr;
+}
+
+topology topology_load(const std::string& path) {
+  auto parsed = caf::actor_system_config::parse_config_file(path.c_str());
+  if (!parsed) throw std::invalid_argument(path + ": " + caf::to_string(parsed.error()));
+  topology t;
+  t.source = path;
+  for (const auto& [section, v] : *parsed)
+    if (section != "cluster") throw std::invalid_argument(path + ": unknown section [" + section + "]");
+  auto cit = parsed->find("cluster");
+  auto cluster = cit == parsed->end() ? nullptr : caf::get_if<caf::config_value::dictionary>(&cit->second);
+  if (!cluster) throw std::invalid_argument(path + ": [cluster] missing");
+  for (const auto& [k, v] : *cluster)
+    if (k != "nodes") throw std::invalid_argument(path + ": unknown key 'cluster." + k + "'");
+  auto it = cluster->find("nodes");
+  auto list = it == cluster->end() ? nullptr : caf::get_if<caf::config_value::list>(&it->second);
+  if (!list) throw std::invalid_argument(path + ": key 'cluster.nodes' missing or not a list");
+  for (size_t i = 0; i < list->size(); ++i) {
+    const std::string where = path + ": cluster.nodes[" + std::to_string(i) + "]";
+    auto d = caf::get_if<caf::config_value::dictionary>(&(*list)[i]);
+    if (!d) throw std::invalid_argument(where + " is not a dictionary");
+    node_spec n;
+    auto str = [&](const std::string& key, const caf::config_value& v) -> std::string {
+      if (auto s = caf::get_if<std::string>(&v)) return *s;
+      if (auto a = caf::get_if<caf::atom_value>(&v)) return caf::to_string(*a);
+      throw std::invalid_argument(where + ": key '" + key + "' must be a string");
+    };
+    auto strs = [&](const std::string& key, const caf::config_value& v) {
+      auto l = caf::get_if<caf::config_value::list>(&v);
+      if (!l) throw std::invalid_argument(where + ": key '" + key + "' must be a list");
+      std::vector<std::string> out;
+      for (const auto& e : *l) out.push_back(str(key, e));
+      return out;
+    };
+    for (const auto& [k, v] : *d) {
+      if (k == "name") n.name = str(k, v);
+      else if (k == "host") n.host = str(k, v);
+      else if (k == "port") {
+        auto p = caf::get_if<int64_t>(&v);
+        if (!p || *p < 0 || *p > 65535) throw std::invalid_argument(where + ": key 'port' must be an integer in [0, 65535]");
+        n.port = *p;
+      } else if (k == "roles") n.roles = strs(k, v);
+      else if (k == "learners") for (const auto& s : strs(k, v)) n.learners.push_back(device_spec::parse(s, where + ".learners"));
+      else if (k == "rollouts") for (const auto& s : strs(k, v)) n.rollouts.push_back(device_spec::parse(s, where + ".rollouts"));
+      else throw std::invalid_argument(where + ": unknown key '" + k + "'");
+    }
+    if (n.name.empty()) throw std::invalid_argument(where + ": key 'name' missing");
+    t.nodes.push_back(std::move(n));
+  }
+  topology_validate(t);
+  return t;
+}
+
+topology topology_local(int64_t rollout_cores, int64_t learner_cores) {
+  topology t;
+  node_spec n;
+  n.name = "local";
+  n.roles = {"controller", "buffer", "reward", "weight_sync", "calibration"};
+  n.learners = {{"cpu", learner_cores}};
+  n.rollouts = {{"cpu", rollout_cores}};
+  t.nodes.push_back(n);
+  return t;
+}
+
+void topology_validate(const topology& t) {
+  if (t.nodes.empty()) throw std::invalid_argument(t.source + ": no nodes");
+  std::map<std::string, std::string> role_node;
+  std::set<std::string> names;
+  std::set<std::pair<std::string, int64_t>> ports;
+  int64_t learners = 0, rollouts = 0;
+  for (const auto& n : t.nodes) {
+    const std::string where = t.source + ": node '" + n.name + "'";
+    if (!names.insert(n.name).second) throw std::invalid_argument(where + ": duplicate name");
+    if (n.port && !ports.insert({n.host, n.port}).second) throw std::invalid_argument(where + ": port reused on host " + n.host);
+    for (const auto& r : n.roles) {
+      if (!kRoles.count(r)) throw std::invalid_argument(where + ": unknown role '" + r + "' (roles: controller, buffer, reward, weight_sync, calibration)");
+      if (role_node.count(r)) throw std::invalid_argument(where + ": role '" + r + "' is already on node '" + role_node[r] + "'");
+      role_node[r] = n.name;
+    }
+    if (n.has("calibration") && n.learners.empty()) throw std::invalid_argument(where + ": calibration must run on a node with a learner");
+    if (!n.has("controller") && n.port == 0) throw std::invalid_argument(where + ": a remote node needs a port");
+    learners += static_cast<int64_t>(n.learners.size());
+    rollouts += static_cast<int64_t>(n.rollouts.size());
+  }
+  for (const auto& r : kRoles)
+    if (!role_node.count(r)) throw std::invalid_argument(t.source + ": no node has the role '" + r + "'");
+  if (!learners) throw std::invalid_argument(t.source + ": no learner");
+  if (!rollouts) throw std::invalid_argument(t.source + ": no rollout");
+}
+
+std::vector<placement> topology_plan(const topology& t) {
+  topology_validate(t);
+  std::vector<placement> plan;
+  for (const auto& n : t.nodes)
+    for (const auto& r : n.roles) plan.push_back({r, n.name, ""});
+  int64_t li = 0, ri = 0;
+  for (const auto& n : t.nodes) {
+    std::set<std::string> gpus;
+    for (const auto& d : n.learners) {
+      if (d.kind == "cuda" && !gpus.insert(d.str()).second) throw std::invalid_argument(t.source + ": node '" + n.name + "': " + d.str() + " used twice");
+      plan.push_back({"learner" + std::to_string(li++), n.name, d.str()});
+    }
+    for (const auto& d : n.rollouts) {
+      if (d.kind == "cuda" && !gpus.insert(d.str()).second) throw std::invalid_argument(t.source + ": node '" + n.name + "': " + d.str() + " used twice");
+      plan.push_back({"rollout" + std::to_string(ri++), n.name, d.str()});
+    }
+  }
+  return plan;
+}
+
+}  // namespace fp8rl::actors

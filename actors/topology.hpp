@@ -1,0 +1,52 @@
+// actors/topology.hpp -- where actors run: nodes (processes), their roles and devices.
+// defines: device_spec, node_spec, topology, topology_load, topology_local, topology_validate,
+//          placement, topology_plan
+//
+// A topology file (CAF config syntax, read with CAF's parser, validated here key by key):
+//   [cluster]
+//   nodes=[{name="main", host="127.0.0.1", port=0, roles=["controller", "buffer", "reward",
+//           "weight_sync", "calibration"], learners=["cpu:1"], rollouts=["cpu:1"]}]
+// Roles are the singleton actors; learners/rollouts list one device per actor: "cpu:N" (a
+// oneTBB arena of N cores; 0 = all) or "cuda:K" (GPU K, CUDA backend). Exactly one node holds
+// each singleton role; calibration runs next to a learner.
+#pragma once
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace fp8rl::actors {
+
+struct device_spec {
+  std::string kind = "cpu";  // cpu | cuda
+  int64_t index = 0;         // cores (cpu) or GPU id (cuda)
+  static device_spec parse(const std::string& s, const std::string& where);
+  std::string str() const { return kind + ":" + std::to_string(index); }
+};
+
+struct node_spec {
+  std::string name, host = "127.0.0.1";
+  int64_t port = 0;
+  std::vector<std::string> roles;
+  std::vector<device_spec> learners, rollouts;
+  bool has(const std::string& role) const;
+};
+
+struct topology {
+  std::string source = "(embedded local)";
+  std::vector<node_spec> nodes;
+  const node_spec& controller_node() const;
+  const node_spec* find(const std::string& name) const;
+};
+
+topology topology_load(const std::string& path);  // throws std::invalid_argument naming file/key
+topology topology_local(int64_t rollout_cores, int64_t learner_cores);
+void topology_validate(const topology& t);        // throws std::invalid_argument naming the node
+
+struct placement {
+  std::string actor;   // "rollout0", "learner1", "buffer", ...
+  std::string node;
+  std::string device;  // "cpu:1", "cuda:3", "" for singletons
+};
+std::vector<placement> topology_plan(const topology& t);
+
+}  // namespace fp8rl::actors

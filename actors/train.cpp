@@ -1,0 +1,365 @@
+// actors/train.cpp -- process bootstrap of a training run (controller node or remote node).
+#include "actors/train.hpp"
+
+#include <caf/all.hpp>
+#include <caf/io/all.hpp>
+
+#include <chrono>
+#include <condition_variable>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <future>
+#include <nlohmann/json.hpp>
+#include <thread>
+
+#include "actors/actors.hpp"
+#include "actors/trace.hpp"
+#include "models/checkpoint.hpp"
+#include "models/log.hpp"
+
+namespace fp8rl::actors {
+namespace {
+
+namespace fs = std::filesystem;
+using json = nlohmann::json;
+
+// ---------------------------------------------------------------- process-wide agent signal
+std::mutex g_mu;
+std::condition_variable g_cv;
+bool g_agent_started = false, g_agent_done = false;
+
+void agent_signal(bool started, bool done) {
+  std::lock_guard<std::mutex> g(g_mu);
+  g_agent_started |= started;
+  g_agent_done |= done;
+  g_cv.notify_all();
+}
+
+struct agent_state {
+  std::vector<caf::actor> spawned;
+};
+
+// Spawns the actors a node hosts; order: singleton roles, learners, rollouts.
+std::vector<caf::actor> spawn_node(caf::actor_system& sys, const node_spec& n, std::shared_ptr<const actor_env> env,
+                                   int32_t first_learner, int32_t world, int32_t first_rollout) {
+  std::vector<caf::actor> out;
+  const device_spec learner_dev = n.learners.empty() ? device_spec{} : n.learners.front();
+  for (const auto& r : n.roles) {
+    if (r == "buffer") out.push_back(caf::actor_cast<caf::actor>(spawn_buffer(sys, env)));
+    if (r == "reward") out.push_back(caf::actor_cast<caf::actor>(spawn_reward(sys, env)));
+    if (r == "weight_sync") out.push_back(caf::actor_cast<caf::actor>(spawn_weight_sync(sys, env)));
+    if (r == "calibration") out.push_back(caf::actor_cast<caf::actor>(spawn_calibration(sys, env, learner_dev)));
+  }
+  for (size_t i = 0; i < n.learners.size(); ++i)
+    out.push_back(caf::actor_cast<caf::actor>(spawn_learner(sys, env, first_learner + static_cast<int32_t>(i), world, n.learners[i])));
+  for (size_t i = 0; i < n.rollouts.size(); ++i)
+    out.push_back(caf::actor_cast<caf::actor>(spawn_rollout(sys, env, "rollout" + std::to_string(first_rollout + static_cast<int32_t>(i)), n.rollouts[i])));
+  return out;
+}
+
+// Index bookkeeping shared by the controller and the agents: learner/rollout numbering.
+struct node_indices {
+  int32_t first_learner = 0, first_rollout = 0;
+};
+std::map<std::string, node_indices> index_nodes(const topology& t) {
+  std::map<std::string, node_indices> m;
+  int32_t l = 0, r = 0;
+  for (const auto& n : t.nodes) {
+    m[n.name] = {l, r};
+    l += static_cast<int32_t>(n.learners.size());
+    r += static_cast<int32_t>(n.rollouts.size());
+  }
+  return m;
+}
+
+int32_t learner_world(const topology& t) {
+  int32_t w = 0;
+  for (const auto& n : t.nodes) w += static_cast<int32_t>(n.learners.size());
+  return w;
+}
+
+json topology_to_json(const topology& t) {
+  json j = json::array();
+  for (const auto& n : t.nodes) {
+    json l = json::array(), r = json::array();
+    for (const auto& d : n.learners) l.push_back(d.str());
+    for (const auto& d : n.rollouts) r.push_back(d.str());
+    j.push_back({{"name", n.name}, {"host", n.host}, {"port", n.port}, {"roles", n.roles}, {"learners", l}, {"rollouts", r}});
+  }
+  return j;
+}
+
+topology topology_from_json(const json& j) {
+  topology t;
+  t.source = "(from controller)";
+  for (const auto& x : j) {
+    node_spec n;
+    n.name = x["name"];
+    n.host = x["host"];
+    n.port = x["port"];
+    n.roles = x["roles"].get<std::vector<std::string>>();
+    for (const auto& d : x["learners"]) n.learners.push_back(device_spec::parse(d.get<std::string>(), "json"));
+    for (const auto& d : x["rollouts"]) n.rollouts.push_back(device_spec::parse(d.get<std::string>(), "json"));
+    t.nodes.push_back(n);
+  }
+  return t;
+}
+
+msg::node_agent_actor::behavior_type node_agent(msg::node_agent_actor::stateful_pointer<agent_state> self) {
+  agent_signal(true, false);
+  self->attach_functor([] { agent_signal(false, true); });
+  self->set_down_handler([self](caf::down_msg&) {  // the controller is gone: stop this node
+    for (auto& a : self->state.spawned) self->send_exit(a, caf::exit_reason::user_shutdown);
+    self->quit();
+  });
+  return {
+      [self](msg::start_atom, std::string& init, caf::actor& controller) -> caf::result<std::vector<caf::actor>> {
+        try {
+          const json j = json::parse(init);
+          const run_config cfg = recipe_from_json(j["recipe"].get<std::string>());
+          const topology t = topology_from_json(j["topology"]);
+          const std::string node = j["node"];
+          auto env = env_make(cfg, node, j["run_dir"], j["init_dir"], j["start_version"].get<uint64_t>());
+          if (cfg.trace) trace_writer::process().open((fs::path(j["run_dir"].get<std::string>()) / "traces" / (node + ".jsonl")).string(), node);
+          const auto idx = index_nodes(t).at(node);
+          self->state.spawned = spawn_node(self->system(), *t.find(node), env, idx.first_learner, learner_world(t), idx.first_rollout);
+          self->monitor(controller);
+          return self->state.spawned;
+        } catch (const std::exception& e) {
+          return caf::make_error(caf::sec::invalid_argument, std::string("node agent: ") + e.what());
+        }
+      },
+      [self](msg::stop_atom) {
+        for (auto& a : self->state.spawned) self->send_exit(a, caf::exit_reason::user_shutdown);
+        self->quit();
+      },
+  };
+}
+
+struct fp8rl_config : caf::actor_system_config {
+  fp8rl_config() {
+    msg::messages_register(*this);
+    add_actor_type("node_agent", node_agent);
+    set("middleman.heartbeat-interval", caf::timespan{std::chrono::seconds(1)});
+    set("middleman.connection-timeout", caf::timespan{std::chrono::seconds(4)});
+    set("scheduler.max-threads", size_t{8});
+    set("logger.console", caf::atom("none"));
+  }
+};
+
+struct cli {
+  std::string recipe, topology, node, run_dir;
+  bool resume = false, dump = false;
+  std::vector<std::string> overrides;
+  caf::actor_system_config::string_list caf_args;
+};
+
+cli parse_cli(int argc, char** argv) {
+  cli c;
+  run_config probe;
+  std::set<std::string> sections;
+  for (const auto& k : recipe_keys(probe)) sections.insert(k.section);
+  for (int i = 1; i < argc; ++i) {
+    std::string a = argv[i];
+    auto value = [&](const std::string& flag) -> std::string {
+      if (a.size() > flag.size() && a[flag.size()] == '=') return a.substr(flag.size() + 1);
+      if (i + 1 >= argc) throw std::invalid_argument("option " + flag + " needs a value");
+      return argv[++i];
+    };
+    auto is = [&](const std::string& flag) { return a == flag || a.rfind(flag + "=", 0) == 0; };
+    if (is("--recipe") || is("--config-file")) c.recipe = value(is("--recipe") ? "--recipe" : "--config-file");
+    else if (is("--topology")) c.topology = value("--topology");
+    else if (is("--node")) c.node = value("--node");
+    else if (is("--run-dir")) c.run_dir = value("--run-dir");
+    else if (a == "--resume") c.resume = true;
+    else if (a == "--dump-config") c.dump = true;
+    else if (a.rfind("--", 0) == 0 && sections.count(a.substr(2, a.find('.') == std::string::npos ? 0 : a.find('.') - 2)))
+      c.overrides.push_back(a);
+    else if (a.rfind("--scheduler.", 0) == 0 || a.rfind("--middleman.", 0) == 0 || a.rfind("--logger.", 0) == 0 ||
+             a.rfind("--caf#", 0) == 0)
+      c.caf_args.push_back(a);
+    else if (a == "--help" || a == "-h") {
+      std::printf("usage: fp8rl train [--recipe FILE] [--topology FILE] [--node NAME] [--run-dir DIR] [--resume]\n"
+                  "                   [--dump-config] [--section.key=value ...] [--scheduler.*|--middleman.* ...]\n"
+                  "Every recipe key with its default: fp8rl train --dump-config (documented in configs/default.conf).\n");
+      std::exit(0);
+    } else {
+      throw std::invalid_argument("unknown option '" + a + "' (see fp8rl train --help)");
+    }
+  }
+  return c;
+}
+
+// The checkpoint this run starts from: resume (latest), a HF model dir, or a fresh SFT warm start.
+std::string prepare_init(const run_config& cfg, const std::string& run_dir, bool resume, uint64_t* start_version) {
+  *start_version = 0;
+  const fs::path ck = fs::path(run_dir) / "checkpoints";
+  if (resume) {
+    std::ifstream f(ck / "latest");
+    std::string name;
+    if (!(f >> name)) throw std::invalid_argument(run_dir + ": --resume but no checkpoints/latest");
+    const fs::path dir = ck / name;
+    auto state = json::parse(std::ifstream(dir / "state.json"), nullptr, false);
+    if (state.is_discarded() || !state.contains("weight_version"))
+      throw std::invalid_argument((dir / "state.json").string() + ": no weight_version");
+    *start_version = state["weight_version"].get<uint64_t>();
+    return dir.string();
+  }
+  if (cfg.init != "tiny") return cfg.init;
+  // built-in tiny model + SFT warm start on the task's demonstrations
+  const auto task = models::task_spec_parse(cfg.task);
+  if (!task.builtin) throw std::invalid_argument("model.init = tiny works with built-in tasks; give a model directory for '" + cfg.task + "'");
+  auto tok = models::char_tokenizer_make(models::arithmetic_alphabet());
+  models::checkpoint c;
+  models::model_config mc;
+  mc.hidden_size = 128; mc.intermediate_size = 256; mc.num_hidden_layers = 2; mc.num_attention_heads = 4;
+  mc.num_key_value_heads = 2; mc.head_dim = 32; mc.vocab_size = tok->vocab_size();
+  mc.max_position_embeddings = std::max<int64_t>(64, cfg.max_context);
+  mc.initializer_range = 0.05;
+  c.params = models::model_params_init(mc, static_cast<uint64_t>(cfg.seed));
+  models::sft_config sc;
+  sc.steps = cfg.sft_steps;
+  sc.batch = cfg.sft_batch;
+  sc.opt.lr = static_cast<float>(cfg.sft_lr);
+  sc.seed = static_cast<uint64_t>(cfg.seed);
+  sc.policy = recipe_rl_config(cfg).train_policy;
+  const auto data = models::task_load(task, false, cfg.train_size, static_cast<uint64_t>(cfg.seed));
+  auto log = log_get("train");
+  log->info("SFT warm start: {} steps on {}", sc.steps, cfg.task);
+  models::sft_train(c.params, c.opt, data, *tok, sc, [&](int64_t s, double l) {
+    if ((s + 1) % 100 == 0 || s + 1 == sc.steps) log->info("sft step {}/{} loss {:.4f}", s + 1, sc.steps, l);
+  });
+  c.opt = models::adamw_state{};
+  c.state_json = json{{"weight_version", 0}, {"phase", "sft"}}.dump();
+  const fs::path dir = ck / "init";
+  models::checkpoint_save(dir.string(), c);
+  models::char_tokenizer_save(dir.string(), models::arithmetic_alphabet());
+  return dir.string();
+}
+
+int run_remote_node(fp8rl_config& cfg, const topology& t, const std::string& name) {
+  const node_spec* n = t.find(name);
+  caf::actor_system sys{cfg};
+  auto port = sys.middleman().open(static_cast<uint16_t>(n->port), n->host.c_str(), true);
+  if (!port) {
+    std::fprintf(stderr, "fp8rl node %s: cannot open port %ld: %s\n", name.c_str(), long(n->port), sys.render(port.error()).c_str());
+    return 1;
+  }
+  std::fprintf(stdout, "fp8rl node %s ready on %s:%u\n", name.c_str(), n->host.c_str(), *port);
+  std::fflush(stdout);
+  std::unique_lock<std::mutex> lk(g_mu);
+  if (!g_cv.wait_for(lk, std::chrono::seconds(120), [] { return g_agent_started; })) {
+    std::fprintf(stderr, "fp8rl node %s: no controller connected within 120 s\n", name.c_str());
+    return 1;
+  }
+  g_cv.wait(lk, [] { return g_agent_done; });
+  lk.unlock();
+  trace_writer::process().close();
+  return 0;
+}
+
+}  // namespace
+
+int train_main(int argc, char** argv) {
+  const cli c = parse_cli(argc, argv);
+  run_config cfg;
+  if (!c.recipe.empty()) recipe_load_file(cfg, c.recipe);
+  for (const auto& o : c.overrides) recipe_apply_cli(cfg, o);
+  recipe_validate(cfg);
+  topology topo = c.topology.empty() ? topology_local(1, 1) : topology_load(c.topology);
+  if (c.dump) {
+    std::printf("%s\n; topology: %s\n", recipe_dump(cfg).c_str(), topo.source.c_str());
+    for (const auto& p : topology_plan(topo))
+      std::printf(";   %-12s on %-10s %s\n", p.actor.c_str(), p.node.c_str(), p.device.c_str());
+    return 0;
+  }
+  const std::string node = c.node.empty() ? topo.controller_node().name : c.node;
+  if (!topo.find(node)) throw std::invalid_argument(topo.source + ": no node named '" + node + "'");
+  fp8rl_config ccfg;
+  if (auto err = ccfg.parse(c.caf_args)) throw std::invalid_argument("CAF options: " + caf::actor_system_config::render(err));
+  ccfg.load<caf::io::middleman>();
+  if (!topo.find(node)->has("controller")) return run_remote_node(ccfg, topo, node);
+
+  const std::string run_dir = c.run_dir.empty() ? "runs/" + cfg.name : c.run_dir;
+  fs::create_directories(run_dir);
+  std::ofstream(fs::path(run_dir) / "recipe.conf") << recipe_dump(cfg);
+  uint64_t start_version = 0;
+  const std::string init_dir = prepare_init(cfg, run_dir, c.resume, &start_version);
+  if (start_version >= static_cast<uint64_t>(cfg.steps)) {
+    std::fprintf(stderr, "fp8rl train: %s is already at step %lu of %ld\n", run_dir.c_str(),
+                 static_cast<unsigned long>(start_version), long(cfg.steps));
+    return 0;
+  }
+  if (cfg.trace) trace_writer::process().open((fs::path(run_dir) / "traces" / (node + ".jsonl")).string(), node);
+  auto env = env_make(cfg, node, run_dir, init_dir, start_version);
+  int code = 1;
+  {
+    caf::actor_system sys{ccfg};
+    std::promise<int> done;
+    auto fut = done.get_future();
+    auto once = std::make_shared<std::once_flag>();
+    controller_options opts;
+    opts.on_done = [&done, once](int rc) { std::call_once(*once, [&] { done.set_value(rc); }); };
+    auto ctrl = spawn_controller(sys, env, opts);
+    const auto idx = index_nodes(topo);
+    const int32_t world = learner_world(topo);
+    std::vector<std::pair<const node_spec*, std::vector<caf::actor>>> spawned;
+    spawned.emplace_back(&topo.controller_node(), spawn_node(sys, topo.controller_node(), env, idx.at(node).first_learner, world,
+                                                             idx.at(node).first_rollout));
+    std::vector<caf::actor> agents;
+    std::string failure;
+    for (const auto& n : topo.nodes) {
+      if (n.has("controller")) continue;
+      caf::expected<caf::node_id> nid = caf::sec::cannot_connect_to_node;
+      for (int attempt = 0; attempt < 60 && !nid; ++attempt) {  // the node may still be starting
+        nid = sys.middleman().connect(n.host, static_cast<uint16_t>(n.port));
+        if (!nid) std::this_thread::sleep_for(std::chrono::milliseconds(500));
+      }
+      if (!nid) { failure = "cannot connect to node '" + n.name + "' at " + n.host + ":" + std::to_string(n.port); break; }
+      auto agent = sys.middleman().remote_spawn<msg::node_agent_actor>(*nid, "node_agent", caf::make_message(), std::chrono::seconds(30));
+      if (!agent) { failure = "remote spawn on '" + n.name + "': " + sys.render(agent.error()); break; }
+      agents.push_back(caf::actor_cast<caf::actor>(*agent));
+      json init = {{"recipe", recipe_to_json(cfg)}, {"topology", topology_to_json(topo)}, {"node", n.name},
+                   {"run_dir", fs::absolute(run_dir).string()}, {"init_dir", fs::absolute(init_dir).string()},
+                   {"start_version", start_version}};
+      caf::scoped_actor self{sys};
+      self->request(*agent, std::chrono::seconds(120), msg::start_atom::value, init.dump(), caf::actor_cast<caf::actor>(ctrl))
+          .receive([&](std::vector<caf::actor>& hs) { spawned.emplace_back(&n, std::move(hs)); },
+                   [&](caf::error& err) { failure = "node '" + n.name + "' could not start its actors: " + sys.render(err); });
+      if (!failure.empty()) break;
+    }
+    if (failure.empty()) {
+      msg::peers_msg peers;
+      peers.controller = ctrl;
+      for (const auto& [n, hs] : spawned) {
+        size_t k = 0;
+        for (const auto& r : n->roles) {
+          if (r == "controller") continue;  // spawned separately
+          const caf::actor& a = hs[k++];
+          if (r == "buffer") peers.buffer = caf::actor_cast<msg::buffer_actor>(a);
+          if (r == "reward") peers.reward = caf::actor_cast<msg::reward_actor>(a);
+          if (r == "weight_sync") peers.weight_sync = caf::actor_cast<msg::weight_sync_actor>(a);
+          if (r == "calibration") peers.calibration = caf::actor_cast<msg::calibration_actor>(a);
+        }
+        for (size_t i = 0; i < n->learners.size(); ++i) peers.learners.push_back(caf::actor_cast<msg::learner_actor>(hs[k++]));
+        for (size_t i = 0; i < n->rollouts.size(); ++i) {
+          peers.rollouts.push_back(caf::actor_cast<msg::rollout_actor>(hs[k++]));
+          peers.rollout_names.push_back("rollout" + std::to_string(idx.at(n->name).first_rollout + static_cast<int32_t>(i)));
+        }
+      }
+      caf::anon_send(ctrl, std::move(peers), std::move(agents));
+      code = fut.get();
+    } else {
+      std::fprintf(stderr, "fp8rl train: %s\n", failure.c_str());
+      for (auto& [n, hs] : spawned) for (auto& a : hs) caf::anon_send_exit(a, caf::exit_reason::user_shutdown);
+      for (auto& a : agents) caf::anon_send(caf::actor_cast<msg::node_agent_actor>(a), msg::stop_atom::value);
+      caf::anon_send_exit(ctrl, caf::exit_reason::user_shutdown);
+      code = 1;
+    }
+  }
+  trace_writer::process().close();
+  return code;
+}
+
+}  // namespace fp8rl::actors

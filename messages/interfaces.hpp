@@ -1,0 +1,99 @@
+// messages/interfaces.hpp -- the typed actor interfaces of fp8rl (CAF 0.17 `replies_to` form) and
+// the wiring message that tells every actor its peers.
+// defines: rollout_actor, reward_actor, buffer_actor, learner_actor, calibration_actor,
+//          weight_sync_actor, controller_actor, node_agent_actor, peers_msg, admitted_msg
+//
+// Data flow (architecture.md §1): controller -work-> rollout -group-> reward -group-> buffer
+// <-batch- learner -params-> calibration -bundle-> weight_sync -bundle-> rollout -adopted->
+// weight_sync; learner -step_report-> controller; buffer -admitted-> controller.
+#pragma once
+#include "messages/wire.hpp"
+
+namespace fp8rl::msg {
+
+struct peers_msg;
+
+// A group reached the buffer (accounting: the controller stops tracking it as in flight).
+struct admitted_msg {
+  uint64_t step = 0, prompt_id = 0;
+  bool dropped = false;  // too stale or duplicate
+  std::string reason;
+};
+template <class Inspector>
+typename Inspector::result_type inspect(Inspector& f, admitted_msg& x) {
+  return f(caf::meta::type_name("admitted_msg"), x.step, x.prompt_id, x.dropped, x.reason);
+}
+
+// A bundle was adopted by every live rollout (weight-sync -> controller), for timing.
+struct sync_report {
+  uint64_t version = 0;
+  double latency_s = 0, bytes = 0;
+  bool cross_process = false;
+};
+template <class Inspector>
+typename Inspector::result_type inspect(Inspector& f, sync_report& x) {
+  return f(caf::meta::type_name("sync_report"), x.version, x.latency_s, x.bytes, x.cross_process);
+}
+
+using metrics_t = std::map<std::string, double>;
+
+using rollout_actor = caf::typed_actor<
+    caf::reacts_to<peers_msg>,
+    caf::reacts_to<work_msg>,                                   // a prompt group to sample
+    caf::reacts_to<bundle_msg>,                                 // weights (adopted between steps)
+    caf::replies_to<bundle_chunk>::with<chunk_ack>,             // cross-process bundle piece
+    caf::reacts_to<step_atom>,                                  // internal: one engine step
+    caf::replies_to<status_atom>::with<metrics_t>>;
+
+using reward_actor = caf::typed_actor<caf::reacts_to<peers_msg>, caf::reacts_to<group_msg>>;
+
+using buffer_actor = caf::typed_actor<
+    caf::reacts_to<peers_msg>,
+    caf::reacts_to<group_msg>,
+    // (step, rank, world, learner_version) -> this learner's shard of the step's batch
+    caf::replies_to<batch_atom, uint64_t, int32_t, int32_t, uint64_t>::with<batch_msg>>;
+
+using learner_actor = caf::typed_actor<caf::reacts_to<peers_msg>, caf::reacts_to<start_atom, uint64_t>>;
+
+using calibration_actor = caf::typed_actor<caf::reacts_to<peers_msg>, caf::reacts_to<params_msg>>;
+
+using weight_sync_actor = caf::typed_actor<
+    caf::reacts_to<peers_msg>,
+    caf::reacts_to<bundle_msg>,
+    caf::reacts_to<adopted_msg>,
+    caf::replies_to<status_atom>::with<metrics_t>>;
+
+using controller_actor = caf::typed_actor<
+    caf::reacts_to<peers_msg, std::vector<caf::actor>>,  // wiring + remote node agents: go
+    caf::reacts_to<step_report>,
+    caf::reacts_to<admitted_msg>,
+    caf::reacts_to<sync_report>,
+    caf::reacts_to<std::string, std::string>>;  // (component, fatal error) from any actor
+
+// The per-process agent a controller spawns on every remote node: it spawns that node's actors
+// and answers their handles (in role order), and stops them when told or when the controller dies.
+using node_agent_actor = caf::typed_actor<
+    // (node init JSON, controller to watch) -> the node's actor handles
+    caf::replies_to<start_atom, std::string, caf::actor>::with<std::vector<caf::actor>>,
+    caf::reacts_to<stop_atom>>;
+
+struct peers_msg {
+  controller_actor controller;
+  buffer_actor buffer;
+  reward_actor reward;
+  weight_sync_actor weight_sync;
+  calibration_actor calibration;
+  std::vector<learner_actor> learners;
+  std::vector<rollout_actor> rollouts;
+  std::vector<std::string> rollout_names;
+};
+template <class Inspector>
+typename Inspector::result_type inspect(Inspector& f, peers_msg& x) {
+  return f(caf::meta::type_name("peers_msg"), x.controller, x.buffer, x.reward, x.weight_sync, x.calibration,
+           x.learners, x.rollouts, x.rollout_names);
+}
+
+// The one registration point: every process calls it on its config.
+void messages_register(caf::actor_system_config& cfg);
+
+}  // namespace fp8rl::msg
