@@ -28,7 +28,7 @@ struct sync_version {
   std::shared_ptr<const quant::weight_bundle> bundle;
   double published_at = 0, max_latency = 0;
   std::set<std::string> waiting;  // rollouts that have not acked
-  bool cross = false;
+  bool cross = false, reported = false;
 };
 
 struct sync_state {
@@ -111,8 +111,13 @@ msg::weight_sync_actor spawn_weight_sync(caf::actor_system& sys, std::shared_ptr
           s.peers = std::move(p);
           // rollouts that left no longer hold up adoption accounting
           std::set<std::string> live(s.peers.rollout_names.begin(), s.peers.rollout_names.end());
-          for (auto& [v, sv] : s.versions)
+          for (auto& [v, sv] : s.versions) {
             for (auto it = sv.waiting.begin(); it != sv.waiting.end();) it = live.count(*it) ? std::next(it) : sv.waiting.erase(it);
+            if (sv.waiting.empty() && sv.bundle && !sv.reported) {
+              sv.reported = true;
+              self->send(s.peers.controller, msg::sync_report{v, sv.max_latency, static_cast<double>(sv.bundle->bytes()), sv.cross});
+            }
+          }
         },
         [self, send_chunks](msg::bundle_msg& bm) {
           auto& s = self->state;
@@ -157,9 +162,11 @@ msg::weight_sync_actor spawn_weight_sync(caf::actor_system& sys, std::shared_ptr
           if (it == s.versions.end()) return;
           it->second.waiting.erase(a.rollout);
           it->second.max_latency = std::max(it->second.max_latency, a.latency_s);
-          if (it->second.waiting.empty())
+          if (it->second.waiting.empty() && !it->second.reported) {
+            it->second.reported = true;
             self->send(s.peers.controller, msg::sync_report{a.weight_version, it->second.max_latency,
                                                              static_cast<double>(it->second.bundle->bytes()), it->second.cross});
+          }
         },
         [self](msg::status_atom) -> msg::metrics_t {
           return {{"versions_held", double(self->state.versions.size())}, {"refused", double(self->state.refused)}};

@@ -2,9 +2,10 @@
 // progress, supervision, shutdown.
 //
 // Work for learner step s (prompt groups s*B .. s*B+B-1, sampling seed = seed + s) is issued
-// once learner_version >= s - max_staleness, so with max_staleness = 0 generation of step s
-// starts only after step s-1 was trained (the synchronous loop) and with k > 0 rollouts run up
-// to k steps ahead. Every group is tracked until the buffer admits it; a rollout that goes down
+// once every live rollout has adopted weight_version >= s - max_staleness (weight-sync's
+// sync_report), so its tokens cannot be too stale when the learner reaches step s. With
+// max_staleness = 0 generation of step s starts only after step s-1 was trained and v = s is
+// everywhere (the synchronous loop); with k > 0 rollouts run up to k steps ahead. Every group is tracked until the buffer admits it; a rollout that goes down
 // (monitor; remote peers via middleman heartbeats) has its groups re-issued to live rollouts,
 // and the buffer drops the duplicate if the lost one shows up after all.
 #include <chrono>
@@ -29,6 +30,8 @@ struct controller_state {
   models::dataset train;
   metrics_writer metrics;
   uint64_t learner_version = 0, next_step = 0, end = 0;
+  int64_t synced_version = -1;  // newest version every live rollout has adopted
+  std::map<std::pair<uint64_t, uint64_t>, msg::work_msg> issued;  // until its step is trained
   size_t rr = 0;  // round-robin over live rollouts
   std::map<std::pair<uint64_t, uint64_t>, std::pair<std::string, msg::work_msg>> in_flight;
   std::map<std::string, double> extras;  // latest calibration / sync metrics
@@ -83,13 +86,15 @@ msg::controller_actor spawn_controller(caf::actor_system& sys, std::shared_ptr<c
       if (s.peers.rollouts.empty()) return;
       const size_t i = s.rr++ % s.peers.rollouts.size();
       w.trace.lamport = trace_now_us();
+      s.issued[{w.step, w.prompt_id}] = w;
       s.in_flight[{w.step, w.prompt_id}] = {s.peers.rollout_names[i], w};
       self->send(s.peers.rollouts[i], std::move(w));
     };
     auto issue_ready = [self, issue] {
       auto& s = self->state;
       const uint64_t B = static_cast<uint64_t>(s.env->cfg.prompts_per_step);
-      while (s.next_step < s.end && s.next_step <= s.learner_version + static_cast<uint64_t>(s.env->cfg.max_staleness)) {
+      while (s.next_step < s.end && s.synced_version >= 0 &&
+             s.next_step <= static_cast<uint64_t>(s.synced_version) + static_cast<uint64_t>(s.env->cfg.max_staleness)) {
         const uint64_t step = s.next_step++;
         const auto prompts = models::take_prompts(s.train, step * B, static_cast<int64_t>(B));
         for (uint64_t i = 0; i < B; ++i) {
@@ -151,6 +156,8 @@ msg::controller_actor spawn_controller(caf::actor_system& sys, std::shared_ptr<c
             return;
           }
           s.learner_version = std::max(s.learner_version, r.version);
+          for (auto it = s.issued.begin(); it != s.issued.end();)  // trained steps need no re-issue
+            it = it->first.first < s.learner_version ? s.issued.erase(it) : std::next(it);
           for (const auto& [k, v] : s.extras) r.metrics.emplace(k, v);
           r.metrics["in_flight_groups"] = double(s.in_flight.size());
           r.metrics["reissued_groups_total"] = double(s.reissued);
@@ -177,19 +184,20 @@ msg::controller_actor spawn_controller(caf::actor_system& sys, std::shared_ptr<c
         },
         [self, issue](msg::admitted_msg& a) {
           auto& s = self->state;
-          auto it = s.in_flight.find({a.step, a.prompt_id});
-          if (it == s.in_flight.end()) return;
-          if (a.dropped && a.reason.rfind("stale", 0) == 0) {
+          const auto key = std::make_pair(a.step, a.prompt_id);
+          if (a.dropped && a.reason.rfind("stale", 0) == 0) {  // regenerate with newer weights
+            auto it = s.issued.find(key);
+            if (it == s.issued.end()) return;
             ++s.reissued;
-            msg::work_msg w = it->second.second;
-            s.in_flight.erase(it);
-            issue(std::move(w));
+            issue(it->second);
             return;
           }
-          if (!a.dropped) s.in_flight.erase(it);
+          if (!a.dropped) s.in_flight.erase(key);
         },
-        [self](msg::sync_report& r) {
+        [self, issue_ready](msg::sync_report& r) {
           auto& s = self->state;
+          s.synced_version = std::max<int64_t>(s.synced_version, static_cast<int64_t>(r.version));
+          issue_ready();
           s.extras["sync_latency_s"] = r.latency_s;
           s.extras["sync_bytes"] = r.bytes;
           s.extras["sync_cross_process"] = r.cross_process ? 1.0 : 0.0;

@@ -59,9 +59,11 @@ metric_map rl_sync_step(rl_state& st, generation_engine& eng, const dataset& tra
   using clk = std::chrono::steady_clock;
   const auto t0 = clk::now();
   const auto prompts = take_prompts(train, st.prompt_cursor, cfg.prompts_per_step);
-  // calibration batch: the prompts of this step (the batch the new weights will generate on)
   token_batch calib;
-  for (const auto& p : prompts) calib.add(tok.encode(p.prompt, true));
+  if (st.last_trained.empty())
+    for (const auto& p : prompts) calib.add(tok.encode(p.prompt, true));
+  else
+    for (const auto& q : st.last_trained) calib.add(q);
   const std::string err = eng.adopt(make_bundle(st, cfg, {calib}, st.version));
   if (!err.empty()) throw std::runtime_error("rl_sync_step: adoption refused: " + err);
   for (auto& r : rollout_requests(prompts, st.prompt_cursor, tok, cfg.grpo.group_size, cfg.proc, cfg.max_new_tokens,
@@ -88,6 +90,12 @@ metric_map rl_sync_step(rl_state& st, generation_engine& eng, const dataset& tra
   m["tokens"] = N;
   st.version += 1;
   st.prompt_cursor += static_cast<uint64_t>(cfg.prompts_per_step);
+  st.last_trained.clear();
+  for (const auto& s : samples) {
+    auto seq = s.prompt;
+    seq.insert(seq.end(), s.response.begin(), s.response.end());
+    st.last_trained.push_back(std::move(seq));
+  }
   return m;
 }
 

@@ -26,6 +26,7 @@ struct rl_state {
   adamw_state opt;
   uint64_t version = 0;        // weight_version of params
   uint64_t prompt_cursor = 0;  // next prompt of the training set
+  std::vector<std::vector<int32_t>> last_trained;  // sequences of the last step (calibration batch)
 };
 
 // Per-layer, per-head Q/K/V scales from forward passes over `batches` with the given weights
@@ -44,6 +45,9 @@ std::shared_ptr<quant::weight_bundle> make_bundle(const rl_state& st, const rl_r
 std::vector<task_example> take_prompts(const dataset& d, uint64_t cursor, int64_t n);
 
 // One synchronous step: rollout under st.version, rewards, GRPO gradient, AdamW; version += 1.
+// The bundle of st.version is calibrated on the batch just trained (rl-algorithm.md §5), or on
+// this step's prompts before the first step -- exactly what the calibration actor does, so the
+// actor system with max_staleness = 0 reproduces this loop's metrics.
 metric_map rl_sync_step(rl_state& st, generation_engine& eng, const dataset& train, const tokenizer& tok,
                         const rl_run_config& cfg);
 

@@ -1,0 +1,215 @@
+// tools/caf_run/caf_run.cpp -- build/bin/caf-run: launch every node of a topology as its own
+// process (fork/exec on this host, ssh elsewhere), prefix their output, stop the group on the
+// first failure, exit with a meaningful code.
+//   caf-run --hostfile FILE --topology FILE [--wdir DIR] [--grace SECONDS] -- fp8rl train ARGS...
+// Hostfile lines: "<host> [slots=N]" ('#' comments). Each topology node runs on the hostfile
+// host equal to its "host" (127.0.0.1 and localhost are this machine), as
+//   <command...> --topology FILE --node NAME [--scheduler.max-threads=N]
+// Non-controller nodes start first (the controller retries its connections). Exit codes: 0 all
+// nodes succeeded; the first failing node's code otherwise (128+signal if killed); 2 bad input.
+#include <fcntl.h>
+#include <poll.h>
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <fstream>
+#include <map>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "actors/topology.hpp"
+
+namespace {
+
+struct host_entry {
+  std::string host;
+  int slots = 0;
+};
+
+std::vector<host_entry> read_hostfile(const std::string& path) {
+  std::ifstream f(path);
+  if (!f) throw std::invalid_argument(path + ": cannot open");
+  std::vector<host_entry> hosts;
+  std::string line;
+  int n = 0;
+  while (std::getline(f, line)) {
+    ++n;
+    if (auto c = line.find('#'); c != std::string::npos) line.erase(c);
+    std::istringstream is(line);
+    host_entry h;
+    if (!(is >> h.host)) continue;
+    std::string tok;
+    while (is >> tok) {
+      if (tok.rfind("slots=", 0) != 0) throw std::invalid_argument(path + ":" + std::to_string(n) + ": unknown field '" + tok + "'");
+      try {
+        h.slots = std::stoi(tok.substr(6));
+      } catch (const std::exception&) {
+        throw std::invalid_argument(path + ":" + std::to_string(n) + ": slots must be an integer");
+      }
+      if (h.slots <= 0) throw std::invalid_argument(path + ":" + std::to_string(n) + ": slots must be > 0");
+    }
+    hosts.push_back(h);
+  }
+  if (hosts.empty()) throw std::invalid_argument(path + ": no hosts");
+  return hosts;
+}
+
+bool is_local(const std::string& h) { return h == "127.0.0.1" || h == "localhost" || h == "::1"; }
+
+std::string shell_quote(const std::string& s) {
+  std::string o = "'";
+  for (char c : s) o += c == '\'' ? std::string("'\\''") : std::string(1, c);
+  return o + "'";
+}
+
+struct child {
+  std::string name;
+  pid_t pid = -1;
+  int fd = -1;  // merged stdout/stderr
+  std::string partial;
+  bool done = false;
+  int code = 0;
+};
+
+void relay(child& c, bool flush_all) {
+  char buf[4096];
+  for (;;) {
+    const ssize_t n = read(c.fd, buf, sizeof buf);
+    if (n <= 0) break;
+    c.partial.append(buf, static_cast<size_t>(n));
+    if (!flush_all && n < static_cast<ssize_t>(sizeof buf)) break;
+  }
+  size_t p;
+  while ((p = c.partial.find('\n')) != std::string::npos) {
+    std::printf("[%s] %s\n", c.name.c_str(), c.partial.substr(0, p).c_str());
+    c.partial.erase(0, p + 1);
+  }
+  if (flush_all && !c.partial.empty()) { std::printf("[%s] %s\n", c.name.c_str(), c.partial.c_str()); c.partial.clear(); }
+  std::fflush(stdout);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::string hostfile, topofile, wdir;
+  int grace = 5;
+  std::vector<std::string> cmd;
+  try {
+    for (int i = 1; i < argc; ++i) {
+      std::string a = argv[i];
+      auto val = [&] {
+        if (i + 1 >= argc) throw std::invalid_argument("option " + a + " needs a value");
+        return std::string(argv[++i]);
+      };
+      if (a == "--") { for (++i; i < argc; ++i) cmd.push_back(argv[i]); break; }
+      if (a == "--hostfile") hostfile = val();
+      else if (a == "--topology") topofile = val();
+      else if (a == "--wdir") wdir = val();
+      else if (a == "--grace") grace = std::stoi(val());
+      else throw std::invalid_argument("unknown option '" + a + "' (usage: caf-run --hostfile F --topology F -- CMD ...)");
+    }
+    if (hostfile.empty() || topofile.empty() || cmd.empty())
+      throw std::invalid_argument("usage: caf-run --hostfile FILE --topology FILE [--wdir DIR] -- CMD ARGS...");
+    const auto hosts = read_hostfile(hostfile);
+    const auto topo = fp8rl::actors::topology_load(topofile);
+    if (wdir.empty()) {
+      char b[4096];
+      wdir = getcwd(b, sizeof b) ? b : ".";
+    }
+    // order: remote-role nodes first, controller last
+    std::vector<const fp8rl::actors::node_spec*> order;
+    for (const auto& n : topo.nodes) if (!n.has("controller")) order.push_back(&n);
+    for (const auto& n : topo.nodes) if (n.has("controller")) order.push_back(&n);
+    std::vector<child> kids;
+    signal(SIGPIPE, SIG_IGN);
+    for (const auto* n : order) {
+      const host_entry* h = nullptr;
+      for (const auto& e : hosts)
+        if (e.host == n->host || (is_local(e.host) && is_local(n->host))) h = &e;
+      if (!h) throw std::invalid_argument(hostfile + ": no host entry for node '" + n->name + "' (host " + n->host + ")");
+      std::vector<std::string> args = cmd;
+      args.push_back("--topology");
+      args.push_back(topofile);
+      args.push_back("--node");
+      args.push_back(n->name);
+      if (h->slots > 0) args.push_back("--scheduler.max-threads=" + std::to_string(std::max(8, h->slots)));
+      if (!is_local(n->host)) {
+        std::string remote = "cd " + shell_quote(wdir) + " && exec";
+        for (const auto& x : args) remote += " " + shell_quote(x);
+        args = {"ssh", "-o", "BatchMode=yes", "-o", "ServerAliveInterval=10", n->host, remote};
+      }
+      int pfd[2];
+      if (pipe(pfd) != 0) throw std::runtime_error("pipe failed");
+      const pid_t pid = fork();
+      if (pid == 0) {
+        setpgid(0, 0);
+        dup2(pfd[1], 1);
+        dup2(pfd[1], 2);
+        close(pfd[0]);
+        close(pfd[1]);
+        if (is_local(n->host) && chdir(wdir.c_str()) != 0) _exit(126);
+        std::vector<char*> av;
+        for (auto& x : args) av.push_back(x.data());
+        av.push_back(nullptr);
+        execvp(av[0], av.data());
+        std::fprintf(stderr, "caf-run: cannot execute %s: %s\n", av[0], std::strerror(errno));
+        _exit(127);
+      }
+      close(pfd[1]);
+      fcntl(pfd[0], F_SETFL, O_NONBLOCK);
+      child k;
+      k.name = n->name;
+      k.pid = pid;
+      k.fd = pfd[0];
+      kids.push_back(std::move(k));
+      std::printf("caf-run: started %s (pid %d) on %s\n", n->name.c_str(), pid, n->host.c_str());
+      std::fflush(stdout);
+    }
+    int first_failure = 0;
+    std::string failed;
+    while (true) {
+      std::vector<pollfd> fds;
+      for (auto& k : kids) if (k.fd >= 0) fds.push_back({k.fd, POLLIN, 0});
+      if (!fds.empty()) poll(fds.data(), fds.size(), 200);
+      for (auto& k : kids) if (k.fd >= 0) relay(k, false);
+      bool all_done = true;
+      for (auto& k : kids) {
+        if (k.done) continue;
+        int st = 0;
+        if (waitpid(k.pid, &st, WNOHANG) == k.pid) {
+          k.done = true;
+          relay(k, true);
+          close(k.fd);
+          k.fd = -1;
+          k.code = WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
+          std::printf("caf-run: %s exited with %d\n", k.name.c_str(), k.code);
+          std::fflush(stdout);
+          if (k.code != 0 && first_failure == 0) {
+            first_failure = k.code;
+            failed = k.name;
+            for (auto& o : kids) if (!o.done) kill(-o.pid, SIGTERM);
+            const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(grace);
+            std::thread([&kids, deadline] {
+              std::this_thread::sleep_until(deadline);
+              for (auto& o : kids) if (!o.done) kill(-o.pid, SIGKILL);
+            }).detach();
+          }
+        } else {
+          all_done = false;
+        }
+      }
+      if (all_done) break;
+    }
+    if (first_failure) std::fprintf(stderr, "caf-run: node %s failed (exit %d); the group was stopped\n", failed.c_str(), first_failure);
+    return first_failure;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "caf-run: %s\n", e.what());
+    return 2;
+  }
+}
