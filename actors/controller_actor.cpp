@@ -135,6 +135,11 @@ msg::controller_actor spawn_controller(caf::actor_system& sys, std::shared_ptr<c
         for (auto& w : redo) { ++s.reissued; issue(std::move(w)); }
         return;
       }
+      for (const auto& a : s.agents)
+        if (a.address() == dm.source) {  // a node process is gone; its actors' own down messages decide
+          log->warn("a node agent is down ({})", self->system().render(dm.reason));
+          return;
+        }
       finish(1, "an actor went down: " + self->system().render(dm.reason));
     });
     return {

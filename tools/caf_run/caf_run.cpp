@@ -5,8 +5,12 @@
 // Hostfile lines: "<host> [slots=N]" ('#' comments). Each topology node runs on the hostfile
 // host equal to its "host" (127.0.0.1 and localhost are this machine), as
 //   <command...> --topology FILE --node NAME [--scheduler.max-threads=N]
-// Non-controller nodes start first (the controller retries its connections). Exit codes: 0 all
-// nodes succeeded; the first failing node's code otherwise (128+signal if killed); 2 bad input.
+// Non-controller nodes start first (the controller retries its connections). The controller
+// judges whether the run survives a lost node (a lost rollout is replaced; a lost learner is
+// fatal), so by default a failing non-controller node is reported and the group continues; the
+// controller's failure stops the group. --fail-fast stops the group on any node's failure.
+// Exit codes: the controller's (or, with --fail-fast, the first failing node's) code, 128+signal
+// if killed; 2 for bad input.
 #include <fcntl.h>
 #include <poll.h>
 #include <signal.h>
@@ -99,6 +103,7 @@ void relay(child& c, bool flush_all) {
 int main(int argc, char** argv) {
   std::string hostfile, topofile, wdir;
   int grace = 5;
+  bool fail_fast = false;
   std::vector<std::string> cmd;
   try {
     for (int i = 1; i < argc; ++i) {
@@ -112,6 +117,7 @@ int main(int argc, char** argv) {
       else if (a == "--topology") topofile = val();
       else if (a == "--wdir") wdir = val();
       else if (a == "--grace") grace = std::stoi(val());
+      else if (a == "--fail-fast") fail_fast = true;
       else throw std::invalid_argument("unknown option '" + a + "' (usage: caf-run --hostfile F --topology F -- CMD ...)");
     }
     if (hostfile.empty() || topofile.empty() || cmd.empty())
@@ -127,6 +133,7 @@ int main(int argc, char** argv) {
     for (const auto& n : topo.nodes) if (!n.has("controller")) order.push_back(&n);
     for (const auto& n : topo.nodes) if (n.has("controller")) order.push_back(&n);
     std::vector<child> kids;
+    std::string controller_name = topo.controller_node().name;
     signal(SIGPIPE, SIG_IGN);
     for (const auto* n : order) {
       const host_entry* h = nullptr;
@@ -190,7 +197,10 @@ int main(int argc, char** argv) {
           k.code = WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
           std::printf("caf-run: %s exited with %d\n", k.name.c_str(), k.code);
           std::fflush(stdout);
-          if (k.code != 0 && first_failure == 0) {
+          const bool decisive = fail_fast || k.name == controller_name;
+          if (k.code != 0 && !decisive)
+            std::printf("caf-run: %s failed (exit %d); the controller decides whether the run goes on\n", k.name.c_str(), k.code);
+          if (k.code != 0 && decisive && first_failure == 0) {
             first_failure = k.code;
             failed = k.name;
             for (auto& o : kids) if (!o.done) kill(-o.pid, SIGTERM);
