@@ -8,6 +8,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
+#include <cstdlib>
 #include <iomanip>
 #include <nlohmann/json.hpp>
 #include <set>
@@ -81,6 +83,12 @@ std::string type_name(const recipe_key& k) {
   }
 }
 
+std::string fmt15(double x) {
+  char b[64];
+  std::snprintf(b, sizeof b, "%.15g", x);
+  return b;
+}
+
 void set_from_config_value(const recipe_key& k, const caf::config_value& v, const std::string& where) {
   const std::string key = std::string(k.section) + "." + k.name;
   auto bad = [&] { throw std::invalid_argument(where + ": key '" + key + "' must be " + type_name(k) + ", got " + caf::to_string(v)); };
@@ -91,7 +99,9 @@ void set_from_config_value(const recipe_key& k, const caf::config_value& v, cons
       if (!x) bad();
       *p = *x;
     } else if constexpr (std::is_same_v<T, double>) {
-      if (auto x = caf::get_if<double>(&v)) *p = *x;
+      // CAF 0.17's number parser can be an ulp off ("0.999" -> 0.9990000000000001): recover the
+      // written decimal by rounding to 15 significant digits.
+      if (auto x = caf::get_if<double>(&v)) *p = std::strtod(fmt15(*x).c_str(), nullptr);
       else if (auto y = caf::get_if<int64_t>(&v)) *p = static_cast<double>(*y);
       else bad();
     } else if constexpr (std::is_same_v<T, bool>) {
@@ -132,26 +142,24 @@ void recipe_apply_cli(run_config& r, const std::string& arg) {
   const std::string key = arg.substr(2, arg.find('=') - 2), val = arg.substr(arg.find('=') + 1);
   for (const auto& k : recipe_keys(r)) {
     if (key != std::string(k.section) + "." + k.name) continue;
-    auto bad = [&] { throw std::invalid_argument("option --" + key + ": '" + val + "' is not " + type_name(k)); };
+    bool ok = true;
     std::visit([&](auto* p) {
       using T = std::remove_pointer_t<decltype(p)>;
       try {
         size_t pos = 0;
-        if constexpr (std::is_same_v<T, int64_t>) { *p = std::stoll(val, &pos); if (pos != val.size()) bad(); }
-        else if constexpr (std::is_same_v<T, double>) { *p = std::stod(val, &pos); if (pos != val.size()) bad(); }
+        if constexpr (std::is_same_v<T, int64_t>) { *p = std::stoll(val, &pos); ok = pos == val.size(); }
+        else if constexpr (std::is_same_v<T, double>) { *p = std::stod(val, &pos); ok = pos == val.size(); }
         else if constexpr (std::is_same_v<T, bool>) {
-          if (val == "true") *p = true;
-          else if (val == "false") *p = false;
-          else bad();
+          ok = val == "true" || val == "false";
+          *p = val == "true";
         } else {
           *p = val.size() >= 2 && val.front() == '"' && val.back() == '"' ? val.substr(1, val.size() - 2) : val;
         }
-      } catch (const std::invalid_argument&) {
-        throw;
       } catch (const std::exception&) {
-        bad();
+        ok = false;
       }
     }, k.ptr);
+    if (!ok) throw std::invalid_argument("option --" + key + ": '" + val + "' is not " + type_name(k));
     return;
   }
   throw std::invalid_argument("unknown option --" + key);

@@ -75,7 +75,8 @@ msg::buffer_actor spawn_buffer(caf::actor_system& sys, std::shared_ptr<const act
     auto try_deliver = [self, log](uint64_t step) {
       auto& s = self->state;
       auto wt = s.waiting.find(step);
-      if (wt == s.waiting.end() || wt->second.empty()) return;
+      // every learner rank takes its shard of the same batch: wait until all of them asked
+      if (wt == s.waiting.end() || wt->second.empty() || static_cast<int32_t>(wt->second.size()) < wt->second.front().world) return;
       auto& groups = s.steps[step];
       const int64_t need = s.env->cfg.prompts_per_step;
       // drop groups that became too stale for this learner version; the controller re-issues them

@@ -1,0 +1,108 @@
+// tests/actors/config_test.cpp -- recipes and topologies: strict validation naming file and key,
+// CLI overrides, dump -> reload, every shipped file, and the Llama-3.1-8B 8-GPU placement plan.
+#include <gtest/gtest.h>
+
+#include <filesystem>
+#include <fstream>
+
+#include "actors/recipe.hpp"
+#include "actors/topology.hpp"
+
+using namespace fp8rl::actors;
+namespace fs = std::filesystem;
+
+namespace {
+std::string write_tmp(const std::string& name, const std::string& body) {
+  const fs::path p = fs::temp_directory_path() / ("fp8rl_cfg_" + std::to_string(::getpid()) + "_" + name);
+  std::ofstream(p) << body;
+  return p.string();
+}
+std::string error_of(const std::function<void()>& f) {
+  try { f(); } catch (const std::exception& e) { return e.what(); }
+  return "";
+}
+}  // namespace
+
+TEST(Recipe, UnknownAndIllTypedKeysNameFileAndKey) {
+  run_config r;
+  const auto f1 = write_tmp("a.conf", "[rollout]\nslotz=4\n");
+  EXPECT_NE(error_of([&] { recipe_load_file(r, f1); }).find("unknown key 'rollout.slotz'"), std::string::npos);
+  EXPECT_NE(error_of([&] { recipe_load_file(r, f1); }).find(f1), std::string::npos);
+  const auto f2 = write_tmp("b.conf", "[rollout]\nslots=\"many\"\n");
+  EXPECT_NE(error_of([&] { recipe_load_file(r, f2); }).find("'rollout.slots' must be an integer"), std::string::npos);
+  const auto f3 = write_tmp("c.conf", "[rolout]\nslots=4\n");
+  EXPECT_NE(error_of([&] { recipe_load_file(r, f3); }).find("unknown section [rolout]"), std::string::npos);
+  EXPECT_NE(error_of([&] { recipe_apply_cli(r, "--grpo.is_hi=abc"); }).find("grpo.is_hi"), std::string::npos);
+  EXPECT_NE(error_of([&] { recipe_apply_cli(r, "--grpo.nope=1"); }).find("unknown option --grpo.nope"), std::string::npos);
+  run_config bad;
+  bad.is_mode = "sometimes";
+  EXPECT_NE(error_of([&] { recipe_validate(bad); }).find("grpo.is_mode"), std::string::npos);
+  run_config bad2;
+  bad2.training = "fp8-kv";
+  EXPECT_NE(error_of([&] { recipe_validate(bad2); }).find("precision.training"), std::string::npos);
+  for (const auto& f : {f1, f2, f3}) fs::remove(f);
+}
+
+TEST(Recipe, CliOverridesAndDumpRoundTrip) {
+  run_config r;
+  recipe_apply_cli(r, "--rollout.group_size=4");
+  recipe_apply_cli(r, "--grpo.clip_high=0.28");
+  recipe_apply_cli(r, "--precision.generation=fp8-kv");
+  recipe_apply_cli(r, "--grpo.normalize_std=false");
+  EXPECT_EQ(r.group_size, 4);
+  EXPECT_DOUBLE_EQ(r.clip_high, 0.28);
+  const auto f = write_tmp("dump.conf", recipe_dump(r));
+  run_config q;
+  recipe_load_file(q, f);
+  EXPECT_EQ(recipe_to_json(q), recipe_to_json(r));
+  EXPECT_EQ(recipe_to_json(recipe_from_json(recipe_to_json(r))), recipe_to_json(r));
+  fs::remove(f);
+}
+
+TEST(Recipe, ShippedRecipesAndTopologiesValidate) {
+  for (const auto& e : fs::directory_iterator("configs/recipes")) {
+    run_config r;
+    EXPECT_NO_THROW(recipe_load_file(r, e.path().string())) << e.path();
+    if (e.path().filename() != "llama-3.1-8b-instruct.conf") { EXPECT_NO_THROW(recipe_validate(r)) << e.path(); }
+  }
+  run_config d;
+  EXPECT_NO_THROW(recipe_load_file(d, "configs/default.conf"));
+  EXPECT_EQ(recipe_to_json(d), recipe_to_json(run_config{}));  // default.conf documents the defaults
+  for (const auto& e : fs::directory_iterator("configs/topologies"))
+    EXPECT_NO_THROW(topology_plan(topology_load(e.path().string()))) << e.path();
+}
+
+TEST(Topology, Llama8BOnEightGpusPlan) {
+  run_config r;
+  recipe_load_file(r, "configs/recipes/llama-3.1-8b-instruct.conf");
+  EXPECT_EQ(r.prompts_per_step, 64);
+  EXPECT_EQ(r.group_size, 32);
+  EXPECT_EQ(r.generation, "fp8");
+  EXPECT_EQ(r.training, "fp8");
+  EXPECT_EQ(r.is_mode, "tis");
+  const auto rl = recipe_rl_config(r);
+  EXPECT_EQ(rl.gen_policy.fingerprint(), rl.train_policy.fingerprint());  // one policy, both sides
+  const auto plan = topology_plan(topology_load("configs/topologies/llama-8gpu.conf"));
+  std::set<std::string> gpus;
+  int learners = 0, rollouts = 0;
+  for (const auto& p : plan) {
+    if (p.actor.rfind("learner", 0) == 0) ++learners;
+    if (p.actor.rfind("rollout", 0) == 0) ++rollouts;
+    if (p.device.rfind("cuda:", 0) == 0) { EXPECT_TRUE(gpus.insert(p.device).second) << p.device; }
+  }
+  EXPECT_EQ(learners, 4);
+  EXPECT_EQ(rollouts, 4);
+  EXPECT_EQ(gpus.size(), 8u);
+}
+
+TEST(Topology, BadFilesNameNodeAndKey) {
+  const auto f1 = write_tmp("t1.conf", "[cluster]\nnodes=[{name=\"a\", roles=[\"controller\", \"buffer\", \"reward\", \"weight_sync\", \"calibration\"], learners=[\"cpu:1\"], rollouts=[\"tpu:0\"]}]\n");
+  EXPECT_NE(error_of([&] { topology_load(f1); }).find("tpu:0"), std::string::npos);
+  const auto f2 = write_tmp("t2.conf", "[cluster]\nnodes=[{name=\"a\", roles=[\"controller\", \"buffer\", \"reward\", \"weight_sync\"], learners=[\"cpu:1\"], rollouts=[\"cpu:1\"]}]\n");
+  EXPECT_NE(error_of([&] { topology_load(f2); }).find("calibration"), std::string::npos);
+  const auto f3 = write_tmp("t3.conf", "[cluster]\nnodes=[{name=\"a\", colour=\"red\"}]\n");
+  EXPECT_NE(error_of([&] { topology_load(f3); }).find("unknown key 'colour'"), std::string::npos);
+  const auto f4 = write_tmp("t4.conf", "[cluster]\nnodes=[{name=\"a\", roles=[\"controller\", \"buffer\", \"reward\", \"weight_sync\", \"calibration\"], learners=[\"cuda:0\"], rollouts=[\"cuda:0\"]}]\n");
+  EXPECT_NE(error_of([&] { topology_plan(topology_load(f4)); }).find("cuda:0 used twice"), std::string::npos);
+  for (const auto& f : {f1, f2, f3, f4}) fs::remove(f);
+}

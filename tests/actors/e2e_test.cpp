@@ -1,0 +1,164 @@
+// tests/actors/e2e_test.cpp -- the whole system as users run it, with real processes on loopback:
+// the embedded default for a few steps (+ --resume), max_staleness = 0 reproducing the
+// synchronous loop's metrics bit for bit, two processes via caf-run, and killing the remote
+// rollout process mid-run (the run finishes, every group is counted once).
+#include <gtest/gtest.h>
+
+#include <chrono>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <thread>
+
+#include "actors/recipe.hpp"
+#include "models/checkpoint.hpp"
+#include "models/cpu/cpu_backend.hpp"
+#include "models/rl/loop.hpp"
+
+namespace fs = std::filesystem;
+using json = nlohmann::json;
+
+namespace {
+const std::string kBin = FP8RL_BIN_DIR;
+
+fs::path fresh_dir(const std::string& name) {
+  const fs::path d = fs::temp_directory_path() / ("fp8rl_e2e_" + name + "_" + std::to_string(::getpid()));
+  fs::remove_all(d);
+  fs::create_directories(d);
+  return d;
+}
+
+int run(const std::string& cmd) {
+  const int rc = std::system((cmd + " > /dev/null 2>&1").c_str());
+  return WIFEXITED(rc) ? WEXITSTATUS(rc) : 128;
+}
+
+std::vector<json> metrics(const fs::path& run_dir) {
+  std::vector<json> out;
+  std::ifstream f(run_dir / "metrics.jsonl");
+  std::string line;
+  while (std::getline(f, line)) out.push_back(json::parse(line));
+  return out;
+}
+
+std::string two_process_topology(const fs::path& dir, int port) {
+  const fs::path p = dir / "two-process.conf";
+  std::ofstream(p) << "[cluster]\nnodes=[{name=\"main\", host=\"127.0.0.1\", port=0, roles=[\"controller\", \"buffer\", "
+                      "\"reward\", \"weight_sync\", \"calibration\"], learners=[\"cpu:1\"], rollouts=[\"cpu:1\"]},\n"
+                      "{name=\"rollout1\", host=\"127.0.0.1\", port=" << port << ", roles=[], learners=[], rollouts=[\"cpu:1\"]}]\n";
+  std::ofstream(dir / "hosts") << "127.0.0.1 slots=2\n";
+  return p.string();
+}
+
+const char* kSmall = " --run.steps=4 --run.eval_every=2 --run.checkpoint_every=2 --model.sft_steps=60"
+                     " --rollout.prompts_per_step=8 --task.val_size=50";
+}  // namespace
+
+TEST(E2E, EmbeddedDefaultRunsAndResumes) {
+  const fs::path d = fresh_dir("default");
+  ASSERT_EQ(run(kBin + "/fp8rl train --run-dir " + d.string() + kSmall), 0);
+  auto m = metrics(d);
+  ASSERT_EQ(m.size(), 4u);
+  for (size_t i = 0; i < m.size(); ++i) {
+    EXPECT_EQ(m[i]["step"], i + 1);
+    for (const char* k : {"token_mult_prob_error", "gen_kl_error", "policy_kl_error", "js_divergence_error",
+                          "sampling_importance_ratio", "is_oob_ratio", "reward_mean", "accuracy", "clip_fraction"})
+      EXPECT_TRUE(m[i].contains(k)) << k;
+  }
+  EXPECT_TRUE(m[1].contains("val_accuracy"));
+  EXPECT_TRUE(m[3].contains("val_accuracy"));
+  EXPECT_TRUE(fs::exists(d / "checkpoints" / "step_4" / "model.safetensors"));
+  EXPECT_TRUE(fs::exists(d / "checkpoints" / "step_4" / "optimizer.safetensors"));
+  EXPECT_TRUE(fs::exists(d / "plots" / "reward.png"));
+  EXPECT_TRUE(fs::exists(d / "traces" / "local.jsonl"));
+  // --resume continues from checkpoints/latest (step 4) to step 6
+  ASSERT_EQ(run(kBin + "/fp8rl train --resume --run-dir " + d.string() + kSmall + " --run.steps=6"), 0);
+  m = metrics(d);
+  ASSERT_EQ(m.size(), 6u);
+  EXPECT_EQ(m[4]["step"], 5);
+  EXPECT_EQ(m[5]["step"], 6);
+  fs::remove_all(d);
+}
+
+TEST(E2E, BadRecipeKeyFailsWithItsName) {
+  const fs::path d = fresh_dir("bad");
+  std::ofstream(d / "r.conf") << "[rollout]\nslotz=3\n";
+  const std::string out = (d / "out.txt").string();
+  const int rc = std::system((kBin + "/fp8rl train --recipe " + (d / "r.conf").string() + " > " + out + " 2>&1").c_str());
+  EXPECT_NE(rc, 0);
+  std::ifstream f(out);
+  std::string text((std::istreambuf_iterator<char>(f)), {});
+  EXPECT_NE(text.find("rollout.slotz"), std::string::npos) << text;
+  fs::remove_all(d);
+}
+
+TEST(E2E, StalenessZeroReproducesTheSynchronousLoop) {
+  const fs::path d = fresh_dir("sync");
+  const std::string flags = " --run.steps=3 --run.eval_every=0 --run.checkpoint_every=0 --model.sft_steps=60"
+                            " --rollout.prompts_per_step=8 --async.max_staleness=0";
+  ASSERT_EQ(run(kBin + "/fp8rl train --run-dir " + d.string() + flags), 0);
+  const auto m = metrics(d);
+  ASSERT_EQ(m.size(), 3u);
+  // the same recipe, as plain functions
+  fp8rl::actors::run_config cfg;
+  std::stringstream ss(flags);
+  std::string f;
+  while (ss >> f) fp8rl::actors::recipe_apply_cli(cfg, f);
+  const auto rc = fp8rl::actors::recipe_rl_config(cfg);
+  fp8rl::models::rl_state st;
+  st.params = fp8rl::models::checkpoint_load((d / "checkpoints" / "init").string()).params;
+  auto tok = fp8rl::models::tokenizer_load((d / "checkpoints" / "init").string());
+  const auto train = fp8rl::models::task_load(fp8rl::models::task_spec_parse(cfg.task), false, cfg.train_size,
+                                              static_cast<uint64_t>(cfg.seed));
+  auto be = fp8rl::models::make_cpu_backend();
+  fp8rl::models::engine_config ec;
+  ec.slots = cfg.slots;
+  ec.max_context = cfg.max_context;
+  ec.policy = rc.gen_policy;
+  fp8rl::models::generation_engine eng(*be, st.params.cfg, ec);
+  for (int s = 0; s < 3; ++s) {
+    auto want = fp8rl::models::rl_sync_step(st, eng, train, *tok, rc);
+    for (const char* k : {"reward_mean", "loss", "token_mult_prob_error", "gen_kl_error", "grad_norm", "tokens",
+                          "sampling_importance_ratio", "approx_entropy"})
+      EXPECT_EQ(m[s][k].get<double>(), want[k]) << "step " << s + 1 << " " << k;
+  }
+  fs::remove_all(d);
+}
+
+TEST(E2E, TwoProcessesOnLoopbackViaCafRun) {
+  const fs::path d = fresh_dir("two");
+  const std::string topo = two_process_topology(d, 41000 + ::getpid() % 9000);
+  ASSERT_EQ(run(kBin + "/caf-run --hostfile " + (d / "hosts").string() + " --topology " + topo + " -- " + kBin +
+                "/fp8rl train --run-dir " + (d / "run").string() + kSmall),
+            0);
+  const auto m = metrics(d / "run");
+  ASSERT_EQ(m.size(), 4u);
+  EXPECT_EQ(m.back()["sync_cross_process"], 1.0);  // bundles crossed the process boundary
+  EXPECT_EQ(m.back()["rollouts_live"], 2.0);
+  fs::remove_all(d);
+}
+
+TEST(E2E, KillingTheRemoteRolloutMidRunIsSurvived) {
+  const fs::path d = fresh_dir("kill");
+  const std::string topo = two_process_topology(d, 41000 + (::getpid() + 4500) % 9000);
+  const int steps = 30;
+  std::thread killer([&] {  // once a few steps are done, kill -9 the rollout process
+    for (int i = 0; i < 600; ++i) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(100));
+      if (fs::exists(d / "run" / "metrics.jsonl") && metrics(d / "run").size() >= 3) break;
+    }
+    std::system(("pkill -9 -f -- '" + topo + " --node rollout1'").c_str());
+  });
+  const int rc = run(kBin + "/caf-run --hostfile " + (d / "hosts").string() + " --topology " + topo + " -- " + kBin +
+                     "/fp8rl train --run-dir " + (d / "run").string() + " --run.steps=" + std::to_string(steps) +
+                     " --run.eval_every=0 --run.checkpoint_every=0 --model.sft_steps=60 --rollout.prompts_per_step=8");
+  killer.join();
+  EXPECT_EQ(rc, 0);
+  const auto m = metrics(d / "run");
+  ASSERT_EQ(m.size(), static_cast<size_t>(steps));
+  EXPECT_EQ(m.back()["rollouts_lost_total"], 1.0);
+  EXPECT_EQ(m.back()["rollouts_live"], 1.0);
+  EXPECT_EQ(m.back()["buffer/admitted_total"], steps * 8.0);  // every group counted exactly once
+  fs::remove_all(d);
+}

@@ -1,0 +1,201 @@
+// tests/actors/protocol_test.cpp -- message serialization round trips, and the protocols of the
+// buffer (admission by max_staleness, de-duplication, learner shards) and of weight-sync
+// (in-process fan-out, adoption accounting) with explicit message ordering: the test is the
+// peer of the actor under test and drives it one message at a time.
+#include <gtest/gtest.h>
+
+#include <caf/all.hpp>
+#include <filesystem>
+
+#include "actors/actors.hpp"
+#include "models/checkpoint.hpp"
+#include "models/generate.hpp"
+
+using namespace fp8rl;
+namespace fs = std::filesystem;
+
+namespace {
+
+struct test_config : caf::actor_system_config {
+  test_config() { msg::messages_register(*this); set("logger.console", caf::atom("none")); }
+};
+
+// A tiny model checkpoint with the built-in tokenizer (what actors load their env from).
+std::string init_dir() {
+  static const std::string dir = [] {
+    const fs::path d = fs::temp_directory_path() / ("fp8rl_proto_" + std::to_string(::getpid()));
+    auto tok = models::char_tokenizer_make(models::arithmetic_alphabet());
+    models::model_config c;
+    c.hidden_size = 128; c.intermediate_size = 256; c.num_hidden_layers = 1; c.num_attention_heads = 4;
+    c.num_key_value_heads = 2; c.head_dim = 32; c.vocab_size = tok->vocab_size(); c.max_position_embeddings = 32;
+    models::checkpoint ck;
+    ck.params = models::model_params_init(c, 1);
+    models::checkpoint_save(d.string(), ck);
+    models::char_tokenizer_save(d.string(), models::arithmetic_alphabet());
+    return d.string();
+  }();
+  return dir;
+}
+
+std::shared_ptr<const actors::actor_env> env_with(int64_t staleness, int64_t prompts) {
+  actors::run_config r;
+  r.max_staleness = staleness;
+  r.prompts_per_step = prompts;
+  r.group_size = 2;
+  r.log_level = "off";
+  return actors::env_make(r, "test", fs::temp_directory_path().string(), init_dir(), 0);
+}
+
+msg::group_msg group(uint64_t step, uint64_t pid, uint64_t version) {
+  msg::group_msg g;
+  g.step = step;
+  g.prompt_id = pid;
+  for (int j = 0; j < 2; ++j) {
+    models::rl_sample s;
+    s.prompt_id = pid;
+    s.group_index = j;
+    s.prompt = {1, 4, 5};
+    s.response = {6, 7, 2};
+    s.gen_logprobs = {-0.5f, -0.25f, -0.125f};
+    s.weight_version = {version, version, version};
+    s.scale_version = s.weight_version;
+    s.oldest_kv_version = s.weight_version;
+    g.samples.push_back(s);
+  }
+  return g;
+}
+
+template <class T>
+T round_trip(caf::actor_system& sys, const T& x) {
+  std::vector<char> buf;
+  caf::binary_serializer sink(sys, buf);
+  T in = x;
+  EXPECT_FALSE(sink(in));
+  T out;
+  caf::binary_deserializer src(sys, buf);
+  EXPECT_FALSE(src(out));
+  return out;
+}
+
+}  // namespace
+
+TEST(Messages, EveryWireTypeRoundTrips) {
+  test_config cfg;
+  caf::actor_system sys{cfg};
+  msg::work_msg w{{1, 2, 3}, 7, 70, "12+34=", "46", 8, 99};
+  auto w2 = round_trip(sys, w);
+  EXPECT_EQ(w2.prompt, "12+34=");
+  EXPECT_EQ(w2.seed, 99u);
+  EXPECT_EQ(w2.trace.lamport, 3u);
+  auto g = group(3, 5, 2);
+  auto g2 = round_trip(sys, g);
+  ASSERT_EQ(g2.samples.size(), 2u);
+  EXPECT_EQ(g2.samples[1].gen_logprobs, g.samples[1].gen_logprobs);
+  EXPECT_EQ(g2.samples[1].weight_version, g.samples[1].weight_version);
+  msg::batch_msg b{{}, 4, 123.0, g.samples, {{"x", 1.5}}};
+  EXPECT_EQ(round_trip(sys, b).buffer_metrics.at("x"), 1.5);
+  msg::params_msg pm;
+  pm.version = 5;
+  pm.params = std::make_shared<const std::vector<float>>(std::vector<float>{1.0f, -2.5f, 3.25f});
+  pm.calib = {{1, 2}, {3}};
+  auto pm2 = round_trip(sys, pm);
+  EXPECT_EQ(*pm2.params, *pm.params);
+  EXPECT_EQ(pm2.calib, pm.calib);
+  // bundle: FP8 bytes, BF16 bytes and the scale snapshot survive byte for byte
+  const auto params = models::model_load(init_dir());
+  msg::bundle_msg bm;
+  models::attn_fp8_scales sc{std::vector<float>(4, 0.01f), std::vector<float>(2, 0.02f), std::vector<float>(2, 0.03f)};
+  bm.bundle = std::make_shared<quant::weight_bundle>(
+      models::bundle_from_params(params, models::precision_policy::named("fp8-kv"), 3, 4, &sc));
+  auto bm2 = round_trip(sys, bm);
+  ASSERT_TRUE(bm2.bundle);
+  EXPECT_EQ(bm2.bundle->snapshot.weight_scales, bm.bundle->snapshot.weight_scales);
+  EXPECT_EQ(bm2.bundle->snapshot.k_scale, bm.bundle->snapshot.k_scale);
+  EXPECT_EQ(bm2.bundle->snapshot.policy, bm.bundle->snapshot.policy);
+  ASSERT_EQ(bm2.bundle->tensors.size(), bm.bundle->tensors.size());
+  for (size_t i = 0; i < bm.bundle->tensors.size(); ++i) EXPECT_EQ(bm2.bundle->tensors[i].bytes, bm.bundle->tensors[i].bytes);
+  msg::bundle_chunk c{9, 1, 3, 1.5, {1, 2, 3}};
+  EXPECT_EQ(round_trip(sys, c).bytes, c.bytes);
+  EXPECT_EQ(round_trip(sys, msg::adopted_msg{"rollout3", 4, 4, 0.1, "bad"}).error, "bad");
+  msg::step_report sr{4, {{"reward_mean", 0.5}}};
+  EXPECT_EQ(round_trip(sys, sr).metrics, sr.metrics);
+  EXPECT_EQ(round_trip(sys, msg::admitted_msg{1, 2, true, "stale"}).reason, "stale");
+  EXPECT_EQ(round_trip(sys, msg::sync_report{3, 0.25, 100, true}).bytes, 100);
+}
+
+TEST(Protocol, BufferAdmitsDedupsShardsAndDropsStale) {
+  test_config cfg;
+  caf::actor_system sys{cfg};
+  caf::scoped_actor self{sys};
+  auto buf = actors::spawn_buffer(sys, env_with(1, 2));
+  msg::peers_msg p;
+  p.controller = caf::actor_cast<msg::controller_actor>(self);
+  self->send(buf, p);
+  auto expect_admitted = [&](uint64_t step, uint64_t pid, bool dropped) {
+    self->receive([&](msg::admitted_msg& a) {
+      EXPECT_EQ(a.step, step);
+      EXPECT_EQ(a.prompt_id, pid);
+      EXPECT_EQ(a.dropped, dropped) << a.reason;
+    }, caf::after(std::chrono::seconds(5)) >> [] { FAIL() << "no admitted_msg"; });
+  };
+  self->send(buf, group(0, 0, 0));
+  expect_admitted(0, 0, false);
+  self->send(buf, group(0, 0, 0));  // the same group again (re-issued work finished twice)
+  expect_admitted(0, 0, true);
+  self->send(buf, group(0, 1, 0));
+  expect_admitted(0, 1, false);
+  // two learners ask for their shards of step 0: one group each, N over the whole batch
+  caf::scoped_actor l0{sys}, l1{sys};  // both ranks ask before either is served
+  l0->send(buf, msg::batch_atom::value, uint64_t{0}, int32_t{0}, int32_t{2}, uint64_t{0});
+  l1->send(buf, msg::batch_atom::value, uint64_t{0}, int32_t{1}, int32_t{2}, uint64_t{0});
+  int32_t rank = 0;
+  for (auto* l : {&l0, &l1}) {
+    (*l)->receive([&](msg::batch_msg& b) {
+      EXPECT_EQ(b.samples.size(), 2u);
+      EXPECT_EQ(b.samples[0].prompt_id, static_cast<uint64_t>(rank));
+      EXPECT_EQ(b.n_global, 12.0);
+    }, caf::after(std::chrono::seconds(5)) >> [] { FAIL() << "no shard"; });
+    ++rank;
+  }
+  // step 2 with the learner at version 2: a group sampled under v0 is 2 versions stale (> 1)
+  self->send(buf, group(2, 4, 0));
+  expect_admitted(2, 4, false);
+  self->send(buf, group(2, 5, 1));
+  expect_admitted(2, 5, false);
+  caf::scoped_actor learner{sys};  // waits for step 2 while the buffer drops the stale group
+  learner->send(buf, msg::batch_atom::value, uint64_t{2}, int32_t{0}, int32_t{1}, uint64_t{2});
+  expect_admitted(2, 4, true);  // dropped as stale; the controller re-issues it
+  self->send(buf, group(2, 4, 2));  // regenerated under v2
+  expect_admitted(2, 4, false);
+  learner->receive([&](msg::batch_msg& b) {
+    ASSERT_EQ(b.samples.size(), 4u);
+    for (const auto& s : b.samples) EXPECT_GE(s.weight_version.front(), 1u);
+  }, caf::after(std::chrono::seconds(5)) >> [] { FAIL() << "no batch"; });
+  self->send_exit(buf, caf::exit_reason::user_shutdown);
+}
+
+TEST(Protocol, WeightSyncFansOutInProcessAndReportsFullAdoption) {
+  test_config cfg;
+  caf::actor_system sys{cfg};
+  caf::scoped_actor ctl{sys}, r0{sys}, r1{sys};
+  auto ws = actors::spawn_weight_sync(sys, env_with(1, 2));
+  msg::peers_msg p;
+  p.controller = caf::actor_cast<msg::controller_actor>(ctl);
+  p.rollouts = {caf::actor_cast<msg::rollout_actor>(r0), caf::actor_cast<msg::rollout_actor>(r1)};
+  p.rollout_names = {"rollout0", "rollout1"};
+  ctl->send(ws, p);
+  const auto params = models::model_load(init_dir());
+  auto b = std::make_shared<const quant::weight_bundle>(models::bundle_from_params(params, models::precision_policy::named("fp8"), 1, 1, nullptr));
+  ctl->send(ws, msg::bundle_msg{{}, b, 0.0});
+  for (auto* r : {&r0, &r1})
+    (*r)->receive([&](msg::bundle_msg& m) { EXPECT_EQ(m.bundle.get(), b.get()); },  // zero copy: the same object
+                  caf::after(std::chrono::seconds(5)) >> [] { FAIL() << "no bundle"; });
+  ctl->send(ws, msg::adopted_msg{"rollout0", 1, 1, 0.01, ""});
+  ctl->send(ws, msg::adopted_msg{"rollout1", 1, 1, 0.02, ""});
+  ctl->receive([&](msg::sync_report& s) {
+    EXPECT_EQ(s.version, 1u);
+    EXPECT_DOUBLE_EQ(s.latency_s, 0.02);
+    EXPECT_FALSE(s.cross_process);
+  }, caf::after(std::chrono::seconds(5)) >> [] { FAIL() << "no sync_report"; });
+  ctl->send_exit(ws, caf::exit_reason::user_shutdown);
+}
