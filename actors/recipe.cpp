@@ -27,6 +27,7 @@ std::vector<recipe_key> recipe_keys(run_config& r) {
       {"run", "checkpoint_every", &r.checkpoint_every, "checkpoint every N steps (0: only at the end)"},
       {"run", "log_level", &r.log_level, "trace, debug, info, warn, error, off"},
       {"model", "init", &r.init, "'tiny' (built-in model + SFT warm start) or a Hugging Face model directory"},
+      {"model", "size", &r.size, "built-in model size for init = tiny: tiny (hidden 128, 2 layers) or small (hidden 512, 8 layers)"},
       {"model", "sft_steps", &r.sft_steps, "SFT warm-start steps for model.init = tiny"},
       {"model", "sft_batch", &r.sft_batch, "SFT batch (sequences)"},
       {"model", "sft_lr", &r.sft_lr, "SFT learning rate"},
@@ -177,6 +178,7 @@ void recipe_validate(const run_config& r) {
   if (r.max_staleness < 0) fail("async.max_staleness", "must be >= 0");
   if (r.eval_every < 0 || r.checkpoint_every < 0) fail("run.eval_every", "must be >= 0");
   if (r.kv_policy != "recompute" && r.kv_policy != "keep") fail("rollout.kv_policy", "must be recompute or keep");
+  if (r.size != "tiny" && r.size != "small") fail("model.size", "must be tiny or small");
   if (!models::is_mode_parse(r.is_mode)) fail("grpo.is_mode", "must be none, tis, icepop or seq-mask-tis");
   if (!models::verifier_parse(r.verifier)) fail("task.verifier", "must be exact or numeric");
   if (!quant::scale_mode_parse(r.scale_mode)) fail("precision.scale_mode", "must be pow2 or fp32");

@@ -24,6 +24,7 @@ struct run_config {
   std::string log_level = "info";
   // [model]
   std::string init = "tiny";  // "tiny" (built-in, SFT warm start) or a HF model directory
+  std::string size = "tiny";  // built-in model size: tiny (128x2) or small (512x8, benchmarks)
   int64_t sft_steps = 450, sft_batch = 64;
   double sft_lr = 2e-3;
   int64_t max_context = 32;

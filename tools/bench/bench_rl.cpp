@@ -1,0 +1,104 @@
+// tools/bench/bench_rl.cpp -- build/bin/bench-rl: the RL system end to end, side by side.
+//  * samples/s of the default recipe with max_staleness 0, 1, 2 (rollout and learner each own
+//    one core: topology configs/topologies/local.conf), calibration time as % of the learner step
+//  * bundle sync: publish -> adopted latency and MB/s, in process and across processes (two
+//    processes on loopback via caf-run), for FP8 and BF16 bundles of the "small" built-in model
+// Runs build/bin/fp8rl (and caf-run) as users do and reads each run's metrics.jsonl; medians
+// over steps. One JSON line per result with --json.
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+
+#include "tools/bench/bench_util.hpp"
+
+namespace fs = std::filesystem;
+using json = nlohmann::json;
+using namespace fp8rl::bench;
+
+namespace {
+
+fs::path self_dir() {
+  char b[4096];
+  const ssize_t n = readlink("/proc/self/exe", b, sizeof b - 1);
+  if (n <= 0) throw std::runtime_error("cannot find my own path");
+  b[n] = 0;
+  return fs::path(b).parent_path();
+}
+
+std::vector<json> run_train(const std::string& cmd, const fs::path& run_dir) {
+  fs::remove_all(run_dir);
+  const int rc = std::system((cmd + " --run-dir " + run_dir.string() + " > " + (run_dir.string() + ".log") + " 2>&1").c_str());
+  if (rc != 0) throw std::runtime_error("command failed (" + std::to_string(rc) + "): " + cmd + " (log: " + run_dir.string() + ".log)");
+  std::vector<json> m;
+  std::ifstream f(run_dir / "metrics.jsonl");
+  std::string line;
+  while (std::getline(f, line)) m.push_back(json::parse(line));
+  return m;
+}
+
+double median_of(const std::vector<json>& m, const char* key, size_t skip) {
+  std::vector<double> v;
+  for (size_t i = skip; i < m.size(); ++i)
+    if (m[i].contains(key) && m[i][key].is_number()) v.push_back(m[i][key].get<double>());
+  if (v.empty()) return 0;
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  bench_args a = bench_parse(argc, argv);
+  const fs::path bin = self_dir(), work = fs::temp_directory_path() / ("fp8rl_bench_rl_" + std::to_string(::getpid()));
+  fs::create_directories(work);
+  const fs::path src = bin.parent_path().parent_path();  // repository root (build/bin/..)
+  const std::string steps = a.quick ? "10" : "30";
+  const std::string common = " --run.steps=" + steps + " --run.eval_every=0 --run.checkpoint_every=0 --model.sft_steps=100";
+  // 1. samples/s vs staleness (first steps skipped: pipeline fill)
+  if (bench_selected(a, "staleness")) {
+    for (int k : {0, 1, 2}) {
+      const auto m = run_train((bin / "fp8rl").string() + " train --topology " + (src / "configs/topologies/local.conf").string() +
+                                   common + " --async.max_staleness=" + std::to_string(k),
+                               work / ("staleness" + std::to_string(k)));
+      const double sps = m.back()["samples_per_s"].get<double>();
+      const double calib = median_of(m, "calibration_s", 2), train = median_of(m, "train_s", 2);
+      bench_emit(a, {{"bench", jstr("rl")}, {"impl", jstr("staleness")}, {"max_staleness", jnum(k)},
+                     {"samples_per_s", jnum(sps)}, {"steps", jnum(double(m.size()))},
+                     {"calibration_s", jnum(calib)}, {"learner_step_s", jnum(train)},
+                     {"calibration_pct_of_step", jnum(train > 0 ? 100.0 * calib / train : 0.0)}});
+    }
+  }
+  // 2. bundle sync latency and MB/s, FP8 vs BF16, in process and across processes
+  if (bench_selected(a, "sync")) {
+    const int port = 43000 + ::getpid() % 5000;
+    std::ofstream(work / "two.conf")
+        << "[cluster]\nnodes=[{name=\"main\", host=\"127.0.0.1\", port=0, roles=[\"controller\", \"buffer\", \"reward\", "
+           "\"weight_sync\", \"calibration\"], learners=[\"cpu:1\"], rollouts=[]},\n{name=\"gen\", host=\"127.0.0.1\", port="
+        << port << ", roles=[], learners=[], rollouts=[\"cpu:1\"]}]\n";
+    std::ofstream(work / "hosts") << "127.0.0.1 slots=2\n";
+    const std::string small = " --model.size=small --model.sft_steps=0 --run.steps=6 --run.eval_every=0"
+                              " --run.checkpoint_every=0 --rollout.prompts_per_step=4 --rollout.group_size=2"
+                              " --task.train_size=200";
+    for (const char* prec : {"fp8", "bf16"}) {
+      for (bool cross : {false, true}) {
+        const std::string pol = std::string(" --precision.generation=") + prec + " --precision.training=" + prec;
+        const std::string cmd = cross ? (bin / "caf-run").string() + " --hostfile " + (work / "hosts").string() + " --topology " +
+                                            (work / "two.conf").string() + " -- " + (bin / "fp8rl").string() + " train" + small + pol
+                                      : (bin / "fp8rl").string() + " train" + small + pol;
+        const auto m = run_train(cmd, work / (std::string("sync_") + prec + (cross ? "_cross" : "_local")));
+        const double lat = median_of(m, "sync_latency_s", 1), bytes = median_of(m, "sync_bytes", 1);
+        bench_emit(a, {{"bench", jstr("rl")}, {"impl", jstr("bundle_sync")}, {"bundle", jstr(prec)},
+                       {"transport", jstr(cross ? "cross_process" : "in_process")}, {"bytes", jnum(bytes)},
+                       {"median_latency_s", jnum(lat)}, {"mb_per_s", jnum(lat > 0 ? bytes / lat / 1e6 : 0.0)},
+                       {"note", jstr("latency = publish -> adopted by the rollout (transfer + deserialize + prepare)")}});
+      }
+    }
+  }
+  fs::remove_all(work);
+  return 0;
+}
