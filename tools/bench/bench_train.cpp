@@ -1,0 +1,76 @@
+// tools/bench/bench_train.cpp -- build/bin/bench-train: training tokens/s (forward + backward +
+// AdamW) of a model with hidden 512, 8 layers, 8 heads (2 KV heads), intermediate 1536, vocab
+// 4096, sequences of 256, under the fp32 / bf16 / fp8 policies at 1 and 2 threads; and, in the
+// same run when Debian's python3-torch is installed, the same model and step in PyTorch CPU
+// (tools/bench-train-torch.py: FP32 and bf16 autocast).
+//   {"bench":"train","impl":...,"threads":..,"tokens":..,"median_s":..,"tokens_per_s":..,"runs":..}
+#include <tbb/task_arena.h>
+
+#include <cstdio>
+#include <filesystem>
+#include <memory>
+
+#include "models/adamw.hpp"
+#include "models/cpu/cpu_backend.hpp"
+#include "models/transformer.hpp"
+#include "tools/bench/bench_util.hpp"
+
+using namespace fp8rl;
+using namespace fp8rl::bench;
+
+int main(int argc, char** argv) {
+  bench_args a = bench_parse(argc, argv);
+  models::model_config c;
+  c.hidden_size = 512; c.intermediate_size = 1536; c.num_hidden_layers = 8; c.num_attention_heads = 8;
+  c.num_key_value_heads = 2; c.head_dim = 64; c.vocab_size = 4096; c.max_position_embeddings = 256;
+  const int64_t seq = 256, nseq = a.quick ? 2 : 4;
+  models::model_params p = models::model_params_init(c, 1);
+  models::token_batch b;
+  models::rng g(5);
+  for (int64_t s = 0; s < nseq; ++s) {
+    std::vector<int32_t> t(static_cast<size_t>(seq));
+    for (auto& x : t) x = static_cast<int32_t>(g.next_u64() % 4096);
+    b.add(t);
+  }
+  const auto targets = b.next_targets();
+  for (int t : a.threads)
+    for (const char* pol : {"fp32", "bf16", "fp8"}) {
+      if (!bench_selected(a, pol)) continue;
+      tbb::task_arena arena(t);
+      double sec = 0;
+      arena.execute([&] {
+        auto be = models::make_cpu_backend();
+        models::model_runner run(*be);
+        models::adamw_state st;
+        models::model_params q = p;
+        const auto policy = models::precision_policy::named(pol);
+        sec = bench_median(a.reps, [&] {
+          auto w = models::model_weights_build(*be, c, policy, {&q, nullptr, nullptr}, true);
+          run.forward(*w, b, true);
+          std::vector<float> lp(targets.size()), dl(targets.size());
+          run.logprobs(targets, {}, lp.data());
+          for (size_t i = 0; i < dl.size(); ++i) dl[i] = targets[i] >= 0 ? -1.0f / float(targets.size()) : 0.0f;
+          std::vector<float> grads(static_cast<size_t>(q.layout.total), 0.0f);
+          run.backward(*w, targets, {}, dl.data(), grads.data());
+          models::adamw_step({}, q.layout, q.data.data(), grads.data(), st);
+        }, 0.0);
+      });
+      bench_emit(a, {{"bench", jstr("train")}, {"impl", jstr(std::string("fp8rl_") + pol)}, {"threads", jnum(t)},
+                     {"tokens", jnum(double(b.T()))}, {"median_s", jnum(sec)}, {"tokens_per_s", jnum(double(b.T()) / sec)},
+                     {"runs", jnum(a.reps)}});
+    }
+  // PyTorch baseline in the same run
+  const auto script = std::filesystem::path(__FILE__).parent_path().parent_path() / "bench-train-torch.py";
+  if (bench_selected(a, "torch") && std::system("/usr/bin/python3 -c 'import torch' > /dev/null 2>&1") == 0) {
+    for (int t : a.threads) {
+      const std::string cmd = "OMP_NUM_THREADS=" + std::to_string(t) + " OPENBLAS_NUM_THREADS=" + std::to_string(t) +
+                              " MKL_NUM_THREADS=" + std::to_string(t) + " /usr/bin/python3 " + script.string() +
+                              " --threads " + std::to_string(t) + " --seqs " + std::to_string(nseq) + " --reps " +
+                              std::to_string(a.reps) + (a.json ? " --json" : "");
+      std::fflush(stdout);
+      if (std::system(cmd.c_str()) != 0) std::fprintf(stderr, "bench-train: the PyTorch baseline failed\n");
+    }
+  } else if (bench_selected(a, "torch")) {
+    std::fprintf(stderr, "bench-train: /usr/bin/python3 has no torch (tools/setup --dev); PyTorch baseline skipped\n");
+  }
+}
