@@ -63,6 +63,13 @@ inline constexpr double kFiniteDiffLoss = 1e-4;
 // representation error ~1e-7, which exp() propagates at that scale.
 inline constexpr double kMetricFromFloatInputs = 1e-6;
 
+// Tensor-core FP8 GEMM (cuBLASLt, undocumented accumulation order, ~14-bit partial sums
+// promoted every 128 K) vs the §5.4 model: DeepGEMM's FP8 bound.
+inline constexpr double kGemmFp8TensorCoreVsRef = 1e-3;
+// GPU float kernels vs the CPU backend (different summation orders and libm): a few FP32 ulps
+// per element, amplified by exp/log in softmax; 1e-5 relative normwise.
+inline constexpr double kGpuFloatKernel = 1e-5;
+
 // DeepGEMM's normwise, scale-invariant difference: 1 - 2Σxy / Σ(x²+y²).
 inline double calc_diff(const std::vector<double>& x, const std::vector<double>& y) {
   double xy = 0, xx = 0;

@@ -1,0 +1,201 @@
+// gpu/kernels/ops.cu -- elementwise, normalization, attention, logprob, AdamW and FP8 KV-cache
+// kernels (FP32 activations; compared with the CPU backend under named tolerances).
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include "gpu/device.hpp"
+#include "gpu/ops.hpp"
+
+namespace fp8rl::gpu {
+namespace {
+
+unsigned blocks(int64_t n, int t = 256) { return static_cast<unsigned>((n + t - 1) / t); }
+
+__global__ void rmsnorm_kernel(const float* x, const float* w, int64_t C, float eps, float* out, float* rstd) {
+  const int64_t t = blockIdx.x;
+  __shared__ double s[256];
+  double acc = 0;
+  for (int64_t c = threadIdx.x; c < C; c += blockDim.x) acc += double(x[t * C + c]) * x[t * C + c];
+  s[threadIdx.x] = acc;
+  __syncthreads();
+  for (int k = blockDim.x / 2; k > 0; k >>= 1) {
+    if (threadIdx.x < k) s[threadIdx.x] += s[threadIdx.x + k];
+    __syncthreads();
+  }
+  const float r = static_cast<float>(1.0 / sqrt(s[0] / double(C) + eps));
+  if (threadIdx.x == 0) rstd[t] = r;
+  for (int64_t c = threadIdx.x; c < C; c += blockDim.x) out[t * C + c] = w[c] * (x[t * C + c] * r);
+}
+
+__global__ void rope_kernel(float* x, const int32_t* pos, int64_t T, int64_t nh, int64_t D, float theta, int inverse) {
+  const int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x, half = D / 2;
+  if (i >= T * nh * half) return;
+  const int64_t t = i / (nh * half), h = (i / half) % nh, j = i % half;
+  const float inv = 1.0f / powf(theta, float(2 * j) / float(D));
+  const float ang = float(pos[t]) * inv, c = cosf(ang), s = inverse ? -sinf(ang) : sinf(ang);
+  float* v = x + (t * nh + h) * D;
+  const float a = v[j], b = v[j + half];
+  v[j] = a * c - b * s;
+  v[j + half] = b * c + a * s;
+}
+
+__global__ void swiglu_kernel(const float* g, const float* u, int64_t n, float* h) {
+  const int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  if (i < n) h[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+}
+
+__global__ void embedding_kernel(const float* wte, const int32_t* tok, int64_t T, int64_t C, float* out) {
+  const int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  if (i < T * C) out[i] = wte[int64_t(tok[i / C]) * C + i % C];
+}
+
+__global__ void logprob_kernel(const float* logits, const int32_t* targets, int64_t V, float* logp) {
+  const int64_t t = blockIdx.x;
+  __shared__ float sm[256];
+  __shared__ double ss[256];
+  const float* z = logits + t * V;
+  float m = -INFINITY;
+  for (int64_t v = threadIdx.x; v < V; v += blockDim.x) m = fmaxf(m, z[v]);
+  sm[threadIdx.x] = m;
+  __syncthreads();
+  for (int k = blockDim.x / 2; k > 0; k >>= 1) {
+    if (threadIdx.x < k) sm[threadIdx.x] = fmaxf(sm[threadIdx.x], sm[threadIdx.x + k]);
+    __syncthreads();
+  }
+  m = sm[0];
+  double s = 0;
+  for (int64_t v = threadIdx.x; v < V; v += blockDim.x) s += exp(double(z[v]) - m);
+  ss[threadIdx.x] = s;
+  __syncthreads();
+  for (int k = blockDim.x / 2; k > 0; k >>= 1) {
+    if (threadIdx.x < k) ss[threadIdx.x] += ss[threadIdx.x + k];
+    __syncthreads();
+  }
+  if (threadIdx.x == 0) logp[t] = targets[t] < 0 ? 0.0f : static_cast<float>(z[targets[t]] - (m + log(ss[0])));
+}
+
+__global__ void adamw_kernel(float* p, float* g, float* m, float* v, int64_t n, float lr, float b1, float b2, float eps,
+                             float decay, float clip, float step_size, float bc2_sqrt) {
+  const int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  if (i >= n) return;
+  const float gi = g[i] * clip;
+  g[i] = gi;
+  p[i] *= decay;
+  m[i] = m[i] * b1 + gi * (1.0f - b1);
+  v[i] = v[i] * b2 + gi * gi * (1.0f - b2);
+  p[i] -= step_size * (m[i] / (sqrtf(v[i]) / bc2_sqrt + eps));
+}
+
+__device__ __forceinline__ uint8_t enc(float x) {
+  // same integer encoder as quantize.cu (kept local so each TU stays self-contained)
+  const uint32_t u = __float_as_uint(x);
+  const uint8_t sign = static_cast<uint8_t>((u >> 24) & 0x80u);
+  const uint32_t a = u & 0x7fffffffu;
+  if (a > 0x7f800000u) return 0x7f;
+  if (a >= 0x43e00000u) return sign | 0x7e;
+  if (a >= 0x3c800000u) return sign | static_cast<uint8_t>(((a + 0x7ffffu + ((a >> 20) & 1u)) >> 20) - 960u);
+  const uint32_t e = a >> 23;
+  if (e == 0) return sign;
+  const uint32_t mant = (a & 0x7fffffu) | 0x800000u, shift = 141u - e;
+  if (shift >= 32u) return sign;
+  uint32_t k = mant >> shift;
+  const uint32_t rem = mant & ((1u << shift) - 1u), half = 1u << (shift - 1u);
+  if (rem > half || (rem == half && (k & 1u))) ++k;
+  return sign | static_cast<uint8_t>(k);
+}
+
+__device__ __forceinline__ float dec(uint8_t b) {
+  const int s = b >> 7, e = (b >> 3) & 15, m = b & 7;
+  const float v = e ? ldexpf(1.0f + m / 8.0f, e - 7) : ldexpf(float(m), -9);
+  return s ? -v : v;
+}
+
+__global__ void kv_write_kernel(const float* x, int64_t n, int64_t KV, int64_t D, const float* scale, uint8_t* codes) {
+  const int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  if (i < n) codes[i] = enc(__fdiv_rn(x[i], scale[(i / D) % KV]));
+}
+
+__global__ void kv_read_kernel(const uint8_t* codes, int64_t n, int64_t KV, int64_t D, const float* scale, float* x) {
+  const int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  if (i < n) x[i] = __fmul_rn(dec(codes[i]), scale[(i / D) % KV]);
+}
+
+__device__ __forceinline__ float rnd(float x, bool bf16) { return bf16 ? __bfloat162float(__float2bfloat16_rn(x)) : x; }
+
+// one thread per (query t, head h): scores, softmax and P·V over keys 0..t
+__global__ void attention_kernel(const float* q, const float* k, const float* v, int64_t T, int64_t H, int64_t KV,
+                                 int64_t D, int bf16, float* out) {
+  const int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  if (i >= T * H) return;
+  const int64_t t = i / H, h = i % H, g = h / (H / KV);
+  const float scale = 1.0f / sqrtf(float(D));
+  float m = -INFINITY;
+  for (int64_t j = 0; j <= t; ++j) {
+    float s = 0.0f;
+    for (int64_t d = 0; d < D; ++d) s = __fmaf_rn(rnd(q[(t * H + h) * D + d], bf16), rnd(k[(j * KV + g) * D + d], bf16), s);
+    m = fmaxf(m, s * scale);
+  }
+  float sum = 0.0f;
+  for (int64_t j = 0; j <= t; ++j) {
+    float s = 0.0f;
+    for (int64_t d = 0; d < D; ++d) s = __fmaf_rn(rnd(q[(t * H + h) * D + d], bf16), rnd(k[(j * KV + g) * D + d], bf16), s);
+    sum += expf(s * scale - m);
+  }
+  for (int64_t d = 0; d < D; ++d) out[(t * H + h) * D + d] = 0.0f;
+  for (int64_t j = 0; j <= t; ++j) {
+    float s = 0.0f;
+    for (int64_t d = 0; d < D; ++d) s = __fmaf_rn(rnd(q[(t * H + h) * D + d], bf16), rnd(k[(j * KV + g) * D + d], bf16), s);
+    const float p = rnd(expf(s * scale - m) / sum, bf16);
+    for (int64_t d = 0; d < D; ++d) out[(t * H + h) * D + d] = __fmaf_rn(p, rnd(v[(j * KV + g) * D + d], bf16), out[(t * H + h) * D + d]);
+  }
+}
+
+void check() {
+  FP8RL_CUDA_CHECK(cudaGetLastError());
+  FP8RL_CUDA_CHECK(cudaDeviceSynchronize());
+}
+
+}  // namespace
+
+void gpu_rmsnorm_forward(const float* x, const float* w, int64_t T, int64_t C, float eps, float* out, float* rstd) {
+  if (T) rmsnorm_kernel<<<static_cast<unsigned>(T), 256>>>(x, w, C, eps, out, rstd);
+  check();
+}
+void gpu_rope(float* x, const int32_t* pos, int64_t T, int64_t nh, int64_t D, double theta, bool inverse) {
+  const int64_t n = T * nh * (D / 2);
+  if (n) rope_kernel<<<blocks(n), 256>>>(x, pos, T, nh, D, static_cast<float>(theta), inverse);
+  check();
+}
+void gpu_swiglu_forward(const float* g, const float* u, int64_t n, float* h) {
+  if (n) swiglu_kernel<<<blocks(n), 256>>>(g, u, n, h);
+  check();
+}
+void gpu_embedding_forward(const float* wte, const int32_t* tok, int64_t T, int64_t C, float* out) {
+  if (T * C) embedding_kernel<<<blocks(T * C), 256>>>(wte, tok, T, C, out);
+  check();
+}
+void gpu_logprob_forward(const float* logits, const int32_t* targets, int64_t T, int64_t V, float* logp) {
+  if (T) logprob_kernel<<<static_cast<unsigned>(T), 256>>>(logits, targets, V, logp);
+  check();
+}
+void gpu_adamw_step(float* p, float* g, float* m, float* v, int64_t n, float lr, float b1, float b2, float eps,
+                    float decay, float clip, int64_t step) {
+  const float bc1 = 1.0f - powf(b1, float(step)), bc2 = 1.0f - powf(b2, float(step));
+  if (n) adamw_kernel<<<blocks(n), 256>>>(p, g, m, v, n, lr, b1, b2, eps, decay, clip, lr / bc1, sqrtf(bc2));
+  check();
+}
+void gpu_kv_write_fp8(const float* x, int64_t T, int64_t KV, int64_t D, const float* scale, uint8_t* codes) {
+  if (T * KV * D) kv_write_kernel<<<blocks(T * KV * D), 256>>>(x, T * KV * D, KV, D, scale, codes);
+  check();
+}
+void gpu_kv_read_fp8(const uint8_t* codes, int64_t T, int64_t KV, int64_t D, const float* scale, float* x) {
+  if (T * KV * D) kv_read_kernel<<<blocks(T * KV * D), 256>>>(codes, T * KV * D, KV, D, scale, x);
+  check();
+}
+void gpu_attention_forward(const float* q, const float* k, const float* v, int64_t T, int64_t H, int64_t KV, int64_t D,
+                           bool bf16, float* out) {
+  if (T * H) attention_kernel<<<blocks(T * H, 64), 64>>>(q, k, v, T, H, KV, D, bf16, out);
+  check();
+}
+
+}  // namespace fp8rl::gpu

@@ -1,0 +1,196 @@
+// tests/gpu/gpu_test.cpp -- the cross-backend op test: every GPU op against the CPU backend on
+// random inputs (bit-exact for quantization, dequantization, the own GEMM, the FP8 KV-cache codec
+// and the NCCL broadcast; named tolerances for cuBLASLt and the float kernels; exact equality on
+// the exact-integer GEMM inputs of fp8-numerics.md §6). GPU cases GTEST_SKIP without a device;
+// the host-side cuBLASLt layout plan is tested everywhere.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cuda_bf16.h>
+
+#include "gpu/cublaslt_gemm.hpp"
+#include "gpu/device.hpp"
+#include "gpu/nccl_comm.hpp"
+#include "gpu/ops.hpp"
+#include "models/cpu/cpu_backend.hpp"
+#include "models/params.hpp"
+#include "quant/fp8.hpp"
+#include "quant/gemm.hpp"
+#include "tests/test_util.hpp"
+#include "tests/tolerances.hpp"
+
+using namespace fp8rl;
+using fp8rl::test::randn;
+
+#define REQUIRE_GPU() \
+  if (!gpu::has_device()) GTEST_SKIP() << "no CUDA device"
+
+namespace {
+std::vector<double> dv(const std::vector<float>& v) { return {v.begin(), v.end()}; }
+}  // namespace
+
+TEST(GpuPlan, CublasLtLayoutsMatchQuantScaleArrays) {
+  for (int64_t M : {8, 64, 4096})
+    for (int64_t N : {128, 4096, 14336})
+      for (int64_t K : {128, 4096, 14336}) {
+        const auto p = gpu::lt_plan({M, N, K, gpu::lt_dtype::e4m3, gpu::lt_dtype::bf16});
+        EXPECT_TRUE(p.problems.empty()) << M << " " << N << " " << K;
+        quant::qtensor w, x;
+        w.rows = N; w.cols = K; w.layout = quant::qlayout::block_128x128;
+        x.rows = M; x.cols = K; x.layout = quant::qlayout::rowwise_1x128;
+        EXPECT_EQ(p.a_scale_count, w.scale_count());  // the bytes quant/ stores are what cuBLASLt reads
+        EXPECT_EQ(p.b_scale_count, x.scale_count());
+        EXPECT_EQ(p.a_ld, K);
+        EXPECT_EQ(p.d_ld, N);
+      }
+  EXPECT_FALSE(gpu::lt_plan({8, 100, 128, gpu::lt_dtype::e4m3, gpu::lt_dtype::bf16}).problems.empty());
+  EXPECT_FALSE(gpu::lt_plan({7, 128, 128, gpu::lt_dtype::e4m3, gpu::lt_dtype::bf16}).problems.empty());
+  EXPECT_FALSE(gpu::lt_plan({8, 128, 100, gpu::lt_dtype::e4m3, gpu::lt_dtype::bf16}).problems.empty());
+  EXPECT_TRUE(gpu::lt_plan({8, 136, 8, gpu::lt_dtype::bf16, gpu::lt_dtype::bf16}).problems.empty());
+}
+
+TEST(GpuPlan, DeviceQueryNeverThrows) {
+  EXPECT_GE(gpu::device_count(), 0);
+}
+
+TEST(GpuOps, QuantizeAndDequantizeAreBitExact) {
+  REQUIRE_GPU();
+  for (auto layout : {quant::qlayout::rowwise_1x128, quant::qlayout::colwise_1x128, quant::qlayout::block_128x128})
+    for (auto mode : {quant::scale_mode::pow2, quant::scale_mode::fp32}) {
+      const int64_t R = 300, C = 260;
+      auto x = randn(R * C, 3, 2.0f);
+      auto dx = gpu::dbuf<float>::from(x);
+      const auto g = gpu::gpu_quantize(dx.data(), R, C, layout, mode, "x");
+      const auto c = quant::quantize_ref(x.data(), R, C, layout, mode, "x");
+      EXPECT_EQ(g.data, c.data);
+      EXPECT_EQ(g.scale_inv, c.scale_inv);
+      gpu::dbuf<float> out(static_cast<size_t>(R * C));
+      gpu::gpu_dequantize(g, out.data());
+      std::vector<float> ref(x.size());
+      quant::dequantize(c, ref.data());
+      EXPECT_EQ(out.to_host(), ref);
+    }
+  std::vector<float> bad(256 * 256, 1.0f);
+  bad[130 * 256 + 5] = NAN;
+  auto db = gpu::dbuf<float>::from(bad);
+  try {
+    gpu::gpu_quantize(db.data(), 256, 256, quant::qlayout::block_128x128, quant::scale_mode::pow2, "w");
+    FAIL();
+  } catch (const quant::nonfinite_error& e) {
+    EXPECT_EQ(e.block_row, 1);
+    EXPECT_EQ(e.block_col, 0);
+  }
+}
+
+TEST(GpuOps, EncoderMatchesCpuOnSampledFloatPatterns) {
+  REQUIRE_GPU();
+  std::vector<float> x(1 << 24);
+  for (size_t i = 0; i < x.size(); ++i) x[i] = quant::float_from_bits(static_cast<uint32_t>(i * 256 + (i >> 16)));
+  auto dx = gpu::dbuf<float>::from(x);
+  gpu::dbuf<uint8_t> dq(x.size());
+  gpu::gpu_e4m3_encode(dx.data(), static_cast<int64_t>(x.size()), dq.data());
+  const auto q = dq.to_host();
+  for (size_t i = 0; i < x.size(); ++i) ASSERT_EQ(q[i], quant::e4m3_from_float(x[i])) << std::hex << quant::float_bits(x[i]);
+}
+
+TEST(GpuOps, OwnFp8GemmIsBitExactWithTheCpuReference) {
+  REQUIRE_GPU();
+  const int64_t M = 70, N = 200, K = 384;
+  auto a = randn(M * K, 1), b = randn(N * K, 2);
+  const auto A = quant::quantize(a.data(), M, K, quant::qlayout::rowwise_1x128, quant::scale_mode::pow2, "A");
+  const auto B = quant::quantize(b.data(), N, K, quant::qlayout::block_128x128, quant::scale_mode::pow2, "B");
+  std::vector<float> ref(M * N);
+  quant::gemm_fp8_ref(A, B, ref.data());
+  gpu::dbuf<float> c(static_cast<size_t>(M * N));
+  gpu::gpu_gemm_fp8_own(A, B, c.data());
+  EXPECT_EQ(c.to_host(), ref);
+}
+
+TEST(GpuOps, CublasLtFp8GemmExactOnIntegersAndCloseOtherwise) {
+  REQUIRE_GPU();
+  gpu::lt_gemm lt;
+  for (bool integers : {true, false}) {
+    const int64_t M = 256, N = 512, K = 1024;
+    std::vector<float> x(M * K), w(N * K);
+    fp8rl::models::rng g(7);
+    for (auto& v : x) v = integers ? float(int(g.next_u64() % 17) - 8) : float(g.normal());
+    for (auto& v : w) v = integers ? float(int(g.next_u64() % 17) - 8) : float(g.normal());
+    const auto X = quant::quantize(x.data(), M, K, quant::qlayout::rowwise_1x128, quant::scale_mode::pow2, "X");
+    const auto W = quant::quantize(w.data(), N, K, quant::qlayout::block_128x128, quant::scale_mode::pow2, "W");
+    auto dx = gpu::dbuf<uint8_t>::from(X.data), dw = gpu::dbuf<uint8_t>::from(W.data);
+    auto sx = gpu::dbuf<float>::from(X.scale_inv), sw = gpu::dbuf<float>::from(W.scale_inv);
+    gpu::dbuf<float> y(static_cast<size_t>(M * N));
+    lt.run({M, N, K, gpu::lt_dtype::e4m3, gpu::lt_dtype::f32}, dw.data(), sw.data(), dx.data(), sx.data(), y.data());
+    FP8RL_CUDA_CHECK(cudaDeviceSynchronize());
+    std::vector<float> ref(M * N);
+    quant::gemm_fp8_ref(X, W, ref.data());
+    const auto got = y.to_host();
+    if (integers) EXPECT_EQ(got, ref);  // every block sum is an integer < 2^14: exact in any order
+    else EXPECT_LT(tol::calc_diff(dv(got), dv(ref)), tol::kGemmFp8TensorCoreVsRef);
+  }
+}
+
+TEST(GpuOps, FloatKernelsMatchTheCpuBackend) {
+  REQUIRE_GPU();
+  auto be = models::make_cpu_backend();
+  const int64_t T = 37, C = 96, H = 4, KV = 2, D = 24, V = 50;
+  auto x = randn(T * C, 1), w = randn(C, 2);
+  std::vector<float> out(T * C), rstd(T);
+  be->rmsnorm_forward(x.data(), w.data(), T, C, 1e-5f, out.data(), rstd.data());
+  auto dx = gpu::dbuf<float>::from(x), dw = gpu::dbuf<float>::from(w);
+  gpu::dbuf<float> dout(x.size()), drstd(T);
+  gpu::gpu_rmsnorm_forward(dx.data(), dw.data(), T, C, 1e-5f, dout.data(), drstd.data());
+  EXPECT_LT(tol::rel_norm_err(dv(dout.to_host()), dv(out)), tol::kGpuFloatKernel);
+  // attention, one sequence, BF16 operands
+  auto q = randn(T * H * D, 3), k = randn(T * KV * D, 4), v = randn(T * KV * D, 5);
+  std::vector<int32_t> starts = {0, int32_t(T)};
+  models::attn_params p;
+  p.T = T; p.H = H; p.KV = KV; p.D = D; p.seq_start = starts.data(); p.S = 1; p.operand = models::precision::bf16;
+  std::vector<float> att(T * H * D), lse(T * H);
+  be->attention_forward(p, q.data(), k.data(), v.data(), att.data(), lse.data());
+  auto dq = gpu::dbuf<float>::from(q), dk = gpu::dbuf<float>::from(k), dvv = gpu::dbuf<float>::from(v);
+  gpu::dbuf<float> datt(att.size());
+  gpu::gpu_attention_forward(dq.data(), dk.data(), dvv.data(), T, H, KV, D, true, datt.data());
+  EXPECT_LT(tol::rel_norm_err(dv(datt.to_host()), dv(att)), tol::kGpuFloatKernel);
+  // log-probabilities
+  auto logits = randn(T * V, 6);
+  std::vector<int32_t> tg(T);
+  for (int64_t t = 0; t < T; ++t) tg[t] = static_cast<int32_t>((t * 7) % V);
+  std::vector<float> lp(T);
+  be->logprob_forward(logits.data(), tg.data(), T, V, {}, lp.data(), nullptr);
+  auto dl = gpu::dbuf<float>::from(logits);
+  auto dt = gpu::dbuf<int32_t>::from(tg);
+  gpu::dbuf<float> dlp(T);
+  gpu::gpu_logprob_forward(dl.data(), dt.data(), T, V, dlp.data());
+  EXPECT_LT(tol::rel_norm_err(dv(dlp.to_host()), dv(lp)), tol::kGpuFloatKernel);
+}
+
+TEST(GpuOps, Fp8KvCacheCodecIsBitExact) {
+  REQUIRE_GPU();
+  const int64_t T = 19, KV = 2, D = 32;
+  auto x = randn(T * KV * D, 9, 3.0f);
+  const std::vector<float> scale = {0.02f, 0.005f};  // the second saturates some elements
+  auto dx = gpu::dbuf<float>::from(x), ds = gpu::dbuf<float>::from(scale);
+  gpu::dbuf<uint8_t> codes(x.size());
+  gpu::gpu_kv_write_fp8(dx.data(), T, KV, D, ds.data(), codes.data());
+  const auto c = codes.to_host();
+  for (size_t i = 0; i < x.size(); ++i) ASSERT_EQ(c[i], quant::e4m3_from_float(x[i] / scale[(i / D) % KV])) << i;
+  gpu::dbuf<float> back(x.size());
+  gpu::gpu_kv_read_fp8(codes.data(), T, KV, D, ds.data(), back.data());
+  const auto b = back.to_host();
+  for (size_t i = 0; i < x.size(); ++i) ASSERT_EQ(b[i], quant::e4m3_to_float(c[i]) * scale[(i / D) % KV]) << i;
+}
+
+TEST(GpuOps, NcclSingleRankBroadcastRoundTrip) {
+  REQUIRE_GPU();
+  gpu::nccl_comm comm(1, 0, gpu::nccl_make_id(), 0);
+  std::vector<uint8_t> bytes(1 << 20);
+  for (size_t i = 0; i < bytes.size(); ++i) bytes[i] = static_cast<uint8_t>(i * 31);
+  auto d = gpu::dbuf<uint8_t>::from(bytes);
+  comm.broadcast_bytes(d.data(), bytes.size(), 0);
+  EXPECT_EQ(d.to_host(), bytes);
+  std::vector<float> g(1000, 0.5f);
+  auto dg = gpu::dbuf<float>::from(g);
+  comm.allreduce_sum(dg.data(), g.size());
+  EXPECT_EQ(dg.to_host(), g);  // one rank: the sum is the input
+}
