@@ -10,7 +10,8 @@
 namespace fp8rl::actors {
 
 std::shared_ptr<const actor_env> env_make(const run_config& cfg, const std::string& node, const std::string& run_dir,
-                                          const std::string& init_dir, uint64_t start_version) {
+                                          const std::string& init_dir, uint64_t start_version,
+                                          const std::string& run_id) {
   auto e = std::make_shared<actor_env>();
   e->cfg = cfg;
   e->rl = recipe_rl_config(cfg);
@@ -18,6 +19,7 @@ std::shared_ptr<const actor_env> env_make(const run_config& cfg, const std::stri
   e->run_dir = run_dir;
   e->init_dir = init_dir;
   e->start_version = start_version;
+  e->run_id = run_id;
   e->model = models::model_config_load((std::filesystem::path(init_dir) / "config.json").string());
   e->tok = models::tokenizer_load(init_dir);
   return e;

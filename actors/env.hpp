@@ -17,13 +17,15 @@ struct actor_env {
   models::rl_run_config rl;
   std::string node, run_dir, init_dir;  // init_dir: checkpoint the run starts from
   uint64_t start_version = 0;           // resume: weight_version of init_dir
+  std::string run_id;                   // unique per launch (rendezvous keys, e.g. Gloo)
   models::model_config model;
   std::shared_ptr<const models::tokenizer> tok;
 };
 
 // Loads the model config and tokenizer from init_dir; throws std::invalid_argument.
 std::shared_ptr<const actor_env> env_make(const run_config& cfg, const std::string& node, const std::string& run_dir,
-                                          const std::string& init_dir, uint64_t start_version);
+                                          const std::string& init_dir, uint64_t start_version,
+                                          const std::string& run_id = "");
 
 // The compute backend for a device ("cpu:N"; "cuda:K" needs the CUDA build).
 std::unique_ptr<models::backend> backend_for(const device_spec& d);

@@ -54,7 +54,7 @@ void allreduce(learner_state& s, std::vector<float>& g) {
     const fs::path dir = fs::path(s.env->run_dir) / "gloo";
     fs::create_directories(dir);
     gloo::rendezvous::FileStore store(dir.string());
-    gloo::rendezvous::PrefixStore prefix(s.env->cfg.name + "-" + std::to_string(s.env->start_version), store);
+    gloo::rendezvous::PrefixStore prefix(s.env->run_id, store);  // unique per launch
     auto ctx = std::make_shared<gloo::rendezvous::Context>(s.rank, s.world);
     ctx->connectFullMesh(prefix, dev);
     s.gloo = ctx;

@@ -12,6 +12,7 @@
 #include <future>
 #include <nlohmann/json.hpp>
 #include <thread>
+#include <unistd.h>
 
 #include "actors/actors.hpp"
 #include "actors/trace.hpp"
@@ -120,7 +121,7 @@ msg::node_agent_actor::behavior_type node_agent(msg::node_agent_actor::stateful_
           const run_config cfg = recipe_from_json(j["recipe"].get<std::string>());
           const topology t = topology_from_json(j["topology"]);
           const std::string node = j["node"];
-          auto env = env_make(cfg, node, j["run_dir"], j["init_dir"], j["start_version"].get<uint64_t>());
+          auto env = env_make(cfg, node, j["run_dir"], j["init_dir"], j["start_version"].get<uint64_t>(), j["run_id"]);
           if (cfg.trace) trace_writer::process().open((fs::path(j["run_dir"].get<std::string>()) / "traces" / (node + ".jsonl")).string(), node);
           const auto idx = index_nodes(t).at(node);
           self->state.spawned = spawn_node(self->system(), *t.find(node), env, idx.first_learner, learner_world(t), idx.first_rollout);
@@ -298,7 +299,8 @@ int train_main(int argc, char** argv) {
     return 0;
   }
   if (cfg.trace) trace_writer::process().open((fs::path(run_dir) / "traces" / (node + ".jsonl")).string(), node);
-  auto env = env_make(cfg, node, run_dir, init_dir, start_version);
+  const std::string run_id = cfg.name + "-" + std::to_string(trace_now_us()) + "-" + std::to_string(::getpid());
+  auto env = env_make(cfg, node, run_dir, init_dir, start_version, run_id);
   int code = 1;
   {
     caf::actor_system sys{ccfg};
@@ -328,7 +330,7 @@ int train_main(int argc, char** argv) {
       agents.push_back(caf::actor_cast<caf::actor>(*agent));
       json init = {{"recipe", recipe_to_json(cfg)}, {"topology", topology_to_json(topo)}, {"node", n.name},
                    {"run_dir", fs::absolute(run_dir).string()}, {"init_dir", fs::absolute(init_dir).string()},
-                   {"start_version", start_version}};
+                   {"start_version", start_version}, {"run_id", run_id}};
       caf::scoped_actor self{sys};
       self->request(*agent, std::chrono::seconds(120), msg::start_atom::value, init.dump(), caf::actor_cast<caf::actor>(ctrl))
           .receive([&](std::vector<caf::actor>& hs) { spawned.emplace_back(&n, std::move(hs)); },

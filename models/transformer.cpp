@@ -73,7 +73,8 @@ std::vector<float> values_of(const weight_source& src, const model_config& cfg, 
   }
   auto it = src.values->find(name);
   if (it == src.values->end()) throw std::invalid_argument("weights: tensor '" + name + "' is missing from the bundle");
-  const auto& info = model_param_layout(cfg).at(name);
+  const param_layout layout = model_param_layout(cfg);
+  const param_info& info = layout.at(name);
   if (static_cast<int64_t>(it->second.size()) != info.numel)
     throw std::invalid_argument("weights: tensor '" + name + "' has " + std::to_string(it->second.size()) +
                                 " values, needs " + std::to_string(info.numel));

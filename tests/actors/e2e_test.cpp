@@ -162,3 +162,20 @@ TEST(E2E, KillingTheRemoteRolloutMidRunIsSurvived) {
   EXPECT_EQ(m.back()["buffer/admitted_total"], steps * 8.0);  // every group counted exactly once
   fs::remove_all(d);
 }
+
+TEST(E2E, TwoLearnersAllReduceAndAuditMode) {
+  const fs::path d = fresh_dir("learners");
+  const fs::path topo = d / "two-learners.conf";
+  std::ofstream(topo) << "[cluster]\nnodes=[{name=\"main\", host=\"127.0.0.1\", port=0, roles=[\"controller\", \"buffer\", "
+                         "\"reward\", \"weight_sync\", \"calibration\"], learners=[\"cpu:1\", \"cpu:1\"], rollouts=[\"cpu:1\"]}]\n";
+  ASSERT_EQ(run(kBin + "/fp8rl train --topology " + topo.string() + " --run-dir " + (d / "run").string() + kSmall +
+                " --audit.every=1 --audit.samples=4"),
+            0);
+  const auto m = metrics(d / "run");
+  ASSERT_EQ(m.size(), 4u);
+  EXPECT_TRUE(fs::exists(d / "run" / "gloo"));  // the learners met through Gloo's file store
+  bool audited = false;
+  for (const auto& x : m) audited |= x.contains("audit/precision_kl") && x.contains("audit/staleness_kl");
+  EXPECT_TRUE(audited);
+  fs::remove_all(d);
+}

@@ -2,7 +2,8 @@
 //   fp8rl generate --model DIR --prompts FILE.jsonl [--policy fp32|bf16|fp8|fp8-kv]
 //                  [--kv f32|bf16|fp8] [--max-tokens N] [--temperature T] [--top-k K] [--top-p P]
 //                  [--seed S] [--slots N] [--max-context N] [--stop ID,ID] [--threads N]
-// Input lines {"tokens": [ids...]}; output one JSON line per prompt, in input order:
+// Input lines {"tokens": [ids...]} or {"text": "..."} (model dir with a tokenizer); output one JSON
+// line per prompt, in input order:
 //   {"tokens": [...], "logprobs": [...], "weight_version": [...], "scale_version": [...],
 //    "finish": "stop"|"length"}
 // logprobs are g_t: log p(token) under the distribution sampled from (after temperature,
@@ -22,8 +23,9 @@ namespace fp8rl::cli {
 int cmd_generate(int argc, char** argv) {
   const args a = args_parse(argc, argv, 2,
                             {"model", "prompts", "policy", "bf16-layers", "scale-mode", "kv", "max-tokens",
-                             "temperature", "top-k", "top-p", "seed", "slots", "max-context", "stop", "threads"},
+                             "temperature", "top-k", "top-p", "seed", "slots", "max-context", "stop", "threads", "log-level"},
                             {});
+  log_level_from_args(a);
   const auto params = models::model_load(a.need("model"));
   models::engine_config ec;
   ec.policy = policy_from_args(a, "fp32");
@@ -36,7 +38,7 @@ int cmd_generate(int argc, char** argv) {
   ec.policy.validate();
   ec.slots = a.get_int("slots", 8);
   ec.max_context = a.get_int("max-context", std::min<int64_t>(params.cfg.max_position_embeddings, 2048));
-  const auto items = read_token_jsonl(a.need("prompts"), params.cfg.vocab_size);
+  const auto items = read_token_jsonl(a.need("prompts"), params.cfg.vocab_size, tokenizer_of(a.need("model")).get());
   std::vector<int32_t> stops;
   if (a.has("stop")) {
     std::stringstream ss(a.get("stop"));

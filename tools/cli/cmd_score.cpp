@@ -16,9 +16,10 @@ namespace fp8rl::cli {
 int cmd_score(int argc, char** argv) {
   const args a = args_parse(argc, argv, 2, {"model", "input", "policy", "bf16-layers", "scale-mode", "threads",
                                             "max-batch-tokens", "log-level"}, {});
+  log_level_from_args(a);
   const auto params = models::model_load(a.need("model"));
   const auto policy = policy_from_args(a).training();
-  const auto items = read_token_jsonl(a.need("input"), params.cfg.vocab_size);
+  const auto items = read_token_jsonl(a.need("input"), params.cfg.vocab_size, tokenizer_of(a.need("model")).get());
   const int64_t max_tokens = a.get_int("max-batch-tokens", 4096);
   with_threads(a, [&] {
     auto be = models::make_cpu_backend();

@@ -27,8 +27,9 @@ models::model_config tiny_model_config(int64_t vocab) {
 int cmd_sft(int argc, char** argv) {
   const args a = args_parse(argc, argv, 2,
                             {"out", "task", "model", "tokenizer", "steps", "batch", "lr", "policy", "bf16-layers",
-                             "scale-mode", "seed", "threads", "size"},
+                             "scale-mode", "seed", "threads", "size", "log-level"},
                             {});
+  log_level_from_args(a);
   const auto task = models::task_spec_parse(a.get("task", "builtin:add2"));
   const uint64_t seed = static_cast<uint64_t>(a.get_int("seed", 1));
   std::unique_ptr<models::tokenizer> tok;
@@ -80,8 +81,9 @@ int cmd_sft(int argc, char** argv) {
 int cmd_eval(int argc, char** argv) {
   const args a = args_parse(argc, argv, 2,
                             {"model", "task", "verifier", "policy", "bf16-layers", "scale-mode", "max-tokens", "seed",
-                             "threads", "n"},
+                             "threads", "n", "log-level"},
                             {});
+  log_level_from_args(a);
   const auto params = models::model_load(a.need("model"));
   const auto tok = models::tokenizer_load(a.need("model"));
   const auto task = models::task_spec_parse(a.get("task", "builtin:add2"));

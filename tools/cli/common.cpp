@@ -3,12 +3,26 @@
 
 #include <tbb/task_arena.h>
 
+#include <filesystem>
 #include <fstream>
+
+#include "models/log.hpp"
 #include <nlohmann/json.hpp>
 
 namespace fp8rl::cli {
 
-std::vector<jsonl_item> read_token_jsonl(const std::string& path, int64_t vocab) {
+std::unique_ptr<models::tokenizer> tokenizer_of(const std::string& model_dir) {
+  namespace fs = std::filesystem;
+  if (!fs::exists(fs::path(model_dir) / "tokenizer.json") && !fs::exists(fs::path(model_dir) / "fp8rl-char-tokenizer.json"))
+    return nullptr;
+  return models::tokenizer_load(model_dir);
+}
+
+void log_level_from_args(const args& a) {
+  if (a.has("log-level")) log_set_level(a.get("log-level"));
+}
+
+std::vector<jsonl_item> read_token_jsonl(const std::string& path, int64_t vocab, const models::tokenizer* tok) {
   std::ifstream f(path);
   if (!f) throw std::invalid_argument(path + ": cannot open");
   std::vector<jsonl_item> out;
@@ -24,10 +38,20 @@ std::vector<jsonl_item> read_token_jsonl(const std::string& path, int64_t vocab)
     } catch (const nlohmann::json::exception& e) {
       throw std::invalid_argument(where + "not valid JSON (" + e.what() + ")");
     }
-    if (!j.is_object() || !j.contains("tokens") || !j["tokens"].is_array())
-      throw std::invalid_argument(where + "expected an object with a list 'tokens'");
     jsonl_item it;
     it.line = n;
+    if (j.is_object() && j.contains("text") && j["text"].is_string()) {
+      if (!tok) throw std::invalid_argument(where + "'text' needs a tokenizer in the model directory; give 'tokens'");
+      try {
+        it.tokens = tok->encode(j["text"].get<std::string>(), true);
+      } catch (const std::exception& e) {
+        throw std::invalid_argument(where + e.what());
+      }
+      out.push_back(std::move(it));
+      continue;
+    }
+    if (!j.is_object() || !j.contains("tokens") || !j["tokens"].is_array())
+      throw std::invalid_argument(where + "expected an object with a list 'tokens' (or a string 'text')");
     for (const auto& t : j["tokens"]) {
       if (!t.is_number_integer()) throw std::invalid_argument(where + "'tokens' holds a non-integer");
       const int64_t v = t.get<int64_t>();

@@ -2,20 +2,27 @@
 // line-numbered errors, precision-policy flags, thread arena.
 #pragma once
 #include <functional>
+#include <memory>
 #include <string>
 #include <vector>
 
 #include "models/precision.hpp"
+#include "models/tokenizer.hpp"
 #include "tools/cli/args.hpp"
 
 namespace fp8rl::cli {
 
-// Reads lines {"tokens": [ids...]}. Errors name file:line and what is wrong.
+// Reads lines {"tokens": [ids...]} or {"text": "..."} (encoded with `tok`, BOS added, when the
+// model directory has a tokenizer). Errors name file:line and what is wrong.
 struct jsonl_item {
   std::vector<int32_t> tokens;
   int64_t line = 0;
 };
-std::vector<jsonl_item> read_token_jsonl(const std::string& path, int64_t vocab);
+std::vector<jsonl_item> read_token_jsonl(const std::string& path, int64_t vocab, const models::tokenizer* tok = nullptr);
+// The tokenizer of a model directory, or null if it has none.
+std::unique_ptr<models::tokenizer> tokenizer_of(const std::string& model_dir);
+// --log-level LEVEL (every subcommand)
+void log_level_from_args(const args& a);
 
 // --policy NAME [--bf16-layers FIRST,LAST] [--scale-mode pow2|fp32]
 models::precision_policy policy_from_args(const args& a, const std::string& def = "fp32");

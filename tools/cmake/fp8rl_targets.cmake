@@ -30,8 +30,12 @@ function(fp8rl_add_test name)
   if(NOT T_TIMEOUT)
     set(T_TIMEOUT 600)
   endif()
+  # GoogleTest's PRE_TEST discovery flattens list-valued properties, so several labels become one
+  # joined by '_' ("quant_exhaustive"); ctest -L takes a regex, so -L exhaustive and -L quant
+  # both select it.
+  string(REPLACE ";" "_" labels "${T_LABELS}")
   gtest_discover_tests(${name} DISCOVERY_MODE PRE_TEST
-    PROPERTIES LABELS "${T_LABELS}" TIMEOUT ${T_TIMEOUT}
+    PROPERTIES LABELS "${labels}" TIMEOUT ${T_TIMEOUT}
     WORKING_DIRECTORY ${CMAKE_SOURCE_DIR})
 endfunction()
 
