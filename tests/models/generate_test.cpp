@@ -9,6 +9,9 @@
 #include <cstring>
 #include <thread>
 
+#include <tbb/global_control.h>
+#include <tbb/task_arena.h>
+
 #include "models/cpu/cpu_backend.hpp"
 #include "models/generate.hpp"
 
@@ -166,6 +169,9 @@ TEST(Generate, AdoptionAtStepBoundariesTagsTokens) {
 }
 
 TEST(Generate, ConcurrentAdopterNeverTearsAStep) {
+  // oneTBB without worker threads: under TSan (libtbb is not instrumented) the only concurrency
+  // left is the adopter thread against the stepping thread -- the handoff this test is about.
+  tbb::global_control serial(tbb::global_control::max_allowed_parallelism, 1);
   const model_params base = model_params_init(cfg(), 8);
   std::vector<model_params> vers;
   for (int v = 0; v < 6; ++v) { vers.push_back(base); for (auto& x : vers.back().data) x *= 1.0f + 0.01f * v; }
@@ -177,16 +183,20 @@ TEST(Generate, ConcurrentAdopterNeverTearsAStep) {
   for (int v = 1; v < 6; ++v)
     bundles.push_back(std::make_shared<fp8rl::quant::weight_bundle>(bundle_from_params(vers[v], ec.policy, v + 1, v + 1, nullptr)));
   for (auto& r : requests(12, 1.0f)) { r.max_tokens = 20; e.submit(r); }
-  std::atomic<bool> stop{false};
+  // Each thread runs oneTBB in a one-slot arena: no TBB worker threads take part, so under TSan
+  // (uninstrumented libtbb) the only concurrency is the adopter vs the stepping thread.
   std::thread adopter([&] {
-    for (const auto& b : bundles) {
-      EXPECT_EQ(e.adopt(b), "");
-      std::this_thread::sleep_for(std::chrono::milliseconds(3));
-    }
-    stop = true;
+    tbb::task_arena(1).execute([&] {
+      for (const auto& b : bundles) {
+        EXPECT_EQ(e.adopt(b), "");
+        std::this_thread::sleep_for(std::chrono::milliseconds(3));
+      }
+    });
   });
   std::vector<gen_result> res;
-  while (!e.idle()) for (auto& r : e.step()) res.push_back(std::move(r));
+  tbb::task_arena(1).execute([&] {
+    while (!e.idle()) for (auto& r : e.step()) res.push_back(std::move(r));
+  });
   adopter.join();
   ASSERT_EQ(res.size(), 12u);
   for (const auto& r : res)
