@@ -9,6 +9,7 @@
 
 #include <dnnl.hpp>
 #include <memory>
+#include <sstream>
 #include <string>
 
 #include "quant/fp8.hpp"
@@ -134,6 +135,16 @@ int main(int argc, char** argv) {
     for (auto nk : {std::pair<int64_t, int64_t>{2048, 2048}, {5632, 2048}, {2048, 5632}})
       shapes.push_back({m, nk.first, nk.second});
   shapes.push_back({1, 4096, 4096});  // GEMV (decode, weights from memory)
+  if (a.extra.count("shapes")) {       // --shapes=MxNxK,MxNxK: only these
+    shapes.clear();
+    std::stringstream ss(a.extra["shapes"]);
+    std::string item;
+    while (std::getline(ss, item, ',')) {
+      shape s{};
+      if (std::sscanf(item.c_str(), "%ldx%ldx%ld", &s.M, &s.N, &s.K) != 3) { std::fprintf(stderr, "bad shape '%s'\n", item.c_str()); return 2; }
+      shapes.push_back(s);
+    }
+  }
   if (!a.extra.count("onednn-isa") && bench_selected(a, "peak"))
     for (int t : a.threads)
       bench_emit(a, {{"bench", jstr("gemm")}, {"impl", jstr("vdpbf16ps_peak")}, {"threads", jnum(t)},
@@ -142,8 +153,10 @@ int main(int argc, char** argv) {
     for (int t : a.threads) run_shape(a, s, t);
   // the oneDNN AVX512_CORE_BF16 baseline runs in a child process (set_max_cpu_isa is once per process)
   if (!a.extra.count("onednn-isa") && bench_selected(a, "onednn_bf16")) {
-    std::string cmd = std::string(argv[0]) + " --onednn-isa=avx512_core_bf16 --only=onednn_bf16";
-    for (int i = 1; i < argc; ++i) cmd += std::string(" ") + argv[i];
+    std::string cmd = std::string(argv[0]) + " --onednn-isa=avx512_core_bf16";
+    for (int i = 1; i < argc; ++i)
+      if (std::string(argv[i]).rfind("--only=", 0) != 0) cmd += std::string(" ") + argv[i];
+    cmd += " --only=onednn_bf16";
     std::fflush(stdout);
     return std::system(cmd.c_str()) == 0 ? 0 : 1;
   }
