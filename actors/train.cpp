@@ -213,17 +213,8 @@ std::string prepare_init(const run_config& cfg, const std::string& run_dir, bool
   if (!task.builtin) throw std::invalid_argument("model.init = tiny works with built-in tasks; give a model directory for '" + cfg.task + "'");
   auto tok = models::char_tokenizer_make(models::arithmetic_alphabet());
   models::checkpoint c;
-  models::model_config mc;
-  if (cfg.size == "small") {  // the bench-train shape
-    mc.hidden_size = 512; mc.intermediate_size = 1536; mc.num_hidden_layers = 8; mc.num_attention_heads = 8;
-    mc.num_key_value_heads = 2; mc.head_dim = 64;
-  } else {
-    mc.hidden_size = 128; mc.intermediate_size = 256; mc.num_hidden_layers = 2; mc.num_attention_heads = 4;
-    mc.num_key_value_heads = 2; mc.head_dim = 32;
-  }
-  mc.vocab_size = tok->vocab_size();
-  mc.max_position_embeddings = std::max<int64_t>(64, cfg.max_context);
-  mc.initializer_range = 0.05;
+  const models::model_config mc =
+      models::model_config_builtin(cfg.size, tok->vocab_size(), std::max<int64_t>(64, cfg.max_context));
   c.params = models::model_params_init(mc, static_cast<uint64_t>(cfg.seed));
   models::sft_config sc;
   sc.steps = cfg.sft_steps;

@@ -119,6 +119,23 @@ model_config model_config_parse(const std::string& text, const std::string& sour
   return c;
 }
 
+model_config model_config_builtin(const std::string& size, int64_t vocab, int64_t max_positions) {
+  model_config c;
+  if (size == "tiny") {
+    c.hidden_size = 128; c.intermediate_size = 256; c.num_hidden_layers = 2; c.num_attention_heads = 4;
+    c.num_key_value_heads = 2; c.head_dim = 32;
+  } else if (size == "small") {
+    c.hidden_size = 512; c.intermediate_size = 1536; c.num_hidden_layers = 8; c.num_attention_heads = 8;
+    c.num_key_value_heads = 2; c.head_dim = 64;
+  } else {
+    throw std::invalid_argument("built-in model size '" + size + "' is not tiny or small");
+  }
+  c.vocab_size = vocab;
+  c.max_position_embeddings = max_positions;
+  c.initializer_range = 0.05;
+  return c;
+}
+
 model_config model_config_load(const std::string& path) {
   std::ifstream f(path);
   if (!f) throw std::invalid_argument(path + ": cannot open");

@@ -32,6 +32,11 @@ struct model_config {
 
 // Parses config.json text; `source` names the file in errors. Unknown fields and unsupported
 // values (rope_scaling, biases, other activations, ...) are errors naming the field.
+// The built-in model sizes (random init / SFT warm start for the built-in tasks):
+// tiny = hidden 128, 2 layers, 4 heads (2 KV), intermediate 256; small = hidden 512, 8 layers,
+// 8 heads (2 KV), intermediate 1536 (the bench-train shape).
+model_config model_config_builtin(const std::string& size, int64_t vocab, int64_t max_positions);
+
 model_config model_config_parse(const std::string& json_text, const std::string& source);
 model_config model_config_load(const std::string& path);
 std::string model_config_to_json(const model_config& c);

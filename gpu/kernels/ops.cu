@@ -4,6 +4,7 @@
 #include <cuda_runtime.h>
 
 #include "gpu/device.hpp"
+#include "gpu/kernels/e4m3_device.cuh"
 #include "gpu/ops.hpp"
 
 namespace fp8rl::gpu {
@@ -86,38 +87,14 @@ __global__ void adamw_kernel(float* p, float* g, float* m, float* v, int64_t n, 
   p[i] -= step_size * (m[i] / (sqrtf(v[i]) / bc2_sqrt + eps));
 }
 
-__device__ __forceinline__ uint8_t enc(float x) {
-  // same integer encoder as quantize.cu (kept local so each TU stays self-contained)
-  const uint32_t u = __float_as_uint(x);
-  const uint8_t sign = static_cast<uint8_t>((u >> 24) & 0x80u);
-  const uint32_t a = u & 0x7fffffffu;
-  if (a > 0x7f800000u) return 0x7f;
-  if (a >= 0x43e00000u) return sign | 0x7e;
-  if (a >= 0x3c800000u) return sign | static_cast<uint8_t>(((a + 0x7ffffu + ((a >> 20) & 1u)) >> 20) - 960u);
-  const uint32_t e = a >> 23;
-  if (e == 0) return sign;
-  const uint32_t mant = (a & 0x7fffffu) | 0x800000u, shift = 141u - e;
-  if (shift >= 32u) return sign;
-  uint32_t k = mant >> shift;
-  const uint32_t rem = mant & ((1u << shift) - 1u), half = 1u << (shift - 1u);
-  if (rem > half || (rem == half && (k & 1u))) ++k;
-  return sign | static_cast<uint8_t>(k);
-}
-
-__device__ __forceinline__ float dec(uint8_t b) {
-  const int s = b >> 7, e = (b >> 3) & 15, m = b & 7;
-  const float v = e ? ldexpf(1.0f + m / 8.0f, e - 7) : ldexpf(float(m), -9);
-  return s ? -v : v;
-}
-
 __global__ void kv_write_kernel(const float* x, int64_t n, int64_t KV, int64_t D, const float* scale, uint8_t* codes) {
   const int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
-  if (i < n) codes[i] = enc(__fdiv_rn(x[i], scale[(i / D) % KV]));
+  if (i < n) codes[i] = e4m3_encode(__fdiv_rn(x[i], scale[(i / D) % KV]));
 }
 
 __global__ void kv_read_kernel(const uint8_t* codes, int64_t n, int64_t KV, int64_t D, const float* scale, float* x) {
   const int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
-  if (i < n) x[i] = __fmul_rn(dec(codes[i]), scale[(i / D) % KV]);
+  if (i < n) x[i] = __fmul_rn(e4m3_decode(codes[i]), scale[(i / D) % KV]);
 }
 
 __device__ __forceinline__ float rnd(float x, bool bf16) { return bf16 ? __bfloat162float(__float2bfloat16_rn(x)) : x; }

@@ -7,34 +7,13 @@
 #include <vector>
 
 #include "gpu/device.hpp"
+#include "gpu/kernels/e4m3_device.cuh"
 #include "gpu/ops.hpp"
 #include "quant/fp8.hpp"
 #include "quant/quantize_impl.hpp"
 
 namespace fp8rl::gpu {
 namespace {
-
-// The integer SATFINITE RNE encoder of quant/fp8.cpp, on the device.
-__device__ __forceinline__ uint8_t e4m3_encode(float x) {
-  const uint32_t u = __float_as_uint(x);
-  const uint8_t sign = static_cast<uint8_t>((u >> 24) & 0x80u);
-  const uint32_t a = u & 0x7fffffffu;
-  if (a > 0x7f800000u) return 0x7f;
-  if (a >= 0x43e00000u) return sign | 0x7e;
-  if (a >= 0x3c800000u) {
-    const uint32_t r = (a + 0x7ffffu + ((a >> 20) & 1u)) >> 20;
-    return sign | static_cast<uint8_t>(r - 960u);
-  }
-  const uint32_t e = a >> 23;
-  if (e == 0) return sign;
-  const uint32_t mant = (a & 0x7fffffu) | 0x800000u;
-  const uint32_t shift = 150u - e - 9u;
-  if (shift >= 32u) return sign;
-  uint32_t k = mant >> shift;
-  const uint32_t rem = mant & ((1u << shift) - 1u), half = 1u << (shift - 1u);
-  if (rem > half || (rem == half && (k & 1u))) ++k;
-  return sign | static_cast<uint8_t>(k);
-}
 
 __constant__ float c_e4m3[256];
 

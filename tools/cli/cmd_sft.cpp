@@ -16,14 +16,6 @@
 
 namespace fp8rl::cli {
 
-models::model_config tiny_model_config(int64_t vocab) {
-  models::model_config c;
-  c.hidden_size = 128; c.intermediate_size = 256; c.num_hidden_layers = 2; c.num_attention_heads = 4;
-  c.num_key_value_heads = 2; c.head_dim = 32; c.vocab_size = vocab; c.max_position_embeddings = 64;
-  c.initializer_range = 0.05;
-  return c;
-}
-
 int cmd_sft(int argc, char** argv) {
   const args a = args_parse(argc, argv, 2,
                             {"out", "task", "model", "tokenizer", "steps", "batch", "lr", "policy", "bf16-layers",
@@ -42,8 +34,7 @@ int cmd_sft(int argc, char** argv) {
   if (a.has("model")) {
     ck.params = models::model_load(a.get("model"));
   } else {
-    if (a.get("size", "tiny") != "tiny") throw std::invalid_argument("option --size: only 'tiny' is built in");
-    ck.params = models::model_params_init(tiny_model_config(tok->vocab_size()), seed);
+    ck.params = models::model_params_init(models::model_config_builtin(a.get("size", "tiny"), tok->vocab_size(), 64), seed);
   }
   if (tok->vocab_size() > ck.params.cfg.vocab_size)
     throw std::invalid_argument("tokenizer has " + std::to_string(tok->vocab_size()) + " tokens, model vocab_size is " +
