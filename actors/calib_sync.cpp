@@ -29,6 +29,7 @@ struct sync_version {
   double published_at = 0, max_latency = 0;
   std::set<std::string> waiting;  // rollouts that have not acked
   bool cross = false, reported = false;
+  double transfer_s = 0;          // slowest chunked transfer (cross-process)
 };
 
 struct sync_state {
@@ -80,30 +81,45 @@ msg::weight_sync_actor spawn_weight_sync(caf::actor_system& sys, std::shared_ptr
     self->state.env = env;
     auto log = log_get("weight_sync");
     // Sends a bundle to one remote rollout as raw-byte chunks, one request in flight.
+    // Sends a bundle to one remote rollout as raw-byte chunks with a window of kWindow requests
+    // in flight (the acks are the backpressure; CAF keeps per-sender order, so the rollout
+    // appends chunks in sequence).
     auto send_chunks = [self, log](msg::rollout_actor r, std::string name, std::shared_ptr<const std::vector<char>> bytes,
                                    uint64_t version, double published_at) {
-      constexpr size_t kChunk = size_t{32} << 20;  // 32 MiB, far below CAF's 4 GiB frame limit
+      constexpr size_t kChunk = size_t{4} << 20;  // 4 MiB, far below CAF's 4 GiB frame limit
+      constexpr uint32_t kWindow = 4;
       const uint32_t total = static_cast<uint32_t>(std::max<size_t>(1, (bytes->size() + kChunk - 1) / kChunk));
-      auto next = std::make_shared<std::function<void(uint32_t)>>();
-      *next = [self, r, name, bytes, version, published_at, total, next, log](uint32_t seq) {
+      struct progress { uint32_t sent = 0, acked = 0; bool failed = false; };
+      auto pr = std::make_shared<progress>();
+      auto send_one = std::make_shared<std::function<void()>>();
+      const double t_start = now_s();
+      *send_one = [self, r, name, bytes, version, published_at, total, pr, send_one, log, t_start] {
         msg::bundle_chunk c;
         c.version = version;
-        c.seq = seq;
+        c.seq = pr->sent++;
         c.total = total;
         c.published_at = published_at;
-        const size_t b = size_t(seq) * kChunk, e = std::min(bytes->size(), b + kChunk);
+        const size_t b = size_t(c.seq) * kChunk, e = std::min(bytes->size(), b + kChunk);
         c.bytes.assign(bytes->begin() + static_cast<long>(b), bytes->begin() + static_cast<long>(e));
         self->request(r, std::chrono::seconds(60), std::move(c)).then(
-            [next, total](msg::chunk_ack& a) {
-              if (a.seq + 1 < total) (*next)(a.seq + 1);
-              else *next = nullptr;  // break the cycle
+            [self, pr, send_one, total, version, t_start](msg::chunk_ack&) {
+              if (pr->failed) return;
+              if (++pr->acked == total) {
+                auto it = self->state.versions.find(version);
+                if (it != self->state.versions.end()) it->second.transfer_s = std::max(it->second.transfer_s, now_s() - t_start);
+                *send_one = nullptr;  // break the cycle
+              } else if (pr->sent < total) {
+                (*send_one)();
+              }
             },
-            [self, name, next, log, version](caf::error& err) {
+            [self, name, pr, send_one, log, version](caf::error& err) {
+              if (pr->failed) return;
+              pr->failed = true;
               log->warn("bundle v{} to {} failed: {}", version, name, self->system().render(err));
-              *next = nullptr;
+              *send_one = nullptr;
             });
       };
-      (*next)(0);
+      for (uint32_t i = 0; i < std::min(kWindow, total); ++i) (*send_one)();
     };
     return {
         [self](msg::peers_msg& p) {
@@ -115,7 +131,7 @@ msg::weight_sync_actor spawn_weight_sync(caf::actor_system& sys, std::shared_ptr
             for (auto it = sv.waiting.begin(); it != sv.waiting.end();) it = live.count(*it) ? std::next(it) : sv.waiting.erase(it);
             if (sv.waiting.empty() && sv.bundle && !sv.reported) {
               sv.reported = true;
-              self->send(s.peers.controller, msg::sync_report{v, sv.max_latency, static_cast<double>(sv.bundle->bytes()), sv.cross});
+              self->send(s.peers.controller, msg::sync_report{v, sv.max_latency, static_cast<double>(sv.bundle->bytes()), sv.cross, sv.transfer_s});
             }
           }
         },
@@ -165,7 +181,8 @@ msg::weight_sync_actor spawn_weight_sync(caf::actor_system& sys, std::shared_ptr
           if (it->second.waiting.empty() && !it->second.reported) {
             it->second.reported = true;
             self->send(s.peers.controller, msg::sync_report{a.weight_version, it->second.max_latency,
-                                                             static_cast<double>(it->second.bundle->bytes()), it->second.cross});
+                                                             static_cast<double>(it->second.bundle->bytes()), it->second.cross,
+                                                             it->second.transfer_s});
           }
         },
         [self](msg::status_atom) -> msg::metrics_t {

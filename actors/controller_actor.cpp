@@ -206,6 +206,7 @@ msg::controller_actor spawn_controller(caf::actor_system& sys, std::shared_ptr<c
           s.extras["sync_latency_s"] = r.latency_s;
           s.extras["sync_bytes"] = r.bytes;
           s.extras["sync_cross_process"] = r.cross_process ? 1.0 : 0.0;
+          if (r.cross_process) s.extras["sync_transfer_s"] = r.transfer_s;
         },
         [finish](std::string& who, std::string& what) { finish(1, who + ": " + what); },
     };

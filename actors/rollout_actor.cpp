@@ -89,7 +89,7 @@ msg::rollout_actor spawn_rollout(caf::actor_system& sys, std::shared_ptr<const a
           schedule();
         },
         [adopt](msg::bundle_msg& b) { adopt(b.bundle, b.published_at); },
-        [self, adopt](msg::bundle_chunk& c) -> msg::chunk_ack {
+        [self](msg::bundle_chunk& c) -> msg::chunk_ack {
           auto& s = self->state;
           if (c.seq == 0) { s.chunks.clear(); s.chunk_version = c.version; }
           if (c.version == s.chunk_version) s.chunks.insert(s.chunks.end(), c.bytes.begin(), c.bytes.end());
@@ -108,7 +108,9 @@ msg::rollout_actor spawn_rollout(caf::actor_system& sys, std::shared_ptr<const a
             }
             s.chunks.clear();
             s.chunks.shrink_to_fit();
-            if (b) adopt(b, c.published_at);
+            // adopt in a message of its own: the ack means "transfer complete", and adoption still
+            // happens between two engine steps
+            if (b) self->send(self, msg::bundle_msg{{}, std::move(b), c.published_at});
           }
           return {c.version, c.seq};
         },

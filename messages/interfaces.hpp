@@ -27,12 +27,13 @@ typename Inspector::result_type inspect(Inspector& f, admitted_msg& x) {
 // A bundle was adopted by every live rollout (weight-sync -> controller), for timing.
 struct sync_report {
   uint64_t version = 0;
-  double latency_s = 0, bytes = 0;
+  double latency_s = 0, bytes = 0;  // publish -> adopted by every live rollout; payload bytes
   bool cross_process = false;
+  double transfer_s = 0;  // cross-process: first chunk sent -> last chunk acked (slowest rollout)
 };
 template <class Inspector>
 typename Inspector::result_type inspect(Inspector& f, sync_report& x) {
-  return f(caf::meta::type_name("sync_report"), x.version, x.latency_s, x.bytes, x.cross_process);
+  return f(caf::meta::type_name("sync_report"), x.version, x.latency_s, x.bytes, x.cross_process, x.transfer_s);
 }
 
 using metrics_t = std::map<std::string, double>;

@@ -92,10 +92,17 @@ int main(int argc, char** argv) {
                                       : (bin / "fp8rl").string() + " train" + small + pol;
         const auto m = run_train(cmd, work / (std::string("sync_") + prec + (cross ? "_cross" : "_local")));
         const double lat = median_of(m, "sync_latency_s", 1), bytes = median_of(m, "sync_bytes", 1);
-        bench_emit(a, {{"bench", jstr("rl")}, {"impl", jstr("bundle_sync")}, {"bundle", jstr(prec)},
-                       {"transport", jstr(cross ? "cross_process" : "in_process")}, {"bytes", jnum(bytes)},
-                       {"median_latency_s", jnum(lat)}, {"mb_per_s", jnum(lat > 0 ? bytes / lat / 1e6 : 0.0)},
-                       {"note", jstr("latency = publish -> adopted by the rollout (transfer + deserialize + prepare)")}});
+        const double xfer = cross ? median_of(m, "sync_transfer_s", 1) : 0.0;
+        std::vector<std::pair<std::string, std::string>> f = {
+            {"bench", jstr("rl")}, {"impl", jstr("bundle_sync")}, {"bundle", jstr(prec)},
+            {"transport", jstr(cross ? "cross_process" : "in_process")}, {"bytes", jnum(bytes)},
+            {"median_latency_s", jnum(lat)}, {"mb_per_s", jnum(lat > 0 ? bytes / lat / 1e6 : 0.0)}};
+        if (cross) {
+          f.push_back({"median_transfer_s", jnum(xfer)});
+          f.push_back({"transfer_mb_per_s", jnum(xfer > 0 ? bytes / xfer / 1e6 : 0.0)});
+        }
+        f.push_back({"note", jstr("latency = publish -> adopted (transfer + deserialize + engine prepare); transfer = chunks only")});
+        bench_emit(a, f);
       }
     }
   }
