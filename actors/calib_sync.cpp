@@ -80,7 +80,6 @@ msg::weight_sync_actor spawn_weight_sync(caf::actor_system& sys, std::shared_ptr
   return sys.spawn([env](self_t self) -> msg::weight_sync_actor::behavior_type {
     self->state.env = env;
     auto log = log_get("weight_sync");
-    // Sends a bundle to one remote rollout as raw-byte chunks, one request in flight.
     // Sends a bundle to one remote rollout as raw-byte chunks with a window of kWindow requests
     // in flight (the acks are the backpressure; CAF keeps per-sender order, so the rollout
     // appends chunks in sequence).
