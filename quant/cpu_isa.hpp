@@ -2,7 +2,9 @@
 // defines: cpu_isa, cpu_isa_detected, cpu_isa_active, cpu_isa_set_limit, cpu_isa_name
 //
 // Levels are cumulative. `portable` is plain C++ and always available; `avx512` needs
-// AVX-512 F/BW/VL/DQ; `avx512_bf16` adds AVX512_BF16 and AVX512_VBMI (VDPBF16PS, VPERMI2B).
+// AVX-512 F/BW/VL/DQ; `avx512_bf16` adds AVX512_BF16 and AVX512_VBMI (VDPBF16PS, VPERMI2B);
+// `amx` adds AMX-TILE + AMX-BF16 with the kernel's permission for tile data (arch_prctl), used
+// only by the tile GEMMs (quant/gemm.hpp), which are tolerance-checked, not bit-exact.
 // cpu_isa_set_limit lets tests and benchmarks run every path on one machine.
 #pragma once
 #include <cstdint>
@@ -11,7 +13,7 @@
 
 namespace fp8rl::quant {
 
-enum class cpu_isa : uint8_t { portable = 0, avx512 = 1, avx512_bf16 = 2 };
+enum class cpu_isa : uint8_t { portable = 0, avx512 = 1, avx512_bf16 = 2, amx = 3 };
 
 cpu_isa cpu_isa_detected();
 cpu_isa cpu_isa_active();            // min(detected, limit)

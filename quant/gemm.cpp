@@ -1,6 +1,9 @@
 // quant/gemm.cpp -- GEMM dispatch: checks operands, prepares A, picks the kernel and form.
 // Every choice made here changes speed only, never a bit of the result.
+#include <tbb/blocked_range.h>
 #include <tbb/parallel_for.h>
+
+#include <algorithm>
 
 #include <stdexcept>
 
@@ -32,6 +35,16 @@ bool use_narrow(const gemm_packed_b& B, bool has_narrow, int64_t M, cpu_isa isa,
   if (isa < cpu_isa::avx512_bf16 || !has_narrow) return false;
   return M <= cfg.stream_max_m || B.wide.empty();
 }
+
+void check_tiles(const gemm_packed_b& B, const char* fn) {
+  if (!gemm_tiles_available())
+    throw std::runtime_error(std::string(fn) + ": needs AMX-BF16 tiles, and this CPU (or its kernel) offers only " +
+                             std::string(cpu_isa_name(cpu_isa_active())));
+  if (B.tiles.empty())
+    throw std::invalid_argument(std::string(fn) + ": B '" + B.name + "' has no tile form (pack it with forms.tiles)");
+}
+
+int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
 void run_wide(gemm_model model, const gemm_a_operand& A, const gemm_packed_b& B, float* C, cpu_isa isa) {
   if (B.wide.empty())
@@ -73,14 +86,21 @@ void gemm_bf16(const gemm_desc& d, const uint16_t* A, const gemm_packed_b& B, fl
   run_wide(gemm_model::pairs, {d.M, lda, af.data(), nullptr, nullptr}, B, C, isa);
 }
 
-void gemm_fp8(const qtensor& A, const gemm_packed_b& B, float* C, const gemm_config& cfg) {
+namespace {
+gemm_desc check_fp8(const qtensor& A, const gemm_packed_b& B, const char* fn) {
   if (A.layout == qlayout::block_128x128)
-    throw std::invalid_argument("gemm_fp8: A '" + A.name +
+    throw std::invalid_argument(std::string(fn) + ": A '" + A.name +
                                 "' uses 128x128 blocks; A needs 1x128 tiles (2Dx2D is rejected)");
   const gemm_desc d{A.op_rows(), B.N, A.op_cols()};
-  check_packed(d, B, gemm_dtype::fp8, "gemm_fp8");
+  check_packed(d, B, gemm_dtype::fp8, fn);
   if (A.mode != B.mode)
-    throw std::invalid_argument("gemm_fp8: scale modes differ between '" + A.name + "' and '" + B.name + "'");
+    throw std::invalid_argument(std::string(fn) + ": scale modes differ between '" + A.name + "' and '" + B.name + "'");
+  return d;
+}
+}  // namespace
+
+void gemm_fp8(const qtensor& A, const gemm_packed_b& B, float* C, const gemm_config& cfg) {
+  const gemm_desc d = check_fp8(A, B, "gemm_fp8");
   if (d.M == 0 || d.N == 0) return;
   const cpu_isa isa = effective_isa(cfg);
   const int64_t lda = B.Kp, KB = B.Kp / kBlock;
@@ -99,6 +119,40 @@ void gemm_fp8(const qtensor& A, const gemm_packed_b& B, float* C, const gemm_con
   });
   if (narrow) detail::gemm_narrow_avx512(gemm_model::fp8, {d.M, lda, nullptr, ab.data(), sa.data()}, B, C);
   else run_wide(gemm_model::fp8, {d.M, lda, af.data(), nullptr, sa.data()}, B, C, isa);
+}
+
+bool gemm_tiles_available() { return cpu_isa_active() >= cpu_isa::amx; }
+
+void gemm_bf16_tiles(const gemm_desc& d, const uint16_t* A, const gemm_packed_b& B, float* C) {
+  check_packed(d, B, gemm_dtype::bf16, "gemm_bf16_tiles");
+  check_tiles(B, "gemm_bf16_tiles");
+  if (d.M == 0 || d.N == 0) return;
+  const int64_t Mp = round_up(d.M, 32), KS = B.Kt / 32;
+  avector<uint16_t> a(static_cast<size_t>(Mp * B.Kt), 0);
+  tbb::parallel_for(int64_t{0}, d.M, [&](int64_t m) { detail::tiles_put_row(a.data(), KS, m, A + m * d.K, d.K); });
+  detail::gemm_tiles_amx({d.M, Mp, d.N, KS, a.data(), &B, nullptr, 1}, C);
+}
+
+void gemm_fp8_tiles(const qtensor& A, const gemm_packed_b& B, float* C) {
+  const gemm_desc d = check_fp8(A, B, "gemm_fp8_tiles");
+  check_tiles(B, "gemm_fp8_tiles");
+  if (d.M == 0 || d.N == 0) return;
+  const bool fold = A.mode == scale_mode::pow2;  // else: promotion per 128-K block
+  const int64_t Mp = round_up(d.M, 32), KS = B.Kt / 32, KB = B.Kp / kBlock;
+  avector<uint16_t> a(static_cast<size_t>(Mp * B.Kt), 0);
+  avector<float> sa(fold ? 0 : static_cast<size_t>(Mp * KB), 0.0f);
+  tbb::parallel_for(tbb::blocked_range<int64_t>(0, d.M, 16), [&](const tbb::blocked_range<int64_t>& r) {
+    avector<uint16_t> row(static_cast<size_t>(d.K));
+    for (int64_t m = r.begin(); m < r.end(); ++m) {
+      detail::e4m3_to_bf16_avx512(A.data.data() + m * d.K, d.K, row.data());
+      for (int64_t kb = 0; kb < KB; ++kb) {
+        if (fold) detail::tiles_scale_row(row.data() + kb * kBlock, std::min(kBlock, d.K - kb * kBlock), A.scale_at(m, kb));
+        else sa[m * KB + kb] = A.scale_at(m, kb);
+      }
+      detail::tiles_put_row(a.data(), KS, m, row.data(), d.K);
+    }
+  });
+  detail::gemm_tiles_amx({d.M, Mp, d.N, KS, a.data(), &B, fold ? nullptr : sa.data(), KB}, C);
 }
 
 }  // namespace fp8rl::quant

@@ -1,6 +1,6 @@
 // quant/gemm.hpp -- CPU GEMMs C[M,N] = A[M,K] · B[N,K]^T (row-major; lda = ldb = K, ldc = N).
 // defines: gemm_desc, gemm_config, gemm_packed_b, gemm_pack_{f32,bf16,fp8},
-//          gemm_{f32,bf16,fp8}, gemm_{f32,bf16,fp8}_ref
+//          gemm_{f32,bf16,fp8}, gemm_{f32,bf16,fp8}_ref, gemm_tiles_available, gemm_{bf16,fp8}_tiles
 //
 // Each precision has a scalar reference (`*_ref`, built with -ffp-contract=off) that defines
 // the result bit for bit, and a fast path that must equal it exactly:
@@ -12,6 +12,17 @@
 // Every output element has one fixed accumulation order that depends on neither M, the
 // thread count nor the tiling: results are batch-invariant (generation and training agree).
 // A ragged K is zero-padded (padding contributes exactly nothing to these models).
+//
+// The tile GEMMs (`*_tiles`, AMX TDPBF16PS) are the CPU's tensor-core path and, like cuBLASLt,
+// are NOT bit-exact: the order inside one TDPBF16PS is undocumented. They compute the same
+// exact products in FP32 (BF16 inputs; E4M3 values are exact in BF16) and are checked against
+// FP64 under the FP32 accumulation bound (tests/tolerances.hpp kGemmTilesAccumulation):
+//   bf16        C = sum over k of a[k]*b[k], FP32 tile accumulation over all of K
+//   fp8, pow2   the same on (q_a * sa) and (q_b * sb): power-of-two scales fold into the
+//               BF16 values exactly, so no promotion is needed
+//   fp8, fp32   per 128-K block the tile sum of q_a * q_b, then out = fma(sa * sb, acc, out)
+// Row results do not depend on M (rows never mix), so they are batch-invariant among
+// themselves, but they differ from the exact kernels in the last bits.
 #pragma once
 #include <cstdint>
 #include <string>
@@ -29,7 +40,7 @@ struct gemm_desc {  // the problem
 };
 
 struct gemm_config {  // tuning only; never changes a result
-  cpu_isa max_isa = cpu_isa::avx512_bf16;  // further limited by cpu_isa_active()
+  cpu_isa max_isa = cpu_isa::amx;  // further limited by cpu_isa_active()
   int64_t stream_max_m = 16;  // M <= this: stream the narrow form (GEMV/decode: bytes matter)
 };
 
@@ -37,9 +48,11 @@ struct gemm_config {  // tuning only; never changes a result
 // speed: `wide` (FP32 values) feeds FMA kernels (compute-bound, large M), `narrow` (BF16 pairs
 // or FP8 codes, decoded in registers for VDPBF16PS) feeds small-M kernels (bandwidth-bound).
 // Whatever is asked, packing adds the form the active CPU needs.
+// `tiles` (BF16 in AMX's VNNI tile order) feeds only the tile GEMMs.
 struct gemm_pack_forms {
   bool wide = true;
   bool narrow = true;
+  bool tiles = false;
 };
 
 enum class gemm_dtype : uint8_t { f32, bf16, fp8 };
@@ -55,6 +68,10 @@ struct gemm_packed_b {
   avector<uint16_t> bf16;         // bf16 narrow: [NP][Kp/2][32][2]
   avector<uint8_t> fp8;           // fp8 narrow: [NP][Kp/2][64] codes in decoder order
   avector<float> scale_inv;       // fp8: [NP][Kp/128][32]
+  // tiles: [NP][Kt/32][2 halves of 16 columns][16 k-pairs][16 columns][2]; fp8 pow2 values are
+  // stored scaled (q * scale_inv, exact), fp8 fp32 unscaled; Kt = K zero-padded to 32 (fp8: Kp)
+  avector<uint16_t> tiles;
+  int64_t Kt = 0;
   int64_t panels() const { return (N + 31) / 32; }
   int64_t bytes() const;
 };
@@ -77,5 +94,10 @@ void gemm_f32(const gemm_desc& d, const float* A, const gemm_packed_b& B, float*
 void gemm_bf16(const gemm_desc& d, const uint16_t* A, const gemm_packed_b& B, float* C,
                const gemm_config& cfg = {});
 void gemm_fp8(const qtensor& A, const gemm_packed_b& B, float* C, const gemm_config& cfg = {});
+
+// Tile (AMX) paths; throw std::runtime_error without AMX or without B's tile form.
+bool gemm_tiles_available();  // cpu_isa_active() >= amx
+void gemm_bf16_tiles(const gemm_desc& d, const uint16_t* A, const gemm_packed_b& B, float* C);
+void gemm_fp8_tiles(const qtensor& A, const gemm_packed_b& B, float* C);
 
 }  // namespace fp8rl::quant

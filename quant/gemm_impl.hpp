@@ -13,6 +13,12 @@ inline int fp8_stream_pos(int j, int h) {
   return 16 * (w / 8) + (j >= 16 ? 8 : 0) + (w % 8);
 }
 
+// Index of B element (column j of panel pn, k) in the tile form (layout: gemm_packed_b::tiles);
+// KS = Kt / 32 k-steps.
+inline int64_t tiles_b_index(int64_t KS, int64_t pn, int64_t j, int64_t k) {
+  return (((pn * KS + k / 32) * 2 + j / 16) * 16 + (k % 32) / 2) * 32 + (j % 16) * 2 + (k & 1);
+}
+
 // The accumulation model of a kernel (quant/gemm.hpp): sequential FP32, BF16 pairs (odd element
 // first, DAZ/FTZ), or FP8 (pairs per 128-K block, then the scaled promotion).
 enum class gemm_model : uint8_t { seq, pairs, fp8 };
@@ -30,5 +36,22 @@ void gemm_wide_avx512(gemm_model model, const gemm_a_operand& A, const gemm_pack
 void gemm_narrow_avx512(gemm_model model, const gemm_a_operand& A, const gemm_packed_b& B, float* C);
 void gemm_wide_portable(gemm_model model, const gemm_a_operand& A, const gemm_packed_b& B, float* C);
 void e4m3_to_bf16_avx512(const uint8_t* src, int64_t n, uint16_t* dst);
+
+// Tile GEMM problem (quant/gemm_amx.cpp). A in tile order [Mp/16][KS][16][32] BF16 (Mp: M
+// zero-padded to 32); promotion every `ksteps_per_block` k-steps when sa/sb are given.
+struct tiles_problem {
+  int64_t M = 0, Mp = 0, N = 0, KS = 0;
+  const uint16_t* a = nullptr;
+  const gemm_packed_b* b = nullptr;
+  const float* sa = nullptr;  // [Mp][KB] or null (no promotion: one block over all of K)
+  int64_t KB = 1;
+};
+void gemm_tiles_amx(const tiles_problem& p, float* C);
+// One row of A in tile order: dst at row m of the [Mp/16][KS][16][32] array; src row of n
+// BF16 values (n <= 32 * KS; the rest stays zero).
+void tiles_put_row(uint16_t* tiles, int64_t KS, int64_t m, const uint16_t* src, int64_t n);
+// row[0..n) *= s in place, for BF16 values whose product is exact (s a power of two): the
+// fp8 pow2 fold. Truncation back to BF16 is then exact.
+void tiles_scale_row(uint16_t* row, int64_t n, float s);
 
 }  // namespace fp8rl::quant::detail

@@ -10,11 +10,14 @@ namespace fp8rl::quant {
 namespace {
 
 // The narrow forms need AVX512_BF16 kernels; without them packing always builds `wide`.
+// The tile form alone serves only the tile GEMMs, which need AMX.
 gemm_pack_forms usable(gemm_pack_forms f) {
   if (cpu_isa_active() < cpu_isa::avx512_bf16) f.wide = true;
-  if (!f.wide && !f.narrow) f.wide = true;
+  if (!f.wide && !f.narrow && !(f.tiles && cpu_isa_active() >= cpu_isa::amx)) f.wide = true;
   return f;
 }
+
+int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
 // Calls fn(panel, column j in panel, n) for every real column, panels in parallel.
 template <class Fn>
@@ -27,7 +30,8 @@ void for_each_column(int64_t N, Fn&& fn) {
 }  // namespace
 
 int64_t gemm_packed_b::bytes() const {
-  return static_cast<int64_t>(wide.size() * 4 + bf16.size() * 2 + fp8.size() + scale_inv.size() * 4);
+  return static_cast<int64_t>(wide.size() * 4 + bf16.size() * 2 + fp8.size() + scale_inv.size() * 4 +
+                              tiles.size() * 2);
 }
 
 gemm_packed_b gemm_pack_f32(const float* B, int64_t N, int64_t K, std::string name) {
@@ -58,11 +62,14 @@ gemm_packed_b gemm_pack_bf16(const uint16_t* B, int64_t N, int64_t K, std::strin
   const int64_t NP = p.panels(), Kp = p.Kp;
   if (forms.wide) p.wide.assign(static_cast<size_t>(NP * Kp * 32), 0.0f);
   if (forms.narrow) p.bf16.assign(static_cast<size_t>(NP * Kp * 32), 0);
+  p.Kt = round_up(K, 32);
+  if (forms.tiles) p.tiles.assign(static_cast<size_t>(NP * p.Kt * 32), 0);
   for_each_column(N, [&](int64_t pn, int64_t j, int64_t n) {
     const uint16_t* src = B + n * K;
     for (int64_t k = 0; k < K; ++k) {
       if (forms.wide) p.wide[(pn * Kp + k) * 32 + j] = bf16_to_float(src[k]);
       if (forms.narrow) p.bf16[(pn * Kp / 2 + k / 2) * 64 + 2 * j + (k & 1)] = src[k];
+      if (forms.tiles) p.tiles[detail::tiles_b_index(p.Kt / 32, pn, j, k)] = src[k];
     }
   });
   return p;
@@ -81,6 +88,9 @@ gemm_packed_b gemm_pack_fp8(const qtensor& B, gemm_pack_forms forms) {
   if (forms.wide) p.wide.assign(static_cast<size_t>(NP * Kp * 32), 0.0f);
   if (forms.narrow) p.fp8.assign(static_cast<size_t>(NP * Kp * 32), 0);
   p.scale_inv.assign(static_cast<size_t>(NP * KB * 32), 0.0f);
+  p.Kt = Kp;
+  if (forms.tiles) p.tiles.assign(static_cast<size_t>(NP * Kp * 32), 0);
+  const bool fold = B.mode == scale_mode::pow2;  // q * 2^e is exact in BF16
   const float* lut = e4m3_table();
   for_each_column(p.N, [&](int64_t pn, int64_t j, int64_t n) {
     const uint8_t* src = B.data.data() + n * K;
@@ -88,6 +98,9 @@ gemm_packed_b gemm_pack_fp8(const qtensor& B, gemm_pack_forms forms) {
       if (forms.wide) p.wide[(pn * Kp + k) * 32 + j] = lut[src[k]];
       if (forms.narrow)
         p.fp8[(pn * Kp / 2 + k / 2) * 64 + detail::fp8_stream_pos(static_cast<int>(j), static_cast<int>(k & 1))] = src[k];
+      if (forms.tiles)
+        p.tiles[detail::tiles_b_index(Kp / 32, pn, j, k)] =
+            bf16_from_float(fold ? lut[src[k]] * B.scale_at(n, k / kBlock) : lut[src[k]]);
     }
     for (int64_t kb = 0; kb < KB; ++kb) p.scale_inv[(pn * KB + kb) * 32 + j] = B.scale_at(n, kb);
   });

@@ -70,6 +70,15 @@ inline constexpr double kGemmFp8TensorCoreVsRef = 1e-3;
 // per element, amplified by exp/log in softmax; 1e-5 relative normwise.
 inline constexpr double kGpuFloatKernel = 1e-5;
 
+// Tile (AMX) GEMMs vs the exact sum of the same (exact) products, per element: any summation
+// order with one rounding per addition errs by at most gamma_n * sum|a_k b_k| (Higham, Thm 3.1),
+// n = K additions + 2 per 128-K promotion. u = 2^-23 covers a truncating adder as well as RNE
+// (the AMX adder's rounding is not documented).
+inline double gemm_tiles_bound(int64_t K) {
+  const double n = double(K) + 2.0 * double((K + 127) / 128) + 2.0, u = std::ldexp(1.0, -23);
+  return n * u / (1.0 - n * u);
+}
+
 // DeepGEMM's normwise, scale-invariant difference: 1 - 2Σxy / Σ(x²+y²).
 inline double calc_diff(const std::vector<double>& x, const std::vector<double>& y) {
   double xy = 0, xx = 0;

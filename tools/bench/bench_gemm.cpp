@@ -1,6 +1,8 @@
 // tools/bench/bench_gemm.cpp -- build/bin/bench-gemm: our FP8/BF16/FP32 GEMMs vs OpenBLAS sgemm
 // and oneDNN bf16 (default ISA, plus a child run limited to AVX512_CORE_BF16, the instruction
-// our kernels use), side by side in one run, medians of repetitions. One JSON line per result:
+// our exact kernels use), side by side in one run, medians of repetitions. `fp8_tiles` and
+// `bf16_tiles` are the AMX tile GEMMs (tolerance-checked, not bit-exact; only where AMX exists).
+// One JSON line per result:
 //   {"bench":"gemm","impl":...,"M":..,"N":..,"K":..,"threads":..,"median_s":..,"gflops":..,"runs":..}
 // Usage: bench-gemm [--json] [--quick] [--threads=1,2] [--reps=N] [--only=IMPL]
 #include <cblas.h>
@@ -95,9 +97,19 @@ void run_shape(const bench_args& a, const shape& s, int t) {
           gemm_fp8(q, pb, C.data());
         }));
       }
+      if (bench_selected(a, "fp8_tiles") && gemm_tiles_available()) {
+        qtensor qa = quantize(Af.data(), s.M, s.K, qlayout::rowwise_1x128, scale_mode::pow2, "A");
+        auto pb = gemm_pack_fp8(quantize(Bf.data(), s.N, s.K, qlayout::block_128x128, scale_mode::pow2, "B"),
+                                {false, false, true});
+        emit(a, "fp8_tiles", s, t, bench_median(a.reps, [&] { gemm_fp8_tiles(qa, pb, C.data()); }));
+      }
       if (bench_selected(a, "bf16")) {
         auto pb = gemm_pack_bf16(Bb.data(), s.N, s.K);
         emit(a, "bf16", s, t, bench_median(a.reps, [&] { gemm_bf16(d, Ab.data(), pb, C.data()); }));
+      }
+      if (bench_selected(a, "bf16_tiles") && gemm_tiles_available()) {
+        auto pb = gemm_pack_bf16(Bb.data(), s.N, s.K, "B", {false, false, true});
+        emit(a, "bf16_tiles", s, t, bench_median(a.reps, [&] { gemm_bf16_tiles(d, Ab.data(), pb, C.data()); }));
       }
       if (bench_selected(a, "f32")) {
         auto pb = gemm_pack_f32(Bf.data(), s.N, s.K);

@@ -1,0 +1,144 @@
+// tests/quant/gemm_tiles_test.cpp -- the AMX tile GEMMs (not bit-exact by design, quant/gemm.hpp):
+// every element within the FP32 accumulation bound of the exact sum of the same products,
+// exact-integer inputs exact, rows independent of the batch, clear errors. Skipped without AMX.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <random>
+
+#include "quant/fp8.hpp"
+#include "quant/gemm.hpp"
+#include "tests/test_util.hpp"
+#include "tests/tolerances.hpp"
+
+using namespace fp8rl::quant;
+using fp8rl::test::first_diff;
+using fp8rl::test::randn;
+
+namespace {
+const int64_t kShapes[][3] = {{1, 32, 128}, {3, 33, 129}, {17, 100, 127}, {33, 64, 256}, {70, 257, 300},
+                              {130, 96, 384}, {5, 31, 1}, {64, 64, 1024}};
+
+#define SKIP_WITHOUT_AMX() \
+  if (!gemm_tiles_available()) GTEST_SKIP() << "no AMX-BF16 here (active ISA " << cpu_isa_name(cpu_isa_active()) << ")"
+
+// Operand values (what the products are made of) for element (row, k).
+std::vector<double> values_of(const qtensor& q) {
+  const int64_t R = q.op_rows(), K = q.op_cols();
+  std::vector<double> v(static_cast<size_t>(R * K));
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t k = 0; k < K; ++k) v[r * K + k] = double(e4m3_table()[q.data[r * K + k]]) * q.scale_at(r, k / kBlock);
+  return v;
+}
+std::vector<double> values_of(const std::vector<uint16_t>& b) {
+  std::vector<double> v(b.size());
+  for (size_t i = 0; i < b.size(); ++i) v[i] = bf16_to_float(b[i]);
+  return v;
+}
+
+// Every C[m][n] within gemm_tiles_bound(K) * sum|a b| of the exact (FP64) sum.
+void expect_within_bound(const std::vector<float>& C, const std::vector<double>& A, const std::vector<double>& B,
+                         int64_t M, int64_t N, int64_t K, const std::string& what) {
+  const double g = fp8rl::tol::gemm_tiles_bound(K);
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t n = 0; n < N; ++n) {
+      double s = 0, abs = 0;
+      for (int64_t k = 0; k < K; ++k) {
+        s += A[m * K + k] * B[n * K + k];
+        abs += std::fabs(A[m * K + k] * B[n * K + k]);
+      }
+      ASSERT_LE(std::fabs(C[m * N + n] - s), g * abs) << what << " at " << m << "," << n;
+    }
+}
+
+std::vector<uint16_t> to_bf16(const std::vector<float>& x) {
+  std::vector<uint16_t> b(x.size());
+  for (size_t i = 0; i < x.size(); ++i) b[i] = bf16_from_float(x[i]);
+  return b;
+}
+}  // namespace
+
+TEST(GemmTiles, Bf16WithinAccumulationBound) {
+  SKIP_WITHOUT_AMX();
+  uint64_t seed = 500;
+  for (auto& s : kShapes) {
+    const gemm_desc d{s[0], s[1], s[2]};
+    auto A = to_bf16(randn(d.M * d.K, seed++)), B = to_bf16(randn(d.N * d.K, seed++));
+    std::vector<float> C(d.M * d.N, -1.0f);
+    gemm_bf16_tiles(d, A.data(), gemm_pack_bf16(B.data(), d.N, d.K, "B", {false, false, true}), C.data());
+    expect_within_bound(C, values_of(A), values_of(B), d.M, d.N, d.K, d.str());
+  }
+}
+
+TEST(GemmTiles, Fp8WithinAccumulationBoundBothScaleModes) {
+  SKIP_WITHOUT_AMX();
+  uint64_t seed = 600;
+  for (scale_mode mode : {scale_mode::pow2, scale_mode::fp32})
+    for (qlayout bl : {qlayout::block_128x128, qlayout::rowwise_1x128})
+      for (auto& s : kShapes) {
+        const int64_t M = s[0], N = s[1], K = s[2];
+        qtensor A = quantize(randn(M * K, seed++, 2.0f).data(), M, K, qlayout::rowwise_1x128, mode, "A");
+        qtensor B = quantize(randn(N * K, seed++, 0.5f).data(), N, K, bl, mode, "B");
+        std::vector<float> C(M * N, -1.0f);
+        gemm_fp8_tiles(A, gemm_pack_fp8(B, {false, false, true}), C.data());
+        expect_within_bound(C, values_of(A), values_of(B), M, N, K,
+                            "fp8 mode " + std::string(scale_mode_name(mode)) + " " + gemm_desc{M, N, K}.str());
+      }
+}
+
+// Integer inputs: every partial sum is an integer far below 2^24, exact in FP32 in any order.
+TEST(GemmTiles, ExactIntegerInputsGiveExactResults) {
+  SKIP_WITHOUT_AMX();
+  const int64_t M = 37, N = 70, K = 512;
+  std::mt19937 g(4);
+  std::vector<float> Af(M * K), Bf(N * K);
+  for (auto& v : Af) v = float(int(g() % 17) - 8);
+  for (auto& v : Bf) v = float(int(g() % 17) - 8);
+  Af[0] = Bf[0] = 8.0f;
+  auto A16 = to_bf16(Af), B16 = to_bf16(Bf);
+  std::vector<float> c16(M * N), c8(M * N);
+  gemm_bf16_tiles({M, N, K}, A16.data(), gemm_pack_bf16(B16.data(), N, K, "B", {false, false, true}), c16.data());
+  qtensor A = quantize(Af.data(), M, K, qlayout::rowwise_1x128, scale_mode::pow2, "A");
+  qtensor B = quantize(Bf.data(), N, K, qlayout::block_128x128, scale_mode::pow2, "B");
+  gemm_fp8_tiles(A, gemm_pack_fp8(B, {false, false, true}), c8.data());
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t n = 0; n < N; ++n) {
+      int64_t exact = 0;
+      for (int64_t k = 0; k < K; ++k) exact += int64_t(Af[m * K + k]) * int64_t(Bf[n * K + k]);
+      ASSERT_EQ(double(c16[m * N + n]), double(exact)) << "bf16 " << m << "," << n;
+      ASSERT_EQ(double(c8[m * N + n]), double(exact)) << "fp8 " << m << "," << n;
+    }
+}
+
+// Rows never mix in a tile product: a row computed alone equals the same row in a batch.
+TEST(GemmTiles, RowsDoNotDependOnTheBatch) {
+  SKIP_WITHOUT_AMX();
+  const int64_t M = 70, N = 200, K = 640;
+  auto Af = randn(M * K, 8), Bf = randn(N * K, 9);
+  for (scale_mode mode : {scale_mode::pow2, scale_mode::fp32}) {
+    qtensor A = quantize(Af.data(), M, K, qlayout::rowwise_1x128, mode, "A");
+    auto pb = gemm_pack_fp8(quantize(Bf.data(), N, K, qlayout::block_128x128, mode, "B"), {false, false, true});
+    std::vector<float> all(M * N);
+    gemm_fp8_tiles(A, pb, all.data());
+    for (int64_t m = 0; m < M; m += 13) {
+      qtensor row = quantize(Af.data() + m * K, 1, K, qlayout::rowwise_1x128, mode, "row");
+      std::vector<float> c(N), want(all.begin() + m * N, all.begin() + (m + 1) * N);
+      gemm_fp8_tiles(row, pb, c.data());
+      ASSERT_EQ(first_diff(c, want), -1) << "row " << m;
+    }
+  }
+}
+
+TEST(GemmTiles, MissingTileFormIsAnError) {
+  SKIP_WITHOUT_AMX();
+  auto x = randn(128 * 256, 1);
+  qtensor A = quantize(x.data(), 128, 256, qlayout::rowwise_1x128, scale_mode::pow2, "A");
+  auto pb = gemm_pack_fp8(quantize(x.data(), 128, 256, qlayout::block_128x128, scale_mode::pow2, "W.q"));
+  std::vector<float> C(128 * 128);
+  try {
+    gemm_fp8_tiles(A, pb, C.data());
+    FAIL() << "no error";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("W.q"), std::string::npos) << e.what();
+  }
+}
