@@ -39,21 +39,38 @@ struct gemm_desc {  // the problem
   std::string str() const;
 };
 
+// Which kernel family runs a large-M problem. Both give the same bits; which is faster depends on
+// the core: VDPBF16PS does 32 MACs per instruction, FP32 FMA 16, and their issue rates differ by
+// CPU (measured: Sapphire Rapids-class Xeon 0.5 vs 2 per cycle, so `wide` wins; Zen 5 EPYC runs
+// VDPBF16PS at the FMA rate, so `narrow` wins by 2x). `automatic` asks gemm_narrow_preferred().
+enum class gemm_kernel : uint8_t { automatic, wide, narrow };
+
 struct gemm_config {  // tuning only; never changes a result
   cpu_isa max_isa = cpu_isa::amx;  // further limited by cpu_isa_active()
   int64_t stream_max_m = 16;  // M <= this: stream the narrow form (GEMV/decode: bytes matter)
+  gemm_kernel large_m = gemm_kernel::automatic;  // M > stream_max_m
 };
 
+// True when this CPU's VDPBF16PS outruns FP32 FMA per multiply-add (a one-time
+// probe of both instruction streams on the calling thread, about a millisecond, cached).
+bool gemm_narrow_preferred();
+
 // Which packed forms of B to build. Every kernel gives the same bits; forms trade memory for
-// speed: `wide` (FP32 values) feeds FMA kernels (compute-bound, large M), `narrow` (BF16 pairs
-// or FP8 codes, decoded in registers for VDPBF16PS) feeds small-M kernels (bandwidth-bound).
+// speed: `wide` (FP32 values) feeds FMA kernels, `narrow` (BF16 pairs, or for FP8 the E4M3
+// codes, decoded in registers) feeds VDPBF16PS kernels; `pairs` (FP8 only: the E4M3 values
+// decoded to BF16 pairs once per weight version, 2 bytes per weight) feeds the large-M
+// VDPBF16PS kernel without per-call decode. For BF16, `pairs` is the narrow form.
 // Whatever is asked, packing adds the form the active CPU needs.
 // `tiles` (BF16 in AMX's VNNI tile order) feeds only the tile GEMMs.
 struct gemm_pack_forms {
   bool wide = true;
   bool narrow = true;
   bool tiles = false;
+  bool pairs = true;
 };
+// The forms automatic dispatch uses on this CPU: the large-M form (wide, or pairs where
+// gemm_narrow_preferred), plus the narrow form when small-M (decode) calls will come.
+gemm_pack_forms gemm_forms_for(bool small_m);
 
 enum class gemm_dtype : uint8_t { f32, bf16, fp8 };
 
@@ -65,7 +82,7 @@ struct gemm_packed_b {
   std::string name;
   int64_t N = 0, K = 0, Kp = 0;   // Kp: K zero-padded (f32: K, bf16: even, fp8: 128-multiple)
   avector<float> wide;            // [NP][Kp][32] values as FP32 (bf16/fp8: exact, unscaled)
-  avector<uint16_t> bf16;         // bf16 narrow: [NP][Kp/2][32][2]
+  avector<uint16_t> bf16;         // BF16 pairs [NP][Kp/2][32][2] (bf16 narrow / fp8 pairs form)
   avector<uint8_t> fp8;           // fp8 narrow: [NP][Kp/2][64] codes in decoder order
   avector<float> scale_inv;       // fp8: [NP][Kp/128][32]
   // tiles: [NP][Kt/32][2 halves of 16 columns][16 k-pairs][16 columns][2]; fp8 pow2 values are

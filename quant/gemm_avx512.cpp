@@ -6,13 +6,15 @@
 //  * wide kernels: VFMADD231PS on FP32 values; BF16/FP8 values are exact in FP32 and the pair
 //    model is two fmas, odd element first (BF16 adds MXCSR DAZ|FTZ, which is VDPBF16PS's rule).
 //  * narrow kernels: VDPBF16PS on BF16 pairs (the SDM accumulates element 2i+1, then 2i, each
-//    rounded), with B read as BF16 or as FP8 codes decoded in registers.
+//    rounded), with B read as BF16 pairs (bf16 data, or E4M3 decoded once at packing) or as
+//    FP8 codes decoded in registers (half the bytes: the streaming small-M form).
 // Both give the same bits (tests/quant/gemm_test.cpp checks every kernel against *_ref).
 #include <immintrin.h>
 #include <tbb/blocked_range2d.h>
 #include <tbb/parallel_for.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstring>
 
 #include "quant/fp8.hpp"
@@ -106,14 +108,14 @@ inline __m512bh bcast_pair(const uint16_t* p) {
   return (__m512bh)_mm512_set1_epi32(v);
 }
 
-template <int MR, int PN, bool kFp8>
+template <int MR, int PN, bool kCodes>
 inline void dot_narrow(const uint16_t* A, int64_t lda, const void* const (&P)[PN], int64_t i0,
                        int64_t i1, tile_acc<MR, PN>& acc) {
   const e4m3_bf16_tables& t = tables();
   for (int64_t i = i0; i < i1; ++i) {
     __m512bh b[2 * PN];
     for (int p = 0; p < PN; ++p) {
-      if constexpr (kFp8) {
+      if constexpr (kCodes) {
         __m512i w0, w1;
         t.decode(_mm512_load_si512(static_cast<const uint8_t*>(P[p]) + i * 64), &w0, &w1);
         b[2 * p] = (__m512bh)w0;
@@ -132,9 +134,12 @@ inline void dot_narrow(const uint16_t* A, int64_t lda, const void* const (&P)[PN
 }
 
 // ---- tile driver: MR rows x PN panels starting at panel pn ----
-template <int MR, int PN, bool kWide>
+enum class bsrc : uint8_t { wide, pairs, codes };  // which packed form of B the kernel reads
+
+template <int MR, int PN, bsrc kSrc>
 void tile(gemm_model model, const gemm_a_operand& A, int64_t m0, const gemm_packed_b& B,
           int64_t pn, float* C) {
+  constexpr bool kWide = kSrc == bsrc::wide;
   const int64_t N = B.N, Kp = B.Kp, lda = A.lda, KB = Kp / kBlock;
   tile_acc<MR, PN> acc;
   const float* pw[PN];
@@ -143,16 +148,15 @@ void tile(gemm_model model, const gemm_a_operand& A, int64_t m0, const gemm_pack
     const int64_t off = (pn + p) * Kp * 32;
     pw[p] = kWide ? B.wide.data() + off : nullptr;
     pnw[p] = kWide ? nullptr
-             : model == gemm_model::fp8 ? static_cast<const void*>(B.fp8.data() + off)
-                                        : static_cast<const void*>(B.bf16.data() + off);
+             : kSrc == bsrc::codes ? static_cast<const void*>(B.fp8.data() + off)
+                                   : static_cast<const void*>(B.bf16.data() + off);
   }
   auto dot = [&](int64_t k0, int64_t k1) {
     if constexpr (kWide) {
       if (model == gemm_model::seq) dot_wide<MR, PN, false>(A.f32 + m0 * lda, lda, pw, k0, k1, acc);
       else dot_wide<MR, PN, true>(A.f32 + m0 * lda, lda, pw, k0, k1, acc);
     } else {
-      if (model == gemm_model::fp8) dot_narrow<MR, PN, true>(A.bf16 + m0 * lda, lda, pnw, k0 / 2, k1 / 2, acc);
-      else dot_narrow<MR, PN, false>(A.bf16 + m0 * lda, lda, pnw, k0 / 2, k1 / 2, acc);
+      dot_narrow<MR, PN, kSrc == bsrc::codes>(A.bf16 + m0 * lda, lda, pnw, k0 / 2, k1 / 2, acc);
     }
   };
   alignas(64) float out[MR][32 * PN];
@@ -162,8 +166,9 @@ void tile(gemm_model model, const gemm_a_operand& A, int64_t m0, const gemm_pack
     for (int r = 0; r < MR; ++r)
       for (int j = 0; j < 2 * PN; ++j) _mm512_store_ps(out[r] + 16 * j, acc.v[r][j]);
   } else {
+    __m512 o[MR][2 * PN];  // FP32 outputs, promoted once per 128-K block
     for (int r = 0; r < MR; ++r)
-      for (int j = 0; j < 32 * PN; ++j) out[r][j] = 0.0f;
+      for (int j = 0; j < 2 * PN; ++j) o[r][j] = _mm512_setzero_ps();
     for (int64_t kb = 0; kb < KB; ++kb) {
       acc.zero();
       dot(kb * kBlock, (kb + 1) * kBlock);
@@ -173,12 +178,13 @@ void tile(gemm_model model, const gemm_a_operand& A, int64_t m0, const gemm_pack
         const __m512 s0 = _mm512_load_ps(sb), s1 = _mm512_load_ps(sb + 16);
         for (int r = 0; r < MR; ++r) {
           const __m512 a = _mm512_set1_ps(A.scale_inv[(m0 + r) * KB + kb]);
-          float* o = out[r] + 32 * p;
-          _mm512_store_ps(o, _mm512_fmadd_ps(_mm512_mul_ps(a, s0), acc.v[r][2 * p], _mm512_load_ps(o)));
-          _mm512_store_ps(o + 16, _mm512_fmadd_ps(_mm512_mul_ps(a, s1), acc.v[r][2 * p + 1], _mm512_load_ps(o + 16)));
+          o[r][2 * p] = _mm512_fmadd_ps(_mm512_mul_ps(a, s0), acc.v[r][2 * p], o[r][2 * p]);
+          o[r][2 * p + 1] = _mm512_fmadd_ps(_mm512_mul_ps(a, s1), acc.v[r][2 * p + 1], o[r][2 * p + 1]);
         }
       }
     }
+    for (int r = 0; r < MR; ++r)
+      for (int j = 0; j < 2 * PN; ++j) _mm512_store_ps(out[r] + 16 * j, o[r][j]);
   }
   for (int p = 0; p < PN; ++p) {
     const int64_t ncols = N - (pn + p) * 32;
@@ -192,44 +198,44 @@ void tile(gemm_model model, const gemm_a_operand& A, int64_t m0, const gemm_pack
 }
 
 // Row count -> (MR, PN) instantiation: full tiles 8x1; short tiles take 2 or 4 panels.
-template <bool kWide>
+template <bsrc kSrc>
 void tile_dispatch(int rows, int npan, gemm_model model, const gemm_a_operand& A, int64_t m0,
                    const gemm_packed_b& B, int64_t pn, float* C) {
   if (npan >= 4 && rows <= 2) {
-    if (rows == 2) tile<2, 4, kWide>(model, A, m0, B, pn, C);
-    else tile<1, 4, kWide>(model, A, m0, B, pn, C);
+    if (rows == 2) tile<2, 4, kSrc>(model, A, m0, B, pn, C);
+    else tile<1, 4, kSrc>(model, A, m0, B, pn, C);
     return;
   }
   if (npan >= 2 && rows <= 4) {
     switch (rows) {
-      case 4: tile<4, 2, kWide>(model, A, m0, B, pn, C); break;
-      case 3: tile<3, 2, kWide>(model, A, m0, B, pn, C); break;
-      case 2: tile<2, 2, kWide>(model, A, m0, B, pn, C); break;
-      default: tile<1, 2, kWide>(model, A, m0, B, pn, C); break;
+      case 4: tile<4, 2, kSrc>(model, A, m0, B, pn, C); break;
+      case 3: tile<3, 2, kSrc>(model, A, m0, B, pn, C); break;
+      case 2: tile<2, 2, kSrc>(model, A, m0, B, pn, C); break;
+      default: tile<1, 2, kSrc>(model, A, m0, B, pn, C); break;
     }
     return;
   }
   switch (rows) {
-    case 8: tile<8, 1, kWide>(model, A, m0, B, pn, C); break;
-    case 7: tile<7, 1, kWide>(model, A, m0, B, pn, C); break;
-    case 6: tile<6, 1, kWide>(model, A, m0, B, pn, C); break;
-    case 5: tile<5, 1, kWide>(model, A, m0, B, pn, C); break;
-    case 4: tile<4, 1, kWide>(model, A, m0, B, pn, C); break;
-    case 3: tile<3, 1, kWide>(model, A, m0, B, pn, C); break;
-    case 2: tile<2, 1, kWide>(model, A, m0, B, pn, C); break;
-    default: tile<1, 1, kWide>(model, A, m0, B, pn, C); break;
+    case 8: tile<8, 1, kSrc>(model, A, m0, B, pn, C); break;
+    case 7: tile<7, 1, kSrc>(model, A, m0, B, pn, C); break;
+    case 6: tile<6, 1, kSrc>(model, A, m0, B, pn, C); break;
+    case 5: tile<5, 1, kSrc>(model, A, m0, B, pn, C); break;
+    case 4: tile<4, 1, kSrc>(model, A, m0, B, pn, C); break;
+    case 3: tile<3, 1, kSrc>(model, A, m0, B, pn, C); break;
+    case 2: tile<2, 1, kSrc>(model, A, m0, B, pn, C); break;
+    default: tile<1, 1, kSrc>(model, A, m0, B, pn, C); break;
   }
 }
 
 // Runs every (row tile, panel group): blocks of kMTB micro-tiles keep A in L2 while panels
 // stream. Panels are grouped by 4 so short tiles can use several at once.
-template <bool kWide>
+template <bsrc kSrc>
 void run_tiles(gemm_model model, const gemm_a_operand& A, const gemm_packed_b& B, float* C) {
   const int64_t MT = (A.M + kMR - 1) / kMR, NP = B.panels(), NG = (NP + 3) / 4;
   tbb::parallel_for(tbb::blocked_range2d<int64_t>(0, MT, 4, 0, NG, 1), [&](const auto& rg) {
     // BF16 on FMA units follows VDPBF16PS's denormal rule: DAZ|FTZ for this task.
     const unsigned csr = _mm_getcsr();
-    if (kWide && model == gemm_model::pairs) _mm_setcsr(csr | 0x8040u);
+    if (kSrc == bsrc::wide && model == gemm_model::pairs) _mm_setcsr(csr | 0x8040u);
     for (int64_t mt0 = rg.rows().begin(); mt0 < rg.rows().end(); mt0 += kMTB) {
       const int64_t mt1 = std::min(rg.rows().end(), mt0 + kMTB);
       for (int64_t g = rg.cols().begin(); g < rg.cols().end(); ++g)
@@ -238,7 +244,7 @@ void run_tiles(gemm_model model, const gemm_a_operand& A, const gemm_packed_b& B
           const int rows = static_cast<int>(std::min<int64_t>(kMR, A.M - m0));
           for (int64_t pn = g * 4; pn < std::min(NP, g * 4 + 4);) {
             const int npan = static_cast<int>(std::min<int64_t>(4, NP - pn));
-            tile_dispatch<kWide>(rows, npan, model, A, m0, B, pn, C);
+            tile_dispatch<kSrc>(rows, npan, model, A, m0, B, pn, C);
             pn += (npan >= 4 && rows <= 2) ? 4 : (npan >= 2 && rows <= 4) ? 2 : 1;
           }
         }
@@ -250,11 +256,50 @@ void run_tiles(gemm_model model, const gemm_a_operand& A, const gemm_packed_b& B
 }  // namespace
 
 void gemm_wide_avx512(gemm_model model, const gemm_a_operand& A, const gemm_packed_b& B, float* C) {
-  run_tiles<true>(model, A, B, C);
+  run_tiles<bsrc::wide>(model, A, B, C);
 }
 
-void gemm_narrow_avx512(gemm_model model, const gemm_a_operand& A, const gemm_packed_b& B, float* C) {
-  run_tiles<false>(model, A, B, C);
+void gemm_narrow_avx512(gemm_model model, const gemm_a_operand& A, const gemm_packed_b& B, float* C,
+                        bool codes) {
+  if (codes) run_tiles<bsrc::codes>(model, A, B, C);
+  else run_tiles<bsrc::pairs>(model, A, B, C);
+}
+
+namespace {
+// Seconds for `iters` rounds of 24 independent chains of one instruction (throughput-bound).
+template <bool kDp>
+double chain_seconds(int64_t iters) {
+  __m512 acc[24];
+  for (auto& x : acc) x = _mm512_setzero_ps();
+  const __m512 a = _mm512_set1_ps(1.0f), b = _mm512_set1_ps(0x1p-30f);
+  const __m512bh ah = (__m512bh)_mm512_set1_epi16(0x3f80), bh = (__m512bh)_mm512_set1_epi16(0x3000);
+  const auto t0 = std::chrono::steady_clock::now();
+  for (int64_t i = 0; i < iters; ++i)
+    for (auto& x : acc) {
+      if constexpr (kDp) x = _mm512_dpbf16_ps(x, ah, bh);
+      else x = _mm512_fmadd_ps(a, b, x);
+      __asm__ volatile("" : "+v"(x));  // keep every chain (no folding across iterations)
+    }
+  const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  alignas(64) float lanes[16];
+  float sink = 0;
+  for (auto& x : acc) {
+    _mm512_store_ps(lanes, x);
+    sink += lanes[0];
+  }
+  __asm__ volatile("" : : "x"(sink));
+  return s;
+}
+}  // namespace
+
+double dpbf16_fma_rate_ratio() {
+  constexpr int64_t kIters = 4000;  // 96k instructions per run, well under a millisecond
+  double dp = 1e30, fma = 1e30;
+  for (int rep = 0; rep < 21; ++rep) {  // interleaved, best of each: noise only slows a run
+    dp = std::min(dp, chain_seconds<true>(kIters));
+    fma = std::min(fma, chain_seconds<false>(kIters));
+  }
+  return (32.0 / dp) / (16.0 / fma);  // 32 multiply-adds per VDPBF16PS, 16 per FMA
 }
 
 void e4m3_to_bf16_avx512(const uint8_t* src, int64_t n, uint16_t* dst) {

@@ -33,8 +33,13 @@ struct gemm_a_operand {
 };
 
 void gemm_wide_avx512(gemm_model model, const gemm_a_operand& A, const gemm_packed_b& B, float* C);
-void gemm_narrow_avx512(gemm_model model, const gemm_a_operand& A, const gemm_packed_b& B, float* C);
+// codes: read B.fp8 (E4M3 codes, decoded in registers); else B.bf16 (BF16 pairs)
+void gemm_narrow_avx512(gemm_model model, const gemm_a_operand& A, const gemm_packed_b& B, float* C,
+                        bool codes);
 void gemm_wide_portable(gemm_model model, const gemm_a_operand& A, const gemm_packed_b& B, float* C);
+// VDPBF16PS multiply-adds per second over FP32 FMA multiply-adds per second on this core
+// (best of a few short runs of independent chains; needs AVX512_BF16).
+double dpbf16_fma_rate_ratio();
 void e4m3_to_bf16_avx512(const uint8_t* src, int64_t n, uint16_t* dst);
 
 // Tile GEMM problem (quant/gemm_amx.cpp). A in tile order [Mp/16][KS][16][32] BF16 (Mp: M

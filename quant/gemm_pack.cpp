@@ -13,7 +13,7 @@ namespace {
 // The tile form alone serves only the tile GEMMs, which need AMX.
 gemm_pack_forms usable(gemm_pack_forms f) {
   if (cpu_isa_active() < cpu_isa::avx512_bf16) f.wide = true;
-  if (!f.wide && !f.narrow && !(f.tiles && cpu_isa_active() >= cpu_isa::amx)) f.wide = true;
+  if (!f.wide && !f.narrow && !f.pairs && !(f.tiles && cpu_isa_active() >= cpu_isa::amx)) f.wide = true;
   return f;
 }
 
@@ -61,6 +61,7 @@ gemm_packed_b gemm_pack_bf16(const uint16_t* B, int64_t N, int64_t K, std::strin
   p.Kp = (K + 1) / 2 * 2;
   const int64_t NP = p.panels(), Kp = p.Kp;
   if (forms.wide) p.wide.assign(static_cast<size_t>(NP * Kp * 32), 0.0f);
+  forms.narrow = forms.narrow || forms.pairs;  // for BF16 the narrow form is the pairs form
   if (forms.narrow) p.bf16.assign(static_cast<size_t>(NP * Kp * 32), 0);
   p.Kt = round_up(K, 32);
   if (forms.tiles) p.tiles.assign(static_cast<size_t>(NP * p.Kt * 32), 0);
@@ -87,6 +88,7 @@ gemm_packed_b gemm_pack_fp8(const qtensor& B, gemm_pack_forms forms) {
   const int64_t NP = p.panels(), Kp = p.Kp, KB = p.Kp / kBlock, K = p.K;
   if (forms.wide) p.wide.assign(static_cast<size_t>(NP * Kp * 32), 0.0f);
   if (forms.narrow) p.fp8.assign(static_cast<size_t>(NP * Kp * 32), 0);
+  if (forms.pairs) p.bf16.assign(static_cast<size_t>(NP * Kp * 32), 0);
   p.scale_inv.assign(static_cast<size_t>(NP * KB * 32), 0.0f);
   p.Kt = Kp;
   if (forms.tiles) p.tiles.assign(static_cast<size_t>(NP * Kp * 32), 0);
@@ -98,6 +100,7 @@ gemm_packed_b gemm_pack_fp8(const qtensor& B, gemm_pack_forms forms) {
       if (forms.wide) p.wide[(pn * Kp + k) * 32 + j] = lut[src[k]];
       if (forms.narrow)
         p.fp8[(pn * Kp / 2 + k / 2) * 64 + detail::fp8_stream_pos(static_cast<int>(j), static_cast<int>(k & 1))] = src[k];
+      if (forms.pairs) p.bf16[(pn * Kp / 2 + k / 2) * 64 + 2 * j + (k & 1)] = bf16_from_float(lut[src[k]]);
       if (forms.tiles)
         p.tiles[detail::tiles_b_index(Kp / 32, pn, j, k)] =
             bf16_from_float(fold ? lut[src[k]] * B.scale_at(n, k / kBlock) : lut[src[k]]);

@@ -84,27 +84,27 @@ std::unique_ptr<prepared_linear> cpu_linear_prepare(const linear_source& w, bool
   p->prec = w.prec;
   p->mode = w.mode;
   // training runs large-M GEMMs only; generation also needs the narrow (decode) form
-  const gemm_pack_forms forms{true, !for_backward};
+  const gemm_pack_forms forms = gemm_forms_for(!for_backward);
   if (w.fp8) {
     if (w.prec != precision::fp8) throw std::invalid_argument("linear '" + w.name + "': FP8 bytes for a non-FP8 layer");
     if (w.fp8->rows != w.out || w.fp8->cols != w.in || w.fp8->layout != qlayout::block_128x128)
       throw std::invalid_argument("linear '" + w.name + "': FP8 weight has the wrong shape or layout");
     p->mode = w.fp8->mode;
     p->fwd = gemm_pack_fp8(*w.fp8, forms);
-    if (for_backward) p->bwd = gemm_pack_fp8(qtensor_transpose_blocks(*w.fp8), {true, false});
+    if (for_backward) p->bwd = gemm_pack_fp8(qtensor_transpose_blocks(*w.fp8), gemm_forms_for(false));
     return p;
   }
   if (!w.f32) throw std::invalid_argument("linear '" + w.name + "': no weight values");
   if (w.prec == precision::fp8) {
     qtensor q = quantize(w.f32, w.out, w.in, qlayout::block_128x128, w.mode, w.name);
     p->fwd = gemm_pack_fp8(q, forms);
-    if (for_backward) p->bwd = gemm_pack_fp8(qtensor_transpose_blocks(q), {true, false});
+    if (for_backward) p->bwd = gemm_pack_fp8(qtensor_transpose_blocks(q), gemm_forms_for(false));
     return p;
   }
   p->fwd = pack(w.prec, w.mode, w.f32, w.out, w.in, w.name, forms);
   if (for_backward) {
     auto wt = transpose(w.f32, w.out, w.in);
-    p->bwd = pack(w.prec, w.mode, wt.data(), w.in, w.out, w.name + ".T", {true, false});
+    p->bwd = pack(w.prec, w.mode, wt.data(), w.in, w.out, w.name + ".T", gemm_forms_for(false));
   }
   return p;
 }
@@ -126,12 +126,12 @@ void cpu_linear_backward(const prepared_linear& w, const float* x, const float* 
     // dW[out,in] = dY^T · X with both operands tiled 1x128 along tokens (columnwise)
     qtensor a = quantize(dy, T, l.out, qlayout::colwise_1x128, l.mode, l.name + ".dy^T");
     qtensor b = quantize(x, T, l.in, qlayout::colwise_1x128, l.mode, l.name + ".x^T");
-    gemm_fp8(a, gemm_pack_fp8(b, {true, false}), g.data());
+    gemm_fp8(a, gemm_pack_fp8(b, gemm_forms_for(false)), g.data());
   } else {
     auto dyt = transpose(dy, T, l.out);  // [out, T]
     auto xt = transpose(x, T, l.in);     // [in, T]
     matmul(l.prec, l.mode, dyt.data(), l.out, T,
-           pack(l.prec, l.mode, xt.data(), l.in, T, l.name + ".x^T", {true, false}), g.data(), l.name + ".dy^T");
+           pack(l.prec, l.mode, xt.data(), l.in, T, l.name + ".x^T", gemm_forms_for(false)), g.data(), l.name + ".dy^T");
   }
   tbb::parallel_for(tbb::blocked_range<int64_t>(0, l.out * l.in, 1 << 14), [&](const auto& r) {
     for (int64_t i = r.begin(); i < r.end(); ++i) dw[i] += g[i];

@@ -18,7 +18,12 @@ using fp8rl::test::randn;
 
 namespace {
 const cpu_isa kIsas[] = {cpu_isa::portable, cpu_isa::avx512, cpu_isa::avx512_bf16};
-const int64_t kStreamMax[] = {0, int64_t{1} << 20};  // 0: wide FMA kernels; huge: narrow kernels
+const gemm_kernel kKernels[] = {gemm_kernel::wide, gemm_kernel::narrow};
+
+// Forces one kernel family for every M. Narrow FP8 reads B's decoded pairs when packed, else
+// the E4M3 codes (the small-M streaming kernel).
+gemm_config force(cpu_isa isa, gemm_kernel k) { return {isa, 0, k}; }
+const char* kernel_name(gemm_kernel k) { return k == gemm_kernel::narrow ? "narrow" : "wide"; }
 const int64_t kShapes[][3] = {{1, 32, 128}, {1, 4096 / 8, 1024}, {3, 33, 129}, {8, 64, 256}, {9, 70, 300},
                               {17, 100, 127}, {64, 96, 384}, {130, 257, 250}, {5, 31, 1}};
 
@@ -72,10 +77,10 @@ TEST(Gemm, Bf16FastEqualsReference) {
     gemm_bf16_ref(d, A.data(), B.data(), ref.data());
     auto pb = gemm_pack_bf16(B.data(), d.N, d.K);
     for (cpu_isa isa : kIsas)
-      for (int64_t sm : kStreamMax) {
+      for (gemm_kernel k : kKernels) {
         if (!have(isa)) continue;
-        gemm_bf16(d, A.data(), pb, fast.data(), {isa, sm});
-        ASSERT_EQ(first_diff(fast, ref), -1) << d.str() << " isa " << cpu_isa_name(isa) << " stream " << sm;
+        gemm_bf16(d, A.data(), pb, fast.data(), force(isa, k));
+        ASSERT_EQ(first_diff(fast, ref), -1) << d.str() << " isa " << cpu_isa_name(isa) << " " << kernel_name(k);
       }
     // same BF16 inputs in FP64: only FP32 accumulation error remains
     std::vector<float> Ar(A.size()), Br(B.size());
@@ -101,10 +106,10 @@ TEST(Gemm, Bf16DenormalsFollowTheDazFtzModel) {
   gemm_bf16_ref(d, A.data(), B.data(), ref.data());
   auto pb = gemm_pack_bf16(B.data(), d.N, d.K);
   for (cpu_isa isa : kIsas)
-    for (int64_t sm : kStreamMax) {
+    for (gemm_kernel k : kKernels) {
       if (!have(isa)) continue;
-      gemm_bf16(d, A.data(), pb, fast.data(), {isa, sm});
-      EXPECT_EQ(first_diff(fast, ref), -1) << cpu_isa_name(isa) << " stream " << sm;
+      gemm_bf16(d, A.data(), pb, fast.data(), force(isa, k));
+      EXPECT_EQ(first_diff(fast, ref), -1) << cpu_isa_name(isa) << " " << kernel_name(k);
     }
 }
 
@@ -119,14 +124,16 @@ TEST(Gemm, Fp8FastEqualsReference) {
         qtensor B = quantize(Bf.data(), N, K, bl, mode, "B");
         std::vector<float> ref(M * N), fast(M * N, -1.0f);
         gemm_fp8_ref(A, B, ref.data());
-        auto pb = gemm_pack_fp8(B);
-        for (cpu_isa isa : kIsas) {
-          if (!have(isa)) continue;
-          for (int64_t stream_max : kStreamMax) {
-            gemm_fp8(A, pb, fast.data(), {isa, stream_max});
-            ASSERT_EQ(first_diff(fast, ref), -1)
-                << "M=" << M << " N=" << N << " K=" << K << " isa " << cpu_isa_name(isa)
-                << " stream " << (stream_max > 0) << " mode " << int(mode) << " B layout " << int(bl);
+        for (bool pairs : {true, false}) {  // narrow kernel on decoded pairs, or on codes
+          auto pb = gemm_pack_fp8(B, {true, true, false, pairs});
+          for (cpu_isa isa : kIsas) {
+            if (!have(isa)) continue;
+            for (gemm_kernel k : kKernels) {
+              gemm_fp8(A, pb, fast.data(), force(isa, k));
+              ASSERT_EQ(first_diff(fast, ref), -1)
+                  << "M=" << M << " N=" << N << " K=" << K << " isa " << cpu_isa_name(isa) << " "
+                  << kernel_name(k) << " pairs " << pairs << " mode " << int(mode) << " B layout " << int(bl);
+            }
           }
         }
       }
@@ -203,6 +210,30 @@ TEST(Gemm, ResultsDoNotDependOnThreadCountOrBatch) {
     std::vector<float> c(N);
     gemm_fp8(row, pb, c.data());
     for (int64_t n = 0; n < N; ++n) ASSERT_EQ(float_bits(c[n]), float_bits(c1[m * N + n])) << m;
+  }
+}
+
+// The forms packed for this CPU's automatic dispatch (wide or narrow for large M, plus narrow
+// for decode) serve every M, with the reference's bits.
+TEST(Gemm, FormsForThisCpuServeEveryM) {
+  const int64_t N = 96, K = 384;
+  auto Bf = randn(N * K, 21);
+  qtensor B = quantize(Bf.data(), N, K, qlayout::block_128x128, scale_mode::pow2, "B");
+  for (bool small_m : {false, true}) {
+    const gemm_pack_forms f = gemm_forms_for(small_m);
+    EXPECT_NE(f.wide, f.pairs);  // exactly one large-M form
+    if (small_m && cpu_isa_active() >= cpu_isa::avx512_bf16) {
+      EXPECT_TRUE(f.narrow);
+    }
+    auto pb = gemm_pack_fp8(B, f);
+    for (int64_t M : {1, 5, 64}) {
+      auto Af = randn(M * K, 22 + M);
+      qtensor A = quantize(Af.data(), M, K, qlayout::rowwise_1x128, scale_mode::pow2, "A");
+      std::vector<float> ref(M * N), fast(M * N, -1.0f);
+      gemm_fp8_ref(A, B, ref.data());
+      gemm_fp8(A, pb, fast.data());
+      ASSERT_EQ(first_diff(fast, ref), -1) << "M=" << M << " small_m " << small_m;
+    }
   }
 }
 

@@ -16,6 +16,7 @@
 
 #include "quant/fp8.hpp"
 #include "quant/gemm.hpp"
+#include "quant/gemm_impl.hpp"
 #include "tools/bench/bench_util.hpp"
 
 extern "C" void omp_set_num_threads(int);
@@ -96,6 +97,13 @@ void run_shape(const bench_args& a, const shape& s, int t) {
           qtensor q = quantize(Af.data(), s.M, s.K, qlayout::rowwise_1x128, scale_mode::pow2, "A");
           gemm_fp8(q, pb, C.data());
         }));
+        if (s.M > gemm_config{}.stream_max_m && cpu_isa_active() >= cpu_isa::avx512_bf16)  // both families, forced
+          for (gemm_kernel k : {gemm_kernel::wide, gemm_kernel::narrow})
+            emit(a, k == gemm_kernel::wide ? "fp8_wide" : "fp8_narrow", s, t, bench_median(a.reps, [&] {
+              gemm_config cfg;
+              cfg.large_m = k;
+              gemm_fp8(qa, pb, C.data(), cfg);
+            }));
       }
       if (bench_selected(a, "fp8_tiles") && gemm_tiles_available()) {
         qtensor qa = quantize(Af.data(), s.M, s.K, qlayout::rowwise_1x128, scale_mode::pow2, "A");
@@ -161,6 +169,10 @@ int main(int argc, char** argv) {
     for (int t : a.threads)
       bench_emit(a, {{"bench", jstr("gemm")}, {"impl", jstr("vdpbf16ps_peak")}, {"threads", jnum(t)},
                      {"gflops", jnum(vdpbf16ps_peak_gflops(t))}, {"runs", jnum(a.reps)}});
+  if (!a.extra.count("onednn-isa") && cpu_isa_active() >= cpu_isa::avx512_bf16)
+    bench_emit(a, {{"bench", jstr("gemm")}, {"impl", jstr("dispatch")},
+                   {"large_m_kernel", jstr(gemm_narrow_preferred() ? "narrow" : "wide")},
+                   {"dpbf16_fma_rate_ratio", jnum(fp8rl::quant::detail::dpbf16_fma_rate_ratio())}});
   for (const auto& s : shapes)
     for (int t : a.threads) run_shape(a, s, t);
   // the oneDNN AVX512_CORE_BF16 baseline runs in a child process (set_max_cpu_isa is once per process)
