@@ -3,6 +3,9 @@
 
 #include "quant/fp8.hpp"
 
+#include <tbb/blocked_range.h>
+#include <tbb/parallel_for.h>
+
 #include <cmath>
 #include <stdexcept>
 
@@ -299,9 +302,12 @@ void model_runner::backward(const model_weights& w, const std::vector<int32_t>& 
                          gp + o.attn_norm);
   }
   be_.embedding_backward(g_.dres.data(), batch_.tokens.data(), T, C, gp + layout.at("model.embed_tokens.weight").offset);
-  std::vector<float> host(static_cast<size_t>(layout.total));
+  std::vector<float>& host = g_.host;
+  host.resize(static_cast<size_t>(layout.total));
   be_.to_host(host.data(), gp, host.size() * 4);
-  for (size_t j = 0; j < host.size(); ++j) grads[j] += host[j];
+  tbb::parallel_for(tbb::blocked_range<size_t>(0, host.size(), size_t{1} << 16), [&](const auto& r) {
+    for (size_t j = r.begin(); j < r.end(); ++j) grads[j] += host[j];
+  });
 }
 
 }  // namespace fp8rl::models

@@ -101,6 +101,7 @@ class model_runner {
   bool trained_forward_ = false;
   struct grads_ws {
     buffer<float> dres, dxn, dtmp, datt, dq, dk, dv, dh, dgate, dup, dlogits, flat;
+    std::vector<float> host;  // flat gradients copied to the host (kept: no page faults per step)
   } g_;
   void ensure(const model_config& c, int64_t T);
   attn_params attn(const model_weights& w, int64_t layer) const;

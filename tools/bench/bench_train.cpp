@@ -6,6 +6,7 @@
 //   {"bench":"train","impl":...,"threads":..,"tokens":..,"median_s":..,"tokens_per_s":..,"runs":..}
 #include <tbb/task_arena.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <filesystem>
 #include <memory>
@@ -44,13 +45,14 @@ int main(int argc, char** argv) {
         models::adamw_state st;
         models::model_params q = p;
         const auto policy = models::precision_policy::named(pol);
+        std::vector<float> grads(static_cast<size_t>(q.layout.total), 0.0f);
         sec = bench_median(a.reps, [&] {
           auto w = models::model_weights_build(*be, c, policy, {&q, nullptr, nullptr}, true);
           run.forward(*w, b, true);
           std::vector<float> lp(targets.size()), dl(targets.size());
           run.logprobs(targets, {}, lp.data());
           for (size_t i = 0; i < dl.size(); ++i) dl[i] = targets[i] >= 0 ? -1.0f / float(targets.size()) : 0.0f;
-          std::vector<float> grads(static_cast<size_t>(q.layout.total), 0.0f);
+          std::fill(grads.begin(), grads.end(), 0.0f);  // a learner keeps its gradient buffer
           run.backward(*w, targets, {}, dl.data(), grads.data());
           models::adamw_step({}, q.layout, q.data.data(), grads.data(), st);
         }, 0.0);
