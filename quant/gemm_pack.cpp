@@ -1,6 +1,8 @@
 // quant/gemm_pack.cpp -- packs B operands into 32-column panels (layouts: quant/gemm.hpp).
 #include <tbb/parallel_for.h>
 
+#include <algorithm>
+#include <array>
 #include <stdexcept>
 
 #include "quant/fp8.hpp"
@@ -94,18 +96,36 @@ gemm_packed_b gemm_pack_fp8(const qtensor& B, gemm_pack_forms forms) {
   if (forms.tiles) p.tiles.assign(static_cast<size_t>(NP * Kp * 32), 0);
   const bool fold = B.mode == scale_mode::pow2;  // q * 2^e is exact in BF16
   const float* lut = e4m3_table();
-  for_each_column(p.N, [&](int64_t pn, int64_t j, int64_t n) {
-    const uint8_t* src = B.data.data() + n * K;
+  static const auto bf16_of = [] {  // E4M3 code -> BF16 bits (exact)
+    std::array<uint16_t, 256> t{};
+    for (int c = 0; c < 256; ++c) t[c] = bf16_from_float(e4m3_to_float(static_cast<uint8_t>(c)));
+    return t;
+  }();
+  int pos[32][2];  // codes form: byte position of (column j, pair half h) in a 64-byte step
+  for (int j = 0; j < 32; ++j)
+    for (int h = 0; h < 2; ++h) pos[j][h] = detail::fp8_stream_pos(j, h);
+  // Panel-major: k outer, the panel's columns inner, so every form is written sequentially.
+  tbb::parallel_for(int64_t{0}, NP, [&](int64_t pn) {
+    const int64_t ncols = std::min<int64_t>(32, p.N - pn * 32);
+    const uint8_t* src = B.data.data() + pn * 32 * K;  // row j of the panel at src + j * K
     for (int64_t k = 0; k < K; ++k) {
-      if (forms.wide) p.wide[(pn * Kp + k) * 32 + j] = lut[src[k]];
-      if (forms.narrow)
-        p.fp8[(pn * Kp / 2 + k / 2) * 64 + detail::fp8_stream_pos(static_cast<int>(j), static_cast<int>(k & 1))] = src[k];
-      if (forms.pairs) p.bf16[(pn * Kp / 2 + k / 2) * 64 + 2 * j + (k & 1)] = bf16_from_float(lut[src[k]]);
-      if (forms.tiles)
-        p.tiles[detail::tiles_b_index(Kp / 32, pn, j, k)] =
-            bf16_from_float(fold ? lut[src[k]] * B.scale_at(n, k / kBlock) : lut[src[k]]);
+      const int64_t i = pn * Kp / 2 + k / 2;  // pair step
+      const int h = static_cast<int>(k & 1);
+      for (int64_t j = 0; j < ncols; ++j) {
+        const uint8_t c = src[j * K + k];
+        if (forms.wide) p.wide[(pn * Kp + k) * 32 + j] = lut[c];
+        if (forms.narrow) p.fp8[i * 64 + pos[j][h]] = c;
+        if (forms.pairs) p.bf16[i * 64 + 2 * j + h] = bf16_of[c];
+      }
     }
-    for (int64_t kb = 0; kb < KB; ++kb) p.scale_inv[(pn * KB + kb) * 32 + j] = B.scale_at(n, kb);
+    for (int64_t j = 0; j < ncols; ++j) {
+      const int64_t n = pn * 32 + j;
+      for (int64_t kb = 0; kb < KB; ++kb) p.scale_inv[(pn * KB + kb) * 32 + j] = B.scale_at(n, kb);
+      if (forms.tiles)
+        for (int64_t k = 0; k < K; ++k)
+          p.tiles[detail::tiles_b_index(Kp / 32, pn, j, k)] =
+              bf16_from_float(fold ? lut[src[j * K + k]] * B.scale_at(n, k / kBlock) : lut[src[j * K + k]]);
+    }
   });
   return p;
 }
