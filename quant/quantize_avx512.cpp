@@ -6,6 +6,7 @@
 #include <atomic>
 #include <cstring>
 #include <mutex>
+#include <vector>
 
 #include "quant/fp8_avx512.hpp"
 #include "quant/quantize_impl.hpp"
@@ -47,24 +48,42 @@ inline void encode_row(const float* x, int64_t nk, float scale, uint8_t* out) {
   const __m512 s = _mm512_set1_ps(scale);
   for (int64_t k = 0; k < nk; k += 16) {
     __mmask16 m = tail_mask(nk - k);
-    __m512i c = e4m3_encode16(_mm512_mul_ps(_mm512_maskz_loadu_ps(m, x + k), s));
-    _mm512_mask_cvtepi32_storeu_epi8(out + k, m, c);
+    const __m128i c = _mm512_cvtepi32_epi8(e4m3_encode16(_mm512_mul_ps(_mm512_maskz_loadu_ps(m, x + k), s)));
+    // narrow in a register, then a plain store (VPMOVDB to memory is microcoded on Zen 4)
+    if (m == 0xffff) _mm_storeu_si128(reinterpret_cast<__m128i*>(out + k), c);
+    else _mm_mask_storeu_epi8(out + k, m, c);
   }
 }
 
+// Three passes per row -- amax of every tile, scales, then encoding -- so the encoder's vector
+// constants stay in registers (a scale_from_amax call between tiles clobbers them all).
+constexpr int64_t kPrefetchRows = 4;
+
 void quantize_rows(const float* x, qtensor& q, first_bad& fb) {
-  const int64_t R = q.rows, K = q.cols, ld = q.scale_ld();
+  const int64_t R = q.rows, K = q.cols, ld = q.scale_ld(), KB = q.k_blocks();
   tbb::parallel_for(tbb::blocked_range<int64_t>(0, R, 16), [&](const auto& rr) {
-    for (int64_t r = rr.begin(); r < rr.end(); ++r)
-      for (int64_t kb = 0; kb * kBlock < K; ++kb) {
-        const int64_t k0 = kb * kBlock, nk = std::min(kBlock, K - k0);
-        float amax;
-        int bad;
-        if (!region_amax(x + r * K + k0, K, 1, nk, &amax, &bad)) { fb.report(r, kb, bad); continue; }
-        block_scale s = scale_from_amax(amax, q.mode);
-        encode_row(x + r * K + k0, nk, s.scale, q.data.data() + r * K + k0);
+    std::vector<float> amax(static_cast<size_t>(KB)), scale(static_cast<size_t>(KB));
+    std::vector<int> bad(static_cast<size_t>(KB));
+    for (int64_t r = rr.begin(); r < rr.end(); ++r) {
+      const float* xr = x + r * K;
+      for (int64_t k = 0; k < K; k += 16)  // a few rows ahead: the amax pass is the DRAM stream
+        _mm_prefetch(reinterpret_cast<const char*>(xr + kPrefetchRows * K + k), _MM_HINT_T0);
+      bool ok = true;
+      for (int64_t kb = 0; kb < KB; ++kb)
+        ok &= region_amax(xr + kb * kBlock, K, 1, std::min(kBlock, K - kb * kBlock), &amax[kb], &bad[kb]);
+      if (!ok) {
+        for (int64_t kb = 0; kb < KB; ++kb)
+          if (bad[kb]) fb.report(r, kb, bad[kb]);
+        continue;
+      }
+      for (int64_t kb = 0; kb < KB; ++kb) {
+        const block_scale s = scale_from_amax(amax[kb], q.mode);
+        scale[kb] = s.scale;
         q.scale_inv[kb * ld + r] = s.scale_inv;
       }
+      for (int64_t kb = 0; kb < KB; ++kb)
+        encode_row(xr + kb * kBlock, std::min(kBlock, K - kb * kBlock), scale[kb], q.data.data() + r * K + kb * kBlock);
+    }
   });
 }
 

@@ -20,8 +20,9 @@ int pow2_exponent(float amax) {
 block_scale scale_from_amax(float amax, scale_mode mode) {
   if (!(amax > 0.0f)) return {1.0f, 1.0f};     // zero block (TE rule)
   if (mode == scale_mode::pow2) {
-    int e = pow2_exponent(amax);
-    return {std::ldexp(1.0f, -e), std::ldexp(1.0f, e)};
+    const int e = pow2_exponent(amax);  // in [-126, 120]: 2^e and 2^-e are normal floats
+    auto pow2 = [](int k) { return float_from_bits(static_cast<uint32_t>(k + 127) << 23); };
+    return {pow2(-e), pow2(e)};
   }
   float scale = kE4M3Max / amax;               // IEEE RNE division
   if (std::isinf(scale)) scale = FLT_MAX;
