@@ -120,7 +120,7 @@ void gemm_bf16(const gemm_desc& d, const uint16_t* A, const gemm_packed_b& B, fl
       for (int64_t m = 0; m < d.M; ++m) std::copy(A + m * d.K, A + (m + 1) * d.K, padded.data() + m * lda);
       a = padded.data();
     }
-    detail::gemm_narrow_avx512(gemm_model::pairs, {d.M, lda, nullptr, a, nullptr}, B, C, false);
+    detail::gemm_narrow_avx512(gemm_model::pairs, {d.M, lda, nullptr, a, nullptr}, B, C);
     return;
   }
   scratch_lease values(static_cast<size_t>(d.M * lda) * sizeof(float));
@@ -150,9 +150,7 @@ void gemm_fp8(const qtensor& A, const gemm_packed_b& B, float* C, const gemm_con
   if (d.M == 0 || d.N == 0) return;
   const cpu_isa isa = effective_isa(cfg);
   const int64_t lda = B.Kp, KB = B.Kp / kBlock;
-  const bool narrow = use_narrow(B, !B.fp8.empty() || !B.bf16.empty(), d.M, isa, cfg);
-  // narrow B source: codes (1 byte/weight) when streaming small M, decoded pairs for large M
-  const bool codes = !B.fp8.empty() && (B.bf16.empty() || d.M <= cfg.stream_max_m);
+  const bool narrow = use_narrow(B, !B.fp8.empty(), d.M, isa, cfg);
   avector<float> sa(static_cast<size_t>(d.M * KB), 0.0f);
   scratch_lease values(static_cast<size_t>(d.M * lda) * (narrow ? sizeof(uint16_t) : sizeof(float)));
   uint16_t* ab = values.as<uint16_t>();  // narrow: BF16 values [M][lda]
@@ -169,7 +167,7 @@ void gemm_fp8(const qtensor& A, const gemm_packed_b& B, float* C, const gemm_con
     }
     for (int64_t kb = 0; kb < KB; ++kb) sa[m * KB + kb] = A.scale_at(m, kb);
   });
-  if (narrow) detail::gemm_narrow_avx512(gemm_model::fp8, {d.M, lda, nullptr, ab, sa.data()}, B, C, codes);
+  if (narrow) detail::gemm_narrow_avx512(gemm_model::fp8, {d.M, lda, nullptr, ab, sa.data()}, B, C);
   else run_wide(gemm_model::fp8, {d.M, lda, af, nullptr, sa.data()}, B, C, isa);
 }
 
@@ -182,7 +180,7 @@ bool gemm_narrow_preferred() {
 
 gemm_pack_forms gemm_forms_for(bool small_m) {
   const bool narrow_large = cpu_isa_active() >= cpu_isa::avx512_bf16 && gemm_narrow_preferred();
-  return {!narrow_large, small_m, false, narrow_large};
+  return {!narrow_large, small_m || narrow_large, false};
 }
 
 bool gemm_tiles_available() { return cpu_isa_active() >= cpu_isa::amx; }

@@ -57,18 +57,17 @@ bool gemm_narrow_preferred();
 
 // Which packed forms of B to build. Every kernel gives the same bits; forms trade memory for
 // speed: `wide` (FP32 values) feeds FMA kernels, `narrow` (BF16 pairs, or for FP8 the E4M3
-// codes, decoded in registers) feeds VDPBF16PS kernels; `pairs` (FP8 only: the E4M3 values
-// decoded to BF16 pairs once per weight version, 2 bytes per weight) feeds the large-M
-// VDPBF16PS kernel without per-call decode. For BF16, `pairs` is the narrow form.
+// codes, decoded to BF16 pairs in registers) feeds VDPBF16PS kernels. (Decoding FP8 to BF16
+// pairs once per weight version was tried: 2 bytes/weight and 4-5% slower than decoding the
+// 1-byte codes in registers on Zen 5, so it is not offered.)
 // Whatever is asked, packing adds the form the active CPU needs.
 // `tiles` (BF16 in AMX's VNNI tile order) feeds only the tile GEMMs.
 struct gemm_pack_forms {
   bool wide = true;
   bool narrow = true;
   bool tiles = false;
-  bool pairs = true;
 };
-// The forms automatic dispatch uses on this CPU: the large-M form (wide, or pairs where
+// The forms automatic dispatch uses on this CPU: the large-M form (wide, or narrow where
 // gemm_narrow_preferred), plus the narrow form when small-M (decode) calls will come.
 gemm_pack_forms gemm_forms_for(bool small_m);
 
@@ -82,7 +81,7 @@ struct gemm_packed_b {
   std::string name;
   int64_t N = 0, K = 0, Kp = 0;   // Kp: K zero-padded (f32: K, bf16: even, fp8: 128-multiple)
   avector<float> wide;            // [NP][Kp][32] values as FP32 (bf16/fp8: exact, unscaled)
-  avector<uint16_t> bf16;         // BF16 pairs [NP][Kp/2][32][2] (bf16 narrow / fp8 pairs form)
+  avector<uint16_t> bf16;         // bf16 narrow: [NP][Kp/2][32][2]
   avector<uint8_t> fp8;           // fp8 narrow: [NP][Kp/2][64] codes in decoder order
   avector<float> scale_inv;       // fp8: [NP][Kp/128][32]
   // tiles: [NP][Kt/32][2 halves of 16 columns][16 k-pairs][16 columns][2]; fp8 pow2 values are

@@ -6,8 +6,7 @@
 //  * wide kernels: VFMADD231PS on FP32 values; BF16/FP8 values are exact in FP32 and the pair
 //    model is two fmas, odd element first (BF16 adds MXCSR DAZ|FTZ, which is VDPBF16PS's rule).
 //  * narrow kernels: VDPBF16PS on BF16 pairs (the SDM accumulates element 2i+1, then 2i, each
-//    rounded), with B read as BF16 pairs (bf16 data, or E4M3 decoded once at packing) or as
-//    FP8 codes decoded in registers (half the bytes: the streaming small-M form).
+//    rounded), with B read as BF16 pairs or as FP8 codes decoded in registers.
 // Both give the same bits (tests/quant/gemm_test.cpp checks every kernel against *_ref).
 #include <immintrin.h>
 #include <tbb/blocked_range2d.h>
@@ -133,6 +132,38 @@ inline void dot_narrow(const uint16_t* A, int64_t lda, const void* const (&P)[PN
   }
 }
 
+// One 128-K block (64 pairs) with a constant trip count: the compiler unrolls it and the
+// block boundary costs no loop-exit mispredict.
+template <int MR, int PN, bool kCodes>
+inline void dot_narrow_block(const uint16_t* A, int64_t lda, const void* const (&P)[PN], int64_t i0,
+                             tile_acc<MR, PN>& acc) {
+  const e4m3_bf16_tables& t = tables();
+  const void* Q[PN];
+  for (int p = 0; p < PN; ++p)
+    Q[p] = static_cast<const uint8_t*>(P[p]) + i0 * 64 * (kCodes ? 1 : 2);
+  const uint16_t* a0 = A + 2 * i0;
+#pragma GCC unroll 4
+  for (int i = 0; i < kBlock / 2; ++i) {
+    __m512bh b[2 * PN];
+    for (int p = 0; p < PN; ++p) {
+      if constexpr (kCodes) {
+        __m512i w0, w1;
+        t.decode(_mm512_load_si512(static_cast<const uint8_t*>(Q[p]) + i * 64), &w0, &w1);
+        b[2 * p] = (__m512bh)w0;
+        b[2 * p + 1] = (__m512bh)w1;
+      } else {
+        const uint16_t* q = static_cast<const uint16_t*>(Q[p]) + i * 64;
+        b[2 * p] = (__m512bh)_mm512_load_si512(q);
+        b[2 * p + 1] = (__m512bh)_mm512_load_si512(q + 32);
+      }
+    }
+    for (int r = 0; r < MR; ++r) {
+      const __m512bh a = bcast_pair(a0 + r * lda + 2 * i);
+      for (int j = 0; j < 2 * PN; ++j) acc.v[r][j] = _mm512_dpbf16_ps(acc.v[r][j], a, b[j]);
+    }
+  }
+}
+
 // ---- tile driver: MR rows x PN panels starting at panel pn ----
 enum class bsrc : uint8_t { wide, pairs, codes };  // which packed form of B the kernel reads
 
@@ -171,7 +202,8 @@ void tile(gemm_model model, const gemm_a_operand& A, int64_t m0, const gemm_pack
       for (int j = 0; j < 2 * PN; ++j) o[r][j] = _mm512_setzero_ps();
     for (int64_t kb = 0; kb < KB; ++kb) {
       acc.zero();
-      dot(kb * kBlock, (kb + 1) * kBlock);
+      if constexpr (kWide) dot(kb * kBlock, (kb + 1) * kBlock);
+      else dot_narrow_block<MR, PN, kSrc == bsrc::codes>(A.bf16 + m0 * lda, lda, pnw, kb * kBlock / 2, acc);
       // out = fma(sa * sb, acc, out): scale product rounded first (§5.2)
       for (int p = 0; p < PN; ++p) {
         const float* sb = B.scale_inv.data() + ((pn + p) * KB + kb) * 32;
@@ -259,9 +291,8 @@ void gemm_wide_avx512(gemm_model model, const gemm_a_operand& A, const gemm_pack
   run_tiles<bsrc::wide>(model, A, B, C);
 }
 
-void gemm_narrow_avx512(gemm_model model, const gemm_a_operand& A, const gemm_packed_b& B, float* C,
-                        bool codes) {
-  if (codes) run_tiles<bsrc::codes>(model, A, B, C);
+void gemm_narrow_avx512(gemm_model model, const gemm_a_operand& A, const gemm_packed_b& B, float* C) {
+  if (model == gemm_model::fp8) run_tiles<bsrc::codes>(model, A, B, C);
   else run_tiles<bsrc::pairs>(model, A, B, C);
 }
 

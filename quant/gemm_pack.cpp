@@ -2,7 +2,6 @@
 #include <tbb/parallel_for.h>
 
 #include <algorithm>
-#include <array>
 #include <stdexcept>
 
 #include "quant/fp8.hpp"
@@ -15,7 +14,7 @@ namespace {
 // The tile form alone serves only the tile GEMMs, which need AMX.
 gemm_pack_forms usable(gemm_pack_forms f) {
   if (cpu_isa_active() < cpu_isa::avx512_bf16) f.wide = true;
-  if (!f.wide && !f.narrow && !f.pairs && !(f.tiles && cpu_isa_active() >= cpu_isa::amx)) f.wide = true;
+  if (!f.wide && !f.narrow && !(f.tiles && cpu_isa_active() >= cpu_isa::amx)) f.wide = true;
   return f;
 }
 
@@ -63,7 +62,6 @@ gemm_packed_b gemm_pack_bf16(const uint16_t* B, int64_t N, int64_t K, std::strin
   p.Kp = (K + 1) / 2 * 2;
   const int64_t NP = p.panels(), Kp = p.Kp;
   if (forms.wide) p.wide.assign(static_cast<size_t>(NP * Kp * 32), 0.0f);
-  forms.narrow = forms.narrow || forms.pairs;  // for BF16 the narrow form is the pairs form
   if (forms.narrow) p.bf16.assign(static_cast<size_t>(NP * Kp * 32), 0);
   p.Kt = round_up(K, 32);
   if (forms.tiles) p.tiles.assign(static_cast<size_t>(NP * p.Kt * 32), 0);
@@ -90,17 +88,11 @@ gemm_packed_b gemm_pack_fp8(const qtensor& B, gemm_pack_forms forms) {
   const int64_t NP = p.panels(), Kp = p.Kp, KB = p.Kp / kBlock, K = p.K;
   if (forms.wide) p.wide.assign(static_cast<size_t>(NP * Kp * 32), 0.0f);
   if (forms.narrow) p.fp8.assign(static_cast<size_t>(NP * Kp * 32), 0);
-  if (forms.pairs) p.bf16.assign(static_cast<size_t>(NP * Kp * 32), 0);
   p.scale_inv.assign(static_cast<size_t>(NP * KB * 32), 0.0f);
   p.Kt = Kp;
   if (forms.tiles) p.tiles.assign(static_cast<size_t>(NP * Kp * 32), 0);
   const bool fold = B.mode == scale_mode::pow2;  // q * 2^e is exact in BF16
   const float* lut = e4m3_table();
-  static const auto bf16_of = [] {  // E4M3 code -> BF16 bits (exact)
-    std::array<uint16_t, 256> t{};
-    for (int c = 0; c < 256; ++c) t[c] = bf16_from_float(e4m3_to_float(static_cast<uint8_t>(c)));
-    return t;
-  }();
   int pos[32][2];  // codes form: byte position of (column j, pair half h) in a 64-byte step
   for (int j = 0; j < 32; ++j)
     for (int h = 0; h < 2; ++h) pos[j][h] = detail::fp8_stream_pos(j, h);
@@ -115,7 +107,6 @@ gemm_packed_b gemm_pack_fp8(const qtensor& B, gemm_pack_forms forms) {
         const uint8_t c = src[j * K + k];
         if (forms.wide) p.wide[(pn * Kp + k) * 32 + j] = lut[c];
         if (forms.narrow) p.fp8[i * 64 + pos[j][h]] = c;
-        if (forms.pairs) p.bf16[i * 64 + 2 * j + h] = bf16_of[c];
       }
     }
     for (int64_t j = 0; j < ncols; ++j) {

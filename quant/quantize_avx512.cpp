@@ -49,7 +49,7 @@ inline void encode_row(const float* x, int64_t nk, float scale, uint8_t* out) {
   for (int64_t k = 0; k < nk; k += 16) {
     __mmask16 m = tail_mask(nk - k);
     const __m128i c = _mm512_cvtepi32_epi8(e4m3_encode16(_mm512_mul_ps(_mm512_maskz_loadu_ps(m, x + k), s)));
-    // narrow in a register, then a plain store (VPMOVDB to memory is microcoded on Zen 4)
+    // narrow in a register, then a plain (unmasked when full) store
     if (m == 0xffff) _mm_storeu_si128(reinterpret_cast<__m128i*>(out + k), c);
     else _mm_mask_storeu_epi8(out + k, m, c);
   }
