@@ -305,11 +305,14 @@ double chain_seconds(int64_t iters) {
   const __m512 a = _mm512_set1_ps(1.0f), b = _mm512_set1_ps(0x1p-30f);
   const __m512bh ah = (__m512bh)_mm512_set1_epi16(0x3f80), bh = (__m512bh)_mm512_set1_epi16(0x3000);
   const auto t0 = std::chrono::steady_clock::now();
+  // Fully unrolled so the 24 accumulators live in registers (a compiler barrier per chain kept
+  // them in memory: the probe then timed store forwarding, not the two instructions). The
+  // compiler cannot fold the chains: FP adds do not reassociate without -ffast-math.
   for (int64_t i = 0; i < iters; ++i)
-    for (auto& x : acc) {
-      if constexpr (kDp) x = _mm512_dpbf16_ps(x, ah, bh);
-      else x = _mm512_fmadd_ps(a, b, x);
-      __asm__ volatile("" : "+v"(x));  // keep every chain (no folding across iterations)
+#pragma GCC unroll 24
+    for (int j = 0; j < 24; ++j) {
+      if constexpr (kDp) acc[j] = _mm512_dpbf16_ps(acc[j], ah, bh);
+      else acc[j] = _mm512_fmadd_ps(a, b, acc[j]);
     }
   const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   alignas(64) float lanes[16];
