@@ -25,6 +25,7 @@ struct linear_source {
   quant::scale_mode mode = quant::scale_mode::pow2;
   const float* f32 = nullptr;            // host FP32 values (quantized / rounded per prec)
   const quant::qtensor* fp8 = nullptr;   // or: already-quantized 128x128 blocks (bundles)
+  bool tiles = false;                    // precision_policy::tiles (bf16/fp8 layers only)
 };
 
 struct prepared_linear {

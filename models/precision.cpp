@@ -58,7 +58,7 @@ std::string precision_policy::fingerprint() const {
   os << "linear=" << precision_name(linear) << ";head=" << precision_name(head)
      << ";attention=" << precision_name(attention) << ";fp8_attention=" << fp8_attention
      << ";kv=" << kv_dtype_name(kv) << ";bf16_first=" << bf16_first << ";bf16_last=" << bf16_last
-     << ";scales=" << quant::scale_mode_name(scales) << ";bf16_names=";
+     << ";scales=" << quant::scale_mode_name(scales) << ";tiles=" << tiles << ";bf16_names=";
   for (const auto& n : bf16_names) os << n << ",";
   return os.str();
 }
@@ -71,9 +71,22 @@ void precision_policy::validate() const {
   if (attention == precision::fp8) bad("attention", "use fp8_attention (generation only) instead");
   if (bf16_first < 0 || bf16_last < 0) bad("bf16_first/bf16_last", "must be >= 0");
   if (fp8_attention && kv != kv_dtype::fp8) bad("fp8_attention", "needs kv = fp8");
+  if (tiles && linear == precision::fp32 && head == precision::fp32)
+    bad("tiles", "tile GEMMs run BF16 or FP8 linear layers; this policy has none");
 }
 
 precision_policy precision_policy::named(std::string_view n) {
+  constexpr std::string_view kTiles = "-tiles";
+  auto has_tiles = [&](std::string_view s) {
+    return s.size() > kTiles.size() && s.substr(s.size() - kTiles.size()) == kTiles;
+  };
+  const std::string_view base = has_tiles(n) ? n.substr(0, n.size() - kTiles.size()) : n;
+  if (has_tiles(n) && base != "fp32" && !has_tiles(base)) {
+    precision_policy p = named(base);
+    p.name = std::string(n);
+    p.tiles = true;
+    return p;
+  }
   precision_policy p;
   p.name = std::string(n);
   if (n == "fp32") return p;
@@ -87,7 +100,7 @@ precision_policy precision_policy::named(std::string_view n) {
     p.fp8_attention = true;
     return p;
   }
-  throw std::invalid_argument("unknown precision policy '" + std::string(n) + "' (fp32, bf16, fp8, fp8-kv)");
+  throw std::invalid_argument("unknown precision policy '" + std::string(n) + "' (fp32, bf16, fp8, fp8-kv; bf16/fp8/fp8-kv with a -tiles suffix)");
 }
 
 }  // namespace fp8rl::models

@@ -36,6 +36,11 @@ struct precision_policy {
   int64_t bf16_first = 0, bf16_last = 0;  // transformer layers kept BF16 when linear == fp8
   std::vector<std::string> bf16_names;    // tensor-name substrings kept BF16
   quant::scale_mode scales = quant::scale_mode::pow2;
+  // BF16/FP8 linear GEMMs on the CPU's matrix engine (AMX tiles, quant/gemm.hpp `*_tiles`):
+  // several times faster where AMX exists, tolerance-checked instead of bit-exact with the
+  // exact kernels. Rows never mix, so generation and training under the same policy still
+  // agree bit for bit. Needs AMX: preparing weights without it is an error, never a fallback.
+  bool tiles = false;
 
   // Precision of one linear layer ("q_proj", "gate_proj", ...) of layer `layer`, shape [out, in].
   precision linear_for(const model_config& c, int64_t layer, std::string_view proj, int64_t out,
@@ -44,7 +49,8 @@ struct precision_policy {
   std::string fingerprint() const;    // canonical text; scale snapshots and bundles record it
   void validate() const;              // throws std::invalid_argument naming the field
 
-  // fp32, bf16, fp8 (FP8 linears, BF16 rest), fp8-kv (+ FP8 KV cache and attention)
+  // fp32, bf16, fp8 (FP8 linears, BF16 rest), fp8-kv (+ FP8 KV cache and attention);
+  // a "-tiles" suffix on bf16/fp8/fp8-kv sets `tiles`
   static precision_policy named(std::string_view name);
 };
 

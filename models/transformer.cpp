@@ -105,6 +105,7 @@ std::unique_ptr<model_weights> model_weights_build(backend& be, const model_conf
     ls.in = in;
     ls.prec = layer < 0 ? hp : policy.linear_for(cfg, layer, proj, out, in);
     ls.mode = policy.scales;
+    ls.tiles = policy.tiles;
     std::vector<float> vals;
     if (ls.prec == precision::fp8 && !src.master) {
       auto it = src.fp8->find(name);
@@ -133,7 +134,7 @@ std::unique_ptr<model_weights> model_weights_build(backend& be, const model_conf
     w->layers.push_back(std::move(l));
   }
   if (cfg.tie_word_embeddings) {
-    linear_source ls{"lm_head.weight", cfg.vocab_size, C, hp, policy.scales, wte.data(), nullptr};
+    linear_source ls{"lm_head.weight", cfg.vocab_size, C, hp, policy.scales, wte.data(), nullptr, policy.tiles};
     w->lm_head = be.linear_prepare(ls, for_backward);
   } else {
     w->lm_head = linear(-1, "lm_head.weight", "lm_head", cfg.vocab_size, C);

@@ -2,6 +2,7 @@
 #include <tbb/parallel_for.h>
 
 #include <algorithm>
+#include <cstring>
 #include <stdexcept>
 
 #include "quant/fp8.hpp"
@@ -11,11 +12,23 @@ namespace fp8rl::quant {
 namespace {
 
 // The narrow forms need AVX512_BF16 kernels; without them packing always builds `wide`.
-// The tile form alone serves only the tile GEMMs, which need AMX.
+// The tile form serves only the tile GEMMs, which need AMX: without it, it is not built.
 gemm_pack_forms usable(gemm_pack_forms f) {
+  if (cpu_isa_active() < cpu_isa::amx) f.tiles = false;
   if (cpu_isa_active() < cpu_isa::avx512_bf16) f.wide = true;
-  if (!f.wide && !f.narrow && !(f.tiles && cpu_isa_active() >= cpu_isa::amx)) f.wide = true;
+  if (!f.wide && !f.narrow && !f.tiles) f.wide = true;
   return f;
+}
+
+// Column j of panel pn into the tile form: col [n] BF16 values (k = 0..n-1), as 32-bit k-pairs
+// written at their tile positions (detail::tiles_b_index, pair-wise).
+void tiles_put_column(uint16_t* tiles, int64_t KS, int64_t pn, int64_t j, const uint16_t* col, int64_t n) {
+  for (int64_t k = 0; k + 1 < n; k += 2) {
+    uint32_t pair;
+    std::memcpy(&pair, col + k, 4);
+    std::memcpy(tiles + detail::tiles_b_index(KS, pn, j, k), &pair, 4);
+  }
+  if (n & 1) tiles[detail::tiles_b_index(KS, pn, j, n - 1)] = col[n - 1];
 }
 
 int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
@@ -70,8 +83,8 @@ gemm_packed_b gemm_pack_bf16(const uint16_t* B, int64_t N, int64_t K, std::strin
     for (int64_t k = 0; k < K; ++k) {
       if (forms.wide) p.wide[(pn * Kp + k) * 32 + j] = bf16_to_float(src[k]);
       if (forms.narrow) p.bf16[(pn * Kp / 2 + k / 2) * 64 + 2 * j + (k & 1)] = src[k];
-      if (forms.tiles) p.tiles[detail::tiles_b_index(p.Kt / 32, pn, j, k)] = src[k];
     }
+    if (forms.tiles) tiles_put_column(p.tiles.data(), p.Kt / 32, pn, j, src, K);
   });
   return p;
 }
@@ -109,13 +122,17 @@ gemm_packed_b gemm_pack_fp8(const qtensor& B, gemm_pack_forms forms) {
         if (forms.narrow) p.fp8[i * 64 + pos[j][h]] = c;
       }
     }
+    avector<uint16_t> col(forms.tiles ? static_cast<size_t>(K) : 0);  // one column, BF16 values
     for (int64_t j = 0; j < ncols; ++j) {
       const int64_t n = pn * 32 + j;
       for (int64_t kb = 0; kb < KB; ++kb) p.scale_inv[(pn * KB + kb) * 32 + j] = B.scale_at(n, kb);
-      if (forms.tiles)
-        for (int64_t k = 0; k < K; ++k)
-          p.tiles[detail::tiles_b_index(Kp / 32, pn, j, k)] =
-              bf16_from_float(fold ? lut[src[j * K + k]] * B.scale_at(n, k / kBlock) : lut[src[j * K + k]]);
+      if (!forms.tiles) continue;
+      detail::e4m3_to_bf16_avx512(src + j * K, K, col.data());  // tiles imply AMX, hence AVX-512
+      if (fold)  // q * 2^e is exact in BF16
+        for (int64_t kb = 0; kb < KB; ++kb)
+          detail::tiles_scale_row(col.data() + kb * kBlock, std::min(kBlock, K - kb * kBlock),
+                                  p.scale_inv[(pn * KB + kb) * 32 + j]);
+      tiles_put_column(p.tiles.data(), Kp / 32, pn, j, col.data(), K);
     }
   });
   return p;

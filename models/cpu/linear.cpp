@@ -3,9 +3,12 @@
 //   bf16  y = bf16(x) · bf16(W)^T, FP32 accumulate (gemm_bf16)
 //   fp8   fprop  X 1x128 · W 128x128; dgrad dY 1x128 · W^T (same blocks); wgrad dY^T, X^T as
 //         1x128 columnwise tiles (TransformerEngine Float8BlockScaling, fp8-numerics.md §3.2)
+// With policy.tiles, bf16 and fp8 layers run all three GEMMs on the AMX tile kernels (same
+// operands, tolerance-checked sums; rows never mix, so every row is batch-invariant).
 #include <tbb/parallel_for.h>
 
 #include <stdexcept>
+#include <string>
 #include <vector>
 
 #include "models/cpu/cpu_ops.hpp"
@@ -19,6 +22,7 @@ using namespace quant;
 
 struct cpu_linear : prepared_linear {
   scale_mode mode = scale_mode::pow2;
+  bool tiles = false;  // bf16/fp8 GEMMs on AMX tiles
   gemm_packed_b fwd;  // B = W [out, in]
   gemm_packed_b bwd;  // B = W^T [in, out] (dgrad), when prepared for backward
 };
@@ -39,22 +43,29 @@ std::vector<float> transpose(const float* x, int64_t rows, int64_t cols) {
   return t;
 }
 
+// The packed forms a layer's GEMMs read: the tile form alone, or what automatic dispatch needs.
+gemm_pack_forms forms_for(bool tiles, bool small_m) {
+  return tiles ? gemm_pack_forms{false, false, true} : gemm_forms_for(small_m);
+}
+
 // C[M,N] = A[M,K] · B^T in `prec`, A given as FP32 values; B packed in the same precision.
-void matmul(precision prec, scale_mode mode, const float* A, int64_t M, int64_t K, const gemm_packed_b& B, float* C,
-            const std::string& name) {
+void matmul(precision prec, scale_mode mode, bool tiles, const float* A, int64_t M, int64_t K, const gemm_packed_b& B,
+            float* C, const std::string& name) {
   const gemm_desc d{M, B.N, K};
   switch (prec) {
     case precision::fp32: gemm_f32(d, A, B, C); break;
     case precision::bf16: {
       auto a = to_bf16(A, M * K);
-      gemm_bf16(d, a.data(), B, C);
+      if (tiles) gemm_bf16_tiles(d, a.data(), B, C);
+      else gemm_bf16(d, a.data(), B, C);
       break;
     }
     case precision::fp8: {
       qtensor q;
       q.name = name;
       quantize_into(A, M, K, qlayout::rowwise_1x128, mode, q);
-      gemm_fp8(q, B, C);
+      if (tiles) gemm_fp8_tiles(q, B, C);
+      else gemm_fp8(q, B, C);
       break;
     }
   }
@@ -83,55 +94,61 @@ std::unique_ptr<prepared_linear> cpu_linear_prepare(const linear_source& w, bool
   p->in = w.in;
   p->prec = w.prec;
   p->mode = w.mode;
+  p->tiles = w.tiles && w.prec != precision::fp32;
+  if (p->tiles && !gemm_tiles_available())
+    throw std::runtime_error("linear '" + w.name + "': the precision policy asks for tile GEMMs (tiles) and this CPU has no "
+                             "AMX-BF16 (active ISA: " + std::string(cpu_isa_name(cpu_isa_active())) + ")");
   // training runs large-M GEMMs only; generation also needs the narrow (decode) form
-  const gemm_pack_forms forms = gemm_forms_for(!for_backward);
+  const gemm_pack_forms forms = forms_for(p->tiles, !for_backward), bwd_forms = forms_for(p->tiles, false);
   if (w.fp8) {
     if (w.prec != precision::fp8) throw std::invalid_argument("linear '" + w.name + "': FP8 bytes for a non-FP8 layer");
     if (w.fp8->rows != w.out || w.fp8->cols != w.in || w.fp8->layout != qlayout::block_128x128)
       throw std::invalid_argument("linear '" + w.name + "': FP8 weight has the wrong shape or layout");
     p->mode = w.fp8->mode;
     p->fwd = gemm_pack_fp8(*w.fp8, forms);
-    if (for_backward) p->bwd = gemm_pack_fp8(qtensor_transpose_blocks(*w.fp8), gemm_forms_for(false));
+    if (for_backward) p->bwd = gemm_pack_fp8(qtensor_transpose_blocks(*w.fp8), bwd_forms);
     return p;
   }
   if (!w.f32) throw std::invalid_argument("linear '" + w.name + "': no weight values");
   if (w.prec == precision::fp8) {
     qtensor q = quantize(w.f32, w.out, w.in, qlayout::block_128x128, w.mode, w.name);
     p->fwd = gemm_pack_fp8(q, forms);
-    if (for_backward) p->bwd = gemm_pack_fp8(qtensor_transpose_blocks(q), gemm_forms_for(false));
+    if (for_backward) p->bwd = gemm_pack_fp8(qtensor_transpose_blocks(q), bwd_forms);
     return p;
   }
   p->fwd = pack(w.prec, w.mode, w.f32, w.out, w.in, w.name, forms);
   if (for_backward) {
     auto wt = transpose(w.f32, w.out, w.in);
-    p->bwd = pack(w.prec, w.mode, wt.data(), w.in, w.out, w.name + ".T", gemm_forms_for(false));
+    p->bwd = pack(w.prec, w.mode, wt.data(), w.in, w.out, w.name + ".T", bwd_forms);
   }
   return p;
 }
 
 void cpu_linear_forward(const prepared_linear& w, const float* x, int64_t T, float* y) {
   const auto& l = static_cast<const cpu_linear&>(w);
-  matmul(l.prec, l.mode, x, T, l.in, l.fwd, y, l.name + ".x");
+  matmul(l.prec, l.mode, l.tiles, x, T, l.in, l.fwd, y, l.name + ".x");
 }
 
 void cpu_linear_backward(const prepared_linear& w, const float* x, const float* dy, int64_t T, float* dx, float* dw) {
   const auto& l = static_cast<const cpu_linear&>(w);
   if (dx) {
     if (l.bwd.N != l.in) throw std::logic_error("linear '" + l.name + "' was not prepared for backward");
-    matmul(l.prec, l.mode, dy, T, l.out, l.bwd, dx, l.name + ".dy");
+    matmul(l.prec, l.mode, l.tiles, dy, T, l.out, l.bwd, dx, l.name + ".dy");
   }
   if (!dw) return;
   std::vector<float> g(static_cast<size_t>(l.out * l.in));
+  const gemm_pack_forms forms = forms_for(l.tiles, false);
   if (l.prec == precision::fp8) {
     // dW[out,in] = dY^T · X with both operands tiled 1x128 along tokens (columnwise)
     qtensor a = quantize(dy, T, l.out, qlayout::colwise_1x128, l.mode, l.name + ".dy^T");
     qtensor b = quantize(x, T, l.in, qlayout::colwise_1x128, l.mode, l.name + ".x^T");
-    gemm_fp8(a, gemm_pack_fp8(b, gemm_forms_for(false)), g.data());
+    if (l.tiles) gemm_fp8_tiles(a, gemm_pack_fp8(b, forms), g.data());
+    else gemm_fp8(a, gemm_pack_fp8(b, forms), g.data());
   } else {
     auto dyt = transpose(dy, T, l.out);  // [out, T]
     auto xt = transpose(x, T, l.in);     // [in, T]
-    matmul(l.prec, l.mode, dyt.data(), l.out, T,
-           pack(l.prec, l.mode, xt.data(), l.in, T, l.name + ".x^T", gemm_forms_for(false)), g.data(), l.name + ".dy^T");
+    matmul(l.prec, l.mode, l.tiles, dyt.data(), l.out, T, pack(l.prec, l.mode, xt.data(), l.in, T, l.name + ".x^T", forms),
+           g.data(), l.name + ".dy^T");
   }
   tbb::parallel_for(tbb::blocked_range<int64_t>(0, l.out * l.in, 1 << 14), [&](const auto& r) {
     for (int64_t i = r.begin(); i < r.end(); ++i) dw[i] += g[i];

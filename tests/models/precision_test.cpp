@@ -100,7 +100,13 @@ TEST(Precision, PolicyPicksFp8OnlyWhereAllowed) {
   EXPECT_THROW(bad.validate(), std::invalid_argument);
 }
 
-TEST(Precision, ModelLogitsAndGradientsNearFp32) {
+namespace {
+struct model_output {
+  std::vector<float> logits, grads;
+};
+
+// Logits and gradients of a small model on three packed sequences under a named policy.
+model_output run_policy(const char* name) {
   model_config c = small_config();
   model_params p = model_params_init(c, 7);
   auto be = make_cpu_backend();
@@ -112,26 +118,31 @@ TEST(Precision, ModelLogitsAndGradientsNearFp32) {
     b.add(seq);
   }
   auto targets = b.next_targets();
-  auto run_policy = [&](const char* name, std::vector<float>& logits, std::vector<float>& grads) {
-    model_runner run(*be);
-    auto w = model_weights_build(*be, c, precision_policy::named(name), {&p, nullptr, nullptr}, true);
-    run.forward(*w, b, true);
-    logits.resize(static_cast<size_t>(b.T() * c.vocab_size));
-    be->to_host(logits.data(), run.logits(), logits.size() * 4);
-    std::vector<float> dlogp(targets.size());
-    for (size_t t = 0; t < targets.size(); ++t) dlogp[t] = targets[t] >= 0 ? -1.0f / float(b.T()) : 0.0f;
-    grads.assign(static_cast<size_t>(p.layout.total), 0.0f);
-    run.backward(*w, targets, {}, dlogp.data(), grads.data());
-  };
-  std::vector<float> l32, g32, l16, g16, l8, g8;
-  run_policy("fp32", l32, g32);
-  run_policy("bf16", l16, g16);
-  run_policy("fp8", l8, g8);
-  using fp8rl::test::to_double;
-  const double e16 = fp8rl::tol::rel_norm_err(to_double(l16), to_double(l32));
-  const double e8 = fp8rl::tol::rel_norm_err(to_double(l8), to_double(l32));
-  const double ge16 = fp8rl::tol::rel_norm_err(to_double(g16), to_double(g32));
-  const double ge8 = fp8rl::tol::rel_norm_err(to_double(g8), to_double(g32));
+  model_output o;
+  model_runner run(*be);
+  auto w = model_weights_build(*be, c, precision_policy::named(name), {&p, nullptr, nullptr}, true);
+  run.forward(*w, b, true);
+  o.logits.resize(static_cast<size_t>(b.T() * c.vocab_size));
+  be->to_host(o.logits.data(), run.logits(), o.logits.size() * 4);
+  std::vector<float> dlogp(targets.size());
+  for (size_t t = 0; t < targets.size(); ++t) dlogp[t] = targets[t] >= 0 ? -1.0f / float(b.T()) : 0.0f;
+  o.grads.assign(static_cast<size_t>(p.layout.total), 0.0f);
+  run.backward(*w, targets, {}, dlogp.data(), o.grads.data());
+  return o;
+}
+
+double logits_err(const model_output& x, const model_output& ref) {
+  return fp8rl::tol::rel_norm_err(fp8rl::test::to_double(x.logits), fp8rl::test::to_double(ref.logits));
+}
+double grads_err(const model_output& x, const model_output& ref) {
+  return fp8rl::tol::rel_norm_err(fp8rl::test::to_double(x.grads), fp8rl::test::to_double(ref.grads));
+}
+}  // namespace
+
+TEST(Precision, ModelLogitsAndGradientsNearFp32) {
+  const model_output o32 = run_policy("fp32"), o16 = run_policy("bf16"), o8 = run_policy("fp8");
+  const double e16 = logits_err(o16, o32), e8 = logits_err(o8, o32);
+  const double ge16 = grads_err(o16, o32), ge8 = grads_err(o8, o32);
   EXPECT_LT(e16, fp8rl::tol::kModelBf16VsF32);
   EXPECT_LT(e8, fp8rl::tol::kModelFp8VsF32);
   EXPECT_LT(ge16, fp8rl::tol::kModelBf16VsF32Grad);
@@ -140,6 +151,46 @@ TEST(Precision, ModelLogitsAndGradientsNearFp32) {
   RecordProperty("logits_rel_err_bf16", std::to_string(e16));
   RecordProperty("logits_rel_err_fp8", std::to_string(e8));
   std::printf("logits rel err: bf16 %.3g fp8 %.3g; grads: bf16 %.3g fp8 %.3g\n", e16, e8, ge16, ge8);
+}
+
+// The tile (AMX) policies change only the FP32 summation order inside the GEMMs, so they must
+// meet the same format-derived bounds against FP32 as the exact kernels (and differ from them).
+TEST(Precision, TilePoliciesMeetTheExactPoliciesBounds) {
+  if (!gemm_tiles_available()) GTEST_SKIP() << "no AMX-BF16 here (active ISA " << cpu_isa_name(cpu_isa_active()) << ")";
+  const model_output o32 = run_policy("fp32"), t16 = run_policy("bf16-tiles"), t8 = run_policy("fp8-tiles");
+  EXPECT_LT(logits_err(t16, o32), fp8rl::tol::kModelBf16VsF32);
+  EXPECT_LT(logits_err(t8, o32), fp8rl::tol::kModelFp8VsF32);
+  EXPECT_LT(grads_err(t16, o32), fp8rl::tol::kModelBf16VsF32Grad);
+  EXPECT_LT(grads_err(t8, o32), fp8rl::tol::kModelFp8VsF32Grad);
+  EXPECT_NE(first_diff(t8.logits, run_policy("fp8").logits), -1) << "tile policy should not run the exact kernels";
+  std::printf("tiles vs fp32: logits bf16 %.3g fp8 %.3g; grads bf16 %.3g fp8 %.3g\n", logits_err(t16, o32),
+              logits_err(t8, o32), grads_err(t16, o32), grads_err(t8, o32));
+}
+
+TEST(Precision, TilePolicyNamesAndRefusalWithoutAmx) {
+  const precision_policy t = precision_policy::named("fp8-kv-tiles");
+  EXPECT_TRUE(t.tiles);
+  EXPECT_TRUE(t.fp8_attention);
+  EXPECT_NE(t.fingerprint(), precision_policy::named("fp8-kv").fingerprint());
+  EXPECT_TRUE(t.training().tiles);
+  for (const char* bad : {"fp32-tiles", "fp8-tiles-tiles", "-tiles", "tiles"})
+    EXPECT_THROW(precision_policy::named(bad), std::invalid_argument) << bad;
+  precision_policy f = precision_policy::named("fp32");
+  f.tiles = true;
+  EXPECT_THROW(f.validate(), std::invalid_argument);
+  // Without AMX, building tile weights is an error naming the layer, never a silent fallback.
+  cpu_isa_set_limit(cpu_isa::avx512_bf16);
+  model_config c = small_config();
+  model_params p = model_params_init(c, 1);
+  auto be = make_cpu_backend();
+  try {
+    model_weights_build(*be, c, precision_policy::named("bf16-tiles"), {&p, nullptr, nullptr}, false);
+    ADD_FAILURE() << "tile weights were built without AMX";
+  } catch (const std::runtime_error& e) {
+    EXPECT_NE(std::string(e.what()).find("q_proj"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("tiles"), std::string::npos) << e.what();
+  }
+  cpu_isa_set_limit(cpu_isa::amx);  // the default: no limit
 }
 
 TEST(Precision, Fp8AttentionNearBf16Attention) {

@@ -2,7 +2,8 @@
 // AdamW) of a model with hidden 512, 8 layers, 8 heads (2 KV heads), intermediate 1536, vocab
 // 4096, sequences of 256, under the fp32 / bf16 / fp8 policies at 1 and 2 threads; and, in the
 // same run when Debian's python3-torch is installed, the same model and step in PyTorch CPU
-// (tools/bench-train-torch.py: FP32 and bf16 autocast).
+// (tools/bench-train-torch.py: FP32 and bf16 autocast). Where the CPU has AMX, also the
+// bf16-tiles / fp8-tiles policies (linear GEMMs on the tile kernels, as oneDNN does for torch).
 //   {"bench":"train","impl":...,"threads":..,"tokens":..,"median_s":..,"tokens_per_s":..,"runs":..}
 #include <tbb/task_arena.h>
 
@@ -14,6 +15,7 @@
 #include "models/adamw.hpp"
 #include "models/cpu/cpu_backend.hpp"
 #include "models/transformer.hpp"
+#include "quant/gemm.hpp"
 #include "tools/bench/bench_util.hpp"
 
 using namespace fp8rl;
@@ -35,8 +37,11 @@ int main(int argc, char** argv) {
   }
   const auto targets = b.next_targets();
   for (int t : a.threads)
-    for (const char* pol : {"fp32", "bf16", "fp8"}) {
-      if (!bench_selected(a, pol)) continue;
+    for (std::string pol : {"fp32", "bf16", "fp8", "bf16-tiles", "fp8-tiles"}) {
+      std::string impl = "fp8rl_" + pol;
+      std::replace(impl.begin(), impl.end(), '-', '_');
+      if (!bench_selected(a, impl)) continue;
+      if (pol.find("tiles") != std::string::npos && !quant::gemm_tiles_available()) continue;
       tbb::task_arena arena(t);
       double sec = 0;
       arena.execute([&] {
@@ -57,7 +62,7 @@ int main(int argc, char** argv) {
           models::adamw_step({}, q.layout, q.data.data(), grads.data(), st);
         }, 0.0);
       });
-      bench_emit(a, {{"bench", jstr("train")}, {"impl", jstr(std::string("fp8rl_") + pol)}, {"threads", jnum(t)},
+      bench_emit(a, {{"bench", jstr("train")}, {"impl", jstr(impl)}, {"threads", jnum(t)},
                      {"tokens", jnum(double(b.T()))}, {"median_s", jnum(sec)}, {"tokens_per_s", jnum(double(b.T()) / sec)},
                      {"runs", jnum(a.reps)}});
     }
