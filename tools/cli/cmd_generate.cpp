@@ -1,5 +1,5 @@
 // tools/cli/cmd_generate.cpp -- `fp8rl generate`: batched generation with the rollout engine.
-//   fp8rl generate --model DIR --prompts FILE.jsonl [--policy fp32|bf16|fp8|fp8-kv]
+//   fp8rl generate --model DIR --prompts FILE.jsonl [--policy fp32|bf16|fp8|fp8-kv, +-tiles]
 //                  [--kv f32|bf16|fp8] [--max-tokens N] [--temperature T] [--top-k K] [--top-p P]
 //                  [--seed S] [--slots N] [--max-context N] [--stop ID,ID] [--threads N]
 // Input lines {"tokens": [ids...]} or {"text": "..."} (model dir with a tokenizer); output one JSON

@@ -1,5 +1,5 @@
 // tools/cli/cmd_score.cpp -- `fp8rl score`: per-token log-probabilities of given sequences.
-//   fp8rl score --model DIR --input FILE.jsonl [--policy fp32|bf16|fp8] [--bf16-layers F,L]
+//   fp8rl score --model DIR --input FILE.jsonl [--policy fp32|bf16|fp8[-tiles]] [--bf16-layers F,L]
 //               [--scale-mode pow2|fp32] [--threads N] [--max-batch-tokens N]
 // Input lines {"tokens": [ids...]}; output one line per input, {"logprobs": [...]} with n-1
 // entries: log p(token i | tokens < i) for i = 1..n-1, under the chosen precision policy.

@@ -1,6 +1,6 @@
 // tools/cli/cmd_sft.cpp -- `fp8rl sft`: supervised warm start on task demonstrations.
 //   fp8rl sft --out DIR [--task builtin:add2 | --task FILE.jsonl] [--model DIR | --size tiny]
-//             [--tokenizer PATH] [--steps N] [--batch N] [--lr X] [--policy fp32|bf16|fp8]
+//             [--tokenizer PATH] [--steps N] [--batch N] [--lr X] [--policy fp32|bf16|fp8[-tiles]]
 //             [--seed S] [--threads N]
 // Without --model a tiny model is initialized from the seed (built-in character tokenizer for
 // built-in tasks; --tokenizer PATH for your own). Writes a checkpoint directory (config.json,
