@@ -38,10 +38,16 @@ struct qtensor {
   int64_t op_rows() const { return layout == qlayout::colwise_1x128 ? cols : rows; }  // R
   int64_t op_cols() const { return layout == qlayout::colwise_1x128 ? rows : cols; }  // K
   int64_t k_blocks() const { return (op_cols() + kBlock - 1) / kBlock; }
-  int64_t scale_ld() const;          // leading dimension of the scale array
+  // leading dimension of the scale array
+  int64_t scale_ld() const {
+    return layout == qlayout::block_128x128 ? (k_blocks() + 3) / 4 * 4 : (op_rows() + 3) / 4 * 4;
+  }
   int64_t scale_count() const;       // entries including padding
-  // scale_inv of operand row r (0 <= r < R), K-block kb
-  float scale_at(int64_t r, int64_t kb) const;
+  // scale_inv of operand row r (0 <= r < R), K-block kb (inline: GEMM packing calls it per row)
+  float scale_at(int64_t r, int64_t kb) const {
+    return layout == qlayout::block_128x128 ? scale_inv[static_cast<size_t>((r / kBlock) * scale_ld() + kb)]
+                                            : scale_inv[static_cast<size_t>(kb * scale_ld() + r)];
+  }
 };
 
 // Raised when a tile or block holds NaN/Inf. Names the tensor, the block and the count.

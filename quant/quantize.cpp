@@ -10,19 +10,9 @@
 
 namespace fp8rl::quant {
 
-int64_t qtensor::scale_ld() const {
-  if (layout == qlayout::block_128x128) return (k_blocks() + 3) / 4 * 4;
-  return (op_rows() + 3) / 4 * 4;
-}
-
 int64_t qtensor::scale_count() const {
   if (layout == qlayout::block_128x128) return (op_rows() + kBlock - 1) / kBlock * scale_ld();
   return k_blocks() * scale_ld();
-}
-
-float qtensor::scale_at(int64_t r, int64_t kb) const {
-  if (layout == qlayout::block_128x128) return scale_inv[(r / kBlock) * scale_ld() + kb];
-  return scale_inv[kb * scale_ld() + r];
 }
 
 nonfinite_error::nonfinite_error(std::string t, int64_t br, int64_t bc, int64_t n,
