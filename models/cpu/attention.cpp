@@ -26,14 +26,13 @@ namespace {
 
 }  // namespace
 
-FP8RL_VECTOR_CLONES float cpu_attn_query(const float* q, const attn_rounding& rq, const float* kt, int64_t ldk, const float* v,
-                     int64_t n, int64_t D, precision p_operand, float* out, float* scratch) {
-  float* s = scratch;      // [n] scores, then probabilities
-  float* qr = scratch + n; // [D]
-  for (int64_t d = 0; d < D; ++d) qr[d] = cpu_attn_round(q[d], rq);
+namespace {
+// Softmax of n scores s (scaled, max-subtracted, exp, sum in increasing j), P rounded to the
+// operand precision, then out[d] = sum_j p[j] v[j][d] sequential in j; returns the lse. The one
+// definition both the decode path (cpu_attn_query) and the training forward use.
+FP8RL_VECTOR_CLONES float cpu_attn_softmax_pv(float* s, int64_t n, const float* v, int64_t D, precision p_operand,
+                                              float* out) {
   const float scale = 1.0f / std::sqrt(static_cast<float>(D));
-  for (int64_t j = 0; j < n; ++j) s[j] = 0.0f;
-  for (int64_t d = 0; d < D; ++d) row_fma(qr[d], kt + d * ldk, s, n);  // s[j] = sum_d q[d] k[j][d], sequential in d
   float m = -INFINITY;
   for (int64_t j = 0; j < n; ++j) {
     s[j] = s[j] * scale;
@@ -50,22 +49,37 @@ FP8RL_VECTOR_CLONES float cpu_attn_query(const float* q, const attn_rounding& rq
   for (int64_t j = 0; j < n; ++j) row_fma(s[j], v + j * D, out, D);  // out[d] = sum_j p[j] v[j][d], sequential in j
   return m + std::log(sum);
 }
+}  // namespace
+
+FP8RL_VECTOR_CLONES float cpu_attn_query(const float* q, const attn_rounding& rq, const float* kt, int64_t ldk, const float* v,
+                     int64_t n, int64_t D, precision p_operand, float* out, float* scratch) {
+  float* s = scratch;      // [n] scores, then probabilities
+  float* qr = scratch + n; // [D]
+  for (int64_t d = 0; d < D; ++d) qr[d] = cpu_attn_round(q[d], rq);
+  for (int64_t j = 0; j < n; ++j) s[j] = 0.0f;
+  for (int64_t d = 0; d < D; ++d) row_fma(qr[d], kt + d * ldk, s, n);  // s[j] = sum_d q[d] k[j][d], sequential in d
+  return cpu_attn_softmax_pv(s, n, v, D, p_operand, out);
+}
 
 namespace {
 
-struct kv_view {  // rounded K^T [D][n] and V [n][D] of one sequence and KV head
+constexpr int64_t kKeyChunk = 16;  // keys per register block in the backward's score kernel
+
+struct kv_view {  // rounded K^T [D][ld] (ld = n rounded up to kKeyChunk, zero-padded) and V [n][D]
   std::vector<float> kt, v;
+  int64_t ld = 0;
 };
 
 void gather_kv(const attn_params& p, const float* k, const float* v, int64_t s0, int64_t n, int64_t g, kv_view& out) {
   const int64_t D = p.D, KV = p.KV;
   const attn_rounding rk{p.operand, p.k_scale ? p.k_scale[g] : 0.0f};
   const attn_rounding rv{p.operand, p.v_scale ? p.v_scale[g] : 0.0f};
-  out.kt.resize(static_cast<size_t>(D * n));
+  out.ld = (n + kKeyChunk - 1) / kKeyChunk * kKeyChunk;
+  out.kt.assign(static_cast<size_t>(D * out.ld), 0.0f);
   out.v.resize(static_cast<size_t>(n * D));
   for (int64_t j = 0; j < n; ++j)
     for (int64_t d = 0; d < D; ++d) {
-      out.kt[d * n + j] = cpu_attn_round(k[((s0 + j) * KV + g) * D + d], rk);
+      out.kt[d * out.ld + j] = cpu_attn_round(k[((s0 + j) * KV + g) * D + d], rk);
       out.v[j * D + d] = cpu_attn_round(v[((s0 + j) * KV + g) * D + d], rv);
     }
 }
@@ -78,6 +92,130 @@ void for_each_seq_group(const attn_params& p, Fn&& fn) {
 
 }  // namespace
 
+namespace {
+
+// Rounded K and V of one sequence and KV head in both orientations: [D][ld] feeds loops over
+// keys j (vectorized across j), [n][D] feeds loops over d.
+struct kv_both {
+  kv_view t;                 // kt [D][ld], v [n][D]
+  std::vector<float> k, vt;  // k [n][D], vt [D][ld] (zero-padded like kt)
+};
+
+constexpr int64_t kRowBlock = 8;  // query rows per block: K, V, dK, dV rows are read once per block
+
+// s[r][j] = sum_d q[r][d] k[j][d] and dp[r][j] = sum_d dout[r][d] v[j][d] for all kRowBlock rows
+// (rows >= B have zero operands and are not stored) and keys j < nk, each a sequential fma over d
+// from +0, in registers: 8 rows x 16 keys of both, one K^T and one V^T load per 16 fmas.
+//   qb, ob: [kRowBlock][D]; kt, vt: [D][ld] zero-padded; s, dp: [B][nk]
+// kDp = false computes s only (the forward; ob, vt and dp unused).
+template <bool kDp>
+FP8RL_VECTOR_CLONES void attn_scores_block(const float* qb, const float* ob, int64_t B, const float* kt, const float* vt,
+                                           int64_t ld, int64_t nk, int64_t D, float* s, float* dp) {
+  for (int64_t jc = 0; jc < nk; jc += kKeyChunk) {
+    float as[kRowBlock][kKeyChunk] = {}, ap[kRowBlock][kKeyChunk] = {};
+    for (int64_t d = 0; d < D; ++d) {
+      const float* kd = kt + d * ld + jc;
+#pragma GCC unroll 8
+      for (int r = 0; r < kRowBlock; ++r) {
+        const float qv = qb[r * D + d];
+#pragma GCC unroll 16
+        for (int j = 0; j < kKeyChunk; ++j) as[r][j] = std::fma(qv, kd[j], as[r][j]);
+      }
+      if constexpr (kDp) {
+        const float* vd = vt + d * ld + jc;
+#pragma GCC unroll 8
+        for (int r = 0; r < kRowBlock; ++r) {
+          const float ov = ob[r * D + d];
+#pragma GCC unroll 16
+          for (int j = 0; j < kKeyChunk; ++j) ap[r][j] = std::fma(ov, vd[j], ap[r][j]);
+        }
+      }
+    }
+    const int64_t w = std::min(kKeyChunk, nk - jc);
+    for (int64_t r = 0; r < B; ++r)
+      for (int64_t j = 0; j < w; ++j) {
+        s[r * nk + jc + j] = as[r][j];
+        if constexpr (kDp) dp[r * nk + jc + j] = ap[r][j];
+      }
+  }
+}
+
+// dq[r] = sum over keys j <= i0+r (increasing) of dS[r][j] k[j]; dK[j] += dS[r][j] q[r] and
+// dV[j] += P[r][j] dout[r] over the rows r that see key j (increasing): accumulators in registers.
+template <int D>
+FP8RL_VECTOR_CLONES void attn_grads_block(const float* qb, const float* ob, int64_t B, int64_t i0, const float* k,
+                                          const float* s, const float* dp, int64_t nk, float* dq, int64_t ldq,
+                                          float* dK, float* dV) {
+  for (int64_t r = 0; r < B; ++r) {
+    float acc[D] = {};
+    for (int64_t j = 0; j <= i0 + r; ++j) {
+      const float ds = dp[r * nk + j];
+      const float* kj = k + j * D;
+#pragma GCC unroll 8
+      for (int d = 0; d < D; ++d) acc[d] = std::fma(ds, kj[d], acc[d]);
+    }
+    for (int d = 0; d < D; ++d) dq[r * ldq + d] = acc[d];
+  }
+  for (int64_t j = 0; j < nk; ++j) {
+    float ak[D], av[D];
+    for (int d = 0; d < D; ++d) ak[d] = dK[j * D + d], av[d] = dV[j * D + d];
+    for (int64_t r = j > i0 ? j - i0 : 0; r < B; ++r) {
+      const float ds = dp[r * nk + j], pj = s[r * nk + j];
+#pragma GCC unroll 8
+      for (int d = 0; d < D; ++d) {
+        ak[d] = std::fma(ds, qb[r * D + d], ak[d]);
+        av[d] = std::fma(pj, ob[r * D + d], av[d]);
+      }
+    }
+    for (int d = 0; d < D; ++d) dK[j * D + d] = ak[d], dV[j * D + d] = av[d];
+  }
+}
+
+// The same sums for any D, memory-resident (row_fma), in the same per-element order.
+FP8RL_VECTOR_CLONES void attn_grads_block_any(const float* qb, const float* ob, int64_t B, int64_t i0, const float* k,
+                                              const float* s, const float* dp, int64_t nk, int64_t D, float* dq,
+                                              int64_t ldq, float* dK, float* dV) {
+  for (int64_t r = 0; r < B; ++r)
+    for (int64_t d = 0; d < D; ++d) dq[r * ldq + d] = 0.0f;
+  for (int64_t j = 0; j < nk; ++j)
+    for (int64_t r = j > i0 ? j - i0 : 0; r < B; ++r) {
+      const float dsj = dp[r * nk + j], pj = s[r * nk + j];
+      row_fma(dsj, k + j * D, dq + r * ldq, D);
+      row_fma(dsj, qb + r * D, dK + j * D, D);
+      row_fma(pj, ob + r * D, dV + j * D, D);
+    }
+}
+
+// Backward of query rows i0 .. i0+B-1 (row r sees keys 0..i0+r) of one head. Per output element
+// the order is the unblocked one: scores are a sequential fma over d (as the forward computes
+// them), dq sums keys in increasing j, and dK/dV add rows in increasing i.
+//   qb, ob: rounded q and dout rows [kRowBlock][D] (rows >= B zero); dq: row r at +r*ldq;
+//   lse[r]; s, dp: scratch [B][nk]
+void attn_rows_backward(const float* qb, const float* ob, const float* Di, const float* lse, int64_t B, int64_t i0,
+                        float scale, const kv_both& kv, int64_t D, const attn_rounding& rp, float* s, float* dp,
+                        float* dq, int64_t ldq, float* dK, float* dV) {
+  const int64_t nk = i0 + B;  // keys any row of the block sees
+  attn_scores_block<true>(qb, ob, B, kv.t.kt.data(), kv.vt.data(), kv.t.ld, nk, D, s, dp);
+  for (int64_t r = 0; r < B; ++r)
+    for (int64_t j = 0; j <= i0 + r; ++j) {
+      const float prob = std::exp(s[r * nk + j] * scale - lse[r]);
+      s[r * nk + j] = cpu_attn_round(prob, rp);              // the probability the forward used with V
+      dp[r * nk + j] = prob * (dp[r * nk + j] - Di[r]) * scale;  // dS
+    }
+  const float* k = kv.k.data();
+  switch (D) {
+    case 32: attn_grads_block<32>(qb, ob, B, i0, k, s, dp, nk, dq, ldq, dK, dV); break;
+    case 64: attn_grads_block<64>(qb, ob, B, i0, k, s, dp, nk, dq, ldq, dK, dV); break;
+    case 128: attn_grads_block<128>(qb, ob, B, i0, k, s, dp, nk, dq, ldq, dK, dV); break;
+    default: attn_grads_block_any(qb, ob, B, i0, k, s, dp, nk, D, dq, ldq, dK, dV);
+  }
+}
+
+}  // namespace
+
+// Training/prefill forward: per block of kRowBlock query rows the scores in registers (the
+// same sequential fma over d as cpu_attn_query), then per row cpu_attn_softmax_pv: every value
+// equals what the decode path computes for that row.
 void cpu_attention_forward(const attn_params& p, const float* q, const float* k, const float* v, float* out, float* lse) {
   const int64_t H = p.H, D = p.D, G = p.H / p.KV;
   for_each_seq_group(p, [&](int64_t s, int64_t g) {
@@ -85,71 +223,23 @@ void cpu_attention_forward(const attn_params& p, const float* q, const float* k,
     if (n <= 0) return;
     kv_view kv;
     gather_kv(p, k, v, s0, n, g, kv);
-    std::vector<float> scratch(static_cast<size_t>(n + D));
+    std::vector<float> qb(static_cast<size_t>(kRowBlock * D)), sc(static_cast<size_t>(kRowBlock * n));
     for (int64_t h = g * G; h < (g + 1) * G; ++h) {
       const attn_rounding rq{p.operand, p.q_scale ? p.q_scale[h] : 0.0f};
-      for (int64_t i = 0; i < n; ++i) {
-        const int64_t t = s0 + i;
-        lse[t * H + h] = cpu_attn_query(q + (t * H + h) * D, rq, kv.kt.data(), n, kv.v.data(), i + 1, D,
-                                        p.operand, out + (t * H + h) * D, scratch.data());
+      for (int64_t i0 = 0; i0 < n; i0 += kRowBlock) {
+        const int64_t B = std::min(kRowBlock, n - i0), nk = i0 + B;
+        std::fill(qb.begin() + B * D, qb.end(), 0.0f);
+        for (int64_t r = 0; r < B; ++r)
+          for (int64_t d = 0; d < D; ++d) qb[r * D + d] = cpu_attn_round(q[((s0 + i0 + r) * H + h) * D + d], rq);
+        attn_scores_block<false>(qb.data(), nullptr, B, kv.kt.data(), nullptr, kv.ld, nk, D, sc.data(), nullptr);
+        for (int64_t r = 0; r < B; ++r) {
+          const int64_t t = s0 + i0 + r;
+          lse[t * H + h] = cpu_attn_softmax_pv(sc.data() + r * nk, i0 + r + 1, kv.v.data(), D, p.operand, out + (t * H + h) * D);
+        }
       }
     }
   });
 }
-
-namespace {
-
-// Rounded K and V of one sequence and KV head in both orientations: [D][n] feeds loops over
-// keys j (vectorized across j), [n][D] feeds loops over d.
-struct kv_both {
-  kv_view t;                 // kt [D][n], v [n][D]
-  std::vector<float> k, vt;  // k [n][D], vt [D][n]
-};
-
-constexpr int64_t kRowBlock = 8;  // query rows per block: K, V, dK, dV rows are read once per block
-
-// Backward of query rows i0 .. i0+B-1 (row r sees keys 0..i0+r) of one head. Per output element
-// the order is the unblocked one: scores are a sequential fma over d (as the forward computes
-// them), dq sums keys in increasing j, and dK/dV add rows in increasing i.
-//   q, dout, out, dq: row r at +r*ld; lse[r] at +r*ldl; s, dp: scratch [B][nk]
-FP8RL_VECTOR_CLONES void attn_rows_backward(const float* qr, const float* dout, const float* Di, const float* lse,
-                                           int64_t B, int64_t i0, float scale, const kv_both& kv, int64_t ldn,
-                                           int64_t D, const attn_rounding& rp, float* s, float* dp, float* dq,
-                                           int64_t ldq, float* dK, float* dV) {
-  const int64_t nk = i0 + B;  // keys any row of the block sees
-  for (int64_t r = 0; r < B; ++r)
-    for (int64_t j = 0; j < nk; ++j) s[r * nk + j] = 0.0f, dp[r * nk + j] = 0.0f;
-  for (int64_t d = 0; d < D; ++d) {
-    const float* kd = kv.t.kt.data() + d * ldn;
-    const float* vd = kv.vt.data() + d * ldn;
-    for (int64_t r = 0; r < B; ++r) {
-      const float qd = qr[r * D + d], od = dout[r * ldq + d];
-      row_fma(qd, kd, s + r * nk, nk);
-      row_fma(od, vd, dp + r * nk, nk);
-    }
-  }
-  for (int64_t r = 0; r < B; ++r)
-    for (int64_t j = 0; j <= i0 + r; ++j) {
-      const float prob = std::exp(s[r * nk + j] * scale - lse[r]);
-      s[r * nk + j] = cpu_attn_round(prob, rp);              // the probability the forward used with V
-      dp[r * nk + j] = prob * (dp[r * nk + j] - Di[r]) * scale;  // dS
-    }
-  for (int64_t r = 0; r < B; ++r)
-    for (int64_t d = 0; d < D; ++d) dq[r * ldq + d] = 0.0f;
-  for (int64_t j = 0; j < nk; ++j) {
-    const float* kj = kv.k.data() + j * D;
-    float* dkj = dK + j * D;
-    float* dvj = dV + j * D;
-    for (int64_t r = j > i0 ? j - i0 : 0; r < B; ++r) {  // rows that see key j
-      const float dsj = dp[r * nk + j], pj = s[r * nk + j];
-      row_fma(dsj, kj, dq + r * ldq, D);
-      row_fma(dsj, qr + r * D, dkj, D);
-      row_fma(pj, dout + r * ldq, dvj, D);
-    }
-  }
-}
-
-}  // namespace
 
 void cpu_attention_backward(const attn_params& p, const float* q, const float* k, const float* v, const float* out,
                             const float* lse, const float* dout, float* dq, float* dk, float* dv) {
@@ -160,35 +250,38 @@ void cpu_attention_backward(const attn_params& p, const float* q, const float* k
     if (n <= 0) return;
     kv_both kv;
     gather_kv(p, k, v, s0, n, g, kv.t);
+    const int64_t ld = kv.t.ld;
     kv.k.resize(static_cast<size_t>(n * D));
-    kv.vt.resize(static_cast<size_t>(D * n));
+    kv.vt.assign(static_cast<size_t>(D * ld), 0.0f);
     for (int64_t j = 0; j < n; ++j)
       for (int64_t d = 0; d < D; ++d) {
-        kv.k[j * D + d] = kv.t.kt[d * n + j];
-        kv.vt[d * n + j] = kv.t.v[j * D + d];
+        kv.k[j * D + d] = kv.t.kt[d * ld + j];
+        kv.vt[d * ld + j] = kv.t.v[j * D + d];
       }
     std::vector<float> dK(static_cast<size_t>(n * D), 0.0f), dV(static_cast<size_t>(n * D), 0.0f);
-    std::vector<float> qr(static_cast<size_t>(kRowBlock * D)), sc(static_cast<size_t>(kRowBlock * n)),
-        dp(static_cast<size_t>(kRowBlock * n)), Di(kRowBlock), lr(kRowBlock);
+    std::vector<float> qb(static_cast<size_t>(kRowBlock * D)), ob(static_cast<size_t>(kRowBlock * D)),
+        sc(static_cast<size_t>(kRowBlock * n)), dp(static_cast<size_t>(kRowBlock * n)), Di(kRowBlock), lr(kRowBlock);
     const attn_rounding rp{p.operand, 0.0f};
     for (int64_t h = g * G; h < (g + 1) * G; ++h) {
       const attn_rounding rq{p.operand, p.q_scale ? p.q_scale[h] : 0.0f};
       for (int64_t i0 = 0; i0 < n; i0 += kRowBlock) {
         const int64_t B = std::min(kRowBlock, n - i0);
+        std::fill(qb.begin() + B * D, qb.end(), 0.0f);  // rows past the block: zero operands
+        std::fill(ob.begin() + B * D, ob.end(), 0.0f);
         for (int64_t r = 0; r < B; ++r) {
           const int64_t t = s0 + i0 + r;
           const float* qi = q + (t * H + h) * D;
           const float* doi = dout + (t * H + h) * D;
           const float* oi = out + (t * H + h) * D;
-          for (int64_t d = 0; d < D; ++d) qr[r * D + d] = cpu_attn_round(qi[d], rq);
+          for (int64_t d = 0; d < D; ++d) qb[r * D + d] = cpu_attn_round(qi[d], rq), ob[r * D + d] = doi[d];
           float di = 0.0f;
           for (int64_t d = 0; d < D; ++d) di += doi[d] * oi[d];
           Di[r] = di;
           lr[r] = lse[t * H + h];
         }
         const int64_t row0 = ((s0 + i0) * H + h) * D;
-        attn_rows_backward(qr.data(), dout + row0, Di.data(), lr.data(), B, i0, scale, kv, n, D, rp, sc.data(),
-                           dp.data(), dq + row0, H * D, dK.data(), dV.data());
+        attn_rows_backward(qb.data(), ob.data(), Di.data(), lr.data(), B, i0, scale, kv, D, rp, sc.data(), dp.data(),
+                           dq + row0, H * D, dK.data(), dV.data());
       }
     }
     for (int64_t j = 0; j < n; ++j)
