@@ -106,16 +106,44 @@ void quantize_blocks(const float* x, qtensor& q, first_bad& fb) {
   });
 }
 
-// Columnwise: operand row c = source column c, tiles of 128 source rows. 16 columns at once.
+// a[r] byte j -> out[j] byte r (16x16 bytes): four unpack stages (8-, 16-, 32-, 64-bit); after
+// them column j = 8h + 4g + 2s + t sits in out[j].
+inline void transpose_16x16_u8(const __m128i (&a)[16], __m128i (&out)[16]) {
+  __m128i b[8][2], c[4][2][2], d[2][2][2][2];
+  for (int p = 0; p < 8; ++p) {
+    b[p][0] = _mm_unpacklo_epi8(a[2 * p], a[2 * p + 1]);
+    b[p][1] = _mm_unpackhi_epi8(a[2 * p], a[2 * p + 1]);
+  }
+  for (int q = 0; q < 4; ++q)
+    for (int h = 0; h < 2; ++h) {
+      c[q][h][0] = _mm_unpacklo_epi16(b[2 * q][h], b[2 * q + 1][h]);
+      c[q][h][1] = _mm_unpackhi_epi16(b[2 * q][h], b[2 * q + 1][h]);
+    }
+  for (int u = 0; u < 2; ++u)
+    for (int h = 0; h < 2; ++h)
+      for (int g = 0; g < 2; ++g) {
+        d[u][h][g][0] = _mm_unpacklo_epi32(c[2 * u][h][g], c[2 * u + 1][h][g]);
+        d[u][h][g][1] = _mm_unpackhi_epi32(c[2 * u][h][g], c[2 * u + 1][h][g]);
+      }
+  for (int h = 0; h < 2; ++h)
+    for (int g = 0; g < 2; ++g)
+      for (int t = 0; t < 2; ++t) {
+        out[8 * h + 4 * g + 2 * t] = _mm_unpacklo_epi64(d[0][h][g][t], d[1][h][g][t]);
+        out[8 * h + 4 * g + 2 * t + 1] = _mm_unpackhi_epi64(d[0][h][g][t], d[1][h][g][t]);
+      }
+}
+
+// Columnwise: operand row c = source column c, tiles of 128 source rows. 16 columns at once;
+// codes of 16 rows are transposed in registers and stored as 16-byte runs of each column.
 void quantize_cols(const float* x, qtensor& q, first_bad& fb) {
   const int64_t rows = q.rows, cols = q.cols, ld = q.scale_ld();
   const int64_t CG = (cols + 15) / 16, TB = q.k_blocks();
   tbb::parallel_for(tbb::blocked_range<int64_t>(0, CG * TB), [&](const auto& br) {
-    alignas(64) uint8_t tmp[kBlock][16];
+    alignas(64) uint8_t tmp[16][16];  // codes of the last < 16 rows
     alignas(64) float amax16[16];
     alignas(64) int32_t bad16[16];
     for (int64_t g = br.begin(); g < br.end(); ++g) {
-      const int64_t c0 = (g / TB) * 16, tb = g % TB;
+      const int64_t tb = g / CG, c0 = (g % CG) * 16;  // row-block major: neighbouring tasks share pages and lines
       const int64_t r0 = tb * kBlock, nr = std::min(kBlock, rows - r0);
       const int64_t nc = std::min<int64_t>(16, cols - c0);
       const __mmask16 m = tail_mask(nc);
@@ -142,13 +170,21 @@ void quantize_cols(const float* x, qtensor& q, first_bad& fb) {
       if (!ok) continue;
       for (int64_t j = nc; j < 16; ++j) sc[j] = 1.0f;
       const __m512 s = _mm512_load_ps(sc);
-      for (int64_t r = 0; r < nr; ++r) {
-        __m512i c = e4m3_encode16(_mm512_mul_ps(_mm512_maskz_loadu_ps(m, x + (r0 + r) * cols + c0), s));
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(&tmp[r][0]), _mm512_cvtepi32_epi8(c));
+      auto encode = [&](int64_t r) {
+        return _mm512_cvtepi32_epi8(e4m3_encode16(_mm512_mul_ps(_mm512_maskz_loadu_ps(m, x + (r0 + r) * cols + c0), s)));
+      };
+      int64_t r = 0;
+      for (; r + 16 <= nr; r += 16) {
+        __m128i rowc[16], colc[16];
+        for (int i = 0; i < 16; ++i) rowc[i] = encode(r + i);
+        transpose_16x16_u8(rowc, colc);
+        for (int64_t j = 0; j < nc; ++j)
+          _mm_storeu_si128(reinterpret_cast<__m128i*>(q.data.data() + (c0 + j) * rows + r0 + r), colc[j]);
       }
+      for (int64_t i = r; i < nr; ++i) _mm_storeu_si128(reinterpret_cast<__m128i*>(&tmp[i - r][0]), encode(i));
       for (int64_t j = 0; j < nc; ++j) {
         uint8_t* dst = q.data.data() + (c0 + j) * rows + r0;
-        for (int64_t r = 0; r < nr; ++r) dst[r] = tmp[r][j];
+        for (int64_t i = r; i < nr; ++i) dst[i] = tmp[i - r][j];
       }
     }
   });
