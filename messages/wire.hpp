@@ -6,7 +6,7 @@
 // element-wise speed, caf-0.17.md §3); both ends must share endianness (x86-64 everywhere).
 // In-process messages are never serialized: bundle_msg/params_msg carry shared_ptr<const ...>,
 // so a local hand-off is zero-copy; across processes weight-sync sends bundle_chunk pieces far
-// below CAF's 4 GiB frame limit, one request in flight (the ack is the backpressure).
+// below CAF's 4 GiB frame limit (4 MiB), a window of 4 requests in flight (acks are the backpressure).
 #pragma once
 #include <cstdint>
 #include <cstring>

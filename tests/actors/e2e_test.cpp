@@ -1,7 +1,7 @@
 // tests/actors/e2e_test.cpp -- the whole system as users run it, with real processes on loopback:
 // the embedded default for a few steps (+ --resume), max_staleness = 0 reproducing the
 // synchronous loop's metrics bit for bit, two processes via caf-run, and killing the remote
-// rollout process mid-run (the run finishes, every group is counted once).
+// rollout process mid-run (the run finishes, every group is counted once); the AMX tiles recipe.
 #include <gtest/gtest.h>
 
 #include <chrono>
@@ -15,6 +15,7 @@
 #include "models/checkpoint.hpp"
 #include "models/cpu/cpu_backend.hpp"
 #include "models/rl/loop.hpp"
+#include "quant/gemm.hpp"
 
 namespace fs = std::filesystem;
 using json = nlohmann::json;
@@ -122,6 +123,29 @@ TEST(E2E, StalenessZeroReproducesTheSynchronousLoop) {
     for (const char* k : {"reward_mean", "loss", "token_mult_prob_error", "gen_kl_error", "grad_norm", "tokens",
                           "sampling_importance_ratio", "approx_entropy"})
       EXPECT_EQ(m[s][k].get<double>(), want[k]) << "step " << s + 1 << " " << k;
+  }
+  fs::remove_all(d);
+}
+
+// The shipped AMX recipe: where tiles exist, staleness 0 shows generation and training agreeing
+// exactly (token_mult_prob_error 1); elsewhere the run is refused with a message naming tiles.
+TEST(E2E, TilesRecipeRunsWithAmxAndIsRefusedWithout) {
+  const fs::path d = fresh_dir("tiles");
+  const std::string out = (d / "out.txt").string();
+  const int rc = std::system((kBin + "/fp8rl train --recipe configs/recipes/fp8-e2e-tiles.conf --run-dir " +
+                              (d / "run").string() + " --run.steps=2 --run.eval_every=0 --run.checkpoint_every=0" +
+                              " --model.sft_steps=30 --rollout.prompts_per_step=8 --async.max_staleness=0 > " + out +
+                              " 2>&1").c_str());
+  std::ifstream f(out);
+  const std::string text((std::istreambuf_iterator<char>(f)), {});
+  if (fp8rl::quant::gemm_tiles_available()) {
+    ASSERT_TRUE(WIFEXITED(rc) && WEXITSTATUS(rc) == 0) << text;
+    const auto m = metrics(d / "run");
+    ASSERT_EQ(m.size(), 2u);
+    for (const auto& step : m) EXPECT_EQ(step["token_mult_prob_error"].get<double>(), 1.0);
+  } else {
+    EXPECT_NE(rc, 0);
+    EXPECT_NE(text.find("tiles"), std::string::npos) << text;
   }
   fs::remove_all(d);
 }
