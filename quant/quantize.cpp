@@ -1,5 +1,8 @@
 // quant/quantize.cpp -- blockwise quantization: scalar reference, dispatch, dequantization.
 // Built with -ffp-contract=off: x * scale must be one IEEE multiply.
+#include <tbb/blocked_range2d.h>
+#include <tbb/parallel_for.h>
+
 #include <cmath>
 #include <sstream>
 
@@ -139,8 +142,12 @@ qtensor qtensor_transpose_blocks(const qtensor& w) {
   if (w.layout != qlayout::block_128x128)
     throw std::invalid_argument("tensor '" + w.name + "': transpose needs 128x128 blocks");
   qtensor t = detail::qtensor_alloc(w.cols, w.rows, qlayout::block_128x128, w.mode, w.name + ".T");
-  for (int64_t r = 0; r < w.rows; ++r)
-    for (int64_t c = 0; c < w.cols; ++c) t.data[c * w.rows + r] = w.data[r * w.cols + c];
+  // 64x64 byte tiles in parallel: each task writes its tile's output rows sequentially
+  const int64_t R = w.rows, C = w.cols;
+  tbb::parallel_for(tbb::blocked_range2d<int64_t>(0, R, 64, 0, C, 64), [&](const tbb::blocked_range2d<int64_t>& b) {
+    for (int64_t c = b.cols().begin(); c < b.cols().end(); ++c)
+      for (int64_t r = b.rows().begin(); r < b.rows().end(); ++r) t.data[c * R + r] = w.data[r * C + c];
+  });
   for (int64_t rb = 0; rb * kBlock < w.rows; ++rb)
     for (int64_t cb = 0; cb * kBlock < w.cols; ++cb)
       t.scale_inv[cb * t.scale_ld() + rb] = w.scale_inv[rb * w.scale_ld() + cb];
