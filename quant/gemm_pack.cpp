@@ -113,7 +113,7 @@ gemm_packed_b gemm_pack_fp8(const qtensor& B, gemm_pack_forms forms) {
   tbb::parallel_for(int64_t{0}, NP, [&](int64_t pn) {
     const int64_t ncols = std::min<int64_t>(32, p.N - pn * 32);
     const uint8_t* src = B.data.data() + pn * 32 * K;  // row j of the panel at src + j * K
-    for (int64_t k = 0; k < K; ++k) {
+    for (int64_t k = 0; k < K && (forms.wide || forms.narrow); ++k) {
       const int64_t i = pn * Kp / 2 + k / 2;  // pair step
       const int h = static_cast<int>(k & 1);
       for (int64_t j = 0; j < ncols; ++j) {
