@@ -20,15 +20,16 @@ gemm_pack_forms usable(gemm_pack_forms f) {
   return f;
 }
 
-// Column j of panel pn into the tile form: col [n] BF16 values (k = 0..n-1), as 32-bit k-pairs
-// written at their tile positions (detail::tiles_b_index, pair-wise).
-void tiles_put_column(uint16_t* tiles, int64_t KS, int64_t pn, int64_t j, const uint16_t* col, int64_t n) {
-  for (int64_t k = 0; k + 1 < n; k += 2) {
-    uint32_t pair;
-    std::memcpy(&pair, col + k, 4);
-    std::memcpy(tiles + detail::tiles_b_index(KS, pn, j, k), &pair, 4);
-  }
-  if (n & 1) tiles[detail::tiles_b_index(KS, pn, j, n - 1)] = col[n - 1];
+// One panel of the tile form from its columns: cols [32][Kt] BF16 values (zero-padded) ->
+// tiles [KS][2 halves][16 k-pairs][16 columns] of 32-bit pairs. Each 1 KiB tile is a 16x16
+// transpose of pairs, written sequentially (detail::tiles_b_index is the element-wise layout).
+void tiles_put_panel(uint16_t* panel, int64_t Kt, const uint16_t* cols) {
+  const int64_t KS = Kt / 32, P = Kt / 2;  // k-steps; pairs per column
+  for (int64_t ks = 0; ks < KS; ++ks)
+    for (int64_t h = 0; h < 2; ++h)
+      for (int64_t pp = 0; pp < 16; ++pp)
+        for (int64_t c = 0; c < 16; ++c)
+          std::memcpy(panel + (((ks * 2 + h) * 16 + pp) * 16 + c) * 2, cols + ((h * 16 + c) * P + ks * 16 + pp) * 2, 4);
 }
 
 int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
@@ -78,14 +79,20 @@ gemm_packed_b gemm_pack_bf16(const uint16_t* B, int64_t N, int64_t K, std::strin
   if (forms.narrow) p.bf16.assign(static_cast<size_t>(NP * Kp * 32), 0);
   p.Kt = round_up(K, 32);
   if (forms.tiles) p.tiles.assign(static_cast<size_t>(NP * p.Kt * 32), 0);
-  for_each_column(N, [&](int64_t pn, int64_t j, int64_t n) {
+  if (forms.wide || forms.narrow) for_each_column(N, [&](int64_t pn, int64_t j, int64_t n) {
     const uint16_t* src = B + n * K;
     for (int64_t k = 0; k < K; ++k) {
       if (forms.wide) p.wide[(pn * Kp + k) * 32 + j] = bf16_to_float(src[k]);
       if (forms.narrow) p.bf16[(pn * Kp / 2 + k / 2) * 64 + 2 * j + (k & 1)] = src[k];
     }
-    if (forms.tiles) tiles_put_column(p.tiles.data(), p.Kt / 32, pn, j, src, K);
   });
+  if (forms.tiles)
+    tbb::parallel_for(int64_t{0}, NP, [&](int64_t pn) {
+      avector<uint16_t> cols(static_cast<size_t>(32 * p.Kt), 0);  // [32][Kt]
+      for (int64_t j = 0; j < 32 && pn * 32 + j < N; ++j)
+        std::memcpy(cols.data() + j * p.Kt, B + (pn * 32 + j) * K, static_cast<size_t>(K) * 2);
+      tiles_put_panel(p.tiles.data() + pn * p.Kt * 32, p.Kt, cols.data());
+    });
   return p;
 }
 
@@ -122,18 +129,18 @@ gemm_packed_b gemm_pack_fp8(const qtensor& B, gemm_pack_forms forms) {
         if (forms.narrow) p.fp8[i * 64 + pos[j][h]] = c;
       }
     }
-    avector<uint16_t> col(forms.tiles ? static_cast<size_t>(K) : 0);  // one column, BF16 values
+    avector<uint16_t> cols(forms.tiles ? static_cast<size_t>(32 * Kp) : 0, 0);  // [32][Kp] BF16 values
     for (int64_t j = 0; j < ncols; ++j) {
+      uint16_t* col = cols.data() + j * Kp;
       const int64_t n = pn * 32 + j;
       for (int64_t kb = 0; kb < KB; ++kb) p.scale_inv[(pn * KB + kb) * 32 + j] = B.scale_at(n, kb);
       if (!forms.tiles) continue;
-      detail::e4m3_to_bf16_avx512(src + j * K, K, col.data());  // tiles imply AMX, hence AVX-512
+      detail::e4m3_to_bf16_avx512(src + j * K, K, col);  // tiles imply AMX, hence AVX-512
       if (fold)  // q * 2^e is exact in BF16
         for (int64_t kb = 0; kb < KB; ++kb)
-          detail::tiles_scale_row(col.data() + kb * kBlock, std::min(kBlock, K - kb * kBlock),
-                                  p.scale_inv[(pn * KB + kb) * 32 + j]);
-      tiles_put_column(p.tiles.data(), Kp / 32, pn, j, col.data(), K);
+          detail::tiles_scale_row(col + kb * kBlock, std::min(kBlock, K - kb * kBlock), p.scale_inv[(pn * KB + kb) * 32 + j]);
     }
+    if (forms.tiles) tiles_put_panel(p.tiles.data() + pn * Kp * 32, Kp, cols.data());
   });
   return p;
 }
