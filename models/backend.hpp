@@ -83,6 +83,9 @@ class backend {
   virtual void to_device(void* dst, const void* host_src, size_t bytes) = 0;
   virtual void to_host(void* host_dst, const void* src, size_t bytes) = 0;
   virtual void zero(void* p, size_t bytes) = 0;
+  // True when buffers are plain host memory (the CPU backend): model_runner::backward then adds
+  // gradients straight into the caller's host buffer instead of a zeroed device copy.
+  virtual bool host_memory() const { return false; }
 
   // ---- elementwise / normalization ----
   // out[T,C] = wte[tokens[t], :]

@@ -264,9 +264,14 @@ void model_runner::backward(const model_weights& w, const std::vector<int32_t>& 
   g_.dres.ensure(be_, T * C); g_.dxn.ensure(be_, T * C); g_.dtmp.ensure(be_, T * std::max(C, QD));
   g_.datt.ensure(be_, T * QD); g_.dq.ensure(be_, T * QD); g_.dk.ensure(be_, T * KD); g_.dv.ensure(be_, T * KD);
   g_.dh.ensure(be_, T * F); g_.dgate.ensure(be_, T * F); g_.dup.ensure(be_, T * F); g_.dlogits.ensure(be_, T * V);
-  g_.flat.ensure(be_, layout.total);
-  be_.zero(g_.flat.data(), static_cast<size_t>(layout.total) * 4);
-  float* gp = g_.flat.data();
+  // every op below adds (+=) into gp: on host memory that is the caller's buffer itself
+  const bool direct = be_.host_memory();
+  float* gp = grads;
+  if (!direct) {
+    g_.flat.ensure(be_, layout.total);
+    be_.zero(g_.flat.data(), static_cast<size_t>(layout.total) * 4);
+    gp = g_.flat.data();
+  }
   auto add_into = [&](float* dst, const float* src, int64_t n) { be_.add_inplace(dst, src, n); };
 
   // lm_head and final norm
@@ -303,6 +308,7 @@ void model_runner::backward(const model_weights& w, const std::vector<int32_t>& 
                          gp + o.attn_norm);
   }
   be_.embedding_backward(g_.dres.data(), batch_.tokens.data(), T, C, gp + layout.at("model.embed_tokens.weight").offset);
+  if (direct) return;
   std::vector<float>& host = g_.host;
   host.resize(static_cast<size_t>(layout.total));
   be_.to_host(host.data(), gp, host.size() * 4);

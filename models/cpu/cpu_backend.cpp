@@ -19,6 +19,7 @@ class cpu_backend final : public backend {
   void to_device(void* dst, const void* src, size_t n) override { if (n) std::memcpy(dst, src, n); }
   void to_host(void* dst, const void* src, size_t n) override { if (n) std::memcpy(dst, src, n); }
   void zero(void* p, size_t n) override { if (n) std::memset(p, 0, n); }
+  bool host_memory() const override { return true; }
 
   void embedding_forward(const float* wte, const int32_t* tok, int64_t T, int64_t C, float* out) override {
     cpu_embedding_forward(wte, tok, T, C, out);

@@ -7,6 +7,7 @@
 // operands, tolerance-checked sums; rows never mix, so every row is batch-invariant).
 #include <tbb/parallel_for.h>
 
+#include <memory>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -136,19 +137,20 @@ void cpu_linear_backward(const prepared_linear& w, const float* x, const float* 
     matmul(l.prec, l.mode, l.tiles, dy, T, l.out, l.bwd, dx, l.name + ".dy");
   }
   if (!dw) return;
-  std::vector<float> g(static_cast<size_t>(l.out * l.in));
+  auto g_buf = std::make_unique_for_overwrite<float[]>(static_cast<size_t>(l.out * l.in));  // the GEMM writes all of it
+  float* g = g_buf.get();
   const gemm_pack_forms forms = forms_for(l.tiles, false);
   if (l.prec == precision::fp8) {
     // dW[out,in] = dY^T · X with both operands tiled 1x128 along tokens (columnwise)
     qtensor a = quantize(dy, T, l.out, qlayout::colwise_1x128, l.mode, l.name + ".dy^T");
     qtensor b = quantize(x, T, l.in, qlayout::colwise_1x128, l.mode, l.name + ".x^T");
-    if (l.tiles) gemm_fp8_tiles(a, gemm_pack_fp8(b, forms), g.data());
-    else gemm_fp8(a, gemm_pack_fp8(b, forms), g.data());
+    if (l.tiles) gemm_fp8_tiles(a, gemm_pack_fp8(b, forms), g);
+    else gemm_fp8(a, gemm_pack_fp8(b, forms), g);
   } else {
     auto dyt = transpose(dy, T, l.out);  // [out, T]
     auto xt = transpose(x, T, l.in);     // [in, T]
     matmul(l.prec, l.mode, l.tiles, dyt.data(), l.out, T, pack(l.prec, l.mode, xt.data(), l.in, T, l.name + ".x^T", forms),
-           g.data(), l.name + ".dy^T");
+           g, l.name + ".dy^T");
   }
   tbb::parallel_for(tbb::blocked_range<int64_t>(0, l.out * l.in, 1 << 14), [&](const auto& r) {
     for (int64_t i = r.begin(); i < r.end(); ++i) dw[i] += g[i];
