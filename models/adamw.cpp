@@ -1,6 +1,8 @@
 // models/adamw.cpp -- AdamW step (PyTorch's single-tensor formula), oneTBB over chunks.
 #include "models/adamw.hpp"
 
+#include "models/clones.hpp"
+
 #include <tbb/parallel_for.h>
 
 #include <cmath>
@@ -20,6 +22,32 @@ double grad_global_norm(const float* g, int64_t n) {
   return std::sqrt(s);
 }
 
+namespace {
+struct adamw_coefs {
+  float clip, beta1, beta2, eps, step_size, bc2_sqrt, decay;
+};
+
+// Elements [i0, i1): restrict pointers and no errno from sqrt (adamw.cpp is built with
+// -fno-math-errno) let this vectorize; every operation is the same IEEE operation as the scalar
+// formula (no contraction: -ffp-contract=off), so the result does not depend on the ISA clone.
+FP8RL_VECTOR_CLONES void adamw_range(const adamw_coefs& k, int64_t i0, int64_t i1, float* __restrict params,
+                                     float* __restrict grads, float* __restrict m, float* __restrict v) {
+  const float clip = k.clip, b1 = k.beta1, b2 = k.beta2, eps = k.eps, step = k.step_size, bc2 = k.bc2_sqrt,
+              decay = k.decay, c1 = 1.0f - b1, c2 = 1.0f - b2;
+  for (int64_t i = i0; i < i1; ++i) {
+    const float g = grads[i] * clip;
+    grads[i] = g;
+    const float p = params[i] * decay;
+    const float mi = m[i] * b1 + g * c1;
+    const float vi = v[i] * b2 + g * g * c2;
+    m[i] = mi;
+    v[i] = vi;
+    const float denom = std::sqrt(vi) / bc2 + eps;
+    params[i] = p - step * (mi / denom);
+  }
+}
+}  // namespace
+
 double adamw_step(const adamw_config& cfg, const param_layout& layout, float* params, float* grads, adamw_state& st) {
   const int64_t n = layout.total;
   if (st.m.size() != static_cast<size_t>(n)) {
@@ -36,18 +64,12 @@ double adamw_step(const adamw_config& cfg, const param_layout& layout, float* pa
   const float bc1 = 1.0f - std::pow(cfg.beta1, static_cast<float>(st.step));
   const float bc2 = 1.0f - std::pow(cfg.beta2, static_cast<float>(st.step));
   const float step_size = cfg.lr / bc1, bc2_sqrt = std::sqrt(bc2);
+  const adamw_coefs k{clip, cfg.beta1, cfg.beta2, cfg.eps, step_size, bc2_sqrt, 1.0f};
   for (const auto& info : layout.infos) {
-    const float decay = info.is_matrix ? 1.0f - cfg.lr * cfg.weight_decay : 1.0f;
+    adamw_coefs ki = k;
+    ki.decay = info.is_matrix ? 1.0f - cfg.lr * cfg.weight_decay : 1.0f;
     tbb::parallel_for(tbb::blocked_range<int64_t>(info.offset, info.offset + info.numel, 1 << 14), [&](const auto& r) {
-      for (int64_t i = r.begin(); i < r.end(); ++i) {
-        const float g = grads[i] * clip;
-        grads[i] = g;
-        params[i] *= decay;
-        st.m[i] = st.m[i] * cfg.beta1 + g * (1.0f - cfg.beta1);
-        st.v[i] = st.v[i] * cfg.beta2 + g * g * (1.0f - cfg.beta2);
-        const float denom = std::sqrt(st.v[i]) / bc2_sqrt + cfg.eps;
-        params[i] -= step_size * (st.m[i] / denom);
-      }
+      adamw_range(ki, r.begin(), r.end(), params, grads, st.m.data(), st.v.data());
     });
   }
   return norm;
