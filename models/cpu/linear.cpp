@@ -5,6 +5,7 @@
 //         1x128 columnwise tiles (TransformerEngine Float8BlockScaling, fp8-numerics.md §3.2)
 // With policy.tiles, bf16 and fp8 layers run all three GEMMs on the AMX tile kernels (same
 // operands, tolerance-checked sums; rows never mix, so every row is batch-invariant).
+#include <tbb/blocked_range2d.h>
 #include <tbb/parallel_for.h>
 
 #include <memory>
@@ -36,10 +37,12 @@ std::vector<uint16_t> to_bf16(const float* x, int64_t n) {
   return b;
 }
 
+// t [cols, rows] = x^T, in 32x32 tiles (each task reads 32 rows' lines once, writes runs of 32).
 std::vector<float> transpose(const float* x, int64_t rows, int64_t cols) {
   std::vector<float> t(static_cast<size_t>(rows * cols));
-  tbb::parallel_for(int64_t{0}, cols, [&](int64_t c) {
-    for (int64_t r = 0; r < rows; ++r) t[c * rows + r] = x[r * cols + c];
+  tbb::parallel_for(tbb::blocked_range2d<int64_t>(0, rows, 32, 0, cols, 32), [&](const tbb::blocked_range2d<int64_t>& b) {
+    for (int64_t c = b.cols().begin(); c < b.cols().end(); ++c)
+      for (int64_t r = b.rows().begin(); r < b.rows().end(); ++r) t[c * rows + r] = x[r * cols + c];
   });
   return t;
 }
