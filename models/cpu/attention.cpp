@@ -27,6 +27,18 @@ namespace {
 }  // namespace
 
 namespace {
+// out[d] = sum over j < n of p[j] v[j][d], a sequential fma chain from +0 held in registers.
+template <int D>
+[[gnu::always_inline]] inline void attn_pv(const float* p, int64_t n, const float* v, float* out) {
+  float acc[D] = {};
+  for (int64_t j = 0; j < n; ++j) {
+    const float pj = p[j];
+#pragma GCC unroll 8
+    for (int d = 0; d < D; ++d) acc[d] = std::fma(pj, v[j * D + d], acc[d]);
+  }
+  for (int d = 0; d < D; ++d) out[d] = acc[d];
+}
+
 // Softmax of n scores s (scaled, max-subtracted, exp, sum in increasing j), P rounded to the
 // operand precision, then out[d] = sum_j p[j] v[j][d] sequential in j; returns the lse. The one
 // definition both the decode path (cpu_attn_query) and the training forward use.
@@ -43,10 +55,19 @@ FP8RL_VECTOR_CLONES float cpu_attn_softmax_pv(float* s, int64_t n, const float* 
     s[j] = std::exp(s[j] - m);
     sum += s[j];
   }
-  const attn_rounding rp{p_operand, 0.0f};
-  for (int64_t j = 0; j < n; ++j) s[j] = cpu_attn_round(s[j] / sum, rp);
-  for (int64_t d = 0; d < D; ++d) out[d] = 0.0f;
-  for (int64_t j = 0; j < n; ++j) row_fma(s[j], v + j * D, out, D);  // out[d] = sum_j p[j] v[j][d], sequential in j
+  if (p_operand == precision::bf16)
+    for (int64_t j = 0; j < n; ++j) s[j] = quant::bf16_round(s[j] / sum);
+  else
+    for (int64_t j = 0; j < n; ++j) s[j] = cpu_attn_round(s[j] / sum, attn_rounding{p_operand, 0.0f});
+  // out[d] = sum_j p[j] v[j][d], sequential in j from +0
+  switch (D) {
+    case 32: attn_pv<32>(s, n, v, out); break;
+    case 64: attn_pv<64>(s, n, v, out); break;
+    case 128: attn_pv<128>(s, n, v, out); break;
+    default:
+      for (int64_t d = 0; d < D; ++d) out[d] = 0.0f;
+      for (int64_t j = 0; j < n; ++j) row_fma(s[j], v + j * D, out, D);
+  }
   return m + std::log(sum);
 }
 }  // namespace
