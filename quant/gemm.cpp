@@ -190,9 +190,13 @@ void gemm_bf16_tiles(const gemm_desc& d, const uint16_t* A, const gemm_packed_b&
   check_tiles(B, "gemm_bf16_tiles");
   if (d.M == 0 || d.N == 0) return;
   const int64_t Mp = round_up(d.M, 32), KS = B.Kt / 32;
-  avector<uint16_t> a(static_cast<size_t>(Mp * B.Kt), 0);
-  tbb::parallel_for(int64_t{0}, d.M, [&](int64_t m) { detail::tiles_put_row(a.data(), KS, m, A + m * d.K, d.K); });
-  detail::gemm_tiles_amx({d.M, Mp, d.N, KS, a.data(), &B, nullptr, 1}, C);
+  scratch_lease lease(static_cast<size_t>(Mp * B.Kt) * 2);  // every element written below
+  uint16_t* a = lease.as<uint16_t>();
+  tbb::parallel_for(int64_t{0}, Mp, [&](int64_t m) {
+    if (m < d.M) detail::tiles_put_row(a, KS, m, A + m * d.K, d.K);
+    else detail::tiles_put_row(a, KS, m, nullptr, 0);
+  });
+  detail::gemm_tiles_amx({d.M, Mp, d.N, KS, a, &B, nullptr, 1}, C);
 }
 
 void gemm_fp8_tiles(const qtensor& A, const gemm_packed_b& B, float* C) {
@@ -201,20 +205,25 @@ void gemm_fp8_tiles(const qtensor& A, const gemm_packed_b& B, float* C) {
   if (d.M == 0 || d.N == 0) return;
   const bool fold = A.mode == scale_mode::pow2;  // else: promotion per 128-K block
   const int64_t Mp = round_up(d.M, 32), KS = B.Kt / 32, KB = B.Kp / kBlock;
-  avector<uint16_t> a(static_cast<size_t>(Mp * B.Kt), 0);
+  scratch_lease lease(static_cast<size_t>(Mp * B.Kt) * 2);  // every element written below
+  uint16_t* a = lease.as<uint16_t>();
   avector<float> sa(fold ? 0 : static_cast<size_t>(Mp * KB), 0.0f);
-  tbb::parallel_for(tbb::blocked_range<int64_t>(0, d.M, 16), [&](const tbb::blocked_range<int64_t>& r) {
+  tbb::parallel_for(tbb::blocked_range<int64_t>(0, Mp, 16), [&](const tbb::blocked_range<int64_t>& r) {
     avector<uint16_t> row(static_cast<size_t>(d.K));
     for (int64_t m = r.begin(); m < r.end(); ++m) {
+      if (m >= d.M) {
+        detail::tiles_put_row(a, KS, m, nullptr, 0);
+        continue;
+      }
       detail::e4m3_to_bf16_avx512(A.data.data() + m * d.K, d.K, row.data());
       for (int64_t kb = 0; kb < KB; ++kb) {
         if (fold) detail::tiles_scale_row(row.data() + kb * kBlock, std::min(kBlock, d.K - kb * kBlock), A.scale_at(m, kb));
         else sa[m * KB + kb] = A.scale_at(m, kb);
       }
-      detail::tiles_put_row(a.data(), KS, m, row.data(), d.K);
+      detail::tiles_put_row(a, KS, m, row.data(), d.K);
     }
   });
-  detail::gemm_tiles_amx({d.M, Mp, d.N, KS, a.data(), &B, fold ? nullptr : sa.data(), KB}, C);
+  detail::gemm_tiles_amx({d.M, Mp, d.N, KS, a, &B, fold ? nullptr : sa.data(), KB}, C);
 }
 
 }  // namespace fp8rl::quant

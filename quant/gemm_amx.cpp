@@ -133,10 +133,15 @@ void tiles_scale_row(uint16_t* row, int64_t n, float s) {
 
 void tiles_put_row(uint16_t* tiles, int64_t KS, int64_t m, const uint16_t* src, int64_t n) {
   uint16_t* base = tiles + (m / 16) * KS * 512 + (m % 16) * 32;
-  int64_t ks = 0;
-  for (; ks * 32 + 32 <= n; ++ks)  // full 64-byte steps: one vector move each
-    _mm512_storeu_si512(base + ks * 512, _mm512_loadu_si512(src + ks * 32));
-  if (ks * 32 < n) std::memcpy(base + ks * 512, src + ks * 32, static_cast<size_t>(n - ks * 32) * 2);
+  for (int64_t ks = 0; ks < KS; ++ks) {  // every 64-byte step of the row, zero past n
+    const int64_t w = std::clamp<int64_t>(n - ks * 32, 0, 32);
+    if (w == 0) {
+      _mm512_storeu_si512(base + ks * 512, _mm512_setzero_si512());
+      continue;
+    }
+    const __mmask32 k = w == 32 ? ~__mmask32{0} : static_cast<__mmask32>((1u << w) - 1u);
+    _mm512_storeu_si512(base + ks * 512, _mm512_maskz_loadu_epi16(k, src + ks * 32));
+  }
 }
 
 }  // namespace fp8rl::quant::detail

@@ -52,7 +52,8 @@ struct tiles_problem {
 };
 void gemm_tiles_amx(const tiles_problem& p, float* C);
 // One row of A in tile order: dst at row m of the [Mp/16][KS][16][32] array; src row of n
-// BF16 values (n <= 32 * KS; the rest stays zero).
+// BF16 values (n <= 32 * KS), the rest of the row's KS steps written as zeros (with src = null
+// and n = 0: a zero padding row).
 void tiles_put_row(uint16_t* tiles, int64_t KS, int64_t m, const uint16_t* src, int64_t n);
 // row[0..n) *= s in place, for BF16 values whose product is exact (s a power of two): the
 // fp8 pow2 fold. Truncation back to BF16 is then exact.
