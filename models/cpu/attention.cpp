@@ -12,12 +12,6 @@
 
 namespace fp8rl::models {
 
-float cpu_attn_round(float x, const attn_rounding& r) {
-  if (r.scale > 0.0f) return quant::e4m3_to_float(quant::e4m3_from_float(x / r.scale)) * r.scale;
-  if (r.operand == precision::bf16) return quant::bf16_round(x);
-  return x;
-}
-
 namespace {
 // y[0..n) = fma(a, x, y) elementwise; restrict lets the vectorizer drop alias checks.
 [[gnu::always_inline]] inline void row_fma(float a, const float* __restrict x, float* __restrict y, int64_t n) {

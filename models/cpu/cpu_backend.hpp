@@ -8,6 +8,7 @@
 
 #include "models/backend.hpp"
 #include "models/clones.hpp"
+#include "quant/fp8.hpp"
 
 namespace fp8rl::models {
 
@@ -19,7 +20,11 @@ struct attn_rounding {
   float scale = 0.0f;                   // > 0: FP8 per-head scale_inv (code = e4m3(x / s))
 };
 // x rounded as an attention operand would be (BF16 RNE, or FP8 quantize-dequantize).
-float cpu_attn_round(float x, const attn_rounding& r);
+inline float cpu_attn_round(float x, const attn_rounding& r) {
+  if (r.scale > 0.0f) return quant::e4m3_to_float(quant::e4m3_from_float(x / r.scale)) * r.scale;
+  if (r.operand == precision::bf16) return quant::bf16_round(x);
+  return x;
+}
 
 // One query row of causal attention over n keys -- the single definition used by training,
 // prefill and decode. q[D] (unrounded; rounded here per rq), kt[D][ldk] keys transposed and
