@@ -40,6 +40,9 @@ inline constexpr double kGoldenAdamLoss = 1e-4;
 // FP32 central differences with h = 1e-2: truncation ~h^2 |f'''| ~ 1e-4 and rounding
 // ~2^-24 |L| / h ~ 1e-5 relative; 5e-3 normwise leaves room for curvature of exp/softmax.
 inline constexpr double kFiniteDiffF32 = 5e-3;
+// models/cpu/fast_exp.hpp vs exact exp: 2 ulp of FP32 (Cephes expf's bound is ~1 ulp; one more
+// for the rounding of x * log2(e) near half-integers).
+inline constexpr double kFastExpRel = 2.0 / (1 << 23);
 
 // Relative RMS error of one RNE rounding to a format with m explicit mantissa bits: the half-ulp
 // 2^-(m+1) relative at the bottom of a binade, uniform, so 2^-(m+1)/sqrt(3).

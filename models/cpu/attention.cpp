@@ -8,6 +8,7 @@
 
 #include "models/cpu/cpu_backend.hpp"
 #include "models/cpu/cpu_ops.hpp"
+#include "models/cpu/fast_exp.hpp"
 #include "quant/fp8.hpp"
 
 namespace fp8rl::models {
@@ -46,7 +47,7 @@ FP8RL_VECTOR_CLONES float cpu_attn_softmax_pv(float* s, int64_t n, const float* 
   }
   float sum = 0.0f;
   for (int64_t j = 0; j < n; ++j) {
-    s[j] = std::exp(s[j] - m);
+    s[j] = cpu_exp(s[j] - m);
     sum += s[j];
   }
   if (p_operand == precision::bf16)
@@ -213,7 +214,7 @@ void attn_rows_backward(const float* qb, const float* ob, const float* Di, const
   attn_scores_block<true>(qb, ob, B, kv.t.kt.data(), kv.vt.data(), kv.t.ld, nk, D, s, dp);
   for (int64_t r = 0; r < B; ++r)
     for (int64_t j = 0; j <= i0 + r; ++j) {
-      const float prob = std::exp(s[r * nk + j] * scale - lse[r]);
+      const float prob = cpu_exp(s[r * nk + j] * scale - lse[r]);
       s[r * nk + j] = cpu_attn_round(prob, rp);              // the probability the forward used with V
       dp[r * nk + j] = prob * (dp[r * nk + j] - Di[r]) * scale;  // dS
     }

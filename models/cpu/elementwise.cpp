@@ -4,7 +4,9 @@
 #include <cmath>
 #include <vector>
 
+#include "models/cpu/cpu_backend.hpp"
 #include "models/cpu/cpu_ops.hpp"
+#include "models/cpu/fast_exp.hpp"
 
 namespace fp8rl::models {
 
@@ -83,23 +85,34 @@ void cpu_rope(float* x, const int32_t* pos, int64_t T, int64_t nh, int64_t D, do
   });
 }
 
+namespace {
+FP8RL_VECTOR_CLONES void swiglu_forward_range(const float* __restrict gate, const float* __restrict up, int64_t i0,
+                                              int64_t i1, float* __restrict h) {
+  for (int64_t i = i0; i < i1; ++i) {
+    const float g = gate[i];
+    h[i] = g / (1.0f + cpu_exp(-g)) * up[i];
+  }
+}
+
+FP8RL_VECTOR_CLONES void swiglu_backward_range(const float* __restrict dh, const float* __restrict gate,
+                                               const float* __restrict up, int64_t i0, int64_t i1,
+                                               float* __restrict dgate, float* __restrict dup) {
+  for (int64_t i = i0; i < i1; ++i) {
+    const float g = gate[i], s = 1.0f / (1.0f + cpu_exp(-g)), silu = g * s;
+    dup[i] = dh[i] * silu;
+    dgate[i] = dh[i] * up[i] * s * (1.0f + g * (1.0f - s));
+  }
+}
+}  // namespace
+
 void cpu_swiglu_forward(const float* gate, const float* up, int64_t n, float* h) {
-  tbb::parallel_for(tbb::blocked_range<int64_t>(0, n, 4096), [&](const auto& r) {
-    for (int64_t i = r.begin(); i < r.end(); ++i) {
-      const float g = gate[i];
-      h[i] = g / (1.0f + std::exp(-g)) * up[i];
-    }
-  });
+  tbb::parallel_for(tbb::blocked_range<int64_t>(0, n, 4096),
+                    [&](const auto& r) { swiglu_forward_range(gate, up, r.begin(), r.end(), h); });
 }
 
 void cpu_swiglu_backward(const float* dh, const float* gate, const float* up, int64_t n, float* dgate, float* dup) {
-  tbb::parallel_for(tbb::blocked_range<int64_t>(0, n, 4096), [&](const auto& r) {
-    for (int64_t i = r.begin(); i < r.end(); ++i) {
-      const float g = gate[i], s = 1.0f / (1.0f + std::exp(-g)), silu = g * s;
-      dup[i] = dh[i] * silu;
-      dgate[i] = dh[i] * up[i] * s * (1.0f + g * (1.0f - s));
-    }
-  });
+  tbb::parallel_for(tbb::blocked_range<int64_t>(0, n, 4096),
+                    [&](const auto& r) { swiglu_backward_range(dh, gate, up, r.begin(), r.end(), dgate, dup); });
 }
 
 }  // namespace fp8rl::models

@@ -3,7 +3,11 @@
 // within format-derived tolerances of FP32; BF16-kept layers; FP8 attention.
 #include <gtest/gtest.h>
 
+#include <cmath>
+#include <limits>
+
 #include "models/cpu/cpu_backend.hpp"
+#include "models/cpu/fast_exp.hpp"
 #include "models/transformer.hpp"
 #include "quant/fp8.hpp"
 #include "quant/gemm.hpp"
@@ -220,4 +224,24 @@ TEST(Precision, Fp8AttentionNearBf16Attention) {
   EXPECT_LT(e, fp8rl::tol::kFp8AttentionVsBf16);
   std::printf("fp8 attention vs bf16 attention logits rel err %.3g\n", e);
   EXPECT_THROW(run.forward(*w8, b, false, &sc), std::invalid_argument);  // policy without fp8_attention
+}
+
+// The CPU backend's exp (softmax, SiLU): within 2 ulp of exact over its range, clamped outside,
+// NaN kept.
+TEST(CpuExp, WithinTwoUlpOfExactAndNaNPropagates) {
+  double worst = 0;
+  for (float x = -87.3f; x <= 88.0f; x = std::nextafter(x, 100.0f) + 1e-4f) {
+    const double want = std::exp(static_cast<double>(x));
+    const double err = std::fabs(static_cast<double>(cpu_exp(x)) - want) / want;
+    worst = std::max(worst, err);
+    ASSERT_LE(err, fp8rl::tol::kFastExpRel) << "x = " << x;
+  }
+  for (float x : {-1e-30f, 0.0f, 1e-30f, -0.5f, 0.5f, 1.0f})  // near zero: e^x = 1 + x
+    EXPECT_LE(std::fabs(cpu_exp(x) - std::exp(static_cast<double>(x))), fp8rl::tol::kFastExpRel) << x;
+  EXPECT_EQ(cpu_exp(0.0f), 1.0f);
+  EXPECT_GT(cpu_exp(-1000.0f), 0.0f);
+  EXPECT_LT(cpu_exp(-1000.0f), 1.3e-38f);
+  EXPECT_TRUE(std::isfinite(cpu_exp(1000.0f)));
+  EXPECT_TRUE(std::isnan(cpu_exp(std::numeric_limits<float>::quiet_NaN())));
+  std::printf("cpu_exp worst relative error %.3g (%.2f ulp)\n", worst, worst * (1 << 23));
 }
