@@ -106,10 +106,6 @@ void for_each_seq_group(const attn_params& p, Fn&& fn) {
   tbb::parallel_for(int64_t{0}, p.S * p.KV, [&](int64_t i) { fn(i / p.KV, i % p.KV); });
 }
 
-}  // namespace
-
-namespace {
-
 // Rounded K and V of one sequence and KV head in both orientations: [D][ld] feeds loops over
 // keys j (vectorized across j), [n][D] feeds loops over d.
 struct kv_both {
@@ -118,6 +114,17 @@ struct kv_both {
 };
 
 constexpr int64_t kRowBlock = 8;  // query rows per block: K, V, dK, dV rows are read once per block
+
+// acc[r][j] = fma(a[r * lda], b[j], acc[r][j]) for the whole register block (one d step).
+[[gnu::always_inline]] inline void rank1_block(const float* a, int64_t lda, const float* b,
+                                               float (&acc)[kRowBlock][kKeyChunk]) {
+#pragma GCC unroll 8
+  for (int r = 0; r < kRowBlock; ++r) {
+    const float ar = a[r * lda];
+#pragma GCC unroll 16
+    for (int j = 0; j < kKeyChunk; ++j) acc[r][j] = std::fma(ar, b[j], acc[r][j]);
+  }
+}
 
 // s[r][j] = sum_d q[r][d] k[j][d] and dp[r][j] = sum_d dout[r][d] v[j][d] for all kRowBlock rows
 // (rows >= B have zero operands and are not stored) and keys j < nk, each a sequential fma over d
@@ -130,22 +137,8 @@ FP8RL_VECTOR_CLONES void attn_scores_block(const float* qb, const float* ob, int
   for (int64_t jc = 0; jc < nk; jc += kKeyChunk) {
     float as[kRowBlock][kKeyChunk] = {}, ap[kRowBlock][kKeyChunk] = {};
     for (int64_t d = 0; d < D; ++d) {
-      const float* kd = kt + d * ld + jc;
-#pragma GCC unroll 8
-      for (int r = 0; r < kRowBlock; ++r) {
-        const float qv = qb[r * D + d];
-#pragma GCC unroll 16
-        for (int j = 0; j < kKeyChunk; ++j) as[r][j] = std::fma(qv, kd[j], as[r][j]);
-      }
-      if constexpr (kDp) {
-        const float* vd = vt + d * ld + jc;
-#pragma GCC unroll 8
-        for (int r = 0; r < kRowBlock; ++r) {
-          const float ov = ob[r * D + d];
-#pragma GCC unroll 16
-          for (int j = 0; j < kKeyChunk; ++j) ap[r][j] = std::fma(ov, vd[j], ap[r][j]);
-        }
-      }
+      rank1_block(qb + d, D, kt + d * ld + jc, as);
+      if constexpr (kDp) rank1_block(ob + d, D, vt + d * ld + jc, ap);
     }
     const int64_t w = std::min(kKeyChunk, nk - jc);
     for (int64_t r = 0; r < B; ++r)
