@@ -13,12 +13,6 @@ inline int fp8_stream_pos(int j, int h) {
   return 16 * (w / 8) + (j >= 16 ? 8 : 0) + (w % 8);
 }
 
-// Index of B element (column j of panel pn, k) in the tile form (layout: gemm_packed_b::tiles);
-// KS = Kt / 32 k-steps.
-inline int64_t tiles_b_index(int64_t KS, int64_t pn, int64_t j, int64_t k) {
-  return (((pn * KS + k / 32) * 2 + j / 16) * 16 + (k % 32) / 2) * 32 + (j % 16) * 2 + (k & 1);
-}
-
 // The accumulation model of a kernel (quant/gemm.hpp): sequential FP32, BF16 pairs (odd element
 // first, DAZ/FTZ), or FP8 (pairs per 128-K block, then the scaled promotion).
 enum class gemm_model : uint8_t { seq, pairs, fp8 };

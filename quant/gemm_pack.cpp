@@ -22,7 +22,7 @@ gemm_pack_forms usable(gemm_pack_forms f) {
 
 // One panel of the tile form from its columns: cols [32][Kt] BF16 values (zero-padded) ->
 // tiles [KS][2 halves][16 k-pairs][16 columns] of 32-bit pairs. Each 1 KiB tile is a 16x16
-// transpose of pairs, written sequentially (detail::tiles_b_index is the element-wise layout).
+// transpose of pairs, written sequentially (layout: gemm_packed_b::tiles).
 void tiles_put_panel(uint16_t* panel, int64_t Kt, const uint16_t* cols) {
   const int64_t KS = Kt / 32, P = Kt / 2;  // k-steps; pairs per column
   for (int64_t ks = 0; ks < KS; ++ks)
