@@ -89,10 +89,17 @@ msg::rollout_actor spawn_rollout(caf::actor_system& sys, std::shared_ptr<const a
           schedule();
         },
         [adopt](msg::bundle_msg& b) { adopt(b.bundle, b.published_at); },
-        [self](msg::bundle_chunk& c) -> msg::chunk_ack {
+        [self](msg::bundle_chunk& c) -> caf::result<msg::chunk_ack> {
           auto& s = self->state;
-          if (c.seq == 0) { s.chunks.clear(); s.chunk_version = c.version; }
-          if (c.version == s.chunk_version) s.chunks.insert(s.chunks.end(), c.bytes.begin(), c.bytes.end());
+          if (c.seq == 0) {
+            s.chunks = std::move(c.bytes);
+            s.chunks.reserve(s.chunks.size() * c.total);  // every chunk but the last is full-size
+            s.chunk_version = c.version;
+          } else if (c.version == s.chunk_version) {
+            s.chunks.insert(s.chunks.end(), c.bytes.begin(), c.bytes.end());
+          }
+          auto rp = self->make_response_promise<msg::chunk_ack>();
+          rp.deliver(msg::chunk_ack{c.version, c.seq});  // acked on receipt: the ack means "bytes here"
           if (c.seq + 1 == c.total && c.version == s.chunk_version) {
             msg::bundle_wire w;
             caf::binary_deserializer src(self->system(), s.chunks);
@@ -108,11 +115,10 @@ msg::rollout_actor spawn_rollout(caf::actor_system& sys, std::shared_ptr<const a
             }
             s.chunks.clear();
             s.chunks.shrink_to_fit();
-            // adopt in a message of its own: the ack means "transfer complete", and adoption still
-            // happens between two engine steps
+            // adopt in a message of its own: adoption happens between two engine steps
             if (b) self->send(self, msg::bundle_msg{{}, std::move(b), c.published_at});
           }
-          return {c.version, c.seq};
+          return rp;
         },
         [self, schedule](msg::step_atom) {
           auto& s = self->state;
