@@ -82,7 +82,11 @@ struct gemm_packed_b {
   int64_t N = 0, K = 0, Kp = 0;   // Kp: K zero-padded (f32: K, bf16: even, fp8: 128-multiple)
   avector<float> wide;            // [NP][Kp][32] values as FP32 (bf16/fp8: exact, unscaled)
   avector<uint16_t> bf16;         // bf16 narrow: [NP][Kp/2][32][2]
-  avector<uint8_t> fp8;           // fp8 narrow: [NP][Kp/2][64] codes in decoder order
+  avector<uint8_t> fp8;           // fp8 narrow: [NP][Kp/2][64] codes in decoder order (1.0 padding)
+  avector<uint64_t> fp8_rare;     // fp8 narrow: [NP][Kp/128], bit i: pair step i of the block holds a
+                                  // code the shift decoder cannot take (±0, subnormal, NaN) ...
+  avector<uint32_t> fp8_rare_at;  // ... [NP][Kp/128] index of the block's first such step in ...
+  avector<uint16_t> fp8_rare_bf16;  // ... [steps][64]: their BF16 values * 2^-8 in decoder order
   avector<float> scale_inv;       // fp8: [NP][Kp/128][32]
   // tiles: [NP][Kt/32][2 halves of 16 columns][16 k-pairs][16 columns][2]; fp8 pow2 values are
   // stored scaled (q * scale_inv, exact), fp8 fp32 unscaled; Kt = K zero-padded to 32 (fp8: Kp)

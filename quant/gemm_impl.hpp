@@ -6,12 +6,12 @@
 namespace fp8rl::quant::detail {
 
 // Byte position of B element (column j in panel 0..31, pair half h) inside a 64-byte FP8
-// pair step, chosen so that VPUNPCK{L,H}BW of the decoded bytes yields columns 0-15 and 16-31
-// in VDPBF16PS pair order.
-inline int fp8_stream_pos(int j, int h) {
-  int w = 2 * (j & 15) + h;
-  return 16 * (w / 8) + (j >= 16 ? 8 : 0) + (w % 8);
-}
+// pair step: 16-bit word w = 2 * (j % 16) + h holds columns 0-15 in its low byte and 16-31 in
+// its high byte, so word shifts decode both halves in VDPBF16PS pair order.
+inline int fp8_stream_pos(int j, int h) { return 2 * (2 * (j & 15) + h) + (j >= 16 ? 1 : 0); }
+
+// Codes outside the shift decoder's range: exponent field zero (±0, subnormals) or NaN.
+inline bool fp8_code_rare(uint8_t c) { return (c & 0x78) == 0 || (c & 0x7f) == 0x7f; }
 
 // The accumulation model of a kernel (quant/gemm.hpp): sequential FP32, BF16 pairs (odd element
 // first, DAZ/FTZ), or FP8 (pairs per 128-K block, then the scaled promotion).

@@ -2,6 +2,7 @@
 #include <tbb/parallel_for.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <stdexcept>
 
@@ -42,10 +43,35 @@ void for_each_column(int64_t N, Fn&& fn) {
   });
 }
 
+// The narrow FP8 kernel decodes codes by shifts (quant/gemm_avx512.cpp); pair steps marked in
+// fp8_rare get their BF16 values (E4M3 * 2^-8, the shift decoder's scale) precomputed here, in
+// its output order: words 0-31 from the even bytes, 32-63 from the odd bytes.
+void pack_rare_steps(gemm_packed_b& p) {
+  const int64_t KB = p.Kp / kBlock;
+  p.fp8_rare_at.assign(p.fp8_rare.size(), 0);
+  uint32_t n = 0;
+  for (size_t b = 0; b < p.fp8_rare.size(); ++b) {
+    p.fp8_rare_at[b] = n;
+    n += static_cast<uint32_t>(__builtin_popcountll(p.fp8_rare[b]));
+  }
+  p.fp8_rare_bf16.assign(static_cast<size_t>(n) * 64, 0);
+  const float* lut = e4m3_table();
+  for (size_t b = 0; b < p.fp8_rare.size(); ++b) {
+    uint16_t* out = p.fp8_rare_bf16.data() + static_cast<size_t>(p.fp8_rare_at[b]) * 64;
+    for (uint64_t bits = p.fp8_rare[b]; bits; bits &= bits - 1, out += 64) {
+      const int64_t pn = static_cast<int64_t>(b) / KB, kb = static_cast<int64_t>(b) % KB;
+      const uint8_t* step = p.fp8.data() + (pn * p.Kp / 2 + kb * 64 + __builtin_ctzll(bits)) * 64;
+      for (int byte = 0; byte < 64; ++byte)
+        out[(byte & 1) * 32 + byte / 2] = bf16_from_float(std::ldexp(lut[step[byte]], -8));
+    }
+  }
+}
+
 }  // namespace
 
 int64_t gemm_packed_b::bytes() const {
-  return static_cast<int64_t>(wide.size() * 4 + bf16.size() * 2 + fp8.size() + scale_inv.size() * 4 +
+  return static_cast<int64_t>(wide.size() * 4 + bf16.size() * 2 + fp8.size() + fp8_rare.size() * 8 +
+                              fp8_rare_at.size() * 4 + fp8_rare_bf16.size() * 2 + scale_inv.size() * 4 +
                               tiles.size() * 2);
 }
 
@@ -107,7 +133,10 @@ gemm_packed_b gemm_pack_fp8(const qtensor& B, gemm_pack_forms forms) {
   p.Kp = (p.K + kBlock - 1) / kBlock * kBlock;
   const int64_t NP = p.panels(), Kp = p.Kp, KB = p.Kp / kBlock, K = p.K;
   if (forms.wide) p.wide.assign(static_cast<size_t>(NP * Kp * 32), 0.0f);
-  if (forms.narrow) p.fp8.assign(static_cast<size_t>(NP * Kp * 32), 0);
+  // narrow padding is the code of 1.0: it meets zero-padded A (K) or discarded columns (N), and
+  // keeps padded pair steps off the table path (a zero code is rare, quant/gemm_impl.hpp)
+  if (forms.narrow) p.fp8.assign(static_cast<size_t>(NP * Kp * 32), 0x38);
+  if (forms.narrow) p.fp8_rare.assign(static_cast<size_t>(NP * KB), 0);
   p.scale_inv.assign(static_cast<size_t>(NP * KB * 32), 0.0f);
   p.Kt = Kp;
   if (forms.tiles) p.tiles.assign(static_cast<size_t>(NP * Kp * 32), 0);
@@ -129,6 +158,10 @@ gemm_packed_b gemm_pack_fp8(const qtensor& B, gemm_pack_forms forms) {
         if (forms.narrow) p.fp8[i * 64 + pos[j][h]] = c;
       }
     }
+    for (int64_t i = 0; forms.narrow && i < Kp / 2; ++i) {  // rare-code bits per pair step
+      const uint8_t* step = p.fp8.data() + (pn * Kp / 2 + i) * 64;
+      if (std::any_of(step, step + 64, detail::fp8_code_rare)) p.fp8_rare[pn * KB + i / 64] |= uint64_t{1} << (i % 64);
+    }
     avector<uint16_t> cols(forms.tiles ? static_cast<size_t>(32 * Kp) : 0, 0);  // [32][Kp] BF16 values
     for (int64_t j = 0; j < ncols; ++j) {
       uint16_t* col = cols.data() + j * Kp;
@@ -142,6 +175,7 @@ gemm_packed_b gemm_pack_fp8(const qtensor& B, gemm_pack_forms forms) {
     }
     if (forms.tiles) tiles_put_panel(p.tiles.data() + pn * Kp * 32, Kp, cols.data());
   });
+  if (forms.narrow) pack_rare_steps(p);
   return p;
 }
 

@@ -136,6 +136,37 @@ TEST(Gemm, Fp8FastEqualsReference) {
       }
 }
 
+// The narrow FP8 kernel decodes codes by shifts and reads pair steps holding ±0, subnormal codes
+// (or NaN) from values precomputed at packing; both kinds of step, next to each other in one
+// block, in every row of a panel, give the reference's bits. Every non-NaN code appears.
+TEST(Gemm, Fp8NarrowKernelTakesEveryCodeBitExactly) {
+  if (!have(cpu_isa::avx512_bf16)) GTEST_SKIP() << "no AVX512_BF16: no narrow kernel";
+  const int64_t N = 70, K = 384;
+  for (scale_mode mode : {scale_mode::pow2, scale_mode::fp32}) {
+    auto Bf = randn(N * K, 41, 1.0f, 0.0f);
+    qtensor B = quantize(Bf.data(), N, K, qlayout::block_128x128, mode, "B");
+    uint8_t code = 0;
+    for (int64_t n = 0; n < N; ++n)  // codes 0x00..0xfe except NaN in every third pair step
+      for (int64_t k = 0; k < K; k += 6) {
+        if (((code + 1) & 0x7f) == 0) ++code;  // skip 0x7f and 0xff (NaN), so the next is 0x80 or 0x00
+        B.data[n * K + k + (n % 2)] = code++;
+      }
+    const gemm_packed_b pb = gemm_pack_fp8(B, {false, true, false});
+    int64_t rare = 0;
+    for (uint64_t bits : pb.fp8_rare) rare += __builtin_popcountll(bits);
+    ASSERT_GT(rare, 0);
+    ASSERT_LT(rare, int64_t(pb.fp8.size() / 64)) << "some steps must take the shift decoder";
+    for (int64_t M : {1, 3, 8}) {
+      auto Af = randn(M * K, 42 + M, 2.0f);
+      qtensor A = quantize(Af.data(), M, K, qlayout::rowwise_1x128, mode, "A");
+      std::vector<float> ref(M * N), fast(M * N, -1.0f);
+      gemm_fp8_ref(A, B, ref.data());
+      gemm_fp8(A, pb, fast.data(), force(cpu_isa::avx512_bf16, gemm_kernel::narrow));
+      ASSERT_EQ(first_diff(fast, ref), -1) << "M=" << M << " mode " << int(mode);
+    }
+  }
+}
+
 // Against FP64 on the original data. Outlier-free normal data, as DeepGEMM's bound assumes
 // (outlier blocks push small values toward E4M3 subnormals, which the bound does not cover).
 TEST(Gemm, Fp8CloseToFp64OnNormalData) {
