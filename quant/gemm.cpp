@@ -162,7 +162,8 @@ void gemm_fp8(const qtensor& A, const gemm_packed_b& B, float* C, const gemm_con
       detail::e4m3_to_bf16_avx512(src, d.K, ab + m * lda);
       std::fill(ab + m * lda + d.K, ab + (m + 1) * lda, uint16_t{0});
     } else {
-      for (int64_t k = 0; k < d.K; ++k) af[m * lda + k] = lut[src[k]];
+      if (isa >= cpu_isa::avx512_bf16) detail::e4m3_to_f32_avx512(src, d.K, af + m * lda);
+      else for (int64_t k = 0; k < d.K; ++k) af[m * lda + k] = lut[src[k]];
       std::fill(af + m * lda + d.K, af + (m + 1) * lda, 0.0f);
     }
     for (int64_t kb = 0; kb < KB; ++kb) sa[m * KB + kb] = A.scale_at(m, kb);

@@ -384,20 +384,47 @@ double dpbf16_fma_rate_ratio() {
   return (32.0 / dp) / (16.0 / fma);  // 32 multiply-adds per VDPBF16PS, 16 per FMA
 }
 
-void e4m3_to_bf16_avx512(const uint8_t* src, int64_t n, uint16_t* dst) {
-  const e4m3_bf16_tables& t = tables();
+namespace {
+// 64 codes -> their BF16 values in natural order (two vectors of 32 words)
+inline void e4m3_bf16_natural(const uint8_t* src, __m512i* first32, __m512i* last32) {
   // natural order from the unpacked halves: 128-bit lanes (w0.L0, w1.L0, w0.L1, w1.L1), ...
   const __m512i first = _mm512_set_epi64(11, 10, 3, 2, 9, 8, 1, 0);
   const __m512i second = _mm512_set_epi64(15, 14, 7, 6, 13, 12, 5, 4);
+  __m512i w0, w1;
+  tables().decode(_mm512_loadu_si512(src), &w0, &w1);
+  *first32 = _mm512_permutex2var_epi64(w0, first, w1);
+  *last32 = _mm512_permutex2var_epi64(w0, second, w1);
+}
+
+// 32 BF16 words -> 32 floats (exact: BF16 is the upper half of FP32)
+inline void bf16_store_f32(__m512i w, float* dst) {
+  _mm512_storeu_ps(dst, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(w)), 16)));
+  _mm512_storeu_ps(dst + 16, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(w, 1)), 16)));
+}
+}  // namespace
+
+void e4m3_to_bf16_avx512(const uint8_t* src, int64_t n, uint16_t* dst) {
   int64_t i = 0;
   for (; i + 64 <= n; i += 64) {
-    __m512i w0, w1;
-    t.decode(_mm512_loadu_si512(src + i), &w0, &w1);
-    _mm512_storeu_si512(dst + i, _mm512_permutex2var_epi64(w0, first, w1));
-    _mm512_storeu_si512(dst + i + 32, _mm512_permutex2var_epi64(w0, second, w1));
+    __m512i a, b;
+    e4m3_bf16_natural(src + i, &a, &b);
+    _mm512_storeu_si512(dst + i, a);
+    _mm512_storeu_si512(dst + i + 32, b);
   }
   const float* lut = e4m3_table();
   for (; i < n; ++i) dst[i] = bf16_from_float(lut[src[i]]);
+}
+
+void e4m3_to_f32_avx512(const uint8_t* src, int64_t n, float* dst) {
+  int64_t i = 0;
+  for (; i + 64 <= n; i += 64) {
+    __m512i a, b;
+    e4m3_bf16_natural(src + i, &a, &b);
+    bf16_store_f32(a, dst + i);
+    bf16_store_f32(b, dst + i + 32);
+  }
+  const float* lut = e4m3_table();
+  for (; i < n; ++i) dst[i] = lut[src[i]];
 }
 
 }  // namespace fp8rl::quant::detail
