@@ -143,6 +143,39 @@ void run_shape(const bench_args& a, const shape& s, int t) {
   }
 }
 
+// GEMV with weights streamed from DRAM: each call reads the next of enough copies of B that
+// together exceed the last-level cache several times (the plain M = 1 shapes reuse one B, which
+// then stays in cache across repetitions).
+void run_gemv_dram(const bench_args& a, int t) {
+  constexpr int64_t kStreamBytes = int64_t{3} << 29;  // 1.5 GiB per format
+  const shape s{1, 4096, 4096};
+  auto Af = rnd(size_t(s.K), 1), Bf = rnd(size_t(s.N * s.K), 2);
+  std::vector<uint16_t> Ab(Af.size()), Bb(Bf.size());
+  for (size_t i = 0; i < Af.size(); ++i) Ab[i] = bf16_from_float(Af[i]);
+  for (size_t i = 0; i < Bf.size(); ++i) Bb[i] = bf16_from_float(Bf[i]);
+  std::vector<float> C(size_t(s.N));
+  const gemm_pack_forms narrow{false, true, false};  // the decode form only
+  tbb::task_arena arena(t);
+  arena.execute([&] {
+    {
+      qtensor qa = quantize(Af.data(), s.M, s.K, qlayout::rowwise_1x128, scale_mode::pow2, "A");
+      const auto pb = gemm_pack_fp8(quantize(Bf.data(), s.N, s.K, qlayout::block_128x128, scale_mode::pow2, "B"), narrow);
+      std::vector<gemm_packed_b> copies(size_t(kStreamBytes / pb.bytes() + 1), pb);
+      size_t next = 0;
+      emit(a, "gemv_dram_fp8", s, t, bench_median(a.reps, [&] { gemm_fp8(qa, copies[next++ % copies.size()], C.data()); }),
+           std::to_string(copies.size()) + " copies of B");
+    }
+    {
+      const gemm_desc d{s.M, s.N, s.K};
+      const auto pb = gemm_pack_bf16(Bb.data(), s.N, s.K, "B", narrow);
+      std::vector<gemm_packed_b> copies(size_t(kStreamBytes / pb.bytes() + 1), pb);
+      size_t next = 0;
+      emit(a, "gemv_dram_bf16", s, t, bench_median(a.reps, [&] { gemm_bf16(d, Ab.data(), copies[next++ % copies.size()], C.data()); }),
+           std::to_string(copies.size()) + " copies of B");
+    }
+  });
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -157,7 +190,7 @@ int main(int argc, char** argv) {
   for (int64_t m : {1, 8, 64, 512})
     for (auto nk : {std::pair<int64_t, int64_t>{2048, 2048}, {5632, 2048}, {2048, 5632}})
       shapes.push_back({m, nk.first, nk.second});
-  shapes.push_back({1, 4096, 4096});  // GEMV (decode, weights from memory)
+  shapes.push_back({1, 4096, 4096});  // GEMV (decode; B stays cached: see gemv_dram)
   if (a.extra.count("shapes")) {       // --shapes=MxNxK,MxNxK: only these
     shapes.clear();
     std::stringstream ss(a.extra["shapes"]);
@@ -178,6 +211,8 @@ int main(int argc, char** argv) {
                    {"dpbf16_fma_rate_ratio", jnum(fp8rl::quant::detail::dpbf16_fma_rate_ratio())}});
   for (const auto& s : shapes)
     for (int t : a.threads) run_shape(a, s, t);
+  if (!a.extra.count("onednn-isa") && !a.quick && bench_selected(a, "gemv_dram"))
+    for (int t : a.threads) run_gemv_dram(a, t);
   // the oneDNN AVX512_CORE_BF16 baseline runs in a child process (set_max_cpu_isa is once per process)
   if (!a.extra.count("onednn-isa") && bench_selected(a, "onednn_bf16")) {
     std::string cmd = std::string(argv[0]) + " --onednn-isa=avx512_core_bf16";
