@@ -1,4 +1,4 @@
-// quant/fp8_avx512.hpp -- internal: 16-lane E4M3 encoder/decoder (AVX-512 F/BW).
+// quant/fp8_avx512.hpp -- internal: 16-lane E4M3 encoder, 16x16 byte transpose (AVX-512 F/BW).
 // Include only from translation units compiled with AVX-512 flags. Byte-identical to
 // e4m3_from_float (quant/fp8.cpp); tested exhaustively against it.
 #pragma once
@@ -33,6 +33,33 @@ inline __m512 abs_max_acc(__m512 acc, __m512 x, __mmask16 m, int* nonfinite) {
   __mmask16 bad = _mm512_mask_cmpge_epu32_mask(m, a, _mm512_set1_epi32(0x7f800000));
   *nonfinite += __builtin_popcount(bad);
   return _mm512_mask_max_ps(acc, m & static_cast<__mmask16>(~bad), acc, _mm512_castsi512_ps(a));
+}
+
+// a[r] byte j -> out[j] byte r (16x16 bytes): four unpack stages (8-, 16-, 32-, 64-bit); after
+// them column j = 8h + 4g + 2s + t sits in out[j].
+inline void transpose_16x16_u8(const __m128i (&a)[16], __m128i (&out)[16]) {
+  __m128i b[8][2], c[4][2][2], d[2][2][2][2];
+  for (int p = 0; p < 8; ++p) {
+    b[p][0] = _mm_unpacklo_epi8(a[2 * p], a[2 * p + 1]);
+    b[p][1] = _mm_unpackhi_epi8(a[2 * p], a[2 * p + 1]);
+  }
+  for (int q = 0; q < 4; ++q)
+    for (int h = 0; h < 2; ++h) {
+      c[q][h][0] = _mm_unpacklo_epi16(b[2 * q][h], b[2 * q + 1][h]);
+      c[q][h][1] = _mm_unpackhi_epi16(b[2 * q][h], b[2 * q + 1][h]);
+    }
+  for (int u = 0; u < 2; ++u)
+    for (int h = 0; h < 2; ++h)
+      for (int g = 0; g < 2; ++g) {
+        d[u][h][g][0] = _mm_unpacklo_epi32(c[2 * u][h][g], c[2 * u + 1][h][g]);
+        d[u][h][g][1] = _mm_unpackhi_epi32(c[2 * u][h][g], c[2 * u + 1][h][g]);
+      }
+  for (int h = 0; h < 2; ++h)
+    for (int g = 0; g < 2; ++g)
+      for (int t = 0; t < 2; ++t) {
+        out[8 * h + 4 * g + 2 * t] = _mm_unpacklo_epi64(d[0][h][g][t], d[1][h][g][t]);
+        out[8 * h + 4 * g + 2 * t + 1] = _mm_unpackhi_epi64(d[0][h][g][t], d[1][h][g][t]);
+      }
 }
 
 }  // namespace fp8rl::quant::detail

@@ -17,6 +17,7 @@
 #include <cstring>
 
 #include "quant/fp8.hpp"
+#include "quant/fp8_avx512.hpp"
 #include "quant/gemm_impl.hpp"
 
 namespace fp8rl::quant::detail {
@@ -425,6 +426,46 @@ void e4m3_to_f32_avx512(const uint8_t* src, int64_t n, float* dst) {
   }
   const float* lut = e4m3_table();
   for (; i < n; ++i) dst[i] = lut[src[i]];
+}
+
+// 16 k x 32 columns of a full panel per round: two 16x16 byte transposes give each k's codes
+// of columns 0-15 and 16-31; wide stores their FP32 values ([Kp][32]), narrow interleaves two
+// k into the pair-step byte order of fp8_stream_pos. K % 16 tail columns are left to the caller.
+int64_t fp8_pack_panel_avx512(const uint8_t* src, int64_t K, float* wide, uint8_t* narrow) {
+  int64_t k0 = 0;
+  for (; k0 + 16 <= K; k0 += 16) {
+    __m128i col[2][16];  // [column half][k - k0]: codes of 16 columns
+    for (int h = 0; h < 2; ++h) {
+      __m128i rows[16];
+      for (int r = 0; r < 16; ++r) rows[r] = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + (16 * h + r) * K + k0));
+      transpose_16x16_u8(rows, col[h]);
+    }
+    if (wide)
+      for (int h = 0; h < 2; ++h)
+        for (int t = 0; t < 16; t += 4) {
+          alignas(64) uint8_t codes[64];
+          for (int u = 0; u < 4; ++u) _mm_store_si128(reinterpret_cast<__m128i*>(codes + 16 * u), col[h][t + u]);
+          __m512i v[2];
+          e4m3_bf16_natural(codes, &v[0], &v[1]);
+          for (int u = 0; u < 4; ++u) {
+            const __m256i w = u % 2 ? _mm512_extracti64x4_epi64(v[u / 2], 1) : _mm512_castsi512_si256(v[u / 2]);
+            _mm512_store_ps(wide + (k0 + t + u) * 32 + 16 * h,
+                            _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(w), 16)));
+          }
+        }
+    if (narrow)
+      for (int t = 0; t < 16; t += 2) {
+        // words w = 2j + (k odd) of columns j (half 0) and 16 + j (half 1)
+        const __m128i lo0 = _mm_unpacklo_epi8(col[0][t], col[0][t + 1]), lo1 = _mm_unpackhi_epi8(col[0][t], col[0][t + 1]);
+        const __m128i hi0 = _mm_unpacklo_epi8(col[1][t], col[1][t + 1]), hi1 = _mm_unpackhi_epi8(col[1][t], col[1][t + 1]);
+        __m128i* out = reinterpret_cast<__m128i*>(narrow + (k0 + t) / 2 * 64);
+        _mm_store_si128(out, _mm_unpacklo_epi8(lo0, hi0));
+        _mm_store_si128(out + 1, _mm_unpackhi_epi8(lo0, hi0));
+        _mm_store_si128(out + 2, _mm_unpacklo_epi8(lo1, hi1));
+        _mm_store_si128(out + 3, _mm_unpackhi_epi8(lo1, hi1));
+      }
+  }
+  return k0;
 }
 
 }  // namespace fp8rl::quant::detail

@@ -35,6 +35,9 @@ void gemm_wide_portable(gemm_model model, const gemm_a_operand& A, const gemm_pa
 double dpbf16_fma_rate_ratio();
 void e4m3_to_bf16_avx512(const uint8_t* src, int64_t n, uint16_t* dst);
 void e4m3_to_f32_avx512(const uint8_t* src, int64_t n, float* dst);
+// Packs k < (returned) of a full 32-column FP8 panel (rows at src + j * K) into the wide and/or
+// narrow forms (null: skip), exactly as gemm_pack_fp8's scalar loop; needs AVX512_BF16+VBMI.
+int64_t fp8_pack_panel_avx512(const uint8_t* src, int64_t K, float* wide, uint8_t* narrow);
 
 // Tile GEMM problem (quant/gemm_amx.cpp). A in tile order [Mp/16][KS][16][32] BF16 (Mp: M
 // zero-padded to 32); promotion every `ksteps_per_block` k-steps when sa/sb are given.

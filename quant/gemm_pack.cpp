@@ -145,11 +145,16 @@ gemm_packed_b gemm_pack_fp8(const qtensor& B, gemm_pack_forms forms) {
   int pos[32][2];  // codes form: byte position of (column j, pair half h) in a 64-byte step
   for (int j = 0; j < 32; ++j)
     for (int h = 0; h < 2; ++h) pos[j][h] = detail::fp8_stream_pos(j, h);
+  const bool vector_pack = cpu_isa_active() >= cpu_isa::avx512_bf16;
   // Panel-major: k outer, the panel's columns inner, so every form is written sequentially.
   tbb::parallel_for(int64_t{0}, NP, [&](int64_t pn) {
     const int64_t ncols = std::min<int64_t>(32, p.N - pn * 32);
     const uint8_t* src = B.data.data() + pn * 32 * K;  // row j of the panel at src + j * K
-    for (int64_t k = 0; k < K && (forms.wide || forms.narrow); ++k) {
+    int64_t k_done = 0;  // full panels: 16-k rounds in registers
+    if (vector_pack && ncols == 32 && (forms.wide || forms.narrow))
+      k_done = detail::fp8_pack_panel_avx512(src, K, forms.wide ? p.wide.data() + pn * Kp * 32 : nullptr,
+                                             forms.narrow ? p.fp8.data() + pn * Kp * 32 : nullptr);
+    for (int64_t k = k_done; k < K && (forms.wide || forms.narrow); ++k) {
       const int64_t i = pn * Kp / 2 + k / 2;  // pair step
       const int h = static_cast<int>(k & 1);
       for (int64_t j = 0; j < ncols; ++j) {

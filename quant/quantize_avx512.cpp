@@ -106,33 +106,6 @@ void quantize_blocks(const float* x, qtensor& q, first_bad& fb) {
   });
 }
 
-// a[r] byte j -> out[j] byte r (16x16 bytes): four unpack stages (8-, 16-, 32-, 64-bit); after
-// them column j = 8h + 4g + 2s + t sits in out[j].
-inline void transpose_16x16_u8(const __m128i (&a)[16], __m128i (&out)[16]) {
-  __m128i b[8][2], c[4][2][2], d[2][2][2][2];
-  for (int p = 0; p < 8; ++p) {
-    b[p][0] = _mm_unpacklo_epi8(a[2 * p], a[2 * p + 1]);
-    b[p][1] = _mm_unpackhi_epi8(a[2 * p], a[2 * p + 1]);
-  }
-  for (int q = 0; q < 4; ++q)
-    for (int h = 0; h < 2; ++h) {
-      c[q][h][0] = _mm_unpacklo_epi16(b[2 * q][h], b[2 * q + 1][h]);
-      c[q][h][1] = _mm_unpackhi_epi16(b[2 * q][h], b[2 * q + 1][h]);
-    }
-  for (int u = 0; u < 2; ++u)
-    for (int h = 0; h < 2; ++h)
-      for (int g = 0; g < 2; ++g) {
-        d[u][h][g][0] = _mm_unpacklo_epi32(c[2 * u][h][g], c[2 * u + 1][h][g]);
-        d[u][h][g][1] = _mm_unpackhi_epi32(c[2 * u][h][g], c[2 * u + 1][h][g]);
-      }
-  for (int h = 0; h < 2; ++h)
-    for (int g = 0; g < 2; ++g)
-      for (int t = 0; t < 2; ++t) {
-        out[8 * h + 4 * g + 2 * t] = _mm_unpacklo_epi64(d[0][h][g][t], d[1][h][g][t]);
-        out[8 * h + 4 * g + 2 * t + 1] = _mm_unpackhi_epi64(d[0][h][g][t], d[1][h][g][t]);
-      }
-}
-
 // Columnwise: operand row c = source column c, tiles of 128 source rows. 16 columns at once;
 // codes of 16 rows are transposed in registers and stored as 16-byte runs of each column.
 void quantize_cols(const float* x, qtensor& q, first_bad& fb) {

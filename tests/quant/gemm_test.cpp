@@ -9,6 +9,7 @@
 
 #include "quant/fp8.hpp"
 #include "quant/gemm.hpp"
+#include "quant/gemm_impl.hpp"
 #include "tests/test_util.hpp"
 #include "tests/tolerances.hpp"
 
@@ -165,6 +166,29 @@ TEST(Gemm, Fp8NarrowKernelTakesEveryCodeBitExactly) {
       ASSERT_EQ(first_diff(fast, ref), -1) << "M=" << M << " mode " << int(mode);
     }
   }
+}
+
+// The register panel packer writes every code where fp8_stream_pos puts it (narrow) and its exact
+// FP32 value (wide), for all 256 codes, leaving the K % 16 tail to the scalar loop.
+TEST(Gemm, Fp8PanelPackerPlacesEveryCode) {
+  if (!have(cpu_isa::avx512_bf16)) GTEST_SKIP() << "no AVX512_BF16+VBMI: scalar packing only";
+  const int64_t K = 100, Kp = 128;
+  std::vector<uint8_t> src(32 * K);
+  for (size_t i = 0; i < src.size(); ++i) src[i] = static_cast<uint8_t>(i * 7 + i / 256);
+  fp8rl::avector<float> wide(Kp * 32, -1.0f);
+  fp8rl::avector<uint8_t> narrow(Kp * 32, 0xAA);
+  const int64_t done = fp8rl::quant::detail::fp8_pack_panel_avx512(src.data(), K, wide.data(), narrow.data());
+  ASSERT_EQ(done, 96);
+  for (int64_t j = 0; j < 32; ++j)
+    for (int64_t k = 0; k < done; ++k) {
+      const uint8_t c = src[j * K + k];
+      const float want = e4m3_to_float(c), got = wide[k * 32 + j];
+      if (std::isnan(want)) EXPECT_TRUE(std::isnan(got)) << j << "," << k;
+      else ASSERT_EQ(float_bits(got), float_bits(want)) << "column " << j << " k " << k;
+      ASSERT_EQ(narrow[(k / 2) * 64 + fp8rl::quant::detail::fp8_stream_pos(int(j), int(k & 1))], c) << j << "," << k;
+    }
+  EXPECT_EQ(wide[done * 32], -1.0f);  // the tail is untouched
+  EXPECT_EQ(narrow[done / 2 * 64], 0xAA);
 }
 
 // Against FP64 on the original data. Outlier-free normal data, as DeepGEMM's bound assumes
