@@ -22,6 +22,7 @@ struct calibration_state {
   std::shared_ptr<const actor_env> env;
   msg::peers_msg peers;
   std::unique_ptr<tbb::task_arena> arena;
+  models::rl_state st;  // kept between versions: the weights copy reuses its buffer
 };
 
 struct sync_version {
@@ -55,10 +56,10 @@ msg::calibration_actor spawn_calibration(caf::actor_system& sys, std::shared_ptr
           std::shared_ptr<quant::weight_bundle> b;
           try {
             trace_span span("calibration", "calibrate", static_cast<int64_t>(pm.version));
-            models::rl_state st;
+            auto& st = s.st;
             st.params.cfg = s.env->model;
             st.params.layout = models::model_param_layout(s.env->model);
-            st.params.data = *pm.params;
+            st.params.data = *pm.params;  // same size every version: no reallocation
             st.version = pm.version;
             std::vector<models::token_batch> calib(1);
             for (const auto& q : pm.calib) calib[0].add(q);

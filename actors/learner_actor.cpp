@@ -11,6 +11,7 @@
 #include <gloo/transport/tcp/device.h>
 #include <tbb/task_arena.h>
 
+#include <atomic>
 #include <chrono>
 #include <cmath>
 #include <deque>
@@ -30,6 +31,7 @@ namespace fs = std::filesystem;
 
 struct learner_state {
   std::shared_ptr<const actor_env> env;
+  std::shared_ptr<std::vector<float>> snapshot;  // master weights last sent to calibration
   int32_t rank = 0, world = 1;
   msg::peers_msg peers;
   std::unique_ptr<models::backend> be;
@@ -62,6 +64,19 @@ void allreduce(learner_state& s, std::vector<float>& g) {
   std::vector<float*> ptrs{g.data()};
   gloo::AllreduceRing<float> ar(s.gloo, ptrs, static_cast<int>(g.size()));
   ar.run();
+}
+
+// A copy of the master weights for calibration. The previous snapshot's buffer is reused once
+// nobody else holds it (calibration done; only this actor hands out references), so steady-state
+// steps copy into memory that is already mapped instead of faulting in a fresh buffer.
+std::shared_ptr<const std::vector<float>> snapshot_params(learner_state& s) {
+  if (s.snapshot && s.snapshot.use_count() == 1) {
+    std::atomic_thread_fence(std::memory_order_acquire);  // pairs with the last holder's release
+    *s.snapshot = s.ck.params.data;
+  } else {
+    s.snapshot = std::make_shared<std::vector<float>>(s.ck.params.data);
+  }
+  return s.snapshot;
 }
 
 // token_batch of BOS+prompt for the prompts of `step` (calibration before anything was trained)
@@ -211,7 +226,7 @@ msg::learner_actor spawn_learner(caf::actor_system& sys, std::shared_ptr<const a
                   if (s.rank == 0) {
                     msg::params_msg pm;
                     pm.version = s.version;
-                    pm.params = std::make_shared<const std::vector<float>>(s.ck.params.data);
+                    pm.params = snapshot_params(s);
                     for (const auto& x : b.samples) {
                       auto seq = x.prompt;
                       seq.insert(seq.end(), x.response.begin(), x.response.end());
@@ -243,7 +258,7 @@ msg::learner_actor spawn_learner(caf::actor_system& sys, std::shared_ptr<const a
           if (s.rank == 0) {  // the bundle of the starting version, calibrated on its first prompts
             msg::params_msg pm;
             pm.version = s.version;
-            pm.params = std::make_shared<const std::vector<float>>(s.ck.params.data);
+            pm.params = snapshot_params(s);
             pm.calib = step_prompts(s, s.version);
             self->send(s.peers.calibration, std::move(pm));
           }
