@@ -137,19 +137,24 @@ inline __m512bh bcast_pair(const uint16_t* p) {
   return (__m512bh)_mm512_set1_epi32(v);
 }
 
+// One BF16 pair step of a panel (32 columns x 2, 128 B) into b[0..1]; decode tiles prefetch.
+template <int MR>
+inline void load_pairs(const uint16_t* q, __m512bh* b) {
+  if constexpr (MR <= kPrefetchMaxRows) {
+    _mm_prefetch(reinterpret_cast<const char*>(q) + kPrefetchBytes, _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(q) + kPrefetchBytes + 64, _MM_HINT_T0);
+  }
+  b[0] = (__m512bh)_mm512_load_si512(q);
+  b[1] = (__m512bh)_mm512_load_si512(q + 32);
+}
+
 template <int MR, int PN>
 inline void dot_narrow(const uint16_t* A, int64_t lda, const void* const (&P)[PN], int64_t i0,
                        int64_t i1, tile_acc<MR, PN>& acc) {
   for (int64_t i = i0; i < i1; ++i) {
     __m512bh b[2 * PN];
     for (int p = 0; p < PN; ++p) {
-      const uint16_t* q = static_cast<const uint16_t*>(P[p]) + i * 64;
-      if constexpr (MR <= kPrefetchMaxRows) {
-        _mm_prefetch(reinterpret_cast<const char*>(q) + kPrefetchBytes, _MM_HINT_T0);
-        _mm_prefetch(reinterpret_cast<const char*>(q) + kPrefetchBytes + 64, _MM_HINT_T0);
-      }
-      b[2 * p] = (__m512bh)_mm512_load_si512(q);
-      b[2 * p + 1] = (__m512bh)_mm512_load_si512(q + 32);
+      load_pairs<MR>(static_cast<const uint16_t*>(P[p]) + i * 64, &b[2 * p]);
     }
     for (int r = 0; r < MR; ++r) {
       const __m512bh a = bcast_pair(A + r * lda + 2 * i);
@@ -186,13 +191,7 @@ inline void dot_narrow_block(const uint16_t* A, int64_t lda, const void* const (
         b[2 * p] = (__m512bh)w0;
         b[2 * p + 1] = (__m512bh)w1;
       } else {
-        const uint16_t* q = static_cast<const uint16_t*>(Q[p]) + i * 64;
-        if constexpr (MR <= kPrefetchMaxRows) {
-          _mm_prefetch(reinterpret_cast<const char*>(q) + kPrefetchBytes, _MM_HINT_T0);
-          _mm_prefetch(reinterpret_cast<const char*>(q) + kPrefetchBytes + 64, _MM_HINT_T0);
-        }
-        b[2 * p] = (__m512bh)_mm512_load_si512(q);
-        b[2 * p + 1] = (__m512bh)_mm512_load_si512(q + 32);
+        load_pairs<MR>(static_cast<const uint16_t*>(Q[p]) + i * 64, &b[2 * p]);
       }
     }
     for (int r = 0; r < MR; ++r) {
@@ -252,15 +251,16 @@ void tile(gemm_model model, const gemm_a_operand& A, int64_t m0, const gemm_pack
         dot_narrow_block<MR, PN, kSrc == bsrc::codes>(A.bf16 + m0 * lda, lda, pnw, kb * kBlock / 2, rare, acc);
       }
       // out = fma(sa * sb, acc, out): scale product rounded first (§5.2); codes' acc is 2^-8 of it
-      const __m512 unscale = _mm512_set1_ps(kSrc == bsrc::codes ? kCodesUnscale : 1.0f);
+      if constexpr (kSrc == bsrc::codes)
+        for (int r = 0; r < MR; ++r)
+          for (int j = 0; j < 2 * PN; ++j) acc.v[r][j] = _mm512_mul_ps(acc.v[r][j], _mm512_set1_ps(kCodesUnscale));
       for (int p = 0; p < PN; ++p) {
         const float* sb = B.scale_inv.data() + ((pn + p) * KB + kb) * 32;
         const __m512 s0 = _mm512_load_ps(sb), s1 = _mm512_load_ps(sb + 16);
         for (int r = 0; r < MR; ++r) {
           const __m512 a = _mm512_set1_ps(A.scale_inv[(m0 + r) * KB + kb]);
-          o[r][2 * p] = _mm512_fmadd_ps(_mm512_mul_ps(a, s0), _mm512_mul_ps(acc.v[r][2 * p], unscale), o[r][2 * p]);
-          o[r][2 * p + 1] =
-              _mm512_fmadd_ps(_mm512_mul_ps(a, s1), _mm512_mul_ps(acc.v[r][2 * p + 1], unscale), o[r][2 * p + 1]);
+          o[r][2 * p] = _mm512_fmadd_ps(_mm512_mul_ps(a, s0), acc.v[r][2 * p], o[r][2 * p]);
+          o[r][2 * p + 1] = _mm512_fmadd_ps(_mm512_mul_ps(a, s1), acc.v[r][2 * p + 1], o[r][2 * p + 1]);
         }
       }
     }
