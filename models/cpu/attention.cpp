@@ -86,7 +86,7 @@ struct kv_view {  // rounded K^T [D][ld] (ld = n rounded up to kKeyChunk, zero-p
   int64_t ld = 0;
 };
 
-void gather_kv(const attn_params& p, const float* k, const float* v, int64_t s0, int64_t n, int64_t g, kv_view& out) {
+FP8RL_VECTOR_CLONES void gather_kv(const attn_params& p, const float* k, const float* v, int64_t s0, int64_t n, int64_t g, kv_view& out) {
   const int64_t D = p.D, KV = p.KV;
   const attn_rounding rk{p.operand, p.k_scale ? p.k_scale[g] : 0.0f};
   const attn_rounding rv{p.operand, p.v_scale ? p.v_scale[g] : 0.0f};
@@ -200,7 +200,7 @@ FP8RL_VECTOR_CLONES void attn_grads_block_any(const float* qb, const float* ob, 
 // them), dq sums keys in increasing j, and dK/dV add rows in increasing i.
 //   qb, ob: rounded q and dout rows [kRowBlock][D] (rows >= B zero); dq: row r at +r*ldq;
 //   lse[r]; s, dp: scratch [B][nk]
-void attn_rows_backward(const float* qb, const float* ob, const float* Di, const float* lse, int64_t B, int64_t i0,
+FP8RL_VECTOR_CLONES void attn_rows_backward(const float* qb, const float* ob, const float* Di, const float* lse, int64_t B, int64_t i0,
                         float scale, const kv_both& kv, int64_t D, const attn_rounding& rp, float* s, float* dp,
                         float* dq, int64_t ldq, float* dK, float* dV) {
   const int64_t nk = i0 + B;  // keys any row of the block sees

@@ -70,6 +70,34 @@ TEST(GradCheck, RopeIsOrthogonal) {
   expect_grad("rope dx", x, g, f);
 }
 
+// The backend's cached cos/sin table gives exactly the per-element HF formula (FP32 inv_freq,
+// FP32 angle, rotate_half), also for positions that make the table grow and for a second theta.
+TEST(GradCheck, RopeEqualsTheHfFormulaAcrossTableGrowth) {
+  fixture F;
+  const int64_t nh = 2, D = 16, half = D / 2;
+  for (double theta : {10000.0, 500000.0})
+    for (std::vector<int32_t> pos : {std::vector<int32_t>{0, 5, 255}, std::vector<int32_t>{3, 4000, 1}}) {
+      const int64_t T = static_cast<int64_t>(pos.size());
+      const auto x = randn(T * nh * D, 11);
+      for (bool inverse : {false, true}) {
+        auto y = x;
+        F.be->rope(y.data(), pos.data(), T, nh, D, theta, inverse);
+        for (int64_t t = 0; t < T; ++t)
+          for (int64_t h = 0; h < nh; ++h)
+            for (int64_t i = 0; i < half; ++i) {
+              const float f = 1.0f / std::pow(static_cast<float>(theta), static_cast<float>(2 * i) / static_cast<float>(D));
+              const float a = static_cast<float>(pos[t]) * f, c = std::cos(a), sn = inverse ? -std::sin(a) : std::sin(a);
+              const float* v = x.data() + (t * nh + h) * D;
+              ASSERT_EQ(y[(t * nh + h) * D + i], v[i] * c - v[i + half] * sn) << "pos " << pos[t] << " i " << i;
+              ASSERT_EQ(y[(t * nh + h) * D + i + half], v[i + half] * c + v[i] * sn) << "pos " << pos[t] << " i " << i;
+            }
+      }
+    }
+  std::vector<int32_t> bad = {-1};
+  auto y = randn(nh * D, 12);
+  EXPECT_THROW(F.be->rope(y.data(), bad.data(), 1, nh, D, 10000.0, false), std::invalid_argument);
+}
+
 TEST(GradCheck, SwiGLU) {
   fixture F;
   const int64_t n = 50;
