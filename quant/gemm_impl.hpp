@@ -53,6 +53,10 @@ void gemm_tiles_amx(const tiles_problem& p, float* C);
 // BF16 values (n <= 32 * KS), the rest of the row's KS steps written as zeros (with src = null
 // and n = 0: a zero padding row).
 void tiles_put_row(uint16_t* tiles, int64_t KS, int64_t m, const uint16_t* src, int64_t n);
+// One panel of B's tile form (gemm_packed_b::tiles) from its columns: cols [32][Kt] BF16 values,
+// zero-padded -> panel [Kt/32][2 halves][16 k-pairs][16 columns][2]: per 1 KiB tile a 16x16
+// register transpose of 32-bit pairs, written sequentially.
+void tiles_put_panel(uint16_t* panel, int64_t Kt, const uint16_t* cols);
 // row[0..n) *= s in place, for BF16 values whose product is exact (s a power of two): the
 // fp8 pow2 fold. Truncation back to BF16 is then exact.
 void tiles_scale_row(uint16_t* row, int64_t n, float s);

@@ -21,18 +21,6 @@ gemm_pack_forms usable(gemm_pack_forms f) {
   return f;
 }
 
-// One panel of the tile form from its columns: cols [32][Kt] BF16 values (zero-padded) ->
-// tiles [KS][2 halves][16 k-pairs][16 columns] of 32-bit pairs. Each 1 KiB tile is a 16x16
-// transpose of pairs, written sequentially (layout: gemm_packed_b::tiles).
-void tiles_put_panel(uint16_t* panel, int64_t Kt, const uint16_t* cols) {
-  const int64_t KS = Kt / 32, P = Kt / 2;  // k-steps; pairs per column
-  for (int64_t ks = 0; ks < KS; ++ks)
-    for (int64_t h = 0; h < 2; ++h)
-      for (int64_t pp = 0; pp < 16; ++pp)
-        for (int64_t c = 0; c < 16; ++c)
-          std::memcpy(panel + (((ks * 2 + h) * 16 + pp) * 16 + c) * 2, cols + ((h * 16 + c) * P + ks * 16 + pp) * 2, 4);
-}
-
 int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
 // Calls fn(panel, column j in panel, n) for every real column, panels in parallel.
@@ -117,7 +105,7 @@ gemm_packed_b gemm_pack_bf16(const uint16_t* B, int64_t N, int64_t K, std::strin
       avector<uint16_t> cols(static_cast<size_t>(32 * p.Kt), 0);  // [32][Kt]
       for (int64_t j = 0; j < 32 && pn * 32 + j < N; ++j)
         std::memcpy(cols.data() + j * p.Kt, B + (pn * 32 + j) * K, static_cast<size_t>(K) * 2);
-      tiles_put_panel(p.tiles.data() + pn * p.Kt * 32, p.Kt, cols.data());
+      detail::tiles_put_panel(p.tiles.data() + pn * p.Kt * 32, p.Kt, cols.data());  // tiles imply AMX
     });
   return p;
 }
@@ -178,7 +166,7 @@ gemm_packed_b gemm_pack_fp8(const qtensor& B, gemm_pack_forms forms) {
         for (int64_t kb = 0; kb < KB; ++kb)
           detail::tiles_scale_row(col + kb * kBlock, std::min(kBlock, K - kb * kBlock), p.scale_inv[(pn * KB + kb) * 32 + j]);
     }
-    if (forms.tiles) tiles_put_panel(p.tiles.data() + pn * Kp * 32, Kp, cols.data());
+    if (forms.tiles) detail::tiles_put_panel(p.tiles.data() + pn * Kp * 32, Kp, cols.data());
   });
   if (forms.narrow) pack_rare_steps(p);
   return p;

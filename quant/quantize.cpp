@@ -142,12 +142,16 @@ qtensor qtensor_transpose_blocks(const qtensor& w) {
   if (w.layout != qlayout::block_128x128)
     throw std::invalid_argument("tensor '" + w.name + "': transpose needs 128x128 blocks");
   qtensor t = detail::qtensor_alloc(w.cols, w.rows, qlayout::block_128x128, w.mode, w.name + ".T");
-  // 64x64 byte tiles in parallel: each task writes its tile's output rows sequentially
   const int64_t R = w.rows, C = w.cols;
-  tbb::parallel_for(tbb::blocked_range2d<int64_t>(0, R, 64, 0, C, 64), [&](const tbb::blocked_range2d<int64_t>& b) {
-    for (int64_t c = b.cols().begin(); c < b.cols().end(); ++c)
-      for (int64_t r = b.rows().begin(); r < b.rows().end(); ++r) t.data[c * R + r] = w.data[r * C + c];
-  });
+  if (cpu_isa_active() >= cpu_isa::avx512) {
+    detail::transpose_bytes_avx512(w.data.data(), R, C, t.data.data());
+  } else {
+    // 64x64 byte tiles in parallel: each task writes its tile's output rows sequentially
+    tbb::parallel_for(tbb::blocked_range2d<int64_t>(0, R, 64, 0, C, 64), [&](const tbb::blocked_range2d<int64_t>& b) {
+      for (int64_t c = b.cols().begin(); c < b.cols().end(); ++c)
+        for (int64_t r = b.rows().begin(); r < b.rows().end(); ++r) t.data[c * R + r] = w.data[r * C + c];
+    });
+  }
   for (int64_t rb = 0; rb * kBlock < w.rows; ++rb)
     for (int64_t cb = 0; cb * kBlock < w.cols; ++cb)
       t.scale_inv[cb * t.scale_ld() + rb] = w.scale_inv[rb * w.scale_ld() + cb];

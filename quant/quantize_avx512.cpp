@@ -1,5 +1,6 @@
 // quant/quantize_avx512.cpp -- AVX-512 blockwise quantizer, oneTBB across rows.
 // Bit-identical to quantize_scalar (tests/quant/quantize_test.cpp). Compiled with -mavx512*.
+#include <tbb/blocked_range2d.h>
 #include <tbb/parallel_for.h>
 
 #include <algorithm>
@@ -164,6 +165,26 @@ void quantize_cols(const float* x, qtensor& q, first_bad& fb) {
 }
 
 }  // namespace
+
+void transpose_bytes_avx512(const uint8_t* src, int64_t R, int64_t C, uint8_t* dst) {
+  tbb::parallel_for(tbb::blocked_range2d<int64_t>(0, R, 64, 0, C, 64), [&](const tbb::blocked_range2d<int64_t>& b) {
+    const int64_t r0 = b.rows().begin(), r1 = b.rows().end(), c0 = b.cols().begin(), c1 = b.cols().end();
+    int64_t rf = r0, cf = c0;  // [r0, rf) x [c0, cf): whole 16x16 tiles
+    for (; rf + 16 <= r1; rf += 16) {
+      for (cf = c0; cf + 16 <= c1; cf += 16) {
+        __m128i in[16], out[16];
+        for (int i = 0; i < 16; ++i) in[i] = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + (rf + i) * C + cf));
+        transpose_16x16_u8(in, out);
+        for (int j = 0; j < 16; ++j) _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + (cf + j) * R + rf), out[j]);
+      }
+    }
+    // ragged edges: the columns past cf for the whole-tile rows, then every column of the rows past rf
+    for (int64_t c = cf; c < c1; ++c)
+      for (int64_t r = r0; r < rf; ++r) dst[c * R + r] = src[r * C + c];
+    for (int64_t c = c0; c < c1; ++c)
+      for (int64_t r = rf; r < r1; ++r) dst[c * R + r] = src[r * C + c];
+  });
+}
 
 void e4m3_encode_array_avx512(const float* x, int64_t n, uint8_t* out) { encode_row(x, n, 1.0f, out); }
 

@@ -143,16 +143,22 @@ TEST(Quantize, ColumnwiseEqualsRowwiseOfTranspose) {
   EXPECT_EQ(col.scale_inv, row.scale_inv);
 }
 
+// Shapes with whole 16x16 register tiles, 64-byte task edges and ragged remainders of both.
 TEST(Quantize, TransposeBlocksIsExact) {
-  const int64_t R = 260, C = 130;
-  auto w = fp8rl::test::randn(R * C, 9);
-  qtensor q = quantize(w.data(), R, C, qlayout::block_128x128, scale_mode::fp32, "w");
-  qtensor t = qtensor_transpose_blocks(q);
-  std::vector<float> a(R * C), b(R * C);
-  dequantize(q, a.data());
-  dequantize(t, b.data());
-  for (int64_t r = 0; r < R; ++r)
-    for (int64_t c = 0; c < C; ++c) ASSERT_EQ(a[r * C + c], b[c * R + r]);
+  for (auto [R, C] : {std::pair<int64_t, int64_t>{260, 130}, {512, 1536}, {77, 200}, {5, 3}}) {
+    auto w = fp8rl::test::randn(R * C, 9);
+    qtensor q = quantize(w.data(), R, C, qlayout::block_128x128, scale_mode::fp32, "w");
+    qtensor t = qtensor_transpose_blocks(q);
+    ASSERT_EQ(t.rows, C);
+    ASSERT_EQ(t.cols, R);
+    for (int64_t r = 0; r < R; ++r)
+      for (int64_t c = 0; c < C; ++c) ASSERT_EQ(q.data[r * C + c], t.data[c * R + r]) << R << "x" << C << " at " << r << "," << c;
+    std::vector<float> a(R * C), b(R * C);
+    dequantize(q, a.data());
+    dequantize(t, b.data());
+    for (int64_t r = 0; r < R; ++r)
+      for (int64_t c = 0; c < C; ++c) ASSERT_EQ(a[r * C + c], b[c * R + r]);
+  }
 }
 
 TEST(Quantize, NonFiniteIsAnErrorNamingTensorAndBlock) {
