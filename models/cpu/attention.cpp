@@ -22,6 +22,14 @@ namespace {
 }  // namespace
 
 namespace {
+// x[0..n) = cpu_attn_round(x[j], r), one loop per rounding so that fp32 and bf16 vectorize.
+[[gnu::always_inline]] inline void attn_round_row(float* x, int64_t n, const attn_rounding& r) {
+  if (r.scale > 0.0f)
+    for (int64_t j = 0; j < n; ++j) x[j] = cpu_attn_round(x[j], r);
+  else if (r.operand == precision::bf16)
+    for (int64_t j = 0; j < n; ++j) x[j] = quant::bf16_round(x[j]);
+}
+
 // out[d] = sum over j < n of p[j] v[j][d], a sequential fma chain from +0 held in registers.
 template <int D>
 [[gnu::always_inline]] inline void attn_pv(const float* p, int64_t n, const float* v, float* out) {
@@ -34,11 +42,10 @@ template <int D>
   for (int d = 0; d < D; ++d) out[d] = acc[d];
 }
 
-// Softmax of n scores s (scaled, max-subtracted, exp, sum in increasing j), P rounded to the
-// operand precision, then out[d] = sum_j p[j] v[j][d] sequential in j; returns the lse. The one
-// definition both the decode path (cpu_attn_query) and the training forward use.
-FP8RL_VECTOR_CLONES float cpu_attn_softmax_pv(float* s, int64_t n, const float* v, int64_t D, precision p_operand,
-                                              float* out) {
+// Softmax of n scores s in place (scaled, max-subtracted, exp, sum in increasing j), P rounded
+// to the operand precision; returns the lse. The one definition decode (cpu_attn_query) and the
+// training forward use.
+FP8RL_VECTOR_CLONES float cpu_attn_softmax(float* s, int64_t n, int64_t D, precision p_operand) {
   const float scale = 1.0f / std::sqrt(static_cast<float>(D));
   float m = -INFINITY;
   for (int64_t j = 0; j < n; ++j) {
@@ -50,20 +57,63 @@ FP8RL_VECTOR_CLONES float cpu_attn_softmax_pv(float* s, int64_t n, const float* 
     s[j] = cpu_exp(s[j] - m);
     sum += s[j];
   }
-  if (p_operand == precision::bf16)
-    for (int64_t j = 0; j < n; ++j) s[j] = quant::bf16_round(s[j] / sum);
-  else
-    for (int64_t j = 0; j < n; ++j) s[j] = cpu_attn_round(s[j] / sum, attn_rounding{p_operand, 0.0f});
-  // out[d] = sum_j p[j] v[j][d], sequential in j from +0
+  for (int64_t j = 0; j < n; ++j) s[j] = s[j] / sum;
+  attn_round_row(s, n, attn_rounding{p_operand, 0.0f});
+  return m + std::log(sum);
+}
+
+// out[d] = sum_j p[j] v[j][d], sequential in j from +0, for any D.
+FP8RL_VECTOR_CLONES void attn_pv_any(const float* p, int64_t n, const float* v, int64_t D, float* out) {
   switch (D) {
-    case 32: attn_pv<32>(s, n, v, out); break;
-    case 64: attn_pv<64>(s, n, v, out); break;
-    case 128: attn_pv<128>(s, n, v, out); break;
+    case 32: attn_pv<32>(p, n, v, out); break;
+    case 64: attn_pv<64>(p, n, v, out); break;
+    case 128: attn_pv<128>(p, n, v, out); break;
     default:
       for (int64_t d = 0; d < D; ++d) out[d] = 0.0f;
-      for (int64_t j = 0; j < n; ++j) row_fma(s[j], v + j * D, out, D);
+      for (int64_t j = 0; j < n; ++j) row_fma(p[j], v + j * D, out, D);
   }
-  return m + std::log(sum);
+}
+
+constexpr int kPvRows = 4;  // rows sharing each V row load in attn_pv_rows (4 x 64 floats: 16 zmm)
+
+// Causal rows of a block: out[r][d] = sum over j <= i0 + r of p[r][j] v[j][d] for r < B, each the
+// attn_pv order (a sequential fma chain in j from +0), kPvRows rows at a time over the keys they
+// all see, then each row's own last keys.
+//   p: [B][ldp]; v: [>= i0 + B][D]; out: row r at out + r * ldo
+template <int D>
+FP8RL_VECTOR_CLONES void attn_pv_rows(const float* p, int64_t ldp, int64_t B, int64_t i0, const float* v, float* out,
+                                      int64_t ldo) {
+  int64_t r = 0;
+  for (; r + kPvRows <= B; r += kPvRows) {
+    float acc[kPvRows][D] = {};
+    const int64_t n0 = i0 + r + 1;  // keys every row of the group sees
+    for (int64_t j = 0; j < n0; ++j) {
+      const float* vj = v + j * D;
+      float pj[kPvRows];
+      for (int q = 0; q < kPvRows; ++q) pj[q] = p[(r + q) * ldp + j];
+#pragma GCC unroll 16
+      for (int d = 0; d < D; ++d)
+        for (int q = 0; q < kPvRows; ++q) acc[q][d] = std::fma(pj[q], vj[d], acc[q][d]);
+    }
+    for (int q = 1; q < kPvRows; ++q)
+      for (int64_t j = n0; j < n0 + q; ++j)
+        for (int d = 0; d < D; ++d) acc[q][d] = std::fma(p[(r + q) * ldp + j], v[j * D + d], acc[q][d]);
+    for (int q = 0; q < kPvRows; ++q)
+      for (int d = 0; d < D; ++d) out[(r + q) * ldo + d] = acc[q][d];
+  }
+  for (; r < B; ++r) attn_pv<D>(p + r * ldp, i0 + r + 1, v, out + r * ldo);
+}
+
+// attn_pv_rows for any D (the generic D falls back to one row at a time, same order).
+void attn_pv_rows_any(const float* p, int64_t ldp, int64_t B, int64_t i0, const float* v, int64_t D, float* out,
+                      int64_t ldo) {
+  switch (D) {
+    case 32: attn_pv_rows<32>(p, ldp, B, i0, v, out, ldo); break;
+    case 64: attn_pv_rows<64>(p, ldp, B, i0, v, out, ldo); break;
+    case 128: attn_pv_rows<128>(p, ldp, B, i0, v, out, ldo); break;
+    default:
+      for (int64_t r = 0; r < B; ++r) attn_pv_any(p + r * ldp, i0 + r + 1, v, D, out + r * ldo);
+  }
 }
 }  // namespace
 
@@ -74,7 +124,9 @@ FP8RL_VECTOR_CLONES float cpu_attn_query(const float* q, const attn_rounding& rq
   for (int64_t d = 0; d < D; ++d) qr[d] = cpu_attn_round(q[d], rq);
   for (int64_t j = 0; j < n; ++j) s[j] = 0.0f;
   for (int64_t d = 0; d < D; ++d) row_fma(qr[d], kt + d * ldk, s, n);  // s[j] = sum_d q[d] k[j][d], sequential in d
-  return cpu_attn_softmax_pv(s, n, v, D, p_operand, out);
+  const float lse = cpu_attn_softmax(s, n, D, p_operand);
+  attn_pv_any(s, n, v, D, out);
+  return lse;
 }
 
 namespace {
@@ -155,16 +207,7 @@ template <int D>
 FP8RL_VECTOR_CLONES void attn_grads_block(const float* qb, const float* ob, int64_t B, int64_t i0, const float* k,
                                           const float* s, const float* dp, int64_t nk, float* dq, int64_t ldq,
                                           float* dK, float* dV) {
-  for (int64_t r = 0; r < B; ++r) {
-    float acc[D] = {};
-    for (int64_t j = 0; j <= i0 + r; ++j) {
-      const float ds = dp[r * nk + j];
-      const float* kj = k + j * D;
-#pragma GCC unroll 8
-      for (int d = 0; d < D; ++d) acc[d] = std::fma(ds, kj[d], acc[d]);
-    }
-    for (int d = 0; d < D; ++d) dq[r * ldq + d] = acc[d];
-  }
+  attn_pv_rows<D>(dp, nk, B, i0, k, dq, ldq);  // dq[r] = sum_j dS[r][j] k[j]: the P.V order
   for (int64_t j = 0; j < nk; ++j) {
     float ak[D], av[D];
     for (int d = 0; d < D; ++d) ak[d] = dK[j * D + d], av[d] = dV[j * D + d];
@@ -205,12 +248,17 @@ FP8RL_VECTOR_CLONES void attn_rows_backward(const float* qb, const float* ob, co
                         float* dq, int64_t ldq, float* dK, float* dV) {
   const int64_t nk = i0 + B;  // keys any row of the block sees
   attn_scores_block<true>(qb, ob, B, kv.t.kt.data(), kv.vt.data(), kv.t.ld, nk, D, s, dp);
-  for (int64_t r = 0; r < B; ++r)
+  for (int64_t r = 0; r < B; ++r) {
+    float* sr = s + r * nk;
+    float* dr = dp + r * nk;
+    const float lr = lse[r], di = Di[r];
     for (int64_t j = 0; j <= i0 + r; ++j) {
-      const float prob = cpu_exp(s[r * nk + j] * scale - lse[r]);
-      s[r * nk + j] = cpu_attn_round(prob, rp);              // the probability the forward used with V
-      dp[r * nk + j] = prob * (dp[r * nk + j] - Di[r]) * scale;  // dS
+      const float prob = cpu_exp(sr[j] * scale - lr);
+      sr[j] = prob;
+      dr[j] = prob * (dr[j] - di) * scale;  // dS
     }
+    attn_round_row(sr, i0 + r + 1, rp);  // the probability the forward used with V
+  }
   const float* k = kv.k.data();
   switch (D) {
     case 32: attn_grads_block<32>(qb, ob, B, i0, k, s, dp, nk, dq, ldq, dK, dV); break;
@@ -223,8 +271,8 @@ FP8RL_VECTOR_CLONES void attn_rows_backward(const float* qb, const float* ob, co
 }  // namespace
 
 // Training/prefill forward: per block of kRowBlock query rows the scores in registers (the
-// same sequential fma over d as cpu_attn_query), then per row cpu_attn_softmax_pv: every value
-// equals what the decode path computes for that row.
+// same sequential fma over d as cpu_attn_query), per row cpu_attn_softmax, then P.V in the
+// attn_pv order: every value equals what the decode path computes for that row.
 void cpu_attention_forward(const attn_params& p, const float* q, const float* k, const float* v, float* out, float* lse) {
   const int64_t H = p.H, D = p.D, G = p.H / p.KV;
   for_each_seq_group(p, [&](int64_t s, int64_t g) {
@@ -241,10 +289,8 @@ void cpu_attention_forward(const attn_params& p, const float* q, const float* k,
         for (int64_t r = 0; r < B; ++r)
           for (int64_t d = 0; d < D; ++d) qb[r * D + d] = cpu_attn_round(q[((s0 + i0 + r) * H + h) * D + d], rq);
         attn_scores_block<false>(qb.data(), nullptr, B, kv.kt.data(), nullptr, kv.ld, nk, D, sc.data(), nullptr);
-        for (int64_t r = 0; r < B; ++r) {
-          const int64_t t = s0 + i0 + r;
-          lse[t * H + h] = cpu_attn_softmax_pv(sc.data() + r * nk, i0 + r + 1, kv.v.data(), D, p.operand, out + (t * H + h) * D);
-        }
+        for (int64_t r = 0; r < B; ++r) lse[(s0 + i0 + r) * H + h] = cpu_attn_softmax(sc.data() + r * nk, i0 + r + 1, D, p.operand);
+        attn_pv_rows_any(sc.data(), nk, B, i0, kv.v.data(), D, out + ((s0 + i0) * H + h) * D, H * D);
       }
     }
   });
