@@ -1,8 +1,9 @@
 // quant/aligned.hpp -- 64-byte aligned std::vector (for packed GEMM operands).
-// defines: aligned_allocator, avector
+// defines: aligned_allocator, avector, avector_uninit
 #pragma once
 #include <cstddef>
 #include <new>
+#include <utility>
 #include <vector>
 
 namespace fp8rl {
@@ -23,5 +24,29 @@ struct aligned_allocator {
 
 template <class T>
 using avector = std::vector<T, aligned_allocator<T>>;
+
+// The same, but resize(n) leaves new elements default-initialized (indeterminate for scalars):
+// for buffers that a packer overwrites completely, where zero-filling is a wasted pass.
+template <class T>
+struct aligned_uninit_allocator : aligned_allocator<T> {
+  template <class U>
+  struct rebind {
+    using other = aligned_uninit_allocator<U>;
+  };
+  aligned_uninit_allocator() noexcept = default;
+  template <class U>
+  aligned_uninit_allocator(const aligned_uninit_allocator<U>&) noexcept {}
+  template <class U>
+  void construct(U* p) noexcept {
+    ::new (static_cast<void*>(p)) U;
+  }
+  template <class U, class... Args>
+  void construct(U* p, Args&&... args) {
+    ::new (static_cast<void*>(p)) U(std::forward<Args>(args)...);
+  }
+};
+
+template <class T>
+using avector_uninit = std::vector<T, aligned_uninit_allocator<T>>;
 
 }  // namespace fp8rl

@@ -90,7 +90,7 @@ struct gemm_packed_b {
   avector<float> scale_inv;       // fp8: [NP][Kp/128][32]
   // tiles: [NP][Kt/32][2 halves of 16 columns][16 k-pairs][16 columns][2]; fp8 pow2 values are
   // stored scaled (q * scale_inv, exact), fp8 fp32 unscaled; Kt = K zero-padded to 32 (fp8: Kp)
-  avector<uint16_t> tiles;
+  avector_uninit<uint16_t> tiles;  // every element written by the packer
   int64_t Kt = 0;
   int64_t panels() const { return (N + 31) / 32; }
   int64_t bytes() const;

@@ -92,7 +92,7 @@ gemm_packed_b gemm_pack_bf16(const uint16_t* B, int64_t N, int64_t K, std::strin
   if (forms.wide) p.wide.assign(static_cast<size_t>(NP * Kp * 32), 0.0f);
   if (forms.narrow) p.bf16.assign(static_cast<size_t>(NP * Kp * 32), 0);
   p.Kt = round_up(K, 32);
-  if (forms.tiles) p.tiles.assign(static_cast<size_t>(NP * p.Kt * 32), 0);
+  if (forms.tiles) p.tiles.resize(static_cast<size_t>(NP * p.Kt * 32));  // tiles_put_panel writes all
   if (forms.wide || forms.narrow) for_each_column(N, [&](int64_t pn, int64_t j, int64_t n) {
     const uint16_t* src = B + n * K;
     for (int64_t k = 0; k < K; ++k) {
@@ -127,7 +127,7 @@ gemm_packed_b gemm_pack_fp8(const qtensor& B, gemm_pack_forms forms) {
   if (forms.narrow) p.fp8_rare.assign(static_cast<size_t>(NP * KB), 0);
   p.scale_inv.assign(static_cast<size_t>(NP * KB * 32), 0.0f);
   p.Kt = Kp;
-  if (forms.tiles) p.tiles.assign(static_cast<size_t>(NP * Kp * 32), 0);
+  if (forms.tiles) p.tiles.resize(static_cast<size_t>(NP * Kp * 32));  // tiles_put_panel writes all
   const bool fold = B.mode == scale_mode::pow2;  // q * 2^e is exact in BF16
   const float* lut = e4m3_table();
   int pos[32][2];  // codes form: byte position of (column j, pair half h) in a 64-byte step
@@ -155,18 +155,22 @@ gemm_packed_b gemm_pack_fp8(const qtensor& B, gemm_pack_forms forms) {
       const uint8_t* step = p.fp8.data() + (pn * Kp / 2 + i) * 64;
       if (std::any_of(step, step + 64, detail::fp8_code_rare)) p.fp8_rare[pn * KB + i / 64] |= uint64_t{1} << (i % 64);
     }
-    avector<uint16_t> cols(forms.tiles ? static_cast<size_t>(32 * Kp) : 0, 0);  // [32][Kp] BF16 values
+    avector_uninit<uint16_t> cols(forms.tiles ? static_cast<size_t>(32 * Kp) : 0);  // [32][Kp] BF16 values
     for (int64_t j = 0; j < ncols; ++j) {
       uint16_t* col = cols.data() + j * Kp;
       const int64_t n = pn * 32 + j;
       for (int64_t kb = 0; kb < KB; ++kb) p.scale_inv[(pn * KB + kb) * 32 + j] = B.scale_at(n, kb);
       if (!forms.tiles) continue;
       detail::e4m3_to_bf16_avx512(src + j * K, K, col);  // tiles imply AMX, hence AVX-512
+      std::fill(col + K, col + Kp, uint16_t{0});
       if (fold)  // q * 2^e is exact in BF16
         for (int64_t kb = 0; kb < KB; ++kb)
           detail::tiles_scale_row(col + kb * kBlock, std::min(kBlock, K - kb * kBlock), p.scale_inv[(pn * KB + kb) * 32 + j]);
     }
-    if (forms.tiles) detail::tiles_put_panel(p.tiles.data() + pn * Kp * 32, Kp, cols.data());
+    if (forms.tiles) {
+      std::fill(cols.begin() + ncols * Kp, cols.end(), uint16_t{0});  // columns past N
+      detail::tiles_put_panel(p.tiles.data() + pn * Kp * 32, Kp, cols.data());
+    }
   });
   if (forms.narrow) pack_rare_steps(p);
   return p;
