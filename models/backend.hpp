@@ -10,6 +10,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <span>
 #include <string>
 
 #include "models/precision.hpp"
@@ -114,6 +115,23 @@ class backend {
   // dx[T,in] = dy · W (overwritten; skipped if null); dw[out,in] += dy^T · x (skipped if null)
   virtual void linear_backward(const prepared_linear& w, const float* x, const float* dy, int64_t T, float* dx,
                                float* dw) = 0;
+  // Layers reading one input x (q/k/v, gate/up): ys[i][T,out_i] = x · W_i^T. A backend may
+  // prepare x once for all of them (the CPU backend quantizes or rounds it once); results equal
+  // the separate calls. The default makes the separate calls.
+  virtual void linear_forward_group(std::span<const prepared_linear* const> ws, const float* x, int64_t T,
+                                    std::span<float* const> ys) {
+    for (size_t i = 0; i < ws.size(); ++i) linear_forward(*ws[i], x, T, ys[i]);
+  }
+  // Their backward: dx[T,in] = dy_0 · W_0, then dy_i · W_i added in order (through dtmp[T,in],
+  // the same bits as separate calls and add_inplace); dws[i] += dy_i^T · x.
+  virtual void linear_backward_group(std::span<const prepared_linear* const> ws, const float* x,
+                                     std::span<const float* const> dys, int64_t T, float* dx, float* dtmp,
+                                     std::span<float* const> dws) {
+    for (size_t i = 0; i < ws.size(); ++i) {
+      linear_backward(*ws[i], x, dys[i], T, i == 0 ? dx : dtmp, dws[i]);
+      if (i > 0) add_inplace(dx, dtmp, T * ws[i]->in);
+    }
+  }
 
   // ---- attention (grouped-query, causal within packed sequences) ----
   // q[T,H,D], k/v[T,KV,D] (post-RoPE) -> out[T,H,D], lse[T,H] (log-sum-exp of scaled scores)

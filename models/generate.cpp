@@ -131,9 +131,9 @@ void engine_forward(backend& be_, const model_weights& w, kv_cache& cache, const
   for (int64_t i = 0; i < c.num_hidden_layers; ++i) {
     const auto& lw = w.layers[i];
     be_.rmsnorm_forward(x.data(), lw.attn_norm.data(), T, C, eps, xn.data(), rstd.data());
-    be_.linear_forward(*lw.q, xn.data(), T, q.data());
-    be_.linear_forward(*lw.k, xn.data(), T, k.data());
-    be_.linear_forward(*lw.v, xn.data(), T, v.data());
+    const prepared_linear* qkv[] = {lw.q.get(), lw.k.get(), lw.v.get()};
+    float* qkv_out[] = {q.data(), k.data(), v.data()};
+    be_.linear_forward_group(qkv, xn.data(), T, qkv_out);
     be_.rope(q.data(), pos.data(), T, H, D, c.rope_theta, false);
     be_.rope(k.data(), pos.data(), T, KV, D, c.rope_theta, false);
     const int64_t sat = be_.kv_cache_write(cache, i, st, k.data(), v.data(), fp8kv ? a.k.data() + i * KV : nullptr,
@@ -143,8 +143,9 @@ void engine_forward(backend& be_, const model_weights& w, kv_cache& cache, const
     be_.linear_forward(*lw.o, att.data(), T, tmp.data());
     be_.add_inplace(x.data(), tmp.data(), T * C);
     be_.rmsnorm_forward(x.data(), lw.mlp_norm.data(), T, C, eps, xn.data(), rstd.data());
-    be_.linear_forward(*lw.gate, xn.data(), T, gate.data());
-    be_.linear_forward(*lw.up, xn.data(), T, up.data());
+    const prepared_linear* gate_up[] = {lw.gate.get(), lw.up.get()};
+    float* gate_up_out[] = {gate.data(), up.data()};
+    be_.linear_forward_group(gate_up, xn.data(), T, gate_up_out);
     be_.swiglu_forward(gate.data(), up.data(), T * F, gate.data());
     be_.linear_forward(*lw.down, gate.data(), T, tmp.data());
     be_.add_inplace(x.data(), tmp.data(), T * C);

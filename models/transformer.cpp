@@ -218,9 +218,9 @@ void model_runner::forward(const model_weights& w, const token_batch& b, bool tr
     auto& l = a_.layers[i];
     const float eps = static_cast<float>(c.rms_norm_eps);
     be_.rmsnorm_forward(l.x.data(), lw.attn_norm.data(), T, C, eps, l.xn1.data(), l.rstd1.data());
-    be_.linear_forward(*lw.q, l.xn1.data(), T, l.q.data());   // [T, H*D]
-    be_.linear_forward(*lw.k, l.xn1.data(), T, l.k.data());   // [T, KV*D]
-    be_.linear_forward(*lw.v, l.xn1.data(), T, l.v.data());   // [T, KV*D]
+    const prepared_linear* qkv[] = {lw.q.get(), lw.k.get(), lw.v.get()};
+    float* qkv_out[] = {l.q.data(), l.k.data(), l.v.data()};  // [T, H*D], [T, KV*D], [T, KV*D]
+    be_.linear_forward_group(qkv, l.xn1.data(), T, qkv_out);
     be_.rope(l.q.data(), pos_.data(), T, H, D, c.rope_theta, false);
     be_.rope(l.k.data(), pos_.data(), T, KV, D, c.rope_theta, false);
     if (stats) {
@@ -233,8 +233,9 @@ void model_runner::forward(const model_weights& w, const token_batch& b, bool tr
     be_.copy(l.xmid.data(), l.x.data(), T * C);
     be_.add_inplace(l.xmid.data(), a_.tmp.data(), T * C);
     be_.rmsnorm_forward(l.xmid.data(), lw.mlp_norm.data(), T, C, eps, l.xn2.data(), l.rstd2.data());
-    be_.linear_forward(*lw.gate, l.xn2.data(), T, l.gate.data());  // [T, F]
-    be_.linear_forward(*lw.up, l.xn2.data(), T, l.up.data());      // [T, F]
+    const prepared_linear* gate_up[] = {lw.gate.get(), lw.up.get()};
+    float* gate_up_out[] = {l.gate.data(), l.up.data()};  // [T, F] each
+    be_.linear_forward_group(gate_up, l.xn2.data(), T, gate_up_out);
     be_.swiglu_forward(l.gate.data(), l.up.data(), T * F, l.h.data());
     be_.linear_forward(*lw.down, l.h.data(), T, a_.tmp.data());    // [T, C]
     float* next = i + 1 < c.num_hidden_layers ? a_.layers[i + 1].x.data() : a_.xfinal.data();
@@ -272,7 +273,6 @@ void model_runner::backward(const model_weights& w, const std::vector<int32_t>& 
     be_.zero(g_.flat.data(), static_cast<size_t>(layout.total) * 4);
     gp = g_.flat.data();
   }
-  auto add_into = [&](float* dst, const float* src, int64_t n) { be_.add_inplace(dst, src, n); };
 
   // lm_head and final norm
   be_.logprob_backward(a_.logits.data(), targets.data(), T, V, proc, dlogp, g_.dlogits.data());
@@ -288,9 +288,10 @@ void model_runner::backward(const model_weights& w, const std::vector<int32_t>& 
     // MLP: x_next = xmid + down(silu(gate(xn2)) * up(xn2))
     be_.linear_backward(*lw.down, l.h.data(), g_.dres.data(), T, g_.dh.data(), gp + o.w_down);
     be_.swiglu_backward(g_.dh.data(), l.gate.data(), l.up.data(), T * F, g_.dgate.data(), g_.dup.data());
-    be_.linear_backward(*lw.gate, l.xn2.data(), g_.dgate.data(), T, g_.dxn.data(), gp + o.w_gate);
-    be_.linear_backward(*lw.up, l.xn2.data(), g_.dup.data(), T, g_.dtmp.data(), gp + o.w_up);
-    add_into(g_.dxn.data(), g_.dtmp.data(), T * C);
+    const prepared_linear* gate_up[] = {lw.gate.get(), lw.up.get()};
+    const float* d_gate_up[] = {g_.dgate.data(), g_.dup.data()};
+    float* dw_gate_up[] = {gp + o.w_gate, gp + o.w_up};
+    be_.linear_backward_group(gate_up, l.xn2.data(), d_gate_up, T, g_.dxn.data(), g_.dtmp.data(), dw_gate_up);
     be_.rmsnorm_backward(g_.dxn.data(), l.xmid.data(), lw.mlp_norm.data(), l.rstd2.data(), T, C, g_.dres.data(),
                          gp + o.mlp_norm);
     // attention: xmid = x + o(attn(rope(q(xn1)), rope(k(xn1)), v(xn1)))
@@ -299,11 +300,10 @@ void model_runner::backward(const model_weights& w, const std::vector<int32_t>& 
                            g_.dq.data(), g_.dk.data(), g_.dv.data());
     be_.rope(g_.dq.data(), pos_.data(), T, H, D, c.rope_theta, true);
     be_.rope(g_.dk.data(), pos_.data(), T, KV, D, c.rope_theta, true);
-    be_.linear_backward(*lw.q, l.xn1.data(), g_.dq.data(), T, g_.dxn.data(), gp + o.wq);
-    be_.linear_backward(*lw.k, l.xn1.data(), g_.dk.data(), T, g_.dtmp.data(), gp + o.wk);
-    add_into(g_.dxn.data(), g_.dtmp.data(), T * C);
-    be_.linear_backward(*lw.v, l.xn1.data(), g_.dv.data(), T, g_.dtmp.data(), gp + o.wv);
-    add_into(g_.dxn.data(), g_.dtmp.data(), T * C);
+    const prepared_linear* qkv[] = {lw.q.get(), lw.k.get(), lw.v.get()};
+    const float* d_qkv[] = {g_.dq.data(), g_.dk.data(), g_.dv.data()};
+    float* dw_qkv[] = {gp + o.wq, gp + o.wk, gp + o.wv};
+    be_.linear_backward_group(qkv, l.xn1.data(), d_qkv, T, g_.dxn.data(), g_.dtmp.data(), dw_qkv);
     be_.rmsnorm_backward(g_.dxn.data(), l.x.data(), lw.attn_norm.data(), l.rstd1.data(), T, C, g_.dres.data(),
                          gp + o.attn_norm);
   }

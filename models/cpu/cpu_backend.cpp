@@ -45,11 +45,7 @@ class cpu_backend final : public backend {
   void swiglu_backward(const float* dh, const float* g, const float* u, int64_t n, float* dg, float* du) override {
     cpu_swiglu_backward(dh, g, u, n, dg, du);
   }
-  void add_inplace(float* y, const float* x, int64_t n) override {
-    tbb::parallel_for(tbb::blocked_range<int64_t>(0, n, 1 << 14), [&](const auto& r) {
-      for (int64_t i = r.begin(); i < r.end(); ++i) y[i] += x[i];
-    });
-  }
+  void add_inplace(float* y, const float* x, int64_t n) override { cpu_add_inplace(y, x, n); }
   void copy(float* y, const float* x, int64_t n) override { if (n) std::memcpy(y, x, static_cast<size_t>(n) * 4); }
 
   std::unique_ptr<prepared_linear> linear_prepare(const linear_source& w, bool for_backward) override {
@@ -61,6 +57,15 @@ class cpu_backend final : public backend {
   void linear_backward(const prepared_linear& w, const float* x, const float* dy, int64_t T, float* dx,
                        float* dw) override {
     cpu_linear_backward(w, x, dy, T, dx, dw);
+  }
+  void linear_forward_group(std::span<const prepared_linear* const> ws, const float* x, int64_t T,
+                            std::span<float* const> ys) override {
+    cpu_linear_forward_group(ws, x, T, ys);
+  }
+  void linear_backward_group(std::span<const prepared_linear* const> ws, const float* x,
+                             std::span<const float* const> dys, int64_t T, float* dx, float* dtmp,
+                             std::span<float* const> dws) override {
+    cpu_linear_backward_group(ws, x, dys, T, dx, dtmp, dws);
   }
   void attention_forward(const attn_params& p, const float* q, const float* k, const float* v, float* out,
                          float* lse) override {

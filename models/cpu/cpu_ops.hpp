@@ -1,5 +1,7 @@
 // models/cpu/cpu_ops.hpp -- internal: CPU kernels behind cpu_backend (shapes: models/backend.hpp).
 #pragma once
+#include <span>
+
 #include "models/backend.hpp"
 
 namespace fp8rl::models {
@@ -10,12 +12,18 @@ void cpu_rmsnorm_forward(const float* x, const float* w, int64_t T, int64_t C, f
 void cpu_rmsnorm_backward(const float* dout, const float* x, const float* w, const float* rstd, int64_t T, int64_t C,
                           float* dx, float* dw);
 void cpu_rope(float* x, const int32_t* pos, int64_t T, int64_t nh, int64_t D, double theta, bool inverse);
+void cpu_add_inplace(float* y, const float* x, int64_t n);  // y[n] += x[n]
 void cpu_swiglu_forward(const float* gate, const float* up, int64_t n, float* h);
 void cpu_swiglu_backward(const float* dh, const float* gate, const float* up, int64_t n, float* dgate, float* dup);
 
 std::unique_ptr<prepared_linear> cpu_linear_prepare(const linear_source& w, bool for_backward);
 void cpu_linear_forward(const prepared_linear& w, const float* x, int64_t T, float* y);
 void cpu_linear_backward(const prepared_linear& w, const float* x, const float* dy, int64_t T, float* dx, float* dw);
+void cpu_linear_forward_group(std::span<const prepared_linear* const> ws, const float* x, int64_t T,
+                              std::span<float* const> ys);
+void cpu_linear_backward_group(std::span<const prepared_linear* const> ws, const float* x,
+                               std::span<const float* const> dys, int64_t T, float* dx, float* dtmp,
+                               std::span<float* const> dws);
 
 void cpu_attention_forward(const attn_params& p, const float* q, const float* k, const float* v, float* out, float* lse);
 void cpu_attention_backward(const attn_params& p, const float* q, const float* k, const float* v, const float* out,

@@ -16,6 +16,12 @@
 
 namespace fp8rl::models {
 
+void cpu_add_inplace(float* y, const float* x, int64_t n) {
+  tbb::parallel_for(tbb::blocked_range<int64_t>(0, n, 1 << 14), [&](const auto& r) {
+    for (int64_t i = r.begin(); i < r.end(); ++i) y[i] += x[i];
+  });
+}
+
 void cpu_embedding_forward(const float* wte, const int32_t* tokens, int64_t T, int64_t C, float* out) {
   tbb::parallel_for(int64_t{0}, T, [&](int64_t t) {
     const float* src = wte + static_cast<int64_t>(tokens[t]) * C;

@@ -9,6 +9,7 @@
 #include <tbb/parallel_for.h>
 
 #include <memory>
+#include <span>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -52,27 +53,54 @@ gemm_pack_forms forms_for(bool tiles, bool small_m) {
   return tiles ? gemm_pack_forms{false, false, true} : gemm_forms_for(small_m);
 }
 
+// An activation A[M,K] as a GEMM's A operand in one precision: FP32 values as given, BF16
+// rounded, or 1x128 FP8 tiles. Layers reading the same activation share one.
+struct act_operand {
+  precision prec = precision::fp32;
+  scale_mode mode = scale_mode::pow2;
+  const float* f32 = nullptr;
+  std::vector<uint16_t> bf16;
+  qtensor fp8;
+  int64_t M = 0, K = 0;
+};
+
+void act_prepare(act_operand& a, precision prec, scale_mode mode, const float* A, int64_t M, int64_t K,
+                 const std::string& name) {
+  a.prec = prec, a.mode = mode, a.M = M, a.K = K, a.f32 = A;
+  if (prec == precision::bf16) a.bf16 = to_bf16(A, M * K);
+  if (prec == precision::fp8) {
+    a.fp8.name = name;
+    quantize_into(A, M, K, qlayout::rowwise_1x128, mode, a.fp8);
+  }
+}
+
+// Whether `a` is the operand layer l's GEMM would have made of the same activation.
+bool act_serves(const act_operand& a, precision prec, scale_mode mode) {
+  return a.prec == prec && (prec != precision::fp8 || a.mode == mode);
+}
+
+// C[M,N] = A · B^T with B packed in a's precision.
+void act_matmul(const act_operand& a, bool tiles, const gemm_packed_b& B, float* C) {
+  const gemm_desc d{a.M, B.N, a.K};
+  switch (a.prec) {
+    case precision::fp32: gemm_f32(d, a.f32, B, C); break;
+    case precision::bf16:
+      if (tiles) gemm_bf16_tiles(d, a.bf16.data(), B, C);
+      else gemm_bf16(d, a.bf16.data(), B, C);
+      break;
+    case precision::fp8:
+      if (tiles) gemm_fp8_tiles(a.fp8, B, C);
+      else gemm_fp8(a.fp8, B, C);
+      break;
+  }
+}
+
 // C[M,N] = A[M,K] · B^T in `prec`, A given as FP32 values; B packed in the same precision.
 void matmul(precision prec, scale_mode mode, bool tiles, const float* A, int64_t M, int64_t K, const gemm_packed_b& B,
             float* C, const std::string& name) {
-  const gemm_desc d{M, B.N, K};
-  switch (prec) {
-    case precision::fp32: gemm_f32(d, A, B, C); break;
-    case precision::bf16: {
-      auto a = to_bf16(A, M * K);
-      if (tiles) gemm_bf16_tiles(d, a.data(), B, C);
-      else gemm_bf16(d, a.data(), B, C);
-      break;
-    }
-    case precision::fp8: {
-      qtensor q;
-      q.name = name;
-      quantize_into(A, M, K, qlayout::rowwise_1x128, mode, q);
-      if (tiles) gemm_fp8_tiles(q, B, C);
-      else gemm_fp8(q, B, C);
-      break;
-    }
-  }
+  act_operand a;
+  act_prepare(a, prec, mode, A, M, K, name);
+  act_matmul(a, tiles, B, C);
 }
 
 gemm_packed_b pack(precision prec, scale_mode mode, const float* B, int64_t N, int64_t K, const std::string& name,
@@ -133,31 +161,79 @@ void cpu_linear_forward(const prepared_linear& w, const float* x, int64_t T, flo
   matmul(l.prec, l.mode, l.tiles, x, T, l.in, l.fwd, y, l.name + ".x");
 }
 
-void cpu_linear_backward(const prepared_linear& w, const float* x, const float* dy, int64_t T, float* dx, float* dw) {
-  const auto& l = static_cast<const cpu_linear&>(w);
-  if (dx) {
-    if (l.bwd.N != l.in) throw std::logic_error("linear '" + l.name + "' was not prepared for backward");
-    matmul(l.prec, l.mode, l.tiles, dy, T, l.out, l.bwd, dx, l.name + ".dy");
+void cpu_linear_forward_group(std::span<const prepared_linear* const> ws, const float* x, int64_t T,
+                              std::span<float* const> ys) {
+  act_operand a;
+  bool have = false;
+  for (size_t i = 0; i < ws.size(); ++i) {
+    const auto& l = static_cast<const cpu_linear&>(*ws[i]);
+    if (l.in != ws[0]->in) throw std::logic_error("linear group: '" + l.name + "' reads another input width");
+    if (!have || !act_serves(a, l.prec, l.mode)) act_prepare(a, l.prec, l.mode, x, T, l.in, l.name + ".x");
+    have = true;
+    act_matmul(a, l.tiles, l.fwd, ys[i]);
   }
-  if (!dw) return;
+}
+
+namespace {
+// dx[T,in] = dy · W (dgrad)
+void linear_dgrad(const cpu_linear& l, const float* dy, int64_t T, float* dx) {
+  if (l.bwd.N != l.in) throw std::logic_error("linear '" + l.name + "' was not prepared for backward");
+  matmul(l.prec, l.mode, l.tiles, dy, T, l.out, l.bwd, dx, l.name + ".dy");
+}
+
+// x[T,in] as wgrad's B operand (x^T packed in l's precision: 1x128 columnwise tiles for FP8).
+gemm_packed_b wgrad_x_operand(const cpu_linear& l, const float* x, int64_t T) {
+  const gemm_pack_forms forms = forms_for(l.tiles, false);
+  if (l.prec == precision::fp8)
+    return gemm_pack_fp8(quantize(x, T, l.in, qlayout::colwise_1x128, l.mode, l.name + ".x^T"), forms);
+  auto xt = transpose(x, T, l.in);  // [in, T]
+  return pack(l.prec, l.mode, xt.data(), l.in, T, l.name + ".x^T", forms);
+}
+
+// dw[out,in] += dy^T · x, x given as its wgrad operand xb
+void linear_wgrad(const cpu_linear& l, const float* dy, int64_t T, const gemm_packed_b& xb, float* dw) {
   auto g_buf = std::make_unique_for_overwrite<float[]>(static_cast<size_t>(l.out * l.in));  // the GEMM writes all of it
   float* g = g_buf.get();
-  const gemm_pack_forms forms = forms_for(l.tiles, false);
   if (l.prec == precision::fp8) {
     // dW[out,in] = dY^T · X with both operands tiled 1x128 along tokens (columnwise)
     qtensor a = quantize(dy, T, l.out, qlayout::colwise_1x128, l.mode, l.name + ".dy^T");
-    qtensor b = quantize(x, T, l.in, qlayout::colwise_1x128, l.mode, l.name + ".x^T");
-    if (l.tiles) gemm_fp8_tiles(a, gemm_pack_fp8(b, forms), g);
-    else gemm_fp8(a, gemm_pack_fp8(b, forms), g);
+    if (l.tiles) gemm_fp8_tiles(a, xb, g);
+    else gemm_fp8(a, xb, g);
   } else {
     auto dyt = transpose(dy, T, l.out);  // [out, T]
-    auto xt = transpose(x, T, l.in);     // [in, T]
-    matmul(l.prec, l.mode, l.tiles, dyt.data(), l.out, T, pack(l.prec, l.mode, xt.data(), l.in, T, l.name + ".x^T", forms),
-           g, l.name + ".dy^T");
+    matmul(l.prec, l.mode, l.tiles, dyt.data(), l.out, T, xb, g, l.name + ".dy^T");
   }
   tbb::parallel_for(tbb::blocked_range<int64_t>(0, l.out * l.in, 1 << 14), [&](const auto& r) {
     for (int64_t i = r.begin(); i < r.end(); ++i) dw[i] += g[i];
   });
+}
+
+// Whether a wgrad operand packed for layer a serves layer b (same input, same packing).
+bool wgrad_operand_serves(const cpu_linear& a, const cpu_linear& b) {
+  return a.prec == b.prec && a.tiles == b.tiles && (a.prec != precision::fp8 || a.mode == b.mode);
+}
+}  // namespace
+
+void cpu_linear_backward(const prepared_linear& w, const float* x, const float* dy, int64_t T, float* dx, float* dw) {
+  const auto& l = static_cast<const cpu_linear&>(w);
+  if (dx) linear_dgrad(l, dy, T, dx);
+  if (dw) linear_wgrad(l, dy, T, wgrad_x_operand(l, x, T), dw);
+}
+
+void cpu_linear_backward_group(std::span<const prepared_linear* const> ws, const float* x,
+                               std::span<const float* const> dys, int64_t T, float* dx, float* dtmp,
+                               std::span<float* const> dws) {
+  const cpu_linear* xb_for = nullptr;  // the layer whose wgrad operand xb is
+  gemm_packed_b xb;
+  for (size_t i = 0; i < ws.size(); ++i) {
+    const auto& l = static_cast<const cpu_linear&>(*ws[i]);
+    if (l.in != ws[0]->in) throw std::logic_error("linear group: '" + l.name + "' reads another input width");
+    linear_dgrad(l, dys[i], T, i == 0 ? dx : dtmp);
+    if (i > 0) cpu_add_inplace(dx, dtmp, T * l.in);  // the backend's add_inplace: separate calls' bits
+    if (!dws[i]) continue;
+    if (!xb_for || !wgrad_operand_serves(*xb_for, l)) xb = wgrad_x_operand(l, x, T), xb_for = &l;
+    linear_wgrad(l, dys[i], T, xb, dws[i]);
+  }
 }
 
 }  // namespace fp8rl::models

@@ -80,6 +80,48 @@ TEST(Precision, Bf16LinearIsRoundThenReferenceGemm) {
   EXPECT_EQ(first_diff(dw, rdw), -1);
 }
 
+// A group of layers reading one input (q/k/v, gate/up) shares the input's quantized/rounded
+// operands where precisions agree; every output equals the separate calls bit for bit, also
+// when members differ in precision or scale mode (the operand is then rebuilt), and the
+// backward's dx is the first dgrad plus the others in order.
+TEST(Precision, LinearGroupEqualsSeparateCalls) {
+  auto be = make_cpu_backend();
+  const int64_t T = 140, in = 256;
+  struct member { int64_t out; precision prec; scale_mode mode; };
+  const std::vector<member> ms = {{256, precision::fp8, scale_mode::pow2}, {128, precision::fp8, scale_mode::pow2},
+                                  {130, precision::bf16, scale_mode::pow2}, {128, precision::fp8, scale_mode::fp32},
+                                  {64, precision::fp32, scale_mode::pow2}, {128, precision::fp8, scale_mode::fp32}};
+  auto x = randn(T * in, 21);
+  std::vector<std::vector<float>> w, dy;
+  std::vector<std::unique_ptr<prepared_linear>> pl;
+  for (size_t i = 0; i < ms.size(); ++i) {
+    w.push_back(randn(ms[i].out * in, 22 + i, 0.05f));
+    dy.push_back(randn(T * ms[i].out, 40 + i));
+    pl.push_back(be->linear_prepare({"w" + std::to_string(i), ms[i].out, in, ms[i].prec, ms[i].mode, w[i].data(), nullptr}, true));
+  }
+  std::vector<const prepared_linear*> ws;
+  std::vector<std::vector<float>> y(ms.size()), ry(ms.size()), dw(ms.size()), rdw(ms.size());
+  std::vector<float*> yp, dwp;
+  std::vector<const float*> dyp;
+  for (size_t i = 0; i < ms.size(); ++i) {
+    ws.push_back(pl[i].get());
+    y[i].assign(T * ms[i].out, 0.0f), ry[i] = y[i];
+    dw[i].assign(ms[i].out * in, 0.5f), rdw[i] = dw[i];  // += into existing gradients
+    yp.push_back(y[i].data()), dwp.push_back(dw[i].data()), dyp.push_back(dy[i].data());
+  }
+  be->linear_forward_group(ws, x.data(), T, yp);
+  std::vector<float> dx(T * in), tmp(T * in), rdx(T * in), rtmp(T * in);
+  be->linear_backward_group(ws, x.data(), dyp, T, dx.data(), tmp.data(), dwp);
+  for (size_t i = 0; i < ms.size(); ++i) {
+    be->linear_forward(*pl[i], x.data(), T, ry[i].data());
+    be->linear_backward(*pl[i], x.data(), dy[i].data(), T, i == 0 ? rdx.data() : rtmp.data(), rdw[i].data());
+    if (i > 0) be->add_inplace(rdx.data(), rtmp.data(), T * in);
+    EXPECT_EQ(first_diff(y[i], ry[i]), -1) << "member " << i << " forward";
+    EXPECT_EQ(first_diff(dw[i], rdw[i]), -1) << "member " << i << " wgrad";
+  }
+  EXPECT_EQ(first_diff(dx, rdx), -1) << "dgrad sum";
+}
+
 TEST(Precision, PolicyPicksFp8OnlyWhereAllowed) {
   model_config c = small_config();
   precision_policy p = precision_policy::named("fp8");
