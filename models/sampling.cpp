@@ -5,7 +5,41 @@
 #include <cmath>
 #include <limits>
 
+#include "models/clones.hpp"
+#include "models/cpu/fast_exp.hpp"
+
 namespace fp8rl::models {
+
+namespace {
+// max of z[0..n) in 16 lanes (NaN never replaces a lane, as std::max(m, z) keeps m); -inf if n = 0.
+FP8RL_VECTOR_CLONES float max_of(const float* __restrict z, int64_t n) {
+  float lane[16];
+  for (float& l : lane) l = -std::numeric_limits<float>::infinity();
+  int64_t v = 0;
+  for (; v + 16 <= n; v += 16)
+#pragma GCC unroll 16
+    for (int l = 0; l < 16; ++l) lane[l] = lane[l] < z[v + l] ? z[v + l] : lane[l];
+  for (int l = 0; v < n; ++v, ++l) lane[l] = lane[l] < z[v] ? z[v] : lane[l];
+  float m = lane[0];
+  for (int l = 1; l < 16; ++l) m = m < lane[l] ? lane[l] : m;
+  return m;
+}
+
+// sum over v of e^(z[v] - m), each term cpu_exp in FP32 (-inf entries: exactly 0), summed in
+// double in 8 lanes (lane v % 8) added in lane order: one fixed order that vectorizes.
+FP8RL_VECTOR_CLONES double sum_exp(const float* __restrict z, int64_t n, float m) {
+  const float ninf = -std::numeric_limits<float>::infinity();
+  double lane[8] = {};
+  int64_t v = 0;
+  for (; v + 8 <= n; v += 8)
+#pragma GCC unroll 8
+    for (int l = 0; l < 8; ++l) lane[l] += z[v + l] == ninf ? 0.0 : static_cast<double>(cpu_exp(z[v + l] - m));
+  for (int l = 0; v < n; ++v, ++l) lane[l] += z[v] == ninf ? 0.0 : static_cast<double>(cpu_exp(z[v] - m));
+  double s = 0.0;
+  for (double x : lane) s += x;
+  return s;
+}
+}  // namespace
 
 double logits_process(const float* logits, int64_t V, const logit_processing& p, float* z,
                       std::vector<int32_t>& work) {
@@ -21,11 +55,8 @@ double logits_process(const float* logits, int64_t V, const logit_processing& p,
     for (int64_t v = 0; v < V; ++v)
       if (z[v] < thr) z[v] = ninf;
   }
-  float m = ninf;
-  for (int64_t v = 0; v < V; ++v) m = std::max(m, z[v]);
-  double sum = 0.0;
-  for (int64_t v = 0; v < V; ++v) sum += std::exp(static_cast<double>(z[v]) - m);
-  double lse = m + std::log(sum);
+  const float m = max_of(z, V);
+  double lse = m + std::log(sum_exp(z, V, m));
   if (p.top_p < 1.0f) {
     work.resize(static_cast<size_t>(V));
     int64_t n = 0;
@@ -39,9 +70,7 @@ double logits_process(const float* logits, int64_t V, const logit_processing& p,
       if (cum >= p.top_p) { keep = i + 1; break; }
     }
     for (int64_t i = keep; i < n; ++i) z[work[i]] = ninf;
-    sum = 0.0;
-    for (int64_t v = 0; v < V; ++v) sum += std::exp(static_cast<double>(z[v]) - m);
-    lse = m + std::log(sum);
+    lse = m + std::log(sum_exp(z, V, m));
   }
   return lse;
 }

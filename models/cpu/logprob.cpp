@@ -6,10 +6,24 @@
 #include <limits>
 #include <vector>
 
+#include "models/clones.hpp"
 #include "models/cpu/cpu_ops.hpp"
+#include "models/cpu/fast_exp.hpp"
 #include "models/sampling.hpp"
 
 namespace fp8rl::models {
+
+namespace {
+// g[v] = dlogp * (1[v = target] - p_v) * inv_temp, p_v = e^(z[v] - lse) (cpu_exp; 0 where dropped)
+FP8RL_VECTOR_CLONES void logprob_grad_row(const float* __restrict z, int64_t V, double lse, int32_t target,
+                                          float dlogp, float inv_temp, float* __restrict g) {
+  const float ninf = -std::numeric_limits<float>::infinity();
+  for (int64_t v = 0; v < V; ++v) {
+    const double p = z[v] == ninf ? 0.0 : static_cast<double>(cpu_exp(static_cast<float>(z[v] - lse)));
+    g[v] = static_cast<float>(dlogp * ((v == target ? 1.0 : 0.0) - p) * inv_temp);
+  }
+}
+}  // namespace
 
 void cpu_logprob_forward(const float* logits, const int32_t* targets, int64_t T, int64_t V, const logit_processing& proc,
                          float* logp, float* entropy) {
@@ -48,10 +62,7 @@ void cpu_logprob_backward(const float* logits, const int32_t* targets, int64_t T
     std::vector<float> z(static_cast<size_t>(V));
     std::vector<int32_t> work;
     const double lse = logits_process(logits + t * V, V, proc, z.data(), work);
-    for (int64_t v = 0; v < V; ++v) {
-      const double p = std::isinf(z[v]) ? 0.0 : std::exp(z[v] - lse);
-      g[v] = static_cast<float>(dlogp[t] * ((v == targets[t] ? 1.0 : 0.0) - p) * inv_temp);
-    }
+    logprob_grad_row(z.data(), V, lse, targets[t], dlogp[t], inv_temp, g);
   });
 }
 
