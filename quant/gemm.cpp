@@ -210,18 +210,14 @@ void gemm_fp8_tiles(const qtensor& A, const gemm_packed_b& B, float* C) {
   uint16_t* a = lease.as<uint16_t>();
   avector<float> sa(fold ? 0 : static_cast<size_t>(Mp * KB), 0.0f);
   tbb::parallel_for(tbb::blocked_range<int64_t>(0, Mp, 16), [&](const tbb::blocked_range<int64_t>& r) {
-    avector<uint16_t> row(static_cast<size_t>(d.K));
+    std::vector<float> scale(static_cast<size_t>(KB));
     for (int64_t m = r.begin(); m < r.end(); ++m) {
       if (m >= d.M) {
         detail::tiles_put_row(a, KS, m, nullptr, 0);
         continue;
       }
-      detail::e4m3_to_bf16_avx512(A.data.data() + m * d.K, d.K, row.data());
-      for (int64_t kb = 0; kb < KB; ++kb) {
-        if (fold) detail::tiles_scale_row(row.data() + kb * kBlock, std::min(kBlock, d.K - kb * kBlock), A.scale_at(m, kb));
-        else sa[m * KB + kb] = A.scale_at(m, kb);
-      }
-      detail::tiles_put_row(a, KS, m, row.data(), d.K);
+      for (int64_t kb = 0; kb < KB; ++kb) (fold ? scale[kb] : sa[m * KB + kb]) = A.scale_at(m, kb);
+      detail::tiles_put_fp8_row(a, KS, m, A.data.data() + m * d.K, d.K, fold ? scale.data() : nullptr);
     }
   });
   detail::gemm_tiles_amx({d.M, Mp, d.N, KS, a, &B, fold ? nullptr : sa.data(), KB}, C);

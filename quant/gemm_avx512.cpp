@@ -416,6 +416,40 @@ void e4m3_to_bf16_avx512(const uint8_t* src, int64_t n, uint16_t* dst) {
   for (; i < n; ++i) dst[i] = bf16_from_float(lut[src[i]]);
 }
 
+namespace {
+// 32 BF16 words times s (exact for the power-of-two fold), back to BF16 by truncation.
+inline __m512i bf16x32_scale(__m512i w, __m512 s) {
+  const __m512 lo = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(w)), 16));
+  const __m512 hi = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(w, 1)), 16));
+  const __m256i l = _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(_mm512_mul_ps(lo, s)), 16));
+  const __m256i h = _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(_mm512_mul_ps(hi, s)), 16));
+  return _mm512_inserti64x4(_mm512_castsi256_si512(l), h, 1);
+}
+}  // namespace
+
+void tiles_put_fp8_row(uint16_t* tiles, int64_t KS, int64_t m, const uint8_t* src, int64_t K, const float* scale) {
+  uint16_t* base = tiles + (m / 16) * KS * 512 + (m % 16) * 32;
+  int64_t ks = 0;
+  for (int64_t k = 0; k < K; k += 64, ks += 2) {  // 64 codes: k-steps ks and ks + 1 (KS * 32 >= K rounded to 128)
+    __m512i a, b;
+    if (k + 64 <= K) {
+      e4m3_bf16_natural(src + k, &a, &b);
+    } else {
+      alignas(64) uint8_t tail[64] = {};  // code 0 is +0: the zero padding
+      std::memcpy(tail, src + k, static_cast<size_t>(K - k));
+      e4m3_bf16_natural(tail, &a, &b);
+    }
+    if (scale) {
+      const __m512 s = _mm512_set1_ps(scale[k / kBlock]);
+      a = bf16x32_scale(a, s);
+      b = bf16x32_scale(b, s);
+    }
+    _mm512_storeu_si512(base + ks * 512, a);
+    _mm512_storeu_si512(base + (ks + 1) * 512, b);
+  }
+  for (; ks < KS; ++ks) _mm512_storeu_si512(base + ks * 512, _mm512_setzero_si512());
+}
+
 void e4m3_to_f32_avx512(const uint8_t* src, int64_t n, float* dst) {
   int64_t i = 0;
   for (; i + 64 <= n; i += 64) {

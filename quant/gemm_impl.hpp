@@ -35,6 +35,10 @@ void gemm_wide_portable(gemm_model model, const gemm_a_operand& A, const gemm_pa
 double dpbf16_fma_rate_ratio();
 void e4m3_to_bf16_avx512(const uint8_t* src, int64_t n, uint16_t* dst);
 void e4m3_to_f32_avx512(const uint8_t* src, int64_t n, float* dst);
+// Row m of the tile-ordered A array ([Mp/16][KS][16][32], as tiles_put_row) from K E4M3 codes:
+// their BF16 values, times scale[k / 128] when scale is given (power-of-two scales: exact),
+// zero past K. One pass: decode, scale and store per 64 codes.
+void tiles_put_fp8_row(uint16_t* tiles, int64_t KS, int64_t m, const uint8_t* src, int64_t K, const float* scale);
 // Packs k < (returned) of a full 32-column FP8 panel (rows at src + j * K) into the wide and/or
 // narrow forms (null: skip), exactly as gemm_pack_fp8's scalar loop; needs AVX512_BF16+VBMI.
 int64_t fp8_pack_panel_avx512(const uint8_t* src, int64_t K, float* wide, uint8_t* narrow);
