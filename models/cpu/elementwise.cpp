@@ -41,35 +41,66 @@ void cpu_embedding_backward(const float* dout, const int32_t* tokens, int64_t T,
   });
 }
 
+namespace {
+// sum over c < n of x[c]^2 (y = null) or x[c] * y[c] * z[c], in double: 8 lanes (lane c % 8)
+// added in lane order, one fixed order that vectorizes (training and decode share it).
+FP8RL_VECTOR_CLONES double sum_lanes(const float* __restrict x, const float* __restrict y, const float* __restrict z,
+                                     int64_t n) {
+  double lane[8] = {};
+  int64_t c = 0;
+  if (!y) {
+    for (; c + 8 <= n; c += 8)
+#pragma GCC unroll 8
+      for (int l = 0; l < 8; ++l) lane[l] += static_cast<double>(x[c + l]) * x[c + l];
+    for (int l = 0; c < n; ++c, ++l) lane[l] += static_cast<double>(x[c]) * x[c];
+  } else {
+    for (; c + 8 <= n; c += 8)
+#pragma GCC unroll 8
+      for (int l = 0; l < 8; ++l) lane[l] += static_cast<double>(x[c + l]) * y[c + l] * z[c + l];
+    for (int l = 0; c < n; ++c, ++l) lane[l] += static_cast<double>(x[c]) * y[c] * z[c];
+  }
+  double s = 0.0;
+  for (double v : lane) s += v;
+  return s;
+}
+
+// One row: r = 1 / sqrt(mean(x^2) + eps) (double), out = w * (x * r).
+FP8RL_VECTOR_CLONES float rmsnorm_row(const float* __restrict x, const float* __restrict w, int64_t C, float eps,
+                                      float* __restrict out) {
+  const float r = static_cast<float>(1.0 / std::sqrt(sum_lanes(x, nullptr, nullptr, C) / static_cast<double>(C) + eps));
+  for (int64_t c = 0; c < C; ++c) out[c] = w[c] * (x[c] * r);
+  return r;
+}
+
+// One row's dx += dout * w * r - x * k, k = mean(dout * w * x) * r^3.
+FP8RL_VECTOR_CLONES void rmsnorm_row_backward(const float* __restrict dt, const float* __restrict x,
+                                              const float* __restrict w, float r, int64_t C, float* __restrict dx) {
+  const float k = static_cast<float>(sum_lanes(dt, w, x, C) / static_cast<double>(C)) * r * r * r;
+  for (int64_t c = 0; c < C; ++c) dx[c] += dt[c] * w[c] * r - x[c] * k;
+}
+
+// dw[c0, c1) += sum over rows t (in order) of dout * x * rstd[t].
+FP8RL_VECTOR_CLONES void rmsnorm_dw_columns(const float* __restrict dout, const float* __restrict x,
+                                            const float* __restrict rstd, int64_t T, int64_t C, int64_t c0, int64_t c1,
+                                            float* __restrict dw) {
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t c = c0; c < c1; ++c) dw[c] += dout[t * C + c] * x[t * C + c] * rstd[t];
+}
+}  // namespace
+
 void cpu_rmsnorm_forward(const float* x, const float* w, int64_t T, int64_t C, float eps, float* out, float* rstd) {
-  tbb::parallel_for(int64_t{0}, T, [&](int64_t t) {
-    const float* xt = x + t * C;
-    double ss = 0.0;
-    for (int64_t c = 0; c < C; ++c) ss += static_cast<double>(xt[c]) * xt[c];
-    const float r = static_cast<float>(1.0 / std::sqrt(ss / static_cast<double>(C) + eps));
-    rstd[t] = r;
-    for (int64_t c = 0; c < C; ++c) out[t * C + c] = w[c] * (xt[c] * r);
-  });
+  tbb::parallel_for(int64_t{0}, T, [&](int64_t t) { rstd[t] = rmsnorm_row(x + t * C, w, C, eps, out + t * C); });
 }
 
 void cpu_rmsnorm_backward(const float* dout, const float* x, const float* w, const float* rstd, int64_t T, int64_t C,
                           float* dx, float* dw) {
   // dx: rows in parallel
-  tbb::parallel_for(int64_t{0}, T, [&](int64_t t) {
-    const float* xt = x + t * C;
-    const float* dt = dout + t * C;
-    const float r = rstd[t];
-    double dot = 0.0;  // sum_c dout*w*x
-    for (int64_t c = 0; c < C; ++c) dot += static_cast<double>(dt[c]) * w[c] * xt[c];
-    const float k = static_cast<float>(dot / static_cast<double>(C)) * r * r * r;
-    for (int64_t c = 0; c < C; ++c) dx[t * C + c] += dt[c] * w[c] * r - xt[c] * k;
-  });
+  tbb::parallel_for(int64_t{0}, T,
+                    [&](int64_t t) { rmsnorm_row_backward(dout + t * C, x + t * C, w, rstd[t], C, dx + t * C); });
   // dw: columns in parallel, rows in order
   const int64_t chunk = 64;
   tbb::parallel_for(int64_t{0}, (C + chunk - 1) / chunk, [&](int64_t b) {
-    const int64_t c0 = b * chunk, c1 = std::min(C, c0 + chunk);
-    for (int64_t t = 0; t < T; ++t)
-      for (int64_t c = c0; c < c1; ++c) dw[c] += dout[t * C + c] * x[t * C + c] * rstd[t];
+    rmsnorm_dw_columns(dout, x, rstd, T, C, b * chunk, std::min(C, b * chunk + chunk), dw);
   });
 }
 
