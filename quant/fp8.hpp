@@ -22,6 +22,10 @@ float e5m2_to_float(uint8_t b);    // exact
 
 // Vectorized (AVX-512 when available) array encoder; byte-identical to e4m3_from_float.
 void e4m3_encode_array(const float* x, int64_t n, uint8_t* out);
+// x[n] -> BF16 bits, each exactly bf16_from_float (below); AVX-512 where present, oneTBB.
+void bf16_encode_array(const float* x, int64_t n, uint16_t* out);
+// out[cols][rows] = bf16_from_float(x[rows][cols]): the BF16 transpose in one pass.
+void bf16_encode_transposed(const float* x, int64_t rows, int64_t cols, uint16_t* out);
 
 // The 256-entry decode tables (the reference decoders).
 const float* e4m3_table();

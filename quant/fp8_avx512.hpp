@@ -1,4 +1,5 @@
-// quant/fp8_avx512.hpp -- internal: 16-lane E4M3 encoder, 16x16 byte transpose (AVX-512 F/BW).
+// quant/fp8_avx512.hpp -- internal: 16-lane E4M3 and BF16 encoders, 16x16 byte and dword
+// transposes (AVX-512 F/BW).
 // Include only from translation units compiled with AVX-512 flags. Byte-identical to
 // e4m3_from_float (quant/fp8.cpp); tested exhaustively against it.
 #pragma once
@@ -60,6 +61,41 @@ inline void transpose_16x16_u8(const __m128i (&a)[16], __m128i (&out)[16]) {
         out[8 * h + 4 * g + 2 * t] = _mm_unpacklo_epi64(d[0][h][g][t], d[1][h][g][t]);
         out[8 * h + 4 * g + 2 * t + 1] = _mm_unpackhi_epi64(d[0][h][g][t], d[1][h][g][t]);
       }
+}
+
+// r[i] lane j -> r[j] lane i for 16 vectors of 16 32-bit lanes (unpack 32, unpack 64, two
+// 128-bit lane shuffles).
+inline void transpose_16x16_u32(__m512i (&r)[16]) {
+  __m512i t[16];
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+  }
+  for (int i = 0; i < 4; ++i) {
+    r[4 * i + 0] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+    r[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+    r[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+    r[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+  }
+  for (int h = 0; h < 2; ++h)
+    for (int i = 0; i < 4; ++i) {
+      t[8 * h + i] = _mm512_shuffle_i32x4(r[8 * h + i], r[8 * h + 4 + i], 0x88);
+      t[8 * h + 4 + i] = _mm512_shuffle_i32x4(r[8 * h + i], r[8 * h + 4 + i], 0xdd);
+    }
+  for (int i = 0; i < 8; ++i) {
+    r[i] = _mm512_shuffle_i32x4(t[i], t[8 + i], 0x88);
+    r[8 + i] = _mm512_shuffle_i32x4(t[i], t[8 + i], 0xdd);
+  }
+}
+
+// 16 floats (as bits) -> 16 BF16 words, exactly bf16_from_float (RNE on the bits; NaN -> quiet
+// NaN; denormals kept, unlike VCVTNEPS2BF16, which flushes them).
+inline __m256i bf16_encode16(__m512i u) {
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), lsb)), 16);
+  const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)), _mm512_set1_epi32(0x7f800000));
+  r = _mm512_mask_mov_epi32(r, nan, _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40)));
+  return _mm512_cvtepi32_epi16(r);
 }
 
 }  // namespace fp8rl::quant::detail

@@ -14,6 +14,7 @@
 #include <algorithm>
 #include <cstring>
 
+#include "quant/fp8_avx512.hpp"
 #include "quant/gemm_impl.hpp"
 
 namespace fp8rl::quant::detail {
@@ -112,33 +113,6 @@ void gemm_tiles_amx(const tiles_problem& p, float* C) {
     tiles_range(p, r.rows().begin(), r.rows().end(), r.cols().begin(), r.cols().end(), C);
   });
 }
-
-namespace {
-// r[i] lane j -> r[j] lane i for 16 vectors of 16 32-bit lanes (unpack 32, unpack 64, two
-// 128-bit lane shuffles).
-inline void transpose_16x16_u32(__m512i (&r)[16]) {
-  __m512i t[16];
-  for (int i = 0; i < 8; ++i) {
-    t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
-    t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
-  }
-  for (int i = 0; i < 4; ++i) {
-    r[4 * i + 0] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
-    r[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
-    r[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
-    r[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
-  }
-  for (int h = 0; h < 2; ++h)
-    for (int i = 0; i < 4; ++i) {
-      t[8 * h + i] = _mm512_shuffle_i32x4(r[8 * h + i], r[8 * h + 4 + i], 0x88);
-      t[8 * h + 4 + i] = _mm512_shuffle_i32x4(r[8 * h + i], r[8 * h + 4 + i], 0xdd);
-    }
-  for (int i = 0; i < 8; ++i) {
-    r[i] = _mm512_shuffle_i32x4(t[i], t[8 + i], 0x88);
-    r[8 + i] = _mm512_shuffle_i32x4(t[i], t[8 + i], 0xdd);
-  }
-}
-}  // namespace
 
 void tiles_put_panel(uint16_t* panel, int64_t Kt, const uint16_t* cols) {
   const int64_t KS = Kt / 32, P = Kt / 2;  // k-steps; pairs per column

@@ -127,6 +127,21 @@ void e4m3_encode_array(const float* x, int64_t n, uint8_t* out) {
   for (int64_t i = 0; i < n; ++i) out[i] = e4m3_from_float(x[i]);
 }
 
+void bf16_encode_array(const float* x, int64_t n, uint16_t* out) {
+  if (cpu_isa_active() >= cpu_isa::avx512) return detail::bf16_from_float_avx512(x, n, out);
+  tbb::parallel_for(tbb::blocked_range<int64_t>(0, n, 1 << 14), [&](const tbb::blocked_range<int64_t>& r) {
+    for (int64_t i = r.begin(); i < r.end(); ++i) out[i] = bf16_from_float(x[i]);
+  });
+}
+
+void bf16_encode_transposed(const float* x, int64_t rows, int64_t cols, uint16_t* out) {
+  if (cpu_isa_active() >= cpu_isa::avx512) return detail::bf16_from_float_transposed_avx512(x, rows, cols, out);
+  tbb::parallel_for(tbb::blocked_range2d<int64_t>(0, rows, 32, 0, cols, 32), [&](const tbb::blocked_range2d<int64_t>& b) {
+    for (int64_t c = b.cols().begin(); c < b.cols().end(); ++c)
+      for (int64_t r = b.rows().begin(); r < b.rows().end(); ++r) out[c * rows + r] = bf16_from_float(x[r * cols + c]);
+  });
+}
+
 void dequantize(const qtensor& q, float* out) {
   const int64_t K = q.op_cols();
   const float* lut = e4m3_table();

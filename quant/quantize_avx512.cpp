@@ -9,6 +9,7 @@
 #include <mutex>
 #include <vector>
 
+#include "quant/fp8.hpp"
 #include "quant/fp8_avx512.hpp"
 #include "quant/quantize_impl.hpp"
 
@@ -183,6 +184,34 @@ void transpose_bytes_avx512(const uint8_t* src, int64_t R, int64_t C, uint8_t* d
       for (int64_t r = r0; r < rf; ++r) dst[c * R + r] = src[r * C + c];
     for (int64_t c = c0; c < c1; ++c)
       for (int64_t r = rf; r < r1; ++r) dst[c * R + r] = src[r * C + c];
+  });
+}
+
+void bf16_from_float_avx512(const float* x, int64_t n, uint16_t* out) {
+  tbb::parallel_for(tbb::blocked_range<int64_t>(0, n, 1 << 14), [&](const auto& r) {
+    int64_t i = r.begin();
+    for (; i + 16 <= r.end(); i += 16)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i), bf16_encode16(_mm512_loadu_si512(x + i)));
+    for (; i < r.end(); ++i) out[i] = bf16_from_float(x[i]);
+  });
+}
+
+void bf16_from_float_transposed_avx512(const float* x, int64_t R, int64_t C, uint16_t* out) {
+  tbb::parallel_for(tbb::blocked_range2d<int64_t>(0, R, 64, 0, C, 64), [&](const tbb::blocked_range2d<int64_t>& b) {
+    const int64_t r0 = b.rows().begin(), r1 = b.rows().end(), c0 = b.cols().begin(), c1 = b.cols().end();
+    int64_t rf = r0, cf = c0;  // [r0, rf) x [c0, cf): whole 16x16 tiles
+    for (; rf + 16 <= r1; rf += 16)
+      for (cf = c0; cf + 16 <= c1; cf += 16) {
+        __m512i v[16];
+        for (int i = 0; i < 16; ++i) v[i] = _mm512_loadu_si512(x + (rf + i) * C + cf);
+        transpose_16x16_u32(v);  // v[j]: column cf + j of rows rf..rf+15
+        for (int j = 0; j < 16; ++j)
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + (cf + j) * R + rf), bf16_encode16(v[j]));
+      }
+    for (int64_t c = cf; c < c1; ++c)
+      for (int64_t r = r0; r < rf; ++r) out[c * R + r] = bf16_from_float(x[r * C + c]);
+    for (int64_t c = c0; c < c1; ++c)
+      for (int64_t r = rf; r < r1; ++r) out[c * R + r] = bf16_from_float(x[r * C + c]);
   });
 }
 

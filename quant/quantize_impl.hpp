@@ -18,6 +18,8 @@ qtensor quantize_scalar(const float* x, int64_t rows, int64_t cols, qlayout layo
 void e4m3_encode_array_avx512(const float* x, int64_t n, uint8_t* out);
 // dst[C][R] = src[R][C] bytes, 16x16 register transposes, oneTBB over 64x64 tiles.
 void transpose_bytes_avx512(const uint8_t* src, int64_t R, int64_t C, uint8_t* dst);
+void bf16_from_float_avx512(const float* x, int64_t n, uint16_t* out);
+void bf16_from_float_transposed_avx512(const float* x, int64_t rows, int64_t cols, uint16_t* out);
 void quantize_avx512(const float* x, int64_t rows, int64_t cols, qlayout layout,
                      scale_mode mode, qtensor& q);
 

@@ -32,9 +32,14 @@ struct cpu_linear : prepared_linear {
 
 std::vector<uint16_t> to_bf16(const float* x, int64_t n) {
   std::vector<uint16_t> b(static_cast<size_t>(n));
-  tbb::parallel_for(tbb::blocked_range<int64_t>(0, n, 1 << 14), [&](const auto& r) {
-    for (int64_t i = r.begin(); i < r.end(); ++i) b[i] = bf16_from_float(x[i]);
-  });
+  bf16_encode_array(x, n, b.data());
+  return b;
+}
+
+// [cols, rows] BF16 of x[rows, cols]^T
+std::vector<uint16_t> to_bf16_transposed(const float* x, int64_t rows, int64_t cols) {
+  std::vector<uint16_t> b(static_cast<size_t>(rows * cols));
+  bf16_encode_transposed(x, rows, cols, b.data());
   return b;
 }
 
@@ -186,6 +191,10 @@ gemm_packed_b wgrad_x_operand(const cpu_linear& l, const float* x, int64_t T) {
   const gemm_pack_forms forms = forms_for(l.tiles, false);
   if (l.prec == precision::fp8)
     return gemm_pack_fp8(quantize(x, T, l.in, qlayout::colwise_1x128, l.mode, l.name + ".x^T"), forms);
+  if (l.prec == precision::bf16) {
+    auto xtb = to_bf16_transposed(x, T, l.in);  // [in, T]
+    return gemm_pack_bf16(xtb.data(), l.in, T, l.name + ".x^T", forms);
+  }
   auto xt = transpose(x, T, l.in);  // [in, T]
   return pack(l.prec, l.mode, xt.data(), l.in, T, l.name + ".x^T", forms);
 }
@@ -199,6 +208,11 @@ void linear_wgrad(const cpu_linear& l, const float* dy, int64_t T, const gemm_pa
     qtensor a = quantize(dy, T, l.out, qlayout::colwise_1x128, l.mode, l.name + ".dy^T");
     if (l.tiles) gemm_fp8_tiles(a, xb, g);
     else gemm_fp8(a, xb, g);
+  } else if (l.prec == precision::bf16) {
+    act_operand a;
+    a.prec = precision::bf16, a.M = l.out, a.K = T;
+    a.bf16 = to_bf16_transposed(dy, T, l.out);  // [out, T]
+    act_matmul(a, l.tiles, xb, g);
   } else {
     auto dyt = transpose(dy, T, l.out);  // [out, T]
     matmul(l.prec, l.mode, l.tiles, dyt.data(), l.out, T, xb, g, l.name + ".dy^T");

@@ -161,6 +161,27 @@ TEST(Quantize, TransposeBlocksIsExact) {
   }
 }
 
+// The array and transposing BF16 encoders give bf16_from_float's bits for every value class
+// (ties, denormals that VCVTNEPS2BF16 would flush, ±Inf, NaN payloads) and ragged shapes.
+TEST(Quantize, Bf16EncodersEqualTheScalarCodec) {
+  std::vector<uint32_t> special = {0x00000000u, 0x80000000u, 0x00000001u, 0x807fffffu, 0x3f808000u, 0x3f818000u,
+                                   0x3f80ffffu, 0x7f7fffffu, 0x7f800000u, 0xff800000u, 0x7fc00001u, 0xff800001u,
+                                   0x7f800100u, 0x00018000u, 0x3f7fffffu};
+  for (auto [R, C] : {std::pair<int64_t, int64_t>{37, 53}, {64, 128}, {130, 17}, {1, 1}}) {
+    auto x = fp8rl::test::randn(R * C, 31);
+    for (size_t i = 0; i < special.size() && i < x.size(); ++i) x[(i * 7) % x.size()] = float_from_bits(special[i]);
+    std::vector<uint16_t> a(R * C), t(R * C);
+    bf16_encode_array(x.data(), R * C, a.data());
+    bf16_encode_transposed(x.data(), R, C, t.data());
+    for (int64_t r = 0; r < R; ++r)
+      for (int64_t c = 0; c < C; ++c) {
+        const uint16_t want = bf16_from_float(x[r * C + c]);
+        ASSERT_EQ(a[r * C + c], want) << "array " << r << "," << c << " bits " << float_bits(x[r * C + c]);
+        ASSERT_EQ(t[c * R + r], want) << "transposed " << R << "x" << C << " at " << r << "," << c;
+      }
+  }
+}
+
 TEST(Quantize, NonFiniteIsAnErrorNamingTensorAndBlock) {
   const float bad[] = {std::numeric_limits<float>::quiet_NaN(), std::numeric_limits<float>::infinity(),
                        -std::numeric_limits<float>::infinity()};
