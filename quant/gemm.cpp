@@ -186,7 +186,7 @@ gemm_pack_forms gemm_forms_for(bool small_m) {
 
 bool gemm_tiles_available() { return cpu_isa_active() >= cpu_isa::amx; }
 
-void gemm_bf16_tiles(const gemm_desc& d, const uint16_t* A, const gemm_packed_b& B, float* C) {
+void gemm_bf16_tiles(const gemm_desc& d, const uint16_t* A, const gemm_packed_b& B, float* C, bool accumulate) {
   check_packed(d, B, gemm_dtype::bf16, "gemm_bf16_tiles");
   check_tiles(B, "gemm_bf16_tiles");
   if (d.M == 0 || d.N == 0) return;
@@ -197,10 +197,10 @@ void gemm_bf16_tiles(const gemm_desc& d, const uint16_t* A, const gemm_packed_b&
     if (m < d.M) detail::tiles_put_row(a, KS, m, A + m * d.K, d.K);
     else detail::tiles_put_row(a, KS, m, nullptr, 0);
   });
-  detail::gemm_tiles_amx({d.M, Mp, d.N, KS, a, &B, nullptr, 1}, C);
+  detail::gemm_tiles_amx({d.M, Mp, d.N, KS, a, &B, nullptr, 1, accumulate}, C);
 }
 
-void gemm_fp8_tiles(const qtensor& A, const gemm_packed_b& B, float* C) {
+void gemm_fp8_tiles(const qtensor& A, const gemm_packed_b& B, float* C, bool accumulate) {
   const gemm_desc d = check_fp8(A, B, "gemm_fp8_tiles");
   check_tiles(B, "gemm_fp8_tiles");
   if (d.M == 0 || d.N == 0) return;
@@ -220,7 +220,7 @@ void gemm_fp8_tiles(const qtensor& A, const gemm_packed_b& B, float* C) {
       detail::tiles_put_fp8_row(a, KS, m, A.data.data() + m * d.K, d.K, fold ? scale.data() : nullptr);
     }
   });
-  detail::gemm_tiles_amx({d.M, Mp, d.N, KS, a, &B, fold ? nullptr : sa.data(), KB}, C);
+  detail::gemm_tiles_amx({d.M, Mp, d.N, KS, a, &B, fold ? nullptr : sa.data(), KB, accumulate}, C);
 }
 
 }  // namespace fp8rl::quant

@@ -117,7 +117,9 @@ void gemm_fp8(const qtensor& A, const gemm_packed_b& B, float* C, const gemm_con
 
 // Tile (AMX) paths; throw std::runtime_error without AMX or without B's tile form.
 bool gemm_tiles_available();  // cpu_isa_active() >= amx
-void gemm_bf16_tiles(const gemm_desc& d, const uint16_t* A, const gemm_packed_b& B, float* C);
-void gemm_fp8_tiles(const qtensor& A, const gemm_packed_b& B, float* C);
+// accumulate = true: C += A · B^T, each element C + (the result the overwriting call gives),
+// one rounding: what a caller adding a separate result would get, without the buffer and pass.
+void gemm_bf16_tiles(const gemm_desc& d, const uint16_t* A, const gemm_packed_b& B, float* C, bool accumulate = false);
+void gemm_fp8_tiles(const qtensor& A, const gemm_packed_b& B, float* C, bool accumulate = false);
 
 }  // namespace fp8rl::quant

@@ -81,6 +81,20 @@ void tiles_block(const tiles_problem& p, int64_t m0, int64_t pn, float* C) {
       _tile_dpbf16ps(2, 5, 6);
       _tile_dpbf16ps(3, 5, 7);
     }
+    if (!p.sa && full && p.accumulate) {  // C += the four tiles
+      alignas(64) float part[4][16][16];
+      _tile_stored(0, part[0], 64);
+      _tile_stored(1, part[1], 64);
+      _tile_stored(2, part[2], 64);
+      _tile_stored(3, part[3], 64);
+      for (int r = 0; r < 32; ++r) {
+        float* c = C + (m0 + r) * p.N + pn * 32;
+        const int t = (r >> 4) * 2;
+        _mm512_storeu_ps(c, _mm512_add_ps(_mm512_loadu_ps(c), _mm512_load_ps(part[t][r & 15])));
+        _mm512_storeu_ps(c + 16, _mm512_add_ps(_mm512_loadu_ps(c + 16), _mm512_load_ps(part[t + 1][r & 15])));
+      }
+      return;
+    }
     if (!p.sa && full) {  // straight into C
       float* c = C + m0 * p.N + pn * 32;
       const int64_t ld = p.N * 4;
@@ -93,6 +107,16 @@ void tiles_block(const tiles_problem& p, int64_t m0, int64_t pn, float* C) {
     tiles_accumulate(p, m0, pn, kb, acc);
   }
   const int64_t rows = std::min<int64_t>(32, p.M - m0), cols = std::min<int64_t>(32, p.N - pn * 32);
+  if (p.accumulate) {
+    for (int64_t r = 0; r < rows; ++r) {
+      float* c = C + (m0 + r) * p.N + pn * 32;
+      for (int64_t h = 0; h < cols; h += 16) {
+        const __mmask16 k = cols - h >= 16 ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << (cols - h)) - 1u);
+        _mm512_mask_storeu_ps(c + h, k, _mm512_add_ps(_mm512_maskz_loadu_ps(k, c + h), _mm512_loadu_ps(acc[r] + h)));
+      }
+    }
+    return;
+  }
   for (int64_t r = 0; r < rows; ++r) std::memcpy(C + (m0 + r) * p.N + pn * 32, acc[r], static_cast<size_t>(cols) * 4);
 }
 

@@ -51,6 +51,7 @@ struct tiles_problem {
   const gemm_packed_b* b = nullptr;
   const float* sa = nullptr;  // [Mp][KB] or null (no promotion: one block over all of K)
   int64_t KB = 1;
+  bool accumulate = false;    // C += result (one add per element) instead of C = result
 };
 void gemm_tiles_amx(const tiles_problem& p, float* C);
 // One row of A in tile order: dst at row m of the [Mp/16][KS][16][32] array; src row of n

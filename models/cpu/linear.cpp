@@ -201,6 +201,15 @@ gemm_packed_b wgrad_x_operand(const cpu_linear& l, const float* x, int64_t T) {
 
 // dw[out,in] += dy^T · x, x given as its wgrad operand xb
 void linear_wgrad(const cpu_linear& l, const float* dy, int64_t T, const gemm_packed_b& xb, float* dw) {
+  if (l.tiles) {  // the tile GEMMs add into dw themselves (the same bits as dw += a separate result)
+    if (l.prec == precision::fp8) {
+      gemm_fp8_tiles(quantize(dy, T, l.out, qlayout::colwise_1x128, l.mode, l.name + ".dy^T"), xb, dw, true);
+    } else {
+      const auto dyt = to_bf16_transposed(dy, T, l.out);  // [out, T]
+      gemm_bf16_tiles({l.out, l.in, T}, dyt.data(), xb, dw, true);
+    }
+    return;
+  }
   auto g_buf = std::make_unique_for_overwrite<float[]>(static_cast<size_t>(l.out * l.in));  // the GEMM writes all of it
   float* g = g_buf.get();
   if (l.prec == precision::fp8) {

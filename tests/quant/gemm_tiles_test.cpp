@@ -129,6 +129,39 @@ TEST(GemmTiles, RowsDoNotDependOnTheBatch) {
   }
 }
 
+// accumulate = true adds the overwriting call's result into C: bit-identical to C0 + result.
+TEST(GemmTiles, AccumulateAddsTheOverwriteResult) {
+  SKIP_WITHOUT_AMX();
+  uint64_t seed = 900;
+  for (auto& s : kShapes) {
+    const int64_t M = s[0], N = s[1], K = s[2];
+    const auto c0 = randn(M * N, seed++);
+    auto check = [&](const std::vector<float>& over, const std::vector<float>& acc, const std::string& what) {
+      std::vector<float> want(M * N);
+      for (int64_t i = 0; i < M * N; ++i) want[i] = c0[i] + over[i];
+      EXPECT_EQ(first_diff(acc, want), -1) << what << " " << gemm_desc{M, N, K}.str();
+    };
+    for (scale_mode mode : {scale_mode::pow2, scale_mode::fp32}) {
+      qtensor A = quantize(randn(M * K, seed++, 2.0f).data(), M, K, qlayout::rowwise_1x128, mode, "A");
+      const auto B = gemm_pack_fp8(quantize(randn(N * K, seed++).data(), N, K, qlayout::block_128x128, mode, "B"),
+                                   {false, false, true});
+      std::vector<float> over(M * N), acc = c0;
+      gemm_fp8_tiles(A, B, over.data());
+      gemm_fp8_tiles(A, B, acc.data(), true);
+      check(over, acc, "fp8 " + std::string(scale_mode_name(mode)));
+    }
+    std::vector<uint16_t> a(M * K), b(N * K);
+    const auto af = randn(M * K, seed++), bf = randn(N * K, seed++);
+    for (int64_t i = 0; i < M * K; ++i) a[i] = bf16_from_float(af[i]);
+    for (int64_t i = 0; i < N * K; ++i) b[i] = bf16_from_float(bf[i]);
+    const auto B = gemm_pack_bf16(b.data(), N, K, "B", {false, false, true});
+    std::vector<float> over(M * N), acc = c0;
+    gemm_bf16_tiles({M, N, K}, a.data(), B, over.data());
+    gemm_bf16_tiles({M, N, K}, a.data(), B, acc.data(), true);
+    check(over, acc, "bf16");
+  }
+}
+
 TEST(GemmTiles, MissingTileFormIsAnError) {
   SKIP_WITHOUT_AMX();
   auto x = randn(128 * 256, 1);

@@ -4,10 +4,13 @@
 // same run when Debian's python3-torch is installed, the same model and step in PyTorch CPU
 // (tools/bench-train-torch.py: FP32 and bf16 autocast). Where the CPU has AMX, also the
 // bf16-tiles / fp8-tiles policies (linear GEMMs on the tile kernels, as oneDNN does for torch).
-//   {"bench":"train","impl":...,"threads":..,"tokens":..,"median_s":..,"tokens_per_s":..,"runs":..}
+//   {"bench":"train","impl":...,"threads":..,"tokens":..,"median_s":..,"tokens_per_s":..,"runs":..,
+//    "weights_s":..,"forward_s":..,"backward_s":..,"optimizer_s":..}   (phase medians: weight
+//    quantize/pack, forward + logprobs, backward, gradient norm + AdamW)
 #include <tbb/task_arena.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstdio>
 #include <filesystem>
 #include <memory>
@@ -20,6 +23,25 @@
 
 using namespace fp8rl;
 using namespace fp8rl::bench;
+
+namespace {
+// Seconds since construction or the previous lap.
+struct phase_clock {
+  std::chrono::steady_clock::time_point t = std::chrono::steady_clock::now();
+  double lap() {
+    const auto n = std::chrono::steady_clock::now();
+    const double s = std::chrono::duration<double>(n - t).count();
+    t = n;
+    return s;
+  }
+};
+
+double median_of(std::vector<double> v) {
+  if (v.empty()) return 0.0;
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+}  // namespace
 
 int main(int argc, char** argv) {
   bench_args a = bench_parse(argc, argv);
@@ -43,7 +65,7 @@ int main(int argc, char** argv) {
       if (!bench_selected(a, impl)) continue;
       if (pol.find("tiles") != std::string::npos && !quant::gemm_tiles_available()) continue;
       tbb::task_arena arena(t);
-      double sec = 0;
+      double sec = 0, phase_s[4] = {};
       arena.execute([&] {
         auto be = models::make_cpu_backend();
         models::model_runner run(*be);
@@ -51,20 +73,29 @@ int main(int argc, char** argv) {
         models::model_params q = p;
         const auto policy = models::precision_policy::named(pol);
         std::vector<float> grads(static_cast<size_t>(q.layout.total), 0.0f);
+        // phase times of every run (bench_median makes 2 warm-up runs first; medians below)
+        std::vector<double> ph[4];
         sec = bench_median(a.reps, [&] {
+          phase_clock pc;
           auto w = models::model_weights_build(*be, c, policy, {&q, nullptr, nullptr}, true);
+          ph[0].push_back(pc.lap());
           run.forward(*w, b, true);
           std::vector<float> lp(targets.size()), dl(targets.size());
           run.logprobs(targets, {}, lp.data());
+          ph[1].push_back(pc.lap());
           for (size_t i = 0; i < dl.size(); ++i) dl[i] = targets[i] >= 0 ? -1.0f / float(targets.size()) : 0.0f;
           std::fill(grads.begin(), grads.end(), 0.0f);  // a learner keeps its gradient buffer
           run.backward(*w, targets, {}, dl.data(), grads.data());
+          ph[2].push_back(pc.lap());
           models::adamw_step({}, q.layout, q.data.data(), grads.data(), st);
+          ph[3].push_back(pc.lap());
         }, 0.0);
+        for (int i = 0; i < 4; ++i) phase_s[i] = median_of(ph[i]);
       });
       bench_emit(a, {{"bench", jstr("train")}, {"impl", jstr(impl)}, {"threads", jnum(t)},
                      {"tokens", jnum(double(b.T()))}, {"median_s", jnum(sec)}, {"tokens_per_s", jnum(double(b.T()) / sec)},
-                     {"runs", jnum(a.reps)}});
+                     {"runs", jnum(a.reps)}, {"weights_s", jnum(phase_s[0])}, {"forward_s", jnum(phase_s[1])},
+                     {"backward_s", jnum(phase_s[2])}, {"optimizer_s", jnum(phase_s[3])}});
     }
   // PyTorch baseline in the same run
   const auto script = std::filesystem::path(__FILE__).parent_path().parent_path() / "bench-train-torch.py";
