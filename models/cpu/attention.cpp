@@ -133,8 +133,8 @@ namespace {
 
 constexpr int64_t kKeyChunk = 16;  // keys per register block in the backward's score kernel
 
-struct kv_view {  // rounded K^T [D][ld] (ld = n rounded up to kKeyChunk, zero-padded) and V [n][D]
-  std::vector<float> kt, v;
+struct kv_view {  // rounded K^T [D][ld] (ld = n rounded up to kKeyChunk, zero-padded), K [n][D] and V [n][D]
+  std::vector<float> kt, k, v;
   int64_t ld = 0;
 };
 
@@ -143,13 +143,17 @@ FP8RL_VECTOR_CLONES void gather_kv(const attn_params& p, const float* k, const f
   const attn_rounding rk{p.operand, p.k_scale ? p.k_scale[g] : 0.0f};
   const attn_rounding rv{p.operand, p.v_scale ? p.v_scale[g] : 0.0f};
   out.ld = (n + kKeyChunk - 1) / kKeyChunk * kKeyChunk;
-  out.kt.assign(static_cast<size_t>(D * out.ld), 0.0f);
+  out.k.resize(static_cast<size_t>(n * D));
   out.v.resize(static_cast<size_t>(n * D));
+  for (int64_t j = 0; j < n; ++j) {
+    std::copy_n(k + ((s0 + j) * KV + g) * D, D, out.k.data() + j * D);
+    std::copy_n(v + ((s0 + j) * KV + g) * D, D, out.v.data() + j * D);
+  }
+  attn_round_row(out.k.data(), n * D, rk);
+  attn_round_row(out.v.data(), n * D, rv);
+  out.kt.assign(static_cast<size_t>(D * out.ld), 0.0f);
   for (int64_t j = 0; j < n; ++j)
-    for (int64_t d = 0; d < D; ++d) {
-      out.kt[d * out.ld + j] = cpu_attn_round(k[((s0 + j) * KV + g) * D + d], rk);
-      out.v[j * D + d] = cpu_attn_round(v[((s0 + j) * KV + g) * D + d], rv);
-    }
+    for (int64_t d = 0; d < D; ++d) out.kt[d * out.ld + j] = out.k[j * D + d];
 }
 
 // Calls fn(seq s, kv head g) for every pair, in parallel.
@@ -161,8 +165,8 @@ void for_each_seq_group(const attn_params& p, Fn&& fn) {
 // Rounded K and V of one sequence and KV head in both orientations: [D][ld] feeds loops over
 // keys j (vectorized across j), [n][D] feeds loops over d.
 struct kv_both {
-  kv_view t;                 // kt [D][ld], v [n][D]
-  std::vector<float> k, vt;  // k [n][D], vt [D][ld] (zero-padded like kt)
+  kv_view t;              // kt [D][ld], k [n][D], v [n][D]
+  std::vector<float> vt;  // vt [D][ld] (zero-padded like kt)
 };
 
 constexpr int64_t kRowBlock = 8;  // query rows per block: K, V, dK, dV rows are read once per block
@@ -238,6 +242,24 @@ FP8RL_VECTOR_CLONES void attn_grads_block_any(const float* qb, const float* ob, 
     }
 }
 
+// One query row of the backward: qb = rounded q, ob = dout, Di = sum_d dout[d] * out[d] (16
+// lanes, lane d % 16, added in lane order: a fixed order; the forward/decode never computes it).
+FP8RL_VECTOR_CLONES void attn_backward_row_prep(const float* __restrict q, const float* __restrict dout,
+                                                const float* __restrict out, int64_t D, const attn_rounding& rq,
+                                                float* __restrict qb, float* __restrict ob, float* Di) {
+  for (int64_t d = 0; d < D; ++d) qb[d] = q[d], ob[d] = dout[d];
+  attn_round_row(qb, D, rq);
+  float lane[16] = {};
+  int64_t d = 0;
+  for (; d + 16 <= D; d += 16)
+#pragma GCC unroll 16
+    for (int l = 0; l < 16; ++l) lane[l] += dout[d + l] * out[d + l];
+  for (int l = 0; d < D; ++d, ++l) lane[l] += dout[d] * out[d];
+  float s = 0.0f;
+  for (float x : lane) s += x;
+  *Di = s;
+}
+
 // Backward of query rows i0 .. i0+B-1 (row r sees keys 0..i0+r) of one head. Per output element
 // the order is the unblocked one: scores are a sequential fma over d (as the forward computes
 // them), dq sums keys in increasing j, and dK/dV add rows in increasing i.
@@ -259,7 +281,7 @@ FP8RL_VECTOR_CLONES void attn_rows_backward(const float* qb, const float* ob, co
     }
     attn_round_row(sr, i0 + r + 1, rp);  // the probability the forward used with V
   }
-  const float* k = kv.k.data();
+  const float* k = kv.t.k.data();
   switch (D) {
     case 32: attn_grads_block<32>(qb, ob, B, i0, k, s, dp, nk, dq, ldq, dK, dV); break;
     case 64: attn_grads_block<64>(qb, ob, B, i0, k, s, dp, nk, dq, ldq, dK, dV); break;
@@ -286,8 +308,8 @@ void cpu_attention_forward(const attn_params& p, const float* q, const float* k,
       for (int64_t i0 = 0; i0 < n; i0 += kRowBlock) {
         const int64_t B = std::min(kRowBlock, n - i0), nk = i0 + B;
         std::fill(qb.begin() + B * D, qb.end(), 0.0f);
-        for (int64_t r = 0; r < B; ++r)
-          for (int64_t d = 0; d < D; ++d) qb[r * D + d] = cpu_attn_round(q[((s0 + i0 + r) * H + h) * D + d], rq);
+        for (int64_t r = 0; r < B; ++r) std::copy_n(q + ((s0 + i0 + r) * H + h) * D, D, qb.begin() + r * D);
+        attn_round_row(qb.data(), B * D, rq);
         attn_scores_block<false>(qb.data(), nullptr, B, kv.kt.data(), nullptr, kv.ld, nk, D, sc.data(), nullptr);
         for (int64_t r = 0; r < B; ++r) lse[(s0 + i0 + r) * H + h] = cpu_attn_softmax(sc.data() + r * nk, i0 + r + 1, D, p.operand);
         attn_pv_rows_any(sc.data(), nk, B, i0, kv.v.data(), D, out + ((s0 + i0) * H + h) * D, H * D);
@@ -306,13 +328,9 @@ void cpu_attention_backward(const attn_params& p, const float* q, const float* k
     kv_both kv;
     gather_kv(p, k, v, s0, n, g, kv.t);
     const int64_t ld = kv.t.ld;
-    kv.k.resize(static_cast<size_t>(n * D));
     kv.vt.assign(static_cast<size_t>(D * ld), 0.0f);
     for (int64_t j = 0; j < n; ++j)
-      for (int64_t d = 0; d < D; ++d) {
-        kv.k[j * D + d] = kv.t.kt[d * ld + j];
-        kv.vt[d * ld + j] = kv.t.v[j * D + d];
-      }
+      for (int64_t d = 0; d < D; ++d) kv.vt[d * ld + j] = kv.t.v[j * D + d];
     std::vector<float> dK(static_cast<size_t>(n * D), 0.0f), dV(static_cast<size_t>(n * D), 0.0f);
     std::vector<float> qb(static_cast<size_t>(kRowBlock * D)), ob(static_cast<size_t>(kRowBlock * D)),
         sc(static_cast<size_t>(kRowBlock * n)), dp(static_cast<size_t>(kRowBlock * n)), Di(kRowBlock), lr(kRowBlock);
@@ -325,13 +343,8 @@ void cpu_attention_backward(const attn_params& p, const float* q, const float* k
         std::fill(ob.begin() + B * D, ob.end(), 0.0f);
         for (int64_t r = 0; r < B; ++r) {
           const int64_t t = s0 + i0 + r;
-          const float* qi = q + (t * H + h) * D;
-          const float* doi = dout + (t * H + h) * D;
-          const float* oi = out + (t * H + h) * D;
-          for (int64_t d = 0; d < D; ++d) qb[r * D + d] = cpu_attn_round(qi[d], rq), ob[r * D + d] = doi[d];
-          float di = 0.0f;
-          for (int64_t d = 0; d < D; ++d) di += doi[d] * oi[d];
-          Di[r] = di;
+          attn_backward_row_prep(q + (t * H + h) * D, dout + (t * H + h) * D, out + (t * H + h) * D, D, rq,
+                                 qb.data() + r * D, ob.data() + r * D, &Di[r]);
           lr[r] = lse[t * H + h];
         }
         const int64_t row0 = ((s0 + i0) * H + h) * D;
