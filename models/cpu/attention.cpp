@@ -42,22 +42,41 @@ template <int D>
   for (int d = 0; d < D; ++d) out[d] = acc[d];
 }
 
-// Softmax of n scores s in place (scaled, max-subtracted, exp, sum in increasing j), P rounded
+// Softmax of n scores s in place (scaled, max-subtracted, exp, summed in 16 lanes), P rounded
 // to the operand precision; returns the lse. The one definition decode (cpu_attn_query) and the
 // training forward use.
 FP8RL_VECTOR_CLONES float cpu_attn_softmax(float* s, int64_t n, int64_t D, precision p_operand) {
   const float scale = 1.0f / std::sqrt(static_cast<float>(D));
-  float m = -INFINITY;
-  for (int64_t j = 0; j < n; ++j) {
+  // max and sum in 16 lanes (lane j % 16), combined in lane order: a fixed order that vectorizes
+  float lm[16], ls[16] = {};
+  for (float& l : lm) l = -INFINITY;
+  int64_t j = 0;
+  for (; j + 16 <= n; j += 16)
+#pragma GCC unroll 16
+    for (int l = 0; l < 16; ++l) {
+      s[j + l] = s[j + l] * scale;
+      lm[l] = lm[l] < s[j + l] ? s[j + l] : lm[l];
+    }
+  for (int l = 0; j < n; ++j, ++l) {
     s[j] = s[j] * scale;
-    m = std::max(m, s[j]);
+    lm[l] = lm[l] < s[j] ? s[j] : lm[l];
+  }
+  float m = lm[0];
+  for (int l = 1; l < 16; ++l) m = m < lm[l] ? lm[l] : m;
+  j = 0;
+  for (; j + 16 <= n; j += 16)
+#pragma GCC unroll 16
+    for (int l = 0; l < 16; ++l) {
+      s[j + l] = cpu_exp(s[j + l] - m);
+      ls[l] += s[j + l];
+    }
+  for (int l = 0; j < n; ++j, ++l) {
+    s[j] = cpu_exp(s[j] - m);
+    ls[l] += s[j];
   }
   float sum = 0.0f;
-  for (int64_t j = 0; j < n; ++j) {
-    s[j] = cpu_exp(s[j] - m);
-    sum += s[j];
-  }
-  for (int64_t j = 0; j < n; ++j) s[j] = s[j] / sum;
+  for (float l : ls) sum += l;
+  for (j = 0; j < n; ++j) s[j] = s[j] / sum;
   attn_round_row(s, n, attn_rounding{p_operand, 0.0f});
   return m + std::log(sum);
 }
