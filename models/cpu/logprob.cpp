@@ -18,10 +18,15 @@ namespace {
 FP8RL_VECTOR_CLONES void logprob_grad_row(const float* __restrict z, int64_t V, double lse, int32_t target,
                                           float dlogp, float inv_temp, float* __restrict g) {
   const float ninf = -std::numeric_limits<float>::infinity();
+  // two vectorizing passes: p_v into g, then the gradient in place (the target's term after)
   for (int64_t v = 0; v < V; ++v) {
-    const double p = z[v] == ninf ? 0.0 : static_cast<double>(cpu_exp(static_cast<float>(z[v] - lse)));
-    g[v] = static_cast<float>(dlogp * ((v == target ? 1.0 : 0.0) - p) * inv_temp);
+    const float e = cpu_exp(static_cast<float>(static_cast<double>(z[v]) - lse));
+    g[v] = z[v] == ninf ? 0.0f : e;
   }
+  for (int64_t v = 0; v < V; ++v) g[v] = static_cast<float>(dlogp * (0.0 - static_cast<double>(g[v])) * inv_temp);
+  const float e = cpu_exp(static_cast<float>(static_cast<double>(z[target]) - lse));
+  const double pt = static_cast<double>(z[target] == ninf ? 0.0f : e);
+  g[target] = static_cast<float>(dlogp * (1.0 - pt) * inv_temp);
 }
 }  // namespace
 
