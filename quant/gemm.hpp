@@ -102,6 +102,12 @@ gemm_packed_b gemm_pack_bf16(const uint16_t* B, int64_t N, int64_t K, std::strin
 // B: any layout (block_128x128 weights, or 1x128 tiles as operand rows, e.g. wgrad's X^T).
 gemm_packed_b gemm_pack_fp8(const qtensor& B, gemm_pack_forms forms = {});
 
+// wgrad's B operand straight from activations: x [T][C] quantized as 1x128 columnwise tiles
+// (B = X^T, operand rows = columns of x) and laid out in the tile form only. Bit-identical to
+// gemm_pack_fp8(quantize(x, T, C, colwise_1x128, mode, name), {false, false, true}) without the
+// code array or a transpose; a non-finite tile is the same error. Needs AMX (tile GEMMs).
+gemm_packed_b gemm_pack_fp8_colwise_tiles(const float* x, int64_t T, int64_t C, scale_mode mode, std::string name);
+
 // References (the definition of each result).
 void gemm_f32_ref(const gemm_desc& d, const float* A, const float* B, float* C);
 void gemm_bf16_ref(const gemm_desc& d, const uint16_t* A, const uint16_t* B, float* C);

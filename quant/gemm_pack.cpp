@@ -8,6 +8,7 @@
 
 #include "quant/fp8.hpp"
 #include "quant/gemm_impl.hpp"
+#include "quant/quantize_impl.hpp"
 
 namespace fp8rl::quant {
 namespace {
@@ -173,6 +174,28 @@ gemm_packed_b gemm_pack_fp8(const qtensor& B, gemm_pack_forms forms) {
     }
   });
   if (forms.narrow) pack_rare_steps(p);
+  return p;
+}
+
+gemm_packed_b gemm_pack_fp8_colwise_tiles(const float* x, int64_t T, int64_t C, scale_mode mode, std::string name) {
+  gemm_desc{0, C, T}.check();
+  if (cpu_isa_active() < cpu_isa::amx)
+    throw std::runtime_error("gemm_pack_fp8_colwise_tiles: the tile form needs AMX (tensor '" + name + "')");
+  gemm_packed_b p;
+  p.dtype = gemm_dtype::fp8;
+  p.mode = mode;
+  p.name = std::move(name);
+  p.N = C;
+  p.K = T;
+  p.Kp = round_up(T, kBlock);
+  p.Kt = p.Kp;
+  const int64_t NP = p.panels();
+  p.tiles.resize(static_cast<size_t>(NP * p.Kt * 32));      // every element written below
+  p.scale_inv.resize(static_cast<size_t>(NP * p.Kt / kBlock * 32));
+  int64_t col = 0, block = 0, count = 0;
+  if (!detail::quantize_colwise_tiles_avx512(x, T, C, mode, mode == scale_mode::pow2, p.Kt, p.tiles.data(),
+                                              p.scale_inv.data(), &col, &block, &count))
+    detail::throw_nonfinite(p.name, qlayout::colwise_1x128, col, block, count);
   return p;
 }
 

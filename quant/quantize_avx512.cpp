@@ -12,6 +12,7 @@
 #include "quant/fp8.hpp"
 #include "quant/fp8_avx512.hpp"
 #include "quant/quantize_impl.hpp"
+#include "quant/scale.hpp"
 
 namespace fp8rl::quant::detail {
 namespace {
@@ -109,9 +110,9 @@ void quantize_blocks(const float* x, qtensor& q, first_bad& fb) {
 }
 
 // Columnwise: operand row c = source column c, tiles of 128 source rows. A task takes 128 rows x
-// 64 columns: the amax pass reads each row's 256 contiguous bytes (4 vectors: prefetch-friendly
-// runs instead of one line per row), then per 16 columns the codes of 16 rows are transposed in
-// registers and stored as 16-byte runs of each column.
+// 64 columns: the amax pass reads each row's 256-byte run (prefetch-friendly runs instead of one
+// line per row; 128 and 256 columns measured the same), then per 16 columns the codes of 16
+// rows are transposed in registers and stored as 16-byte runs of each column.
 constexpr int64_t kColGroups = 4;  // 16-column groups per task
 
 void quantize_cols(const float* x, qtensor& q, first_bad& fb) {
@@ -119,8 +120,6 @@ void quantize_cols(const float* x, qtensor& q, first_bad& fb) {
   const int64_t CG = (cols + 16 * kColGroups - 1) / (16 * kColGroups), TB = q.k_blocks();
   tbb::parallel_for(tbb::blocked_range<int64_t>(0, CG * TB), [&](const auto& br) {
     alignas(64) uint8_t tmp[16][16];  // codes of the last < 16 rows
-    alignas(64) float amax16[kColGroups][16];
-    alignas(64) int32_t bad16[kColGroups][16];
     for (int64_t g = br.begin(); g < br.end(); ++g) {
       const int64_t tb = g / CG, cg0 = (g % CG) * 16 * kColGroups;  // row-block major: neighbouring tasks share pages
       const int64_t r0 = tb * kBlock, nr = std::min(kBlock, rows - r0);
@@ -143,16 +142,15 @@ void quantize_cols(const float* x, qtensor& q, first_bad& fb) {
           acc[h] = _mm512_mask_max_ps(acc[h], m[h] & static_cast<__mmask16>(~b), acc[h], _mm512_castsi512_ps(a));
         }
       for (int64_t h = 0; h < ng; ++h) {
-        _mm512_store_ps(amax16[h], acc[h]);
-        _mm512_store_si512(bad16[h], nbad[h]);
-      }
-      for (int64_t h = 0; h < ng; ++h) {
         const int64_t c0 = cg0 + 16 * h, nc = std::min<int64_t>(16, cols - c0);
-        alignas(64) float sc[16];
+        alignas(64) float amax16[16], sc[16];
+        alignas(64) int32_t bad16[16];
+        _mm512_store_ps(amax16, acc[h]);
+        _mm512_store_si512(bad16, nbad[h]);
         bool ok = true;
         for (int64_t j = 0; j < nc; ++j) {
-          if (bad16[h][j]) { fb.report(c0 + j, tb, bad16[h][j]); ok = false; continue; }
-          block_scale s = scale_from_amax(amax16[h][j], q.mode);
+          if (bad16[j]) { fb.report(c0 + j, tb, bad16[j]); ok = false; continue; }
+          block_scale s = scale_from_amax(amax16[j], q.mode);
           sc[j] = s.scale;
           q.scale_inv[tb * ld + c0 + j] = s.scale_inv;
         }
@@ -229,6 +227,92 @@ void bf16_from_float_transposed_avx512(const float* x, int64_t R, int64_t C, uin
     for (int64_t c = c0; c < c1; ++c)
       for (int64_t r = rf; r < r1; ++r) out[c * R + r] = bf16_from_float(x[r * C + c]);
   });
+}
+
+void e4m3_grid_array_avx512(const float* x, int64_t n, float* out) {
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) _mm512_storeu_ps(out + i, e4m3_grid16(_mm512_loadu_ps(x + i)));
+  if (i < n) {
+    const __mmask16 m = tail_mask(n - i);
+    _mm512_mask_storeu_ps(out + i, m, e4m3_grid16(_mm512_maskz_loadu_ps(m, x + i)));
+  }
+}
+
+// One task: a token block (128 tokens, 4 k-steps) x up to 8 panels (256 columns). The amax pass
+// streams the block's rows (256 contiguous floats each; a pass per 16 columns would stride C
+// floats per row, which prefetchers follow badly and which maps to few L1 sets); the value pass
+// then reads each 16-column group from L2 (128 KiB per task) and writes every tile row (16
+// columns x a token pair) as one vector: (BF16 of token t+1) << 16 | BF16 of token t.
+constexpr int64_t kPanelsPerTask = 8;
+
+bool quantize_colwise_tiles_avx512(const float* x, int64_t T, int64_t C, scale_mode mode, bool fold, int64_t Kt,
+                                   uint16_t* tiles, float* scale_inv, int64_t* bad_col, int64_t* bad_block,
+                                   int64_t* bad_count) {
+  const int64_t NP = (C + 31) / 32, KB = Kt / kBlock, NPT = (NP + kPanelsPerTask - 1) / kPanelsPerTask;
+  constexpr int64_t kGroups = 2 * kPanelsPerTask;  // 16-column groups per task
+  first_bad fb;
+  tbb::parallel_for(tbb::blocked_range<int64_t>(0, KB * NPT), [&](const auto& br) {
+    for (int64_t task = br.begin(); task < br.end(); ++task) {
+      const int64_t tb = task / NPT, p0 = (task % NPT) * kPanelsPerTask, t0 = tb * kBlock;
+      const int64_t nt = std::clamp<int64_t>(T - t0, 0, kBlock), cbase = p0 * 32;
+      const int64_t ngrp = std::min<int64_t>(kGroups, 2 * (NP - p0));  // groups of whole panels (padding included)
+      __mmask16 m[kGroups];
+      __m512 acc[kGroups];
+      __m512i nbad[kGroups];
+      for (int64_t q = 0; q < kGroups; ++q) {
+        const int64_t nc = std::clamp<int64_t>(C - cbase - 16 * q, 0, 16);
+        m[q] = nc > 0 ? tail_mask(nc) : static_cast<__mmask16>(0);
+        acc[q] = _mm512_setzero_ps();
+        nbad[q] = _mm512_setzero_si512();
+      }
+      for (int64_t t = 0; t < nt; ++t)
+        for (int64_t q = 0; q < ngrp; ++q) {
+          const __m512i a = _mm512_and_si512(
+              _mm512_castps_si512(_mm512_maskz_loadu_ps(m[q], x + (t0 + t) * C + cbase + 16 * q)),
+              _mm512_set1_epi32(0x7fffffff));
+          const __mmask16 b = _mm512_mask_cmpge_epu32_mask(m[q], a, _mm512_set1_epi32(0x7f800000));
+          nbad[q] = _mm512_mask_add_epi32(nbad[q], b, nbad[q], _mm512_set1_epi32(1));
+          acc[q] = _mm512_mask_max_ps(acc[q], m[q] & static_cast<__mmask16>(~b), acc[q], _mm512_castsi512_ps(a));
+        }
+      for (int64_t q = 0; q < ngrp; ++q) {
+        const int64_t pn = p0 + q / 2, h = q % 2, c0 = cbase + 16 * q, nc = std::clamp<int64_t>(C - c0, 0, 16);
+        uint16_t* panel = tiles + pn * Kt * 32;
+        float* si_out = scale_inv + (pn * KB + tb) * 32 + h * 16;
+        alignas(64) float amax[16], sc[16], si[16];
+        alignas(64) int32_t bad[16];
+        _mm512_store_ps(amax, acc[q]);
+        _mm512_store_si512(bad, nbad[q]);
+        bool ok = true;
+        for (int64_t j = 0; j < 16; ++j) {
+          sc[j] = 1.0f, si[j] = 1.0f;
+          if (j >= nc) { si_out[j] = 0.0f; continue; }
+          if (bad[j]) { fb.report(c0 + j, tb, bad[j]); ok = false; continue; }
+          const block_scale s = scale_from_amax(amax[j], mode);
+          sc[j] = s.scale;
+          si[j] = fold ? s.scale_inv : 1.0f;
+          si_out[j] = s.scale_inv;
+        }
+        if (!ok) continue;
+        const __m512 vs = _mm512_load_ps(sc), vf = _mm512_load_ps(si);
+        const __mmask16 mq = m[q];
+        auto value = [&](int64_t t) {  // token t0 + t of the 16 columns: E4M3 value (x scale_inv when fold)
+          const __m512 v = _mm512_maskz_loadu_ps(t < nt ? mq : static_cast<__mmask16>(0), x + (t0 + t) * C + c0);
+          return _mm512_castps_si512(_mm512_mul_ps(e4m3_grid16(_mm512_mul_ps(v, vs)), vf));
+        };
+        for (int64_t ks = 0; ks < kBlock / 32; ++ks)
+          for (int64_t pp = 0; pp < 16; ++pp) {
+            const int64_t t = ks * 32 + 2 * pp;
+            const __m512i lo = value(t), hi = value(t + 1);
+            // (hi & 0xffff0000) | (lo >> 16): the BF16 pair (exact: E4M3 values have 4 significant bits)
+            const __m512i pair = _mm512_ternarylogic_epi32(hi, _mm512_srli_epi32(lo, 16),
+                                                           _mm512_set1_epi32(static_cast<int>(0xffff0000u)), 0xE4);
+            _mm512_storeu_si512(panel + ((((tb * 4 + ks) * 2 + h) * 16 + pp) * 16) * 2, pair);
+          }
+      }
+    }
+  });
+  if (fb.any) *bad_col = fb.br, *bad_block = fb.bc, *bad_count = fb.count;
+  return !fb.any;
 }
 
 void e4m3_encode_array_avx512(const float* x, int64_t n, uint8_t* out) { encode_row(x, n, 1.0f, out); }

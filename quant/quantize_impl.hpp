@@ -20,6 +20,15 @@ void e4m3_encode_array_avx512(const float* x, int64_t n, uint8_t* out);
 void transpose_bytes_avx512(const uint8_t* src, int64_t R, int64_t C, uint8_t* dst);
 void bf16_from_float_avx512(const float* x, int64_t n, uint16_t* out);
 void bf16_from_float_transposed_avx512(const float* x, int64_t rows, int64_t cols, uint16_t* out);
+// out[i] = e4m3_to_float(e4m3_from_float(x[i])) (e4m3_grid16; for the exhaustive test).
+void e4m3_grid_array_avx512(const float* x, int64_t n, float* out);
+// x [T][C] quantized as 1x128 columnwise tiles (wgrad's X^T: operand row c, token blocks) straight
+// into the tile GEMM's B form: tiles [NP][Kt/32][2][16 k-pairs][16][2] BF16 (E4M3 values, times
+// scale_inv when fold), scale_inv [NP][Kt/128][32]; both fully written (padding zero). Returns
+// false with the lowest bad (column, token block) and its count when a tile holds NaN/Inf.
+bool quantize_colwise_tiles_avx512(const float* x, int64_t T, int64_t C, scale_mode mode, bool fold, int64_t Kt,
+                                   uint16_t* tiles, float* scale_inv, int64_t* bad_col, int64_t* bad_block,
+                                   int64_t* bad_count);
 void quantize_avx512(const float* x, int64_t rows, int64_t cols, qlayout layout,
                      scale_mode mode, qtensor& q);
 

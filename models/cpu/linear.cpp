@@ -189,6 +189,8 @@ void linear_dgrad(const cpu_linear& l, const float* dy, int64_t T, float* dx) {
 // x[T,in] as wgrad's B operand (x^T packed in l's precision: 1x128 columnwise tiles for FP8).
 gemm_packed_b wgrad_x_operand(const cpu_linear& l, const float* x, int64_t T) {
   const gemm_pack_forms forms = forms_for(l.tiles, false);
+  if (l.prec == precision::fp8 && l.tiles)  // straight into the tile form, no code array
+    return gemm_pack_fp8_colwise_tiles(x, T, l.in, l.mode, l.name + ".x^T");
   if (l.prec == precision::fp8)
     return gemm_pack_fp8(quantize(x, T, l.in, qlayout::colwise_1x128, l.mode, l.name + ".x^T"), forms);
   if (l.prec == precision::bf16) {

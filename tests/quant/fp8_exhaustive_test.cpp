@@ -10,6 +10,7 @@
 #include "quant/cpu_isa.hpp"
 #include "quant/fp8.hpp"
 #include "quant/qtensor.hpp"
+#include "quant/quantize_impl.hpp"
 #include "tests/quant/codec_oracle.hpp"
 
 using namespace fp8rl::quant;
@@ -59,6 +60,23 @@ TEST(Fp8Exhaustive, VectorEncoderAllFloatPatterns) {
     e4m3_encode_array(x.data(), static_cast<int64_t>(x.size()), q.data());
     uint64_t local = 0;
     for (size_t i = 0; i < x.size(); ++i) local += q[i] != e4m3_from_float(x[i]);
+    bad += local;
+  });
+  EXPECT_EQ(bad.load(), 0u);
+}
+
+// The E4M3 grid rounding that packs wgrad operands straight into tile form (e4m3_grid16) gives
+// e4m3_to_float(e4m3_from_float(x)) bit for bit on every non-NaN float pattern.
+TEST(Fp8Exhaustive, GridRoundingAllFloatPatterns) {
+  if (cpu_isa_detected() < cpu_isa::avx512) GTEST_SKIP() << "no AVX-512 on this CPU";
+  std::atomic<uint64_t> bad{0};
+  tbb::parallel_for(uint32_t{0}, uint32_t{1u << 16}, [&](uint32_t hi) {
+    std::vector<float> x(1u << 16), y(x.size());
+    for (uint32_t lo = 0; lo < (1u << 16); ++lo) x[lo] = float_from_bits((hi << 16) | lo);
+    fp8rl::quant::detail::e4m3_grid_array_avx512(x.data(), static_cast<int64_t>(x.size()), y.data());
+    uint64_t local = 0;
+    for (size_t i = 0; i < x.size(); ++i)
+      if (!std::isnan(x[i])) local += float_bits(y[i]) != float_bits(e4m3_to_float(e4m3_from_float(x[i])));
     bad += local;
   });
   EXPECT_EQ(bad.load(), 0u);

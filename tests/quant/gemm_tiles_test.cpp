@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <limits>
 #include <random>
 
 #include "quant/fp8.hpp"
@@ -160,6 +161,37 @@ TEST(GemmTiles, AccumulateAddsTheOverwriteResult) {
     gemm_bf16_tiles({M, N, K}, a.data(), B, acc.data(), true);
     check(over, acc, "bf16");
   }
+}
+
+// wgrad's X^T packed straight from activations equals quantize-colwise-then-pack, array for
+// array (both scale modes, ragged tokens and columns), and a non-finite tile is the same error.
+TEST(GemmTiles, ColwisePackFromActivationsEqualsQuantizeThenPack) {
+  SKIP_WITHOUT_AMX();
+  uint64_t seed = 950;
+  for (auto [T, C] : {std::pair<int64_t, int64_t>{256, 64}, {300, 70}, {129, 33}, {5, 17}, {1024, 128}})
+    for (scale_mode mode : {scale_mode::pow2, scale_mode::fp32}) {
+      auto x = randn(T * C, seed++, 3.0f);
+      for (int64_t c = 0; c < C; c += 7) x[(c % T) * C + c] = 0.0f;  // zeros (and an all-zero column)
+      for (int64_t t = 0; t < T; ++t) x[t * C + C - 1] = 0.0f;
+      const auto want = gemm_pack_fp8(quantize(x.data(), T, C, qlayout::colwise_1x128, mode, "x^T"), {false, false, true});
+      const auto got = gemm_pack_fp8_colwise_tiles(x.data(), T, C, mode, "x^T");
+      ASSERT_EQ(got.N, want.N);
+      ASSERT_EQ(got.Kt, want.Kt);
+      ASSERT_EQ(got.Kp, want.Kp);
+      ASSERT_EQ(got.tiles.size(), want.tiles.size());
+      for (size_t i = 0; i < want.tiles.size(); ++i)
+        ASSERT_EQ(got.tiles[i], want.tiles[i]) << T << "x" << C << " " << scale_mode_name(mode) << " tile word " << i;
+      ASSERT_EQ(got.scale_inv.size(), want.scale_inv.size());
+      for (size_t i = 0; i < want.scale_inv.size(); ++i) ASSERT_EQ(got.scale_inv[i], want.scale_inv[i]) << "scale " << i;
+    }
+  std::vector<float> x(300 * 40, 1.0f);
+  x[200 * 40 + 30] = std::numeric_limits<float>::infinity();  // column 30, token block 1
+  x[10 * 40 + 35] = std::numeric_limits<float>::quiet_NaN();  // column 35, token block 0
+  std::string want, got;
+  try { quantize(x.data(), 300, 40, qlayout::colwise_1x128, scale_mode::pow2, "x^T"); } catch (const nonfinite_error& e) { want = e.what(); }
+  try { gemm_pack_fp8_colwise_tiles(x.data(), 300, 40, scale_mode::pow2, "x^T"); } catch (const nonfinite_error& e) { got = e.what(); }
+  EXPECT_FALSE(want.empty());
+  EXPECT_EQ(got, want);
 }
 
 TEST(GemmTiles, MissingTileFormIsAnError) {
