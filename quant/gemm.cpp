@@ -11,6 +11,7 @@
 
 #include "quant/fp8.hpp"
 #include "quant/gemm_impl.hpp"
+#include "quant/quantize_impl.hpp"
 
 namespace fp8rl::quant {
 namespace {
@@ -221,6 +222,35 @@ void gemm_fp8_tiles(const qtensor& A, const gemm_packed_b& B, float* C, bool acc
     }
   });
   detail::gemm_tiles_amx({d.M, Mp, d.N, KS, a, &B, fold ? nullptr : sa.data(), KB, accumulate}, C);
+}
+
+gemm_tiles_a gemm_tiles_a_fp8(const float* x, int64_t M, int64_t K, scale_mode mode, std::string name) {
+  gemm_desc{M, 0, K}.check();
+  if (!gemm_tiles_available()) throw std::runtime_error("gemm_tiles_a_fp8: tile GEMMs need AMX (tensor '" + name + "')");
+  gemm_tiles_a A;
+  A.name = std::move(name);
+  A.mode = mode;
+  A.M = M, A.K = K, A.Mp = round_up(M, 32), A.Kt = round_up(K, kBlock);
+  const bool fold = mode == scale_mode::pow2;
+  A.a.resize(static_cast<size_t>(A.Mp * A.Kt));  // every element written
+  if (!fold) A.sa.resize(static_cast<size_t>(A.Mp * (A.Kt / kBlock)));
+  int64_t row = 0, block = 0, count = 0;
+  if (!detail::quantize_rowwise_tiles_avx512(x, M, K, mode, fold, A.Mp, A.Kt, A.a.data(), fold ? nullptr : A.sa.data(),
+                                              &row, &block, &count))
+    detail::throw_nonfinite(A.name, qlayout::rowwise_1x128, row, block, count);
+  return A;
+}
+
+void gemm_fp8_tiles(const gemm_tiles_a& A, const gemm_packed_b& B, float* C, bool accumulate) {
+  const gemm_desc d{A.M, B.N, A.K};
+  check_packed(d, B, gemm_dtype::fp8, "gemm_fp8_tiles");
+  check_tiles(B, "gemm_fp8_tiles");
+  if (A.mode != B.mode)
+    throw std::invalid_argument("gemm_fp8_tiles: scale modes differ between '" + A.name + "' and '" + B.name + "'");
+  if (A.Kt != B.Kt) throw std::logic_error("gemm_fp8_tiles: A '" + A.name + "' and B '" + B.name + "' pad K differently");
+  if (d.M == 0 || d.N == 0) return;
+  const bool fold = A.mode == scale_mode::pow2;
+  detail::gemm_tiles_amx({d.M, A.Mp, d.N, B.Kt / 32, A.a.data(), &B, fold ? nullptr : A.sa.data(), B.Kp / kBlock, accumulate}, C);
 }
 
 }  // namespace fp8rl::quant

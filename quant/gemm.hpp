@@ -102,6 +102,20 @@ gemm_packed_b gemm_pack_bf16(const uint16_t* B, int64_t N, int64_t K, std::strin
 // B: any layout (block_128x128 weights, or 1x128 tiles as operand rows, e.g. wgrad's X^T).
 gemm_packed_b gemm_pack_fp8(const qtensor& B, gemm_pack_forms forms = {});
 
+// A of the FP8 tile GEMM, prepared once and usable by several GEMMs (layers reading one input):
+// x [M][K] quantized as 1x128 rowwise tiles straight into tile order. A GEMM with it is
+// bit-identical to gemm_fp8_tiles(quantize(x, M, K, rowwise_1x128, mode, name), B, C); a
+// non-finite tile is the same error. Needs AMX.
+struct gemm_tiles_a {
+  std::string name;
+  scale_mode mode = scale_mode::pow2;
+  int64_t M = 0, Mp = 0, K = 0, Kt = 0;  // Mp: M rounded to 32; Kt: K rounded to 128
+  avector_uninit<uint16_t> a;            // [Mp/16][Kt/32][16][32] BF16 values (pow2: scaled)
+  avector<float> sa;                     // fp32 mode: scale_inv [Mp][Kt/128] (0 in padding rows)
+};
+gemm_tiles_a gemm_tiles_a_fp8(const float* x, int64_t M, int64_t K, scale_mode mode, std::string name);
+void gemm_fp8_tiles(const gemm_tiles_a& A, const gemm_packed_b& B, float* C, bool accumulate = false);
+
 // wgrad's B operand straight from activations: x [T][C] quantized as 1x128 columnwise tiles
 // (B = X^T, operand rows = columns of x) and laid out in the tile form only. Bit-identical to
 // gemm_pack_fp8(quantize(x, T, C, colwise_1x128, mode, name), {false, false, true}) without the

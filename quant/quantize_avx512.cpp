@@ -315,6 +315,53 @@ bool quantize_colwise_tiles_avx512(const float* x, int64_t T, int64_t C, scale_m
   return !fb.any;
 }
 
+// Tasks of 16 rows (one tile-row group); per row and 128-block: amax, scale, then each k-step's
+// 32 values (two vectors of E4M3 values on the grid) narrowed to BF16 and stored as one 64-byte
+// tile row.
+bool quantize_rowwise_tiles_avx512(const float* x, int64_t M, int64_t K, scale_mode mode, bool fold, int64_t Mp,
+                                   int64_t Kt, uint16_t* a, float* sa, int64_t* bad_row, int64_t* bad_block,
+                                   int64_t* bad_count) {
+  const int64_t KS = Kt / 32, KB = Kt / kBlock;
+  first_bad fb;
+  tbb::parallel_for(tbb::blocked_range<int64_t>(0, Mp / 16), [&](const auto& br) {
+    for (int64_t mg = br.begin(); mg < br.end(); ++mg)
+      for (int64_t m = mg * 16; m < mg * 16 + 16; ++m) {
+        uint16_t* row = a + mg * KS * 512 + (m % 16) * 32;  // k-step ks at row + ks * 512
+        if (m >= M) {
+          for (int64_t ks = 0; ks < KS; ++ks) _mm512_storeu_si512(row + ks * 512, _mm512_setzero_si512());
+          if (!fold)
+            for (int64_t kb = 0; kb < KB; ++kb) sa[m * KB + kb] = 0.0f;
+          continue;
+        }
+        const float* xr = x + m * K;
+        for (int64_t kb = 0; kb < KB; ++kb) {
+          const int64_t k0 = kb * kBlock, nk = std::clamp<int64_t>(K - k0, 0, kBlock);
+          float amax = 0.0f;
+          int bad = 0;
+          if (nk > 0 && !region_amax(xr + k0, K, 1, nk, &amax, &bad)) {
+            fb.report(m, kb, bad);
+            continue;
+          }
+          const block_scale s = scale_from_amax(amax, mode);
+          if (!fold) sa[m * KB + kb] = s.scale_inv;
+          const __m512 vs = _mm512_set1_ps(s.scale), vf = _mm512_set1_ps(fold ? s.scale_inv : 1.0f);
+          for (int64_t k = 0; k < kBlock; k += 32) {
+            __m256i half[2];
+            for (int i = 0; i < 2; ++i) {
+              const int64_t kk = k + 16 * i;
+              const __mmask16 mk = kk < nk ? tail_mask(nk - kk) : static_cast<__mmask16>(0);
+              const __m512 v = _mm512_mul_ps(e4m3_grid16(_mm512_mul_ps(_mm512_maskz_loadu_ps(mk, xr + k0 + kk), vs)), vf);
+              half[i] = _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(v), 16));  // exact: 4 significant bits
+            }
+            _mm512_storeu_si512(row + (k0 + k) / 32 * 512, _mm512_inserti64x4(_mm512_castsi256_si512(half[0]), half[1], 1));
+          }
+        }
+      }
+  });
+  if (fb.any) *bad_row = fb.br, *bad_block = fb.bc, *bad_count = fb.count;
+  return !fb.any;
+}
+
 void e4m3_encode_array_avx512(const float* x, int64_t n, uint8_t* out) { encode_row(x, n, 1.0f, out); }
 
 void quantize_avx512(const float* x, int64_t rows, int64_t cols, qlayout layout,

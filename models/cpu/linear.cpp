@@ -59,42 +59,46 @@ gemm_pack_forms forms_for(bool tiles, bool small_m) {
 }
 
 // An activation A[M,K] as a GEMM's A operand in one precision: FP32 values as given, BF16
-// rounded, or 1x128 FP8 tiles. Layers reading the same activation share one.
+// rounded, or 1x128 FP8 tiles (for the tile GEMMs already in tile order). Layers reading the
+// same activation share one.
 struct act_operand {
   precision prec = precision::fp32;
   scale_mode mode = scale_mode::pow2;
+  bool tiles = false;
   const float* f32 = nullptr;
   std::vector<uint16_t> bf16;
   qtensor fp8;
+  gemm_tiles_a fp8_tiles;
   int64_t M = 0, K = 0;
 };
 
-void act_prepare(act_operand& a, precision prec, scale_mode mode, const float* A, int64_t M, int64_t K,
+void act_prepare(act_operand& a, precision prec, scale_mode mode, bool tiles, const float* A, int64_t M, int64_t K,
                  const std::string& name) {
-  a.prec = prec, a.mode = mode, a.M = M, a.K = K, a.f32 = A;
+  a.prec = prec, a.mode = mode, a.tiles = tiles, a.M = M, a.K = K, a.f32 = A;
   if (prec == precision::bf16) a.bf16 = to_bf16(A, M * K);
-  if (prec == precision::fp8) {
+  if (prec == precision::fp8 && tiles) a.fp8_tiles = gemm_tiles_a_fp8(A, M, K, mode, name);
+  if (prec == precision::fp8 && !tiles) {
     a.fp8.name = name;
     quantize_into(A, M, K, qlayout::rowwise_1x128, mode, a.fp8);
   }
 }
 
-// Whether `a` is the operand layer l's GEMM would have made of the same activation.
-bool act_serves(const act_operand& a, precision prec, scale_mode mode) {
-  return a.prec == prec && (prec != precision::fp8 || a.mode == mode);
+// Whether `a` is the operand a layer with (prec, mode, tiles) would have made of the same activation.
+bool act_serves(const act_operand& a, precision prec, scale_mode mode, bool tiles) {
+  return a.prec == prec && (prec == precision::fp32 || a.tiles == tiles) && (prec != precision::fp8 || a.mode == mode);
 }
 
 // C[M,N] = A · B^T with B packed in a's precision.
-void act_matmul(const act_operand& a, bool tiles, const gemm_packed_b& B, float* C) {
+void act_matmul(const act_operand& a, const gemm_packed_b& B, float* C) {
   const gemm_desc d{a.M, B.N, a.K};
   switch (a.prec) {
     case precision::fp32: gemm_f32(d, a.f32, B, C); break;
     case precision::bf16:
-      if (tiles) gemm_bf16_tiles(d, a.bf16.data(), B, C);
+      if (a.tiles) gemm_bf16_tiles(d, a.bf16.data(), B, C);
       else gemm_bf16(d, a.bf16.data(), B, C);
       break;
     case precision::fp8:
-      if (tiles) gemm_fp8_tiles(a.fp8, B, C);
+      if (a.tiles) gemm_fp8_tiles(a.fp8_tiles, B, C);
       else gemm_fp8(a.fp8, B, C);
       break;
   }
@@ -104,8 +108,8 @@ void act_matmul(const act_operand& a, bool tiles, const gemm_packed_b& B, float*
 void matmul(precision prec, scale_mode mode, bool tiles, const float* A, int64_t M, int64_t K, const gemm_packed_b& B,
             float* C, const std::string& name) {
   act_operand a;
-  act_prepare(a, prec, mode, A, M, K, name);
-  act_matmul(a, tiles, B, C);
+  act_prepare(a, prec, mode, tiles, A, M, K, name);
+  act_matmul(a, B, C);
 }
 
 gemm_packed_b pack(precision prec, scale_mode mode, const float* B, int64_t N, int64_t K, const std::string& name,
@@ -173,9 +177,9 @@ void cpu_linear_forward_group(std::span<const prepared_linear* const> ws, const 
   for (size_t i = 0; i < ws.size(); ++i) {
     const auto& l = static_cast<const cpu_linear&>(*ws[i]);
     if (l.in != ws[0]->in) throw std::logic_error("linear group: '" + l.name + "' reads another input width");
-    if (!have || !act_serves(a, l.prec, l.mode)) act_prepare(a, l.prec, l.mode, x, T, l.in, l.name + ".x");
+    if (!have || !act_serves(a, l.prec, l.mode, l.tiles)) act_prepare(a, l.prec, l.mode, l.tiles, x, T, l.in, l.name + ".x");
     have = true;
-    act_matmul(a, l.tiles, l.fwd, ys[i]);
+    act_matmul(a, l.fwd, ys[i]);
   }
 }
 
@@ -221,9 +225,9 @@ void linear_wgrad(const cpu_linear& l, const float* dy, int64_t T, const gemm_pa
     else gemm_fp8(a, xb, g);
   } else if (l.prec == precision::bf16) {
     act_operand a;
-    a.prec = precision::bf16, a.M = l.out, a.K = T;
+    a.prec = precision::bf16, a.tiles = l.tiles, a.M = l.out, a.K = T;
     a.bf16 = to_bf16_transposed(dy, T, l.out);  // [out, T]
-    act_matmul(a, l.tiles, xb, g);
+    act_matmul(a, xb, g);
   } else {
     auto dyt = transpose(dy, T, l.out);  // [out, T]
     matmul(l.prec, l.mode, l.tiles, dyt.data(), l.out, T, xb, g, l.name + ".dy^T");

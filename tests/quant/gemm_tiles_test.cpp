@@ -194,6 +194,42 @@ TEST(GemmTiles, ColwisePackFromActivationsEqualsQuantizeThenPack) {
   EXPECT_EQ(got, want);
 }
 
+// A prepared straight from activations (rowwise tiles in tile order) gives the same C as
+// quantize-then-GEMM, bit for bit, in both scale modes and with accumulate; reused for a second
+// B; a non-finite tile is the same error.
+TEST(GemmTiles, PreparedAFromActivationsEqualsQuantizeThenGemm) {
+  SKIP_WITHOUT_AMX();
+  uint64_t seed = 1000;
+  for (auto& s : kShapes) {
+    const int64_t M = s[0], N = s[1], K = s[2];
+    for (scale_mode mode : {scale_mode::pow2, scale_mode::fp32}) {
+      auto x = randn(M * K, seed++, 2.0f);
+      for (int64_t k = 0; k < std::min<int64_t>(K, 128); ++k) x[k] = 0.0f;  // an all-zero tile
+      const qtensor q = quantize(x.data(), M, K, qlayout::rowwise_1x128, mode, "x");
+      const gemm_tiles_a a = gemm_tiles_a_fp8(x.data(), M, K, mode, "x");
+      for (int b = 0; b < 2; ++b) {
+        const auto B = gemm_pack_fp8(quantize(randn(N * K, seed++).data(), N, K, qlayout::block_128x128, mode, "B"),
+                                     {false, false, true});
+        std::vector<float> want(M * N), got(M * N), want_acc(M * N, 0.25f), got_acc(M * N, 0.25f);
+        gemm_fp8_tiles(q, B, want.data());
+        gemm_fp8_tiles(a, B, got.data());
+        gemm_fp8_tiles(q, B, want_acc.data(), true);
+        gemm_fp8_tiles(a, B, got_acc.data(), true);
+        EXPECT_EQ(first_diff(got, want), -1) << scale_mode_name(mode) << " " << gemm_desc{M, N, K}.str();
+        EXPECT_EQ(first_diff(got_acc, want_acc), -1) << "accumulate " << gemm_desc{M, N, K}.str();
+      }
+    }
+  }
+  std::vector<float> x(40 * 300, 1.0f);
+  x[30 * 300 + 200] = -std::numeric_limits<float>::infinity();  // row 30, block 1
+  x[35 * 300 + 5] = std::numeric_limits<float>::quiet_NaN();    // row 35, block 0
+  std::string want, got;
+  try { quantize(x.data(), 40, 300, qlayout::rowwise_1x128, scale_mode::fp32, "h"); } catch (const nonfinite_error& e) { want = e.what(); }
+  try { gemm_tiles_a_fp8(x.data(), 40, 300, scale_mode::fp32, "h"); } catch (const nonfinite_error& e) { got = e.what(); }
+  EXPECT_FALSE(want.empty());
+  EXPECT_EQ(got, want);
+}
+
 TEST(GemmTiles, MissingTileFormIsAnError) {
   SKIP_WITHOUT_AMX();
   auto x = randn(128 * 256, 1);
