@@ -241,6 +241,23 @@ gemm_tiles_a gemm_tiles_a_fp8(const float* x, int64_t M, int64_t K, scale_mode m
   return A;
 }
 
+gemm_tiles_a gemm_tiles_a_fp8_colwise(const float* x, int64_t T, int64_t C, scale_mode mode, std::string name) {
+  gemm_desc{C, 0, T}.check();
+  if (!gemm_tiles_available()) throw std::runtime_error("gemm_tiles_a_fp8_colwise: tile GEMMs need AMX (tensor '" + name + "')");
+  gemm_tiles_a A;
+  A.name = std::move(name);
+  A.mode = mode;
+  A.M = C, A.K = T, A.Mp = round_up(C, 32), A.Kt = round_up(T, kBlock);
+  const bool fold = mode == scale_mode::pow2;
+  A.a.resize(static_cast<size_t>(A.Mp * A.Kt));  // every element written
+  if (!fold) A.sa.resize(static_cast<size_t>(A.Mp * (A.Kt / kBlock)));
+  int64_t col = 0, block = 0, count = 0;
+  if (!detail::quantize_colwise_tiles_a_avx512(x, T, C, mode, fold, A.Kt, A.a.data(), fold ? nullptr : A.sa.data(), &col,
+                                                &block, &count))
+    detail::throw_nonfinite(A.name, qlayout::colwise_1x128, col, block, count);
+  return A;
+}
+
 void gemm_fp8_tiles(const gemm_tiles_a& A, const gemm_packed_b& B, float* C, bool accumulate) {
   const gemm_desc d{A.M, B.N, A.K};
   check_packed(d, B, gemm_dtype::fp8, "gemm_fp8_tiles");

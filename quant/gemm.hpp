@@ -114,6 +114,9 @@ struct gemm_tiles_a {
   avector<float> sa;                     // fp32 mode: scale_inv [Mp][Kt/128] (0 in padding rows)
 };
 gemm_tiles_a gemm_tiles_a_fp8(const float* x, int64_t M, int64_t K, scale_mode mode, std::string name);
+// A = x^T for x [T][C] (wgrad's dY^T: M = C, K = T) as 1x128 columnwise tiles: equal to
+// gemm_fp8_tiles(quantize(x, T, C, colwise_1x128, mode, name), B, C) in the same way.
+gemm_tiles_a gemm_tiles_a_fp8_colwise(const float* x, int64_t T, int64_t C, scale_mode mode, std::string name);
 void gemm_fp8_tiles(const gemm_tiles_a& A, const gemm_packed_b& B, float* C, bool accumulate = false);
 
 // wgrad's B operand straight from activations: x [T][C] quantized as 1x128 columnwise tiles

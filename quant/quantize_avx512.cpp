@@ -245,9 +245,12 @@ void e4m3_grid_array_avx512(const float* x, int64_t n, float* out) {
 // columns x a token pair) as one vector: (BF16 of token t+1) << 16 | BF16 of token t.
 constexpr int64_t kPanelsPerTask = 8;
 
-bool quantize_colwise_tiles_avx512(const float* x, int64_t T, int64_t C, scale_mode mode, bool fold, int64_t Kt,
-                                   uint16_t* tiles, float* scale_inv, int64_t* bad_col, int64_t* bad_block,
-                                   int64_t* bad_count) {
+// kAOrder: the tile A order instead (rows = columns of x, wgrad's dY^T): per k-step the 16 pair
+// vectors are transposed in registers into the 16 rows' 64-byte tile rows; scales go to
+// scale_inv [Mp][KB] (fp32 mode) or nowhere (null).
+template <bool kAOrder>
+bool colwise_tiles(const float* x, int64_t T, int64_t C, scale_mode mode, bool fold, int64_t Kt, uint16_t* tiles,
+                   float* scale_inv, int64_t* bad_col, int64_t* bad_block, int64_t* bad_count) {
   const int64_t NP = (C + 31) / 32, KB = Kt / kBlock, NPT = (NP + kPanelsPerTask - 1) / kPanelsPerTask;
   constexpr int64_t kGroups = 2 * kPanelsPerTask;  // 16-column groups per task
   first_bad fb;
@@ -277,20 +280,22 @@ bool quantize_colwise_tiles_avx512(const float* x, int64_t T, int64_t C, scale_m
       for (int64_t q = 0; q < ngrp; ++q) {
         const int64_t pn = p0 + q / 2, h = q % 2, c0 = cbase + 16 * q, nc = std::clamp<int64_t>(C - c0, 0, 16);
         uint16_t* panel = tiles + pn * Kt * 32;
-        float* si_out = scale_inv + (pn * KB + tb) * 32 + h * 16;
+        float si_sink[16];
+        float* si_out = !kAOrder ? scale_inv + (pn * KB + tb) * 32 + h * 16 : scale_inv ? nullptr : si_sink;
         alignas(64) float amax[16], sc[16], si[16];
         alignas(64) int32_t bad[16];
         _mm512_store_ps(amax, acc[q]);
         _mm512_store_si512(bad, nbad[q]);
         bool ok = true;
         for (int64_t j = 0; j < 16; ++j) {
+          float& out = si_out ? si_out[j] : scale_inv[(c0 + j) * KB + tb];  // A order: [Mp][KB]
           sc[j] = 1.0f, si[j] = 1.0f;
-          if (j >= nc) { si_out[j] = 0.0f; continue; }
+          if (j >= nc) { out = 0.0f; continue; }
           if (bad[j]) { fb.report(c0 + j, tb, bad[j]); ok = false; continue; }
           const block_scale s = scale_from_amax(amax[j], mode);
           sc[j] = s.scale;
           si[j] = fold ? s.scale_inv : 1.0f;
-          si_out[j] = s.scale_inv;
+          out = s.scale_inv;
         }
         if (!ok) continue;
         const __m512 vs = _mm512_load_ps(sc), vf = _mm512_load_ps(si);
@@ -299,20 +304,38 @@ bool quantize_colwise_tiles_avx512(const float* x, int64_t T, int64_t C, scale_m
           const __m512 v = _mm512_maskz_loadu_ps(t < nt ? mq : static_cast<__mmask16>(0), x + (t0 + t) * C + c0);
           return _mm512_castps_si512(_mm512_mul_ps(e4m3_grid16(_mm512_mul_ps(v, vs)), vf));
         };
-        for (int64_t ks = 0; ks < kBlock / 32; ++ks)
+        for (int64_t ks = 0; ks < kBlock / 32; ++ks) {
+          __m512i pairs[16];
           for (int64_t pp = 0; pp < 16; ++pp) {
             const int64_t t = ks * 32 + 2 * pp;
             const __m512i lo = value(t), hi = value(t + 1);
             // (hi & 0xffff0000) | (lo >> 16): the BF16 pair (exact: E4M3 values have 4 significant bits)
-            const __m512i pair = _mm512_ternarylogic_epi32(hi, _mm512_srli_epi32(lo, 16),
-                                                           _mm512_set1_epi32(static_cast<int>(0xffff0000u)), 0xE4);
-            _mm512_storeu_si512(panel + ((((tb * 4 + ks) * 2 + h) * 16 + pp) * 16) * 2, pair);
+            pairs[pp] = _mm512_ternarylogic_epi32(hi, _mm512_srli_epi32(lo, 16),
+                                                  _mm512_set1_epi32(static_cast<int>(0xffff0000u)), 0xE4);
+            if constexpr (!kAOrder) _mm512_storeu_si512(panel + ((((tb * 4 + ks) * 2 + h) * 16 + pp) * 16) * 2, pairs[pp]);
           }
+          if constexpr (kAOrder) {
+            transpose_16x16_u32(pairs);  // pairs[j]: the 32 tokens of column c0 + j
+            uint16_t* a = tiles + (c0 / 16) * (Kt / 32) * 512 + (tb * 4 + ks) * 512;
+            for (int j = 0; j < 16; ++j) _mm512_storeu_si512(a + j * 32, pairs[j]);
+          }
+        }
       }
     }
   });
   if (fb.any) *bad_col = fb.br, *bad_block = fb.bc, *bad_count = fb.count;
   return !fb.any;
+}
+
+bool quantize_colwise_tiles_avx512(const float* x, int64_t T, int64_t C, scale_mode mode, bool fold, int64_t Kt,
+                                   uint16_t* tiles, float* scale_inv, int64_t* bad_col, int64_t* bad_block,
+                                   int64_t* bad_count) {
+  return colwise_tiles<false>(x, T, C, mode, fold, Kt, tiles, scale_inv, bad_col, bad_block, bad_count);
+}
+
+bool quantize_colwise_tiles_a_avx512(const float* x, int64_t T, int64_t C, scale_mode mode, bool fold, int64_t Kt,
+                                     uint16_t* a, float* sa, int64_t* bad_col, int64_t* bad_block, int64_t* bad_count) {
+  return colwise_tiles<true>(x, T, C, mode, fold, Kt, a, sa, bad_col, bad_block, bad_count);
 }
 
 // Tasks of 16 rows (one tile-row group); per row and 128-block: amax, scale, then each k-step's

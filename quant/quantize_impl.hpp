@@ -29,6 +29,11 @@ void e4m3_grid_array_avx512(const float* x, int64_t n, float* out);
 bool quantize_colwise_tiles_avx512(const float* x, int64_t T, int64_t C, scale_mode mode, bool fold, int64_t Kt,
                                    uint16_t* tiles, float* scale_inv, int64_t* bad_col, int64_t* bad_block,
                                    int64_t* bad_count);
+// The same quantization laid out as the tile GEMM's A (rows = columns of x: wgrad's dY^T):
+// a [Mp/16][Kt/32][16][32] with Mp = C rounded to 32 (rows past C are written only up to C
+// rounded to 32: the caller's Mp); sa [Mp][Kt/128] scale_inv when not fold, else null.
+bool quantize_colwise_tiles_a_avx512(const float* x, int64_t T, int64_t C, scale_mode mode, bool fold, int64_t Kt,
+                                     uint16_t* a, float* sa, int64_t* bad_col, int64_t* bad_block, int64_t* bad_count);
 // x [M][K] quantized as 1x128 rowwise tiles into the tile A order [Mp/16][Kt/32][16][32] (BF16
 // E4M3 values, times scale_inv when fold; zero padding rows and columns); sa [Mp][Kt/128] gets
 // scale_inv when not fold. Returns false with the lowest bad (row, block) as quantize would.

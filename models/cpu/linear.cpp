@@ -209,7 +209,7 @@ gemm_packed_b wgrad_x_operand(const cpu_linear& l, const float* x, int64_t T) {
 void linear_wgrad(const cpu_linear& l, const float* dy, int64_t T, const gemm_packed_b& xb, float* dw) {
   if (l.tiles) {  // the tile GEMMs add into dw themselves (the same bits as dw += a separate result)
     if (l.prec == precision::fp8) {
-      gemm_fp8_tiles(quantize(dy, T, l.out, qlayout::colwise_1x128, l.mode, l.name + ".dy^T"), xb, dw, true);
+      gemm_fp8_tiles(gemm_tiles_a_fp8_colwise(dy, T, l.out, l.mode, l.name + ".dy^T"), xb, dw, true);
     } else {
       const auto dyt = to_bf16_transposed(dy, T, l.out);  // [out, T]
       gemm_bf16_tiles({l.out, l.in, T}, dyt.data(), xb, dw, true);

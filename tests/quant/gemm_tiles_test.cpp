@@ -220,6 +220,29 @@ TEST(GemmTiles, PreparedAFromActivationsEqualsQuantizeThenGemm) {
       }
     }
   }
+  for (auto [T, C] : {std::pair<int64_t, int64_t>{256, 64}, {300, 70}, {129, 33}, {5, 17}})
+    for (scale_mode mode : {scale_mode::pow2, scale_mode::fp32}) {  // wgrad's dY^T: columnwise
+      auto x = randn(T * C, seed++, 2.0f);
+      for (int64_t t = 0; t < T; ++t) x[t * C + 3] = 0.0f;  // an all-zero column
+      const qtensor q = quantize(x.data(), T, C, qlayout::colwise_1x128, mode, "dy^T");
+      const gemm_tiles_a a = gemm_tiles_a_fp8_colwise(x.data(), T, C, mode, "dy^T");
+      const int64_t N = 45;
+      const auto B = gemm_pack_fp8(quantize(randn(N * T, seed++).data(), N, T, qlayout::block_128x128, mode, "x^T"),
+                                   {false, false, true});
+      std::vector<float> want(C * N), got(C * N);
+      gemm_fp8_tiles(q, B, want.data());
+      gemm_fp8_tiles(a, B, got.data());
+      EXPECT_EQ(first_diff(got, want), -1) << "colwise " << scale_mode_name(mode) << " T " << T << " C " << C;
+    }
+  {
+    std::vector<float> x(300 * 40, 1.0f);
+    x[200 * 40 + 30] = std::numeric_limits<float>::infinity();
+    std::string want, got;
+    try { quantize(x.data(), 300, 40, qlayout::colwise_1x128, scale_mode::pow2, "dy^T"); } catch (const nonfinite_error& e) { want = e.what(); }
+    try { gemm_tiles_a_fp8_colwise(x.data(), 300, 40, scale_mode::pow2, "dy^T"); } catch (const nonfinite_error& e) { got = e.what(); }
+    EXPECT_FALSE(want.empty());
+    EXPECT_EQ(got, want);
+  }
   std::vector<float> x(40 * 300, 1.0f);
   x[30 * 300 + 200] = -std::numeric_limits<float>::infinity();  // row 30, block 1
   x[35 * 300 + 5] = std::numeric_limits<float>::quiet_NaN();    // row 35, block 0
