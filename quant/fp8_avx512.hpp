@@ -83,7 +83,11 @@ inline __m512 e4m3_grid16(__m512 x) {
 }
 
 // r[i] lane j -> r[j] lane i for 16 vectors of 16 32-bit lanes (unpack 32, unpack 64, two
-// 128-bit lane shuffles).
+// 128-bit lane shuffles). GCC 12's unmasked unpack intrinsics start from an `undefined` vector
+// (`__Y = __Y`) that -Wuninitialized flags at -O1 (the sanitizer builds): silenced here only.
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 inline void transpose_16x16_u32(__m512i (&r)[16]) {
   __m512i t[16];
   for (int i = 0; i < 8; ++i) {
@@ -106,6 +110,7 @@ inline void transpose_16x16_u32(__m512i (&r)[16]) {
     r[8 + i] = _mm512_shuffle_i32x4(t[i], t[8 + i], 0xdd);
   }
 }
+#pragma GCC diagnostic pop
 
 // 16 floats (as bits) -> 16 BF16 words, exactly bf16_from_float (RNE on the bits; NaN -> quiet
 // NaN; denormals kept, unlike VCVTNEPS2BF16, which flushes them).
