@@ -100,19 +100,21 @@ class cpu_backend final : public backend {
 }  // namespace
 
 // Keeps freed buffers in glibc's heap instead of returning them to the OS. A training step
-// allocates and frees several MB per op (quantized operands, packed activations, GEMM outputs);
-// above glibc's default 128 KiB-32 MiB mmap threshold each of those is a fresh mapping that
-// page-faults and is zeroed by the kernel on every step (bench-train fp8-tiles: ~5% of the step).
-// Like PyTorch's caching CPU allocator this trades resident memory (the step's peak stays
-// mapped) for speed. Process-wide, set once by the first CPU backend.
+// allocates and frees several MB per op (quantized operands, packed activations and weights);
+// glibc's adaptive thresholds hand some of them back each step, and the next step page-faults
+// them in again, zeroed by the kernel (bench-train fp8-tiles: ~4,000 faults per step, none with
+// this). Allocations above 32 MiB (glibc's own adaptive ceiling) stay mmapped: served from the
+// 64 MiB per-thread arenas, a 1 GiB threshold made the actor threads' 24-48 MB bundle buffers
+// cycle through arena heaps (bench-rl: 55 s of system time, BF16 bundle sync 0.45 -> 3 s).
+// Process-wide, set once by the first CPU backend.
 void cpu_allocator_keep_freed_memory() {
 #if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
   return;  // the sanitizers bring their own allocator
 #endif
   static std::once_flag once;
   std::call_once(once, [] {
-    constexpr int kLimit = 1 << 30;  // allocations up to 1 GiB from the heap; trim only above 1 GiB free
-    if (mallopt(M_MMAP_THRESHOLD, kLimit) != 1 || mallopt(M_TRIM_THRESHOLD, kLimit) != 1)
+    constexpr int kMmap = 32 << 20, kTrim = 1 << 30;
+    if (mallopt(M_MMAP_THRESHOLD, kMmap) != 1 || mallopt(M_TRIM_THRESHOLD, kTrim) != 1)
       log_get("model")->warn("mallopt refused the heap settings: per-step buffers will page-fault");
   });
 }
