@@ -224,9 +224,13 @@ void gemm_fp8_tiles(const qtensor& A, const gemm_packed_b& B, float* C, bool acc
   detail::gemm_tiles_amx({d.M, Mp, d.N, KS, a, &B, fold ? nullptr : sa.data(), KB, accumulate}, C);
 }
 
-gemm_tiles_a gemm_tiles_a_fp8(const float* x, int64_t M, int64_t K, scale_mode mode, std::string name) {
+namespace {
+// A [M][K] of the FP8 tile GEMM from x, filled by `fill(fold, a, sa, &bad_row, &bad_block, &count)`
+// (one of the quantize_*_tiles kernels); a non-finite tile throws as quantize would for `layout`.
+template <class Fill>
+gemm_tiles_a tiles_a_build(int64_t M, int64_t K, scale_mode mode, std::string name, qlayout layout, Fill&& fill) {
   gemm_desc{M, 0, K}.check();
-  if (!gemm_tiles_available()) throw std::runtime_error("gemm_tiles_a_fp8: tile GEMMs need AMX (tensor '" + name + "')");
+  if (!gemm_tiles_available()) throw std::runtime_error("gemm_tiles_a: tile GEMMs need AMX (tensor '" + name + "')");
   gemm_tiles_a A;
   A.name = std::move(name);
   A.mode = mode;
@@ -235,27 +239,25 @@ gemm_tiles_a gemm_tiles_a_fp8(const float* x, int64_t M, int64_t K, scale_mode m
   A.a.resize(static_cast<size_t>(A.Mp * A.Kt));  // every element written
   if (!fold) A.sa.resize(static_cast<size_t>(A.Mp * (A.Kt / kBlock)));
   int64_t row = 0, block = 0, count = 0;
-  if (!detail::quantize_rowwise_tiles_avx512(x, M, K, mode, fold, A.Mp, A.Kt, A.a.data(), fold ? nullptr : A.sa.data(),
-                                              &row, &block, &count))
-    detail::throw_nonfinite(A.name, qlayout::rowwise_1x128, row, block, count);
+  if (!fill(A, fold, &row, &block, &count)) detail::throw_nonfinite(A.name, layout, row, block, count);
   return A;
+}
+}  // namespace
+
+gemm_tiles_a gemm_tiles_a_fp8(const float* x, int64_t M, int64_t K, scale_mode mode, std::string name) {
+  return tiles_a_build(M, K, mode, std::move(name), qlayout::rowwise_1x128,
+                       [&](gemm_tiles_a& A, bool fold, int64_t* r, int64_t* b, int64_t* n) {
+                         return detail::quantize_rowwise_tiles_avx512(x, M, K, mode, fold, A.Mp, A.Kt, A.a.data(),
+                                                                      fold ? nullptr : A.sa.data(), r, b, n);
+                       });
 }
 
 gemm_tiles_a gemm_tiles_a_fp8_colwise(const float* x, int64_t T, int64_t C, scale_mode mode, std::string name) {
-  gemm_desc{C, 0, T}.check();
-  if (!gemm_tiles_available()) throw std::runtime_error("gemm_tiles_a_fp8_colwise: tile GEMMs need AMX (tensor '" + name + "')");
-  gemm_tiles_a A;
-  A.name = std::move(name);
-  A.mode = mode;
-  A.M = C, A.K = T, A.Mp = round_up(C, 32), A.Kt = round_up(T, kBlock);
-  const bool fold = mode == scale_mode::pow2;
-  A.a.resize(static_cast<size_t>(A.Mp * A.Kt));  // every element written
-  if (!fold) A.sa.resize(static_cast<size_t>(A.Mp * (A.Kt / kBlock)));
-  int64_t col = 0, block = 0, count = 0;
-  if (!detail::quantize_colwise_tiles_a_avx512(x, T, C, mode, fold, A.Kt, A.a.data(), fold ? nullptr : A.sa.data(), &col,
-                                                &block, &count))
-    detail::throw_nonfinite(A.name, qlayout::colwise_1x128, col, block, count);
-  return A;
+  return tiles_a_build(C, T, mode, std::move(name), qlayout::colwise_1x128,
+                       [&](gemm_tiles_a& A, bool fold, int64_t* c, int64_t* b, int64_t* n) {
+                         return detail::quantize_colwise_tiles_a_avx512(x, T, C, mode, fold, A.Kt, A.a.data(),
+                                                                        fold ? nullptr : A.sa.data(), c, b, n);
+                       });
 }
 
 void gemm_fp8_tiles(const gemm_tiles_a& A, const gemm_packed_b& B, float* C, bool accumulate) {
