@@ -125,6 +125,14 @@ void gemm_fp8_tiles(const gemm_tiles_a& A, const gemm_packed_b& B, float* C, boo
 // code array or a transpose; a non-finite tile is the same error. Needs AMX (tile GEMMs).
 gemm_packed_b gemm_pack_fp8_colwise_tiles(const float* x, int64_t T, int64_t C, scale_mode mode, std::string name);
 
+// A weight W [N][K] quantized in 128x128 blocks straight into the tile forms (no code array, no
+// transpose): *fwd = the B of x · W^T, *bwd = the B of dy · W (W^T, named name + ".T"); either
+// may be null. Bit-identical to gemm_pack_fp8(quantize(W, N, K, block_128x128, mode, name),
+// {false, false, true}) and to the same of qtensor_transpose_blocks(...); a non-finite block is
+// the same error. Needs AMX.
+void gemm_pack_fp8_blocks_tiles(const float* w, int64_t N, int64_t K, scale_mode mode, const std::string& name,
+                                gemm_packed_b* fwd, gemm_packed_b* bwd);
+
 // References (the definition of each result).
 void gemm_f32_ref(const gemm_desc& d, const float* A, const float* B, float* C);
 void gemm_bf16_ref(const gemm_desc& d, const uint16_t* A, const uint16_t* B, float* C);

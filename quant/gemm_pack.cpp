@@ -199,4 +199,27 @@ gemm_packed_b gemm_pack_fp8_colwise_tiles(const float* x, int64_t T, int64_t C, 
   return p;
 }
 
+void gemm_pack_fp8_blocks_tiles(const float* w, int64_t N, int64_t K, scale_mode mode, const std::string& name,
+                                gemm_packed_b* fwd, gemm_packed_b* bwd) {
+  gemm_desc{0, N, K}.check();
+  if (cpu_isa_active() < cpu_isa::amx)
+    throw std::runtime_error("gemm_pack_fp8_blocks_tiles: the tile form needs AMX (tensor '" + name + "')");
+  auto shape = [&](gemm_packed_b& p, std::string pname, int64_t n, int64_t k) {
+    p = gemm_packed_b{};
+    p.dtype = gemm_dtype::fp8;
+    p.mode = mode;
+    p.name = std::move(pname);
+    p.N = n, p.K = k, p.Kp = round_up(k, kBlock), p.Kt = p.Kp;
+    p.tiles.resize(static_cast<size_t>(p.panels() * p.Kt * 32));  // every element written
+    p.scale_inv.resize(static_cast<size_t>(p.panels() * p.Kt / kBlock * 32));
+  };
+  if (fwd) shape(*fwd, name, N, K);
+  if (bwd) shape(*bwd, name + ".T", K, N);
+  int64_t rb = 0, cb = 0, count = 0;
+  if (!detail::quantize_blocks_tiles_avx512(w, N, K, mode, mode == scale_mode::pow2, fwd ? fwd->tiles.data() : nullptr,
+                                             fwd ? fwd->scale_inv.data() : nullptr, bwd ? bwd->tiles.data() : nullptr,
+                                             bwd ? bwd->scale_inv.data() : nullptr, &rb, &cb, &count))
+    detail::throw_nonfinite(name, qlayout::block_128x128, rb, cb, count);
+}
+
 }  // namespace fp8rl::quant

@@ -9,6 +9,7 @@
 #include <mutex>
 #include <vector>
 
+#include "quant/aligned.hpp"
 #include "quant/fp8.hpp"
 #include "quant/fp8_avx512.hpp"
 #include "quant/quantize_impl.hpp"
@@ -336,6 +337,84 @@ bool quantize_colwise_tiles_avx512(const float* x, int64_t T, int64_t C, scale_m
 bool quantize_colwise_tiles_a_avx512(const float* x, int64_t T, int64_t C, scale_mode mode, bool fold, int64_t Kt,
                                      uint16_t* a, float* sa, int64_t* bad_col, int64_t* bad_block, int64_t* bad_count) {
   return colwise_tiles<true>(x, T, C, mode, fold, Kt, a, sa, bad_col, bad_block, bad_count);
+}
+
+bool quantize_blocks_tiles_avx512(const float* w, int64_t N, int64_t K, scale_mode mode, bool fold, uint16_t* fwd_tiles,
+                                  float* fwd_scale_inv, uint16_t* bwd_tiles, float* bwd_scale_inv, int64_t* bad_rb,
+                                  int64_t* bad_cb, int64_t* bad_count) {
+  const int64_t RB = (N + kBlock - 1) / kBlock, CB = (K + kBlock - 1) / kBlock;
+  // 1. block scales (scale and what the tiles multiply by: scale_inv when fold, else 1)
+  std::vector<float> sc(static_cast<size_t>(RB * CB)), si(sc.size()), sf(sc.size());
+  first_bad fb;
+  tbb::parallel_for(int64_t{0}, RB * CB, [&](int64_t b) {
+    const int64_t rb = b / CB, cb = b % CB, r0 = rb * kBlock, k0 = cb * kBlock;
+    float amax;
+    int bad;
+    if (!region_amax(w + r0 * K + k0, K, std::min(kBlock, N - r0), std::min(kBlock, K - k0), &amax, &bad)) {
+      fb.report(rb, cb, bad);
+      return;
+    }
+    const block_scale s = scale_from_amax(amax, mode);
+    sc[b] = s.scale, si[b] = s.scale_inv, sf[b] = fold ? s.scale_inv : 1.0f;
+  });
+  if (fb.any) {
+    *bad_rb = fb.br, *bad_cb = fb.bc, *bad_count = fb.count;
+    return false;
+  }
+  // E4M3 value (times scale_inv when fold) of w[r][c0..c0+15] (masked to K, zero past N), as floats
+  auto value16 = [&](int64_t r, int64_t c0) {
+    const __mmask16 m = r < N && c0 < K ? tail_mask(K - c0) : static_cast<__mmask16>(0);
+    const int64_t b = (std::min(r, N - 1) / kBlock) * CB + std::min(c0, K - 1) / kBlock;
+    return _mm512_mul_ps(e4m3_grid16(_mm512_mul_ps(_mm512_maskz_loadu_ps(m, w + r * K + c0), _mm512_set1_ps(sc[b]))),
+                         _mm512_set1_ps(sf[b]));
+  };
+  // 2. fwd: B = W, panels of 32 rows; each row's BF16 values into a [32][Kp] column buffer, then
+  //    the panel transposes (tiles_put_panel's layout)
+  const int64_t Kp = CB * kBlock, Np = RB * kBlock;
+  if (fwd_tiles)
+    tbb::parallel_for(int64_t{0}, (N + 31) / 32, [&](int64_t pn) {
+      avector_uninit<uint16_t> cols(static_cast<size_t>(32 * Kp));
+      for (int64_t j = 0; j < 32; ++j) {
+        const int64_t n = pn * 32 + j;
+        for (int64_t k = 0; k < Kp; k += 16)
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(cols.data() + j * Kp + k),
+                              _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(value16(n, k)), 16)));
+        for (int64_t kb = 0; kb < CB; ++kb)
+          fwd_scale_inv[(pn * CB + kb) * 32 + j] = n < N ? si[(n / kBlock) * CB + kb] : 0.0f;
+      }
+      for (int64_t ks = 0; ks < Kp / 32; ++ks)
+        for (int64_t h = 0; h < 2; ++h) {
+          __m512i r[16];
+          for (int c = 0; c < 16; ++c) r[c] = _mm512_loadu_si512(cols.data() + (h * 16 + c) * Kp + ks * 32);
+          transpose_16x16_u32(r);
+          for (int pp = 0; pp < 16; ++pp)
+            _mm512_storeu_si512(fwd_tiles + pn * Kp * 32 + (((ks * 2 + h) * 16 + pp) * 16) * 2, r[pp]);
+        }
+    });
+  // 3. bwd: B = W^T, panels of 32 columns of W; k-pairs are pairs of W's rows, so each tile row
+  //    (16 columns x rows t, t+1) is one vector: (BF16 of row t+1) << 16 | BF16 of row t
+  //    Tasks of 64 rows x 8 panels: each row pair's 1 KiB runs are read contiguously.
+  if (bwd_tiles) {
+    const int64_t NPb = (K + 31) / 32, PT = (NPb + 7) / 8;
+    tbb::parallel_for(int64_t{0}, (Np / 64) * PT, [&](int64_t task) {
+      const int64_t t0 = task / PT * 64, p0 = task % PT * 8, p1 = std::min(NPb, p0 + 8);
+      for (int64_t t = t0; t < t0 + 64; t += 2)
+        for (int64_t pn = p0; pn < p1; ++pn)
+          for (int64_t h = 0; h < 2; ++h) {
+            const int64_t c0 = pn * 32 + h * 16;
+            const __m512i lo = _mm512_castps_si512(value16(t, c0)), hi = _mm512_castps_si512(value16(t + 1, c0));
+            const __m512i pair = _mm512_ternarylogic_epi32(hi, _mm512_srli_epi32(lo, 16),
+                                                           _mm512_set1_epi32(static_cast<int>(0xffff0000u)), 0xE4);
+            const int64_t ks = t / 32, pp = (t % 32) / 2;
+            _mm512_storeu_si512(bwd_tiles + pn * Np * 32 + (((ks * 2 + h) * 16 + pp) * 16) * 2, pair);
+          }
+    });
+    for (int64_t pn = 0; pn < NPb; ++pn)
+      for (int64_t rb = 0; rb < RB; ++rb)
+        for (int64_t j = 0; j < 32; ++j)
+          bwd_scale_inv[(pn * RB + rb) * 32 + j] = pn * 32 + j < K ? si[rb * CB + (pn * 32 + j) / kBlock] : 0.0f;
+  }
+  return true;
 }
 
 // Tasks of 16 rows (one tile-row group); per row and 128-block: amax, scale, then each k-step's

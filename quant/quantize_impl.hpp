@@ -34,6 +34,13 @@ bool quantize_colwise_tiles_avx512(const float* x, int64_t T, int64_t C, scale_m
 // rounded to 32: the caller's Mp); sa [Mp][Kt/128] scale_inv when not fold, else null.
 bool quantize_colwise_tiles_a_avx512(const float* x, int64_t T, int64_t C, scale_mode mode, bool fold, int64_t Kt,
                                      uint16_t* a, float* sa, int64_t* bad_col, int64_t* bad_block, int64_t* bad_count);
+// W [N][K] quantized in 128x128 blocks straight into the tile B forms of W (fwd: panels of 32
+// rows of W) and of W^T (bwd: panels of 32 columns), each optional (null): tiles of Kt = K
+// (fwd) / N (bwd) rounded to 128 and scale_inv [NP][Kt/128][32] as gemm_pack_fp8 lays them out.
+// Returns false with the lowest bad block (row block, column block) and its count.
+bool quantize_blocks_tiles_avx512(const float* w, int64_t N, int64_t K, scale_mode mode, bool fold, uint16_t* fwd_tiles,
+                                  float* fwd_scale_inv, uint16_t* bwd_tiles, float* bwd_scale_inv, int64_t* bad_rb,
+                                  int64_t* bad_cb, int64_t* bad_count);
 // x [M][K] quantized as 1x128 rowwise tiles into the tile A order [Mp/16][Kt/32][16][32] (BF16
 // E4M3 values, times scale_inv when fold; zero padding rows and columns); sa [Mp][Kt/128] gets
 // scale_inv when not fold. Returns false with the lowest bad (row, block) as quantize would.

@@ -151,6 +151,10 @@ std::unique_ptr<prepared_linear> cpu_linear_prepare(const linear_source& w, bool
     return p;
   }
   if (!w.f32) throw std::invalid_argument("linear '" + w.name + "': no weight values");
+  if (w.prec == precision::fp8 && p->tiles) {  // straight into the tile forms
+    gemm_pack_fp8_blocks_tiles(w.f32, w.out, w.in, w.mode, w.name, &p->fwd, for_backward ? &p->bwd : nullptr);
+    return p;
+  }
   if (w.prec == precision::fp8) {
     qtensor q = quantize(w.f32, w.out, w.in, qlayout::block_128x128, w.mode, w.name);
     p->fwd = gemm_pack_fp8(q, forms);

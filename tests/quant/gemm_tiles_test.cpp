@@ -57,6 +57,27 @@ std::vector<uint16_t> to_bf16(const std::vector<float>& x) {
   for (size_t i = 0; i < x.size(); ++i) b[i] = bf16_from_float(x[i]);
   return b;
 }
+// got's tile form and scales equal want's, element for element.
+void expect_same_tile_form(const gemm_packed_b& got, const gemm_packed_b& want, const std::string& what) {
+  ASSERT_EQ(got.N, want.N) << what;
+  ASSERT_EQ(got.Kt, want.Kt) << what;
+  ASSERT_EQ(got.Kp, want.Kp) << what;
+  ASSERT_EQ(got.tiles.size(), want.tiles.size()) << what;
+  for (size_t i = 0; i < want.tiles.size(); ++i) ASSERT_EQ(got.tiles[i], want.tiles[i]) << what << " tile word " << i;
+  ASSERT_EQ(got.scale_inv.size(), want.scale_inv.size()) << what;
+  for (size_t i = 0; i < want.scale_inv.size(); ++i) ASSERT_EQ(got.scale_inv[i], want.scale_inv[i]) << what << " scale " << i;
+}
+
+// The non-finite error text `fn` throws ("" if it throws none).
+template <class Fn>
+std::string nonfinite_text(Fn&& fn) {
+  try {
+    fn();
+  } catch (const nonfinite_error& e) {
+    return e.what();
+  }
+  return "";
+}
 }  // namespace
 
 TEST(GemmTiles, Bf16WithinAccumulationBound) {
@@ -175,23 +196,14 @@ TEST(GemmTiles, ColwisePackFromActivationsEqualsQuantizeThenPack) {
       for (int64_t t = 0; t < T; ++t) x[t * C + C - 1] = 0.0f;
       const auto want = gemm_pack_fp8(quantize(x.data(), T, C, qlayout::colwise_1x128, mode, "x^T"), {false, false, true});
       const auto got = gemm_pack_fp8_colwise_tiles(x.data(), T, C, mode, "x^T");
-      ASSERT_EQ(got.N, want.N);
-      ASSERT_EQ(got.Kt, want.Kt);
-      ASSERT_EQ(got.Kp, want.Kp);
-      ASSERT_EQ(got.tiles.size(), want.tiles.size());
-      for (size_t i = 0; i < want.tiles.size(); ++i)
-        ASSERT_EQ(got.tiles[i], want.tiles[i]) << T << "x" << C << " " << scale_mode_name(mode) << " tile word " << i;
-      ASSERT_EQ(got.scale_inv.size(), want.scale_inv.size());
-      for (size_t i = 0; i < want.scale_inv.size(); ++i) ASSERT_EQ(got.scale_inv[i], want.scale_inv[i]) << "scale " << i;
+      expect_same_tile_form(got, want, std::to_string(T) + "x" + std::to_string(C) + " " + std::string(scale_mode_name(mode)));
     }
   std::vector<float> x(300 * 40, 1.0f);
   x[200 * 40 + 30] = std::numeric_limits<float>::infinity();  // column 30, token block 1
   x[10 * 40 + 35] = std::numeric_limits<float>::quiet_NaN();  // column 35, token block 0
-  std::string want, got;
-  try { quantize(x.data(), 300, 40, qlayout::colwise_1x128, scale_mode::pow2, "x^T"); } catch (const nonfinite_error& e) { want = e.what(); }
-  try { gemm_pack_fp8_colwise_tiles(x.data(), 300, 40, scale_mode::pow2, "x^T"); } catch (const nonfinite_error& e) { got = e.what(); }
+  const std::string want = nonfinite_text([&] { quantize(x.data(), 300, 40, qlayout::colwise_1x128, scale_mode::pow2, "x^T"); });
   EXPECT_FALSE(want.empty());
-  EXPECT_EQ(got, want);
+  EXPECT_EQ(nonfinite_text([&] { gemm_pack_fp8_colwise_tiles(x.data(), 300, 40, scale_mode::pow2, "x^T"); }), want);
 }
 
 // A prepared straight from activations (rowwise tiles in tile order) gives the same C as
@@ -237,20 +249,46 @@ TEST(GemmTiles, PreparedAFromActivationsEqualsQuantizeThenGemm) {
   {
     std::vector<float> x(300 * 40, 1.0f);
     x[200 * 40 + 30] = std::numeric_limits<float>::infinity();
-    std::string want, got;
-    try { quantize(x.data(), 300, 40, qlayout::colwise_1x128, scale_mode::pow2, "dy^T"); } catch (const nonfinite_error& e) { want = e.what(); }
-    try { gemm_tiles_a_fp8_colwise(x.data(), 300, 40, scale_mode::pow2, "dy^T"); } catch (const nonfinite_error& e) { got = e.what(); }
+    const std::string want = nonfinite_text([&] { quantize(x.data(), 300, 40, qlayout::colwise_1x128, scale_mode::pow2, "dy^T"); });
     EXPECT_FALSE(want.empty());
-    EXPECT_EQ(got, want);
+    EXPECT_EQ(nonfinite_text([&] { gemm_tiles_a_fp8_colwise(x.data(), 300, 40, scale_mode::pow2, "dy^T"); }), want);
   }
   std::vector<float> x(40 * 300, 1.0f);
   x[30 * 300 + 200] = -std::numeric_limits<float>::infinity();  // row 30, block 1
   x[35 * 300 + 5] = std::numeric_limits<float>::quiet_NaN();    // row 35, block 0
-  std::string want, got;
-  try { quantize(x.data(), 40, 300, qlayout::rowwise_1x128, scale_mode::fp32, "h"); } catch (const nonfinite_error& e) { want = e.what(); }
-  try { gemm_tiles_a_fp8(x.data(), 40, 300, scale_mode::fp32, "h"); } catch (const nonfinite_error& e) { got = e.what(); }
+  const std::string want = nonfinite_text([&] { quantize(x.data(), 40, 300, qlayout::rowwise_1x128, scale_mode::fp32, "h"); });
   EXPECT_FALSE(want.empty());
-  EXPECT_EQ(got, want);
+  EXPECT_EQ(nonfinite_text([&] { gemm_tiles_a_fp8(x.data(), 40, 300, scale_mode::fp32, "h"); }), want);
+}
+
+// Weights packed straight into both tile forms equal quantize -> pack and quantize -> transpose
+// -> pack, array for array, in both scale modes and ragged shapes; a non-finite block is the
+// same error.
+TEST(GemmTiles, WeightBlocksPackedStraightEqualQuantizeThenPack) {
+  SKIP_WITHOUT_AMX();
+  uint64_t seed = 1100;
+  for (auto [N, K] : {std::pair<int64_t, int64_t>{256, 128}, {300, 130}, {64, 512}, {33, 17}, {129, 257}})
+    for (scale_mode mode : {scale_mode::pow2, scale_mode::fp32}) {
+      auto w = randn(N * K, seed++, 0.05f);
+      for (int64_t r = 0; r < std::min<int64_t>(N, 128); ++r)
+        for (int64_t c = 0; c < std::min<int64_t>(K, 128); ++c) w[r * K + c] = 0.0f;  // an all-zero block
+      const qtensor q = quantize(w.data(), N, K, qlayout::block_128x128, mode, "w");
+      const auto want_f = gemm_pack_fp8(q, {false, false, true});
+      const auto want_b = gemm_pack_fp8(qtensor_transpose_blocks(q), {false, false, true});
+      gemm_packed_b f, b;
+      gemm_pack_fp8_blocks_tiles(w.data(), N, K, mode, "w", &f, &b);
+      const std::string what = std::to_string(N) + "x" + std::to_string(K) + " " + std::string(scale_mode_name(mode));
+      expect_same_tile_form(f, want_f, what + " fwd");
+      expect_same_tile_form(b, want_b, what + " bwd");
+      EXPECT_EQ(b.name, want_b.name);
+    }
+  std::vector<float> w(300 * 300, 0.01f);
+  w[290 * 300 + 10] = std::numeric_limits<float>::quiet_NaN();  // block (2, 0)
+  w[140 * 300 + 200] = std::numeric_limits<float>::infinity();  // block (1, 1)
+  const std::string want = nonfinite_text([&] { quantize(w.data(), 300, 300, qlayout::block_128x128, scale_mode::pow2, "w"); });
+  EXPECT_FALSE(want.empty());
+  gemm_packed_b f;
+  EXPECT_EQ(nonfinite_text([&] { gemm_pack_fp8_blocks_tiles(w.data(), 300, 300, scale_mode::pow2, "w", &f, nullptr); }), want);
 }
 
 TEST(GemmTiles, MissingTileFormIsAnError) {
