@@ -58,6 +58,12 @@ void tiles_accumulate(const tiles_problem& p, int64_t m0, int64_t pn, int64_t kb
     }
 }
 
+// Tile loads wait on L2 unless their lines are requested ahead: prefetching the A and B tiles of
+// the k-step two ahead (64 lines per step) took bench-gemm's fp8_tiles from 1378-1736 to
+// 1880-2302 GF/s on the training/prefill shapes (4 steps ahead measured the same). Prefetches
+// past the end of a panel touch nothing (they never fault).
+constexpr int64_t kPrefetchSteps = 2;
+
 // C rows m0..m0+31 (clipped to M), columns of panel pn (clipped to N).
 void tiles_block(const tiles_problem& p, int64_t m0, int64_t pn, float* C) {
   const int64_t KS = p.KS, kspb = p.sa ? kBlock / 32 : KS, blocks = p.sa ? p.KB : 1;
@@ -72,6 +78,12 @@ void tiles_block(const tiles_problem& p, int64_t m0, int64_t pn, float* C) {
     _tile_zero(2);
     _tile_zero(3);
     for (int64_t ks = kb * kspb; ks < std::min(KS, (kb + 1) * kspb); ++ks) {
+      for (int l = 0; l < 16; ++l) {
+        _mm_prefetch(reinterpret_cast<const char*>(a0 + (ks + kPrefetchSteps) * 512) + 64 * l, _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(a1 + (ks + kPrefetchSteps) * 512) + 64 * l, _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(b + (ks + kPrefetchSteps) * 1024) + 64 * l, _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(b + (ks + kPrefetchSteps) * 1024 + 512) + 64 * l, _MM_HINT_T0);
+      }
       _tile_loadd(4, a0 + ks * 512, 64);
       _tile_loadd(5, a1 + ks * 512, 64);
       _tile_loadd(6, b + ks * 1024, 64);
