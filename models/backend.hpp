@@ -123,13 +123,14 @@ class backend {
     for (size_t i = 0; i < ws.size(); ++i) linear_forward(*ws[i], x, T, ys[i]);
   }
   // Their backward: dx[T,in] = dy_0 · W_0, then dy_i · W_i added in order (through dtmp[T,in],
-  // the same bits as separate calls and add_inplace); dws[i] += dy_i^T · x.
+  // the same bits as separate calls and add_inplace); dws[i] += dy_i^T · x. Null dx or dws[i]
+  // skip that part, as in linear_backward.
   virtual void linear_backward_group(std::span<const prepared_linear* const> ws, const float* x,
                                      std::span<const float* const> dys, int64_t T, float* dx, float* dtmp,
                                      std::span<float* const> dws) {
     for (size_t i = 0; i < ws.size(); ++i) {
-      linear_backward(*ws[i], x, dys[i], T, i == 0 ? dx : dtmp, dws[i]);
-      if (i > 0) add_inplace(dx, dtmp, T * ws[i]->in);
+      linear_backward(*ws[i], x, dys[i], T, !dx ? nullptr : i == 0 ? dx : dtmp, dws[i]);
+      if (dx && i > 0) add_inplace(dx, dtmp, T * ws[i]->in);
     }
   }
 

@@ -261,8 +261,10 @@ void cpu_linear_backward_group(std::span<const prepared_linear* const> ws, const
   for (size_t i = 0; i < ws.size(); ++i) {
     const auto& l = static_cast<const cpu_linear&>(*ws[i]);
     if (l.in != ws[0]->in) throw std::logic_error("linear group: '" + l.name + "' reads another input width");
-    linear_dgrad(l, dys[i], T, i == 0 ? dx : dtmp);
-    if (i > 0) cpu_add_inplace(dx, dtmp, T * l.in);  // the backend's add_inplace: separate calls' bits
+    if (dx) {
+      linear_dgrad(l, dys[i], T, i == 0 ? dx : dtmp);
+      if (i > 0) cpu_add_inplace(dx, dtmp, T * l.in);  // the backend's add_inplace: separate calls' bits
+    }
     if (!dws[i]) continue;
     if (!xb_for || !wgrad_operand_serves(*xb_for, l)) xb = wgrad_x_operand(l, x, T), xb_for = &l;
     linear_wgrad(l, dys[i], T, xb, dws[i]);

@@ -120,6 +120,15 @@ TEST(Precision, LinearGroupEqualsSeparateCalls) {
     EXPECT_EQ(first_diff(dw[i], rdw[i]), -1) << "member " << i << " wgrad";
   }
   EXPECT_EQ(first_diff(dx, rdx), -1) << "dgrad sum";
+  // no dx and a member without weight gradient: the rest as separate calls
+  std::vector<float> dw0(dw[0].size(), 0.0f), rdw0(dw0.size(), 0.0f), dw2(dw[2].size(), 0.0f), rdw2(dw2.size(), 0.0f);
+  std::vector<float*> some(ms.size(), nullptr);
+  some[0] = dw0.data(), some[2] = dw2.data();
+  be->linear_backward_group(ws, x.data(), dyp, T, nullptr, tmp.data(), some);
+  be->linear_backward(*pl[0], x.data(), dy[0].data(), T, nullptr, rdw0.data());
+  be->linear_backward(*pl[2], x.data(), dy[2].data(), T, nullptr, rdw2.data());
+  EXPECT_EQ(first_diff(dw0, rdw0), -1) << "member 0 without dx";
+  EXPECT_EQ(first_diff(dw2, rdw2), -1) << "member 2 without dx";
 }
 
 TEST(Precision, PolicyPicksFp8OnlyWhereAllowed) {
