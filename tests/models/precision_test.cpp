@@ -122,8 +122,8 @@ TEST(Precision, LinearGroupEqualsSeparateCalls) {
   EXPECT_EQ(first_diff(dx, rdx), -1) << "dgrad sum";
   // no dx and a member without weight gradient: the rest as separate calls
   std::vector<float> dw0(dw[0].size(), 0.0f), rdw0(dw0.size(), 0.0f), dw2(dw[2].size(), 0.0f), rdw2(dw2.size(), 0.0f);
-  std::vector<float*> some(ms.size(), nullptr);
-  some[0] = dw0.data(), some[2] = dw2.data();
+  float* some[] = {dw0.data(), nullptr, dw2.data(), nullptr, nullptr, nullptr};  // one per member of ms
+  ASSERT_EQ(std::size(some), ms.size());
   be->linear_backward_group(ws, x.data(), dyp, T, nullptr, tmp.data(), some);
   be->linear_backward(*pl[0], x.data(), dy[0].data(), T, nullptr, rdw0.data());
   be->linear_backward(*pl[2], x.data(), dy[2].data(), T, nullptr, rdw2.data());
