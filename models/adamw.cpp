@@ -2,6 +2,7 @@
 #include "models/adamw.hpp"
 
 #include "models/clones.hpp"
+#include "models/lanes.hpp"
 
 #include <tbb/parallel_for.h>
 
@@ -10,18 +11,9 @@
 namespace fp8rl::models {
 
 namespace {
-// sum of g[i]^2 in double over [i0, i1): eight interleaved partial sums (lane i % 8 from i0),
-// added in lane order at the end: a fixed order that vectorizes.
+// sum of g[i]^2 in double over [i0, i1), lanes from i0 (models/lanes.hpp)
 FP8RL_VECTOR_CLONES double sum_squares(const float* __restrict g, int64_t i0, int64_t i1) {
-  double lane[8] = {};
-  int64_t i = i0;
-  for (; i + 8 <= i1; i += 8)
-#pragma GCC unroll 8
-    for (int l = 0; l < 8; ++l) lane[l] += static_cast<double>(g[i + l]) * g[i + l];
-  for (int l = 0; i < i1; ++i, ++l) lane[l] += static_cast<double>(g[i]) * g[i];
-  double s = 0.0;
-  for (double x : lane) s += x;
-  return s;
+  return lanes_sum_squares(g + i0, i1 - i0);
 }
 }  // namespace
 

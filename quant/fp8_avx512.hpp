@@ -82,6 +82,17 @@ inline __m512 e4m3_grid16(__m512 x) {
   return _mm512_castsi512_ps(_mm512_or_si512(r, _mm512_andnot_si512(_mm512_set1_epi32(0x7fffffff), u)));
 }
 
+// The BF16 words of 16 floats that BF16 holds exactly (E4M3 values, times powers of two): the
+// upper halves, no rounding step.
+inline __m256i bf16_exact16(__m512 v) { return _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(v), 16)); }
+
+// 16 BF16 pairs (lo[j], hi[j]) as dwords, the low word from lo: (hi & 0xffff0000) | (lo >> 16)
+// for floats BF16 holds exactly. The tile forms' k-pair layout.
+inline __m512i bf16_pairs16(__m512 lo, __m512 hi) {
+  return _mm512_ternarylogic_epi32(_mm512_castps_si512(hi), _mm512_srli_epi32(_mm512_castps_si512(lo), 16),
+                                   _mm512_set1_epi32(static_cast<int>(0xffff0000u)), 0xE4);
+}
+
 // r[i] lane j -> r[j] lane i for 16 vectors of 16 32-bit lanes (unpack 32, unpack 64, two
 // 128-bit lane shuffles). GCC 12's unmasked unpack intrinsics start from an `undefined` vector
 // (`__Y = __Y`) that -Wuninitialized flags at -O1 (the sanitizer builds): silenced here only.

@@ -12,6 +12,7 @@
 #include "quant/aligned.hpp"
 #include "quant/fp8.hpp"
 #include "quant/fp8_avx512.hpp"
+#include "quant/gemm_impl.hpp"
 #include "quant/quantize_impl.hpp"
 #include "quant/scale.hpp"
 
@@ -281,38 +282,36 @@ bool colwise_tiles(const float* x, int64_t T, int64_t C, scale_mode mode, bool f
       for (int64_t q = 0; q < ngrp; ++q) {
         const int64_t pn = p0 + q / 2, h = q % 2, c0 = cbase + 16 * q, nc = std::clamp<int64_t>(C - c0, 0, 16);
         uint16_t* panel = tiles + pn * Kt * 32;
-        float si_sink[16];
-        float* si_out = !kAOrder ? scale_inv + (pn * KB + tb) * 32 + h * 16 : scale_inv ? nullptr : si_sink;
+        auto put_scale = [&](int64_t j, float v) {  // B order [NP][KB][32]; A order [Mp][KB] (null: folded)
+          if constexpr (!kAOrder) scale_inv[(pn * KB + tb) * 32 + h * 16 + j] = v;
+          else if (scale_inv) scale_inv[(c0 + j) * KB + tb] = v;
+        };
         alignas(64) float amax[16], sc[16], si[16];
         alignas(64) int32_t bad[16];
         _mm512_store_ps(amax, acc[q]);
         _mm512_store_si512(bad, nbad[q]);
         bool ok = true;
         for (int64_t j = 0; j < 16; ++j) {
-          float& out = si_out ? si_out[j] : scale_inv[(c0 + j) * KB + tb];  // A order: [Mp][KB]
           sc[j] = 1.0f, si[j] = 1.0f;
-          if (j >= nc) { out = 0.0f; continue; }
+          if (j >= nc) { put_scale(j, 0.0f); continue; }
           if (bad[j]) { fb.report(c0 + j, tb, bad[j]); ok = false; continue; }
           const block_scale s = scale_from_amax(amax[j], mode);
           sc[j] = s.scale;
           si[j] = fold ? s.scale_inv : 1.0f;
-          out = s.scale_inv;
+          put_scale(j, s.scale_inv);
         }
         if (!ok) continue;
         const __m512 vs = _mm512_load_ps(sc), vf = _mm512_load_ps(si);
         const __mmask16 mq = m[q];
         auto value = [&](int64_t t) {  // token t0 + t of the 16 columns: E4M3 value (x scale_inv when fold)
           const __m512 v = _mm512_maskz_loadu_ps(t < nt ? mq : static_cast<__mmask16>(0), x + (t0 + t) * C + c0);
-          return _mm512_castps_si512(_mm512_mul_ps(e4m3_grid16(_mm512_mul_ps(v, vs)), vf));
+          return _mm512_mul_ps(e4m3_grid16(_mm512_mul_ps(v, vs)), vf);
         };
         for (int64_t ks = 0; ks < kBlock / 32; ++ks) {
           __m512i pairs[16];
           for (int64_t pp = 0; pp < 16; ++pp) {
             const int64_t t = ks * 32 + 2 * pp;
-            const __m512i lo = value(t), hi = value(t + 1);
-            // (hi & 0xffff0000) | (lo >> 16): the BF16 pair (exact: E4M3 values have 4 significant bits)
-            pairs[pp] = _mm512_ternarylogic_epi32(hi, _mm512_srli_epi32(lo, 16),
-                                                  _mm512_set1_epi32(static_cast<int>(0xffff0000u)), 0xE4);
+            pairs[pp] = bf16_pairs16(value(t), value(t + 1));
             if constexpr (!kAOrder) _mm512_storeu_si512(panel + ((((tb * 4 + ks) * 2 + h) * 16 + pp) * 16) * 2, pairs[pp]);
           }
           if constexpr (kAOrder) {
@@ -369,7 +368,7 @@ bool quantize_blocks_tiles_avx512(const float* w, int64_t N, int64_t K, scale_mo
                          _mm512_set1_ps(sf[b]));
   };
   // 2. fwd: B = W, panels of 32 rows; each row's BF16 values into a [32][Kp] column buffer, then
-  //    the panel transposes (tiles_put_panel's layout)
+  //    tiles_put_panel
   const int64_t Kp = CB * kBlock, Np = RB * kBlock;
   if (fwd_tiles)
     tbb::parallel_for(int64_t{0}, (N + 31) / 32, [&](int64_t pn) {
@@ -377,19 +376,11 @@ bool quantize_blocks_tiles_avx512(const float* w, int64_t N, int64_t K, scale_mo
       for (int64_t j = 0; j < 32; ++j) {
         const int64_t n = pn * 32 + j;
         for (int64_t k = 0; k < Kp; k += 16)
-          _mm256_storeu_si256(reinterpret_cast<__m256i*>(cols.data() + j * Kp + k),
-                              _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(value16(n, k)), 16)));
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(cols.data() + j * Kp + k), bf16_exact16(value16(n, k)));
         for (int64_t kb = 0; kb < CB; ++kb)
           fwd_scale_inv[(pn * CB + kb) * 32 + j] = n < N ? si[(n / kBlock) * CB + kb] : 0.0f;
       }
-      for (int64_t ks = 0; ks < Kp / 32; ++ks)
-        for (int64_t h = 0; h < 2; ++h) {
-          __m512i r[16];
-          for (int c = 0; c < 16; ++c) r[c] = _mm512_loadu_si512(cols.data() + (h * 16 + c) * Kp + ks * 32);
-          transpose_16x16_u32(r);
-          for (int pp = 0; pp < 16; ++pp)
-            _mm512_storeu_si512(fwd_tiles + pn * Kp * 32 + (((ks * 2 + h) * 16 + pp) * 16) * 2, r[pp]);
-        }
+      tiles_put_panel(fwd_tiles + pn * Kp * 32, Kp, cols.data());
     });
   // 3. bwd: B = W^T, panels of 32 columns of W; k-pairs are pairs of W's rows, so each tile row
   //    (16 columns x rows t, t+1) is one vector: (BF16 of row t+1) << 16 | BF16 of row t
@@ -402,11 +393,9 @@ bool quantize_blocks_tiles_avx512(const float* w, int64_t N, int64_t K, scale_mo
         for (int64_t pn = p0; pn < p1; ++pn)
           for (int64_t h = 0; h < 2; ++h) {
             const int64_t c0 = pn * 32 + h * 16;
-            const __m512i lo = _mm512_castps_si512(value16(t, c0)), hi = _mm512_castps_si512(value16(t + 1, c0));
-            const __m512i pair = _mm512_ternarylogic_epi32(hi, _mm512_srli_epi32(lo, 16),
-                                                           _mm512_set1_epi32(static_cast<int>(0xffff0000u)), 0xE4);
             const int64_t ks = t / 32, pp = (t % 32) / 2;
-            _mm512_storeu_si512(bwd_tiles + pn * Np * 32 + (((ks * 2 + h) * 16 + pp) * 16) * 2, pair);
+            _mm512_storeu_si512(bwd_tiles + pn * Np * 32 + (((ks * 2 + h) * 16 + pp) * 16) * 2,
+                                bf16_pairs16(value16(t, c0), value16(t + 1, c0)));
           }
     });
     for (int64_t pn = 0; pn < NPb; ++pn)
@@ -453,7 +442,7 @@ bool quantize_rowwise_tiles_avx512(const float* x, int64_t M, int64_t K, scale_m
               const int64_t kk = k + 16 * i;
               const __mmask16 mk = kk < nk ? tail_mask(nk - kk) : static_cast<__mmask16>(0);
               const __m512 v = _mm512_mul_ps(e4m3_grid16(_mm512_mul_ps(_mm512_maskz_loadu_ps(mk, xr + k0 + kk), vs)), vf);
-              half[i] = _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(v), 16));  // exact: 4 significant bits
+              half[i] = bf16_exact16(v);
             }
             _mm512_storeu_si512(row + (k0 + k) / 32 * 512, _mm512_inserti64x4(_mm512_castsi256_si512(half[0]), half[1], 1));
           }

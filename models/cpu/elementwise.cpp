@@ -12,6 +12,7 @@
 #include "models/cpu/cpu_backend.hpp"
 #include "models/cpu/cpu_ops.hpp"
 #include "models/clones.hpp"
+#include "models/lanes.hpp"
 #include "models/cpu/fast_exp.hpp"
 
 namespace fp8rl::models {
@@ -42,32 +43,11 @@ void cpu_embedding_backward(const float* dout, const int32_t* tokens, int64_t T,
 }
 
 namespace {
-// sum over c < n of x[c]^2 (y = null) or x[c] * y[c] * z[c], in double: 8 lanes (lane c % 8)
-// added in lane order, one fixed order that vectorizes (training and decode share it).
-FP8RL_VECTOR_CLONES double sum_lanes(const float* __restrict x, const float* __restrict y, const float* __restrict z,
-                                     int64_t n) {
-  double lane[8] = {};
-  int64_t c = 0;
-  if (!y) {
-    for (; c + 8 <= n; c += 8)
-#pragma GCC unroll 8
-      for (int l = 0; l < 8; ++l) lane[l] += static_cast<double>(x[c + l]) * x[c + l];
-    for (int l = 0; c < n; ++c, ++l) lane[l] += static_cast<double>(x[c]) * x[c];
-  } else {
-    for (; c + 8 <= n; c += 8)
-#pragma GCC unroll 8
-      for (int l = 0; l < 8; ++l) lane[l] += static_cast<double>(x[c + l]) * y[c + l] * z[c + l];
-    for (int l = 0; c < n; ++c, ++l) lane[l] += static_cast<double>(x[c]) * y[c] * z[c];
-  }
-  double s = 0.0;
-  for (double v : lane) s += v;
-  return s;
-}
-
-// One row: r = 1 / sqrt(mean(x^2) + eps) (double), out = w * (x * r).
+// One row: r = 1 / sqrt(mean(x^2) + eps) (double; the sum in models/lanes.hpp's fixed order,
+// shared by training and decode), out = w * (x * r).
 FP8RL_VECTOR_CLONES float rmsnorm_row(const float* __restrict x, const float* __restrict w, int64_t C, float eps,
                                       float* __restrict out) {
-  const float r = static_cast<float>(1.0 / std::sqrt(sum_lanes(x, nullptr, nullptr, C) / static_cast<double>(C) + eps));
+  const float r = static_cast<float>(1.0 / std::sqrt(lanes_sum_squares(x, C) / static_cast<double>(C) + eps));
   for (int64_t c = 0; c < C; ++c) out[c] = w[c] * (x[c] * r);
   return r;
 }
@@ -75,7 +55,7 @@ FP8RL_VECTOR_CLONES float rmsnorm_row(const float* __restrict x, const float* __
 // One row's dx += dout * w * r - x * k, k = mean(dout * w * x) * r^3.
 FP8RL_VECTOR_CLONES void rmsnorm_row_backward(const float* __restrict dt, const float* __restrict x,
                                               const float* __restrict w, float r, int64_t C, float* __restrict dx) {
-  const float k = static_cast<float>(sum_lanes(dt, w, x, C) / static_cast<double>(C)) * r * r * r;
+  const float k = static_cast<float>(lanes_sum_product3(dt, w, x, C) / static_cast<double>(C)) * r * r * r;
   for (int64_t c = 0; c < C; ++c) dx[c] += dt[c] * w[c] * r - x[c] * k;
 }
 

@@ -45,9 +45,7 @@ double median_of(const std::vector<json>& m, const char* key, size_t skip) {
   std::vector<double> v;
   for (size_t i = skip; i < m.size(); ++i)
     if (m[i].contains(key) && m[i][key].is_number()) v.push_back(m[i][key].get<double>());
-  if (v.empty()) return 0;
-  std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
+  return bench_median_of(std::move(v));
 }
 
 }  // namespace

@@ -36,11 +36,6 @@ struct phase_clock {
   }
 };
 
-double median_of(std::vector<double> v) {
-  if (v.empty()) return 0.0;
-  std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
-}
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -90,7 +85,7 @@ int main(int argc, char** argv) {
           models::adamw_step({}, q.layout, q.data.data(), grads.data(), st);
           ph[3].push_back(pc.lap());
         }, 0.0);
-        for (int i = 0; i < 4; ++i) phase_s[i] = median_of(ph[i]);
+        for (int i = 0; i < 4; ++i) phase_s[i] = bench_median_of(ph[i]);
       });
       bench_emit(a, {{"bench", jstr("train")}, {"impl", jstr(impl)}, {"threads", jnum(t)},
                      {"tokens", jnum(double(b.T()))}, {"median_s", jnum(sec)}, {"tokens_per_s", jnum(double(b.T()) / sec)},

@@ -59,6 +59,13 @@ inline bool bench_selected(const bench_args& a, const std::string& impl) {
 
 // Median seconds per call of fn over `reps` repetitions; each repetition runs fn enough times to
 // last >= min_s (after one warm-up call), so short kernels are not timer-bound.
+// The median (upper middle) of v; 0 for none.
+inline double bench_median_of(std::vector<double> v) {
+  if (v.empty()) return 0.0;
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
 inline double bench_median(int reps, const std::function<void()>& fn, double min_s = 0.05) {
   using clk = std::chrono::steady_clock;
   fn();
@@ -72,8 +79,7 @@ inline double bench_median(int reps, const std::function<void()>& fn, double min
     for (int i = 0; i < inner; ++i) fn();
     v.push_back(std::chrono::duration<double>(clk::now() - a).count() / inner);
   }
-  std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
+  return bench_median_of(std::move(v));
 }
 
 // One result line. fields: ordered key -> already-formatted JSON value.
