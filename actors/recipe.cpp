@@ -50,6 +50,7 @@ std::vector<recipe_key> recipe_keys(run_config& r) {
       {"precision", "bf16_first", &r.bf16_first, "first N transformer layers kept BF16 (both sides)"},
       {"precision", "bf16_last", &r.bf16_last, "last N transformer layers kept BF16 (both sides)"},
       {"grpo", "normalize_std", &r.normalize_std, "divide advantages by the group std"},
+      {"grpo", "share_prompts", &r.share_prompts, "learner runs a group's common prompt once (logprobs unchanged bit for bit)"},
       {"grpo", "clip_low", &r.clip_low, "PPO clip epsilon below"},
       {"grpo", "clip_high", &r.clip_high, "PPO clip epsilon above"},
       {"grpo", "dual_clip", &r.dual_clip, "dual clip c (> 1 enables)"},
@@ -245,6 +246,7 @@ models::rl_run_config recipe_rl_config(const run_config& r) {
   models::rl_run_config c;
   c.grpo.group_size = r.group_size;
   c.grpo.normalize_std = r.normalize_std;
+  c.grpo.share_prompts = r.share_prompts;
   c.grpo.clip_low = static_cast<float>(r.clip_low);
   c.grpo.clip_high = static_cast<float>(r.clip_high);
   c.grpo.dual_clip = static_cast<float>(r.dual_clip);

@@ -40,6 +40,7 @@ struct run_config {
   int64_t bf16_first = 0, bf16_last = 0;
   // [grpo]
   bool normalize_std = true;
+  bool share_prompts = true;
   double clip_low = 0.2, clip_high = 0.2, dual_clip = 0.0, is_lo = 0.0, is_hi = 2.0, kl_beta = 0.0,
          seq_logprob_error_threshold = 0.0;
   std::string is_mode = "tis";

@@ -50,6 +50,8 @@ struct attn_params {
   int64_t T = 0, H = 0, KV = 0, D = 0;
   const int32_t* seq_start = nullptr;  // host [S+1]: packed sequence offsets; causal within each
   int64_t S = 0;
+  const int32_t* prefix = nullptr;     // host [S] or null: sequence s also attends to all of
+                                       //   sequence prefix[s] (>= 0) first (token_batch)
   precision operand = precision::fp32;  // fp32, or bf16 (Q, K, V, P rounded to BF16)
   const float* q_scale = nullptr;       // FP8 attention: host [H], [KV], [KV] scale_inv per head
   const float* k_scale = nullptr;       //   (null: not FP8)

@@ -12,10 +12,17 @@
 namespace fp8rl::models {
 
 // ---------------------------------------------------------------- token_batch
+int64_t token_batch::prefix_len(int64_t s) const {
+  const int32_t p = prefix_of(s);
+  return p < 0 ? 0 : seq_start[p + 1] - seq_start[p];
+}
+
 std::vector<int32_t> token_batch::positions() const {
   std::vector<int32_t> p(tokens.size());
-  for (int64_t s = 0; s < S(); ++s)
-    for (int32_t t = seq_start[s]; t < seq_start[s + 1]; ++t) p[t] = t - seq_start[s];
+  for (int64_t s = 0; s < S(); ++s) {
+    const int32_t off = static_cast<int32_t>(prefix_len(s));
+    for (int32_t t = seq_start[s]; t < seq_start[s + 1]; ++t) p[t] = off + t - seq_start[s];
+  }
   return p;
 }
 
@@ -26,7 +33,9 @@ std::vector<int32_t> token_batch::next_targets() const {
   return y;
 }
 
-void token_batch::add(const std::vector<int32_t>& seq) {
+void token_batch::add(const std::vector<int32_t>& seq, int32_t prefix_seq) {
+  if (prefix_seq >= 0 && prefix.empty()) prefix.assign(static_cast<size_t>(S()), -1);
+  if (!prefix.empty()) prefix.push_back(prefix_seq);
   tokens.insert(tokens.end(), seq.begin(), seq.end());
   seq_start.push_back(static_cast<int32_t>(tokens.size()));
 }
@@ -40,11 +49,20 @@ token_batch token_batch::pack(const std::vector<std::vector<int32_t>>& seqs) {
 void token_batch::validate(int64_t vocab, int64_t max_pos) const {
   if (seq_start.empty() || seq_start.front() != 0 || seq_start.back() != T())
     throw std::invalid_argument("token batch: seq_start must run from 0 to T");
+  if (!prefix.empty() && static_cast<int64_t>(prefix.size()) != S())
+    throw std::invalid_argument("token batch: prefix has " + std::to_string(prefix.size()) + " entries for " +
+                                std::to_string(S()) + " sequences");
   for (int64_t s = 0; s < S(); ++s) {
     if (seq_start[s + 1] < seq_start[s]) throw std::invalid_argument("token batch: seq_start not increasing");
-    if (seq_start[s + 1] - seq_start[s] > max_pos)
+    if (!prefix.empty()) {
+      const int32_t p = prefix[s];
+      if (p >= s || p < -1 || (p >= 0 && prefix[p] != -1))
+        throw std::invalid_argument("token batch: sequence " + std::to_string(s) + " has prefix " + std::to_string(p) +
+                                    " (need -1 or an earlier sequence without a prefix of its own)");
+    }
+    if (prefix_len(s) + seq_start[s + 1] - seq_start[s] > max_pos)
       throw std::invalid_argument("token batch: sequence " + std::to_string(s) + " has " +
-                                  std::to_string(seq_start[s + 1] - seq_start[s]) +
+                                  std::to_string(prefix_len(s) + seq_start[s + 1] - seq_start[s]) +
                                   " tokens, more than max_position_embeddings = " + std::to_string(max_pos));
   }
   for (int64_t t = 0; t < T(); ++t)
@@ -167,6 +185,7 @@ attn_params model_runner::attn(const model_weights& w, int64_t layer) const {
   p.D = w.cfg.head_dim;
   p.seq_start = batch_.seq_start.data();
   p.S = batch_.S();
+  p.prefix = batch_.prefix.empty() ? nullptr : batch_.prefix.data();
   p.operand = w.policy.attention;
   if (fwd_scales_) {
     p.q_scale = fwd_scales_->q.data() + layer * p.H;

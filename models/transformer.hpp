@@ -19,14 +19,21 @@
 namespace fp8rl::models {
 
 // Token sequences packed into one row of T tokens; attention is causal within each sequence.
+// Shared prefixes: a sequence s with prefix[s] = p >= 0 continues sequence p (an earlier one
+// with no prefix of its own): its tokens sit at positions |p| + i and attend to all of p's
+// tokens, then causally to its own. Every row computes exactly what it would in the unshared
+// sequence p + s, so G completions of one prompt run the prompt's rows once (the learner).
 struct token_batch {
-  std::vector<int32_t> tokens;         // [T]
+  std::vector<int32_t> tokens;           // [T]
   std::vector<int32_t> seq_start = {0};  // [S+1]; seq_start[S] == T
+  std::vector<int32_t> prefix;           // [S] or empty (no shared prefixes): sequence p, or -1
   int64_t T() const { return static_cast<int64_t>(tokens.size()); }
   int64_t S() const { return static_cast<int64_t>(seq_start.size()) - 1; }
-  std::vector<int32_t> positions() const;     // [T] position within its sequence
+  int32_t prefix_of(int64_t s) const { return prefix.empty() ? -1 : prefix[s]; }
+  int64_t prefix_len(int64_t s) const;        // tokens of s's prefix sequence (0 if none)
+  std::vector<int32_t> positions() const;     // [T] position within its (unshared) sequence
   std::vector<int32_t> next_targets() const;  // [T] token t+1 of the same sequence, else -1
-  void add(const std::vector<int32_t>& seq);
+  void add(const std::vector<int32_t>& seq, int32_t prefix_seq = -1);
   void validate(int64_t vocab, int64_t max_pos) const;  // throws std::invalid_argument
   static token_batch pack(const std::vector<std::vector<int32_t>>& seqs);
 };

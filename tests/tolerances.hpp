@@ -37,6 +37,10 @@ inline constexpr double kGoldenF32Grads = 1e-4;
 // parameters by up to lr * relative error; losses stay within 1e-4 relative.
 inline constexpr double kGoldenAdamLoss = 1e-4;
 
+// The same FP32 terms summed in another order (shared-prefix gradients vs the unshared
+// sequences'): each sum differs by a few roundings of 2^-24 relative; normwise far below 1e-5.
+inline constexpr double kFp32SumOrder = 1e-5;
+
 // FP32 central differences with h = 1e-2: truncation ~h^2 |f'''| ~ 1e-4 and rounding
 // ~2^-24 |L| / h ~ 1e-5 relative; 5e-3 normwise leaves room for curvature of exp/softmax.
 inline constexpr double kFiniteDiffF32 = 5e-3;

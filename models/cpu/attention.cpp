@@ -157,16 +157,25 @@ struct kv_view {  // rounded K^T [D][ld] (ld = n rounded up to kKeyChunk, zero-p
   int64_t ld = 0;
 };
 
-FP8RL_VECTOR_CLONES void gather_kv(const attn_params& p, const float* k, const float* v, int64_t s0, int64_t n, int64_t g, kv_view& out) {
-  const int64_t D = p.D, KV = p.KV;
+// The keys one sequence's queries see, in order: its prefix sequence's rows [p0, p0 + np), then
+// its own rows [s0, s0 + n). Query row i of the sequence (token s0 + i) sees keys 0 .. np + i.
+struct key_rows {
+  int64_t p0 = 0, np = 0, s0 = 0, n = 0;
+  int64_t total() const { return np + n; }
+  int64_t row(int64_t j) const { return j < np ? p0 + j : s0 + j - np; }  // token of key j
+};
+
+FP8RL_VECTOR_CLONES void gather_kv(const attn_params& p, const float* k, const float* v, const key_rows& kr, int64_t g,
+                                   kv_view& out) {
+  const int64_t D = p.D, KV = p.KV, n = kr.total();
   const attn_rounding rk{p.operand, p.k_scale ? p.k_scale[g] : 0.0f};
   const attn_rounding rv{p.operand, p.v_scale ? p.v_scale[g] : 0.0f};
   out.ld = (n + kKeyChunk - 1) / kKeyChunk * kKeyChunk;
   out.k.resize(static_cast<size_t>(n * D));
   out.v.resize(static_cast<size_t>(n * D));
   for (int64_t j = 0; j < n; ++j) {
-    std::copy_n(k + ((s0 + j) * KV + g) * D, D, out.k.data() + j * D);
-    std::copy_n(v + ((s0 + j) * KV + g) * D, D, out.v.data() + j * D);
+    std::copy_n(k + (kr.row(j) * KV + g) * D, D, out.k.data() + j * D);
+    std::copy_n(v + (kr.row(j) * KV + g) * D, D, out.v.data() + j * D);
   }
   attn_round_row(out.k.data(), n * D, rk);
   attn_round_row(out.v.data(), n * D, rv);
@@ -175,10 +184,36 @@ FP8RL_VECTOR_CLONES void gather_kv(const attn_params& p, const float* k, const f
     for (int64_t d = 0; d < D; ++d) out.kt[d * out.ld + j] = out.k[j * D + d];
 }
 
-// Calls fn(seq s, kv head g) for every pair, in parallel.
+// Calls fn(kv head g, {root sequence, then the sequences it prefixes, in order}) for every root
+// sequence (no prefix of its own) and KV head, in parallel: a family's tasks share the root's
+// dK/dV, so one task owns them (a fixed order of accumulation).
 template <class Fn>
-void for_each_seq_group(const attn_params& p, Fn&& fn) {
-  tbb::parallel_for(int64_t{0}, p.S * p.KV, [&](int64_t i) { fn(i / p.KV, i % p.KV); });
+void for_each_family_group(const attn_params& p, Fn&& fn) {
+  std::vector<std::vector<int64_t>> fam;
+  std::vector<int64_t> root_of(static_cast<size_t>(p.S), -1);
+  for (int64_t s = 0; s < p.S; ++s) {
+    const int32_t pre = p.prefix ? p.prefix[s] : -1;
+    if (pre < 0) {
+      root_of[s] = static_cast<int64_t>(fam.size());
+      fam.push_back({s});
+    } else {
+      fam[static_cast<size_t>(root_of[pre])].push_back(s);
+    }
+  }
+  const int64_t F = static_cast<int64_t>(fam.size());
+  tbb::parallel_for(int64_t{0}, F * p.KV, [&](int64_t i) { fn(i % p.KV, fam[static_cast<size_t>(i / p.KV)]); });
+}
+
+// The key rows of family member s (fam[0] is the root).
+key_rows family_keys(const attn_params& p, const std::vector<int64_t>& fam, int64_t s) {
+  key_rows kr;
+  kr.s0 = p.seq_start[s];
+  kr.n = p.seq_start[s + 1] - kr.s0;
+  if (s != fam[0]) {
+    kr.p0 = p.seq_start[fam[0]];
+    kr.np = p.seq_start[fam[0] + 1] - kr.p0;
+  }
+  return kr;
 }
 
 // Rounded K and V of one sequence and KV head in both orientations: [D][ld] feeds loops over
@@ -311,71 +346,111 @@ FP8RL_VECTOR_CLONES void attn_rows_backward(const float* qb, const float* ob, co
 
 }  // namespace
 
+namespace {
+
+// Forward of one sequence's query rows (key_rows kr, kv = its gathered keys) for the heads of
+// KV group g: out and lse at the rows' tokens.
+void attn_forward_seq(const attn_params& p, const float* q, const kv_view& kv, const key_rows& kr, int64_t g, float* out,
+                      float* lse) {
+  const int64_t H = p.H, D = p.D, G = p.H / p.KV;
+  std::vector<float> qb(static_cast<size_t>(kRowBlock * D)), sc(static_cast<size_t>(kRowBlock * kr.total()));
+  for (int64_t h = g * G; h < (g + 1) * G; ++h) {
+    const attn_rounding rq{p.operand, p.q_scale ? p.q_scale[h] : 0.0f};
+    for (int64_t i = 0; i < kr.n; i += kRowBlock) {
+      const int64_t B = std::min(kRowBlock, kr.n - i), i0 = kr.np + i, nk = i0 + B;  // row r sees keys 0..i0+r
+      std::fill(qb.begin() + B * D, qb.end(), 0.0f);
+      for (int64_t r = 0; r < B; ++r) std::copy_n(q + ((kr.s0 + i + r) * H + h) * D, D, qb.begin() + r * D);
+      attn_round_row(qb.data(), B * D, rq);
+      attn_scores_block<false>(qb.data(), nullptr, B, kv.kt.data(), nullptr, kv.ld, nk, D, sc.data(), nullptr);
+      for (int64_t r = 0; r < B; ++r)
+        lse[(kr.s0 + i + r) * H + h] = cpu_attn_softmax(sc.data() + r * nk, i0 + r + 1, D, p.operand);
+      attn_pv_rows_any(sc.data(), nk, B, i0, kv.v.data(), D, out + ((kr.s0 + i) * H + h) * D, H * D);
+    }
+  }
+}
+
+// Backward of one sequence's query rows for the heads of KV group g: dq at the rows' tokens;
+// adds into dK, dV [kr.total()][D] (the gathered keys' order).
+void attn_backward_seq(const attn_params& p, const float* q, const float* out, const float* lse, const float* dout,
+                       const kv_both& kv, const key_rows& kr, int64_t g, float* dq, float* dK, float* dV) {
+  const int64_t H = p.H, D = p.D, G = p.H / p.KV, nt = kr.total();
+  const float scale = 1.0f / std::sqrt(static_cast<float>(D));
+  std::vector<float> qb(static_cast<size_t>(kRowBlock * D)), ob(static_cast<size_t>(kRowBlock * D)),
+      sc(static_cast<size_t>(kRowBlock * nt)), dp(static_cast<size_t>(kRowBlock * nt)), Di(kRowBlock), lr(kRowBlock);
+  const attn_rounding rp{p.operand, 0.0f};
+  for (int64_t h = g * G; h < (g + 1) * G; ++h) {
+    const attn_rounding rq{p.operand, p.q_scale ? p.q_scale[h] : 0.0f};
+    for (int64_t i = 0; i < kr.n; i += kRowBlock) {
+      const int64_t B = std::min(kRowBlock, kr.n - i);
+      std::fill(qb.begin() + B * D, qb.end(), 0.0f);  // rows past the block: zero operands
+      std::fill(ob.begin() + B * D, ob.end(), 0.0f);
+      for (int64_t r = 0; r < B; ++r) {
+        const int64_t t = kr.s0 + i + r;
+        attn_backward_row_prep(q + (t * H + h) * D, dout + (t * H + h) * D, out + (t * H + h) * D, D, rq,
+                               qb.data() + r * D, ob.data() + r * D, &Di[r]);
+        lr[r] = lse[t * H + h];
+      }
+      attn_rows_backward(qb.data(), ob.data(), Di.data(), lr.data(), B, kr.np + i, scale, kv, D, rp, sc.data(),
+                         dp.data(), dq + ((kr.s0 + i) * H + h) * D, H * D, dK, dV);
+    }
+  }
+}
+
+// dst rows [s0, s0 + n) of a [T, KV, D] tensor, head g, from src [n][D].
+void store_head_rows(const float* src, int64_t n, int64_t s0, int64_t KV, int64_t D, int64_t g, float* dst) {
+  for (int64_t j = 0; j < n; ++j) std::copy_n(src + j * D, D, dst + ((s0 + j) * KV + g) * D);
+}
+
+}  // namespace
+
 // Training/prefill forward: per block of kRowBlock query rows the scores in registers (the
 // same sequential fma over d as cpu_attn_query), per row cpu_attn_softmax, then P.V in the
-// attn_pv order: every value equals what the decode path computes for that row.
+// attn_pv order: every value equals what the decode path computes for that row, and a row
+// behind a shared prefix equals the same row of the unshared sequence.
 void cpu_attention_forward(const attn_params& p, const float* q, const float* k, const float* v, float* out, float* lse) {
-  const int64_t H = p.H, D = p.D, G = p.H / p.KV;
-  for_each_seq_group(p, [&](int64_t s, int64_t g) {
-    const int64_t s0 = p.seq_start[s], n = p.seq_start[s + 1] - s0;
-    if (n <= 0) return;
+  for_each_family_group(p, [&](int64_t g, const std::vector<int64_t>& fam) {
     kv_view kv;
-    gather_kv(p, k, v, s0, n, g, kv);
-    std::vector<float> qb(static_cast<size_t>(kRowBlock * D)), sc(static_cast<size_t>(kRowBlock * n));
-    for (int64_t h = g * G; h < (g + 1) * G; ++h) {
-      const attn_rounding rq{p.operand, p.q_scale ? p.q_scale[h] : 0.0f};
-      for (int64_t i0 = 0; i0 < n; i0 += kRowBlock) {
-        const int64_t B = std::min(kRowBlock, n - i0), nk = i0 + B;
-        std::fill(qb.begin() + B * D, qb.end(), 0.0f);
-        for (int64_t r = 0; r < B; ++r) std::copy_n(q + ((s0 + i0 + r) * H + h) * D, D, qb.begin() + r * D);
-        attn_round_row(qb.data(), B * D, rq);
-        attn_scores_block<false>(qb.data(), nullptr, B, kv.kt.data(), nullptr, kv.ld, nk, D, sc.data(), nullptr);
-        for (int64_t r = 0; r < B; ++r) lse[(s0 + i0 + r) * H + h] = cpu_attn_softmax(sc.data() + r * nk, i0 + r + 1, D, p.operand);
-        attn_pv_rows_any(sc.data(), nk, B, i0, kv.v.data(), D, out + ((s0 + i0) * H + h) * D, H * D);
-      }
+    for (int64_t s : fam) {
+      const key_rows kr = family_keys(p, fam, s);
+      if (kr.n <= 0) continue;
+      gather_kv(p, k, v, kr, g, kv);
+      attn_forward_seq(p, q, kv, kr, g, out, lse);
     }
   });
 }
 
+// Per family and KV group: the root's rows, then each prefixed sequence's rows in order; a
+// prefix's dK/dV collect its own rows' terms, then each sequence's behind it (a fixed order).
 void cpu_attention_backward(const attn_params& p, const float* q, const float* k, const float* v, const float* out,
                             const float* lse, const float* dout, float* dq, float* dk, float* dv) {
-  const int64_t H = p.H, KV = p.KV, D = p.D, G = p.H / p.KV;
-  const float scale = 1.0f / std::sqrt(static_cast<float>(D));
-  for_each_seq_group(p, [&](int64_t s, int64_t g) {
-    const int64_t s0 = p.seq_start[s], n = p.seq_start[s + 1] - s0;
-    if (n <= 0) return;
+  const int64_t KV = p.KV, D = p.D;
+  for_each_family_group(p, [&](int64_t g, const std::vector<int64_t>& fam) {
     kv_both kv;
-    gather_kv(p, k, v, s0, n, g, kv.t);
-    const int64_t ld = kv.t.ld;
-    kv.vt.assign(static_cast<size_t>(D * ld), 0.0f);
-    for (int64_t j = 0; j < n; ++j)
-      for (int64_t d = 0; d < D; ++d) kv.vt[d * ld + j] = kv.t.v[j * D + d];
-    std::vector<float> dK(static_cast<size_t>(n * D), 0.0f), dV(static_cast<size_t>(n * D), 0.0f);
-    std::vector<float> qb(static_cast<size_t>(kRowBlock * D)), ob(static_cast<size_t>(kRowBlock * D)),
-        sc(static_cast<size_t>(kRowBlock * n)), dp(static_cast<size_t>(kRowBlock * n)), Di(kRowBlock), lr(kRowBlock);
-    const attn_rounding rp{p.operand, 0.0f};
-    for (int64_t h = g * G; h < (g + 1) * G; ++h) {
-      const attn_rounding rq{p.operand, p.q_scale ? p.q_scale[h] : 0.0f};
-      for (int64_t i0 = 0; i0 < n; i0 += kRowBlock) {
-        const int64_t B = std::min(kRowBlock, n - i0);
-        std::fill(qb.begin() + B * D, qb.end(), 0.0f);  // rows past the block: zero operands
-        std::fill(ob.begin() + B * D, ob.end(), 0.0f);
-        for (int64_t r = 0; r < B; ++r) {
-          const int64_t t = s0 + i0 + r;
-          attn_backward_row_prep(q + (t * H + h) * D, dout + (t * H + h) * D, out + (t * H + h) * D, D, rq,
-                                 qb.data() + r * D, ob.data() + r * D, &Di[r]);
-          lr[r] = lse[t * H + h];
-        }
-        const int64_t row0 = ((s0 + i0) * H + h) * D;
-        attn_rows_backward(qb.data(), ob.data(), Di.data(), lr.data(), B, i0, scale, kv, D, rp, sc.data(), dp.data(),
-                           dq + row0, H * D, dK.data(), dV.data());
+    std::vector<float> dK, dV;  // [root rows + current sequence's rows][D]
+    int64_t nroot = 0;
+    for (int64_t s : fam) {
+      const key_rows kr = family_keys(p, fam, s);
+      if (s == fam[0]) nroot = kr.n;
+      if (kr.n <= 0) continue;
+      gather_kv(p, k, v, kr, g, kv.t);
+      const int64_t ld = kv.t.ld, nt = kr.total();
+      kv.vt.assign(static_cast<size_t>(D * ld), 0.0f);
+      for (int64_t j = 0; j < nt; ++j)
+        for (int64_t d = 0; d < D; ++d) kv.vt[d * ld + j] = kv.t.v[j * D + d];
+      dK.resize(static_cast<size_t>(nt * D));  // the root's rows keep their sums; the own rows start at 0
+      dV.resize(static_cast<size_t>(nt * D));
+      std::fill(dK.begin() + kr.np * D, dK.end(), 0.0f);
+      std::fill(dV.begin() + kr.np * D, dV.end(), 0.0f);
+      attn_backward_seq(p, q, out, lse, dout, kv, kr, g, dq, dK.data(), dV.data());
+      if (s != fam[0]) {
+        store_head_rows(dK.data() + kr.np * D, kr.n, kr.s0, KV, D, g, dk);
+        store_head_rows(dV.data() + kr.np * D, kr.n, kr.s0, KV, D, g, dv);
       }
     }
-    for (int64_t j = 0; j < n; ++j)
-      for (int64_t d = 0; d < D; ++d) {
-        dk[((s0 + j) * KV + g) * D + d] = dK[j * D + d];
-        dv[((s0 + j) * KV + g) * D + d] = dV[j * D + d];
-      }
+    if (nroot > 0) {
+      store_head_rows(dK.data(), nroot, p.seq_start[fam[0]], KV, D, g, dk);
+      store_head_rows(dV.data(), nroot, p.seq_start[fam[0]], KV, D, g, dv);
+    }
   });
 }
 

@@ -30,6 +30,7 @@ struct grpo_config {
   float is_lo = 0.0f, is_hi = 2.0f;
   float kl_beta = 0.0f;        // > 0: k3 KL to the reference policy (not IS-weighted)
   float seq_logprob_error_threshold = 0.0f;  // > 0: drop sequences with e_i above it
+  bool share_prompts = true;  // learner: a group's common prompt runs once (learner_batch_build)
 };
 
 // Advantages for rewards laid out as consecutive groups of `group_size`.

@@ -60,26 +60,47 @@ std::vector<rl_sample> rollout_samples(const std::vector<gen_result>& results, c
   return s;
 }
 
+learner_batch learner_batch_build(const std::vector<rl_sample>& samples, bool share_prompts) {
+  learner_batch lb;
+  auto shares = [&](size_t i, size_t j) {
+    return share_prompts && j < samples.size() && samples[i].prompt.size() >= 2 && samples[i].prompt == samples[j].prompt;
+  };
+  int32_t root = -1;  // the prefix sequence of the current group, or -1
+  for (size_t i = 0; i < samples.size(); ++i) {
+    const auto& s = samples[i];
+    if (s.prompt.empty()) throw std::invalid_argument("learner batch: sample " + std::to_string(i) + " has an empty prompt");
+    if (i == 0 || !shares(i - 1, i)) {  // a new prompt: a shared prefix if the next sample has it too
+      root = -1;
+      if (shares(i, i + 1)) {
+        root = static_cast<int32_t>(lb.b.S());
+        lb.b.add(std::vector<int32_t>(s.prompt.begin(), s.prompt.end() - 1));
+      }
+    }
+    std::vector<int32_t> seq;
+    if (root >= 0) seq.assign(s.prompt.end() - 1, s.prompt.end());
+    else seq = s.prompt;
+    seq.insert(seq.end(), s.response.begin(), s.response.end());
+    const int64_t first = lb.b.T() + static_cast<int64_t>(seq.size() - s.response.size()) - 1;  // predicts response[0]
+    lb.b.add(seq, root);
+    for (size_t j = 0; j < s.response.size(); ++j) lb.at.push_back(first + static_cast<int64_t>(j));
+  }
+  return lb;
+}
+
 learner_out learner_grpo(model_runner& run, const model_weights& w, const std::vector<rl_sample>& samples,
                          const grpo_config& cfg, double N_global, uint64_t learner_version, const model_weights* ref,
                          const logit_processing& proc) {
   learner_out out;
   out.grads.assign(static_cast<size_t>(model_param_layout(w.cfg).total), 0.0f);
   if (samples.empty()) return out;
-  token_batch b;
-  for (const auto& s : samples) {
-    auto seq = s.prompt;
-    seq.insert(seq.end(), s.response.begin(), s.response.end());
-    b.add(seq);
-  }
+  const learner_batch lb = learner_batch_build(samples, cfg.share_prompts);
+  const token_batch& b = lb.b;
+  const std::vector<int64_t>& at = lb.at;
   const auto targets = b.next_targets();
-  // response token j of sample i is predicted at position seq_start[i] + |prompt| - 1 + j
-  std::vector<int64_t> at;
   token_batch_rl rl;
   for (size_t i = 0; i < samples.size(); ++i) {
     const auto& s = samples[i];
     for (size_t j = 0; j < s.response.size(); ++j) {
-      at.push_back(b.seq_start[i] + static_cast<int64_t>(s.prompt.size()) - 1 + static_cast<int64_t>(j));
       rl.g.push_back(s.gen_logprobs[j]);
       rl.adv.push_back(s.advantage);
       rl.mask.push_back(1.0f);

@@ -38,6 +38,17 @@ std::vector<gen_request> rollout_requests(const std::vector<task_example>& promp
 std::vector<rl_sample> rollout_samples(const std::vector<gen_result>& results, const std::map<uint64_t, std::string>& answers,
                                        const tokenizer& tok, verifier_kind vk, const grpo_config& cfg);
 
+// The learner's token batch: sample i is prompt + response. With share_prompts, consecutive
+// samples with the same prompt (a GRPO group) share it as a prefix sequence (token_batch): the
+// prompt but its last token runs once, each sample continues with [last prompt token, response].
+// Logprobs equal the unshared batch's bit for bit; the prompt rows' gradients are summed once.
+//   at[k]: the row predicting response token j of sample i, k running over (i, j) in order
+struct learner_batch {
+  token_batch b;
+  std::vector<int64_t> at;
+};
+learner_batch learner_batch_build(const std::vector<rl_sample>& samples, bool share_prompts);
+
 struct learner_out {
   std::vector<float> grads;  // dL/dθ (host, layout of model_params), this shard's share of the global sum
   loss_result loss;          // loss, dc, metrics (mismatch metrics on this shard)

@@ -110,21 +110,25 @@ TEST(GradCheck, SwiGLU) {
 }
 
 // D = 8 runs the generic backward, 32 and 64 the register-blocked ones; the 24-token sequence
-// spans several 8-row blocks and 16-key chunks.
+// spans several 8-row blocks and 16-key chunks. The second layout shares prefixes: sequences 1
+// and 2 continue sequence 0 (11 tokens), sequence 4 continues sequence 3.
 TEST(GradCheck, AttentionPackedGQA) {
   fixture F;
-  for (int64_t D : {8, 32, 64}) {
+  const std::vector<int32_t> prefix = {-1, 0, 0, -1, 3};
+  for (int64_t D : {8, 32, 64})
+  for (bool shared : {false, true}) {
     const int64_t H = 4, KV = 2;
-    const std::vector<int32_t> starts = {0, 5, 6, 13, 37};
+    const std::vector<int32_t> starts = shared ? std::vector<int32_t>{0, 11, 20, 21, 26, 37} : std::vector<int32_t>{0, 5, 6, 13, 37};
     const int64_t T = 37;
     attn_params p;
-    p.T = T; p.H = H; p.KV = KV; p.D = D; p.seq_start = starts.data(); p.S = 4;
+    p.T = T; p.H = H; p.KV = KV; p.D = D; p.seq_start = starts.data(); p.S = static_cast<int64_t>(starts.size()) - 1;
+    if (shared) p.prefix = prefix.data();
     auto q = randn(T * H * D, 9), k = randn(T * KV * D, 10), v = randn(T * KV * D, 11), r = randn(T * H * D, 12);
     std::vector<float> out(T * H * D), lse(T * H), dq(q.size()), dk(k.size()), dv(v.size());
     auto f = [&] { F.be->attention_forward(p, q.data(), k.data(), v.data(), out.data(), lse.data()); return dot(r, out); };
     f();
     F.be->attention_backward(p, q.data(), k.data(), v.data(), out.data(), lse.data(), r.data(), dq.data(), dk.data(), dv.data());
-    const std::string d = " D=" + std::to_string(D);
+    const std::string d = " D=" + std::to_string(D) + (shared ? " shared" : "");
     expect_grad(("attention dq" + d).c_str(), q, dq, f, 200);
     expect_grad(("attention dk" + d).c_str(), k, dk, f, 200);
     expect_grad(("attention dv" + d).c_str(), v, dv, f, 200);

@@ -1,6 +1,7 @@
 // tools/bench/bench_rl.cpp -- build/bin/bench-rl: the RL system end to end, side by side.
 //  * samples/s of the default recipe with max_staleness 0, 1, 2 (rollout and learner each own
-//    one core: topology configs/topologies/local.conf), calibration time as % of the learner step
+//    one core: topology configs/topologies/local.conf), steady state (after 2 warm-up steps, before
+//    the final evaluation) and over the whole run; calibration time as % of the learner step
 //  * bundle sync: publish -> adopted latency and MB/s, in process and across processes (two
 //    processes on loopback via caf-run), for FP8 and BF16 bundles of the "small" built-in model
 // Runs build/bin/fp8rl (and caf-run) as users do and reads each run's metrics.jsonl; medians
@@ -48,6 +49,16 @@ double median_of(const std::vector<json>& m, const char* key, size_t skip) {
   return bench_median_of(std::move(v));
 }
 
+// Steady-state samples/s: samples done between report `skip` (warm-up and pipeline fill before
+// it) and the second-to-last report (the last step also runs the final evaluation and checkpoint),
+// over the wall time between them. Cumulative samples at report i = samples_per_s * elapsed_s.
+double steady_samples_per_s(const std::vector<json>& m, size_t skip) {
+  if (m.size() < skip + 3) throw std::runtime_error("too few steps for a steady-state rate");
+  auto done = [&](size_t i) { return m[i]["samples_per_s"].get<double>() * m[i]["elapsed_s"].get<double>(); };
+  const size_t e = m.size() - 2;
+  return (done(e) - done(skip)) / (m[e]["elapsed_s"].get<double>() - m[skip]["elapsed_s"].get<double>());
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -63,10 +74,10 @@ int main(int argc, char** argv) {
       const auto m = run_train((bin / "fp8rl").string() + " train --topology " + (src / "configs/topologies/local.conf").string() +
                                    common + " --async.max_staleness=" + std::to_string(k),
                                work / ("staleness" + std::to_string(k)));
-      const double sps = m.back()["samples_per_s"].get<double>();
+      const double sps = steady_samples_per_s(m, 2), run_sps = m.back()["samples_per_s"].get<double>();
       const double calib = median_of(m, "calibration_s", 2), train = median_of(m, "train_s", 2);
       bench_emit(a, {{"bench", jstr("rl")}, {"impl", jstr("staleness")}, {"max_staleness", jnum(k)},
-                     {"samples_per_s", jnum(sps)}, {"steps", jnum(double(m.size()))},
+                     {"samples_per_s", jnum(sps)}, {"samples_per_s_whole_run", jnum(run_sps)}, {"steps", jnum(double(m.size()))},
                      {"calibration_s", jnum(calib)}, {"learner_step_s", jnum(train)},
                      {"calibration_pct_of_step", jnum(train > 0 ? 100.0 * calib / train : 0.0)}});
     }

@@ -1,0 +1,292 @@
+// tests/models/shared_prefix_test.cpp -- shared prefixes (token_batch::prefix). A sequence behind
+// a shared prefix computes exactly the rows of the unshared sequence (attention forward and the
+// sequence's own gradients bit for bit); the prefix's K/V gradients are the sum over everything
+// behind it; the learner's GRPO step on shared prompts keeps its logprobs and loss bit for bit.
+// (The finite-difference check of a shared layout is in gradcheck_test.)
+#include <gtest/gtest.h>
+
+#include <cstring>
+
+#include "models/cpu/cpu_backend.hpp"
+#include "models/rl/rl.hpp"
+#include "quant/gemm.hpp"
+#include "tests/test_util.hpp"
+#include "tests/tolerances.hpp"
+
+using namespace fp8rl::models;
+using fp8rl::test::randn;
+using fp8rl::test::to_double;
+
+namespace {
+
+bool same_bits(const float* a, const float* b, int64_t n) { return std::memcmp(a, b, static_cast<size_t>(n) * 4) == 0; }
+
+// A root of `root` tokens and the sequences behind it (`kids` tokens each; none: a plain sequence).
+struct family {
+  int64_t root;
+  std::vector<int64_t> kids;
+};
+
+// The shared layout of `fams` and its unshared twin (each kid as root copy + kid rows; a family
+// without kids as its root alone). umap[u]: the shared row of unshared row u; first[u]: u is a
+// kid row or a row of the root's first copy (the rows whose outputs the shared loss sees once).
+struct twin_layout {
+  std::vector<int32_t> s_start = {0}, s_prefix, u_start = {0};
+  std::vector<int64_t> umap;
+  std::vector<bool> first;
+  int64_t Ts = 0, Tu = 0;
+};
+
+twin_layout twin_make(const std::vector<family>& fams) {
+  twin_layout L;
+  auto add_seq = [](std::vector<int32_t>& start, int64_t n) { start.push_back(start.back() + static_cast<int32_t>(n)); };
+  for (const family& f : fams) {
+    const int32_t root_seq = static_cast<int32_t>(L.s_prefix.size());
+    const int64_t r0 = L.Ts;
+    add_seq(L.s_start, f.root);
+    L.s_prefix.push_back(-1);
+    L.Ts += f.root;
+    if (f.kids.empty()) {
+      add_seq(L.u_start, f.root);
+      for (int64_t i = 0; i < f.root; ++i) L.umap.push_back(r0 + i), L.first.push_back(true);
+    }
+    for (size_t c = 0; c < f.kids.size(); ++c) {
+      const int64_t k0 = L.Ts;
+      add_seq(L.s_start, f.kids[c]);
+      L.s_prefix.push_back(root_seq);
+      L.Ts += f.kids[c];
+      add_seq(L.u_start, f.root + f.kids[c]);
+      for (int64_t i = 0; i < f.root; ++i) L.umap.push_back(r0 + i), L.first.push_back(c == 0);
+      for (int64_t i = 0; i < f.kids[c]; ++i) L.umap.push_back(k0 + i), L.first.push_back(true);
+    }
+  }
+  L.Tu = static_cast<int64_t>(L.umap.size());
+  return L;
+}
+
+// rows [T][w] gathered through umap (unshared from shared)
+std::vector<float> gather_rows(const std::vector<float>& x, const std::vector<int64_t>& umap, int64_t w) {
+  std::vector<float> y(umap.size() * static_cast<size_t>(w));
+  for (size_t u = 0; u < umap.size(); ++u) std::copy_n(x.data() + umap[u] * w, w, y.data() + u * w);
+  return y;
+}
+
+}  // namespace
+
+TEST(SharedPrefix, TokenBatchPositionsTargetsAndValidation) {
+  token_batch b;
+  b.add({1, 2, 3});
+  b.add({4, 5}, 0);
+  b.add({6}, 0);
+  b.add({7, 8});
+  EXPECT_EQ(b.prefix, (std::vector<int32_t>{-1, 0, 0, -1}));
+  EXPECT_EQ(b.positions(), (std::vector<int32_t>{0, 1, 2, 3, 4, 3, 0, 1}));
+  EXPECT_EQ(b.next_targets(), (std::vector<int32_t>{2, 3, -1, 5, -1, -1, 8, -1}));
+  EXPECT_NO_THROW(b.validate(10, 5));
+  EXPECT_THROW(b.validate(10, 4), std::invalid_argument);  // root + kid = 5 positions
+  token_batch chain = b;
+  chain.add({9}, 1);  // behind a sequence that has a prefix itself
+  EXPECT_THROW(chain.validate(10, 8), std::invalid_argument);
+  token_batch fwd = b;
+  fwd.prefix[0] = 2;  // a later sequence
+  EXPECT_THROW(fwd.validate(10, 8), std::invalid_argument);
+  token_batch sz = b;
+  sz.prefix.pop_back();
+  EXPECT_THROW(sz.validate(10, 8), std::invalid_argument);
+}
+
+// Forward rows bit for bit; backward: dq everywhere and dK/dV of rows behind a prefix bit for
+// bit, the prefix's dK/dV the sum over its copies. FP32, BF16 and FP8 (per-head scales) operands;
+// D = 8 (generic loops), 32 and 64 (register-blocked); roots and kids span 8-row blocks.
+TEST(SharedPrefix, AttentionRowsEqualTheUnsharedSequences) {
+  auto be = make_cpu_backend();
+  const twin_layout L = twin_make({{11, {1, 9, 20}}, {5, {}}, {3, {4}}, {0, {6}}});
+  const int64_t H = 4, KV = 2;
+  for (int64_t D : {8, 32, 64}) {
+    for (int mode = 0; mode < 3; ++mode) {
+      const std::vector<float> qs = {0.011f, 0.013f, 0.009f, 0.012f}, ks = {0.01f, 0.012f}, vs = {0.008f, 0.01f};
+      attn_params ps, pu;
+      for (attn_params* p : {&ps, &pu}) {
+        p->H = H; p->KV = KV; p->D = D;
+        p->operand = mode == 0 ? precision::fp32 : precision::bf16;
+        if (mode == 2) p->q_scale = qs.data(), p->k_scale = ks.data(), p->v_scale = vs.data();
+      }
+      ps.T = L.Ts; ps.seq_start = L.s_start.data(); ps.S = static_cast<int64_t>(L.s_prefix.size()); ps.prefix = L.s_prefix.data();
+      pu.T = L.Tu; pu.seq_start = L.u_start.data(); pu.S = static_cast<int64_t>(L.u_start.size()) - 1;
+      const std::string what = " D=" + std::to_string(D) + " mode=" + std::to_string(mode);
+      const auto q = randn(L.Ts * H * D, 31), k = randn(L.Ts * KV * D, 32), v = randn(L.Ts * KV * D, 33),
+                 r = randn(L.Ts * H * D, 34);
+      const auto qu = gather_rows(q, L.umap, H * D), ku = gather_rows(k, L.umap, KV * D), vu = gather_rows(v, L.umap, KV * D);
+      std::vector<float> os(q.size()), ls(L.Ts * H), ou(qu.size()), lu(L.Tu * H);
+      be->attention_forward(ps, q.data(), k.data(), v.data(), os.data(), ls.data());
+      be->attention_forward(pu, qu.data(), ku.data(), vu.data(), ou.data(), lu.data());
+      for (int64_t u = 0; u < L.Tu; ++u) {
+        ASSERT_TRUE(same_bits(ou.data() + u * H * D, os.data() + L.umap[u] * H * D, H * D)) << "out row " << u << what;
+        ASSERT_TRUE(same_bits(lu.data() + u * H, ls.data() + L.umap[u] * H, H)) << "lse row " << u << what;
+      }
+      // the unshared loss sees each shared output once: root copies after the first get r = 0
+      std::vector<float> ru = gather_rows(r, L.umap, H * D);
+      for (int64_t u = 0; u < L.Tu; ++u)
+        if (!L.first[u]) std::fill_n(ru.begin() + u * H * D, H * D, 0.0f);
+      std::vector<float> dqs(q.size()), dks(k.size()), dvs(v.size()), dqu(qu.size()), dku(ku.size()), dvu(vu.size());
+      be->attention_backward(ps, q.data(), k.data(), v.data(), os.data(), ls.data(), r.data(), dqs.data(), dks.data(), dvs.data());
+      be->attention_backward(pu, qu.data(), ku.data(), vu.data(), ou.data(), lu.data(), ru.data(), dqu.data(), dku.data(),
+                             dvu.data());
+      std::vector<double> dk_sum(k.size(), 0.0), dv_sum(v.size(), 0.0);
+      std::vector<bool> is_root_row(static_cast<size_t>(L.Ts), false);
+      for (int64_t s = 0; s + 1 < static_cast<int64_t>(L.s_start.size()); ++s)
+        if (L.s_prefix[s] < 0)
+          for (int32_t t = L.s_start[s]; t < L.s_start[s + 1]; ++t) is_root_row[t] = true;
+      for (int64_t u = 0; u < L.Tu; ++u) {
+        const int64_t t = L.umap[u];
+        if (L.first[u]) {
+          ASSERT_TRUE(same_bits(dqu.data() + u * H * D, dqs.data() + t * H * D, H * D)) << "dq row " << u << what;
+        }
+        if (!is_root_row[t]) {
+          ASSERT_TRUE(same_bits(dku.data() + u * KV * D, dks.data() + t * KV * D, KV * D)) << "dk row " << u << what;
+          ASSERT_TRUE(same_bits(dvu.data() + u * KV * D, dvs.data() + t * KV * D, KV * D)) << "dv row " << u << what;
+        }
+        for (int64_t i = 0; i < KV * D; ++i) {
+          dk_sum[t * KV * D + i] += dku[u * KV * D + i];
+          dv_sum[t * KV * D + i] += dvu[u * KV * D + i];
+        }
+      }
+      EXPECT_LE(fp8rl::tol::rel_norm_err(to_double(dks), dk_sum), fp8rl::tol::kFp32SumOrder) << what;
+      EXPECT_LE(fp8rl::tol::rel_norm_err(to_double(dvs), dv_sum), fp8rl::tol::kFp32SumOrder) << what;
+    }
+  }
+}
+
+namespace {
+
+// The tiny built-in shape with the precision test's init scale (0.05), so its gradient bounds
+// (derived for 3 layers at that scale) apply to these 2 layers.
+model_config learner_cfg() {
+  model_config c;
+  c.hidden_size = 128; c.intermediate_size = 256; c.num_hidden_layers = 2; c.num_attention_heads = 4;
+  c.num_key_value_heads = 2; c.head_dim = 32; c.vocab_size = 24; c.max_position_embeddings = 32;
+  c.initializer_range = 0.05;
+  return c;
+}
+
+// Groups of one prompt (sharing), a lone sample, a 1-token prompt (never shared), responses of
+// 1..6 tokens; gen_logprobs near the policy's, advantages of both signs.
+std::vector<rl_sample> learner_samples() {
+  const std::vector<std::pair<std::vector<int32_t>, int>> groups = {
+      {{1, 5, 6, 7, 8, 9, 10, 11, 12}, 4}, {{1, 9}, 3}, {{1, 3, 4}, 1}, {{1}, 2}, {{1, 5, 6, 7, 8, 9, 10, 11, 12}, 2}};
+  std::vector<rl_sample> out;
+  auto noise = randn(64, 41);
+  uint64_t id = 0;
+  int n = 0;
+  for (const auto& [prompt, G] : groups) {
+    for (int j = 0; j < G; ++j, ++n) {
+      rl_sample s;
+      s.prompt_id = id;
+      s.group_index = j;
+      s.prompt = prompt;
+      const int len = 1 + (n * 5) % 6;
+      for (int i = 0; i < len; ++i) {
+        s.response.push_back(static_cast<int32_t>(2 + (n * 7 + i * 3) % 21));
+        s.gen_logprobs.push_back(-3.2f + 0.05f * noise[(n * 6 + i) % 64]);
+        s.weight_version.push_back(4);
+        s.scale_version.push_back(4);
+        s.oldest_kv_version.push_back(4);
+      }
+      s.advantage = 0.5f * noise[n % 64];
+      out.push_back(s);
+    }
+    ++id;
+  }
+  return out;
+}
+
+}  // namespace
+
+TEST(SharedPrefix, LearnerBatchSharesGroupPromptsAndPredictsTheResponses) {
+  const auto samples = learner_samples();
+  for (bool share : {false, true}) {
+    const learner_batch lb = learner_batch_build(samples, share);
+    const auto targets = lb.b.next_targets();
+    size_t k = 0;
+    for (const auto& s : samples)
+      for (int32_t tok : s.response) {
+        ASSERT_LT(k, lb.at.size());
+        EXPECT_EQ(targets[static_cast<size_t>(lb.at[k++])], tok) << "share=" << share << " token " << k - 1;
+      }
+    EXPECT_EQ(k, lb.at.size());
+    EXPECT_NO_THROW(lb.b.validate(24, 32));
+    if (!share) {
+      EXPECT_TRUE(lb.b.prefix.empty());
+      EXPECT_EQ(lb.b.S(), static_cast<int64_t>(samples.size()));
+    } else {
+      // 3 shared groups (4, 3 and 2 samples), the lone sample and the 1-token prompt unshared
+      int roots = 0, kids = 0;
+      for (int64_t s = 0; s < lb.b.S(); ++s) (lb.b.prefix[s] < 0 ? roots : kids) += 1;
+      EXPECT_EQ(kids, 9);
+      EXPECT_EQ(roots, 3 + 1 + 2);
+    }
+  }
+  auto bad = samples;
+  bad[1].prompt.clear();
+  EXPECT_THROW(learner_batch_build(bad, true), std::invalid_argument);
+}
+
+// The learner's step with and without shared prompts: logprobs (hence loss, dL/dc and every
+// metric) bit for bit under each policy; FP32 gradients equal up to summation order.
+TEST(SharedPrefix, LearnerStepKeepsLogprobsAndLoss) {
+  const model_config c = learner_cfg();
+  const model_params p = model_params_init(c, 5);
+  auto be = make_cpu_backend();
+  model_runner run(*be);
+  const auto samples = learner_samples();
+  grpo_config on, off;
+  off.share_prompts = false;
+  std::vector<const char*> policies = {"fp32", "bf16", "fp8"};
+  if (fp8rl::quant::gemm_tiles_available()) policies.push_back("fp8-tiles");
+  for (const char* pol : policies) {
+    auto w = model_weights_build(*be, c, precision_policy::named(pol), {&p, nullptr, nullptr}, true);
+    const learner_out a = learner_grpo(run, *w, samples, on, 40.0, 5);
+    const learner_out b = learner_grpo(run, *w, samples, off, 40.0, 5);
+    EXPECT_EQ(a.loss.loss, b.loss.loss) << pol;
+    EXPECT_EQ(a.loss.dc, b.loss.dc) << pol;
+    EXPECT_EQ(a.loss.metrics, b.loss.metrics) << pol;
+    EXPECT_EQ(a.tokens, b.tokens) << pol;
+    const double e = fp8rl::tol::rel_norm_err(to_double(a.grads), to_double(b.grads));
+    std::printf("%s: shared vs unshared learner gradient rel err %.3g\n", pol, e);
+    if (std::string(pol) == "fp32") {
+      EXPECT_LE(e, fp8rl::tol::kFp32SumOrder);
+    }
+  }
+}
+
+// The model's gradient for one dlogp on the shared layout meets the bound its unshared layout
+// meets against FP32 (the Precision.ModelLogitsAndGradientsNearFp32 bounds): the FP8 wgrad then
+// quantizes a different token set (the prompt rows once, their gradients summed), no worse.
+TEST(SharedPrefix, ModelGradientsOnSharedLayoutsMeetThePolicyBounds) {
+  const model_config c = learner_cfg();
+  const model_params p = model_params_init(c, 5);
+  auto be = make_cpu_backend();
+  model_runner run(*be);
+  const auto samples = learner_samples();
+  const learner_batch ls = learner_batch_build(samples, true), lu = learner_batch_build(samples, false);
+  const auto dl = randn(ls.at.size(), 43);
+  auto grads = [&](const char* pol, const learner_batch& lb) {
+    auto w = model_weights_build(*be, c, precision_policy::named(pol), {&p, nullptr, nullptr}, true);
+    run.forward(*w, lb.b, true);
+    const auto targets = lb.b.next_targets();
+    std::vector<float> lp(targets.size()), dlogp(targets.size(), 0.0f), g(static_cast<size_t>(p.layout.total), 0.0f);
+    run.logprobs(targets, {}, lp.data());
+    for (size_t k = 0; k < lb.at.size(); ++k) dlogp[static_cast<size_t>(lb.at[k])] = dl[k];
+    run.backward(*w, targets, {}, dlogp.data(), g.data());
+    return to_double(g);
+  };
+  const auto ref = grads("fp32", lu);
+  EXPECT_LE(fp8rl::tol::rel_norm_err(grads("fp32", ls), ref), fp8rl::tol::kFp32SumOrder);
+  for (const char* pol : {"bf16", "fp8"}) {
+    const double bound = std::string(pol) == "bf16" ? fp8rl::tol::kModelBf16VsF32Grad : fp8rl::tol::kModelFp8VsF32Grad;
+    const double es = fp8rl::tol::rel_norm_err(grads(pol, ls), ref), eu = fp8rl::tol::rel_norm_err(grads(pol, lu), ref);
+    std::printf("%s vs fp32 gradient: shared %.3g, unshared %.3g (bound %.3g)\n", pol, es, eu, bound);
+    EXPECT_LE(es, bound) << pol;
+    EXPECT_LE(eu, bound) << pol;
+  }
+}
