@@ -76,14 +76,19 @@ learner_batch learner_batch_build(const std::vector<rl_sample>& samples, bool sh
         lb.b.add(std::vector<int32_t>(s.prompt.begin(), s.prompt.end() - 1));
       }
     }
+    if (s.response.empty()) continue;  // nothing to predict
     std::vector<int32_t> seq;
     if (root >= 0) seq.assign(s.prompt.end() - 1, s.prompt.end());
     else seq = s.prompt;
-    seq.insert(seq.end(), s.response.begin(), s.response.end());
-    const int64_t first = lb.b.T() + static_cast<int64_t>(seq.size() - s.response.size()) - 1;  // predicts response[0]
+    seq.insert(seq.end(), s.response.begin(), s.response.end() - 1);
+    const int64_t first = lb.b.T() + static_cast<int64_t>(seq.size() - s.response.size());  // predicts response[0]
     lb.b.add(seq, root);
     for (size_t j = 0; j < s.response.size(); ++j) lb.at.push_back(first + static_cast<int64_t>(j));
   }
+  lb.targets.assign(static_cast<size_t>(lb.b.T()), -1);
+  size_t k = 0;
+  for (const auto& s : samples)
+    for (int32_t tok : s.response) lb.targets[static_cast<size_t>(lb.at[k++])] = tok;
   return lb;
 }
 
@@ -96,7 +101,7 @@ learner_out learner_grpo(model_runner& run, const model_weights& w, const std::v
   const learner_batch lb = learner_batch_build(samples, cfg.share_prompts);
   const token_batch& b = lb.b;
   const std::vector<int64_t>& at = lb.at;
-  const auto targets = b.next_targets();
+  const std::vector<int32_t>& targets = lb.targets;
   token_batch_rl rl;
   for (size_t i = 0; i < samples.size(); ++i) {
     const auto& s = samples[i];

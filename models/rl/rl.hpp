@@ -38,14 +38,18 @@ std::vector<gen_request> rollout_requests(const std::vector<task_example>& promp
 std::vector<rl_sample> rollout_samples(const std::vector<gen_result>& results, const std::map<uint64_t, std::string>& answers,
                                        const tokenizer& tok, verifier_kind vk, const grpo_config& cfg);
 
-// The learner's token batch: sample i is prompt + response. With share_prompts, consecutive
-// samples with the same prompt (a GRPO group) share it as a prefix sequence (token_batch): the
-// prompt but its last token runs once, each sample continues with [last prompt token, response].
-// Logprobs equal the unshared batch's bit for bit; the prompt rows' gradients are summed once.
+// The learner's token batch: sample i is prompt + response without its last token (a row whose
+// output no loss reads: causal attention shows it to itself alone). With share_prompts,
+// consecutive samples with the same prompt (a GRPO group) share it as a prefix sequence
+// (token_batch): the prompt but its last token runs once, each sample continues with [last
+// prompt token, response but its last]. Logprobs equal those of the full unshared sequences
+// bit for bit; the prompt rows' gradients are summed once.
 //   at[k]: the row predicting response token j of sample i, k running over (i, j) in order
+//   targets[T]: the response token at those rows, -1 elsewhere (no logprob computed)
 struct learner_batch {
   token_batch b;
   std::vector<int64_t> at;
+  std::vector<int32_t> targets;
 };
 learner_batch learner_batch_build(const std::vector<rl_sample>& samples, bool share_prompts);
 

@@ -5,6 +5,7 @@
 // (The finite-difference check of a shared layout is in gradcheck_test.)
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstring>
 
 #include "models/cpu/cpu_backend.hpp"
@@ -206,14 +207,28 @@ TEST(SharedPrefix, LearnerBatchSharesGroupPromptsAndPredictsTheResponses) {
   const auto samples = learner_samples();
   for (bool share : {false, true}) {
     const learner_batch lb = learner_batch_build(samples, share);
-    const auto targets = lb.b.next_targets();
-    size_t k = 0;
-    for (const auto& s : samples)
-      for (int32_t tok : s.response) {
+    const auto next = lb.b.next_targets();
+    ASSERT_EQ(lb.targets.size(), static_cast<size_t>(lb.b.T()));
+    size_t k = 0, rows = 0;
+    for (size_t i = 0; i < samples.size(); ++i) {
+      const auto& s = samples[i];
+      const bool in_group = i < 7 || i >= 10;  // the three shared groups (learner_samples)
+      rows += s.response.size() - 1 + (share && in_group ? 1 : s.prompt.size());  // last response token: no row
+      for (size_t j = 0; j < s.response.size(); ++j) {
         ASSERT_LT(k, lb.at.size());
-        EXPECT_EQ(targets[static_cast<size_t>(lb.at[k++])], tok) << "share=" << share << " token " << k - 1;
+        const auto t = static_cast<size_t>(lb.at[k++]);
+        EXPECT_EQ(lb.targets[t], s.response[j]) << "share=" << share << " token " << k - 1;
+        if (j + 1 < s.response.size()) {
+          EXPECT_EQ(next[t], s.response[j]);  // the row's own next token
+        }
       }
+    }
     EXPECT_EQ(k, lb.at.size());
+    if (!share) {
+      EXPECT_EQ(lb.b.T(), static_cast<int64_t>(rows));
+    }
+    EXPECT_EQ(std::count_if(lb.targets.begin(), lb.targets.end(), [](int32_t x) { return x >= 0; }),
+              static_cast<int64_t>(k));
     EXPECT_NO_THROW(lb.b.validate(24, 32));
     if (!share) {
       EXPECT_TRUE(lb.b.prefix.empty());
@@ -224,11 +239,51 @@ TEST(SharedPrefix, LearnerBatchSharesGroupPromptsAndPredictsTheResponses) {
       for (int64_t s = 0; s < lb.b.S(); ++s) (lb.b.prefix[s] < 0 ? roots : kids) += 1;
       EXPECT_EQ(kids, 9);
       EXPECT_EQ(roots, 3 + 1 + 2);
+      int64_t prompt_rows = 0;  // each shared group's prompt but its last token, once
+      for (int64_t s = 0; s < lb.b.S(); ++s)
+        if (lb.b.prefix[s] < 0 && s + 1 < lb.b.S() && lb.b.prefix[s + 1] == s) prompt_rows += lb.b.seq_start[s + 1] - lb.b.seq_start[s];
+      EXPECT_EQ(prompt_rows, 8 + 1 + 8);
+      EXPECT_EQ(lb.b.T(), static_cast<int64_t>(rows) + prompt_rows);
     }
   }
   auto bad = samples;
   bad[1].prompt.clear();
   EXPECT_THROW(learner_batch_build(bad, true), std::invalid_argument);
+}
+
+// The learner's rows (shared prompts, no last-token rows) give the logprobs of the full
+// unshared sequences (prompt + response, as the generation check compares them) bit for bit.
+TEST(SharedPrefix, LearnerBatchLogprobsEqualFullSequences) {
+  const model_config c = learner_cfg();
+  const model_params p = model_params_init(c, 5);
+  auto be = make_cpu_backend();
+  model_runner run(*be);
+  const auto samples = learner_samples();
+  token_batch full;
+  std::vector<int64_t> full_at;
+  for (const auto& s : samples) {
+    auto seq = s.prompt;
+    seq.insert(seq.end(), s.response.begin(), s.response.end());
+    for (size_t j = 0; j < s.response.size(); ++j) full_at.push_back(full.T() + static_cast<int64_t>(s.prompt.size() + j) - 1);
+    full.add(seq);
+  }
+  for (const char* pol : {"fp32", "fp8"}) {
+    auto w = model_weights_build(*be, c, precision_policy::named(pol), {&p, nullptr, nullptr}, true);
+    run.forward(*w, full, false);
+    const auto ft = full.next_targets();
+    std::vector<float> lf(ft.size());
+    run.logprobs(ft, {}, lf.data());
+    for (bool share : {false, true}) {
+      const learner_batch lb = learner_batch_build(samples, share);
+      run.forward(*w, lb.b, false);
+      std::vector<float> ll(lb.targets.size());
+      run.logprobs(lb.targets, {}, ll.data());
+      ASSERT_EQ(lb.at.size(), full_at.size());
+      for (size_t k = 0; k < full_at.size(); ++k)
+        ASSERT_TRUE(same_bits(&ll[static_cast<size_t>(lb.at[k])], &lf[static_cast<size_t>(full_at[k])], 1))
+            << pol << " share=" << share << " token " << k;
+    }
+  }
 }
 
 // The learner's step with and without shared prompts: logprobs (hence loss, dL/dc and every
@@ -273,7 +328,7 @@ TEST(SharedPrefix, ModelGradientsOnSharedLayoutsMeetThePolicyBounds) {
   auto grads = [&](const char* pol, const learner_batch& lb) {
     auto w = model_weights_build(*be, c, precision_policy::named(pol), {&p, nullptr, nullptr}, true);
     run.forward(*w, lb.b, true);
-    const auto targets = lb.b.next_targets();
+    const auto& targets = lb.targets;
     std::vector<float> lp(targets.size()), dlogp(targets.size(), 0.0f), g(static_cast<size_t>(p.layout.total), 0.0f);
     run.logprobs(targets, {}, lp.data());
     for (size_t k = 0; k < lb.at.size(); ++k) dlogp[static_cast<size_t>(lb.at[k])] = dl[k];
