@@ -112,17 +112,36 @@ inline void fma_step(const float* A, int64_t lda, const float* const (&P)[PN], i
   }
 }
 
+// The accumulators live in locals for the loop (the tile_acc reference would keep GCC from
+// holding all of them in registers: it reloaded row pointers and copied accumulators each step).
 template <int MR, int PN, bool kPairs>
 inline void dot_wide(const float* A, int64_t lda, const float* const (&P)[PN], int64_t k0, int64_t k1,
                      tile_acc<MR, PN>& acc) {
+  tile_acc<MR, PN> v = acc;
+  const float* a[MR];
+  for (int r = 0; r < MR; ++r) a[r] = A + r * lda;
+  const float* p[PN];
+  for (int q = 0; q < PN; ++q) p[q] = P[q];
+  auto step = [&](int64_t k) __attribute__((always_inline)) {
+    __m512 b[2 * PN];
+    for (int q = 0; q < PN; ++q) {
+      b[2 * q] = _mm512_load_ps(p[q] + k * 32);
+      b[2 * q + 1] = _mm512_load_ps(p[q] + k * 32 + 16);
+    }
+    for (int r = 0; r < MR; ++r) {
+      const __m512 x = _mm512_set1_ps(a[r][k]);
+      for (int j = 0; j < 2 * PN; ++j) v.v[r][j] = _mm512_fmadd_ps(x, b[j], v.v[r][j]);
+    }
+  };
   if constexpr (kPairs) {
     for (int64_t k = k0; k < k1; k += 2) {  // odd element first
-      fma_step<MR, PN>(A, lda, P, k + 1, acc);
-      fma_step<MR, PN>(A, lda, P, k, acc);
+      step(k + 1);
+      step(k);
     }
   } else {
-    for (int64_t k = k0; k < k1; ++k) fma_step<MR, PN>(A, lda, P, k, acc);
+    for (int64_t k = k0; k < k1; ++k) step(k);
   }
+  acc = v;
 }
 
 // Decode-sized tiles stream B from memory with little work per byte: prefetch it 2 KiB ahead
