@@ -224,6 +224,74 @@ void gemm_fp8_tiles(const qtensor& A, const gemm_packed_b& B, float* C, bool acc
   detail::gemm_tiles_amx({d.M, Mp, d.N, KS, a, &B, fold ? nullptr : sa.data(), KB, accumulate}, C);
 }
 
+bool gemm_fp8_wide_large_m() { return cpu_isa_active() >= cpu_isa::avx512 && !gemm_narrow_preferred(); }
+
+namespace {
+// A of the wide kernel from x, filled by `fill(A, &bad_row, &bad_block, &count)` (an AVX-512
+// quantize_*_wide kernel); without AVX-512 the codes are quantized and decoded instead.
+template <class Fill>
+gemm_wide_a wide_a_build(const float* x, int64_t M, int64_t K, scale_mode mode, std::string name, qlayout layout,
+                         Fill&& fill) {
+  gemm_desc{M, 0, K}.check();
+  gemm_wide_a A;
+  A.name = std::move(name);
+  A.mode = mode;
+  A.M = M, A.K = K, A.Kp = round_up(K, kBlock);
+  const int64_t Mp = round_up(M, 32), KB = A.Kp / kBlock;  // colwise writes whole 32-column panels
+  A.values.resize(static_cast<size_t>(Mp * A.Kp));
+  A.sa.resize(static_cast<size_t>(Mp * KB));
+  if (cpu_isa_active() >= cpu_isa::avx512) {
+    int64_t row = 0, block = 0, count = 0;
+    if (!fill(A, &row, &block, &count)) detail::throw_nonfinite(A.name, layout, row, block, count);
+    return A;
+  }
+  const qtensor q = layout == qlayout::rowwise_1x128 ? quantize(x, M, K, layout, mode, A.name)
+                                                     : quantize(x, K, M, layout, mode, A.name);
+  const float* lut = e4m3_table();
+  std::fill(A.values.begin(), A.values.end(), 0.0f);
+  std::fill(A.sa.begin(), A.sa.end(), 0.0f);
+  for (int64_t m = 0; m < M; ++m) {
+    for (int64_t k = 0; k < K; ++k) A.values[m * A.Kp + k] = lut[q.data[m * K + k]];
+    for (int64_t kb = 0; kb < KB; ++kb) A.sa[m * KB + kb] = q.scale_at(m, kb);
+  }
+  return A;
+}
+}  // namespace
+
+gemm_wide_a gemm_wide_a_fp8(const float* x, int64_t M, int64_t K, scale_mode mode, std::string name) {
+  return wide_a_build(x, M, K, mode, std::move(name), qlayout::rowwise_1x128,
+                      [&](gemm_wide_a& A, int64_t* r, int64_t* b, int64_t* n) {
+                        return detail::quantize_rowwise_wide_avx512(x, M, K, mode, A.Kp, A.values.data(), A.sa.data(),
+                                                                    r, b, n);
+                      });
+}
+
+gemm_wide_a gemm_wide_a_fp8_colwise(const float* x, int64_t T, int64_t C, scale_mode mode, std::string name) {
+  return wide_a_build(x, C, T, mode, std::move(name), qlayout::colwise_1x128,
+                      [&](gemm_wide_a& A, int64_t* c, int64_t* b, int64_t* n) {
+                        return detail::quantize_colwise_wide_a_avx512(x, T, C, mode, A.Kp, A.values.data(),
+                                                                      A.sa.data(), c, b, n);
+                      });
+}
+
+void gemm_fp8(const gemm_wide_a& A, const gemm_packed_b& B, float* C, const gemm_config& cfg) {
+  const gemm_desc d{A.M, B.N, A.K};
+  check_packed(d, B, gemm_dtype::fp8, "gemm_fp8");
+  if (A.mode != B.mode)
+    throw std::invalid_argument("gemm_fp8: scale modes differ between '" + A.name + "' and '" + B.name + "'");
+  if (A.Kp != B.Kp) throw std::logic_error("gemm_fp8: A '" + A.name + "' and B '" + B.name + "' pad K differently");
+  if (d.M == 0 || d.N == 0) return;
+  const cpu_isa isa = effective_isa(cfg);
+  if (!use_narrow(B, !B.fp8.empty(), d.M, isa, cfg)) {
+    run_wide(gemm_model::fp8, {d.M, A.Kp, A.values.data(), nullptr, A.sa.data()}, B, C, isa);
+    return;
+  }
+  // the narrow kernel reads BF16 values: E4M3 values are exact in BF16
+  avector<uint16_t> ab(static_cast<size_t>(d.M * A.Kp));
+  for (int64_t i = 0; i < d.M * A.Kp; ++i) ab[i] = bf16_from_float(A.values[i]);
+  detail::gemm_narrow_avx512(gemm_model::fp8, {d.M, A.Kp, nullptr, ab.data(), A.sa.data()}, B, C);
+}
+
 namespace {
 // A [M][K] of the FP8 tile GEMM from x, filled by `fill(fold, a, sa, &bad_row, &bad_block, &count)`
 // (one of the quantize_*_tiles kernels); a non-finite tile throws as quantize would for `layout`.

@@ -133,6 +133,32 @@ gemm_packed_b gemm_pack_fp8_colwise_tiles(const float* x, int64_t T, int64_t C, 
 void gemm_pack_fp8_blocks_tiles(const float* w, int64_t N, int64_t K, scale_mode mode, const std::string& name,
                                 gemm_packed_b* fwd, gemm_packed_b* bwd);
 
+// The wide (FP32 FMA) kernel's FP8 operands straight from FP32, for CPUs whose large-M FP8
+// GEMMs run there (gemm_fp8_wide_large_m()): no code array, no decode pass, no transpose of
+// codes. Each is bit-identical to quantizing and packing/decoding the codes, and a non-finite
+// tile is the same error as quantize's.
+// True when large-M FP8 GEMMs take the wide kernel on this CPU (AVX-512, FMA outrunning
+// VDPBF16PS): only then do these forms save work (elsewhere the GEMM converts them).
+bool gemm_fp8_wide_large_m();
+// A: E4M3 values (unscaled) [M][Kp] and scale_inv [M][Kp/128] (rows padded to 32).
+struct gemm_wide_a {
+  std::string name;
+  scale_mode mode = scale_mode::pow2;
+  int64_t M = 0, K = 0, Kp = 0;
+  avector_uninit<float> values;  // [Mp][Kp], Mp = M rounded to 32 (rows past M: scratch)
+  avector_uninit<float> sa;      // [Mp][Kp/128]
+};
+// x [M][K] as 1x128 rowwise tiles: gemm_fp8(A, B, C) == gemm_fp8(quantize(x, M, K, rowwise_1x128,
+// mode, name), B, C).
+gemm_wide_a gemm_wide_a_fp8(const float* x, int64_t M, int64_t K, scale_mode mode, std::string name);
+// A = x^T for x [T][C] (wgrad's dY^T: M = C, K = T) as 1x128 columnwise tiles: equal to
+// gemm_fp8(quantize(x, T, C, colwise_1x128, mode, name), B, C) in the same way.
+gemm_wide_a gemm_wide_a_fp8_colwise(const float* x, int64_t T, int64_t C, scale_mode mode, std::string name);
+void gemm_fp8(const gemm_wide_a& A, const gemm_packed_b& B, float* C, const gemm_config& cfg = {});
+// wgrad's B = X^T for x [T][C] in the wide form only: equal to gemm_pack_fp8(quantize(x, T, C,
+// colwise_1x128, mode, name), {true, false, false}).
+gemm_packed_b gemm_pack_fp8_colwise_wide(const float* x, int64_t T, int64_t C, scale_mode mode, std::string name);
+
 // References (the definition of each result).
 void gemm_f32_ref(const gemm_desc& d, const float* A, const float* B, float* C);
 void gemm_bf16_ref(const gemm_desc& d, const uint16_t* A, const uint16_t* B, float* C);

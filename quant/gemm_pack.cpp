@@ -199,6 +199,27 @@ gemm_packed_b gemm_pack_fp8_colwise_tiles(const float* x, int64_t T, int64_t C, 
   return p;
 }
 
+gemm_packed_b gemm_pack_fp8_colwise_wide(const float* x, int64_t T, int64_t C, scale_mode mode, std::string name) {
+  gemm_desc{0, C, T}.check();
+  if (cpu_isa_active() < cpu_isa::avx512)  // the portable path: quantize, then pack the codes
+    return gemm_pack_fp8(quantize(x, T, C, qlayout::colwise_1x128, mode, std::move(name)), {true, false, false});
+  gemm_packed_b p;
+  p.dtype = gemm_dtype::fp8;
+  p.mode = mode;
+  p.name = std::move(name);
+  p.N = C;
+  p.K = T;
+  p.Kp = round_up(T, kBlock);
+  p.Kt = p.Kp;
+  const int64_t NP = p.panels();
+  p.wide.resize(static_cast<size_t>(NP * p.Kp * 32));  // every element written below
+  p.scale_inv.resize(static_cast<size_t>(NP * p.Kp / kBlock * 32));
+  int64_t col = 0, block = 0, count = 0;
+  if (!detail::quantize_colwise_wide_avx512(x, T, C, mode, p.Kp, p.wide.data(), p.scale_inv.data(), &col, &block, &count))
+    detail::throw_nonfinite(p.name, qlayout::colwise_1x128, col, block, count);
+  return p;
+}
+
 void gemm_pack_fp8_blocks_tiles(const float* w, int64_t N, int64_t K, scale_mode mode, const std::string& name,
                                 gemm_packed_b* fwd, gemm_packed_b* bwd) {
   gemm_desc{0, N, K}.check();

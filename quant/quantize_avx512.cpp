@@ -247,12 +247,22 @@ void e4m3_grid_array_avx512(const float* x, int64_t n, float* out) {
 // columns x a token pair) as one vector: (BF16 of token t+1) << 16 | BF16 of token t.
 constexpr int64_t kPanelsPerTask = 8;
 
-// kAOrder: the tile A order instead (rows = columns of x, wgrad's dY^T): per k-step the 16 pair
-// vectors are transposed in registers into the 16 rows' 64-byte tile rows; scales go to
-// scale_inv [Mp][KB] (fp32 mode) or nowhere (null).
-template <bool kAOrder>
-bool colwise_tiles(const float* x, int64_t T, int64_t C, scale_mode mode, bool fold, int64_t Kt, uint16_t* tiles,
-                   float* scale_inv, int64_t* bad_col, int64_t* bad_block, int64_t* bad_count) {
+// Where colwise_quantize puts the values. tiles_b: the tile B order above. tiles_a: the tile A
+// order (rows = columns of x, wgrad's dY^T): per k-step the 16 pair vectors are transposed in
+// registers into the 16 rows' 64-byte tile rows; scales to scale_inv [Mp][KB] (fp32 mode) or
+// nowhere (null). wide_b: FP32 E4M3 values (unscaled) as gemm_pack_fp8's wide panels
+// [NP][Kt][32], scales [NP][KB][32]. wide_a: FP32 values (unscaled) as the wide kernel's A rows
+// [C rounded to 32][Kt] (16x16 register transposes), scales [C rounded to 32][KB].
+enum class col_out { tiles_b, tiles_a, wide_b, wide_a };
+
+template <col_out kOut>
+bool colwise_quantize(const float* x, int64_t T, int64_t C, scale_mode mode, bool fold, int64_t Kt, void* out,
+                      float* scale_inv, int64_t* bad_col, int64_t* bad_block, int64_t* bad_count) {
+  constexpr bool kAOrder = kOut == col_out::tiles_a || kOut == col_out::wide_a;
+  constexpr bool kWide = kOut == col_out::wide_a || kOut == col_out::wide_b;
+  if constexpr (kWide) fold = false;  // wide values are stored unscaled
+  uint16_t* const tiles = kWide ? nullptr : static_cast<uint16_t*>(out);
+  float* const wide = kWide ? static_cast<float*>(out) : nullptr;
   const int64_t NP = (C + 31) / 32, KB = Kt / kBlock, NPT = (NP + kPanelsPerTask - 1) / kPanelsPerTask;
   constexpr int64_t kGroups = 2 * kPanelsPerTask;  // 16-column groups per task
   first_bad fb;
@@ -281,7 +291,7 @@ bool colwise_tiles(const float* x, int64_t T, int64_t C, scale_mode mode, bool f
         }
       for (int64_t q = 0; q < ngrp; ++q) {
         const int64_t pn = p0 + q / 2, h = q % 2, c0 = cbase + 16 * q, nc = std::clamp<int64_t>(C - c0, 0, 16);
-        uint16_t* panel = tiles + pn * Kt * 32;
+        uint16_t* panel = kWide ? nullptr : tiles + pn * Kt * 32;
         auto put_scale = [&](int64_t j, float v) {  // B order [NP][KB][32]; A order [Mp][KB] (null: folded)
           if constexpr (!kAOrder) scale_inv[(pn * KB + tb) * 32 + h * 16 + j] = v;
           else if (scale_inv) scale_inv[(c0 + j) * KB + tb] = v;
@@ -307,6 +317,19 @@ bool colwise_tiles(const float* x, int64_t T, int64_t C, scale_mode mode, bool f
           const __m512 v = _mm512_maskz_loadu_ps(t < nt ? mq : static_cast<__mmask16>(0), x + (t0 + t) * C + c0);
           return _mm512_mul_ps(e4m3_grid16(_mm512_mul_ps(v, vs)), vf);
         };
+        if constexpr (kOut == col_out::wide_b) {
+          float* dst = wide + (pn * Kt + t0) * 32 + h * 16;
+          for (int64_t t = 0; t < kBlock; ++t) _mm512_store_ps(dst + t * 32, value(t));
+          continue;
+        } else if constexpr (kOut == col_out::wide_a) {
+          for (int64_t t16 = 0; t16 < kBlock; t16 += 16) {
+            __m512i v[16];
+            for (int64_t i = 0; i < 16; ++i) v[i] = _mm512_castps_si512(value(t16 + i));
+            transpose_16x16_u32(v);  // v[j]: the 16 tokens of column c0 + j
+            for (int64_t j = 0; j < 16; ++j) _mm512_storeu_si512(wide + (c0 + j) * Kt + t0 + t16, v[j]);
+          }
+          continue;
+        }
         for (int64_t ks = 0; ks < kBlock / 32; ++ks) {
           __m512i pairs[16];
           for (int64_t pp = 0; pp < 16; ++pp) {
@@ -330,12 +353,22 @@ bool colwise_tiles(const float* x, int64_t T, int64_t C, scale_mode mode, bool f
 bool quantize_colwise_tiles_avx512(const float* x, int64_t T, int64_t C, scale_mode mode, bool fold, int64_t Kt,
                                    uint16_t* tiles, float* scale_inv, int64_t* bad_col, int64_t* bad_block,
                                    int64_t* bad_count) {
-  return colwise_tiles<false>(x, T, C, mode, fold, Kt, tiles, scale_inv, bad_col, bad_block, bad_count);
+  return colwise_quantize<col_out::tiles_b>(x, T, C, mode, fold, Kt, tiles, scale_inv, bad_col, bad_block, bad_count);
 }
 
 bool quantize_colwise_tiles_a_avx512(const float* x, int64_t T, int64_t C, scale_mode mode, bool fold, int64_t Kt,
                                      uint16_t* a, float* sa, int64_t* bad_col, int64_t* bad_block, int64_t* bad_count) {
-  return colwise_tiles<true>(x, T, C, mode, fold, Kt, a, sa, bad_col, bad_block, bad_count);
+  return colwise_quantize<col_out::tiles_a>(x, T, C, mode, fold, Kt, a, sa, bad_col, bad_block, bad_count);
+}
+
+bool quantize_colwise_wide_avx512(const float* x, int64_t T, int64_t C, scale_mode mode, int64_t Kp, float* wide,
+                                  float* scale_inv, int64_t* bad_col, int64_t* bad_block, int64_t* bad_count) {
+  return colwise_quantize<col_out::wide_b>(x, T, C, mode, false, Kp, wide, scale_inv, bad_col, bad_block, bad_count);
+}
+
+bool quantize_colwise_wide_a_avx512(const float* x, int64_t T, int64_t C, scale_mode mode, int64_t Kp, float* a,
+                                    float* sa, int64_t* bad_col, int64_t* bad_block, int64_t* bad_count) {
+  return colwise_quantize<col_out::wide_a>(x, T, C, mode, false, Kp, a, sa, bad_col, bad_block, bad_count);
 }
 
 bool quantize_blocks_tiles_avx512(const float* w, int64_t N, int64_t K, scale_mode mode, bool fold, uint16_t* fwd_tiles,
@@ -448,6 +481,44 @@ bool quantize_rowwise_tiles_avx512(const float* x, int64_t M, int64_t K, scale_m
           }
         }
       }
+  });
+  if (fb.any) *bad_row = fb.br, *bad_block = fb.bc, *bad_count = fb.count;
+  return !fb.any;
+}
+
+// Tasks of 16 rows; per row: amax of every 128-block, scales, then the blocks' E4M3 values as
+// FP32 (unscaled; zero padding to Kp).
+bool quantize_rowwise_wide_avx512(const float* x, int64_t M, int64_t K, scale_mode mode, int64_t Kp, float* a,
+                                  float* sa, int64_t* bad_row, int64_t* bad_block, int64_t* bad_count) {
+  const int64_t KB = Kp / kBlock;
+  first_bad fb;
+  tbb::parallel_for(tbb::blocked_range<int64_t>(0, M, 16), [&](const auto& rr) {
+    std::vector<float> amax(static_cast<size_t>(KB)), scale(static_cast<size_t>(KB));
+    std::vector<int> bad(static_cast<size_t>(KB));
+    for (int64_t r = rr.begin(); r < rr.end(); ++r) {
+      const float* xr = x + r * K;
+      bool ok = true;
+      for (int64_t kb = 0; kb < KB; ++kb)
+        ok &= region_amax(xr + kb * kBlock, K, 1, std::min(kBlock, K - kb * kBlock), &amax[kb], &bad[kb]);
+      if (!ok) {
+        for (int64_t kb = 0; kb < KB; ++kb)
+          if (bad[kb]) fb.report(r, kb, bad[kb]);
+        continue;
+      }
+      for (int64_t kb = 0; kb < KB; ++kb) {
+        const block_scale s = scale_from_amax(amax[kb], mode);
+        scale[kb] = s.scale;
+        sa[r * KB + kb] = s.scale_inv;
+      }
+      float* ar = a + r * Kp;
+      for (int64_t kb = 0; kb < KB; ++kb) {
+        const __m512 vs = _mm512_set1_ps(scale[kb]);
+        for (int64_t k = kb * kBlock; k < (kb + 1) * kBlock; k += 16) {
+          const __mmask16 mk = k < K ? tail_mask(K - k) : static_cast<__mmask16>(0);
+          _mm512_store_ps(ar + k, e4m3_grid16(_mm512_mul_ps(_mm512_maskz_loadu_ps(mk, xr + k), vs)));
+        }
+      }
+    }
   });
   if (fb.any) *bad_row = fb.br, *bad_block = fb.bc, *bad_count = fb.count;
   return !fb.any;

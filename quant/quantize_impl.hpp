@@ -47,6 +47,18 @@ bool quantize_blocks_tiles_avx512(const float* w, int64_t N, int64_t K, scale_mo
 bool quantize_rowwise_tiles_avx512(const float* x, int64_t M, int64_t K, scale_mode mode, bool fold, int64_t Mp,
                                    int64_t Kt, uint16_t* a, float* sa, int64_t* bad_row, int64_t* bad_block,
                                    int64_t* bad_count);
+// The wide (FP32 FMA) kernel's FP8 operands, straight from FP32 (E4M3 values unscaled, padding
+// zero), bit-identical to quantize + decode/pack; false with the lowest bad tile as quantize:
+// x [T][C] as 1x128 columnwise tiles into gemm_pack_fp8's wide panels [NP][Kp][32] and scales
+// [NP][Kp/128][32] (wgrad's X^T) ...
+bool quantize_colwise_wide_avx512(const float* x, int64_t T, int64_t C, scale_mode mode, int64_t Kp, float* wide,
+                                  float* scale_inv, int64_t* bad_col, int64_t* bad_block, int64_t* bad_count);
+// ... or into A rows [C rounded to 32][Kp] and scales [C rounded to 32][Kp/128] (wgrad's dY^T);
+bool quantize_colwise_wide_a_avx512(const float* x, int64_t T, int64_t C, scale_mode mode, int64_t Kp, float* a,
+                                    float* sa, int64_t* bad_col, int64_t* bad_block, int64_t* bad_count);
+// x [M][K] as 1x128 rowwise tiles into A rows [M][Kp] and scales [M][Kp/128].
+bool quantize_rowwise_wide_avx512(const float* x, int64_t M, int64_t K, scale_mode mode, int64_t Kp, float* a,
+                                  float* sa, int64_t* bad_row, int64_t* bad_block, int64_t* bad_count);
 void quantize_avx512(const float* x, int64_t rows, int64_t cols, qlayout layout,
                      scale_mode mode, qtensor& q);
 

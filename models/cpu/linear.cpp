@@ -68,6 +68,7 @@ struct act_operand {
   const float* f32 = nullptr;
   std::vector<uint16_t> bf16;
   qtensor fp8;
+  gemm_wide_a fp8_wide;  // exact FP8 where large-M GEMMs run on the wide kernel (fp8_wide.M > 0)
   gemm_tiles_a fp8_tiles;
   int64_t M = 0, K = 0;
 };
@@ -77,7 +78,9 @@ void act_prepare(act_operand& a, precision prec, scale_mode mode, bool tiles, co
   a.prec = prec, a.mode = mode, a.tiles = tiles, a.M = M, a.K = K, a.f32 = A;
   if (prec == precision::bf16) a.bf16 = to_bf16(A, M * K);
   if (prec == precision::fp8 && tiles) a.fp8_tiles = gemm_tiles_a_fp8(A, M, K, mode, name);
-  if (prec == precision::fp8 && !tiles) {
+  if (prec == precision::fp8 && !tiles && M > gemm_config{}.stream_max_m && gemm_fp8_wide_large_m()) {
+    a.fp8_wide = gemm_wide_a_fp8(A, M, K, mode, name);  // no code array, no decode pass
+  } else if (prec == precision::fp8 && !tiles) {
     a.fp8.name = name;
     quantize_into(A, M, K, qlayout::rowwise_1x128, mode, a.fp8);
   }
@@ -99,6 +102,7 @@ void act_matmul(const act_operand& a, const gemm_packed_b& B, float* C) {
       break;
     case precision::fp8:
       if (a.tiles) gemm_fp8_tiles(a.fp8_tiles, B, C);
+      else if (a.fp8_wide.M > 0) gemm_fp8(a.fp8_wide, B, C);
       else gemm_fp8(a.fp8, B, C);
       break;
   }
@@ -199,6 +203,8 @@ gemm_packed_b wgrad_x_operand(const cpu_linear& l, const float* x, int64_t T) {
   const gemm_pack_forms forms = forms_for(l.tiles, false);
   if (l.prec == precision::fp8 && l.tiles)  // straight into the tile form, no code array
     return gemm_pack_fp8_colwise_tiles(x, T, l.in, l.mode, l.name + ".x^T");
+  if (l.prec == precision::fp8 && gemm_fp8_wide_large_m())  // straight into the wide form
+    return gemm_pack_fp8_colwise_wide(x, T, l.in, l.mode, l.name + ".x^T");
   if (l.prec == precision::fp8)
     return gemm_pack_fp8(quantize(x, T, l.in, qlayout::colwise_1x128, l.mode, l.name + ".x^T"), forms);
   if (l.prec == precision::bf16) {
@@ -222,11 +228,11 @@ void linear_wgrad(const cpu_linear& l, const float* dy, int64_t T, const gemm_pa
   }
   auto g_buf = std::make_unique_for_overwrite<float[]>(static_cast<size_t>(l.out * l.in));  // the GEMM writes all of it
   float* g = g_buf.get();
-  if (l.prec == precision::fp8) {
+  if (l.prec == precision::fp8 && gemm_fp8_wide_large_m()) {
     // dW[out,in] = dY^T · X with both operands tiled 1x128 along tokens (columnwise)
-    qtensor a = quantize(dy, T, l.out, qlayout::colwise_1x128, l.mode, l.name + ".dy^T");
-    if (l.tiles) gemm_fp8_tiles(a, xb, g);
-    else gemm_fp8(a, xb, g);
+    gemm_fp8(gemm_wide_a_fp8_colwise(dy, T, l.out, l.mode, l.name + ".dy^T"), xb, g);
+  } else if (l.prec == precision::fp8) {
+    gemm_fp8(quantize(dy, T, l.out, qlayout::colwise_1x128, l.mode, l.name + ".dy^T"), xb, g);
   } else if (l.prec == precision::bf16) {
     act_operand a;
     a.prec = precision::bf16, a.tiles = l.tiles, a.M = l.out, a.K = T;

@@ -6,6 +6,8 @@
 
 #include <cfloat>
 #include <cmath>
+#include <limits>
+#include <string>
 
 #include "quant/fp8.hpp"
 #include "quant/gemm.hpp"
@@ -223,6 +225,90 @@ TEST(Gemm, Fp8WgradOperandsColumnwise) {
     for (int64_t i = 0; i < in; ++i)
       for (int64_t t = 0; t < T; ++t) want[o * in + i] += double(dY[t * out + o]) * X[t * in + i];
   EXPECT_LT(fp8rl::tol::calc_diff(fp8rl::test::to_double(ref), want), fp8rl::tol::kGemmFp8VsF64Diff);
+}
+
+namespace {
+// The non-finite error text `fn` throws ("" if it throws none).
+template <class Fn>
+std::string nonfinite_text(Fn&& fn) {
+  try {
+    fn();
+  } catch (const nonfinite_error& e) {
+    return e.what();
+  }
+  return "";
+}
+
+// Builds run with the AVX-512 quantizers (when present) and with the portable path.
+template <class Fn>
+void for_each_build_isa(Fn&& fn) {
+  for (cpu_isa limit : {cpu_isa::amx, cpu_isa::portable}) {
+    cpu_isa_set_limit(limit);
+    fn(limit);
+  }
+  cpu_isa_set_limit(cpu_isa::amx);
+}
+}  // namespace
+
+// The wide kernel's operands made straight from FP32 (rowwise A, columnwise A = dY^T, columnwise
+// B = X^T) give the reference's bits on every kernel and ISA, in both scale modes and ragged
+// shapes (the narrow kernels convert them), and equal quantize + pack array for array; a
+// non-finite tile is quantize's error.
+TEST(Gemm, Fp8WideOperandsFromActivationsEqualTheReference) {
+  uint64_t seed = 1400;
+  for_each_build_isa([&](cpu_isa build) {
+    const std::string b = " built " + std::string(cpu_isa_name(build));
+    for (scale_mode mode : {scale_mode::pow2, scale_mode::fp32})
+      for (auto& s : kShapes) {
+        const int64_t M = s[0], N = s[1], K = s[2];
+        auto Af = randn(M * K, seed++, 2.0f), Bf = randn(N * K, seed++, 0.5f);
+        for (int64_t k = 0; k < std::min<int64_t>(K, 128); ++k) Af[k] = 0.0f;  // an all-zero tile
+        const qtensor B = quantize(Bf.data(), N, K, qlayout::block_128x128, mode, "B");
+        std::vector<float> ref(M * N), fast(M * N, -1.0f);
+        gemm_fp8_ref(quantize(Af.data(), M, K, qlayout::rowwise_1x128, mode, "A"), B, ref.data());
+        const gemm_wide_a A = gemm_wide_a_fp8(Af.data(), M, K, mode, "A");
+        const auto pb = gemm_pack_fp8(B);
+        for (cpu_isa isa : kIsas)
+          for (gemm_kernel k : kKernels) {
+            if (!have(isa)) continue;
+            gemm_fp8(A, pb, fast.data(), force(isa, k));
+            ASSERT_EQ(first_diff(fast, ref), -1) << gemm_desc{M, N, K}.str() << " isa " << cpu_isa_name(isa) << " "
+                                                 << kernel_name(k) << " mode " << int(mode) << b;
+          }
+      }
+    for (auto [T, C] : {std::pair<int64_t, int64_t>{256, 64}, {300, 70}, {129, 33}, {5, 17}, {1024, 96}})
+      for (scale_mode mode : {scale_mode::pow2, scale_mode::fp32}) {  // wgrad: dW = dY^T X
+        auto dy = randn(T * C, seed++, 2.0f), x = randn(T * 40, seed++);
+        for (int64_t t = 0; t < T; ++t) dy[t * C + 3] = 0.0f, x[t * 40 + 39] = 0.0f;  // all-zero columns
+        const qtensor qa = quantize(dy.data(), T, C, qlayout::colwise_1x128, mode, "dy^T");
+        const qtensor qb = quantize(x.data(), T, 40, qlayout::colwise_1x128, mode, "x^T");
+        const auto want_b = gemm_pack_fp8(qb, {true, false, false});
+        const auto got_b = gemm_pack_fp8_colwise_wide(x.data(), T, 40, mode, "x^T");
+        const std::string what = "T " + std::to_string(T) + " C " + std::to_string(C) + " mode " + std::to_string(int(mode)) + b;
+        ASSERT_EQ(got_b.wide.size(), want_b.wide.size()) << what;
+        ASSERT_EQ(first_diff(std::vector<float>(got_b.wide.begin(), got_b.wide.end()),
+                             std::vector<float>(want_b.wide.begin(), want_b.wide.end())), -1) << "x^T wide " << what;
+        ASSERT_EQ(first_diff(std::vector<float>(got_b.scale_inv.begin(), got_b.scale_inv.end()),
+                             std::vector<float>(want_b.scale_inv.begin(), want_b.scale_inv.end())), -1) << "x^T scales " << what;
+        std::vector<float> ref(C * 40), fast(C * 40, -1.0f);
+        gemm_fp8_ref(qa, qb, ref.data());
+        gemm_fp8(gemm_wide_a_fp8_colwise(dy.data(), T, C, mode, "dy^T"), got_b, fast.data());
+        ASSERT_EQ(first_diff(fast, ref), -1) << "dW " << what;
+      }
+    std::vector<float> x(300 * 40, 1.0f);
+    x[200 * 40 + 30] = std::numeric_limits<float>::infinity();  // column 30, token block 1
+    x[10 * 40 + 35] = std::numeric_limits<float>::quiet_NaN();  // column 35, token block 0
+    const std::string want_col = nonfinite_text([&] { quantize(x.data(), 300, 40, qlayout::colwise_1x128, scale_mode::pow2, "x^T"); });
+    EXPECT_FALSE(want_col.empty());
+    EXPECT_EQ(nonfinite_text([&] { gemm_pack_fp8_colwise_wide(x.data(), 300, 40, scale_mode::pow2, "x^T"); }), want_col) << b;
+    EXPECT_EQ(nonfinite_text([&] { gemm_wide_a_fp8_colwise(x.data(), 300, 40, scale_mode::pow2, "x^T"); }), want_col) << b;
+    std::vector<float> h(40 * 300, 1.0f);
+    h[30 * 300 + 200] = -std::numeric_limits<float>::infinity();  // row 30, block 1
+    h[35 * 300 + 5] = std::numeric_limits<float>::quiet_NaN();    // row 35, block 0
+    const std::string want_row = nonfinite_text([&] { quantize(h.data(), 40, 300, qlayout::rowwise_1x128, scale_mode::fp32, "h"); });
+    EXPECT_FALSE(want_row.empty());
+    EXPECT_EQ(nonfinite_text([&] { gemm_wide_a_fp8(h.data(), 40, 300, scale_mode::fp32, "h"); }), want_row) << b;
+  });
 }
 
 // Integer E4M3 inputs in [-8, 8] with pow2 scales: every block sum is an integer < 2^14, exact in
