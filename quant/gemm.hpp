@@ -80,7 +80,7 @@ struct gemm_packed_b {
   scale_mode mode = scale_mode::pow2;  // fp8 only
   std::string name;
   int64_t N = 0, K = 0, Kp = 0;   // Kp: K zero-padded (f32: K, bf16: even, fp8: 128-multiple)
-  avector<float> wide;            // [NP][Kp][32] values as FP32 (bf16/fp8: exact, unscaled)
+  avector_uninit<float> wide;     // [NP][Kp][32] values as FP32 (bf16/fp8: exact, unscaled); packers write all
   avector<uint16_t> bf16;         // bf16 narrow: [NP][Kp/2][32][2]
   avector<uint8_t> fp8;           // fp8 narrow: [NP][Kp/2][64] codes in decoder order (1.0 padding)
   avector<uint64_t> fp8_rare;     // fp8 narrow: [NP][Kp/128], bit i: pair step i of the block holds a

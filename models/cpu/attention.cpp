@@ -348,12 +348,25 @@ FP8RL_VECTOR_CLONES void attn_rows_backward(const float* qb, const float* ob, co
 
 namespace {
 
+// Per-task scratch of the row kernels, kept across a family's sequences (no allocation per
+// sequence: a GRPO family has one per sample, of a few rows each).
+struct attn_scratch {
+  std::vector<float> qb, ob, sc, dp, Di, lr;
+  void fit(int64_t D, int64_t nt) {  // kRowBlock rows of D; kRowBlock rows of nt keys
+    for (auto* v : {&qb, &ob}) v->resize(static_cast<size_t>(kRowBlock * D));
+    for (auto* v : {&sc, &dp}) v->resize(static_cast<size_t>(kRowBlock * nt));
+    for (auto* v : {&Di, &lr}) v->resize(kRowBlock);
+  }
+};
+
 // Forward of one sequence's query rows (key_rows kr, kv = its gathered keys) for the heads of
 // KV group g: out and lse at the rows' tokens.
 void attn_forward_seq(const attn_params& p, const float* q, const kv_view& kv, const key_rows& kr, int64_t g, float* out,
-                      float* lse) {
+                      float* lse, attn_scratch& ws) {
   const int64_t H = p.H, D = p.D, G = p.H / p.KV;
-  std::vector<float> qb(static_cast<size_t>(kRowBlock * D)), sc(static_cast<size_t>(kRowBlock * kr.total()));
+  ws.fit(D, kr.total());
+  std::vector<float>& qb = ws.qb;
+  float* sc = ws.sc.data();
   for (int64_t h = g * G; h < (g + 1) * G; ++h) {
     const attn_rounding rq{p.operand, p.q_scale ? p.q_scale[h] : 0.0f};
     for (int64_t i = 0; i < kr.n; i += kRowBlock) {
@@ -361,10 +374,10 @@ void attn_forward_seq(const attn_params& p, const float* q, const kv_view& kv, c
       std::fill(qb.begin() + B * D, qb.end(), 0.0f);
       for (int64_t r = 0; r < B; ++r) std::copy_n(q + ((kr.s0 + i + r) * H + h) * D, D, qb.begin() + r * D);
       attn_round_row(qb.data(), B * D, rq);
-      attn_scores_block<false>(qb.data(), nullptr, B, kv.kt.data(), nullptr, kv.ld, nk, D, sc.data(), nullptr);
+      attn_scores_block<false>(qb.data(), nullptr, B, kv.kt.data(), nullptr, kv.ld, nk, D, sc, nullptr);
       for (int64_t r = 0; r < B; ++r)
-        lse[(kr.s0 + i + r) * H + h] = cpu_attn_softmax(sc.data() + r * nk, i0 + r + 1, D, p.operand);
-      attn_pv_rows_any(sc.data(), nk, B, i0, kv.v.data(), D, out + ((kr.s0 + i) * H + h) * D, H * D);
+        lse[(kr.s0 + i + r) * H + h] = cpu_attn_softmax(sc + r * nk, i0 + r + 1, D, p.operand);
+      attn_pv_rows_any(sc, nk, B, i0, kv.v.data(), D, out + ((kr.s0 + i) * H + h) * D, H * D);
     }
   }
 }
@@ -372,11 +385,12 @@ void attn_forward_seq(const attn_params& p, const float* q, const kv_view& kv, c
 // Backward of one sequence's query rows for the heads of KV group g: dq at the rows' tokens;
 // adds into dK, dV [kr.total()][D] (the gathered keys' order).
 void attn_backward_seq(const attn_params& p, const float* q, const float* out, const float* lse, const float* dout,
-                       const kv_both& kv, const key_rows& kr, int64_t g, float* dq, float* dK, float* dV) {
-  const int64_t H = p.H, D = p.D, G = p.H / p.KV, nt = kr.total();
+                       const kv_both& kv, const key_rows& kr, int64_t g, float* dq, float* dK, float* dV,
+                       attn_scratch& ws) {
+  const int64_t H = p.H, D = p.D, G = p.H / p.KV;
   const float scale = 1.0f / std::sqrt(static_cast<float>(D));
-  std::vector<float> qb(static_cast<size_t>(kRowBlock * D)), ob(static_cast<size_t>(kRowBlock * D)),
-      sc(static_cast<size_t>(kRowBlock * nt)), dp(static_cast<size_t>(kRowBlock * nt)), Di(kRowBlock), lr(kRowBlock);
+  ws.fit(D, kr.total());
+  std::vector<float>&qb = ws.qb, &ob = ws.ob, &sc = ws.sc, &dp = ws.dp, &Di = ws.Di, &lr = ws.lr;
   const attn_rounding rp{p.operand, 0.0f};
   for (int64_t h = g * G; h < (g + 1) * G; ++h) {
     const attn_rounding rq{p.operand, p.q_scale ? p.q_scale[h] : 0.0f};
@@ -410,11 +424,12 @@ void store_head_rows(const float* src, int64_t n, int64_t s0, int64_t KV, int64_
 void cpu_attention_forward(const attn_params& p, const float* q, const float* k, const float* v, float* out, float* lse) {
   for_each_family_group(p, [&](int64_t g, const std::vector<int64_t>& fam) {
     kv_view kv;
+    attn_scratch ws;
     for (int64_t s : fam) {
       const key_rows kr = family_keys(p, fam, s);
       if (kr.n <= 0) continue;
       gather_kv(p, k, v, kr, g, kv);
-      attn_forward_seq(p, q, kv, kr, g, out, lse);
+      attn_forward_seq(p, q, kv, kr, g, out, lse, ws);
     }
   });
 }
@@ -426,6 +441,7 @@ void cpu_attention_backward(const attn_params& p, const float* q, const float* k
   const int64_t KV = p.KV, D = p.D;
   for_each_family_group(p, [&](int64_t g, const std::vector<int64_t>& fam) {
     kv_both kv;
+    attn_scratch ws;
     std::vector<float> dK, dV;  // [root rows + current sequence's rows][D]
     int64_t nroot = 0;
     for (int64_t s : fam) {
@@ -441,7 +457,7 @@ void cpu_attention_backward(const attn_params& p, const float* q, const float* k
       dV.resize(static_cast<size_t>(nt * D));
       std::fill(dK.begin() + kr.np * D, dK.end(), 0.0f);
       std::fill(dV.begin() + kr.np * D, dV.end(), 0.0f);
-      attn_backward_seq(p, q, out, lse, dout, kv, kr, g, dq, dK.data(), dV.data());
+      attn_backward_seq(p, q, out, lse, dout, kv, kr, g, dq, dK.data(), dV.data(), ws);
       if (s != fam[0]) {
         store_head_rows(dK.data() + kr.np * D, kr.n, kr.s0, KV, D, g, dk);
         store_head_rows(dV.data() + kr.np * D, kr.n, kr.s0, KV, D, g, dv);
