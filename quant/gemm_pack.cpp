@@ -177,10 +177,11 @@ gemm_packed_b gemm_pack_fp8(const qtensor& B, gemm_pack_forms forms) {
   return p;
 }
 
-gemm_packed_b gemm_pack_fp8_colwise_tiles(const float* x, int64_t T, int64_t C, scale_mode mode, std::string name) {
+namespace {
+// The header of wgrad's X^T (x [T][C], 1x128 columnwise) as an FP8 B: N = C, K = T, and the
+// scales [NP][Kp/128][32] sized for the quantizer to fill.
+gemm_packed_b colwise_b_header(int64_t T, int64_t C, scale_mode mode, std::string name) {
   gemm_desc{0, C, T}.check();
-  if (cpu_isa_active() < cpu_isa::amx)
-    throw std::runtime_error("gemm_pack_fp8_colwise_tiles: the tile form needs AMX (tensor '" + name + "')");
   gemm_packed_b p;
   p.dtype = gemm_dtype::fp8;
   p.mode = mode;
@@ -189,9 +190,17 @@ gemm_packed_b gemm_pack_fp8_colwise_tiles(const float* x, int64_t T, int64_t C, 
   p.K = T;
   p.Kp = round_up(T, kBlock);
   p.Kt = p.Kp;
+  p.scale_inv.resize(static_cast<size_t>(p.panels() * p.Kp / kBlock * 32));
+  return p;
+}
+}  // namespace
+
+gemm_packed_b gemm_pack_fp8_colwise_tiles(const float* x, int64_t T, int64_t C, scale_mode mode, std::string name) {
+  if (cpu_isa_active() < cpu_isa::amx)
+    throw std::runtime_error("gemm_pack_fp8_colwise_tiles: the tile form needs AMX (tensor '" + name + "')");
+  gemm_packed_b p = colwise_b_header(T, C, mode, std::move(name));
   const int64_t NP = p.panels();
-  p.tiles.resize(static_cast<size_t>(NP * p.Kt * 32));      // every element written below
-  p.scale_inv.resize(static_cast<size_t>(NP * p.Kt / kBlock * 32));
+  p.tiles.resize(static_cast<size_t>(NP * p.Kt * 32));  // every element written below
   int64_t col = 0, block = 0, count = 0;
   if (!detail::quantize_colwise_tiles_avx512(x, T, C, mode, mode == scale_mode::pow2, p.Kt, p.tiles.data(),
                                               p.scale_inv.data(), &col, &block, &count))
@@ -200,20 +209,10 @@ gemm_packed_b gemm_pack_fp8_colwise_tiles(const float* x, int64_t T, int64_t C, 
 }
 
 gemm_packed_b gemm_pack_fp8_colwise_wide(const float* x, int64_t T, int64_t C, scale_mode mode, std::string name) {
-  gemm_desc{0, C, T}.check();
   if (cpu_isa_active() < cpu_isa::avx512)  // the portable path: quantize, then pack the codes
     return gemm_pack_fp8(quantize(x, T, C, qlayout::colwise_1x128, mode, std::move(name)), {true, false, false});
-  gemm_packed_b p;
-  p.dtype = gemm_dtype::fp8;
-  p.mode = mode;
-  p.name = std::move(name);
-  p.N = C;
-  p.K = T;
-  p.Kp = round_up(T, kBlock);
-  p.Kt = p.Kp;
-  const int64_t NP = p.panels();
-  p.wide.resize(static_cast<size_t>(NP * p.Kp * 32));  // every element written below
-  p.scale_inv.resize(static_cast<size_t>(NP * p.Kp / kBlock * 32));
+  gemm_packed_b p = colwise_b_header(T, C, mode, std::move(name));
+  p.wide.resize(static_cast<size_t>(p.panels() * p.Kp * 32));  // every element written below
   int64_t col = 0, block = 0, count = 0;
   if (!detail::quantize_colwise_wide_avx512(x, T, C, mode, p.Kp, p.wide.data(), p.scale_inv.data(), &col, &block, &count))
     detail::throw_nonfinite(p.name, qlayout::colwise_1x128, col, block, count);

@@ -64,30 +64,43 @@ inline void encode_row(const float* x, int64_t nk, float scale, uint8_t* out) {
 // constants stay in registers (a scale_from_amax call between tiles clobbers them all).
 constexpr int64_t kPrefetchRows = 4;
 
+// Passes 1 and 2 for row r (xr, K values): scale[kb] and its inverse into
+// scale_inv[kb * inv_stride]; false (the bad tiles reported) when a tile holds NaN/Inf.
+struct row_scales {
+  std::vector<float> amax, scale;
+  std::vector<int> bad;
+  explicit row_scales(int64_t KB) : amax(static_cast<size_t>(KB)), scale(static_cast<size_t>(KB)), bad(static_cast<size_t>(KB)) {}
+  bool compute(const float* xr, int64_t K, int64_t r, scale_mode mode, first_bad& fb, float* scale_inv,
+               int64_t inv_stride) {
+    const int64_t KB = static_cast<int64_t>(amax.size());
+    bool ok = true;
+    for (int64_t kb = 0; kb < KB; ++kb)
+      ok &= region_amax(xr + kb * kBlock, K, 1, std::clamp<int64_t>(K - kb * kBlock, 0, kBlock), &amax[kb], &bad[kb]);
+    if (!ok) {
+      for (int64_t kb = 0; kb < KB; ++kb)
+        if (bad[kb]) fb.report(r, kb, bad[kb]);
+      return false;
+    }
+    for (int64_t kb = 0; kb < KB; ++kb) {
+      const block_scale s = scale_from_amax(amax[kb], mode);
+      scale[kb] = s.scale;
+      scale_inv[kb * inv_stride] = s.scale_inv;
+    }
+    return true;
+  }
+};
+
 void quantize_rows(const float* x, qtensor& q, first_bad& fb) {
   const int64_t R = q.rows, K = q.cols, ld = q.scale_ld(), KB = q.k_blocks();
   tbb::parallel_for(tbb::blocked_range<int64_t>(0, R, 16), [&](const auto& rr) {
-    std::vector<float> amax(static_cast<size_t>(KB)), scale(static_cast<size_t>(KB));
-    std::vector<int> bad(static_cast<size_t>(KB));
+    row_scales rs(KB);
     for (int64_t r = rr.begin(); r < rr.end(); ++r) {
       const float* xr = x + r * K;
       for (int64_t k = 0; k < K; k += 16)  // a few rows ahead: the amax pass is the DRAM stream
         _mm_prefetch(reinterpret_cast<const char*>(xr + kPrefetchRows * K + k), _MM_HINT_T0);
-      bool ok = true;
+      if (!rs.compute(xr, K, r, q.mode, fb, q.scale_inv.data() + r, ld)) continue;
       for (int64_t kb = 0; kb < KB; ++kb)
-        ok &= region_amax(xr + kb * kBlock, K, 1, std::min(kBlock, K - kb * kBlock), &amax[kb], &bad[kb]);
-      if (!ok) {
-        for (int64_t kb = 0; kb < KB; ++kb)
-          if (bad[kb]) fb.report(r, kb, bad[kb]);
-        continue;
-      }
-      for (int64_t kb = 0; kb < KB; ++kb) {
-        const block_scale s = scale_from_amax(amax[kb], q.mode);
-        scale[kb] = s.scale;
-        q.scale_inv[kb * ld + r] = s.scale_inv;
-      }
-      for (int64_t kb = 0; kb < KB; ++kb)
-        encode_row(xr + kb * kBlock, std::min(kBlock, K - kb * kBlock), scale[kb], q.data.data() + r * K + kb * kBlock);
+        encode_row(xr + kb * kBlock, std::min(kBlock, K - kb * kBlock), rs.scale[kb], q.data.data() + r * K + kb * kBlock);
     }
   });
 }
@@ -493,26 +506,13 @@ bool quantize_rowwise_wide_avx512(const float* x, int64_t M, int64_t K, scale_mo
   const int64_t KB = Kp / kBlock;
   first_bad fb;
   tbb::parallel_for(tbb::blocked_range<int64_t>(0, M, 16), [&](const auto& rr) {
-    std::vector<float> amax(static_cast<size_t>(KB)), scale(static_cast<size_t>(KB));
-    std::vector<int> bad(static_cast<size_t>(KB));
+    row_scales rs(KB);
     for (int64_t r = rr.begin(); r < rr.end(); ++r) {
       const float* xr = x + r * K;
-      bool ok = true;
-      for (int64_t kb = 0; kb < KB; ++kb)
-        ok &= region_amax(xr + kb * kBlock, K, 1, std::min(kBlock, K - kb * kBlock), &amax[kb], &bad[kb]);
-      if (!ok) {
-        for (int64_t kb = 0; kb < KB; ++kb)
-          if (bad[kb]) fb.report(r, kb, bad[kb]);
-        continue;
-      }
-      for (int64_t kb = 0; kb < KB; ++kb) {
-        const block_scale s = scale_from_amax(amax[kb], mode);
-        scale[kb] = s.scale;
-        sa[r * KB + kb] = s.scale_inv;
-      }
+      if (!rs.compute(xr, K, r, mode, fb, sa + r * KB, 1)) continue;
       float* ar = a + r * Kp;
       for (int64_t kb = 0; kb < KB; ++kb) {
-        const __m512 vs = _mm512_set1_ps(scale[kb]);
+        const __m512 vs = _mm512_set1_ps(rs.scale[kb]);
         for (int64_t k = kb * kBlock; k < (kb + 1) * kBlock; k += 16) {
           const __mmask16 mk = k < K ? tail_mask(K - k) : static_cast<__mmask16>(0);
           _mm512_store_ps(ar + k, e4m3_grid16(_mm512_mul_ps(_mm512_maskz_loadu_ps(mk, xr + k), vs)));

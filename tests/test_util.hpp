@@ -3,6 +3,7 @@
 #include <cstdint>
 #include <cstring>
 #include <random>
+#include <string>
 #include <vector>
 
 namespace fp8rl::test {
@@ -30,5 +31,16 @@ inline int64_t first_diff(const std::vector<float>& a, const std::vector<float>&
 }
 
 inline std::vector<double> to_double(const std::vector<float>& v) { return {v.begin(), v.end()}; }
+
+// The message of the E that `fn` throws ("" if it throws none).
+template <class E, class Fn>
+std::string thrown_text(Fn&& fn) {
+  try {
+    fn();
+  } catch (const E& e) {
+    return e.what();
+  }
+  return "";
+}
 
 }  // namespace fp8rl::test

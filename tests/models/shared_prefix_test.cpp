@@ -201,6 +201,15 @@ std::vector<rl_sample> learner_samples() {
   return out;
 }
 
+// A tiny model, its parameters and runner, and learner_samples().
+struct learner_fixture {
+  model_config c = learner_cfg();
+  model_params p = model_params_init(c, 5);
+  std::unique_ptr<backend> be = make_cpu_backend();
+  model_runner run{*be};
+  std::vector<rl_sample> samples = learner_samples();
+};
+
 }  // namespace
 
 TEST(SharedPrefix, LearnerBatchSharesGroupPromptsAndPredictsTheResponses) {
@@ -254,11 +263,8 @@ TEST(SharedPrefix, LearnerBatchSharesGroupPromptsAndPredictsTheResponses) {
 // The learner's rows (shared prompts, no last-token rows) give the logprobs of the full
 // unshared sequences (prompt + response, as the generation check compares them) bit for bit.
 TEST(SharedPrefix, LearnerBatchLogprobsEqualFullSequences) {
-  const model_config c = learner_cfg();
-  const model_params p = model_params_init(c, 5);
-  auto be = make_cpu_backend();
-  model_runner run(*be);
-  const auto samples = learner_samples();
+  learner_fixture F;
+  auto& [c, p, be, run, samples] = F;
   token_batch full;
   std::vector<int64_t> full_at;
   for (const auto& s : samples) {
@@ -289,11 +295,8 @@ TEST(SharedPrefix, LearnerBatchLogprobsEqualFullSequences) {
 // The learner's step with and without shared prompts: logprobs (hence loss, dL/dc and every
 // metric) bit for bit under each policy; FP32 gradients equal up to summation order.
 TEST(SharedPrefix, LearnerStepKeepsLogprobsAndLoss) {
-  const model_config c = learner_cfg();
-  const model_params p = model_params_init(c, 5);
-  auto be = make_cpu_backend();
-  model_runner run(*be);
-  const auto samples = learner_samples();
+  learner_fixture F;
+  auto& [c, p, be, run, samples] = F;
   grpo_config on, off;
   off.share_prompts = false;
   std::vector<const char*> policies = {"fp32", "bf16", "fp8"};
@@ -318,11 +321,8 @@ TEST(SharedPrefix, LearnerStepKeepsLogprobsAndLoss) {
 // meets against FP32 (the Precision.ModelLogitsAndGradientsNearFp32 bounds): the FP8 wgrad then
 // quantizes a different token set (the prompt rows once, their gradients summed), no worse.
 TEST(SharedPrefix, ModelGradientsOnSharedLayoutsMeetThePolicyBounds) {
-  const model_config c = learner_cfg();
-  const model_params p = model_params_init(c, 5);
-  auto be = make_cpu_backend();
-  model_runner run(*be);
-  const auto samples = learner_samples();
+  learner_fixture F;
+  auto& [c, p, be, run, samples] = F;
   const learner_batch ls = learner_batch_build(samples, true), lu = learner_batch_build(samples, false);
   const auto dl = randn(ls.at.size(), 43);
   auto grads = [&](const char* pol, const learner_batch& lb) {

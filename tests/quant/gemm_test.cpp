@@ -231,12 +231,7 @@ namespace {
 // The non-finite error text `fn` throws ("" if it throws none).
 template <class Fn>
 std::string nonfinite_text(Fn&& fn) {
-  try {
-    fn();
-  } catch (const nonfinite_error& e) {
-    return e.what();
-  }
-  return "";
+  return fp8rl::test::thrown_text<nonfinite_error>(fn);
 }
 
 // Builds run with the AVX-512 quantizers (when present) and with the portable path.

@@ -71,12 +71,7 @@ void expect_same_tile_form(const gemm_packed_b& got, const gemm_packed_b& want, 
 // The non-finite error text `fn` throws ("" if it throws none).
 template <class Fn>
 std::string nonfinite_text(Fn&& fn) {
-  try {
-    fn();
-  } catch (const nonfinite_error& e) {
-    return e.what();
-  }
-  return "";
+  return fp8rl::test::thrown_text<nonfinite_error>(fn);
 }
 }  // namespace
 
