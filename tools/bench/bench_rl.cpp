@@ -1,7 +1,9 @@
 // tools/bench/bench_rl.cpp -- build/bin/bench-rl: the RL system end to end, side by side.
 //  * samples/s of the default recipe with max_staleness 0, 1, 2 (rollout and learner each own
 //    one core: topology configs/topologies/local.conf), steady state (after 2 warm-up steps, before
-//    the final evaluation) and over the whole run; calibration time as % of the learner step
+//    the final evaluation) and over the whole run; calibration time as % of the learner step;
+//    for staleness > 0 the speedup over the synchronous run and the bound perfect overlap would
+//    give, (rest + train) / max(rest, train) from the synchronous step's parts
 //  * bundle sync: publish -> adopted latency and MB/s, in process and across processes (two
 //    processes on loopback via caf-run), for FP8 and BF16 bundles of the "small" built-in model
 // Runs build/bin/fp8rl (and caf-run) as users do and reads each run's metrics.jsonl; medians
@@ -70,16 +72,30 @@ int main(int argc, char** argv) {
   const std::string common = " --run.steps=" + steps + " --run.eval_every=0 --run.checkpoint_every=0 --model.sft_steps=100";
   // 1. samples/s vs staleness (first steps skipped: pipeline fill)
   if (bench_selected(a, "staleness")) {
+    double sync_sps = 0, bound = 0;  // from the synchronous run (k = 0, first)
     for (int k : {0, 1, 2}) {
       const auto m = run_train((bin / "fp8rl").string() + " train --topology " + (src / "configs/topologies/local.conf").string() +
                                    common + " --async.max_staleness=" + std::to_string(k),
                                work / ("staleness" + std::to_string(k)));
       const double sps = steady_samples_per_s(m, 2), run_sps = m.back()["samples_per_s"].get<double>();
       const double calib = median_of(m, "calibration_s", 2), train = median_of(m, "train_s", 2);
-      bench_emit(a, {{"bench", jstr("rl")}, {"impl", jstr("staleness")}, {"max_staleness", jnum(k)},
-                     {"samples_per_s", jnum(sps)}, {"samples_per_s_whole_run", jnum(run_sps)}, {"steps", jnum(double(m.size()))},
-                     {"calibration_s", jnum(calib)}, {"learner_step_s", jnum(train)},
-                     {"calibration_pct_of_step", jnum(train > 0 ? 100.0 * calib / train : 0.0)}});
+      if (k == 0) {  // a synchronous step = the learner's step + the rest (generation, sync, ...)
+        const json& last = m.back();
+        const double per_step = last["samples_per_s"].get<double>() * last["elapsed_s"].get<double>() / last["step"].get<double>();
+        const double step_s = per_step / sps;
+        sync_sps = sps;
+        bound = step_s / std::max(train, step_s - train);  // (rest + train) / max(rest, train)
+      }
+      std::vector<std::pair<std::string, std::string>> f = {
+          {"bench", jstr("rl")}, {"impl", jstr("staleness")}, {"max_staleness", jnum(k)},
+          {"samples_per_s", jnum(sps)}, {"samples_per_s_whole_run", jnum(run_sps)}, {"steps", jnum(double(m.size()))},
+          {"calibration_s", jnum(calib)}, {"learner_step_s", jnum(train)},
+          {"calibration_pct_of_step", jnum(train > 0 ? 100.0 * calib / train : 0.0)}};
+      if (k > 0 && sync_sps > 0) {  // the gain over synchronous, and what perfect overlap would give
+        f.push_back({"speedup_vs_sync", jnum(sps / sync_sps)});
+        f.push_back({"overlap_bound", jnum(bound)});
+      }
+      bench_emit(a, f);
     }
   }
   // 2. bundle sync latency and MB/s, FP8 vs BF16, in process and across processes
