@@ -182,8 +182,9 @@ std::vector<double> sft_train(model_params& params, adamw_state& opt, const data
   rng g(cfg.seed);
   std::vector<double> losses;
   for (int64_t step = 0; step < cfg.steps; ++step) {
-    token_batch b;
+    token_batch b;  // rows: BOS prompt answer EOS without the EOS (its row predicts nothing)
     std::vector<float> mask;
+    std::vector<int32_t> targets;  // row t predicts token t + 1
     for (int64_t i = 0; i < cfg.batch; ++i) {
       const auto& ex = data.items[g.next_u64() % data.items.size()];
       auto p = tok.encode(ex.prompt, true);
@@ -191,12 +192,14 @@ std::vector<double> sft_train(model_params& params, adamw_state& opt, const data
       if (tok.eos >= 0) a.push_back(tok.eos);
       std::vector<int32_t> seq = p;
       seq.insert(seq.end(), a.begin(), a.end());
-      b.add(seq);
-      for (size_t t = 0; t < seq.size(); ++t) mask.push_back(t + 1 >= p.size() && t + 1 < seq.size() ? 1.0f : 0.0f);
+      b.add(std::vector<int32_t>(seq.begin(), seq.end() - 1));
+      for (size_t t = 0; t + 1 < seq.size(); ++t) {
+        targets.push_back(seq[t + 1]);
+        mask.push_back(t + 1 >= p.size() ? 1.0f : 0.0f);  // loss on the answer and EOS
+      }
     }
     auto w = model_weights_build(*be, params.cfg, cfg.policy.training(), {&params, nullptr, nullptr}, true);
     run.forward(*w, b, true);
-    const auto targets = b.next_targets();
     std::vector<float> lp(targets.size()), dl(targets.size());
     run.logprobs(targets, {}, lp.data());
     double n = 0, loss = 0;
