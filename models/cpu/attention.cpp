@@ -4,6 +4,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <stdexcept>
+#include <string>
 #include <vector>
 
 #include "models/cpu/cpu_backend.hpp"
@@ -197,6 +199,9 @@ void for_each_family_group(const attn_params& p, Fn&& fn) {
       root_of[s] = static_cast<int64_t>(fam.size());
       fam.push_back({s});
     } else {
+      if (pre >= s || root_of[pre] < 0)
+        throw std::invalid_argument("attention: sequence " + std::to_string(s) + " has prefix " + std::to_string(pre) +
+                                    " (need an earlier sequence without a prefix of its own)");
       fam[static_cast<size_t>(root_of[pre])].push_back(s);
     }
   }

@@ -156,6 +156,12 @@ TEST(SharedPrefix, AttentionRowsEqualTheUnsharedSequences) {
       EXPECT_LE(fp8rl::tol::rel_norm_err(to_double(dvs), dv_sum), fp8rl::tol::kFp32SumOrder) << what;
     }
   }
+  // a prefix chain (sequence 2 behind sequence 1, itself behind 0) is refused, not misread
+  const std::vector<int32_t> starts = {0, 2, 4, 6}, chain = {-1, 0, 1};
+  attn_params bad;
+  bad.T = 6; bad.H = 2; bad.KV = 1; bad.D = 8; bad.seq_start = starts.data(); bad.S = 3; bad.prefix = chain.data();
+  std::vector<float> x(6 * 2 * 8, 0.5f), o(x.size()), l(12);
+  EXPECT_THROW(be->attention_forward(bad, x.data(), x.data(), x.data(), o.data(), l.data()), std::invalid_argument);
 }
 
 namespace {
