@@ -12,11 +12,13 @@
 #include "quant/fp8.hpp"
 #include "quant/gemm.hpp"
 #include "quant/gemm_impl.hpp"
+#include "tests/quant/nonfinite_cases.hpp"
 #include "tests/test_util.hpp"
 #include "tests/tolerances.hpp"
 
 using namespace fp8rl::quant;
 using fp8rl::test::first_diff;
+using fp8rl::test::nonfinite_text;
 using fp8rl::test::randn;
 
 namespace {
@@ -228,12 +230,6 @@ TEST(Gemm, Fp8WgradOperandsColumnwise) {
 }
 
 namespace {
-// The non-finite error text `fn` throws ("" if it throws none).
-template <class Fn>
-std::string nonfinite_text(Fn&& fn) {
-  return fp8rl::test::thrown_text<nonfinite_error>(fn);
-}
-
 // Builds run with the AVX-512 quantizers (when present) and with the portable path.
 template <class Fn>
 void for_each_build_isa(Fn&& fn) {
@@ -290,19 +286,13 @@ TEST(Gemm, Fp8WideOperandsFromActivationsEqualTheReference) {
         gemm_fp8(gemm_wide_a_fp8_colwise(dy.data(), T, C, mode, "dy^T"), got_b, fast.data());
         ASSERT_EQ(first_diff(fast, ref), -1) << "dW " << what;
       }
-    std::vector<float> x(300 * 40, 1.0f);
-    x[200 * 40 + 30] = std::numeric_limits<float>::infinity();  // column 30, token block 1
-    x[10 * 40 + 35] = std::numeric_limits<float>::quiet_NaN();  // column 35, token block 0
-    const std::string want_col = nonfinite_text([&] { quantize(x.data(), 300, 40, qlayout::colwise_1x128, scale_mode::pow2, "x^T"); });
-    EXPECT_FALSE(want_col.empty());
-    EXPECT_EQ(nonfinite_text([&] { gemm_pack_fp8_colwise_wide(x.data(), 300, 40, scale_mode::pow2, "x^T"); }), want_col) << b;
-    EXPECT_EQ(nonfinite_text([&] { gemm_wide_a_fp8_colwise(x.data(), 300, 40, scale_mode::pow2, "x^T"); }), want_col) << b;
-    std::vector<float> h(40 * 300, 1.0f);
-    h[30 * 300 + 200] = -std::numeric_limits<float>::infinity();  // row 30, block 1
-    h[35 * 300 + 5] = std::numeric_limits<float>::quiet_NaN();    // row 35, block 0
-    const std::string want_row = nonfinite_text([&] { quantize(h.data(), 40, 300, qlayout::rowwise_1x128, scale_mode::fp32, "h"); });
-    EXPECT_FALSE(want_row.empty());
-    EXPECT_EQ(nonfinite_text([&] { gemm_wide_a_fp8(h.data(), 40, 300, scale_mode::fp32, "h"); }), want_row) << b;
+    const auto col = fp8rl::test::nonfinite_colwise(scale_mode::pow2, "x^T");
+    EXPECT_FALSE(col.want.empty());
+    EXPECT_EQ(nonfinite_text([&] { gemm_pack_fp8_colwise_wide(col.x.data(), 300, 40, scale_mode::pow2, "x^T"); }), col.want) << b;
+    EXPECT_EQ(nonfinite_text([&] { gemm_wide_a_fp8_colwise(col.x.data(), 300, 40, scale_mode::pow2, "x^T"); }), col.want) << b;
+    const auto row = fp8rl::test::nonfinite_rowwise(scale_mode::fp32, "h");
+    EXPECT_FALSE(row.want.empty());
+    EXPECT_EQ(nonfinite_text([&] { gemm_wide_a_fp8(row.x.data(), 40, 300, scale_mode::fp32, "h"); }), row.want) << b;
   });
 }
 

@@ -9,11 +9,13 @@
 
 #include "quant/fp8.hpp"
 #include "quant/gemm.hpp"
+#include "tests/quant/nonfinite_cases.hpp"
 #include "tests/test_util.hpp"
 #include "tests/tolerances.hpp"
 
 using namespace fp8rl::quant;
 using fp8rl::test::first_diff;
+using fp8rl::test::nonfinite_text;
 using fp8rl::test::randn;
 
 namespace {
@@ -68,11 +70,6 @@ void expect_same_tile_form(const gemm_packed_b& got, const gemm_packed_b& want, 
   for (size_t i = 0; i < want.scale_inv.size(); ++i) ASSERT_EQ(got.scale_inv[i], want.scale_inv[i]) << what << " scale " << i;
 }
 
-// The non-finite error text `fn` throws ("" if it throws none).
-template <class Fn>
-std::string nonfinite_text(Fn&& fn) {
-  return fp8rl::test::thrown_text<nonfinite_error>(fn);
-}
 }  // namespace
 
 TEST(GemmTiles, Bf16WithinAccumulationBound) {
@@ -193,12 +190,9 @@ TEST(GemmTiles, ColwisePackFromActivationsEqualsQuantizeThenPack) {
       const auto got = gemm_pack_fp8_colwise_tiles(x.data(), T, C, mode, "x^T");
       expect_same_tile_form(got, want, std::to_string(T) + "x" + std::to_string(C) + " " + std::string(scale_mode_name(mode)));
     }
-  std::vector<float> x(300 * 40, 1.0f);
-  x[200 * 40 + 30] = std::numeric_limits<float>::infinity();  // column 30, token block 1
-  x[10 * 40 + 35] = std::numeric_limits<float>::quiet_NaN();  // column 35, token block 0
-  const std::string want = nonfinite_text([&] { quantize(x.data(), 300, 40, qlayout::colwise_1x128, scale_mode::pow2, "x^T"); });
-  EXPECT_FALSE(want.empty());
-  EXPECT_EQ(nonfinite_text([&] { gemm_pack_fp8_colwise_tiles(x.data(), 300, 40, scale_mode::pow2, "x^T"); }), want);
+  const auto bad = fp8rl::test::nonfinite_colwise(scale_mode::pow2, "x^T");
+  EXPECT_FALSE(bad.want.empty());
+  EXPECT_EQ(nonfinite_text([&] { gemm_pack_fp8_colwise_tiles(bad.x.data(), 300, 40, scale_mode::pow2, "x^T"); }), bad.want);
 }
 
 // A prepared straight from activations (rowwise tiles in tile order) gives the same C as
@@ -241,19 +235,12 @@ TEST(GemmTiles, PreparedAFromActivationsEqualsQuantizeThenGemm) {
       gemm_fp8_tiles(a, B, got.data());
       EXPECT_EQ(first_diff(got, want), -1) << "colwise " << scale_mode_name(mode) << " T " << T << " C " << C;
     }
-  {
-    std::vector<float> x(300 * 40, 1.0f);
-    x[200 * 40 + 30] = std::numeric_limits<float>::infinity();
-    const std::string want = nonfinite_text([&] { quantize(x.data(), 300, 40, qlayout::colwise_1x128, scale_mode::pow2, "dy^T"); });
-    EXPECT_FALSE(want.empty());
-    EXPECT_EQ(nonfinite_text([&] { gemm_tiles_a_fp8_colwise(x.data(), 300, 40, scale_mode::pow2, "dy^T"); }), want);
-  }
-  std::vector<float> x(40 * 300, 1.0f);
-  x[30 * 300 + 200] = -std::numeric_limits<float>::infinity();  // row 30, block 1
-  x[35 * 300 + 5] = std::numeric_limits<float>::quiet_NaN();    // row 35, block 0
-  const std::string want = nonfinite_text([&] { quantize(x.data(), 40, 300, qlayout::rowwise_1x128, scale_mode::fp32, "h"); });
-  EXPECT_FALSE(want.empty());
-  EXPECT_EQ(nonfinite_text([&] { gemm_tiles_a_fp8(x.data(), 40, 300, scale_mode::fp32, "h"); }), want);
+  const auto col = fp8rl::test::nonfinite_colwise(scale_mode::pow2, "dy^T");
+  EXPECT_FALSE(col.want.empty());
+  EXPECT_EQ(nonfinite_text([&] { gemm_tiles_a_fp8_colwise(col.x.data(), 300, 40, scale_mode::pow2, "dy^T"); }), col.want);
+  const auto row = fp8rl::test::nonfinite_rowwise(scale_mode::fp32, "h");
+  EXPECT_FALSE(row.want.empty());
+  EXPECT_EQ(nonfinite_text([&] { gemm_tiles_a_fp8(row.x.data(), 40, 300, scale_mode::fp32, "h"); }), row.want);
 }
 
 // Weights packed straight into both tile forms equal quantize -> pack and quantize -> transpose
