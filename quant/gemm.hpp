@@ -85,9 +85,13 @@ struct gemm_packed_b {
   avector<uint8_t> fp8;           // fp8 narrow: [NP][Kp/2][64] codes in decoder order (1.0 padding)
   avector<uint64_t> fp8_rare;     // fp8 narrow: [NP][Kp/128], bit i: pair step i of the block holds a
                                   // code the shift decoder cannot take (±0, subnormal, NaN) ...
-  avector<uint32_t> fp8_rare_at;  // ... [NP][Kp/128] index of the block's first such step in ...
-  avector<uint16_t> fp8_rare_bf16;  // ... [steps][64]: their BF16 values * 2^-8 in decoder order
+  avector<uint32_t> fp8_rare_at;  // ... [NP][Kp/128 + 1] offset of the block's first such step in ...
+  avector<uint16_t> fp8_rare_patch;  // ... patches, one per step: [k0 (2 words), k1 (2 words),
+                                  // BF16 values * 2^-8 of the words k0 marks, then k1's]; k0 (k1)
+                                  // marks the decoder's even (odd) byte words it cannot take
   avector<float> scale_inv;       // fp8: [NP][Kp/128][32]
+  avector<float> scale_panel;     // fp8 narrow, when each panel's columns share every block's scale
+                                  // (128x128 blocks): [NP][Kp/128]; else empty
   // tiles: [NP][Kt/32][2 halves of 16 columns][16 k-pairs][16 columns][2]; fp8 pow2 values are
   // stored scaled (q * scale_inv, exact), fp8 fp32 unscaled; Kt = K zero-padded to 32 (fp8: Kp)
   avector_uninit<uint16_t> tiles;  // every element written by the packer

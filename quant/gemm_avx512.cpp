@@ -1,5 +1,5 @@
 // quant/gemm_avx512.cpp -- AVX-512 GEMM kernels (register-tiled, oneTBB over tiles).
-// Compiled with -mavx512f -mavx512bw -mavx512vl -mavx512dq -mavx512bf16 -mavx512vbmi.
+// Compiled with -mavx512f -mavx512bw -mavx512vl -mavx512dq -mavx512bf16 -mavx512vbmi -mavx512vbmi2.
 //
 // Micro-tile: MR rows of A x one 32-column panel of B (two zmm accumulators per row). Each
 // output element keeps one accumulator and sees K in the order of its model (quant/gemm.hpp):
@@ -66,7 +66,8 @@ const e4m3_bf16_tables& tables() {
 // 15..8 and shifted right arithmetically by 4 reads s|ssss|eeeemmm|xxxx; forcing bits 14..11
 // to 0111 and clearing the low nibble gives s|0111eeee|mmm0000, the BF16 of (1 + m/8) *
 // 2^(e - 15) = E4M3(c) * 2^-8 for 1 <= e (NaN excepted). Steps holding a code outside that
-// range (fp8_rare bit) read their values precomputed at packing (fp8_rare_bf16). Every product
+// range (fp8_rare bit) patch those words with values precomputed at packing (fp8_rare_patch,
+// VPEXPANDW). Every product
 // and partial sum is then the §5.2 one times 2^-8 exactly (nonzero ones stay >= 2^-26, far from
 // FTZ), and the promotion scales the block sum back by 2^8 (exact): results are bit-identical.
 constexpr float kCodesUnscale = 256.0f;
@@ -78,12 +79,23 @@ inline void decode_shift(__m512i raw, __m512i* lo, __m512i* hi) {
   *hi = _mm512_ternarylogic_epi32(_mm512_srai_epi16(raw, 4), set, clear, 0x54);
 }
 
-// The rare steps of one (panel, 128-K block): bit i of `bits` marks step i, values at `bf16`.
+// The rare steps of one (panel, 128-K block): bit i of `bits` marks step i; their patches follow
+// each other from `patch`.
 struct rare_steps {
   uint64_t bits = 0;
-  const uint16_t* bf16 = nullptr;
-  const uint16_t* at(int i) const { return bf16 + 64 * __builtin_popcountll(bits & ((uint64_t{1} << i) - 1)); }
+  const uint16_t* patch = nullptr;
 };
+
+// Applies the patch at *r to a rare step's decoded words and moves *r to the next patch.
+inline void patch_rare(const uint16_t** r, __m512i* w0, __m512i* w1) {
+  uint32_t k[2];
+  std::memcpy(k, *r, 8);
+  const uint16_t* v = *r + 4;
+  *w0 = _mm512_mask_expandloadu_epi16(*w0, _cvtu32_mask32(k[0]), v);
+  v += __builtin_popcount(k[0]);
+  *w1 = _mm512_mask_expandloadu_epi16(*w1, _cvtu32_mask32(k[1]), v);
+  *r = v + __builtin_popcount(k[1]);
+}
 
 // Accumulators of a micro-tile: MR rows x PN panels x 2 zmm (32 columns per panel). Small MR
 // takes several panels at once so enough independent FMA/VDPBF16PS chains are in flight
@@ -191,6 +203,8 @@ inline void dot_narrow_block(const uint16_t* A, int64_t lda, const void* const (
   for (int p = 0; p < PN; ++p)
     Q[p] = static_cast<const uint8_t*>(P[p]) + i0 * 64 * (kCodes ? 1 : 2);
   const uint16_t* a0 = A + 2 * i0;
+  const uint16_t* rp[PN];  // the next rare step's patch, per panel
+  for (int p = 0; p < PN; ++p) rp[p] = rare[p].patch;
 #pragma GCC unroll 4
   for (int i = 0; i < kBlock / 2; ++i) {
     __m512bh b[2 * PN];
@@ -199,14 +213,8 @@ inline void dot_narrow_block(const uint16_t* A, int64_t lda, const void* const (
         __m512i w0, w1;
         if constexpr (MR <= kPrefetchMaxRows)
           _mm_prefetch(static_cast<const char*>(Q[p]) + i * 64 + kPrefetchBytes, _MM_HINT_T0);
-        const __m512i raw = _mm512_load_si512(static_cast<const uint8_t*>(Q[p]) + i * 64);
-        if (__builtin_expect((rare[p].bits >> i) & 1, 0)) {
-          const uint16_t* v = rare[p].at(i);
-          w0 = _mm512_load_si512(v);
-          w1 = _mm512_load_si512(v + 32);
-        } else {
-          decode_shift(raw, &w0, &w1);
-        }
+        decode_shift(_mm512_load_si512(static_cast<const uint8_t*>(Q[p]) + i * 64), &w0, &w1);
+        if (__builtin_expect((rare[p].bits >> i) & 1, 0)) patch_rare(&rp[p], &w0, &w1);
         b[2 * p] = (__m512bh)w0;
         b[2 * p + 1] = (__m512bh)w1;
       } else {
@@ -265,11 +273,12 @@ void tile(gemm_model model, const gemm_a_operand& A, int64_t m0, const gemm_pack
         if constexpr (kSrc == bsrc::codes)
           for (int p = 0; p < PN; ++p) {
             const int64_t b = (pn + p) * KB + kb;
-            rare[p] = {B.fp8_rare[b], B.fp8_rare_bf16.data() + int64_t{64} * B.fp8_rare_at[b]};
-            // the block's rare values (128 bytes per step) are a second stream: a miss in the
-            // middle of the block stalled the decode (GEMV from DRAM ~7%); fetch them now
-            const int n = __builtin_popcountll(rare[p].bits);
-            for (int l = 0; l < 2 * n; ++l) _mm_prefetch(reinterpret_cast<const char*>(rare[p].bf16) + 64 * l, _MM_HINT_T0);
+            rare[p] = {B.fp8_rare[b], B.fp8_rare_patch.data() + B.fp8_rare_at[b]};
+            // the block's patches are a second stream: a miss in the middle of the block stalled
+            // the decode (GEMV from DRAM ~7%); fetch them now
+            const char* q = reinterpret_cast<const char*>(reinterpret_cast<uintptr_t>(rare[p].patch) & ~uintptr_t{63});
+            for (const char* e = reinterpret_cast<const char*>(B.fp8_rare_patch.data() + B.fp8_rare_at[b + 1]); q < e; q += 64)
+              _mm_prefetch(q, _MM_HINT_T0);
           }
         dot_narrow_block<MR, PN, kSrc == bsrc::codes>(A.bf16 + m0 * lda, lda, pnw, kb * kBlock / 2, rare, acc);
       }
@@ -278,8 +287,14 @@ void tile(gemm_model model, const gemm_a_operand& A, int64_t m0, const gemm_pack
         for (int r = 0; r < MR; ++r)
           for (int j = 0; j < 2 * PN; ++j) acc.v[r][j] = _mm512_mul_ps(acc.v[r][j], _mm512_set1_ps(kCodesUnscale));
       for (int p = 0; p < PN; ++p) {
-        const float* sb = B.scale_inv.data() + ((pn + p) * KB + kb) * 32;
-        const __m512 s0 = _mm512_load_ps(sb), s1 = _mm512_load_ps(sb + 16);
+        const int64_t b = (pn + p) * KB + kb;
+        __m512 s0, s1;
+        if (kSrc == bsrc::codes && !B.scale_panel.empty()) {
+          s0 = s1 = _mm512_set1_ps(B.scale_panel[b]);
+        } else {
+          s0 = _mm512_load_ps(B.scale_inv.data() + b * 32);
+          s1 = _mm512_load_ps(B.scale_inv.data() + b * 32 + 16);
+        }
         for (int r = 0; r < MR; ++r) {
           const __m512 a = _mm512_set1_ps(A.scale_inv[(m0 + r) * KB + kb]);
           o[r][2 * p] = _mm512_fmadd_ps(_mm512_mul_ps(a, s0), acc.v[r][2 * p], o[r][2 * p]);

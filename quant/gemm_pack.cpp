@@ -32,35 +32,66 @@ void for_each_column(int64_t N, Fn&& fn) {
   });
 }
 
-// The narrow FP8 kernel decodes codes by shifts (quant/gemm_avx512.cpp); pair steps marked in
-// fp8_rare get their BF16 values (E4M3 * 2^-8, the shift decoder's scale) precomputed here, in
-// its output order: words 0-31 from the even bytes, 32-63 from the odd bytes.
+// The narrow FP8 kernel decodes codes by shifts (quant/gemm_avx512.cpp); a pair step marked in
+// fp8_rare gets a patch here for the codes the shifts cannot take: which words of the decoder's
+// two outputs (w0: the step's even bytes, w1: its odd bytes) and their BF16 values (E4M3 * 2^-8,
+// the shift decoder's scale). A patch is ~12 bytes where the whole step's values were 128.
 void pack_rare_steps(gemm_packed_b& p) {
   const int64_t KB = p.Kp / kBlock;
-  p.fp8_rare_at.assign(p.fp8_rare.size(), 0);
+  const auto step_codes = [&](size_t b, int i) {
+    return p.fp8.data() + ((static_cast<int64_t>(b) / KB) * p.Kp / 2 + (static_cast<int64_t>(b) % KB) * 64 + i) * 64;
+  };
+  p.fp8_rare_at.assign(p.fp8_rare.size() + 1, 0);
   uint32_t n = 0;
   for (size_t b = 0; b < p.fp8_rare.size(); ++b) {
     p.fp8_rare_at[b] = n;
-    n += static_cast<uint32_t>(__builtin_popcountll(p.fp8_rare[b]));
-  }
-  p.fp8_rare_bf16.assign(static_cast<size_t>(n) * 64, 0);
-  const float* lut = e4m3_table();
-  for (size_t b = 0; b < p.fp8_rare.size(); ++b) {
-    uint16_t* out = p.fp8_rare_bf16.data() + static_cast<size_t>(p.fp8_rare_at[b]) * 64;
-    for (uint64_t bits = p.fp8_rare[b]; bits; bits &= bits - 1, out += 64) {
-      const int64_t pn = static_cast<int64_t>(b) / KB, kb = static_cast<int64_t>(b) % KB;
-      const uint8_t* step = p.fp8.data() + (pn * p.Kp / 2 + kb * 64 + __builtin_ctzll(bits)) * 64;
-      for (int byte = 0; byte < 64; ++byte)
-        out[(byte & 1) * 32 + byte / 2] = bf16_from_float(std::ldexp(lut[step[byte]], -8));
+    for (uint64_t bits = p.fp8_rare[b]; bits; bits &= bits - 1) {
+      const uint8_t* step = step_codes(b, __builtin_ctzll(bits));
+      n += 4 + static_cast<uint32_t>(std::count_if(step, step + 64, detail::fp8_code_rare));
     }
   }
+  p.fp8_rare_at.back() = n;
+  p.fp8_rare_patch.assign(n, 0);
+  const float* lut = e4m3_table();
+  uint16_t* out = p.fp8_rare_patch.data();
+  for (size_t b = 0; b < p.fp8_rare.size(); ++b)
+    for (uint64_t bits = p.fp8_rare[b]; bits; bits &= bits - 1) {
+      const uint8_t* step = step_codes(b, __builtin_ctzll(bits));
+      uint32_t k[2] = {0, 0};
+      uint16_t* v = out + 4;
+      for (int half = 0; half < 2; ++half)
+        for (int w = 0; w < 32; ++w)
+          if (const uint8_t c = step[2 * w + half]; detail::fp8_code_rare(c)) {
+            k[half] |= uint32_t{1} << w;
+            *v++ = bf16_from_float(std::ldexp(lut[c], -8));
+          }
+      std::memcpy(out, k, 8);
+      out = v;
+    }
+}
+
+// Where every panel's columns share each block's scale (128x128 weight blocks: a 32-column panel
+// lies in one block row), the narrow kernel reads one scale per (panel, block) instead of 32: a
+// GEMV from DRAM then streams 4 bytes of scales per 4 KiB of codes, not 128.
+void pack_panel_scales(gemm_packed_b& p) {
+  const int64_t NP = p.panels(), KB = p.Kp / kBlock;
+  for (int64_t pn = 0; pn < NP; ++pn) {
+    const int64_t ncols = std::min<int64_t>(32, p.N - pn * 32);
+    for (int64_t kb = 0; kb < KB; ++kb) {
+      const float* s = p.scale_inv.data() + (pn * KB + kb) * 32;
+      if (std::any_of(s + 1, s + ncols, [&](float x) { return x != s[0]; })) return;  // per-column scales
+    }
+  }
+  p.scale_panel.resize(static_cast<size_t>(NP * KB));
+  for (int64_t b = 0; b < NP * KB; ++b) p.scale_panel[b] = p.scale_inv[b * 32];
 }
 
 }  // namespace
 
 int64_t gemm_packed_b::bytes() const {
   return static_cast<int64_t>(wide.size() * 4 + bf16.size() * 2 + fp8.size() + fp8_rare.size() * 8 +
-                              fp8_rare_at.size() * 4 + fp8_rare_bf16.size() * 2 + scale_inv.size() * 4 +
+                              fp8_rare_at.size() * 4 + fp8_rare_patch.size() * 2 + scale_inv.size() * 4 +
+                              scale_panel.size() * 4 +
                               tiles.size() * 2);
 }
 
@@ -173,7 +204,10 @@ gemm_packed_b gemm_pack_fp8(const qtensor& B, gemm_pack_forms forms) {
       detail::tiles_put_panel(p.tiles.data() + pn * Kp * 32, Kp, cols.data());
     }
   });
-  if (forms.narrow) pack_rare_steps(p);
+  if (forms.narrow) {
+    pack_rare_steps(p);
+    pack_panel_scales(p);
+  }
   return p;
 }
 

@@ -119,6 +119,7 @@ TEST(Gemm, Bf16DenormalsFollowTheDazFtzModel) {
 
 TEST(Gemm, Fp8FastEqualsReference) {
   uint64_t seed = 300;
+  int per_column_scales = 0;  // packs whose narrow kernel reads 32 scales per (panel, block)
   for (scale_mode mode : {scale_mode::pow2, scale_mode::fp32})
     for (qlayout bl : {qlayout::block_128x128, qlayout::rowwise_1x128})
       for (auto& s : kShapes) {
@@ -129,6 +130,10 @@ TEST(Gemm, Fp8FastEqualsReference) {
         std::vector<float> ref(M * N), fast(M * N, -1.0f);
         gemm_fp8_ref(A, B, ref.data());
         auto pb = gemm_pack_fp8(B);
+        if (bl == qlayout::block_128x128) {
+          ASSERT_FALSE(pb.scale_panel.empty()) << "128x128 blocks: one scale per panel";
+        }
+        per_column_scales += pb.scale_panel.empty();
         for (cpu_isa isa : kIsas) {
           if (!have(isa)) continue;
           for (gemm_kernel k : kKernels) {
@@ -139,10 +144,11 @@ TEST(Gemm, Fp8FastEqualsReference) {
           }
         }
       }
+  EXPECT_GT(per_column_scales, 0) << "no case took the per-column scales";
 }
 
-// The narrow FP8 kernel decodes codes by shifts and reads pair steps holding ±0, subnormal codes
-// (or NaN) from values precomputed at packing; both kinds of step, next to each other in one
+// The narrow FP8 kernel decodes codes by shifts and patches pair steps holding ±0, subnormal codes
+// (or NaN) with values precomputed at packing; both kinds of step, next to each other in one
 // block, in every row of a panel, give the reference's bits. Every non-NaN code appears.
 TEST(Gemm, Fp8NarrowKernelTakesEveryCodeBitExactly) {
   if (!have(cpu_isa::avx512_bf16)) GTEST_SKIP() << "no AVX512_BF16: no narrow kernel";
