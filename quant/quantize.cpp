@@ -7,6 +7,7 @@
 #include <sstream>
 
 #include "quant/cpu_isa.hpp"
+#include "quant/gemm_impl.hpp"
 #include "quant/fp8.hpp"
 #include "quant/quantize_impl.hpp"
 #include "quant/qtensor.hpp"
@@ -125,6 +126,12 @@ qtensor quantize(const float* x, int64_t rows, int64_t cols, qlayout layout, sca
 void e4m3_encode_array(const float* x, int64_t n, uint8_t* out) {
   if (cpu_isa_active() >= cpu_isa::avx512) return detail::e4m3_encode_array_avx512(x, n, out);
   for (int64_t i = 0; i < n; ++i) out[i] = e4m3_from_float(x[i]);
+}
+
+void e4m3_decode_array(const uint8_t* in, int64_t n, float* out) {
+  if (cpu_isa_active() >= cpu_isa::avx512_bf16) return detail::e4m3_to_f32_avx512(in, n, out);
+  const float* lut = e4m3_table();
+  for (int64_t i = 0; i < n; ++i) out[i] = lut[in[i]];
 }
 
 void bf16_encode_array(const float* x, int64_t n, uint16_t* out) {

@@ -37,13 +37,16 @@ FP8RL_VECTOR_CLONES void widen(const cpu_kv_cache& c, int64_t b, int64_t sb, int
     for (int64_t j = 0; j < n * D; ++j) vv[j] = quant::bf16_to_float(c.bf16[b + D * M + j]);
     return;
   }
-  const float* lut = quant::e4m3_table();
   const float* ks = c.kscale.data() + sb;
   const float* vs = c.vscale.data() + sb;
-  for (int64_t d = 0; d < D; ++d)
-    for (int64_t j = 0; j < n; ++j) kt[d * n + j] = lut[c.fp8[b + d * M + j]] * ks[j];
+  for (int64_t d = 0; d < D; ++d) {  // codes decoded 64 at a time (the per-element table lookup
+    float* row = kt + d * n;          // was ~4% of an FP8 decode step), then scaled
+    quant::e4m3_decode_array(c.fp8.data() + b + d * M, n, row);
+    for (int64_t j = 0; j < n; ++j) row[j] *= ks[j];
+  }
+  quant::e4m3_decode_array(c.fp8.data() + b + D * M, n * D, vv);
   for (int64_t j = 0; j < n; ++j)
-    for (int64_t d = 0; d < D; ++d) vv[j * D + d] = lut[c.fp8[b + D * M + j * D + d]] * vs[j];
+    for (int64_t d = 0; d < D; ++d) vv[j * D + d] *= vs[j];
 }
 
 }  // namespace
@@ -107,7 +110,13 @@ void cpu_attention_cached(const kv_cache& cache, int64_t layer, const kv_step& s
   tbb::parallel_for(int64_t{0}, st.T * KV, [&](int64_t i) {
     const int64_t t = i / KV, g = i % KV, slot = st.slot[t], n = st.pos[t] + 1;
     const int64_t b = c.base(slot, layer, g);
-    std::vector<float> kt, vv, scratch(static_cast<size_t>(n + D));
+    // per-thread buffers, grown not reallocated: fresh zero-filled vectors per (token, head)
+    // cost a memset of 2 x D x n floats each, every decode step
+    thread_local std::vector<float> kt, vv, scratch;
+    const auto reserve = [](std::vector<float>& b, int64_t need) {
+      if (b.size() < static_cast<size_t>(need)) b.resize(static_cast<size_t>(need));
+    };
+    reserve(scratch, n + D);
     const float* kp;
     const float* vp;
     int64_t ldk;
@@ -116,8 +125,8 @@ void cpu_attention_cached(const kv_cache& cache, int64_t layer, const kv_step& s
       vp = c.f32.data() + b + D * M;
       ldk = M;
     } else {  // widen the used range: K^T [D][n], V [n][D]
-      kt.resize(static_cast<size_t>(D * n));
-      vv.resize(static_cast<size_t>(n * D));
+      reserve(kt, D * n);
+      reserve(vv, n * D);
       widen(c, b, c.sbase(slot, layer, g), n, kt.data(), vv.data());
       kp = kt.data();
       vp = vv.data();

@@ -7,10 +7,14 @@
 //  "threads":..,"tokens_per_s":..,"bytes_per_token":..,"gbps":..,"bw_fraction":..,"runs":..}
 // bytes_per_token (decode) = (weight bytes read per step + KV bytes read) / batch; bw_fraction
 // compares the achieved bytes/s with a measured streaming-read bandwidth at the same threads.
+// A last line per thread count, phase "decode_side_by_side" (--only=side_by_side alone), times fp8
+// weights + fp8 KV against bf16 + bf16 at batch 1 in alternating steps: its "speedup" is the
+// median per-round ratio, the number to read on a shared machine (see run_decode_ratio).
 // Options: --json --quick (2 layers) --reps=N --threads=1,2 --only=SUBSTR --layers=N --prefill=0|1
 #include <tbb/parallel_for.h>
 #include <tbb/task_arena.h>
 
+#include <algorithm>
 #include <chrono>
 #include <numeric>
 
@@ -71,6 +75,88 @@ double stream_read_gbps(int threads) {
   return best;
 }
 
+precision_policy bench_policy(const std::string& wname, const std::string& kvname) {
+  precision_policy pol = precision_policy::named(wname == "fp32" ? "bf16" : wname);
+  if (wname == "fp32") { pol.linear = precision::fp32; pol.head = precision::fp32; }
+  pol.name = wname + "/" + kvname;
+  pol.kv = *kv_dtype_parse(kvname);
+  pol.fp8_attention = pol.kv == kv_dtype::fp8;
+  return pol;
+}
+
+// One model's decode at `batch` slots: every slot's cache holds `ctx` positions of random K/V
+// (run inside the arena that times it); step() decodes one token per slot at positions ctx..
+struct decode_runner {
+  backend& be;
+  const model_weights& w;
+  std::unique_ptr<kv_cache> cache;
+  attn_fp8_scales sc;
+  int64_t batch, ctx, steps, step_no = 0;
+  std::vector<float> logits;
+  std::vector<int32_t> tok, sl, ps;
+  std::vector<int64_t> rows;
+
+  decode_runner(backend& b, const model_weights& w_, int64_t batch_, int64_t ctx_, int64_t steps_)
+      : be(b), w(w_), batch(batch_), ctx(ctx_), steps(steps_) {
+    const int64_t layers = w.cfg.num_hidden_layers;
+    sc.q.assign(static_cast<size_t>(layers * 32), 0.01f);
+    sc.k.assign(static_cast<size_t>(layers * 4), 0.01f);
+    sc.v.assign(static_cast<size_t>(layers * 4), 0.01f);
+    cache = be.kv_cache_create(batch, layers, 4, 64, ctx + steps + 1, w.policy.kv);
+    tok.resize(static_cast<size_t>(batch)); sl.resize(tok.size()); ps.resize(tok.size()); rows.resize(tok.size());
+    for (int64_t s = 0; s < batch; ++s) { tok[s] = static_cast<int32_t>(s + 7); sl[s] = static_cast<int32_t>(s); rows[s] = s; }
+  }
+  void fill() {
+    std::vector<float> kv(static_cast<size_t>(ctx * 4 * 64));
+    for (size_t i = 0; i < kv.size(); ++i) kv[i] = float(int64_t(i * 2654435761u % 2001) - 1000) * 1e-3f;
+    std::vector<int32_t> slot(static_cast<size_t>(ctx)), pos(static_cast<size_t>(ctx));
+    for (int64_t s = 0; s < batch; ++s) {
+      std::fill(slot.begin(), slot.end(), static_cast<int32_t>(s));
+      std::iota(pos.begin(), pos.end(), 0);
+      for (int64_t l = 0; l < w.cfg.num_hidden_layers; ++l)
+        be.kv_cache_write(*cache, l, {ctx, slot.data(), pos.data()}, kv.data(), kv.data(), sc.k.data(), sc.v.data());
+    }
+  }
+  void step() {
+    for (int64_t s = 0; s < batch; ++s) ps[s] = static_cast<int32_t>(ctx + (step_no % steps));
+    ++step_no;
+    engine_forward(be, w, *cache, sc, tok, sl, ps, rows, logits, nullptr);
+  }
+};
+
+// fp8 weights + fp8 KV against bf16 + bf16, batch 1, side by side: rounds alternate one step of
+// each (a shared machine's bandwidth drifts over minutes; both models see the same moments), and
+// the line reports the median over rounds of the two step times' ratio.
+void run_decode_ratio(const bench_args& a, backend& be, const model_config& cfg, const model_params& params,
+                      int64_t ctx, int64_t steps, int t) {
+  const auto w8 = model_weights_build(be, cfg, bench_policy("fp8", "fp8"), {&params, nullptr, nullptr}, false);
+  const auto w16 = model_weights_build(be, cfg, bench_policy("bf16", "bf16"), {&params, nullptr, nullptr}, false);
+  decode_runner fp8(be, *w8, 1, ctx, steps), bf16(be, *w16, 1, ctx, steps);
+  tbb::task_arena arena(t);
+  arena.execute([&] {
+    fp8.fill();
+    bf16.fill();
+    for (int i = 0; i < 2; ++i) { fp8.step(); bf16.step(); }  // warm-up
+    std::vector<double> tf, tb, ratio;
+    const int rounds = std::max(5, a.reps * 3);
+    for (int r = 0; r < rounds; ++r) {
+      auto t0 = std::chrono::steady_clock::now();
+      fp8.step();
+      auto t1 = std::chrono::steady_clock::now();
+      bf16.step();
+      auto t2 = std::chrono::steady_clock::now();
+      tf.push_back(std::chrono::duration<double>(t1 - t0).count());
+      tb.push_back(std::chrono::duration<double>(t2 - t1).count());
+      ratio.push_back(tb.back() / tf.back());
+    }
+    bench_emit(a, {{"bench", jstr("decode")}, {"phase", jstr("decode_side_by_side")}, {"weights", jstr("fp8 vs bf16")},
+                   {"kv", jstr("fp8 vs bf16")}, {"batch", jnum(1)}, {"threads", jnum(t)}, {"context", jnum(double(ctx))},
+                   {"layers", jnum(double(cfg.num_hidden_layers))}, {"fp8_tokens_per_s", jnum(1.0 / bench_median_of(tf))},
+                   {"bf16_tokens_per_s", jnum(1.0 / bench_median_of(tb))}, {"speedup", jnum(bench_median_of(ratio))},
+                   {"runs", jnum(rounds)}});
+  });
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -87,47 +173,24 @@ int main(int argc, char** argv) {
     for (const char* kvname : {"bf16", "fp8"}) {
       const std::string tag = std::string(wname) + "/" + kvname;
       if (!bench_selected(a, tag)) continue;
-      precision_policy pol = precision_policy::named(std::string(wname) == "fp32" ? "bf16" : wname);
-      if (std::string(wname) == "fp32") { pol.linear = precision::fp32; pol.head = precision::fp32; }
-      pol.name = tag;
-      pol.kv = *kv_dtype_parse(kvname);
-      pol.fp8_attention = pol.kv == kv_dtype::fp8;
-      const auto w = model_weights_build(*be, cfg, pol, {&params, nullptr, nullptr}, false);
-      attn_fp8_scales sc;
-      sc.q.assign(static_cast<size_t>(layers * 32), 0.01f);
-      sc.k.assign(static_cast<size_t>(layers * 4), 0.01f);
-      sc.v.assign(static_cast<size_t>(layers * 4), 0.01f);
+      const precision_policy pol = bench_policy(wname, kvname);
       // bytes of weights a decode step reads (narrow forms: FP8 codes, BF16, or FP32 values)
       // per layer: q [2048x2048], k,v [256x2048], o [2048x2048], gate/up/down [5632x2048]; lm_head [32000x2048]
       const double layer_params = 2048.0 * (2048 + 2 * 256) + 2048.0 * 2048 + 3.0 * 2048 * 5632;
       const double wbytes = (std::string(wname) == "fp8" ? 1.0 : std::string(wname) == "bf16" ? 2.0 : 4.0) * layer_params * layers +
                             (std::string(wname) == "fp32" ? 4.0 : 2.0) * 32000.0 * 2048;
       const double kv_esize = pol.kv == kv_dtype::fp8 ? 1.0 : 2.0;
+      const auto w = model_weights_build(*be, cfg, pol, {&params, nullptr, nullptr}, false);
       for (int64_t batch : {int64_t{1}, int64_t{16}}) {
-        auto cache = be->kv_cache_create(batch, layers, 4, 64, ctx + decode_steps + 1, pol.kv);
+        decode_runner run(*be, *w, batch, ctx, decode_steps);
+        const auto& sc = run.sc;
+        auto& cache = run.cache;
+        auto& logits = run.logits;
         for (int t : a.threads) {
           tbb::task_arena arena(t);
           arena.execute([&] {
-            // fill positions 0..ctx-1 of every slot with random K/V
-            std::vector<float> kv(static_cast<size_t>(ctx * 4 * 64));
-            for (size_t i = 0; i < kv.size(); ++i) kv[i] = float(int64_t(i * 2654435761u % 2001) - 1000) * 1e-3f;
-            std::vector<int32_t> slot(static_cast<size_t>(ctx)), pos(static_cast<size_t>(ctx));
-            for (int64_t s = 0; s < batch; ++s) {
-              std::fill(slot.begin(), slot.end(), static_cast<int32_t>(s));
-              std::iota(pos.begin(), pos.end(), 0);
-              for (int64_t l = 0; l < layers; ++l)
-                be->kv_cache_write(*cache, l, {ctx, slot.data(), pos.data()}, kv.data(), kv.data(), sc.k.data(), sc.v.data());
-            }
-            std::vector<float> logits;
-            std::vector<int32_t> tok(static_cast<size_t>(batch)), sl(static_cast<size_t>(batch)), ps(static_cast<size_t>(batch));
-            std::vector<int64_t> rows(static_cast<size_t>(batch));
-            for (int64_t b = 0; b < batch; ++b) { tok[b] = static_cast<int32_t>(b + 7); sl[b] = static_cast<int32_t>(b); rows[b] = b; }
-            int step = 0;
-            const double sec = bench_median(a.reps, [&] {
-              for (int64_t b = 0; b < batch; ++b) ps[b] = static_cast<int32_t>(ctx + (step % decode_steps));
-              ++step;
-              engine_forward(*be, *w, *cache, sc, tok, sl, ps, rows, logits, nullptr);
-            }, 0.0);
+            run.fill();
+            const double sec = bench_median(a.reps, [&] { run.step(); }, 0.0);
             const double kvbytes = double(batch) * layers * 4 * 2 * 64 * (ctx + 1) * kv_esize;
             const double bpt = (wbytes + kvbytes) / double(batch);
             bench_emit(a, {{"bench", jstr("decode")}, {"phase", jstr("decode")}, {"weights", jstr(wname)},
@@ -162,6 +225,8 @@ int main(int argc, char** argv) {
       }
     }
   }
+  if (bench_selected(a, "side_by_side"))
+    for (int t : a.threads) run_decode_ratio(a, *be, cfg, params, ctx, decode_steps, t);
   for (int t : a.threads)
     bench_emit(a, {{"bench", jstr("decode")}, {"phase", jstr("stream_read")}, {"threads", jnum(t)}, {"gbps", jnum(bw[t])}});
 }
