@@ -178,6 +178,37 @@ TEST(Gemm, Fp8NarrowKernelTakesEveryCodeBitExactly) {
   }
 }
 
+// Patches at their largest: pair steps whose every code is ±0 or subnormal (all 64 words of
+// both decoder outputs patched), a whole 128-K block of them, then such steps alternating with
+// plain ones, in a full and a partial panel.
+TEST(Gemm, Fp8NarrowKernelPatchesStepsOfOnlyRareCodes) {
+  if (!have(cpu_isa::avx512_bf16)) GTEST_SKIP() << "no AVX512_BF16: no narrow kernel";
+  const int64_t N = 40, K = 256;
+  auto Bf = randn(N * K, 51, 1.0f, 0.0f);
+  qtensor B = quantize(Bf.data(), N, K, qlayout::block_128x128, scale_mode::pow2, "B");
+  for (int64_t n = 0; n < N; ++n)
+    for (int64_t k = 0; k < K; ++k)
+      if (k < 128 || (k / 2) % 2 == 0) {
+        const int c = static_cast<int>((n * 7 + k) % 16);  // 0x00-0x07 and 0x80-0x87
+        B.data[n * K + k] = static_cast<uint8_t>((c & 8) << 4 | (c & 7));
+      }
+  const gemm_packed_b pb = gemm_pack_fp8(B, {false, true, false});
+  const int64_t KB = K / 128;
+  for (int64_t pn = 0; pn < 2; ++pn) {
+    ASSERT_EQ(pb.fp8_rare[pn * KB], ~uint64_t{0}) << "block 0 of panel " << pn << ": every step rare";
+    ASSERT_EQ(pb.fp8_rare[pn * KB + 1], 0x5555555555555555ull) << "block 1 of panel " << pn << ": every other step";
+  }
+  EXPECT_EQ(pb.fp8_rare_at[1] - pb.fp8_rare_at[0], 64u * (4 + 64)) << "full panel: 64 steps of 64 patched words";
+  for (int64_t M : {1, 2, 5}) {
+    auto Af = randn(M * K, 52 + M, 2.0f);
+    qtensor A = quantize(Af.data(), M, K, qlayout::rowwise_1x128, scale_mode::pow2, "A");
+    std::vector<float> ref(M * N), fast(M * N, -1.0f);
+    gemm_fp8_ref(A, B, ref.data());
+    gemm_fp8(A, pb, fast.data(), force(cpu_isa::avx512_bf16, gemm_kernel::narrow));
+    ASSERT_EQ(first_diff(fast, ref), -1) << "M=" << M;
+  }
+}
+
 // The register panel packer writes every code where fp8_stream_pos puts it (narrow) and its exact
 // FP32 value (wide), for all 256 codes, leaving the K % 16 tail to the scalar loop.
 TEST(Gemm, Fp8PanelPackerPlacesEveryCode) {
