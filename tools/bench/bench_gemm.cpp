@@ -92,10 +92,10 @@ void run_shape(const bench_args& a, const shape& s, int t) {
       if (bench_selected(a, "fp8")) {
         qtensor qa = quantize(Af.data(), s.M, s.K, qlayout::rowwise_1x128, scale_mode::pow2, "A");
         auto pb = gemm_pack_fp8(quantize(Bf.data(), s.N, s.K, qlayout::block_128x128, scale_mode::pow2, "B"));
-        int64_t rare = 0;  // pair steps the narrow kernel reads precomputed (quant/gemm_avx512.cpp)
+        int64_t rare = 0;  // pair steps the narrow kernel patches (quant/gemm_avx512.cpp)
         for (uint64_t bits : pb.fp8_rare) rare += __builtin_popcountll(bits);
         emit(a, "fp8", s, t, bench_median(a.reps, [&] { gemm_fp8(qa, pb, C.data()); }),
-             pb.fp8_rare.empty() ? "" : "precomputed (±0/subnormal) pair steps " + std::to_string(100.0 * double(rare) / double(pb.fp8.size() / 64)) + "%");
+             pb.fp8_rare.empty() ? "" : "patched (±0/subnormal) pair steps " + std::to_string(100.0 * double(rare) / double(pb.fp8.size() / 64)) + "%");
         emit(a, "fp8+quantA", s, t, bench_median(a.reps, [&] {
           qtensor q = quantize(Af.data(), s.M, s.K, qlayout::rowwise_1x128, scale_mode::pow2, "A");
           gemm_fp8(q, pb, C.data());
