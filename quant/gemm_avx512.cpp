@@ -195,7 +195,7 @@ inline void dot_narrow(const uint16_t* A, int64_t lda, const void* const (&P)[PN
 }
 
 // One 128-K block (64 pairs) with a constant trip count: the compiler unrolls it and the
-// block boundary costs no loop-exit mispredict. Codes: rare[p] marks panel p's table steps.
+// block boundary costs no loop-exit mispredict. Codes: rare[p] marks panel p's patched steps.
 template <int MR, int PN, bool kCodes>
 inline void dot_narrow_block(const uint16_t* A, int64_t lda, const void* const (&P)[PN], int64_t i0,
                              const rare_steps (&rare)[PN], tile_acc<MR, PN>& acc) {

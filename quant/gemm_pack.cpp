@@ -154,7 +154,7 @@ gemm_packed_b gemm_pack_fp8(const qtensor& B, gemm_pack_forms forms) {
   const int64_t NP = p.panels(), Kp = p.Kp, KB = p.Kp / kBlock, K = p.K;
   if (forms.wide) p.wide.assign(static_cast<size_t>(NP * Kp * 32), 0.0f);
   // narrow padding is the code of 1.0: it meets zero-padded A (K) or discarded columns (N), and
-  // keeps padded pair steps off the table path (a zero code is rare, quant/gemm_impl.hpp)
+  // keeps padded pair steps off the patch path (a zero code is rare, quant/gemm_impl.hpp)
   if (forms.narrow) p.fp8.assign(static_cast<size_t>(NP * Kp * 32), 0x38);
   if (forms.narrow) p.fp8_rare.assign(static_cast<size_t>(NP * KB), 0);
   p.scale_inv.assign(static_cast<size_t>(NP * KB * 32), 0.0f);
