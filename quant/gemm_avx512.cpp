@@ -262,6 +262,8 @@ void tile(gemm_model model, const gemm_a_operand& A, int64_t m0, const gemm_pack
       for (int j = 0; j < 2 * PN; ++j) _mm512_store_ps(out[r] + 16 * j, acc.v[r][j]);
   } else {
     __m512 o[MR][2 * PN];  // FP32 outputs, promoted once per 128-K block
+    // the codes form's one scale per (panel, block), where the pack has it (else 32 per panel)
+    const float* panel_scales = kSrc == bsrc::codes && !B.scale_panel.empty() ? B.scale_panel.data() : nullptr;
     for (int r = 0; r < MR; ++r)
       for (int j = 0; j < 2 * PN; ++j) o[r][j] = _mm512_setzero_ps();
     for (int64_t kb = 0; kb < KB; ++kb) {
@@ -289,8 +291,8 @@ void tile(gemm_model model, const gemm_a_operand& A, int64_t m0, const gemm_pack
       for (int p = 0; p < PN; ++p) {
         const int64_t b = (pn + p) * KB + kb;
         __m512 s0, s1;
-        if (kSrc == bsrc::codes && !B.scale_panel.empty()) {
-          s0 = s1 = _mm512_set1_ps(B.scale_panel[b]);
+        if (panel_scales) {
+          s0 = s1 = _mm512_set1_ps(panel_scales[b]);
         } else {
           s0 = _mm512_load_ps(B.scale_inv.data() + b * 32);
           s1 = _mm512_load_ps(B.scale_inv.data() + b * 32 + 16);

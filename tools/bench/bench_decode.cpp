@@ -183,9 +183,6 @@ int main(int argc, char** argv) {
       const auto w = model_weights_build(*be, cfg, pol, {&params, nullptr, nullptr}, false);
       for (int64_t batch : {int64_t{1}, int64_t{16}}) {
         decode_runner run(*be, *w, batch, ctx, decode_steps);
-        const auto& sc = run.sc;
-        auto& cache = run.cache;
-        auto& logits = run.logits;
         for (int t : a.threads) {
           tbb::task_arena arena(t);
           arena.execute([&] {
@@ -214,7 +211,7 @@ int main(int argc, char** argv) {
             }
             for (int64_t b = 0; b < batch; ++b) prow[b] = (b + 1) * plen - 1;
             const double psec = bench_median(std::min(a.reps, batch > 1 ? 1 : 3), [&] {
-              engine_forward(*be, *w, *cache, sc, pt, psl, ppos, prow, logits, nullptr);
+              engine_forward(*be, *w, *run.cache, run.sc, pt, psl, ppos, prow, run.logits, nullptr);
             }, 0.0);
             bench_emit(a, {{"bench", jstr("decode")}, {"phase", jstr("prefill")}, {"weights", jstr(wname)},
                            {"kv", jstr(kvname)}, {"batch", jnum(double(batch))}, {"threads", jnum(t)},
