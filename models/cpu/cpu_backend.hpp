@@ -33,4 +33,23 @@ inline float cpu_attn_round(float x, const attn_rounding& r) {
 float cpu_attn_query(const float* q, const attn_rounding& rq, const float* kt, int64_t ldk, const float* v,
                      int64_t n, int64_t D, precision p_operand, float* out, float* scratch);
 
+// Keys and values of one KV head, widened to FP32 and rounded, a slab of kAttnSlab positions at
+// a time: the cache decodes its storage into L1-sized slabs, never a whole-context copy.
+constexpr int64_t kAttnSlab = 16;
+struct attn_kv_source {
+  const void* ctx = nullptr;
+  // kt[d * kAttnSlab + j] = key j0 + j, component d, for d < D, j < w (w <= kAttnSlab); zero for j >= w
+  void (*keys)(const void* ctx, int64_t j0, int64_t w, float* kt) = nullptr;
+  // v[j * ldv + d] = value j0 + j, component d, for j < w, d < D; zero for D <= d < ldv
+  void (*values)(const void* ctx, int64_t j0, int64_t w, int64_t ldv, float* v) = nullptr;
+};
+// G query rows that share one KV head (grouped-query attention at decode), each exactly
+// cpu_attn_query's computation (same roundings, same fma orders, the same softmax), with every
+// key and value widened once for all G rows instead of once per row.
+//   q: row r at q + r * ldq (unrounded; rounded per rq[r]); out: row r at out + r * ldo
+//   scratch: >= cpu_attn_group_scratch(n, D) floats
+void cpu_attn_group(const float* q, int64_t ldq, const attn_rounding* rq, int64_t G, const attn_kv_source& kv,
+                    int64_t n, int64_t D, precision p_operand, float* out, int64_t ldo, float* scratch);
+int64_t cpu_attn_group_scratch(int64_t n, int64_t D);
+
 }  // namespace fp8rl::models

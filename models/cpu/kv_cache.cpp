@@ -3,6 +3,7 @@
 
 #include <cmath>
 #include <stdexcept>
+#include <type_traits>
 #include <vector>
 
 #include "models/cpu/cpu_backend.hpp"
@@ -13,13 +14,18 @@ namespace fp8rl::models {
 namespace {
 
 struct cpu_kv_cache final : kv_cache {
-  // storage per (slot, layer, kv head): K^T [D][max_ctx] then V [max_ctx][D], in element units
+  // storage per (slot, layer, kv head), in element units: K in key slabs [ctx_pad / 16][D][16]
+  // (each slab of 16 positions one contiguous K^T block: decode reads it as one stream), then
+  // V [max_ctx][D]; ctx_pad = max_ctx rounded up to kAttnSlab
   std::vector<float> f32;
   std::vector<uint16_t> bf16;
   std::vector<uint8_t> fp8;
   std::vector<float> kscale, vscale;  // FP8: [slot][layer][kv][max_ctx] scale each entry was written with
   int64_t esize() const { return dtype == kv_dtype::f32 ? 4 : dtype == kv_dtype::bf16 ? 2 : 1; }
-  int64_t block() const { return 2 * head_dim * max_ctx; }
+  int64_t ctx_pad() const { return (max_ctx + kAttnSlab - 1) / kAttnSlab * kAttnSlab; }
+  int64_t block() const { return head_dim * (ctx_pad() + max_ctx); }
+  int64_t key_at(int64_t p, int64_t d) const { return (p / kAttnSlab * head_dim + d) * kAttnSlab + p % kAttnSlab; }
+  int64_t value_at(int64_t p, int64_t d) const { return head_dim * ctx_pad() + p * head_dim + d; }
   int64_t base(int64_t slot, int64_t layer, int64_t g) const { return ((slot * layers + layer) * kv_heads + g) * block(); }
   int64_t sbase(int64_t slot, int64_t layer, int64_t g) const { return ((slot * layers + layer) * kv_heads + g) * max_ctx; }
   int64_t bytes() const override {
@@ -27,26 +33,71 @@ struct cpu_kv_cache final : kv_cache {
   }
 };
 
-// K^T [D][n] and V [n][D] of positions 0..n-1 widened to FP32 (BF16 exact; FP8 times the scale
-// each position was written with).
-FP8RL_VECTOR_CLONES void widen(const cpu_kv_cache& c, int64_t b, int64_t sb, int64_t n, float* kt, float* vv) {
-  const int64_t D = c.head_dim, M = c.max_ctx;
-  if (c.dtype == kv_dtype::bf16) {
+// One (slot, layer, KV head) of the cache as cpu_attn_group reads it: key and value slabs widened
+// to FP32 (BF16 exactly; FP8 codes times the scale each position was written with).
+struct head_view {
+  const cpu_kv_cache* c;
+  int64_t b, sb;  // element offset of the head's key slabs, then V; offset of its scales
+};
+
+// One stored element widened: BF16 exactly, FP8 code times the scale its position was written with.
+[[gnu::always_inline]] inline float widen1(float x, float) { return x; }
+[[gnu::always_inline]] inline float widen1(uint16_t x, float) { return quant::bf16_to_float(x); }
+[[gnu::always_inline]] inline float widen1(uint8_t x, float s) { return quant::e4m3_to_float_arith(x) * s; }
+
+// The scale position j was written with (FP8); other dtypes have none (s is null, never read).
+template <class T>
+[[gnu::always_inline]] inline float scale_at(const float* s, int64_t j) {
+  if constexpr (std::is_same_v<T, uint8_t>) return s[j];
+  return 1.0f;
+}
+
+// kt[d][j] = key j0 + j (j < w; 0 past w) from the key slab at k ([D][kAttnSlab]); ks: per-position scales
+template <class T>
+[[gnu::always_inline]] inline void key_slab(const T* __restrict k, const float* __restrict ks, int64_t D, int64_t j0,
+                                            int64_t w, float* __restrict kt) {
+  if (w == kAttnSlab) {  // full slabs: one unconditional 16-wide loop (vectorizes)
     for (int64_t d = 0; d < D; ++d)
-      for (int64_t j = 0; j < n; ++j) kt[d * n + j] = quant::bf16_to_float(c.bf16[b + d * M + j]);
-    for (int64_t j = 0; j < n * D; ++j) vv[j] = quant::bf16_to_float(c.bf16[b + D * M + j]);
+#pragma GCC unroll 16
+      for (int64_t j = 0; j < kAttnSlab; ++j) kt[d * kAttnSlab + j] = widen1(k[d * kAttnSlab + j], scale_at<T>(ks, j0 + j));
     return;
   }
-  const float* ks = c.kscale.data() + sb;
-  const float* vs = c.vscale.data() + sb;
-  for (int64_t d = 0; d < D; ++d) {  // codes decoded 64 at a time (the per-element table lookup
-    float* row = kt + d * n;          // was ~4% of an FP8 decode step), then scaled
-    quant::e4m3_decode_array(c.fp8.data() + b + d * M, n, row);
-    for (int64_t j = 0; j < n; ++j) row[j] *= ks[j];
+  for (int64_t d = 0; d < D; ++d)
+    for (int64_t j = 0; j < kAttnSlab; ++j)
+      kt[d * kAttnSlab + j] = j < w ? widen1(k[d * kAttnSlab + j], scale_at<T>(ks, j0 + j)) : 0.0f;
+}
+// v[j][d] = value j0 + j (j < w; d < D, 0 up to ldv) from V [max_ctx][D] at v; vs: per-position scales
+template <class T>
+[[gnu::always_inline]] inline void value_slab(const T* __restrict v, const float* __restrict vs, int64_t D, int64_t j0,
+                                              int64_t w, int64_t ldv, float* __restrict out) {
+  for (int64_t j = 0; j < w; ++j) {
+    const T* row = v + (j0 + j) * D;
+    const float s = scale_at<T>(vs, j0 + j);
+    for (int64_t d = 0; d < D; ++d) out[j * ldv + d] = widen1(row[d], s);
+    for (int64_t d = D; d < ldv; ++d) out[j * ldv + d] = 0.0f;
   }
-  quant::e4m3_decode_array(c.fp8.data() + b + D * M, n * D, vv);
-  for (int64_t j = 0; j < n; ++j)
-    for (int64_t d = 0; d < D; ++d) vv[j * D + d] *= vs[j];
+}
+
+// attn_kv_source callbacks per storage dtype (an F32 or BF16 cache has no scales: ks, vs unused)
+template <class T>
+const T* stored(const head_view& h);
+template <>
+const float* stored<float>(const head_view& h) { return h.c->f32.data() + h.b; }
+template <>
+const uint16_t* stored<uint16_t>(const head_view& h) { return h.c->bf16.data() + h.b; }
+template <>
+const uint8_t* stored<uint8_t>(const head_view& h) { return h.c->fp8.data() + h.b; }
+const float* scales(const std::vector<float>& s, const head_view& h) { return s.empty() ? nullptr : s.data() + h.sb; }
+
+template <class T>
+FP8RL_VECTOR_CLONES void keys_of(const void* p, int64_t j0, int64_t w, float* kt) {
+  const auto& h = *static_cast<const head_view*>(p);
+  key_slab(stored<T>(h) + h.c->key_at(j0, 0), scales(h.c->kscale, h), h.c->head_dim, j0, w, kt);
+}
+template <class T>
+FP8RL_VECTOR_CLONES void values_of(const void* p, int64_t j0, int64_t w, int64_t ldv, float* v) {
+  const auto& h = *static_cast<const head_view*>(p);
+  value_slab(stored<T>(h) + h.c->value_at(0, 0), scales(h.c->vscale, h), h.c->head_dim, j0, w, ldv, v);
 }
 
 }  // namespace
@@ -81,7 +132,7 @@ int64_t cpu_kv_cache_write(kv_cache& cache, int64_t layer, const kv_step& st, co
       const float* vt = v + (t * KV + g) * D;
       const int64_t b = c.base(slot, layer, g);
       for (int64_t d = 0; d < D; ++d) {
-        const int64_t ki = b + d * M + p, vi = b + D * M + p * D + d;
+        const int64_t ki = b + c.key_at(p, d), vi = b + c.value_at(p, d);
         switch (c.dtype) {
           case kv_dtype::f32: c.f32[ki] = kt[d]; c.f32[vi] = vt[d]; break;
           case kv_dtype::bf16: c.bf16[ki] = quant::bf16_from_float(kt[d]); c.bf16[vi] = quant::bf16_from_float(vt[d]); break;
@@ -106,36 +157,26 @@ int64_t cpu_kv_cache_write(kv_cache& cache, int64_t layer, const kv_step& st, co
 void cpu_attention_cached(const kv_cache& cache, int64_t layer, const kv_step& st, const float* q, int64_t H,
                           precision operand, const float* q_scale, float* out) {
   const auto& c = static_cast<const cpu_kv_cache&>(cache);
-  const int64_t KV = c.kv_heads, D = c.head_dim, M = c.max_ctx, G = H / KV;
+  const int64_t KV = c.kv_heads, D = c.head_dim, G = H / KV;
+  std::vector<attn_rounding> rq(static_cast<size_t>(H));
+  for (int64_t h = 0; h < H; ++h) rq[h] = {operand, q_scale ? q_scale[h] : 0.0f};
+  attn_kv_source src;
+  switch (c.dtype) {
+    case kv_dtype::f32: src.keys = keys_of<float>; src.values = values_of<float>; break;
+    case kv_dtype::bf16: src.keys = keys_of<uint16_t>; src.values = values_of<uint16_t>; break;
+    case kv_dtype::fp8: src.keys = keys_of<uint8_t>; src.values = values_of<uint8_t>; break;
+  }
   tbb::parallel_for(int64_t{0}, st.T * KV, [&](int64_t i) {
     const int64_t t = i / KV, g = i % KV, slot = st.slot[t], n = st.pos[t] + 1;
-    const int64_t b = c.base(slot, layer, g);
-    // per-thread buffers, grown not reallocated: fresh zero-filled vectors per (token, head)
-    // cost a memset of 2 x D x n floats each, every decode step
-    thread_local std::vector<float> kt, vv, scratch;
-    const auto reserve = [](std::vector<float>& b, int64_t need) {
-      if (b.size() < static_cast<size_t>(need)) b.resize(static_cast<size_t>(need));
-    };
-    reserve(scratch, n + D);
-    const float* kp;
-    const float* vp;
-    int64_t ldk;
-    if (c.dtype == kv_dtype::f32) {
-      kp = c.f32.data() + b;
-      vp = c.f32.data() + b + D * M;
-      ldk = M;
-    } else {  // widen the used range: K^T [D][n], V [n][D]
-      reserve(kt, D * n);
-      reserve(vv, n * D);
-      widen(c, b, c.sbase(slot, layer, g), n, kt.data(), vv.data());
-      kp = kt.data();
-      vp = vv.data();
-      ldk = n;
-    }
-    for (int64_t h = g * G; h < (g + 1) * G; ++h) {
-      const attn_rounding rq{operand, q_scale ? q_scale[h] : 0.0f};
-      cpu_attn_query(q + (t * H + h) * D, rq, kp, ldk, vp, n, D, operand, out + (t * H + h) * D, scratch.data());
-    }
+    const head_view hv{&c, c.base(slot, layer, g), c.sbase(slot, layer, g)};
+    attn_kv_source kv = src;
+    kv.ctx = &hv;
+    // per-thread scratch, grown not reallocated (a fresh vector per (token, head) costs a memset)
+    thread_local std::vector<float> scratch;
+    const int64_t need = cpu_attn_group_scratch(n, D);
+    if (scratch.size() < static_cast<size_t>(need)) scratch.resize(static_cast<size_t>(need));
+    cpu_attn_group(q + (t * H + g * G) * D, D, rq.data() + g * G, G, kv, n, D, operand, out + (t * H + g * G) * D, D,
+                   scratch.data());
   });
 }
 

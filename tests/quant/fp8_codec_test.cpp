@@ -91,6 +91,13 @@ TEST(Fp8Codec, DecodeArrayEqualsTheScalarDecoder) {
   }
 }
 
+TEST(Fp8Codec, ArithmeticDecoderEqualsTheTable) {  // all 256 codes, bit for bit (NaNs too)
+  for (int b = 0; b < 256; ++b)
+    EXPECT_EQ(std::bit_cast<uint32_t>(e4m3_to_float_arith(static_cast<uint8_t>(b))),
+              std::bit_cast<uint32_t>(e4m3_to_float(static_cast<uint8_t>(b))))
+        << "code " << b;
+}
+
 TEST(Fp8Codec, Bf16RoundsToNearestEven) {
   EXPECT_EQ(bf16_from_float(1.0f), 0x3F80);
   EXPECT_EQ(bf16_from_float(fb(0x3F808000)), 0x3F80);  // tie -> even
