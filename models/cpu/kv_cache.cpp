@@ -124,6 +124,8 @@ int64_t cpu_kv_cache_write(kv_cache& cache, int64_t layer, const kv_step& st, co
   if (c.dtype == kv_dtype::fp8 && (!k_scale || !v_scale))
     throw std::invalid_argument("kv_cache_write: FP8 cache needs K/V scales (the snapshot has none)");
   int64_t saturated = 0;
+  std::vector<float> scaled(c.dtype == kv_dtype::fp8 ? static_cast<size_t>(2 * D) : 0);  // FP8: K then V / scale
+  std::vector<uint8_t> codes(scaled.size());
   for (int64_t t = 0; t < st.T; ++t) {
     const int64_t slot = st.slot[t], p = st.pos[t];
     if (slot < 0 || slot >= c.slots || p < 0 || p >= M) throw std::out_of_range("kv_cache_write: slot/pos outside the cache");
@@ -131,23 +133,30 @@ int64_t cpu_kv_cache_write(kv_cache& cache, int64_t layer, const kv_step& st, co
       const float* kt = k + (t * KV + g) * D;
       const float* vt = v + (t * KV + g) * D;
       const int64_t b = c.base(slot, layer, g);
-      for (int64_t d = 0; d < D; ++d) {
-        const int64_t ki = b + c.key_at(p, d), vi = b + c.value_at(p, d);
-        switch (c.dtype) {
-          case kv_dtype::f32: c.f32[ki] = kt[d]; c.f32[vi] = vt[d]; break;
-          case kv_dtype::bf16: c.bf16[ki] = quant::bf16_from_float(kt[d]); c.bf16[vi] = quant::bf16_from_float(vt[d]); break;
-          case kv_dtype::fp8: {
-            const float ks = kt[d] / k_scale[g], vs = vt[d] / v_scale[g];
-            saturated += (std::fabs(ks) > 448.0f) + (std::fabs(vs) > 448.0f);
-            c.fp8[ki] = quant::e4m3_from_float(ks);
-            c.fp8[vi] = quant::e4m3_from_float(vs);
-            break;
-          }
+      if (c.dtype == kv_dtype::fp8) {  // x / scale, encoded by the array encoder (= e4m3_from_float, saturating)
+        for (int64_t d = 0; d < D; ++d) {
+          scaled[d] = kt[d] / k_scale[g];
+          scaled[D + d] = vt[d] / v_scale[g];
         }
-      }
-      if (c.dtype == kv_dtype::fp8) {
+        for (float x : scaled) saturated += std::fabs(x) > 448.0f;
+        quant::e4m3_encode_array(scaled.data(), 2 * D, codes.data());
+        for (int64_t d = 0; d < D; ++d) {
+          c.fp8[b + c.key_at(p, d)] = codes[d];
+          c.fp8[b + c.value_at(p, d)] = codes[D + d];
+        }
         c.kscale[c.sbase(slot, layer, g) + p] = k_scale[g];
         c.vscale[c.sbase(slot, layer, g) + p] = v_scale[g];
+        continue;
+      }
+      for (int64_t d = 0; d < D; ++d) {
+        const int64_t ki = b + c.key_at(p, d), vi = b + c.value_at(p, d);
+        if (c.dtype == kv_dtype::f32) {
+          c.f32[ki] = kt[d];
+          c.f32[vi] = vt[d];
+        } else {
+          c.bf16[ki] = quant::bf16_from_float(kt[d]);
+          c.bf16[vi] = quant::bf16_from_float(vt[d]);
+        }
       }
     }
   }
