@@ -33,8 +33,7 @@ struct cpu_kv_cache final : kv_cache {
   }
 };
 
-// One (slot, layer, KV head) of the cache as cpu_attn_group reads it: key and value slabs widened
-// to FP32 (BF16 exactly; FP8 codes times the scale each position was written with).
+// One (slot, layer, KV head) of the cache, as cpu_attn_group reads it (the attn_kv_source context).
 struct head_view {
   const cpu_kv_cache* c;
   int64_t b, sb;  // element offset of the head's key slabs, then V; offset of its scales
