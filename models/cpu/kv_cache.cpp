@@ -88,15 +88,27 @@ template <>
 const uint8_t* stored<uint8_t>(const head_view& h) { return h.c->fp8.data() + h.b; }
 const float* scales(const std::vector<float>& s, const head_view& h) { return s.empty() ? nullptr : s.data() + h.sb; }
 
+// Touches the bytes [p, p + n) for the cache hierarchy (a slab two ahead: the K/V of earlier
+// layers were evicted by the weights streamed since, and the hardware prefetcher starts late).
+inline void prefetch_bytes(const void* p, int64_t n) {
+  for (int64_t o = 0; o < n; o += 64) __builtin_prefetch(static_cast<const char*>(p) + o);
+}
+
 template <class T>
 FP8RL_VECTOR_CLONES void keys_of(const void* p, int64_t j0, int64_t w, float* kt) {
   const auto& h = *static_cast<const head_view*>(p);
-  key_slab(stored<T>(h) + h.c->key_at(j0, 0), scales(h.c->kscale, h), h.c->head_dim, j0, w, kt);
+  const int64_t D = h.c->head_dim, slab = D * kAttnSlab;
+  const T* k = stored<T>(h) + h.c->key_at(j0, 0);
+  if (j0 + 3 * kAttnSlab <= h.c->ctx_pad()) prefetch_bytes(k + 2 * slab, slab * static_cast<int64_t>(sizeof(T)));
+  key_slab(k, scales(h.c->kscale, h), D, j0, w, kt);
 }
 template <class T>
 FP8RL_VECTOR_CLONES void values_of(const void* p, int64_t j0, int64_t w, int64_t ldv, float* v) {
   const auto& h = *static_cast<const head_view*>(p);
-  value_slab(stored<T>(h) + h.c->value_at(0, 0), scales(h.c->vscale, h), h.c->head_dim, j0, w, ldv, v);
+  const int64_t D = h.c->head_dim, slab = D * kAttnSlab;
+  const T* v0 = stored<T>(h) + h.c->value_at(0, 0);
+  if (j0 + 3 * kAttnSlab <= h.c->max_ctx) prefetch_bytes(v0 + (j0 + 2 * kAttnSlab) * D, slab * static_cast<int64_t>(sizeof(T)));
+  value_slab(v0, scales(h.c->vscale, h), D, j0, w, ldv, v);
 }
 
 }  // namespace
