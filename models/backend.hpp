@@ -58,8 +58,8 @@ struct attn_params {
   const float* v_scale = nullptr;
 };
 
-// A KV cache on a backend: per slot, layer and KV head, K^T [D][max_ctx] and V [max_ctx][D]
-// in `dtype`; FP8 entries keep the scale they were written with (per position), so entries
+// A KV cache on a backend: per slot, layer and KV head, the keys and values of max_ctx positions
+// in `dtype` (the layout is the backend's); FP8 entries keep the scale they were written with (per position), so entries
 // written under an older scale snapshot stay decodable (KV policy `keep`).
 struct kv_cache {
   virtual ~kv_cache() = default;

@@ -44,16 +44,17 @@ inline float float_from_bits(uint32_t u) {
   return x;
 }
 
-// e4m3_to_float without the table, so that loops over it vectorize: the sign and the 7
-// exponent/mantissa bits put where FP32 keeps them give the value times 2^-120 (the biases are 7
-// and 127; subnormal codes land on FP32 subnormals), scaled back exactly; 0x7F/0xFF give NaN.
-// Bit-identical to e4m3_to_float (test Fp8Codec.ArithmeticDecoderEqualsTheTable) while the
-// thread's MXCSR keeps denormals (DAZ off, as everywhere in this project).
+// e4m3_to_float without the table, so that loops over it vectorize: a normal code's exponent is
+// rebiased by an integer add (7 -> 127); a subnormal code m is built as the normal (1 + m/8) 2^-6
+// minus 2^-6 (exact), so no denormal is ever an operand and the result does not depend on
+// MXCSR's DAZ/FTZ; 0x7F/0xFF give NaN. Selects, no branches. Bit-identical to e4m3_to_float
+// (test Fp8Codec.ArithmeticDecoderEqualsTheTable, with and without DAZ|FTZ).
 inline float e4m3_to_float_arith(uint8_t b) {
-  const uint32_t u = (static_cast<uint32_t>(static_cast<int8_t>(b)) << 20) & 0x87F00000u;
-  const uint32_t nan = 0u - static_cast<uint32_t>((b & 0x7Fu) == 0x7Fu);  // all ones for 0x7F/0xFF: a select, no branch
-  const uint32_t v = float_bits(float_from_bits(u) * 0x1p120f);
-  return float_from_bits((v & ~nan) | (((u & 0x80000000u) | 0x7FC00000u) & nan));
+  const uint32_t sign = (static_cast<uint32_t>(b) & 0x80u) << 24, mag = b & 0x7Fu;
+  const uint32_t is_sub = 0u - static_cast<uint32_t>(mag < 8u);  // all ones: exponent field 0
+  const float f = float_from_bits((mag << 20) + (120u << 23) + (is_sub & (1u << 23))) - float_from_bits(is_sub & 0x3C800000u);
+  const uint32_t is_nan = 0u - static_cast<uint32_t>(mag == 0x7Fu);
+  return float_from_bits(((float_bits(f) | sign) & ~is_nan) | ((sign | 0x7FC00000u) & is_nan));
 }
 
 // BF16 as raw uint16_t bits. bf16_from_float rounds to nearest even; NaN stays a quiet NaN.

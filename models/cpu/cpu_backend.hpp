@@ -1,5 +1,5 @@
 // models/cpu/cpu_backend.hpp -- the CPU backend: quant/ GEMMs + oneTBB kernels on host memory.
-// defines: make_cpu_backend, cpu_attn_query, cpu_attn_round
+// defines: make_cpu_backend, cpu_attn_query, cpu_attn_round, cpu_attn_group, attn_kv_source
 //
 // Every op gives the same bits for the same inputs whatever the thread count, and per-token ops
 // give the same bits whatever the batch: each output element has one fixed computation order.
@@ -45,7 +45,8 @@ struct attn_kv_source {
 };
 // G query rows that share one KV head (grouped-query attention at decode), each exactly
 // cpu_attn_query's computation (same roundings, same fma orders, the same softmax), with every
-// key and value widened once for all G rows instead of once per row.
+// key and value widened once per 8 rows (once for all of them at G <= 8), not once per row.
+// Rows are computed 8 at a time: a G below 8 still pays for 8 rows of arithmetic.
 //   q: row r at q + r * ldq (unrounded; rounded per rq[r]); out: row r at out + r * ldo
 //   scratch: >= cpu_attn_group_scratch(n, D) floats
 void cpu_attn_group(const float* q, int64_t ldq, const attn_rounding* rq, int64_t G, const attn_kv_source& kv,

@@ -5,7 +5,9 @@
 // KV head at once, slabs widened on the fly) equals cpu_attn_query one row at a time.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <atomic>
+#include <bit>
 #include <cmath>
 #include <cstring>
 #include <thread>
@@ -276,7 +278,10 @@ TEST(Generate, Fp8KvCacheMismatchIsMeasured) {
 // The decode kernel reads each KV head's keys and values once for its G query rows, widening the
 // cache slab by slab; each output row must equal cpu_attn_query on the stored values (decoded by
 // the table, scaled per position) bit for bit: every dtype, G across the 8-row block, n across
-// the 16-key slabs, D not a multiple of 16, FP8 and BF16 operands.
+// the 16-key slabs, D not a multiple of 16, a context not a multiple of 16, FP8 and BF16
+// operands. Two tokens of two slots in one call (different n: per-thread scratch reused); the
+// positions past each token's own hold stale large values and layer 0 other values, so a read
+// past n or of the wrong layer changes the result.
 TEST(Generate, CachedAttentionEqualsOneQueryAtATime) {
   auto be = make_cpu_backend();
   uint32_t seed = 12345;
@@ -284,52 +289,71 @@ TEST(Generate, CachedAttentionEqualsOneQueryAtATime) {
   for (kv_dtype dt : {kv_dtype::f32, kv_dtype::bf16, kv_dtype::fp8})
     for (int64_t G : {1, 3, 8, 10})
       for (int64_t D : {24, 64})
-        for (int64_t n : {1, 16, 17, 40}) {
-          const int64_t KV = 2, H = KV * G, M = 48;
+        for (int64_t n0 : {1, 16, 17, 40}) {
+          const int64_t KV = 2, H = KV * G, M = 50, S = 2, L = 2;
+          const int64_t n_of[S] = {n0, std::min<int64_t>(M, n0 + 9)};  // token t reads slot t's positions < n_of[t]
           const precision op = dt == kv_dtype::f32 ? precision::fp32 : precision::bf16;
           const bool fp8q = dt == kv_dtype::fp8;
-          auto cache = be->kv_cache_create(1, 1, KV, D, M, dt);
-          std::vector<float> k(static_cast<size_t>(n * KV * D)), v(k.size()), q(static_cast<size_t>(H * D));
-          for (float& x : k) x = 3.0f * rnd();
-          for (float& x : v) x = 2.0f * rnd();
-          for (float& x : q) x = rnd();
+          auto cache = be->kv_cache_create(S, L, KV, D, M, dt);
           std::vector<float> ks(static_cast<size_t>(KV)), vs(ks.size()), qs(static_cast<size_t>(H));
           for (size_t g = 0; g < ks.size(); ++g) { ks[g] = 1.5f / 448 * (1 + 0.1f * g); vs[g] = 1.0f / 448 * (1 + 0.2f * g); }
           for (size_t h = 0; h < qs.size(); ++h) qs[h] = 0.5f / 448 * (1 + 0.05f * h);
-          std::vector<int32_t> slot(static_cast<size_t>(n), 0), pos(static_cast<size_t>(n));
-          for (int64_t j = 0; j < n; ++j) pos[j] = static_cast<int32_t>(j);
-          // positions from n1 on were written under a later snapshot (FP8: other scales)
-          const int64_t n1 = n / 2;
-          std::vector<float> ks2(ks), vs2(vs);
+          std::vector<float> ks2(ks), vs2(vs);  // positions from n/2 on: a later snapshot (FP8: other scales)
           for (float& x : ks2) x *= 1.3f;
           for (float& x : vs2) x *= 0.7f;
-          be->kv_cache_write(*cache, 0, {n1, slot.data(), pos.data()}, k.data(), v.data(), fp8q ? ks.data() : nullptr,
-                             fp8q ? vs.data() : nullptr);
-          be->kv_cache_write(*cache, 0, {n - n1, slot.data() + n1, pos.data() + n1}, k.data() + n1 * KV * D,
-                             v.data() + n1 * KV * D, fp8q ? ks2.data() : nullptr, fp8q ? vs2.data() : nullptr);
-          const int32_t last = static_cast<int32_t>(n - 1), zero = 0;
-          std::vector<float> got(static_cast<size_t>(H * D));
-          be->attention_cached(*cache, 0, {1, &zero, &last}, q.data(), H, op, fp8q ? qs.data() : nullptr, got.data());
+          std::vector<float> k(static_cast<size_t>(S * M * KV * D)), v(k.size()), q(static_cast<size_t>(S * H * D));
+          for (int64_t sl = 0; sl < S; ++sl)
+            for (int64_t j = 0; j < M; ++j)
+              for (int64_t i = 0; i < KV * D; ++i) {
+                const size_t at = static_cast<size_t>((sl * M + j) * KV * D + i);
+                const bool live = j < n_of[sl];
+                k[at] = live ? 3.0f * rnd() : (i % 2 ? 40.0f : -40.0f);
+                v[at] = live ? 2.0f * rnd() : (i % 3 ? 40.0f : -40.0f);
+              }
+          for (float& x : q) x = rnd();
+          std::vector<int32_t> slot(static_cast<size_t>(M)), pos(static_cast<size_t>(M));
+          for (int64_t j = 0; j < M; ++j) pos[j] = static_cast<int32_t>(j);
+          std::vector<float> other(static_cast<size_t>(M * KV * D), 7.0f);
+          for (int64_t sl = 0; sl < S; ++sl) {
+            std::fill(slot.begin(), slot.end(), static_cast<int32_t>(sl));
+            const int64_t n1 = n_of[sl] / 2;
+            const float* ksl = k.data() + sl * M * KV * D;
+            const float* vsl = v.data() + sl * M * KV * D;
+            be->kv_cache_write(*cache, 0, {M, slot.data(), pos.data()}, other.data(), other.data(), fp8q ? ks.data() : nullptr,
+                               fp8q ? vs.data() : nullptr);
+            be->kv_cache_write(*cache, 1, {n1, slot.data(), pos.data()}, ksl, vsl, fp8q ? ks.data() : nullptr,
+                               fp8q ? vs.data() : nullptr);
+            be->kv_cache_write(*cache, 1, {M - n1, slot.data() + n1, pos.data() + n1}, ksl + n1 * KV * D,
+                               vsl + n1 * KV * D, fp8q ? ks2.data() : nullptr, fp8q ? vs2.data() : nullptr);
+          }
+          const int32_t qslot[S] = {0, 1}, qpos[S] = {static_cast<int32_t>(n_of[0] - 1), static_cast<int32_t>(n_of[1] - 1)};
+          std::vector<float> got(static_cast<size_t>(S * H * D));
+          be->attention_cached(*cache, 1, {S, qslot, qpos}, q.data(), H, op, fp8q ? qs.data() : nullptr, got.data());
           // the stored values, as the cache holds them
           auto stored = [&](float x, float sc) {
             if (dt == kv_dtype::bf16) return fp8rl::quant::bf16_round(x);
             if (dt == kv_dtype::fp8) return fp8rl::quant::e4m3_to_float(fp8rl::quant::e4m3_from_float(x / sc)) * sc;
             return x;
           };
-          std::vector<float> kt(static_cast<size_t>(D * n)), vv(static_cast<size_t>(n * D)), want(static_cast<size_t>(D)),
-              scratch(static_cast<size_t>(n + D));
-          for (int64_t g = 0; g < KV; ++g) {
-            for (int64_t j = 0; j < n; ++j)
-              for (int64_t d = 0; d < D; ++d) {
-                kt[d * n + j] = stored(k[(j * KV + g) * D + d], (j < n1 ? ks : ks2)[g]);
-                vv[j * D + d] = stored(v[(j * KV + g) * D + d], (j < n1 ? vs : vs2)[g]);
+          for (int64_t t = 0; t < S; ++t) {
+            const int64_t n = n_of[t], n1 = n / 2;
+            std::vector<float> kt(static_cast<size_t>(D * n)), vv(static_cast<size_t>(n * D)), want(static_cast<size_t>(D)),
+                scratch(static_cast<size_t>(n + D));
+            for (int64_t g = 0; g < KV; ++g) {
+              for (int64_t j = 0; j < n; ++j)
+                for (int64_t d = 0; d < D; ++d) {
+                  const size_t at = static_cast<size_t>(((t * M + j) * KV + g) * D + d);
+                  kt[d * n + j] = stored(k[at], (j < n1 ? ks : ks2)[g]);
+                  vv[j * D + d] = stored(v[at], (j < n1 ? vs : vs2)[g]);
+                }
+              for (int64_t h = g * G; h < (g + 1) * G; ++h) {
+                cpu_attn_query(q.data() + (t * H + h) * D, {op, fp8q ? qs[h] : 0.0f}, kt.data(), n, vv.data(), n, D, op,
+                               want.data(), scratch.data());
+                for (int64_t d = 0; d < D; ++d)
+                  ASSERT_EQ(std::bit_cast<uint32_t>(got[(t * H + h) * D + d]), std::bit_cast<uint32_t>(want[d]))
+                      << "dtype " << int(dt) << " G " << G << " D " << D << " n " << n << " token " << t << " head " << h
+                      << " d " << d;
               }
-            for (int64_t h = g * G; h < (g + 1) * G; ++h) {
-              cpu_attn_query(q.data() + h * D, {op, fp8q ? qs[h] : 0.0f}, kt.data(), n, vv.data(), n, D, op, want.data(),
-                             scratch.data());
-              for (int64_t d = 0; d < D; ++d)
-                ASSERT_EQ(std::bit_cast<uint32_t>(got[h * D + d]), std::bit_cast<uint32_t>(want[d]))
-                    << "dtype " << int(dt) << " G " << G << " D " << D << " n " << n << " head " << h << " d " << d;
             }
           }
         }
