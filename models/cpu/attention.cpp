@@ -151,44 +151,78 @@ FP8RL_VECTOR_CLONES float cpu_attn_query(const float* q, const attn_rounding& rq
 }
 
 namespace {
-constexpr int64_t kGroupRows = 8;  // query rows per register block in cpu_attn_group
+constexpr int64_t kGroupRows = 8;  // most query rows per register block in cpu_attn_group
 
 int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
-// s[r][j0 + j] = sum_d qr[r][d] kt[d][j] for all kGroupRows rows and j < kAttnSlab, each a
-// sequential fma over d from +0 (cpu_attn_query's order), in registers.
-//   qr: [kGroupRows][D]; kt: [D][kAttnSlab]; s: row r at s + r * lds
+// s[r][j0 + j] = sum_d qr[r][d] kt[d][j] for all R rows and j < kAttnSlab, each a sequential fma
+// over d from +0 (cpu_attn_query's order), in registers.
+//   qr: [R][D]; kt: [D][kAttnSlab]; s: row r at s + r * lds
+template <int R>
 [[gnu::always_inline]] inline void group_scores_slab(const float* qr, const float* kt, int64_t D, float* s, int64_t lds) {
-  float acc[kGroupRows][kAttnSlab] = {};
+  float acc[R][kAttnSlab] = {};
   for (int64_t d = 0; d < D; ++d)
 #pragma GCC unroll 8
-    for (int r = 0; r < kGroupRows; ++r) {
+    for (int r = 0; r < R; ++r) {
       const float a = qr[r * D + d];
 #pragma GCC unroll 16
       for (int j = 0; j < kAttnSlab; ++j) acc[r][j] = std::fma(a, kt[d * kAttnSlab + j], acc[r][j]);
     }
-  for (int r = 0; r < kGroupRows; ++r)
+  for (int r = 0; r < R; ++r)
     for (int j = 0; j < kAttnSlab; ++j) s[r * lds + j] = acc[r][j];
 }
 
 // acc[r][d] = fma(p[r][j], v[j][d], acc[r][d]) for j < w in order, 16 components at a time in
 // registers (attn_pv's chain, continued across slabs).
-//   p: row r at p + r * ldp; v: [w][ldv]; acc: [kGroupRows][ldv]
+//   p: row r at p + r * ldp; v: [w][ldv]; acc: [R][ldv]
+template <int R>
 [[gnu::always_inline]] inline void group_pv_slab(const float* p, int64_t ldp, const float* v, int64_t w, int64_t ldv,
                                                  float* acc) {
   for (int64_t d0 = 0; d0 < ldv; d0 += 16) {
-    float a[kGroupRows][16];
-    for (int r = 0; r < kGroupRows; ++r)
+    float a[R][16];
+    for (int r = 0; r < R; ++r)
       for (int l = 0; l < 16; ++l) a[r][l] = acc[r * ldv + d0 + l];
     for (int64_t j = 0; j < w; ++j)
 #pragma GCC unroll 8
-      for (int r = 0; r < kGroupRows; ++r) {
+      for (int r = 0; r < R; ++r) {
         const float pj = p[r * ldp + j];
 #pragma GCC unroll 16
         for (int l = 0; l < 16; ++l) a[r][l] = std::fma(pj, v[j * ldv + d0 + l], a[r][l]);
       }
-    for (int r = 0; r < kGroupRows; ++r)
+    for (int r = 0; r < R; ++r)
       for (int l = 0; l < 16; ++l) acc[r * ldv + d0 + l] = a[r][l];
+  }
+}
+
+// cpu_attn_group in blocks of R rows (rows of the last block past G are zero and not stored).
+template <int R>
+[[gnu::always_inline]] inline void attn_group_blocks(const float* q, int64_t ldq, const attn_rounding* rq, int64_t G,
+                                                     const attn_kv_source& kv, int64_t n, int64_t D, precision p_operand,
+                                                     float* out, int64_t ldo, float* scratch) {
+  const int64_t ns = round_up(n, kAttnSlab), Dp = round_up(D, 16);
+  float* qr = scratch;                // [R][D] rounded queries (zero rows past G)
+  float* s = qr + kGroupRows * D;     // [R][ns] scores, then probabilities
+  float* kt = s + kGroupRows * ns;    // [D][kAttnSlab] one key slab
+  float* vs = kt + D * kAttnSlab;     // [kAttnSlab][Dp] one value slab
+  float* acc = vs + kAttnSlab * Dp;   // [R][Dp] P.V accumulators
+  for (int64_t r0 = 0; r0 < G; r0 += R) {
+    const int64_t B = std::min<int64_t>(R, G - r0);
+    for (int64_t r = 0; r < R; ++r)
+      for (int64_t d = 0; d < D; ++d) qr[r * D + d] = r < B ? cpu_attn_round(q[(r0 + r) * ldq + d], rq[r0 + r]) : 0.0f;
+    for (int64_t j0 = 0; j0 < n; j0 += kAttnSlab) {
+      kv.keys(kv.ctx, j0, std::min(kAttnSlab, n - j0), kt);
+      group_scores_slab<R>(qr, kt, D, s + j0, ns);
+    }
+    for (int64_t r = 0; r < B; ++r) cpu_attn_softmax(s + r * ns, n, D, p_operand);
+    for (int64_t i = B * ns; i < R * ns; ++i) s[i] = 0.0f;  // rows past G add +0 to unused accumulators
+    for (int64_t i = 0; i < R * Dp; ++i) acc[i] = 0.0f;
+    for (int64_t j0 = 0; j0 < n; j0 += kAttnSlab) {
+      const int64_t w = std::min(kAttnSlab, n - j0);
+      kv.values(kv.ctx, j0, w, Dp, vs);
+      group_pv_slab<R>(s + j0, ns, vs, w, Dp, acc);
+    }
+    for (int64_t r = 0; r < B; ++r)
+      for (int64_t d = 0; d < D; ++d) out[(r0 + r) * ldo + d] = acc[r * Dp + d];
   }
 }
 }  // namespace
@@ -198,34 +232,15 @@ int64_t cpu_attn_group_scratch(int64_t n, int64_t D) {
   return kGroupRows * D + kGroupRows * round_up(n, kAttnSlab) + D * kAttnSlab + kAttnSlab * Dp + kGroupRows * Dp;
 }
 
+// Row blocks of 8, or of the smallest power of two holding G below that (G = 2 would otherwise
+// pay for 8 rows of arithmetic).
 FP8RL_VECTOR_CLONES void cpu_attn_group(const float* q, int64_t ldq, const attn_rounding* rq, int64_t G,
                                         const attn_kv_source& kv, int64_t n, int64_t D, precision p_operand, float* out,
                                         int64_t ldo, float* scratch) {
-  const int64_t ns = round_up(n, kAttnSlab), Dp = round_up(D, 16);
-  float* qr = scratch;                // [kGroupRows][D] rounded queries (zero rows past G)
-  float* s = qr + kGroupRows * D;     // [kGroupRows][ns] scores, then probabilities
-  float* kt = s + kGroupRows * ns;    // [D][kAttnSlab] one key slab
-  float* vs = kt + D * kAttnSlab;     // [kAttnSlab][Dp] one value slab
-  float* acc = vs + kAttnSlab * Dp;   // [kGroupRows][Dp] P.V accumulators
-  for (int64_t r0 = 0; r0 < G; r0 += kGroupRows) {
-    const int64_t B = std::min(kGroupRows, G - r0);
-    for (int64_t r = 0; r < kGroupRows; ++r)
-      for (int64_t d = 0; d < D; ++d) qr[r * D + d] = r < B ? cpu_attn_round(q[(r0 + r) * ldq + d], rq[r0 + r]) : 0.0f;
-    for (int64_t j0 = 0; j0 < n; j0 += kAttnSlab) {
-      kv.keys(kv.ctx, j0, std::min(kAttnSlab, n - j0), kt);
-      group_scores_slab(qr, kt, D, s + j0, ns);
-    }
-    for (int64_t r = 0; r < B; ++r) cpu_attn_softmax(s + r * ns, n, D, p_operand);
-    for (int64_t i = B * ns; i < kGroupRows * ns; ++i) s[i] = 0.0f;  // rows past G add +0 to unused accumulators
-    for (int64_t i = 0; i < kGroupRows * Dp; ++i) acc[i] = 0.0f;
-    for (int64_t j0 = 0; j0 < n; j0 += kAttnSlab) {
-      const int64_t w = std::min(kAttnSlab, n - j0);
-      kv.values(kv.ctx, j0, w, Dp, vs);
-      group_pv_slab(s + j0, ns, vs, w, Dp, acc);
-    }
-    for (int64_t r = 0; r < B; ++r)
-      for (int64_t d = 0; d < D; ++d) out[(r0 + r) * ldo + d] = acc[r * Dp + d];
-  }
+  if (G >= 5) attn_group_blocks<8>(q, ldq, rq, G, kv, n, D, p_operand, out, ldo, scratch);
+  else if (G >= 3) attn_group_blocks<4>(q, ldq, rq, G, kv, n, D, p_operand, out, ldo, scratch);
+  else if (G == 2) attn_group_blocks<2>(q, ldq, rq, G, kv, n, D, p_operand, out, ldo, scratch);
+  else attn_group_blocks<1>(q, ldq, rq, G, kv, n, D, p_operand, out, ldo, scratch);
 }
 
 namespace {
