@@ -45,8 +45,8 @@ template <int D>
 }
 
 // Softmax of n scores s in place (scaled, max-subtracted, exp, summed in 16 lanes), P rounded
-// to the operand precision; returns the lse. The one definition decode (cpu_attn_query) and the
-// training forward use.
+// to the operand precision; returns the lse. The one definition cpu_attn_query, decode
+// (cpu_attn_group) and the training forward use.
 FP8RL_VECTOR_CLONES float cpu_attn_softmax(float* s, int64_t n, int64_t D, precision p_operand) {
   const float scale = 1.0f / std::sqrt(static_cast<float>(D));
   // max and sum in 16 lanes (lane j % 16), combined in lane order: a fixed order that vectorizes

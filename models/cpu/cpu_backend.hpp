@@ -26,8 +26,8 @@ inline float cpu_attn_round(float x, const attn_rounding& r) {
   return x;
 }
 
-// One query row of causal attention over n keys -- the single definition used by training,
-// prefill and decode. q[D] (unrounded; rounded here per rq), kt[D][ldk] keys transposed and
+// One query row of causal attention over n keys -- the reference computation: the training
+// forward's block kernels and decode's cpu_attn_group equal it bit for bit (tests). q[D] (unrounded; rounded here per rq), kt[D][ldk] keys transposed and
 // already rounded, v[n][D] values already rounded. Writes out[D], returns lse of scaled scores.
 // scratch: >= n + D floats.
 float cpu_attn_query(const float* q, const attn_rounding& rq, const float* kt, int64_t ldk, const float* v,
