@@ -22,6 +22,9 @@ float e5m2_to_float(uint8_t b);    // exact
 
 // Vectorized (AVX-512 when available) array encoder; byte-identical to e4m3_from_float.
 void e4m3_encode_array(const float* x, int64_t n, uint8_t* out);
+// ... and decoder: out[i] = e4m3_to_float(in[i]), bit for bit (AVX-512 where BF16 is present:
+// 64 codes per table lookup; the decode-attention KV slabs use it).
+void e4m3_decode_array(const uint8_t* in, int64_t n, float* out);
 // x[n] -> BF16 bits, each exactly bf16_from_float (below); AVX-512 where present, oneTBB.
 void bf16_encode_array(const float* x, int64_t n, uint16_t* out);
 // out[cols][rows] = bf16_from_float(x[rows][cols]): the BF16 transpose in one pass.

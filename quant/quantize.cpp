@@ -128,6 +128,12 @@ void e4m3_encode_array(const float* x, int64_t n, uint8_t* out) {
   for (int64_t i = 0; i < n; ++i) out[i] = e4m3_from_float(x[i]);
 }
 
+void e4m3_decode_array(const uint8_t* in, int64_t n, float* out) {
+  if (cpu_isa_active() >= cpu_isa::avx512_bf16) return detail::e4m3_to_f32_avx512(in, n, out);
+  const float* lut = e4m3_table();
+  for (int64_t i = 0; i < n; ++i) out[i] = lut[in[i]];
+}
+
 void bf16_encode_array(const float* x, int64_t n, uint16_t* out) {
   if (cpu_isa_active() >= cpu_isa::avx512) return detail::bf16_from_float_avx512(x, n, out);
   tbb::parallel_for(tbb::blocked_range<int64_t>(0, n, 1 << 14), [&](const tbb::blocked_range<int64_t>& r) {

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -50,15 +51,19 @@ template <int D>
 FP8RL_VECTOR_CLONES float cpu_attn_softmax(float* s, int64_t n, int64_t D, precision p_operand) {
   const float scale = 1.0f / std::sqrt(static_cast<float>(D));
   // max and sum in 16 lanes (lane j % 16), combined in lane order: a fixed order that vectorizes
-  float lm[16], ls[16] = {};
-  for (float& l : lm) l = -INFINITY;
+  // (the max as a 16-lane vector: GCC left the unrolled lane loop scalar)
+  using lanes16 = float __attribute__((vector_size(64)));
+  lanes16 vm = {}, x;
+  vm -= INFINITY;
   int64_t j = 0;
-  for (; j + 16 <= n; j += 16)
-#pragma GCC unroll 16
-    for (int l = 0; l < 16; ++l) {
-      s[j + l] = s[j + l] * scale;
-      lm[l] = lm[l] < s[j + l] ? s[j + l] : lm[l];
-    }
+  for (; j + 16 <= n; j += 16) {
+    std::memcpy(&x, s + j, sizeof x);
+    x *= scale;
+    std::memcpy(s + j, &x, sizeof x);
+    vm = vm < x ? x : vm;
+  }
+  float lm[16], ls[16] = {};
+  std::memcpy(lm, &vm, sizeof lm);
   for (int l = 0; j < n; ++j, ++l) {
     s[j] = s[j] * scale;
     lm[l] = lm[l] < s[j] ? s[j] : lm[l];

@@ -10,6 +10,7 @@
 
 #include <xmmintrin.h>  // _mm_getcsr / _mm_setcsr: the decoder under DAZ|FTZ
 
+#include "quant/cpu_isa.hpp"
 #include "quant/fp8.hpp"
 #include "tests/quant/codec_oracle.hpp"
 
@@ -76,8 +77,27 @@ TEST(Fp8Codec, DecodeAll256) {
   }
 }
 
-// The array decoder (AVX-512 64 codes at a time, then a tail) gives e4m3_to_float's bits for
-// every code, at every offset of a vector and in the tail.
+// The array decoder (AVX-512 64 codes at a time, then a tail) gives e4m3_to_float's bits (NaNs
+// too) for every code, at every offset of a vector and in the tail, on every ISA level.
+TEST(Fp8Codec, DecodeArrayEqualsTheScalarDecoder) {
+  std::vector<uint8_t> codes(3 * 256 + 37);
+  for (size_t i = 0; i < codes.size(); ++i) codes[i] = static_cast<uint8_t>(i * 97 + i / 256);
+  for (cpu_isa isa : {cpu_isa::portable, cpu_isa_detected()}) {
+    cpu_isa_set_limit(isa);
+    for (int64_t n : {int64_t{0}, int64_t{5}, int64_t{64}, int64_t{200}, static_cast<int64_t>(codes.size())}) {
+      std::vector<float> out(static_cast<size_t>(n) + 1, -7.0f);
+      e4m3_decode_array(codes.data(), n, out.data());
+      for (int64_t i = 0; i < n; ++i)
+        ASSERT_EQ(std::bit_cast<uint32_t>(out[i]), std::bit_cast<uint32_t>(e4m3_to_float(codes[i])))
+            << cpu_isa_name(isa) << " n " << n << " i " << i << " code " << int(codes[i]);
+      EXPECT_EQ(out[n], -7.0f) << "wrote past n = " << n;
+    }
+  }
+  cpu_isa_set_limit(cpu_isa::amx);  // no limit
+}
+
+// All 256 codes, bit for bit (NaNs too), with the default MXCSR and with DAZ|FTZ set (as a host
+// process may leave it): subnormal codes must not go through a denormal operand.
 TEST(Fp8Codec, ArithmeticDecoderEqualsTheTable) {
   const unsigned csr = _mm_getcsr();
   for (unsigned mode : {csr, csr | 0x8040u}) {
