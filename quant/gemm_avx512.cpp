@@ -231,11 +231,46 @@ inline void dot_narrow_block(const uint16_t* A, int64_t lda, const void* const (
 // ---- tile driver: MR rows x PN panels starting at panel pn ----
 enum class bsrc : uint8_t { wide, pairs, codes };  // which packed form of B the kernel reads
 
+// One 128-K block's FP8 promotion: o = fma(sa * sb, acc, o), the scale product rounded first
+// (§5.2); a codes kernel's acc is 2^-8 of the block sum (scaled back first, exactly).
+// panel_scales: the codes form's one scale per (panel, block) where the pack has it, else null.
+template <int MR, int PN, bool kCodes>
+inline void promote_block(tile_acc<MR, PN>& acc, const gemm_a_operand& A, int64_t m0, const gemm_packed_b& B,
+                          int64_t pn, int64_t kb, const float* panel_scales, __m512 (&o)[MR][2 * PN]) {
+  const int64_t KB = B.Kp / kBlock;
+  if constexpr (kCodes)
+    for (int r = 0; r < MR; ++r)
+      for (int j = 0; j < 2 * PN; ++j) acc.v[r][j] = _mm512_mul_ps(acc.v[r][j], _mm512_set1_ps(kCodesUnscale));
+  for (int p = 0; p < PN; ++p) {
+    const int64_t b = (pn + p) * KB + kb;
+    __m512 s0, s1;
+    if (panel_scales) {
+      s0 = s1 = _mm512_set1_ps(panel_scales[b]);
+    } else {
+      s0 = _mm512_load_ps(B.scale_inv.data() + b * 32);
+      s1 = _mm512_load_ps(B.scale_inv.data() + b * 32 + 16);
+    }
+    for (int r = 0; r < MR; ++r) {
+      const __m512 a = _mm512_set1_ps(A.scale_inv[(m0 + r) * KB + kb]);
+      o[r][2 * p] = _mm512_fmadd_ps(_mm512_mul_ps(a, s0), acc.v[r][2 * p], o[r][2 * p]);
+      o[r][2 * p + 1] = _mm512_fmadd_ps(_mm512_mul_ps(a, s1), acc.v[r][2 * p + 1], o[r][2 * p + 1]);
+    }
+  }
+}
+
+// Row m of panel pn's 32 outputs (o, 64-byte aligned) into C, masked at N.
+inline void store_panel_row(const float* o, const gemm_packed_b& B, int64_t m, int64_t pn, float* C) {
+  const int64_t ncols = B.N - pn * 32;
+  float* c = C + m * B.N + pn * 32;
+  _mm512_mask_storeu_ps(c, col_mask(ncols), _mm512_load_ps(o));
+  _mm512_mask_storeu_ps(c + 16, col_mask(ncols - 16), _mm512_load_ps(o + 16));
+}
+
 template <int MR, int PN, bsrc kSrc>
 void tile(gemm_model model, const gemm_a_operand& A, int64_t m0, const gemm_packed_b& B,
           int64_t pn, float* C) {
   constexpr bool kWide = kSrc == bsrc::wide;
-  const int64_t N = B.N, Kp = B.Kp, lda = A.lda, KB = Kp / kBlock;
+  const int64_t Kp = B.Kp, lda = A.lda, KB = Kp / kBlock;
   tile_acc<MR, PN> acc;
   const float* pw[PN];
   const void* pnw[PN];
@@ -284,38 +319,13 @@ void tile(gemm_model model, const gemm_a_operand& A, int64_t m0, const gemm_pack
           }
         dot_narrow_block<MR, PN, kSrc == bsrc::codes>(A.bf16 + m0 * lda, lda, pnw, kb * kBlock / 2, rare, acc);
       }
-      // out = fma(sa * sb, acc, out): scale product rounded first (§5.2); codes' acc is 2^-8 of it
-      if constexpr (kSrc == bsrc::codes)
-        for (int r = 0; r < MR; ++r)
-          for (int j = 0; j < 2 * PN; ++j) acc.v[r][j] = _mm512_mul_ps(acc.v[r][j], _mm512_set1_ps(kCodesUnscale));
-      for (int p = 0; p < PN; ++p) {
-        const int64_t b = (pn + p) * KB + kb;
-        __m512 s0, s1;
-        if (panel_scales) {
-          s0 = s1 = _mm512_set1_ps(panel_scales[b]);
-        } else {
-          s0 = _mm512_load_ps(B.scale_inv.data() + b * 32);
-          s1 = _mm512_load_ps(B.scale_inv.data() + b * 32 + 16);
-        }
-        for (int r = 0; r < MR; ++r) {
-          const __m512 a = _mm512_set1_ps(A.scale_inv[(m0 + r) * KB + kb]);
-          o[r][2 * p] = _mm512_fmadd_ps(_mm512_mul_ps(a, s0), acc.v[r][2 * p], o[r][2 * p]);
-          o[r][2 * p + 1] = _mm512_fmadd_ps(_mm512_mul_ps(a, s1), acc.v[r][2 * p + 1], o[r][2 * p + 1]);
-        }
-      }
+      promote_block<MR, PN, kSrc == bsrc::codes>(acc, A, m0, B, pn, kb, panel_scales, o);
     }
     for (int r = 0; r < MR; ++r)
       for (int j = 0; j < 2 * PN; ++j) _mm512_store_ps(out[r] + 16 * j, o[r][j]);
   }
-  for (int p = 0; p < PN; ++p) {
-    const int64_t ncols = N - (pn + p) * 32;
-    const __mmask16 m0m = col_mask(ncols), m1m = col_mask(ncols - 16);
-    for (int r = 0; r < MR; ++r) {
-      float* c = C + (m0 + r) * N + (pn + p) * 32;
-      _mm512_mask_storeu_ps(c, m0m, _mm512_load_ps(out[r] + 32 * p));
-      _mm512_mask_storeu_ps(c + 16, m1m, _mm512_load_ps(out[r] + 32 * p + 16));
-    }
-  }
+  for (int p = 0; p < PN; ++p)
+    for (int r = 0; r < MR; ++r) store_panel_row(out[r] + 32 * p, B, m0 + r, pn + p, C);
 }
 
 // Row count -> (MR, PN) instantiation: full tiles 8x1; short tiles take 2 or 4 panels.
@@ -348,12 +358,86 @@ void tile_dispatch(int rows, int npan, gemm_model model, const gemm_a_operand& A
   }
 }
 
+// ---- FP8 codes, several row tiles at once: one decode per (panel, 128-K block) ----
+// Batched decode (8 < M <= 32) ran the codes micro-kernel once per 8-row tile, so each pair step
+// was decoded again for every tile, on the port VDPBF16PS needs (batch 16: 92 GF/s against the
+// BF16 pairs' 118). Here a panel's block is decoded once into BF16 pair steps in L1 (8 KiB: the
+// words the in-register decode makes, patches applied) and every row tile's pairs micro-kernel
+// reads them: the same products in the same order, so bit-identical to tile<.., codes>.
+constexpr int64_t kMultiRows = 4 * kMR;  // rows sharing one decoded block (their outputs: 4 KiB)
+
+// Panel pn's block kb as pair steps, decoded as the codes kernel does (values * 2^-8):
+// buf [kBlock / 2 steps][64 words]
+inline void decode_block(const gemm_packed_b& B, int64_t pn, int64_t kb, uint16_t* buf) {
+  const int64_t b = pn * (B.Kp / kBlock) + kb;
+  const uint8_t* q = B.fp8.data() + pn * B.Kp * 32 + kb * kBlock * 32;
+  const uint64_t bits = B.fp8_rare[b];
+  const uint16_t* rp = B.fp8_rare_patch.data() + B.fp8_rare_at[b];
+  for (int i = 0; i < kBlock / 2; ++i) {
+    __m512i w0, w1;
+    decode_shift(_mm512_load_si512(q + i * 64), &w0, &w1);
+    if (__builtin_expect((bits >> i) & 1, 0)) patch_rare(&rp, &w0, &w1);
+    _mm512_store_si512(buf + i * 64, w0);
+    _mm512_store_si512(buf + i * 64 + 32, w1);
+  }
+}
+
+// MR rows from m0 against the decoded block kb; their outputs o[r] (in memory) promoted.
+template <int MR>
+void rows_block(const gemm_a_operand& A, int64_t m0, const gemm_packed_b& B, int64_t pn, int64_t kb,
+                const uint16_t* buf, const float* panel_scales, float (*o)[32]) {
+  tile_acc<MR, 1> acc;
+  acc.zero();
+  const void* const P[1] = {buf};
+  dot_narrow<MR, 1>(A.bf16 + m0 * A.lda + kb * kBlock, A.lda, P, 0, kBlock / 2, acc);
+  __m512 v[MR][2];
+  for (int r = 0; r < MR; ++r) {
+    v[r][0] = _mm512_load_ps(o[r]);
+    v[r][1] = _mm512_load_ps(o[r] + 16);
+  }
+  promote_block<MR, 1, true>(acc, A, m0, B, pn, kb, panel_scales, v);
+  for (int r = 0; r < MR; ++r) {
+    _mm512_store_ps(o[r], v[r][0]);
+    _mm512_store_ps(o[r] + 16, v[r][1]);
+  }
+}
+
+// Rows [m0, m1) (at most kMultiRows) x panel pn.
+void tile_codes_rows(const gemm_a_operand& A, int64_t m0, int64_t m1, const gemm_packed_b& B, int64_t pn, float* C) {
+  const float* panel_scales = B.scale_panel.empty() ? nullptr : B.scale_panel.data();
+  alignas(64) uint16_t buf[kBlock / 2 * 64];
+  alignas(64) float o[kMultiRows][32] = {};
+  for (int64_t kb = 0; kb < B.Kp / kBlock; ++kb) {
+    decode_block(B, pn, kb, buf);
+    for (int64_t r0 = m0; r0 < m1; r0 += kMR) {
+      float(*orow)[32] = o + (r0 - m0);
+      switch (std::min<int64_t>(kMR, m1 - r0)) {
+        case 8: rows_block<8>(A, r0, B, pn, kb, buf, panel_scales, orow); break;
+        case 7: rows_block<7>(A, r0, B, pn, kb, buf, panel_scales, orow); break;
+        case 6: rows_block<6>(A, r0, B, pn, kb, buf, panel_scales, orow); break;
+        case 5: rows_block<5>(A, r0, B, pn, kb, buf, panel_scales, orow); break;
+        case 4: rows_block<4>(A, r0, B, pn, kb, buf, panel_scales, orow); break;
+        case 3: rows_block<3>(A, r0, B, pn, kb, buf, panel_scales, orow); break;
+        case 2: rows_block<2>(A, r0, B, pn, kb, buf, panel_scales, orow); break;
+        default: rows_block<1>(A, r0, B, pn, kb, buf, panel_scales, orow); break;
+      }
+    }
+  }
+  for (int64_t m = m0; m < m1; ++m) store_panel_row(o[m - m0], B, m, pn, C);
+}
+
 // Runs every (row tile, panel group): blocks of kMTB micro-tiles keep A in L2 while panels
 // stream. Panels are grouped by 4 so short tiles can use several at once.
 template <bsrc kSrc>
 void run_tiles(gemm_model model, const gemm_a_operand& A, const gemm_packed_b& B, float* C) {
   const int64_t MT = (A.M + kMR - 1) / kMR, NP = B.panels(), NG = (NP + 3) / 4;
   tbb::parallel_for(tbb::blocked_range2d<int64_t>(0, MT, 4, 0, NG, 1), [&](const auto& rg) {
+    const int64_t mb = rg.rows().begin() * kMR, me = std::min(A.M, rg.rows().end() * kMR);
+    if (kSrc == bsrc::codes && A.M <= kMultiRows && me - mb > kMR) {  // batched decode: decode once
+      for (int64_t pn = rg.cols().begin() * 4; pn < std::min(NP, rg.cols().end() * 4); ++pn)
+        tile_codes_rows(A, mb, me, B, pn, C);
+      return;
+    }
     // BF16 on FMA units follows VDPBF16PS's denormal rule: DAZ|FTZ for this task.
     const unsigned csr = _mm_getcsr();
     if (kSrc == bsrc::wide && model == gemm_model::pairs) _mm_setcsr(csr | 0x8040u);
