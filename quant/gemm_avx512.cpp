@@ -360,10 +360,11 @@ void tile_dispatch(int rows, int npan, gemm_model model, const gemm_a_operand& A
 
 // ---- FP8 codes, several row tiles at once: one decode per (panel, 128-K block) ----
 // Batched decode (8 < M <= 32) ran the codes micro-kernel once per 8-row tile, so each pair step
-// was decoded again for every tile, on the port VDPBF16PS needs (batch 16: 92 GF/s against the
-// BF16 pairs' 118). Here a panel's block is decoded once into BF16 pair steps in L1 (8 KiB: the
-// words the in-register decode makes, patches applied) and every row tile's pairs micro-kernel
-// reads them: the same products in the same order, so bit-identical to tile<.., codes>.
+// was decoded again for every tile, and the first tile's pass over weights streamed from DRAM
+// ran at one tile's compute (TinyLlama step at batch 16: 0.71x of BF16 pairs; with B cached the
+// cost hid). Here a panel's block is decoded once into BF16 pair steps in L1 (8 KiB: the words
+// the in-register decode makes, patches applied) and every row tile's pairs micro-kernel reads
+// them (1.12x): the same products in the same order, so bit-identical to tile<.., codes>.
 constexpr int64_t kMultiRows = 4 * kMR;  // rows sharing one decoded block (their outputs: 4 KiB)
 
 // Panel pn's block kb as pair steps, decoded as the codes kernel does (values * 2^-8):
