@@ -97,6 +97,13 @@ inline void patch_rare(const uint16_t** r, __m512i* w0, __m512i* w1) {
   *r = v + __builtin_popcount(k[1]);
 }
 
+// Pair step i of a 128-K block of codes at q, decoded into w0/w1; bit i of rare_bits marks a
+// patched step, *rp its next patch (moved past the one applied).
+inline void decode_step(const uint8_t* q, int i, uint64_t rare_bits, const uint16_t** rp, __m512i* w0, __m512i* w1) {
+  decode_shift(_mm512_load_si512(q + i * 64), w0, w1);
+  if (__builtin_expect((rare_bits >> i) & 1, 0)) patch_rare(rp, w0, w1);
+}
+
 // Accumulators of a micro-tile: MR rows x PN panels x 2 zmm (32 columns per panel). Small MR
 // takes several panels at once so enough independent FMA/VDPBF16PS chains are in flight
 // (each output element still has exactly one chain, in its model's order).
@@ -213,8 +220,7 @@ inline void dot_narrow_block(const uint16_t* A, int64_t lda, const void* const (
         __m512i w0, w1;
         if constexpr (MR <= kPrefetchMaxRows)
           _mm_prefetch(static_cast<const char*>(Q[p]) + i * 64 + kPrefetchBytes, _MM_HINT_T0);
-        decode_shift(_mm512_load_si512(static_cast<const uint8_t*>(Q[p]) + i * 64), &w0, &w1);
-        if (__builtin_expect((rare[p].bits >> i) & 1, 0)) patch_rare(&rp[p], &w0, &w1);
+        decode_step(static_cast<const uint8_t*>(Q[p]), i, rare[p].bits, &rp[p], &w0, &w1);
         b[2 * p] = (__m512bh)w0;
         b[2 * p + 1] = (__m512bh)w1;
       } else {
@@ -376,8 +382,7 @@ inline void decode_block(const gemm_packed_b& B, int64_t pn, int64_t kb, uint16_
   const uint16_t* rp = B.fp8_rare_patch.data() + B.fp8_rare_at[b];
   for (int i = 0; i < kBlock / 2; ++i) {
     __m512i w0, w1;
-    decode_shift(_mm512_load_si512(q + i * 64), &w0, &w1);
-    if (__builtin_expect((bits >> i) & 1, 0)) patch_rare(&rp, &w0, &w1);
+    decode_step(q, i, bits, &rp, &w0, &w1);
     _mm512_store_si512(buf + i * 64, w0);
     _mm512_store_si512(buf + i * 64 + 32, w1);
   }
