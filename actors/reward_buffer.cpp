@@ -28,6 +28,7 @@ struct buffer_state {
   std::map<uint64_t, std::vector<pending_batch>> waiting;        // step -> learners waiting
   std::set<std::pair<uint64_t, uint64_t>> delivered;             // (step, prompt_id) handed to learners
   int64_t admitted = 0, dropped_stale = 0, dropped_dup = 0;
+  std::vector<int64_t> kv_saturated;  // per layer, over every group received (FP8 KV caches)
 };
 
 // Oldest weight version any token of the group was sampled under.
@@ -105,6 +106,14 @@ msg::buffer_actor spawn_buffer(caf::actor_system& sys, std::shared_ptr<const act
         }
         b.buffer_metrics = {{"buffer/admitted_total", double(s.admitted)}, {"buffer/dropped_stale_total", double(s.dropped_stale)},
                             {"buffer/dropped_duplicate_total", double(s.dropped_dup)}};
+        if (!s.kv_saturated.empty()) {  // rl-algorithm.md: per-layer K/V saturation counts
+          int64_t all = 0;
+          for (size_t l = 0; l < s.kv_saturated.size(); ++l) {
+            b.buffer_metrics["kv_saturated_total/layer" + std::to_string(l)] = double(s.kv_saturated[l]);
+            all += s.kv_saturated[l];
+          }
+          b.buffer_metrics["kv_saturated_total"] = double(all);
+        }
         pb.rp.deliver(std::move(b));
       }
       for (const auto& [pid, g] : groups) s.delivered.insert({step, pid});
@@ -115,6 +124,8 @@ msg::buffer_actor spawn_buffer(caf::actor_system& sys, std::shared_ptr<const act
         [self](msg::peers_msg& p) { self->state.peers = std::move(p); },
         [self, try_deliver](msg::group_msg& g) {
           auto& s = self->state;
+          if (s.kv_saturated.size() < g.kv_saturated.size()) s.kv_saturated.resize(g.kv_saturated.size(), 0);
+          for (size_t l = 0; l < g.kv_saturated.size(); ++l) s.kv_saturated[l] += g.kv_saturated[l];  // duplicates too: work done
           const auto key = std::make_pair(g.step, g.prompt_id);
           if (s.delivered.count(key) || s.steps[g.step].count(g.prompt_id)) {  // re-issued work finished twice
             ++s.dropped_dup;

@@ -7,6 +7,7 @@
 #include <chrono>
 #include <deque>
 #include <map>
+#include <numeric>
 
 #include "actors/actors.hpp"
 #include "actors/trace.hpp"
@@ -29,6 +30,7 @@ struct rollout_state {
   uint64_t chunk_version = 0;
   uint64_t lamport = 0;
   int64_t tokens = 0, groups = 0;
+  std::vector<int64_t> sat_reported;                      // engine's per-layer K/V saturations already sent
 };
 
 double now_s() { return std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count(); }
@@ -142,6 +144,13 @@ msg::rollout_actor spawn_rollout(caf::actor_system& sys, std::shared_ptr<const a
             g.prompt_id = pid;
             g.answer = it->second.answer;
             g.rollout = s.name;
+            if (s.eng->config().policy.kv == models::kv_dtype::fp8) {  // K/V saturated since this rollout's last group
+              const auto& sat = s.eng->stats().kv_saturated;
+              g.kv_saturated.resize(sat.size());
+              s.sat_reported.resize(sat.size(), 0);
+              for (size_t l = 0; l < sat.size(); ++l) g.kv_saturated[l] = sat[l] - s.sat_reported[l];
+              s.sat_reported = sat;
+            }
             for (auto& x : d) {
               models::rl_sample smp;
               smp.prompt_id = pid;
@@ -166,7 +175,8 @@ msg::rollout_actor spawn_rollout(caf::actor_system& sys, std::shared_ptr<const a
           auto& s = self->state;
           const auto& es = s.eng->stats();
           return {{"tokens", double(s.tokens)}, {"groups", double(s.groups)}, {"weight_version", double(s.eng->weight_version())},
-                  {"adoptions", double(es.adoptions)}, {"recomputed_tokens", double(es.recomputed_tokens)}};
+                  {"adoptions", double(es.adoptions)}, {"recomputed_tokens", double(es.recomputed_tokens)},
+                  {"kv_saturated", double(std::accumulate(es.kv_saturated.begin(), es.kv_saturated.end(), int64_t{0}))}};
         },
     };
   });

@@ -78,6 +78,7 @@ struct group_msg {
   std::string answer;
   std::string rollout;  // which rollout actor produced it (for accounting)
   std::vector<models::rl_sample> samples;
+  std::vector<int64_t> kv_saturated;  // per layer: FP8 K/V elements the rollout saturated since its previous group
 };
 
 // A learner's shard of one step's batch (buffer -> learner).
@@ -166,7 +167,8 @@ namespace fp8rl::msg {
 
 template <class Inspector>
 typename Inspector::result_type inspect(Inspector& f, group_msg& x) {
-  return f(caf::meta::type_name("group_msg"), x.trace, x.step, x.prompt_id, x.answer, x.rollout, x.samples);
+  return f(caf::meta::type_name("group_msg"), x.trace, x.step, x.prompt_id, x.answer, x.rollout, x.samples,
+           x.kv_saturated);
 }
 template <class Inspector>
 typename Inspector::result_type inspect(Inspector& f, batch_msg& x) {

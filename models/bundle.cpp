@@ -84,7 +84,15 @@ bundle_contents bundle_unpack(const quant::weight_bundle& b, const model_config&
     throw std::invalid_argument(tag + "made for precision policy '" + b.snapshot.policy + "', this engine runs '" +
                                 policy.fingerprint() + "'");
   if (b.snapshot.mode != policy.scales) throw std::invalid_argument(tag + "scale mode differs from the policy's");
-  quant::bundle_validate(b, policy.kv == kv_dtype::fp8 || policy.fp8_attention);
+  const bool attention_scales = policy.kv == kv_dtype::fp8 || policy.fp8_attention;
+  quant::bundle_validate(b, attention_scales);
+  const auto& s = b.snapshot;
+  if (attention_scales && (s.layers != cfg.num_hidden_layers || s.heads != cfg.num_attention_heads ||
+                           s.kv_heads != cfg.num_key_value_heads))
+    throw std::invalid_argument(tag + "FP8 attention/KV-cache scales are for " + std::to_string(s.layers) + " layers x " +
+                                std::to_string(s.heads) + " heads / " + std::to_string(s.kv_heads) +
+                                " KV heads, the model has " + std::to_string(cfg.num_hidden_layers) + " x " +
+                                std::to_string(cfg.num_attention_heads) + " / " + std::to_string(cfg.num_key_value_heads));
   const param_layout layout = model_param_layout(cfg);
   std::map<std::string, const quant::bundle_tensor*> by_name;
   for (const auto& t : b.tensors) by_name[t.name] = &t;

@@ -2,6 +2,7 @@
 #include "models/generate.hpp"
 
 #include <algorithm>
+#include <cmath>
 #include <limits>
 #include <stdexcept>
 
@@ -62,11 +63,32 @@ std::string generation_engine::adopt(std::shared_ptr<const quant::weight_bundle>
   }
 }
 
+namespace {
+// Why `a` cannot serve as the FP8 attention/KV scales ([L][H], [L][KV], [L][KV], each > 0 and
+// finite) of a model with config c; empty when it can.
+std::string attn_scales_problem(const model_config& c, const attn_fp8_scales& a) {
+  const size_t L = static_cast<size_t>(c.num_hidden_layers), H = static_cast<size_t>(c.num_attention_heads),
+               KV = static_cast<size_t>(c.num_key_value_heads);
+  if (a.q.size() != L * H || a.k.size() != L * KV || a.v.size() != L * KV)
+    return "FP8 attention/KV scales hold " + std::to_string(a.q.size()) + "/" + std::to_string(a.k.size()) + "/" +
+           std::to_string(a.v.size()) + " Q/K/V entries, the model needs " + std::to_string(L * H) + "/" +
+           std::to_string(L * KV) + "/" + std::to_string(L * KV);
+  for (const auto* v : {&a.q, &a.k, &a.v})
+    for (size_t i = 0; i < v->size(); ++i)
+      if (!((*v)[i] > 0.0f) || !std::isfinite((*v)[i]))
+        return std::string("FP8 attention/KV scale ") + (v == &a.q ? "Q" : v == &a.k ? "K" : "V") + "[" +
+               std::to_string(i) + "] is not a positive finite number";
+  return "";
+}
+}  // namespace
+
 std::string generation_engine::adopt_params(const model_params& p, uint64_t weight_version, uint64_t scale_version,
                                             const attn_fp8_scales* attn) {
   try {
     if ((ec_.policy.kv == kv_dtype::fp8 || ec_.policy.fp8_attention) && !attn)
       return "policy '" + ec_.policy.name + "' needs FP8 attention/KV scales";
+    if (attn)
+      if (std::string why = attn_scales_problem(cfg_, *attn); !why.empty()) return why;
     auto s = std::make_shared<state>();
     s->weights = model_weights_build(be_, cfg_, ec_.policy, {&p, nullptr, nullptr}, false);
     if (attn) s->attn = *attn;
@@ -87,6 +109,12 @@ void generation_engine::submit(gen_request r) {
     if (t < 0 || t >= cfg_.vocab_size)
       throw std::invalid_argument("request " + std::to_string(r.id) + ": token " + std::to_string(t) + " outside the vocabulary");
   if (r.max_tokens <= 0) throw std::invalid_argument("request " + std::to_string(r.id) + ": max_tokens must be > 0");
+  if (std::string why = logit_processing_problem(r.proc); !why.empty())
+    throw std::invalid_argument("request " + std::to_string(r.id) + ": " + why);
+  for (int32_t t : r.stop_tokens)
+    if (t < 0 || t >= cfg_.vocab_size)
+      throw std::invalid_argument("request " + std::to_string(r.id) + ": stop token " + std::to_string(t) +
+                                  " outside the vocabulary");
   waiting_.push_back(std::move(r));
 }
 
@@ -221,8 +249,10 @@ std::vector<gen_result> generation_engine::step() {
     const size_t index = s.res.tokens.size();
     int32_t tok;
     float lp;
-    if (s.req.proc.temperature == 0.0f) {  // greedy; logprob at temperature 1
-      const double lse = logits_process(lg, V, logit_processing{}, z.data(), work);
+    if (s.req.proc.temperature == 0.0f) {
+      // greedy: the argmax of the raw logits (kept by any top-k/top-p); its logprob under the
+      // request's processing at temperature 1, which is what the learner computes for it
+      const double lse = logits_process(lg, V, s.req.proc, z.data(), work);
       tok = argmax_logits(lg, V);
       lp = static_cast<float>(z[tok] - lse);
     } else {

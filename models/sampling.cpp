@@ -104,4 +104,12 @@ int32_t argmax_logits(const float* logits, int64_t V) {
   return best;
 }
 
+std::string logit_processing_problem(const logit_processing& p) {
+  if (!std::isfinite(p.temperature) || p.temperature < 0.0f)
+    return "temperature " + std::to_string(p.temperature) + " is not a finite number >= 0";
+  if (p.top_k < 0) return "top_k " + std::to_string(p.top_k) + " is negative (0 keeps every token)";
+  if (!(p.top_p > 0.0f && p.top_p <= 1.0f)) return "top_p " + std::to_string(p.top_p) + " is outside (0, 1]";
+  return "";
+}
+
 }  // namespace fp8rl::models

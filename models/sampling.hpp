@@ -1,5 +1,5 @@
 // models/sampling.hpp -- logit processing shared by the sampler and the learner's logprobs.
-// defines: logits_process, sample_processed
+// defines: logits_process, sample_processed, logit_processing_problem
 //
 // z = logits / T (T = temperature; T = 0 -> greedy, logprobs taken at T = 1), then top-k keeps
 // tokens whose z is >= the k-th largest (ties at the threshold all stay), then top-p keeps the
@@ -8,6 +8,7 @@
 // on both sides, so the sampled token's logprob g_t and the learner's p_t share one definition.
 #pragma once
 #include <cstdint>
+#include <string>
 #include <vector>
 
 #include "models/backend.hpp"
@@ -25,5 +26,9 @@ double logits_process(const float* logits, int64_t V, const logit_processing& p,
 // given u. Greedy (temperature 0): argmax of the raw logits, lowest id on ties.
 int32_t sample_processed(const float* z, int64_t V, double lse, double u);
 int32_t argmax_logits(const float* logits, int64_t V);
+
+// Why p is not a processing this file defines (temperature finite and >= 0, top_k >= 0, top_p
+// in (0, 1]); empty when it is.
+std::string logit_processing_problem(const logit_processing& p);
 
 }  // namespace fp8rl::models

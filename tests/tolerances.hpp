@@ -63,6 +63,11 @@ inline constexpr double kModelFp8VsF32Grad = 12 * kUnitRmsE4M3;
 // (sqrt(9) = 3) with gain ~1.3: 4 units of E4M3.
 inline constexpr double kFp8AttentionVsBf16 = 4 * kUnitRmsE4M3;
 
+// A sampled token's logprob (FP32, log-sum-exp over cpu_exp terms summed in FP64) vs the same
+// quantity in FP64 from the same FP32 logits: the terms' 2-ulp error (kFastExpRel) moves the
+// log-sum-exp by <= 2^-22, and the FP32 result adds half an ulp of |logp| < 16 (2^-20).
+inline constexpr double kLogprobVsF64 = 4e-6;
+
 // Policy-loss finite differences: the loss is computed in FP64 from FP32 logprobs, h = 1e-3;
 // truncation ~h^2 |L'''| on exp(c - p) terms is ~1e-6 relative.
 inline constexpr double kFiniteDiffLoss = 1e-4;

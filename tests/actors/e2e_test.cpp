@@ -1,7 +1,8 @@
 // tests/actors/e2e_test.cpp -- the whole system as users run it, with real processes on loopback:
 // the embedded default for a few steps (+ --resume), max_staleness = 0 reproducing the
-// synchronous loop's metrics bit for bit, two processes via caf-run, and killing the remote
-// rollout process mid-run (the run finishes, every group is counted once); the AMX tiles recipe.
+// synchronous loop's metrics bit for bit, two processes via caf-run (FP8 KV cache), and killing
+// the remote rollout process mid-run (the run finishes, every group is counted once); the AMX
+// tiles recipe.
 #include <gtest/gtest.h>
 
 #include <chrono>
@@ -150,16 +151,25 @@ TEST(E2E, TilesRecipeRunsWithAmxAndIsRefusedWithout) {
   fs::remove_all(d);
 }
 
+// With the FP8 KV cache: its Q/K/V scales travel in the bundles, and every layer's count of
+// saturated K/V elements reaches the metrics from both processes' rollouts.
 TEST(E2E, TwoProcessesOnLoopbackViaCafRun) {
   const fs::path d = fresh_dir("two");
   const std::string topo = two_process_topology(d, 41000 + ::getpid() % 9000);
   ASSERT_EQ(run(kBin + "/caf-run --hostfile " + (d / "hosts").string() + " --topology " + topo + " -- " + kBin +
-                "/fp8rl train --run-dir " + (d / "run").string() + kSmall),
+                "/fp8rl train --run-dir " + (d / "run").string() + kSmall + " --precision.generation=fp8-kv"),
             0);
   const auto m = metrics(d / "run");
   ASSERT_EQ(m.size(), 4u);
   EXPECT_EQ(m.back()["sync_cross_process"], 1.0);  // bundles crossed the process boundary
   EXPECT_EQ(m.back()["rollouts_live"], 2.0);
+  const auto layers = fp8rl::models::checkpoint_load((d / "run" / "checkpoints" / "init").string()).params.cfg.num_hidden_layers;
+  double per_layer = 0;
+  for (int64_t l = 0; l < layers; ++l) {
+    ASSERT_TRUE(m.back().contains("kv_saturated_total/layer" + std::to_string(l))) << l;
+    per_layer += m.back()["kv_saturated_total/layer" + std::to_string(l)].get<double>();
+  }
+  EXPECT_EQ(m.back()["kv_saturated_total"], per_layer);
   fs::remove_all(d);
 }
 

@@ -88,7 +88,9 @@ TEST(Messages, EveryWireTypeRoundTrips) {
   EXPECT_EQ(w2.seed, 99u);
   EXPECT_EQ(w2.trace.lamport, 3u);
   auto g = group(3, 5, 2);
+  g.kv_saturated = {0, 7, 1};
   auto g2 = round_trip(sys, g);
+  EXPECT_EQ(g2.kv_saturated, g.kv_saturated);
   ASSERT_EQ(g2.samples.size(), 2u);
   EXPECT_EQ(g2.samples[1].gen_logprobs, g.samples[1].gen_logprobs);
   EXPECT_EQ(g2.samples[1].weight_version, g.samples[1].weight_version);
@@ -138,11 +140,15 @@ TEST(Protocol, BufferAdmitsDedupsShardsAndDropsStale) {
       EXPECT_EQ(a.dropped, dropped) << a.reason;
     }, caf::after(std::chrono::seconds(5)) >> [] { FAIL() << "no admitted_msg"; });
   };
-  self->send(buf, group(0, 0, 0));
+  auto g00 = group(0, 0, 0);
+  g00.kv_saturated = {1, 2};  // per-layer FP8 K/V saturations since the rollout's previous group
+  self->send(buf, g00);
   expect_admitted(0, 0, false);
   self->send(buf, group(0, 0, 0));  // the same group again (re-issued work finished twice)
   expect_admitted(0, 0, true);
-  self->send(buf, group(0, 1, 0));
+  auto g01 = group(0, 1, 0);
+  g01.kv_saturated = {0, 5};
+  self->send(buf, g01);
   expect_admitted(0, 1, false);
   // two learners ask for their shards of step 0: one group each, N over the whole batch
   caf::scoped_actor l0{sys}, l1{sys};  // both ranks ask before either is served
@@ -154,6 +160,9 @@ TEST(Protocol, BufferAdmitsDedupsShardsAndDropsStale) {
       EXPECT_EQ(b.samples.size(), 2u);
       EXPECT_EQ(b.samples[0].prompt_id, static_cast<uint64_t>(rank));
       EXPECT_EQ(b.n_global, 12.0);
+      EXPECT_EQ(b.buffer_metrics.at("kv_saturated_total/layer0"), 1.0);  // summed over the rollouts' groups
+      EXPECT_EQ(b.buffer_metrics.at("kv_saturated_total/layer1"), 7.0);
+      EXPECT_EQ(b.buffer_metrics.at("kv_saturated_total"), 8.0);
     }, caf::after(std::chrono::seconds(5)) >> [] { FAIL() << "no shard"; });
     ++rank;
   }

@@ -7,14 +7,20 @@
 //   {"tokens": [...], "logprobs": [...], "weight_version": [...], "scale_version": [...],
 //    "finish": "stop"|"length"}
 // logprobs are g_t: log p(token) under the distribution sampled from (after temperature,
-// top-k, top-p; greedy -- temperature 0 -- reports temperature-1 logprobs).
-// With an FP8 KV cache the Q/K/V scales are calibrated on the prompts (amax * 1.05 / 448).
+// top-k, top-p; greedy -- temperature 0 -- reports temperature-1 logprobs after top-k/top-p).
+// With an FP8 KV cache the Q/K/V scales are calibrated on the prompts (amax * 1.05 / 448), and
+// the count of K/V elements that saturated (|x / scale| > 448), per layer, is logged at the end.
+#include <fmt/ranges.h>
+
 #include <cstdio>
 #include <nlohmann/json.hpp>
+#include <numeric>
 #include <sstream>
 
 #include "models/cpu/cpu_backend.hpp"
 #include "models/generate.hpp"
+#include "models/log.hpp"
+#include "models/sampling.hpp"
 #include "tools/cli/commands.hpp"
 #include "tools/cli/common.hpp"
 
@@ -43,10 +49,28 @@ int cmd_generate(int argc, char** argv) {
   if (a.has("stop")) {
     std::stringstream ss(a.get("stop"));
     std::string t;
-    while (std::getline(ss, t, ',')) stops.push_back(static_cast<int32_t>(std::stol(t)));
+    while (std::getline(ss, t, ',')) {
+      size_t pos = 0;
+      long long v = -1;
+      try {
+        v = std::stoll(t, &pos);
+      } catch (const std::exception&) {
+        pos = 0;
+      }
+      if (t.empty() || pos != t.size() || v < 0 || v >= params.cfg.vocab_size)
+        throw std::invalid_argument("option --stop: '" + t + "' is not a token id in [0, " +
+                                    std::to_string(params.cfg.vocab_size) + ")");
+      stops.push_back(static_cast<int32_t>(v));
+    }
   } else if (params.cfg.eos_token_id >= 0) {
     stops.push_back(static_cast<int32_t>(params.cfg.eos_token_id));
   }
+  models::logit_processing proc;
+  proc.temperature = static_cast<float>(a.get_num("temperature", 1.0));
+  proc.top_k = static_cast<int32_t>(a.get_int("top-k", 0));
+  proc.top_p = static_cast<float>(a.get_num("top-p", 1.0));
+  if (std::string why = models::logit_processing_problem(proc); !why.empty())
+    throw std::invalid_argument("options --temperature/--top-k/--top-p: " + why);
   with_threads(a, [&] {
     auto be = models::make_cpu_backend();
     models::generation_engine eng(*be, params.cfg, ec);
@@ -69,9 +93,7 @@ int cmd_generate(int argc, char** argv) {
       r.id = i;
       r.prompt = items[i].tokens;
       r.max_tokens = static_cast<int32_t>(a.get_int("max-tokens", 64));
-      r.proc.temperature = static_cast<float>(a.get_num("temperature", 1.0));
-      r.proc.top_k = static_cast<int32_t>(a.get_int("top-k", 0));
-      r.proc.top_p = static_cast<float>(a.get_num("top-p", 1.0));
+      r.proc = proc;
       r.seed = static_cast<uint64_t>(a.get_int("seed", 0));
       r.stop_tokens = stops;
       eng.submit(std::move(r));
@@ -80,6 +102,11 @@ int cmd_generate(int argc, char** argv) {
       nlohmann::json out = {{"tokens", r.tokens}, {"logprobs", r.logprobs}, {"weight_version", r.weight_version},
                             {"scale_version", r.scale_version}, {"finish", r.finish}};
       std::printf("%s\n", out.dump().c_str());
+    }
+    if (ec.policy.kv == models::kv_dtype::fp8) {  // fp8-numerics.md §8: saturated K/V reported per layer
+      const auto& sat = eng.stats().kv_saturated;
+      log_get("generate")->info("FP8 KV cache: {} K/V elements saturated (per layer: [{}])",
+                                std::accumulate(sat.begin(), sat.end(), int64_t{0}), fmt::join(sat, ", "));
     }
   });
   return 0;

@@ -1,0 +1,179 @@
+// tests/models/sampling_test.cpp -- sampling as a user asks for it, checked against the training
+// forward's logits with an FP64 reference written here (not models/sampling.cpp): greedy is the
+// argmax; top-k / top-p sample only tokens of the kept set and report the logprob renormalized
+// over it; inverse-CDF draws follow the distribution; stop tokens end a request; impossible
+// settings are refused by name.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <random>
+
+#include "models/sampling.hpp"
+#include "tests/models/gen_util.hpp"
+#include "tests/tolerances.hpp"
+
+using namespace fp8rl::models;
+using namespace fp8rl::models::test;
+
+namespace {
+
+// What `p` keeps of one row of logits and the log-sum-exp over it, in FP64 from the FP32
+// z = logits / T (T = 1 for greedy): top-k keeps z >= the k-th largest, then top-p the shortest
+// prefix by descending probability (ties: lower id) whose mass reaches p.
+struct kept {
+  std::vector<bool> keep;
+  std::vector<float> z;
+  double lse = 0;
+};
+
+double lse_over(const kept& k) {
+  double m = -std::numeric_limits<double>::infinity(), s = 0;
+  for (size_t v = 0; v < k.z.size(); ++v)
+    if (k.keep[v]) m = std::max(m, double(k.z[v]));
+  for (size_t v = 0; v < k.z.size(); ++v)
+    if (k.keep[v]) s += std::exp(double(k.z[v]) - m);
+  return m + std::log(s);
+}
+
+kept reference_keep(const std::vector<float>& logits, const logit_processing& p) {
+  const size_t V = logits.size();
+  const float T = p.temperature == 0.0f ? 1.0f : p.temperature;
+  kept k;
+  k.keep.assign(V, true);
+  for (float l : logits) k.z.push_back(T == 1.0f ? l : l / T);
+  if (p.top_k > 0 && static_cast<size_t>(p.top_k) < V) {
+    std::vector<float> s(k.z);
+    std::sort(s.begin(), s.end(), std::greater<>());
+    for (size_t v = 0; v < V; ++v) k.keep[v] = k.z[v] >= s[p.top_k - 1];
+  }
+  if (p.top_p < 1.0f) {
+    const double lse = lse_over(k);
+    std::vector<size_t> order;
+    for (size_t v = 0; v < V; ++v)
+      if (k.keep[v]) order.push_back(v);
+    std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) { return k.z[a] > k.z[b]; });
+    double mass = 0;
+    size_t n = 0;
+    while (n < order.size() && mass < p.top_p) mass += std::exp(double(k.z[order[n++]]) - lse);
+    for (size_t i = n; i < order.size(); ++i) k.keep[order[i]] = false;
+  }
+  k.lse = lse_over(k);
+  return k;
+}
+
+std::vector<gen_result> generate(const model_params& p, const logit_processing& proc, int n, int max_tokens,
+                                 const std::vector<int32_t>& stops = {}) {
+  auto be = make_cpu_backend();
+  generation_engine e(*be, p.cfg, ecfg("fp32", 3));
+  EXPECT_EQ(e.adopt_params(p, 1, 1), "");
+  for (auto& r : requests(n, proc.temperature, proc.top_k, proc.top_p)) {
+    r.max_tokens = max_tokens;
+    r.stop_tokens = stops;
+    e.submit(r);
+  }
+  return e.run_to_completion();
+}
+
+}  // namespace
+
+// Every generated token lies in the set its processing keeps (greedy: the argmax, lowest id on
+// ties) and carries log p renormalized over that set, against the learner's FP32 logits (the
+// engine's, bit for bit, under the fp32 policy). Every filtered case drops tokens at every step,
+// so a filter that kept too many would show within a few draws.
+TEST(Sampling, TokensComeFromTheKeptSetWithRenormalizedLogprobs) {
+  const model_params p = model_params_init(gen_cfg(), 21);
+  const logit_processing cases[] = {{0.0f, 0, 1.0f}, {0.0f, 5, 0.5f}, {0.7f, 5, 1.0f}, {1.0f, 0, 0.6f},
+                                    {1.3f, 10, 0.9f}, {1.0f, 1, 1.0f}};
+  for (const auto& proc : cases) {
+    const auto res = generate(p, proc, 6, 12);
+    const auto lv = learner_forward(p, precision_policy::named("fp32"), res, proc);
+    int64_t tokens = 0, narrow = 0;
+    for (size_t i = 0; i < res.size(); ++i)
+      for (size_t t = 0; t < res[i].tokens.size(); ++t) {
+        const auto& row = lv.logits[i][t];
+        const int32_t tok = res[i].tokens[t];
+        const kept k = reference_keep(row, proc);
+        const auto where = "T=" + std::to_string(proc.temperature) + " k=" + std::to_string(proc.top_k) +
+                           " p=" + std::to_string(proc.top_p) + " request " + std::to_string(i) + " token " + std::to_string(t);
+        if (proc.temperature == 0.0f) {
+          EXPECT_EQ(tok, std::max_element(row.begin(), row.end()) - row.begin()) << where;  // first maximum
+        }
+        EXPECT_TRUE(k.keep[tok]) << where;
+        EXPECT_NEAR(res[i].logprobs[t], double(k.z[tok]) - k.lse, fp8rl::tol::kLogprobVsF64) << where;
+        EXPECT_EQ(std::memcmp(&res[i].logprobs[t], &lv.logprobs[i][t], 4), 0) << where;  // the learner's definition
+        ++tokens;
+        narrow += std::count(k.keep.begin(), k.keep.end(), true) < static_cast<int64_t>(row.size());
+      }
+    EXPECT_GE(tokens, 6 * 12 / 2);
+    if (proc.top_k > 0 || proc.top_p < 1.0f) {
+      EXPECT_EQ(narrow, tokens);  // the filters did drop tokens
+    }
+  }
+}
+
+// sample_processed draws by inverse CDF: 400k draws over 8 tokens (one dropped by -inf) match
+// the probabilities within 5 standard deviations of a binomial count.
+TEST(Sampling, DrawsFollowTheDistribution) {
+  const float ninf = -std::numeric_limits<float>::infinity();
+  std::vector<float> z = {0.5f, -1.0f, 2.0f, ninf, 0.0f, 1.25f, -3.0f, 0.75f};
+  double m = 2.0, s = 0;
+  for (float x : z) s += x == ninf ? 0.0 : std::exp(double(x) - m);
+  const double lse = m + std::log(s);
+  std::mt19937_64 g(5);
+  std::uniform_real_distribution<double> u(0.0, 1.0);
+  const int n = 400000;
+  std::vector<int> count(z.size(), 0);
+  for (int i = 0; i < n; ++i) ++count[sample_processed(z.data(), static_cast<int64_t>(z.size()), lse, u(g))];
+  for (size_t v = 0; v < z.size(); ++v) {
+    const double pv = z[v] == ninf ? 0.0 : std::exp(double(z[v]) - lse);
+    const double sd = std::sqrt(n * pv * (1 - pv));
+    EXPECT_LE(std::fabs(count[v] - n * pv), 5 * sd + 0.5) << "token " << v << " p " << pv;
+  }
+  EXPECT_EQ(count[3], 0);
+}
+
+// A stop token ends its request at its first occurrence ("stop"); without one it runs to
+// max_tokens ("length").
+TEST(Sampling, StopTokensEndARequest) {
+  const model_params p = model_params_init(gen_cfg(), 22);
+  const logit_processing greedy{0.0f, 0, 1.0f};
+  const auto free_run = generate(p, greedy, 2, 12);
+  ASSERT_EQ(free_run.size(), 2u);
+  const auto& g = free_run[0].tokens;
+  ASSERT_EQ(g.size(), 12u);
+  EXPECT_EQ(free_run[0].finish, "length");
+  const int32_t stop = g[3];
+  const size_t first = std::find(g.begin(), g.end(), stop) - g.begin();
+  const auto stopped = generate(p, greedy, 1, 12, {stop});
+  ASSERT_EQ(stopped.size(), 1u);
+  EXPECT_EQ(stopped[0].finish, "stop");
+  EXPECT_EQ(stopped[0].tokens, std::vector<int32_t>(g.begin(), g.begin() + first + 1));
+}
+
+// Settings no distribution answers to are refused when submitted, naming the setting.
+TEST(Sampling, ImpossibleSettingsAreRefusedByName) {
+  const model_params p = model_params_init(gen_cfg(), 23);
+  auto be = make_cpu_backend();
+  generation_engine e(*be, p.cfg, ecfg("fp32", 1));
+  ASSERT_EQ(e.adopt_params(p, 1, 1), "");
+  auto refused = [&](gen_request r) -> std::string {
+    try {
+      e.submit(std::move(r));
+    } catch (const std::invalid_argument& x) {
+      return x.what();
+    }
+    return "";
+  };
+  const gen_request base = requests(1, 1.0f)[0];
+  auto with = [&](auto f) { gen_request r = base; f(r); return refused(r); };
+  EXPECT_NE(with([](gen_request& r) { r.proc.temperature = -1.0f; }).find("temperature"), std::string::npos);
+  EXPECT_NE(with([](gen_request& r) { r.proc.temperature = std::nanf(""); }).find("temperature"), std::string::npos);
+  EXPECT_NE(with([](gen_request& r) { r.proc.top_k = -4; }).find("top_k"), std::string::npos);
+  EXPECT_NE(with([](gen_request& r) { r.proc.top_p = 0.0f; }).find("top_p"), std::string::npos);
+  EXPECT_NE(with([](gen_request& r) { r.proc.top_p = 1.5f; }).find("top_p"), std::string::npos);
+  EXPECT_NE(with([](gen_request& r) { r.stop_tokens = {3, 61}; }).find("stop token 61"), std::string::npos);
+  EXPECT_EQ(refused(base), "");
+  EXPECT_FALSE(e.idle());
+}
