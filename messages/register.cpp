@@ -63,6 +63,7 @@ void messages_register(caf::actor_system_config& cfg) {
   cfg.add_message_type<trace_ctx>("fp8rl.trace_ctx")
       .add_message_type<work_msg>("fp8rl.work_msg")
       .add_message_type<models::rl_sample>("fp8rl.rl_sample")
+      .add_message_type<quant::qtensor>("fp8rl.qtensor")
       .add_message_type<group_msg>("fp8rl.group_msg")
       .add_message_type<batch_msg>("fp8rl.batch_msg")
       .add_message_type<params_msg>("fp8rl.params_msg")

@@ -19,6 +19,7 @@
 #include "caf/all.hpp"
 #include "models/rl/rl.hpp"
 #include "quant/bundle.hpp"
+#include "quant/qtensor.hpp"
 
 namespace fp8rl::msg {
 
@@ -162,6 +163,34 @@ typename Inspector::result_type inspect(Inspector& f, rl_sample& x) {
   return msg::inspect_sample(f, x);
 }
 }  // namespace fp8rl::models
+
+// A quantized tensor (codes + scales + shape + layout + mode) as one record; a received one is
+// checked with qtensor_validate, so a short scale array or an unknown layout is a
+// deserialization error naming the tensor, never a tensor that reads past its scales.
+namespace fp8rl::quant {
+template <class Inspector>
+typename std::enable_if<Inspector::reads_state, typename Inspector::result_type>::type inspect(Inspector& f, qtensor& x) {
+  uint8_t layout = static_cast<uint8_t>(x.layout), mode = static_cast<uint8_t>(x.mode);
+  return f(caf::meta::type_name("qtensor"), x.name, x.rows, x.cols, layout, mode, x.data, x.scale_inv);
+}
+template <class Inspector>
+typename std::enable_if<Inspector::writes_state, typename Inspector::result_type>::type inspect(Inspector& f, qtensor& x) {
+  uint8_t layout = 0, mode = 0;
+  auto fin = caf::meta::load_callback([&]() -> caf::error {
+    if (layout > 2 || mode > 1)
+      return caf::make_error(caf::sec::invalid_argument, "qtensor '" + x.name + "': unknown layout or scale mode");
+    x.layout = static_cast<qlayout>(layout);
+    x.mode = static_cast<scale_mode>(mode);
+    try {
+      qtensor_validate(x);
+    } catch (const std::exception& e) {
+      return caf::make_error(caf::sec::invalid_argument, e.what());
+    }
+    return caf::none;
+  });
+  return f(caf::meta::type_name("qtensor"), x.name, x.rows, x.cols, layout, mode, x.data, x.scale_inv, fin);
+}
+}  // namespace fp8rl::quant
 
 namespace fp8rl::msg {
 

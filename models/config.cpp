@@ -16,7 +16,7 @@ using json = nlohmann::json;
   throw std::invalid_argument(source + ": field '" + field + "': " + why);
 }
 
-// Metadata that does not change the math.
+// Metadata that does not change the math (or whose values that would are refused below).
 const std::set<std::string> kIgnored = {
     "_name_or_path", "architectures", "model_type", "torch_dtype", "transformers_version",
     "use_cache", "pad_token_id", "pretraining_tp", "attention_dropout", "mlp_bias",
@@ -101,6 +101,13 @@ model_config model_config_parse(const std::string& text, const std::string& sour
   if (j.contains("pretraining_tp") && j["pretraining_tp"] != 1) fail(source, "pretraining_tp", "must be 1");
   if (j.contains("use_sliding_window") && j["use_sliding_window"] == true)
     fail(source, "use_sliding_window", "sliding-window attention is not supported");
+  // Mistral applies sliding_window without a switch (Qwen2 only with use_sliding_window true)
+  if (!j.contains("use_sliding_window") && j.contains("sliding_window") && !j["sliding_window"].is_null() &&
+      !(j["sliding_window"].is_number() && j["sliding_window"].get<double>() >= double(c.max_position_embeddings)))
+    fail(source, "sliding_window", "sliding-window attention (window " + j["sliding_window"].dump() +
+                                       " < max_position_embeddings) is not supported");
+  if (j.contains("attention_dropout") && !(j["attention_dropout"].is_number() && j["attention_dropout"].get<double>() == 0.0))
+    fail(source, "attention_dropout", "attention dropout is not implemented, got " + j["attention_dropout"].dump());
   if (j.contains("architectures")) {
     for (const auto& a : j["architectures"])
       if (a != "LlamaForCausalLM" && a != "Qwen2ForCausalLM" && a != "MistralForCausalLM")

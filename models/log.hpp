@@ -1,7 +1,8 @@
 // models/log.hpp -- named per-component spdlog loggers ("model", "rollout", "learner", ...).
 // defines: log_get, log_set_level
-// The level comes from config/CLI (`--log.level=debug`, FP8RL's one config reader); every logger
-// writes to stderr with the component name, so interleaved actor output stays attributable.
+// The level comes from config/CLI (`fp8rl train`: `[run] log_level` or `--run.log_level=debug`;
+// the other subcommands: `--log-level debug`); it applies to every logger, made before or after.
+// Each writes to stderr with the component name, so interleaved actor output stays attributable.
 #pragma once
 #include <spdlog/spdlog.h>
 

@@ -2,8 +2,11 @@
 #include "models/params.hpp"
 
 #include <cmath>
+#include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <map>
+#include <nlohmann/json.hpp>
 #include <stdexcept>
 
 namespace fp8rl::models {
@@ -89,7 +92,13 @@ model_params model_params_init(const model_config& c, uint64_t seed) {
   return p;
 }
 
-model_params model_params_from_tensors(const model_config& c, const st_tensors& t, const std::string& source) {
+model_params model_params_from_tensors(const model_config& c, const st_tensors& t, const std::string& source,
+                                       const std::map<std::string, std::string>* file_of) {
+  auto file = [&](const std::string& name) {
+    if (!file_of) return source;
+    auto it = file_of->find(name);
+    return it == file_of->end() ? source : it->second;
+  };
   c.validate();
   model_params p;
   p.cfg = c;
@@ -102,7 +111,8 @@ model_params model_params_from_tensors(const model_config& c, const st_tensors& 
       std::string want, got;
       for (auto d : info.shape) want += std::to_string(d) + ",";
       for (auto d : it->second.shape) got += std::to_string(d) + ",";
-      throw std::invalid_argument(source + ": tensor '" + info.name + "' has shape [" + got + "], config needs [" + want + "]");
+      throw std::invalid_argument(file(info.name) + ": tensor '" + info.name + "' has shape [" + got + "], config needs [" +
+                                  want + "]");
     }
     std::copy(it->second.data.begin(), it->second.data.end(), p.data.begin() + info.offset);
   }
@@ -110,7 +120,7 @@ model_params model_params_from_tensors(const model_config& c, const st_tensors& 
     if (p.layout.index.count(name)) continue;
     if (c.tie_word_embeddings && name == "lm_head.weight") continue;  // some tied checkpoints store it
     if (name.find("rotary_emb.inv_freq") != std::string::npos) continue;  // buffer, not a weight
-    throw std::invalid_argument(source + ": unexpected tensor '" + name + "' (not part of this config)");
+    throw std::invalid_argument(file(name) + ": unexpected tensor '" + name + "' (not part of this config)");
   }
   return p;
 }
@@ -127,19 +137,66 @@ st_tensors model_params_to_tensors(const model_params& p) {
 }
 
 model_params model_load(const std::string& dir) {
-  const auto cfg = model_config_load((std::filesystem::path(dir) / "config.json").string());
-  return model_params_from_tensors(cfg, safetensors_load_dir(dir), dir);
+  namespace fs = std::filesystem;
+  const auto cfg = model_config_load((fs::path(dir) / "config.json").string());
+  std::map<std::string, std::string> file_of;
+  st_tensors t = safetensors_load_dir(dir, &file_of);
+  // a tensor that is not there is missing from the single file, or from the index's weight map
+  const fs::path single = fs::path(dir) / "model.safetensors";
+  const std::string source = (fs::exists(single) ? single : fs::path(dir) / "model.safetensors.index.json").string();
+  return model_params_from_tensors(cfg, t, source, &file_of);
 }
 
-void model_save(const std::string& dir, const model_params& p, st_dtype dtype) {
-  std::filesystem::create_directories(dir);
+namespace {
+// Writes `text` to path via path.tmp + rename.
+void write_text(const std::filesystem::path& path, const std::string& text) {
+  const std::string tmp = path.string() + ".tmp";
   {
-    std::ofstream f(std::filesystem::path(dir) / "config.json");
-    f << model_config_to_json(p.cfg) << "\n";
-    if (!f) throw std::runtime_error(dir + "/config.json: write failed");
+    std::ofstream f(tmp);
+    f << text;
+    if (!f) throw std::runtime_error(tmp + ": write failed");
   }
-  safetensors_write((std::filesystem::path(dir) / "model.safetensors").string(), model_params_to_tensors(p), dtype,
-                    {{"format", "pt"}});
+  std::filesystem::rename(tmp, path);
+}
+}  // namespace
+
+void model_save(const std::string& dir, const model_params& p, st_dtype dtype, int64_t max_shard_bytes) {
+  namespace fs = std::filesystem;
+  fs::create_directories(dir);
+  write_text(fs::path(dir) / "config.json", model_config_to_json(p.cfg) + "\n");
+  const fs::path single = fs::path(dir) / "model.safetensors", index = fs::path(dir) / "model.safetensors.index.json";
+  const std::map<std::string, std::string> meta = {{"format", "pt"}};
+  if (max_shard_bytes <= 0) {
+    safetensors_write(single.string(), model_params_to_tensors(p), dtype, meta);
+    fs::remove(index);  // a stale index would describe other files
+    return;
+  }
+  // shards in layout order, each up to max_shard_bytes (a larger tensor gets one of its own)
+  const int64_t esize = dtype == st_dtype::f32 ? 4 : 2;
+  std::vector<st_tensors> shards(1);
+  int64_t bytes = 0, total = 0;
+  for (const auto& info : p.layout.infos) {
+    if (bytes > 0 && bytes + info.numel * esize > max_shard_bytes) {
+      shards.emplace_back();
+      bytes = 0;
+    }
+    st_tensor t;
+    t.shape = info.shape;
+    t.data.assign(p.data.begin() + info.offset, p.data.begin() + info.offset + info.numel);
+    shards.back().emplace(info.name, std::move(t));
+    bytes += info.numel * esize;
+    total += info.numel * esize;
+  }
+  nlohmann::json map = nlohmann::json::object();
+  const size_t n = shards.size();
+  for (size_t i = 0; i < n; ++i) {
+    char name[64];
+    std::snprintf(name, sizeof name, "model-%05zu-of-%05zu.safetensors", i + 1, n);
+    safetensors_write((fs::path(dir) / name).string(), shards[i], dtype, meta);
+    for (const auto& [tensor, x] : shards[i]) map[tensor] = name;
+  }
+  write_text(index, nlohmann::json{{"metadata", {{"total_size", total}}}, {"weight_map", map}}.dump(2) + "\n");
+  fs::remove(single);  // model_load prefers a single file: a stale one would shadow the shards
 }
 
 }  // namespace fp8rl::models

@@ -3,6 +3,7 @@
 //          model_params_from_tensors, model_params_to_tensors, model_load, model_save, rng
 #pragma once
 #include <cstdint>
+#include <map>
 #include <string>
 #include <unordered_map>
 #include <vector>
@@ -55,11 +56,14 @@ struct model_params {
 // N(0, initializer_range) matrices, unit norms; deterministic in `seed`.
 model_params model_params_init(const model_config& c, uint64_t seed);
 // Checks every expected tensor is present with its shape and nothing unexpected is left;
-// errors name `source` and the tensor.
-model_params model_params_from_tensors(const model_config& c, const st_tensors& t, const std::string& source);
+// errors name the tensor and its file (file_of, when given), else `source`.
+model_params model_params_from_tensors(const model_config& c, const st_tensors& t, const std::string& source,
+                                       const std::map<std::string, std::string>* file_of = nullptr);
 st_tensors model_params_to_tensors(const model_params& p);
 // A Hugging Face model directory: config.json + model.safetensors (or sharded).
 model_params model_load(const std::string& dir);
-void model_save(const std::string& dir, const model_params& p, st_dtype dtype = st_dtype::f32);
+// Writes config.json and model.safetensors, or with max_shard_bytes > 0 the Hugging Face
+// sharded form (model-0000i-of-0000n.safetensors, each up to that size, + the index json).
+void model_save(const std::string& dir, const model_params& p, st_dtype dtype = st_dtype::f32, int64_t max_shard_bytes = 0);
 
 }  // namespace fp8rl::models

@@ -117,10 +117,23 @@ st_tensors safetensors_parse(const std::vector<uint8_t>& bytes, const std::strin
 
 st_tensors safetensors_read(const std::string& path) { return safetensors_parse(read_file(path), path); }
 
+namespace {
+// x as IEEE binary16 bits, round to nearest even (the compiler's _Float16 conversion); a finite
+// value beyond F16's range is an error naming the tensor, never written as infinity.
+uint16_t f16_bits(float x, const std::string& path, const std::string& name) {
+  const _Float16 h = static_cast<_Float16>(x);
+  if (std::isfinite(x) && !std::isfinite(static_cast<float>(h)))
+    throw st_error(path + ": tensor '" + name + "' holds " + std::to_string(x) + ", beyond F16's range (65504)");
+  uint16_t b;
+  std::memcpy(&b, &h, 2);
+  return b;
+}
+}  // namespace
+
 void safetensors_write(const std::string& path, const st_tensors& tensors, st_dtype dtype,
                        const std::map<std::string, std::string>& metadata) {
-  if (dtype == st_dtype::f16) throw st_error(path + ": writing F16 is not supported");
   const size_t esize = dtype == st_dtype::f32 ? 4 : 2;
+  const char* dtype_name = dtype == st_dtype::f32 ? "F32" : dtype == st_dtype::bf16 ? "BF16" : "F16";
   json h = json::object();
   if (!metadata.empty()) h["__metadata__"] = metadata;
   uint64_t off = 0;
@@ -128,7 +141,7 @@ void safetensors_write(const std::string& path, const st_tensors& tensors, st_dt
     if (static_cast<int64_t>(t.data.size()) != t.numel())
       throw st_error(path + ": tensor '" + name + "' has " + std::to_string(t.data.size()) + " values for its shape");
     const uint64_t n = t.data.size() * esize;
-    h[name] = {{"dtype", dtype == st_dtype::f32 ? "F32" : "BF16"}, {"shape", t.shape}, {"data_offsets", {off, off + n}}};
+    h[name] = {{"dtype", dtype_name}, {"shape", t.shape}, {"data_offsets", {off, off + n}}};
     off += n;
   }
   std::string hs = h.dump();
@@ -146,7 +159,8 @@ void safetensors_write(const std::string& path, const st_tensors& tensors, st_dt
         f.write(reinterpret_cast<const char*>(t.data.data()), static_cast<std::streamsize>(t.data.size() * 4));
       } else {
         std::vector<uint16_t> b(t.data.size());
-        for (size_t i = 0; i < b.size(); ++i) b[i] = quant::bf16_from_float(t.data[i]);
+        for (size_t i = 0; i < b.size(); ++i)
+          b[i] = dtype == st_dtype::bf16 ? quant::bf16_from_float(t.data[i]) : f16_bits(t.data[i], path, name);
         f.write(reinterpret_cast<const char*>(b.data()), static_cast<std::streamsize>(b.size() * 2));
       }
     }
@@ -155,10 +169,15 @@ void safetensors_write(const std::string& path, const st_tensors& tensors, st_dt
   fs::rename(tmp, path);
 }
 
-st_tensors safetensors_load_dir(const std::string& dir) {
+st_tensors safetensors_load_dir(const std::string& dir, std::map<std::string, std::string>* file_of) {
   const fs::path single = fs::path(dir) / "model.safetensors";
   const fs::path index = fs::path(dir) / "model.safetensors.index.json";
-  if (fs::exists(single)) return safetensors_read(single.string());
+  if (fs::exists(single)) {
+    st_tensors t = safetensors_read(single.string());
+    if (file_of)
+      for (const auto& [n, x] : t) (*file_of)[n] = single.string();
+    return t;
+  }
   if (!fs::exists(index)) throw st_error(dir + ": neither model.safetensors nor model.safetensors.index.json exists");
   json j;
   try {
@@ -184,6 +203,7 @@ st_tensors safetensors_load_dir(const std::string& dir) {
       auto it = part.find(n);
       if (it == part.end()) throw st_error((fs::path(dir) / file).string() + ": tensor '" + n + "' listed in the index is missing");
       out.emplace(n, std::move(it->second));
+      if (file_of) (*file_of)[n] = (fs::path(dir) / file).string();
     }
   }
   return out;

@@ -5,7 +5,7 @@
 // Tensors are read into FP32 (F32, BF16 and F16 are accepted; BF16/F16 widen exactly).
 // Every malformed input -- short file, bad header length, invalid JSON, unknown dtype, shape
 // and byte-range disagreements, overlapping or out-of-range data -- throws st_error naming the
-// file and, where known, the tensor. The parser is fuzzed (tests/models/safetensors_test.cpp).
+// file and, where known, the tensor. The parser is fuzzed (tests/models/io_test.cpp).
 #pragma once
 #include <cstdint>
 #include <map>
@@ -32,11 +32,13 @@ using st_tensors = std::map<std::string, st_tensor>;
 // Parses an in-memory safetensors image; `source` names it in errors.
 st_tensors safetensors_parse(const std::vector<uint8_t>& bytes, const std::string& source);
 st_tensors safetensors_read(const std::string& path);
-// Writes tensors as `dtype` (F32 exact; BF16 rounds to nearest even); metadata goes to
-// "__metadata__". Writes to path.tmp then renames, so a crash never leaves half a file.
+// Writes tensors as `dtype` (F32 exact; BF16 and F16 round to nearest even, a value beyond
+// F16's range is an error naming the tensor); metadata goes to "__metadata__". Writes to
+// path.tmp then renames, so a crash never leaves half a file.
 void safetensors_write(const std::string& path, const st_tensors& tensors, st_dtype dtype = st_dtype::f32,
                        const std::map<std::string, std::string>& metadata = {});
 // A model directory: model.safetensors, or model.safetensors.index.json + its shards.
-st_tensors safetensors_load_dir(const std::string& dir);
+// file_of (optional) receives each tensor's file, for errors about it.
+st_tensors safetensors_load_dir(const std::string& dir, std::map<std::string, std::string>* file_of = nullptr);
 
 }  // namespace fp8rl::models

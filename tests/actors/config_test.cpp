@@ -7,6 +7,7 @@
 
 #include "actors/recipe.hpp"
 #include "actors/topology.hpp"
+#include "models/log.hpp"
 
 using namespace fp8rl::actors;
 namespace fs = std::filesystem;
@@ -57,6 +58,28 @@ TEST(Recipe, CliOverridesAndDumpRoundTrip) {
   EXPECT_EQ(recipe_to_json(q), recipe_to_json(r));
   EXPECT_EQ(recipe_to_json(recipe_from_json(recipe_to_json(r))), recipe_to_json(r));
   fs::remove(f);
+}
+
+// run.log_level reaches every component logger, those made before and after; a bad level is
+// an error naming the key.
+TEST(Recipe, LogLevelReachesTheComponentLoggers) {
+  auto before = fp8rl::log_get("recipe_test_before");
+  run_config r;
+  recipe_apply_cli(r, "--run.log_level=warn");
+  recipe_validate(r);
+  EXPECT_EQ(before->level(), spdlog::level::warn);
+  EXPECT_EQ(fp8rl::log_get("recipe_test_after")->level(), spdlog::level::warn);
+  recipe_apply_cli(r, "--run.log_level=debug");
+  recipe_validate(r);
+  EXPECT_EQ(before->level(), spdlog::level::debug);
+  recipe_apply_cli(r, "--run.log_level=loud");
+  try {
+    recipe_validate(r);
+    ADD_FAILURE() << "no error for log level 'loud'";
+  } catch (const std::exception& e) {
+    EXPECT_NE(std::string(e.what()).find("run.log_level"), std::string::npos) << e.what();
+  }
+  fp8rl::log_set_level("info");
 }
 
 TEST(Recipe, ShippedRecipesAndTopologiesValidate) {

@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 
 #include <caf/all.hpp>
+#include <cmath>
 #include <filesystem>
 
 #include "actors/actors.hpp"
@@ -116,6 +117,42 @@ TEST(Messages, EveryWireTypeRoundTrips) {
   EXPECT_EQ(bm2.bundle->snapshot.policy, bm.bundle->snapshot.policy);
   ASSERT_EQ(bm2.bundle->tensors.size(), bm.bundle->tensors.size());
   for (size_t i = 0; i < bm.bundle->tensors.size(); ++i) EXPECT_EQ(bm2.bundle->tensors[i].bytes, bm.bundle->tensors[i].bytes);
+  // a quantized tensor: codes, scales, shape, layout and mode survive; a short scale array or an
+  // unknown layout does not deserialize
+  std::vector<float> x(200 * 300);
+  for (size_t i = 0; i < x.size(); ++i) x[i] = std::sin(0.01f * float(i)) * 3.0f;
+  for (auto layout : {quant::qlayout::rowwise_1x128, quant::qlayout::colwise_1x128, quant::qlayout::block_128x128}) {
+    const auto q = quant::quantize(x.data(), 200, 300, layout, quant::scale_mode::fp32, "w");
+    const auto q2 = round_trip(sys, q);
+    EXPECT_EQ(q2.name, "w");
+    EXPECT_EQ(q2.rows, 200);
+    EXPECT_EQ(q2.cols, 300);
+    EXPECT_EQ(q2.layout, layout);
+    EXPECT_EQ(q2.mode, quant::scale_mode::fp32);
+    EXPECT_EQ(q2.data, q.data);
+    EXPECT_EQ(q2.scale_inv, q.scale_inv);
+  }
+  auto corrupt = [&](auto change) {
+    auto q = quant::quantize(x.data(), 200, 300, quant::qlayout::block_128x128, quant::scale_mode::pow2, "w");
+    std::vector<char> buf;
+    caf::binary_serializer sink(sys, buf);
+    EXPECT_FALSE(sink(q));
+    change(buf);
+    quant::qtensor out;
+    caf::binary_deserializer src(sys, buf);
+    return sys.render(src(out));
+  };
+  EXPECT_NE(corrupt([](std::vector<char>& b) { b.resize(b.size() - 4); }), "");  // truncated
+  quant::qtensor short_scales = quant::quantize(x.data(), 200, 300, quant::qlayout::block_128x128, quant::scale_mode::pow2, "w");
+  short_scales.scale_inv.pop_back();
+  {
+    std::vector<char> buf;
+    caf::binary_serializer sink(sys, buf);
+    EXPECT_FALSE(sink(short_scales));
+    quant::qtensor out;
+    caf::binary_deserializer src(sys, buf);
+    EXPECT_NE(sys.render(src(out)).find("'w'"), std::string::npos);  // qtensor_validate names the tensor
+  }
   msg::bundle_chunk c{9, 1, 3, 1.5, {1, 2, 3}};
   EXPECT_EQ(round_trip(sys, c).bytes, c.bytes);
   EXPECT_EQ(round_trip(sys, msg::adopted_msg{"rollout3", 4, 4, 0.1, "bad"}).error, "bad");

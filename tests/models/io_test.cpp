@@ -1,9 +1,12 @@
-// tests/models/io_test.cpp -- config.json strictness, safetensors round trips, sharded loading,
-// and a mutation fuzzer over the safetensors parser (every corrupt image is an error, never a crash).
+// tests/models/io_test.cpp -- config.json strictness, safetensors round trips (F32, BF16, F16),
+// sharded saving and loading, errors that name the file and tensor, and a mutation fuzzer over
+// the safetensors parser (every corrupt image is an error, never a crash).
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <nlohmann/json.hpp>
 #include <random>
 
 #include "models/params.hpp"
@@ -64,6 +67,17 @@ TEST(Config, ErrorsNameTheField) {
   badkv.replace(badkv.find("\"num_key_value_heads\": 2"), 24, "\"num_key_value_heads\": 3");
   EXPECT_NE(error_of([&] { model_config_parse(badkv, "c.json"); }).find("num_key_value_heads"), std::string::npos);
   EXPECT_NE(error_of([&] { model_config_parse("{", "c.json"); }).find("c.json"), std::string::npos);
+  // values of ignored fields that would change the math
+  EXPECT_NE(error_of([&] { model_config_parse(with("attention_dropout", "0.3"), "c.json"); }).find("attention_dropout"),
+            std::string::npos);
+  EXPECT_EQ(error_of([&] { model_config_parse(with("attention_dropout", "0.0"), "c.json"); }), "");
+  EXPECT_NE(error_of([&] { model_config_parse(with("sliding_window", "16"), "c.json"); }).find("sliding_window"),
+            std::string::npos);  // Mistral: a window without a switch is on
+  EXPECT_EQ(error_of([&] { model_config_parse(with("sliding_window", "null"), "c.json"); }), "");
+  EXPECT_EQ(error_of([&] { model_config_parse(with("sliding_window", "16, \"use_sliding_window\": false"), "c.json"); }),
+            "");  // Qwen2: off unless use_sliding_window
+  EXPECT_NE(error_of([&] { model_config_parse(with("use_sliding_window", "true"), "c.json"); }).find("use_sliding_window"),
+            std::string::npos);
 }
 
 TEST(Safetensors, RoundTripF32AndBf16) {
@@ -81,22 +95,85 @@ TEST(Safetensors, RoundTripF32AndBf16) {
   fs::remove_all(d);
 }
 
+// F16 save/load: every value comes back rounded to 11 significant bits (nearest even; quantum
+// 2^-24 below 2^-14), computed here with frexp/nearbyint; beyond F16's range is an error.
+TEST(Safetensors, RoundTripF16) {
+  fs::path d = tmpdir("f16");
+  model_config c = model_config_parse(kGoodConfig, "c");
+  model_params p = model_params_init(c, 6);
+  const float edge[] = {65504.0f, -65504.0f, 1.0f + 0x1p-11f, 1.0f + 3 * 0x1p-11f, 0x1p-24f, 0x1p-25f, 3 * 0x1p-26f, 6.1e-5f};
+  std::copy(std::begin(edge), std::end(edge), p.data.begin());  // the start of the embedding
+  auto f16_ref = [](float x) {
+    if (x == 0.0f) return x;
+    int e;
+    std::frexp(x, &e);
+    const int q = std::max(e - 11, -24);
+    return static_cast<float>(std::ldexp(std::nearbyint(std::ldexp(double(x), -q)), q));
+  };
+  model_save(d.string(), p, st_dtype::f16);
+  const model_params q = model_load(d.string());
+  for (size_t i = 0; i < p.data.size(); ++i) ASSERT_EQ(q.data[i], f16_ref(p.data[i])) << i << " " << p.data[i];
+  EXPECT_EQ(q.data[2], 1.0f);                 // a tie goes to the even neighbour
+  EXPECT_EQ(q.data[3], 1.0f + 4 * 0x1p-11f);  // and up when that one is even
+  p.data[5] = 70000.0f;
+  EXPECT_NE(error_of([&] { model_save(d.string(), p, st_dtype::f16); }).find("model.embed_tokens.weight"), std::string::npos);
+  fs::remove_all(d);
+}
+
+// model_save's sharded form loads back exactly; errors about a tensor name the shard that holds
+// it, or the index that should list it.
+TEST(Safetensors, ShardedSaveAndErrorsNameTheFile) {
+  fs::path d = tmpdir("shardsave");
+  model_config c = model_config_parse(kGoodConfig, "c");
+  model_params p = model_params_init(c, 7);
+  model_save(d.string(), p, st_dtype::f32, 40000);
+  EXPECT_FALSE(fs::exists(d / "model.safetensors"));
+  int shards = 0;
+  for (const auto& e : fs::directory_iterator(d)) shards += e.path().extension() == ".safetensors";
+  EXPECT_GE(shards, 3);
+  EXPECT_EQ(model_load(d.string()).data, p.data);
+  // a misshapen tensor: its shard is named
+  std::ifstream idx(d / "model.safetensors.index.json");
+  const auto index = nlohmann::json::parse(idx);
+  const std::string shard = index["weight_map"]["model.norm.weight"].get<std::string>();
+  auto t = safetensors_read((d / shard).string());
+  t["model.norm.weight"].shape = {63};
+  t["model.norm.weight"].data.resize(63);
+  safetensors_write((d / shard).string(), t);
+  const std::string bad = error_of([&] { model_load(d.string()); });
+  EXPECT_NE(bad.find(shard), std::string::npos) << bad;
+  EXPECT_NE(bad.find("model.norm.weight"), std::string::npos) << bad;
+  // a tensor the index does not list: the index is named
+  model_save(d.string(), p, st_dtype::f32, 40000);
+  auto j = index;
+  j["weight_map"].erase("model.layers.1.mlp.up_proj.weight");
+  std::ofstream(d / "model.safetensors.index.json") << j.dump();
+  const std::string missing = error_of([&] { model_load(d.string()); });
+  EXPECT_NE(missing.find("model.safetensors.index.json"), std::string::npos) << missing;
+  EXPECT_NE(missing.find("model.layers.1.mlp.up_proj.weight"), std::string::npos) << missing;
+  // saving the single file again retires the index
+  model_save(d.string(), p);
+  EXPECT_FALSE(fs::exists(d / "model.safetensors.index.json"));
+  EXPECT_EQ(model_load(d.string()).data, p.data);
+  fs::remove_all(d);
+}
+
 TEST(Safetensors, ShardedWithIndex) {
   fs::path d = tmpdir("shard");
   model_config c = model_config_parse(kGoodConfig, "c");
   model_params p = model_params_init(c, 4);
   auto all = model_params_to_tensors(p);
   st_tensors a, b;
-  std::string map;
+  nlohmann::json map = nlohmann::json::object();
   int i = 0;
   for (auto& [n, t] : all) {
     const bool first = (i++ % 2) == 0;
     (first ? a : b).emplace(n, t);
-    map += (map.empty() ? "" : ",") + ("\"" + n + "\": \"model-0000" + std::string(first ? "1" : "2") + "-of-00002.safetensors\"");
+    map[n] = first ? "model-00001-of-00002.safetensors" : "model-00002-of-00002.safetensors";
   }
   safetensors_write((d / "model-00001-of-00002.safetensors").string(), a);
   safetensors_write((d / "model-00002-of-00002.safetensors").string(), b);
-  std::ofstream(d / "model.safetensors.index.json") << "{\"metadata\": {}, \"weight_map\": {" << map << "}}";
+  std::ofstream(d / "model.safetensors.index.json") << nlohmann::json{{"metadata", nlohmann::json::object()}, {"weight_map", map}}.dump();
   std::ofstream(d / "config.json") << kGoodConfig;
   EXPECT_EQ(model_load(d.string()).data, p.data);
   fs::remove(d / "model-00002-of-00002.safetensors");

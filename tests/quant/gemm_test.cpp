@@ -333,26 +333,55 @@ TEST(Gemm, Fp8WideOperandsFromActivationsEqualTheReference) {
   });
 }
 
-// Integer E4M3 inputs in [-8, 8] with pow2 scales: every block sum is an integer < 2^14, exact in
-// FP32 in any order, so the result equals the exact (int64) value times the scales.
-TEST(Gemm, Fp8ExactIntegerInputsGiveExactResults) {
+// Integer inputs in [-8, 8] (K = 512, a ragged M and N): every sum is an integer, exact in FP32 in
+// any order, so every path -- references, each ISA and kernel family -- gives the exact int64
+// value. FP8 with pow2 scales: amax 8 -> scale_inv 2^-5, codes are the integers times 32 (exact
+// in E4M3), block sums are integers below 128 * 256^2 = 2^23 (exact), and the promotion's
+// scale product 2^-10 is exact. BF16 and FP32: sums below 512 * 64 = 2^15.
+TEST(Gemm, ExactIntegerInputsGiveExactResultsOnEveryPath) {
   const int64_t M = 37, N = 70, K = 512;
   std::mt19937 g(4);
   std::vector<float> Af(M * K), Bf(N * K);
   for (auto& v : Af) v = float(int(g() % 17) - 8);
   for (auto& v : Bf) v = float(int(g() % 17) - 8);
   Af[0] = 8.0f; Bf[0] = 8.0f;  // make sure amax = 8 in the first block
-  // pow2 with amax 8 -> scale_inv 2^-5: values become integers * 32 <= 256 (exact in E4M3)
-  qtensor A = quantize(Af.data(), M, K, qlayout::rowwise_1x128, scale_mode::pow2, "A");
-  qtensor B = quantize(Bf.data(), N, K, qlayout::block_128x128, scale_mode::pow2, "B");
-  std::vector<float> fast(M * N);
-  gemm_fp8(A, gemm_pack_fp8(B), fast.data());
+  std::vector<double> exact(M * N);
   for (int64_t m = 0; m < M; ++m)
     for (int64_t n = 0; n < N; ++n) {
-      int64_t exact = 0;
-      for (int64_t k = 0; k < K; ++k) exact += int64_t(Af[m * K + k]) * int64_t(Bf[n * K + k]);
-      ASSERT_EQ(double(fast[m * N + n]), double(exact)) << m << "," << n;
+      int64_t e = 0;
+      for (int64_t k = 0; k < K; ++k) e += int64_t(Af[m * K + k]) * int64_t(Bf[n * K + k]);
+      exact[m * N + n] = double(e);
     }
+  auto check = [&](const std::vector<float>& c, const std::string& what) {
+    for (int64_t i = 0; i < M * N; ++i) ASSERT_EQ(double(c[i]), exact[i]) << what << " at " << i / N << "," << i % N;
+  };
+  const gemm_desc d{M, N, K};
+  std::vector<float> c(M * N);
+  qtensor A = quantize(Af.data(), M, K, qlayout::rowwise_1x128, scale_mode::pow2, "A");
+  qtensor B = quantize(Bf.data(), N, K, qlayout::block_128x128, scale_mode::pow2, "B");
+  gemm_fp8_ref(A, B, c.data());
+  check(c, "fp8 reference");
+  const auto A16 = to_bf16(Af), B16 = to_bf16(Bf);
+  gemm_bf16_ref(d, A16.data(), B16.data(), c.data());
+  check(c, "bf16 reference");
+  gemm_f32_ref(d, Af.data(), Bf.data(), c.data());
+  check(c, "f32 reference");
+  const auto p8 = gemm_pack_fp8(B), p16 = gemm_pack_bf16(B16.data(), N, K), p32 = gemm_pack_f32(Bf.data(), N, K);
+  for (cpu_isa isa : kIsas) {
+    if (!have(isa)) continue;
+    for (gemm_kernel k : kKernels) {
+      const std::string where = std::string(" isa ") + std::string(cpu_isa_name(isa)) + " " + kernel_name(k);
+      std::fill(c.begin(), c.end(), -1.0f);
+      gemm_fp8(A, p8, c.data(), force(isa, k));
+      check(c, "fp8" + where);
+      std::fill(c.begin(), c.end(), -1.0f);
+      gemm_bf16(d, A16.data(), p16, c.data(), force(isa, k));
+      check(c, "bf16" + where);
+    }
+    std::fill(c.begin(), c.end(), -1.0f);
+    gemm_f32(d, Af.data(), p32, c.data(), {isa});
+    check(c, "f32 isa " + std::string(cpu_isa_name(isa)));
+  }
 }
 
 TEST(Gemm, ResultsDoNotDependOnThreadCountOrBatch) {

@@ -4,6 +4,9 @@
 // `bf16_tiles` are the AMX tile GEMMs (tolerance-checked, not bit-exact; only where AMX exists).
 // One JSON line per result:
 //   {"bench":"gemm","impl":...,"M":..,"N":..,"K":..,"threads":..,"median_s":..,"gflops":..,"runs":..}
+// plus two lines about the machine, not GEMM results: {"bench":"gemm_peak","impl":"vdpbf16ps",
+// "threads":..,"gflops":..} (the instruction's measured peak) and {"bench":"gemm_dispatch",...}
+// (which large-M kernel the rate probe chose).
 // Usage: bench-gemm [--json] [--quick] [--threads=1,2] [--reps=N] [--only=IMPL]
 #include <cblas.h>
 #include <tbb/parallel_for.h>
@@ -208,10 +211,10 @@ int main(int argc, char** argv) {
   }
   if (!a.extra.count("onednn-isa") && bench_selected(a, "peak"))
     for (int t : a.threads)
-      bench_emit(a, {{"bench", jstr("gemm")}, {"impl", jstr("vdpbf16ps_peak")}, {"threads", jnum(t)},
+      bench_emit(a, {{"bench", jstr("gemm_peak")}, {"impl", jstr("vdpbf16ps")}, {"threads", jnum(t)},
                      {"gflops", jnum(vdpbf16ps_peak_gflops(t))}, {"runs", jnum(a.reps)}});
   if (!a.extra.count("onednn-isa") && cpu_isa_active() >= cpu_isa::avx512_bf16)
-    bench_emit(a, {{"bench", jstr("gemm")}, {"impl", jstr("dispatch")},
+    bench_emit(a, {{"bench", jstr("gemm_dispatch")}, {"impl", jstr("rate_probe")},
                    {"large_m_kernel", jstr(gemm_narrow_preferred() ? "narrow" : "wide")},
                    {"dpbf16_fma_rate_ratio", jnum(fp8rl::quant::detail::dpbf16_fma_rate_ratio())}});
   for (const auto& s : shapes)

@@ -1,6 +1,8 @@
 // tools/bench/bench_quant.cpp -- build/bin/bench-quant: blockwise FP8 quantization throughput vs
-// memcpy of the same bytes, side by side. gbps = FP32 input bytes / median seconds.
-//   {"bench":"quant","impl":...,"rows":..,"cols":..,"threads":..,"median_s":..,"gbps":..,"runs":..}
+// memcpy of the same bytes, side by side. gbps = FP32 input bytes / median seconds. The input
+// is an activation [M, K] (rows, cols); N = 0: quantization has no second operand.
+//   {"bench":"quant","impl":...,"M":..,"N":0,"K":..,"rows":..,"cols":..,"threads":..,"median_s":..,
+//    "gbps":..,"runs":..}
 #include <tbb/parallel_for.h>
 #include <tbb/task_arena.h>
 
@@ -20,7 +22,8 @@ int main(int argc, char** argv) {
   std::vector<float> dst(x.size());
   const double bytes = double(x.size()) * 4;
   auto emit = [&](const std::string& impl, int t, double sec) {
-    bench_emit(a, {{"bench", jstr("quant")}, {"impl", jstr(impl)}, {"rows", jnum(double(rows))},
+    bench_emit(a, {{"bench", jstr("quant")}, {"impl", jstr(impl)}, {"M", jnum(double(rows))}, {"N", jnum(0)},
+                   {"K", jnum(double(cols))}, {"rows", jnum(double(rows))},
                    {"cols", jnum(double(cols))}, {"threads", jnum(t)}, {"median_s", jnum(sec)},
                    {"gbps", jnum(bytes / sec / 1e9)}, {"runs", jnum(a.reps)}});
   };
