@@ -73,8 +73,8 @@ TEST(Quantize, RoundTripErrorBoundsPerMode) {
 TEST(Quantize, Pow2ExponentMatchesDirectDefinition) {
   std::mt19937 g(3);
   for (int i = 0; i < 200000; ++i) {
-    // amax over the normal range where neither DeepGEMM nor TE clamps
-    const uint32_t u = (g() % (254u - 1u) + 1u) << 23 | (g() & 0x7fffffu);
+    // amax over every normal binade (biased exponents 1..254, the top one included)
+    const uint32_t u = (g() % 254u + 1u) << 23 | (g() & 0x7fffffu);
     const float amax = float_from_bits(u);
     const int e = pow2_exponent(amax);
     const double ratio = double(amax) / 448.0;
@@ -89,6 +89,7 @@ TEST(Quantize, Pow2ExponentMatchesDirectDefinition) {
   EXPECT_EQ(pow2_exponent(std::nextafter(448.0f, 1e9f)), 1);
   EXPECT_EQ(pow2_exponent(224.0f), -1);
   EXPECT_EQ(pow2_exponent(float_from_bits(1)), -126);  // subnormal amax -> UE8M0 code 1
+  EXPECT_EQ(pow2_exponent(std::numeric_limits<float>::max()), 120);  // the largest finite amax
 }
 
 TEST(Quantize, Fp32ModeIsTransformerEngineFormula) {
