@@ -4,6 +4,9 @@
 //
 // Actors do no math themselves: they call models/ (engine, learner_grpo, AdamW, calibration)
 // inside a oneTBB arena sized by their device, and exchange the typed messages of messages/.
+// Each behavior function takes `env` as a spawn argument rather than a capture: CAF 0.17's
+// init_fun_factory stores no argument tuple when there are none and still dereferences it
+// (`*args_` on a null shared_ptr: undefined behavior that UBSan stops the sanitizer build on).
 #pragma once
 #include <functional>
 #include <memory>

@@ -44,7 +44,7 @@ struct sync_state {
 
 msg::calibration_actor spawn_calibration(caf::actor_system& sys, std::shared_ptr<const actor_env> env, device_spec dev) {
   using self_t = msg::calibration_actor::stateful_pointer<calibration_state>;
-  return sys.spawn([env, dev](self_t self) -> msg::calibration_actor::behavior_type {
+  return sys.spawn([dev](self_t self, std::shared_ptr<const actor_env> env) -> msg::calibration_actor::behavior_type {
     self->state.env = env;
     self->state.arena = std::make_unique<tbb::task_arena>(dev.index > 0 ? static_cast<int>(dev.index) : tbb::task_arena::automatic);
     return {
@@ -73,12 +73,12 @@ msg::calibration_actor spawn_calibration(caf::actor_system& sys, std::shared_ptr
           self->send(s.peers.weight_sync, msg::bundle_msg{{}, std::move(b), now_s()});
         },
     };
-  });
+  }, env);  // env as a spawn argument: actors.hpp
 }
 
 msg::weight_sync_actor spawn_weight_sync(caf::actor_system& sys, std::shared_ptr<const actor_env> env) {
   using self_t = msg::weight_sync_actor::stateful_pointer<sync_state>;
-  return sys.spawn([env](self_t self) -> msg::weight_sync_actor::behavior_type {
+  return sys.spawn([](self_t self, std::shared_ptr<const actor_env> env) -> msg::weight_sync_actor::behavior_type {
     self->state.env = env;
     auto log = log_get("weight_sync");
     // Sends a bundle to one remote rollout as raw-byte chunks with a window of kWindow requests
@@ -189,7 +189,7 @@ msg::weight_sync_actor spawn_weight_sync(caf::actor_system& sys, std::shared_ptr
           return {{"versions_held", double(self->state.versions.size())}, {"refused", double(self->state.refused)}};
         },
     };
-  });
+  }, env);  // env as a spawn argument: actors.hpp
 }
 
 }  // namespace fp8rl::actors

@@ -45,7 +45,7 @@ struct controller_state {
 
 msg::controller_actor spawn_controller(caf::actor_system& sys, std::shared_ptr<const actor_env> env, controller_options opts) {
   using self_t = msg::controller_actor::stateful_pointer<controller_state>;
-  return sys.spawn([env, opts](self_t self) -> msg::controller_actor::behavior_type {
+  return sys.spawn([opts](self_t self, std::shared_ptr<const actor_env> env) -> msg::controller_actor::behavior_type {
     auto& st = self->state;
     st.env = env;
     st.opts = opts;
@@ -210,7 +210,7 @@ msg::controller_actor spawn_controller(caf::actor_system& sys, std::shared_ptr<c
         },
         [finish](std::string& who, std::string& what) { finish(1, who + ": " + what); },
     };
-  });
+  }, env);  // env as a spawn argument: actors.hpp
 }
 
 }  // namespace fp8rl::actors

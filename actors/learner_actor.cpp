@@ -172,7 +172,7 @@ void audit_into(learner_state& s, const std::vector<models::rl_sample>& samples,
 msg::learner_actor spawn_learner(caf::actor_system& sys, std::shared_ptr<const actor_env> env, int32_t rank,
                                  int32_t world, device_spec dev) {
   using self_t = msg::learner_actor::stateful_pointer<learner_state>;
-  return sys.spawn([env, rank, world, dev](self_t self) -> msg::learner_actor::behavior_type {
+  return sys.spawn([rank, world, dev](self_t self, std::shared_ptr<const actor_env> env) -> msg::learner_actor::behavior_type {
     auto& st = self->state;
     st.env = env;
     st.rank = rank;
@@ -191,8 +191,12 @@ msg::learner_actor spawn_learner(caf::actor_system& sys, std::shared_ptr<const a
       self->send(self->state.peers.controller, std::string("learner" + std::to_string(self->state.rank)), what);
       self->quit(caf::make_error(caf::sec::runtime_error, what));
     };
+    // The behavior below owns request_batch; the function refers to itself weakly (a strong
+    // self-capture is a reference cycle: it and its captures outlived the actor, LeakSanitizer).
     auto request_batch = std::make_shared<std::function<void()>>();
-    *request_batch = [self, fail, request_batch, log] {
+    *request_batch = [self, fail, again = std::weak_ptr<std::function<void()>>(request_batch), log] {
+      auto request_batch = again.lock();
+      if (!request_batch) return;
       auto& s = self->state;
       if (s.version >= s.end_version) return;
       const auto t_wait = clk::now();
@@ -269,7 +273,7 @@ msg::learner_actor spawn_learner(caf::actor_system& sys, std::shared_ptr<const a
           (*request_batch)();
         },
     };
-  });
+  }, env);  // env as a spawn argument: actors.hpp
 }
 
 }  // namespace fp8rl::actors

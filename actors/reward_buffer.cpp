@@ -43,7 +43,7 @@ uint64_t oldest_version(const msg::group_msg& g) {
 
 msg::reward_actor spawn_reward(caf::actor_system& sys, std::shared_ptr<const actor_env> env) {
   using self_t = msg::reward_actor::stateful_pointer<reward_state>;
-  return sys.spawn([env](self_t self) -> msg::reward_actor::behavior_type {
+  return sys.spawn([](self_t self, std::shared_ptr<const actor_env> env) -> msg::reward_actor::behavior_type {
     self->state.env = env;
     return {
         [self](msg::peers_msg& p) { self->state.peers = std::move(p); },
@@ -64,12 +64,12 @@ msg::reward_actor spawn_reward(caf::actor_system& sys, std::shared_ptr<const act
           self->send(s.peers.buffer, std::move(g));
         },
     };
-  });
+  }, env);  // env as a spawn argument: actors.hpp
 }
 
 msg::buffer_actor spawn_buffer(caf::actor_system& sys, std::shared_ptr<const actor_env> env) {
   using self_t = msg::buffer_actor::stateful_pointer<buffer_state>;
-  return sys.spawn([env](self_t self) -> msg::buffer_actor::behavior_type {
+  return sys.spawn([](self_t self, std::shared_ptr<const actor_env> env) -> msg::buffer_actor::behavior_type {
     self->state.env = env;
     auto log = log_get("buffer");
     // Delivers step `step` to its waiting learners once all its groups are in and fresh.
@@ -147,7 +147,7 @@ msg::buffer_actor spawn_buffer(caf::actor_system& sys, std::shared_ptr<const act
           return rp;
         },
     };
-  });
+  }, env);  // env as a spawn argument: actors.hpp
 }
 
 }  // namespace fp8rl::actors

@@ -40,7 +40,7 @@ double now_s() { return std::chrono::duration<double>(std::chrono::system_clock:
 msg::rollout_actor spawn_rollout(caf::actor_system& sys, std::shared_ptr<const actor_env> env, std::string name,
                                  device_spec dev) {
   using self_t = msg::rollout_actor::stateful_pointer<rollout_state>;
-  return sys.spawn([env, name, dev](self_t self) -> msg::rollout_actor::behavior_type {
+  return sys.spawn([name, dev](self_t self, std::shared_ptr<const actor_env> env) -> msg::rollout_actor::behavior_type {
     auto& st = self->state;
     st.env = env;
     st.name = name;
@@ -179,7 +179,7 @@ msg::rollout_actor spawn_rollout(caf::actor_system& sys, std::shared_ptr<const a
                   {"kv_saturated", double(std::accumulate(es.kv_saturated.begin(), es.kv_saturated.end(), int64_t{0}))}};
         },
     };
-  });
+  }, env);  // env as a spawn argument: actors.hpp
 }
 
 }  // namespace fp8rl::actors
