@@ -2,11 +2,16 @@
 #include "actors/recipe.hpp"
 
 #include "models/log.hpp"
+#include "models/sampling.hpp"
 
 #include <caf/actor_system_config.hpp>
 #include <caf/config_value.hpp>
 
 #include <algorithm>
+#include <climits>
+#include <map>
+#include <fstream>
+#include <filesystem>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -120,7 +125,59 @@ void set_from_config_value(const recipe_key& k, const caf::config_value& v, cons
 
 }  // namespace
 
+void config_file_precheck(const std::string& path) {
+  namespace fs = std::filesystem;
+  if (!fs::is_regular_file(path)) throw std::invalid_argument(path + ": not a file");
+  std::ifstream f(path);
+  if (!f) throw std::invalid_argument(path + ": cannot open");
+  std::vector<std::pair<char, int>> open;  // unclosed '[' / '{' and their lines
+  std::map<std::string, int> seen;         // "section.key" -> line
+  std::string section, line;
+  for (int n = 1; std::getline(f, line); ++n) {
+    const size_t first = line.find_first_not_of(" \t\r");
+    if (first == std::string::npos) continue;
+    if (open.empty() && line[first] == '[' && line.find('=') == std::string::npos) {  // [section]
+      const size_t close = line.find(']', first);
+      section = line.substr(first + 1, close == std::string::npos ? std::string::npos : close - first - 1);
+      continue;
+    }
+    if (open.empty() && line[first] != ';' && line[first] != '#') {
+      const size_t eq = line.find('=', first);
+      if (eq != std::string::npos) {
+        std::string key = line.substr(first, eq - first);
+        key.erase(key.find_last_not_of(" \t") + 1);
+        const auto [it, fresh] = seen.emplace(section + "." + key, n);
+        if (!fresh)
+          throw std::invalid_argument(path + ":" + std::to_string(n) + ": key '" + it->first + "' set again (first on line " +
+                                      std::to_string(it->second) + ")");
+      }
+    }
+    bool quoted = false;
+    for (size_t i = first; i < line.size(); ++i) {
+      const char c = line[i];
+      if (quoted) {
+        if (c == '\\') ++i;
+        else if (c == '"') quoted = false;
+      } else if (c == '"') {
+        quoted = true;
+      } else if (c == ';' || c == '#') {
+        break;  // comment
+      } else if (c == '[' || c == '{') {
+        open.emplace_back(c, n);
+      } else if (c == ']' || c == '}') {
+        if (open.empty() || (open.back().first == '[') != (c == ']'))
+          throw std::invalid_argument(path + ":" + std::to_string(n) + ": unbalanced '" + std::string(1, c) + "'");
+        open.pop_back();
+      }
+    }
+  }
+  if (!open.empty())
+    throw std::invalid_argument(path + ":" + std::to_string(open.back().second) + ": '" + std::string(1, open.back().first) +
+                                "' is never closed");
+}
+
 void recipe_load_file(run_config& r, const std::string& path) {
+  config_file_precheck(path);
   auto parsed = caf::actor_system_config::parse_config_file(path.c_str());
   if (!parsed) throw std::invalid_argument(path + ": " + caf::to_string(parsed.error()));
   auto keys = recipe_keys(r);
@@ -177,22 +234,48 @@ void recipe_validate(const run_config& r) {
   positive("rollout.slots", r.slots);
   positive("model.max_context", r.max_context);
   if (r.max_staleness < 0) fail("async.max_staleness", "must be >= 0");
-  if (r.eval_every < 0 || r.checkpoint_every < 0) fail("run.eval_every", "must be >= 0");
+  if (r.eval_every < 0) fail("run.eval_every", "must be >= 0");
+  if (r.checkpoint_every < 0) fail("run.checkpoint_every", "must be >= 0");
+  if (r.eval_every > 0 && r.val_size <= 0) fail("task.val_size", "must be > 0 when run.eval_every > 0");
+  if (r.train_size <= 0) fail("task.train_size", "must be > 0");
+  positive("model.sft_batch", r.sft_batch);
+  if (r.sft_steps < 0) fail("model.sft_steps", "must be >= 0");
+  if (!(r.sft_lr > 0 && std::isfinite(r.sft_lr))) fail("model.sft_lr", "must be a finite number > 0");
+  if (!(r.lr > 0 && std::isfinite(r.lr))) fail("optim.lr", "must be a finite number > 0");
+  if (!(r.beta1 >= 0 && r.beta1 < 1)) fail("optim.beta1", "must be in [0, 1)");
+  if (!(r.beta2 >= 0 && r.beta2 < 1)) fail("optim.beta2", "must be in [0, 1)");
+  if (!(r.eps > 0 && std::isfinite(r.eps))) fail("optim.eps", "must be a finite number > 0");
+  if (!(r.weight_decay >= 0 && std::isfinite(r.weight_decay))) fail("optim.weight_decay", "must be a finite number >= 0");
+  if (!(r.grad_clip >= 0 && std::isfinite(r.grad_clip))) fail("optim.grad_clip", "must be a finite number >= 0 (0: off)");
+  if (!(r.clip_low >= 0 && r.clip_low < 1)) fail("grpo.clip_low", "must be in [0, 1)");
+  if (!(r.clip_high >= 0 && std::isfinite(r.clip_high))) fail("grpo.clip_high", "must be a finite number >= 0");
+  if (!(r.dual_clip == 0 || r.dual_clip > 1)) fail("grpo.dual_clip", "must be 0 (off) or > 1");
+  if (!(r.kl_beta >= 0 && std::isfinite(r.kl_beta))) fail("grpo.kl_beta", "must be a finite number >= 0");
+  if (!(r.seq_logprob_error_threshold >= 0)) fail("grpo.seq_logprob_error_threshold", "must be >= 0 (0: off)");
+  if (r.audit_every < 0) fail("audit.every", "must be >= 0");
+  positive("audit.samples", r.audit_samples);
+  if (!(r.margin >= 1 && std::isfinite(r.margin))) fail("calibration.margin", "must be a finite number >= 1");
   if (r.kv_policy != "recompute" && r.kv_policy != "keep") fail("rollout.kv_policy", "must be recompute or keep");
   if (r.size != "tiny" && r.size != "small") fail("model.size", "must be tiny or small");
   if (!models::is_mode_parse(r.is_mode)) fail("grpo.is_mode", "must be none, tis, icepop or seq-mask-tis");
   if (!models::verifier_parse(r.verifier)) fail("task.verifier", "must be exact or numeric");
   if (!quant::scale_mode_parse(r.scale_mode)) fail("precision.scale_mode", "must be pow2 or fp32");
   if (r.is_lo > r.is_hi) fail("grpo.is_lo", "must be <= grpo.is_hi");
-  if (r.temperature < 0) fail("rollout.temperature", "must be >= 0");
+  if (std::string why = models::logit_processing_problem({static_cast<float>(r.temperature), static_cast<int32_t>(r.top_k),
+                                                         static_cast<float>(r.top_p)});
+      !why.empty() || r.top_k > INT32_MAX)
+    fail("rollout.temperature/top_k/top_p", why.empty() ? "top_k is too large" : why);
   if (r.percentile <= 0 || r.percentile > 1) fail("calibration.percentile", "must be in (0, 1]");
-  try {
-    models::task_spec_parse(r.task);
-    models::precision_policy::named(r.generation).validate();
-    models::precision_policy::named(r.training).validate();
-  } catch (const std::invalid_argument& e) {
-    fail("precision/task", e.what());
-  }
+  auto check = [&](const char* key, auto&& f) {
+    try {
+      f();
+    } catch (const std::invalid_argument& e) {
+      fail(key, e.what());
+    }
+  };
+  check("task.name", [&] { models::task_spec_parse(r.task); });
+  check("precision.generation", [&] { models::precision_policy::named(r.generation).validate(); });
+  check("precision.training", [&] { models::precision_policy::named(r.training).validate(); });
   if (models::precision_policy::named(r.training).fp8_attention) fail("precision.training", "FP8 attention is generation-only");
   try {
     fp8rl::log_set_level(r.log_level);

@@ -64,6 +64,10 @@ struct recipe_key {
 };
 std::vector<recipe_key> recipe_keys(run_config& r);
 
+// What CAF 0.17's config parser lets through, checked first (recipes and topologies): the path
+// is a regular file, every '[' / '{' closes (an unclosed list made CAF drop the key silently),
+// and no key is set twice in a section (CAF kept the first). Throws naming file and line.
+void config_file_precheck(const std::string& path);
 // Applies a recipe file (CAF config syntax) over r. Throws std::invalid_argument naming the file
 // and key (unknown section/key, wrong type).
 void recipe_load_file(run_config& r, const std::string& path);

@@ -1,5 +1,6 @@
 // actors/topology.cpp -- topology files and the placement plan.
 #include "actors/topology.hpp"
+#include "actors/recipe.hpp"
 
 #include <caf/actor_system_config.hpp>
 #include <caf/config_value.hpp>
@@ -47,6 +48,7 @@ const node_spec* topology::find(const std::string& name) const {
 }
 
 topology topology_load(const std::string& path) {
+  config_file_precheck(path);
   auto parsed = caf::actor_system_config::parse_config_file(path.c_str());
   if (!parsed) throw std::invalid_argument(path + ": " + caf::to_string(parsed.error()));
   topology t;

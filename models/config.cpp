@@ -38,6 +38,20 @@ void model_config::validate() const {
   pos("head_dim", head_dim);
   pos("vocab_size", vocab_size);
   pos("max_position_embeddings", max_position_embeddings);
+  // sizes no model of this family comes near; beyond them a typo would allocate terabytes
+  auto at_most = [&](const char* f, int64_t v, int64_t hi) {
+    if (v > hi) fail("model_config", f, std::to_string(v) + " is beyond the supported " + std::to_string(hi));
+  };
+  at_most("hidden_size", hidden_size, int64_t{1} << 16);
+  at_most("intermediate_size", intermediate_size, int64_t{1} << 18);
+  at_most("num_hidden_layers", num_hidden_layers, 1024);
+  at_most("num_attention_heads", num_attention_heads, 1024);
+  at_most("head_dim", head_dim, 1024);
+  at_most("vocab_size", vocab_size, int64_t{1} << 22);
+  at_most("max_position_embeddings", max_position_embeddings, int64_t{1} << 22);
+  for (const auto& [f, v] : {std::pair{"bos_token_id", bos_token_id}, std::pair{"eos_token_id", eos_token_id}})
+    if (v < -1 || v >= vocab_size)
+      fail("model_config", f, std::to_string(v) + " is not a token of the vocabulary [0, " + std::to_string(vocab_size) + ")");
   if (num_attention_heads % num_key_value_heads)
     fail("model_config", "num_key_value_heads", "must divide num_attention_heads");
   if (head_dim % 2) fail("model_config", "head_dim", "must be even for RoPE");
@@ -78,7 +92,10 @@ model_config model_config_parse(const std::string& text, const std::string& sour
   get_num("rms_norm_eps", c.rms_norm_eps);
   get_num("rope_theta", c.rope_theta);
   get_num("initializer_range", c.initializer_range);
-  if (j.contains("head_dim") && !j["head_dim"].is_null()) get_int("head_dim", c.head_dim, false);
+  if (j.contains("head_dim") && !j["head_dim"].is_null()) {
+    get_int("head_dim", c.head_dim, false);
+    if (c.head_dim <= 0) fail(source, "head_dim", "must be > 0 (or null), got " + std::to_string(c.head_dim));
+  }
   if (c.head_dim == 0 && c.num_attention_heads > 0) c.head_dim = c.hidden_size / c.num_attention_heads;
   if (j.contains("tie_word_embeddings")) {
     if (!j["tie_word_embeddings"].is_boolean()) fail(source, "tie_word_embeddings", "must be true or false");
@@ -87,7 +104,10 @@ model_config model_config_parse(const std::string& text, const std::string& sour
   for (const char* f : {"bos_token_id", "eos_token_id"}) {
     if (!j.contains(f) || j[f].is_null()) continue;
     int64_t& dst = std::string(f) == "bos_token_id" ? c.bos_token_id : c.eos_token_id;
-    if (j[f].is_number_integer()) dst = j[f].get<int64_t>();
+    if (j[f].is_number_integer()) {
+      dst = j[f].get<int64_t>();
+      if (dst < 0) fail(source, f, "must be a token id >= 0 (or null), got " + std::to_string(dst));
+    }
     else if (j[f].is_array() && !j[f].empty() && j[f][0].is_number_integer()) dst = j[f][0].get<int64_t>();
     else fail(source, f, "must be an integer or a list of integers");
   }
@@ -108,6 +128,9 @@ model_config model_config_parse(const std::string& text, const std::string& sour
                                        " < max_position_embeddings) is not supported");
   if (j.contains("attention_dropout") && !(j["attention_dropout"].is_number() && j["attention_dropout"].get<double>() == 0.0))
     fail(source, "attention_dropout", "attention dropout is not implemented, got " + j["attention_dropout"].dump());
+  if (j.contains("model_type") &&
+      !(j["model_type"] == "llama" || j["model_type"] == "qwen2" || j["model_type"] == "mistral"))
+    fail(source, "model_type", "unsupported model type " + j["model_type"].dump() + " (llama, qwen2, mistral)");
   if (j.contains("architectures")) {
     for (const auto& a : j["architectures"])
       if (a != "LlamaForCausalLM" && a != "Qwen2ForCausalLM" && a != "MistralForCausalLM")

@@ -118,7 +118,12 @@ model_params model_params_from_tensors(const model_config& c, const st_tensors& 
   }
   for (const auto& [name, tensor] : t) {
     if (p.layout.index.count(name)) continue;
-    if (c.tie_word_embeddings && name == "lm_head.weight") continue;  // some tied checkpoints store it
+    if (c.tie_word_embeddings && name == "lm_head.weight") {  // some tied checkpoints store it: it must be the embedding
+      auto e = t.find("model.embed_tokens.weight");
+      if (e != t.end() && e->second.shape == tensor.shape && e->second.data == tensor.data) continue;
+      throw std::invalid_argument(file(name) + ": tensor 'lm_head.weight' differs from model.embed_tokens.weight, but "
+                                  "config.json says tie_word_embeddings");
+    }
     if (name.find("rotary_emb.inv_freq") != std::string::npos) continue;  // buffer, not a weight
     throw std::invalid_argument(file(name) + ": unexpected tensor '" + name + "' (not part of this config)");
   }

@@ -44,6 +44,32 @@ TEST(Recipe, UnknownAndIllTypedKeysNameFileAndKey) {
   for (const auto& f : {f1, f2, f3}) fs::remove(f);
 }
 
+// What CAF's parser lets through is caught first: an unclosed list (CAF dropped the key), a key
+// set twice (CAF kept the first), a directory; values out of range name their own key.
+TEST(Recipe, MalformedFilesAndOutOfRangeValuesNameTheirKey) {
+  run_config r;
+  const auto open = write_tmp("open.conf", "[run]\nsteps=[1\n");
+  EXPECT_NE(error_of([&] { recipe_load_file(r, open); }).find(open + ":2: '[' is never closed"), std::string::npos);
+  const auto twice = write_tmp("twice.conf", "[run]\nsteps=1\nsteps=2\n");
+  EXPECT_NE(error_of([&] { recipe_load_file(r, twice); }).find("key 'run.steps' set again"), std::string::npos);
+  EXPECT_NE(error_of([&] { recipe_load_file(r, fs::temp_directory_path().string()); }).find("not a file"), std::string::npos);
+  const auto fine = write_tmp("fine.conf", "[run]\nsteps=3 ; a comment with [ and {\n[rollout]\nsteps_note=\"]\"\n");
+  EXPECT_EQ(error_of([&] { config_file_precheck(fine); }), "");  // brackets in comments and strings do not count
+  for (const auto& [arg, key] : std::vector<std::pair<std::string, std::string>>{
+           {"--optim.lr=-1", "optim.lr"}, {"--optim.beta1=2", "optim.beta1"}, {"--optim.eps=0", "optim.eps"},
+           {"--optim.weight_decay=-5", "optim.weight_decay"}, {"--grpo.kl_beta=-1", "grpo.kl_beta"},
+           {"--grpo.clip_low=-1", "grpo.clip_low"}, {"--grpo.dual_clip=0.5", "grpo.dual_clip"},
+           {"--audit.every=-1", "audit.every"}, {"--calibration.margin=0.5", "calibration.margin"},
+           {"--rollout.top_p=2", "rollout.temperature/top_k/top_p"}, {"--rollout.top_k=-1", "rollout.temperature/top_k/top_p"},
+           {"--run.checkpoint_every=-1", "run.checkpoint_every"}, {"--precision.generation=fp9", "precision.generation"},
+           {"--task.name=builtin:add9", "task.name"}, {"--model.sft_batch=0", "model.sft_batch"}}) {
+    run_config x;
+    recipe_apply_cli(x, arg);
+    EXPECT_NE(error_of([&] { recipe_validate(x); }).find("'" + key + "'"), std::string::npos) << arg;
+  }
+  for (const auto& f : {open, twice, fine}) fs::remove(f);
+}
+
 TEST(Recipe, CliOverridesAndDumpRoundTrip) {
   run_config r;
   recipe_apply_cli(r, "--rollout.group_size=4");

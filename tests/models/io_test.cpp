@@ -78,6 +78,13 @@ TEST(Config, ErrorsNameTheField) {
             "");  // Qwen2: off unless use_sliding_window
   EXPECT_NE(error_of([&] { model_config_parse(with("use_sliding_window", "true"), "c.json"); }).find("use_sliding_window"),
             std::string::npos);
+  // values that would allocate terabytes, or name no token, or another model family
+  for (const auto& [key, val] : {std::pair{"head_dim", "0"}, std::pair{"eos_token_id", "-5"}, std::pair{"eos_token_id", "99"},
+                                 std::pair{"model_type", "\"gpt2\""}})
+    EXPECT_NE(error_of([&] { model_config_parse(with(key, val), "c.json"); }).find(key), std::string::npos) << key << val;
+  std::string huge = kGoodConfig;
+  huge.replace(huge.find("\"vocab_size\": 50"), 16, "\"vocab_size\": 1099511627776");
+  EXPECT_NE(error_of([&] { model_config_parse(huge, "c.json"); }).find("vocab_size"), std::string::npos);
 }
 
 TEST(Safetensors, RoundTripF32AndBf16) {
@@ -194,6 +201,14 @@ TEST(Safetensors, MissingAndMisshapenTensorsAreNamed) {
   auto extra = t;
   extra["model.layers.9.mlp.up_proj.weight"] = t.at("model.norm.weight");
   EXPECT_NE(error_of([&] { model_params_from_tensors(c, extra, "ckpt"); }).find("layers.9"), std::string::npos);
+  // tied embeddings: a stored lm_head must be the embedding, else the checkpoint contradicts its config
+  model_config tied = c;
+  tied.tie_word_embeddings = true;
+  auto t2 = model_params_to_tensors(model_params_init(tied, 5));
+  t2["lm_head.weight"] = t2.at("model.embed_tokens.weight");
+  EXPECT_EQ(error_of([&] { model_params_from_tensors(tied, t2, "ckpt"); }), "");
+  t2["lm_head.weight"].data[3] += 1.0f;
+  EXPECT_NE(error_of([&] { model_params_from_tensors(tied, t2, "ckpt"); }).find("lm_head.weight"), std::string::npos);
 }
 
 TEST(Safetensors, CorruptFilesAreErrors) {

@@ -3,28 +3,36 @@
 
 namespace fp8rl::cli {
 
-long long args::get_int(const std::string& k, long long def) const {
+long long args::get_int(const std::string& k, long long def, long long lo, long long hi) const {
   if (!has(k)) return def;
+  long long v = 0;
   try {
     size_t pos = 0;
-    long long v = std::stoll(kv.at(k), &pos);
+    v = std::stoll(kv.at(k), &pos);
     if (pos != kv.at(k).size()) throw std::invalid_argument("");
-    return v;
   } catch (const std::exception&) {
-    throw std::invalid_argument("option --" + k + ": '" + kv.at(k) + "' is not an integer");
+    throw std::invalid_argument("option --" + k + ": '" + kv.at(k) + "' is not an integer (or out of range)");
   }
+  if (v < lo || v > hi)
+    throw std::invalid_argument("option --" + k + ": " + std::to_string(v) + " is outside [" + std::to_string(lo) + ", " +
+                                std::to_string(hi) + "]");
+  return v;
 }
 
-double args::get_num(const std::string& k, double def) const {
+double args::get_num(const std::string& k, double def, double lo, double hi) const {
   if (!has(k)) return def;
+  double v = 0;
   try {
     size_t pos = 0;
-    double v = std::stod(kv.at(k), &pos);
+    v = std::stod(kv.at(k), &pos);
     if (pos != kv.at(k).size()) throw std::invalid_argument("");
-    return v;
   } catch (const std::exception&) {
     throw std::invalid_argument("option --" + k + ": '" + kv.at(k) + "' is not a number");
   }
+  if (!(v >= lo && v <= hi))  // NaN fails too
+    throw std::invalid_argument("option --" + k + ": " + kv.at(k) + " is outside [" + std::to_string(lo) + ", " +
+                                std::to_string(hi) + "]");
+  return v;
 }
 
 args args_parse(int argc, char** argv, int first, const std::set<std::string>& valued,
@@ -40,6 +48,7 @@ args args_parse(int argc, char** argv, int first, const std::set<std::string>& v
       val = key.substr(eq + 1);
       key = key.substr(0, eq);
     }
+    if (a.flags.count(key) || a.kv.count(key)) throw std::invalid_argument("option --" + key + " given twice");
     if (switches.count(key)) {
       if (inline_val) throw std::invalid_argument("option --" + key + " takes no value");
       a.flags.insert(key);

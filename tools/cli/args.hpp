@@ -1,6 +1,8 @@
 // tools/cli/args.hpp -- a small strict argument parser for the fp8rl subcommands that run
 // without the actor system (score, generate, sft, eval). Unknown flags are errors.
 #pragma once
+#include <cfloat>
+#include <climits>
 #include <map>
 #include <set>
 #include <stdexcept>
@@ -22,8 +24,9 @@ struct args {
     if (it == kv.end()) throw std::invalid_argument("missing required option --" + k);
     return it->second;
   }
-  long long get_int(const std::string& k, long long def) const;
-  double get_num(const std::string& k, double def) const;
+  // Integer / finite number values within [lo, hi]; anything else is an error naming the option.
+  long long get_int(const std::string& k, long long def, long long lo = LLONG_MIN, long long hi = LLONG_MAX) const;
+  double get_num(const std::string& k, double def, double lo = -DBL_MAX, double hi = DBL_MAX) const;
 };
 
 // valued: options that take a value; switches: options without one.

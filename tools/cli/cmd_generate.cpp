@@ -42,12 +42,16 @@ int cmd_generate(int argc, char** argv) {
     ec.policy.fp8_attention = *k == models::kv_dtype::fp8;
   }
   ec.policy.validate();
-  ec.slots = a.get_int("slots", 8);
-  ec.max_context = a.get_int("max-context", std::min<int64_t>(params.cfg.max_position_embeddings, 2048));
+  ec.slots = a.get_int("slots", 8, 1, 4096);
+  ec.max_context = a.get_int("max-context", std::min<int64_t>(params.cfg.max_position_embeddings, 2048), 2,
+                                params.cfg.max_position_embeddings);
   const auto items = read_token_jsonl(a.need("prompts"), params.cfg.vocab_size, tokenizer_of(a.need("model")).get());
   std::vector<int32_t> stops;
   if (a.has("stop")) {
-    std::stringstream ss(a.get("stop"));
+    const std::string list = a.get("stop");
+    if (list.empty() || list.back() == ',')
+      throw std::invalid_argument("option --stop: expected token ids separated by commas, got '" + list + "'");
+    std::stringstream ss(list);
     std::string t;
     while (std::getline(ss, t, ',')) {
       size_t pos = 0;
@@ -67,7 +71,7 @@ int cmd_generate(int argc, char** argv) {
   }
   models::logit_processing proc;
   proc.temperature = static_cast<float>(a.get_num("temperature", 1.0));
-  proc.top_k = static_cast<int32_t>(a.get_int("top-k", 0));
+  proc.top_k = static_cast<int32_t>(a.get_int("top-k", 0, 0, INT32_MAX));
   proc.top_p = static_cast<float>(a.get_num("top-p", 1.0));
   if (std::string why = models::logit_processing_problem(proc); !why.empty())
     throw std::invalid_argument("options --temperature/--top-k/--top-p: " + why);
@@ -92,9 +96,9 @@ int cmd_generate(int argc, char** argv) {
       models::gen_request r;
       r.id = i;
       r.prompt = items[i].tokens;
-      r.max_tokens = static_cast<int32_t>(a.get_int("max-tokens", 64));
+      r.max_tokens = static_cast<int32_t>(a.get_int("max-tokens", 64, 1, INT32_MAX));
       r.proc = proc;
-      r.seed = static_cast<uint64_t>(a.get_int("seed", 0));
+      r.seed = static_cast<uint64_t>(a.get_int("seed", 0, 0));
       r.stop_tokens = stops;
       eng.submit(std::move(r));
     }

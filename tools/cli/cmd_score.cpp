@@ -20,7 +20,7 @@ int cmd_score(int argc, char** argv) {
   const auto params = models::model_load(a.need("model"));
   const auto policy = policy_from_args(a).training();
   const auto items = read_token_jsonl(a.need("input"), params.cfg.vocab_size, tokenizer_of(a.need("model")).get());
-  const int64_t max_tokens = a.get_int("max-batch-tokens", 4096);
+  const int64_t max_tokens = a.get_int("max-batch-tokens", 4096, 1, INT32_MAX);
   with_threads(a, [&] {
     auto be = models::make_cpu_backend();
     auto w = models::model_weights_build(*be, params.cfg, policy, {&params, nullptr, nullptr}, false);

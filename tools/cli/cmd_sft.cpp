@@ -22,8 +22,12 @@ int cmd_sft(int argc, char** argv) {
                              "scale-mode", "seed", "threads", "size", "log-level"},
                             {});
   log_level_from_args(a);
+  const std::string out = a.need("out");  // checked before training, not after
+  if (std::filesystem::exists(out) && !std::filesystem::is_directory(out))
+    throw std::invalid_argument("option --out: " + out + " exists and is not a directory");
+  if (a.has("size") && a.has("model")) throw std::invalid_argument("options --size and --model: give one");
   const auto task = models::task_spec_parse(a.get("task", "builtin:add2"));
-  const uint64_t seed = static_cast<uint64_t>(a.get_int("seed", 1));
+  const uint64_t seed = static_cast<uint64_t>(a.get_int("seed", 1, 0));
   std::unique_ptr<models::tokenizer> tok;
   std::string alphabet;
   if (a.has("tokenizer")) tok = models::tokenizer_load(a.get("tokenizer"));
@@ -41,9 +45,9 @@ int cmd_sft(int argc, char** argv) {
                                 std::to_string(ck.params.cfg.vocab_size));
   const models::dataset data = models::task_load(task, false, 4000, seed);
   models::sft_config sc;
-  sc.steps = a.get_int("steps", 450);
-  sc.batch = a.get_int("batch", 64);
-  sc.opt.lr = static_cast<float>(a.get_num("lr", 2e-3));
+  sc.steps = a.get_int("steps", 450, 1, INT32_MAX);
+  sc.batch = a.get_int("batch", 64, 1, 1 << 20);
+  sc.opt.lr = static_cast<float>(a.get_num("lr", 2e-3, 1e-12, 10.0));
   sc.seed = seed;
   sc.policy = policy_from_args(a, "fp8");
   with_threads(a, [&] {
@@ -52,7 +56,6 @@ int cmd_sft(int argc, char** argv) {
     });
   });
   ck.state_json = "{\"phase\": \"sft\", \"task\": \"" + a.get("task", "builtin:add2") + "\"}";
-  const std::string out = a.need("out");
   models::checkpoint_save(out, ck);
   if (!alphabet.empty()) models::char_tokenizer_save(out, alphabet);
   else if (a.has("tokenizer") || a.has("model")) {
@@ -75,11 +78,13 @@ int cmd_eval(int argc, char** argv) {
                              "threads", "n", "log-level"},
                             {});
   log_level_from_args(a);
+  const uint64_t seed = static_cast<uint64_t>(a.get_int("seed", 1, 0));  // options first, then files
+  const int64_t n = a.get_int("n", 400, 1, 1 << 24);
+  const auto max_tokens = static_cast<int32_t>(a.get_int("max-tokens", 16, 1, 1 << 20));
   const auto params = models::model_load(a.need("model"));
   const auto tok = models::tokenizer_load(a.need("model"));
   const auto task = models::task_spec_parse(a.get("task", "builtin:add2"));
-  const uint64_t seed = static_cast<uint64_t>(a.get_int("seed", 1));
-  const models::dataset val = models::task_load(task, true, a.get_int("n", 400), seed);
+  const models::dataset val = models::task_load(task, true, n, seed);
   const auto vk = models::verifier_parse(a.get("verifier", task.builtin ? "numeric" : "exact"));
   if (!vk) throw std::invalid_argument("option --verifier: expected exact or numeric");
   models::eval_result r;
@@ -92,7 +97,7 @@ int cmd_eval(int argc, char** argv) {
     models::generation_engine eng(*be, params.cfg, ec);
     const std::string err = eng.adopt_params(params, 0, 0);
     if (!err.empty()) throw std::runtime_error(err);
-    r = models::evaluate(eng, val, *tok, *vk, static_cast<int32_t>(a.get_int("max-tokens", 16)), seed);
+    r = models::evaluate(eng, val, *tok, *vk, max_tokens, seed);
   });
   std::printf("{\"greedy_accuracy\": %.6f, \"sampled_accuracy\": %.6f, \"n\": %ld}\n", r.greedy_accuracy,
               r.sampled_accuracy, long(r.n));

@@ -3,6 +3,7 @@
 
 #include <tbb/task_arena.h>
 
+#include <climits>
 #include <filesystem>
 #include <fstream>
 
@@ -23,6 +24,7 @@ void log_level_from_args(const args& a) {
 }
 
 std::vector<jsonl_item> read_token_jsonl(const std::string& path, int64_t vocab, const models::tokenizer* tok) {
+  if (std::filesystem::is_directory(path)) throw std::invalid_argument(path + ": is a directory, not a JSONL file");
   std::ifstream f(path);
   if (!f) throw std::invalid_argument(path + ": cannot open");
   std::vector<jsonl_item> out;
@@ -40,6 +42,8 @@ std::vector<jsonl_item> read_token_jsonl(const std::string& path, int64_t vocab,
     }
     jsonl_item it;
     it.line = n;
+    if (j.is_object() && j.contains("text") && j.contains("tokens"))
+      throw std::invalid_argument(where + "holds both 'text' and 'tokens': give one");
     if (j.is_object() && j.contains("text") && j["text"].is_string()) {
       if (!tok) throw std::invalid_argument(where + "'text' needs a tokenizer in the model directory; give 'tokens'");
       try {
@@ -54,6 +58,8 @@ std::vector<jsonl_item> read_token_jsonl(const std::string& path, int64_t vocab,
       throw std::invalid_argument(where + "expected an object with a list 'tokens' (or a string 'text')");
     for (const auto& t : j["tokens"]) {
       if (!t.is_number_integer()) throw std::invalid_argument(where + "'tokens' holds a non-integer");
+      if (t.is_number_unsigned() && t.get<uint64_t>() > uint64_t(INT64_MAX))
+        throw std::invalid_argument(where + "token " + t.dump() + " is outside the vocabulary [0, " + std::to_string(vocab) + ")");
       const int64_t v = t.get<int64_t>();
       if (v < 0 || v >= vocab)
         throw std::invalid_argument(where + "token " + std::to_string(v) + " is outside the vocabulary [0, " +
@@ -63,6 +69,7 @@ std::vector<jsonl_item> read_token_jsonl(const std::string& path, int64_t vocab,
     if (it.tokens.empty()) throw std::invalid_argument(where + "'tokens' is empty");
     out.push_back(std::move(it));
   }
+  if (out.empty()) throw std::invalid_argument(path + ": holds no input lines");
   return out;
 }
 
@@ -71,12 +78,21 @@ models::precision_policy policy_from_args(const args& a, const std::string& def)
   if (a.has("bf16-layers")) {
     const std::string s = a.get("bf16-layers");
     const auto comma = s.find(',');
-    try {
-      p.bf16_first = std::stoll(s.substr(0, comma));
-      p.bf16_last = comma == std::string::npos ? 0 : std::stoll(s.substr(comma + 1));
-    } catch (const std::exception&) {
-      throw std::invalid_argument("option --bf16-layers: expected FIRST,LAST (layer counts), got '" + s + "'");
-    }
+    const std::string first = s.substr(0, comma), last = comma == std::string::npos ? "0" : s.substr(comma + 1);
+    auto count = [&](const std::string& t) {
+      size_t pos = 0;
+      long long v = -1;
+      try {
+        v = std::stoll(t, &pos);
+      } catch (const std::exception&) {
+        pos = 0;
+      }
+      if (t.empty() || pos != t.size() || v < 0)
+        throw std::invalid_argument("option --bf16-layers: expected FIRST,LAST (two layer counts >= 0), got '" + s + "'");
+      return v;
+    };
+    p.bf16_first = count(first);
+    p.bf16_last = count(last);
   }
   if (a.has("scale-mode")) {
     auto m = quant::scale_mode_parse(a.get("scale-mode"));
@@ -88,8 +104,7 @@ models::precision_policy policy_from_args(const args& a, const std::string& def)
 }
 
 void with_threads(const args& a, const std::function<void()>& fn) {
-  const long long n = a.get_int("threads", 0);
-  if (n < 0) throw std::invalid_argument("option --threads must be >= 0");
+  const long long n = a.get_int("threads", 0, 0, 4096);  // 0: all cores
   tbb::task_arena arena(n > 0 ? static_cast<int>(n) : tbb::task_arena::automatic);
   arena.execute(fn);
 }

@@ -1,0 +1,100 @@
+// tests/tools/cli_test.cpp -- the fp8rl subcommands as a user runs them, on a tiny saved model:
+// good input gives one JSON line per item; bad input (options out of range or given twice,
+// malformed or empty files, a directory for a file, a broken model directory) exits non-zero
+// with a message naming what is wrong -- never a crash, a silent fallback or an empty success.
+#include <gtest/gtest.h>
+
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+
+#include "models/params.hpp"
+
+namespace fs = std::filesystem;
+
+namespace {
+const std::string kBin = FP8RL_BIN_DIR;
+
+struct result {
+  int rc;
+  std::string out;  // stdout + stderr
+};
+
+result run(const std::string& args) {
+  const fs::path log = fs::temp_directory_path() / ("fp8rl_cli_" + std::to_string(::getpid()) + ".txt");
+  const int rc = std::system((kBin + "/fp8rl " + args + " > " + log.string() + " 2>&1").c_str());
+  std::ifstream f(log);
+  std::stringstream ss;
+  ss << f.rdbuf();
+  fs::remove(log);
+  return {WIFEXITED(rc) ? WEXITSTATUS(rc) : 128, ss.str()};
+}
+
+class Cli : public ::testing::Test {
+ protected:
+  fs::path dir, model, prompts;
+  void SetUp() override {
+    dir = fs::temp_directory_path() / ("fp8rl_cli_test_" + std::to_string(::getpid()));
+    fs::remove_all(dir);
+    fs::create_directories(dir);
+    fp8rl::models::model_config c;
+    c.hidden_size = 64; c.intermediate_size = 128; c.num_hidden_layers = 2; c.num_attention_heads = 4;
+    c.num_key_value_heads = 2; c.head_dim = 16; c.vocab_size = 40; c.max_position_embeddings = 64;
+    model = dir / "model";
+    fp8rl::models::model_save(model.string(), fp8rl::models::model_params_init(c, 1));
+    prompts = write("p.jsonl", "{\"tokens\": [1, 2, 3]}\n{\"tokens\": [4, 5, 6, 7]}\n");
+  }
+  void TearDown() override { fs::remove_all(dir); }
+  fs::path write(const std::string& name, const std::string& text) {
+    std::ofstream(dir / name) << text;
+    return dir / name;
+  }
+  std::string m() const { return " --model " + model.string(); }
+  // rc != 0 and the output names `what`
+  void refused(const std::string& args, const std::string& what) {
+    const result r = run(args);
+    EXPECT_NE(r.rc, 0) << args << "\n" << r.out;
+    EXPECT_LT(r.rc, 128) << "crashed: " << args << "\n" << r.out;
+    EXPECT_NE(r.out.find(what), std::string::npos) << args << "\n" << r.out;
+  }
+};
+}  // namespace
+
+TEST_F(Cli, GoodInputGivesOneLinePerItem) {
+  for (const std::string cmd : {"score --input ", "generate --max-tokens 3 --prompts "}) {
+    const result r = run(cmd + prompts.string() + m());
+    EXPECT_EQ(r.rc, 0) << r.out;
+    EXPECT_EQ(std::count(r.out.begin(), r.out.end(), '\n'), 2) << r.out;
+  }
+}
+
+TEST_F(Cli, OptionsOutOfRangeOrRepeatedAreRefusedByName) {
+  const std::string gen = "generate --prompts " + prompts.string() + m();
+  refused(gen + " --threads 10000000", "--threads");  // was a segfault
+  refused(gen + " --slots 99999999999", "--slots");   // was std::bad_alloc
+  refused(gen + " --max-tokens 99999999999", "--max-tokens");  // wrapped to a small number
+  refused(gen + " --max-context 100000", "--max-context");
+  refused(gen + " --temperature -1", "temperature");
+  refused(gen + " --top-p 1.5", "top_p");
+  refused(gen + " --stop 1,", "--stop");
+  refused(gen + " --stop=", "--stop");  // would have turned EOS off
+  refused(gen + " --seed -1", "--seed");
+  refused(gen + " --bf16-layers 1x,2", "--bf16-layers");
+  refused("score --input " + prompts.string() + " --input " + prompts.string() + m(), "given twice");
+  refused("eval --n 0" + m(), "--n");  // printed -nan accuracies with rc 0
+}
+
+TEST_F(Cli, BadFilesAreRefusedByName) {
+  const std::string score = "score" + m() + " --input ";
+  refused(score + dir.string(), "is a directory");  // was rc 0 and no output
+  refused(score + write("empty.jsonl", "\n \n").string(), "no input lines");
+  refused(score + write("both.jsonl", "{\"tokens\": [1], \"text\": \"1\"}\n").string(), "both.jsonl:1: holds both");
+  refused(score + write("big.jsonl", "{\"tokens\": [1, 18446744073709551615]}\n").string(), "big.jsonl:1");
+  refused("sft --steps 1 --out " + prompts.string(), "--out");  // would replace a file with a directory
+  // a model directory whose weights file is a directory
+  const fs::path broken = dir / "broken";
+  fs::create_directories(broken / "model.safetensors");
+  fs::copy_file(model / "config.json", broken / "config.json");
+  refused("score --model " + broken.string() + " --input " + prompts.string(), "not a file");
+}
