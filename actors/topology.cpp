@@ -116,6 +116,8 @@ void topology_validate(const topology& t) {
   std::set<std::string> names;
   std::set<std::pair<std::string, int64_t>> ports;
   int64_t learners = 0, rollouts = 0;
+  if (std::none_of(t.nodes.begin(), t.nodes.end(), [](const node_spec& n) { return n.has("controller"); }))
+    throw std::invalid_argument(t.source + ": no node has the role 'controller'");
   for (const auto& n : t.nodes) {
     const std::string where = t.source + ": node '" + n.name + "'";
     if (!names.insert(n.name).second) throw std::invalid_argument(where + ": duplicate name");

@@ -6,6 +6,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <tuple>
 #include <nlohmann/json.hpp>
 
 #include "quant/fp8.hpp"
@@ -63,7 +64,7 @@ st_tensors safetensors_parse(const std::vector<uint8_t>& bytes, const std::strin
   const uint64_t data_size = bytes.size() - 8 - hlen;
   const uint8_t* data = bytes.data() + 8 + hlen;
   st_tensors out;
-  std::vector<std::pair<uint64_t, uint64_t>> ranges;
+  std::vector<std::tuple<uint64_t, uint64_t, std::string>> ranges;  // data byte range, tensor
   for (auto it = h.begin(); it != h.end(); ++it) {
     const std::string& name = it.key();
     if (name == "__metadata__") continue;
@@ -97,7 +98,7 @@ st_tensors safetensors_parse(const std::vector<uint8_t>& bytes, const std::strin
     if (e - b != numel * esize)
       fail(source, where + "holds " + std::to_string(e - b) + " bytes, shape and dtype need " +
                        std::to_string(numel * esize));
-    ranges.push_back({b, e});
+    ranges.emplace_back(b, e, name);
     st.data.resize(numel);
     const uint8_t* p = data + b;
     for (uint64_t i = 0; i < numel; ++i) {
@@ -112,7 +113,8 @@ st_tensors safetensors_parse(const std::vector<uint8_t>& bytes, const std::strin
   }
   std::sort(ranges.begin(), ranges.end());
   for (size_t i = 1; i < ranges.size(); ++i)
-    if (ranges[i].first < ranges[i - 1].second) fail(source, "tensor byte ranges overlap");
+    if (std::get<0>(ranges[i]) < std::get<1>(ranges[i - 1]))
+      fail(source, "tensors '" + std::get<2>(ranges[i - 1]) + "' and '" + std::get<2>(ranges[i]) + "' overlap in the data section");
   return out;
 }
 

@@ -107,6 +107,10 @@ std::vector<float> values_of(const weight_source& src, const model_config& cfg, 
 std::unique_ptr<model_weights> model_weights_build(backend& be, const model_config& cfg, const precision_policy& policy,
                                                    const weight_source& src, bool for_backward) {
   policy.validate();
+  if (policy.bf16_first > cfg.num_hidden_layers || policy.bf16_last > cfg.num_hidden_layers)
+    throw std::invalid_argument("precision policy '" + policy.name + "': bf16_first/bf16_last (" +
+                                std::to_string(policy.bf16_first) + ", " + std::to_string(policy.bf16_last) +
+                                ") exceed the model's " + std::to_string(cfg.num_hidden_layers) + " layers");
   if (!src.master && (!src.values || !src.fp8)) throw std::invalid_argument("weights: no source");
   auto w = std::make_unique<model_weights>();
   w->cfg = cfg;

@@ -153,5 +153,9 @@ TEST(Topology, BadFilesNameNodeAndKey) {
   EXPECT_NE(error_of([&] { topology_load(f3); }).find("unknown key 'colour'"), std::string::npos);
   const auto f4 = write_tmp("t4.conf", "[cluster]\nnodes=[{name=\"a\", roles=[\"controller\", \"buffer\", \"reward\", \"weight_sync\", \"calibration\"], learners=[\"cuda:0\"], rollouts=[\"cuda:0\"]}]\n");
   EXPECT_NE(error_of([&] { topology_plan(topology_load(f4)); }).find("cuda:0 used twice"), std::string::npos);
-  for (const auto& f : {f1, f2, f3, f4}) fs::remove(f);
+  const auto f5 = write_tmp("t5.conf", "[cluster]\nnodes=[{name=\"a\", roles=[\"buffer\"], learners=[\"cpu:1\"], rollouts=[\"cpu:1\"]}]\n");
+  EXPECT_NE(error_of([&] { topology_load(f5); }).find("no node has the role 'controller'"), std::string::npos);
+  const auto f6 = write_tmp("t6.conf", "[cluster]\nnodes=[{name=\"a\", roles=[\"controller\"]}\n");  // never closed
+  EXPECT_NE(error_of([&] { topology_load(f6); }).find("is never closed"), std::string::npos);
+  for (const auto& f : {f1, f2, f3, f4, f5, f6}) fs::remove(f);
 }

@@ -92,6 +92,12 @@ TEST_F(Cli, BadFilesAreRefusedByName) {
   refused(score + write("both.jsonl", "{\"tokens\": [1], \"text\": \"1\"}\n").string(), "both.jsonl:1: holds both");
   refused(score + write("big.jsonl", "{\"tokens\": [1, 18446744073709551615]}\n").string(), "big.jsonl:1");
   refused("sft --steps 1 --out " + prompts.string(), "--out");  // would replace a file with a directory
+  std::string long_line = "{\"tokens\": [1";
+  for (int i = 0; i < 70; ++i) long_line += ", 2";
+  const fs::path too_long = write("long.jsonl", "{\"tokens\": [1]}\n" + long_line + "]}\n");
+  refused(score + too_long.string(), "long.jsonl:2: 71 tokens");
+  refused("generate --prompts " + too_long.string() + m(), "long.jsonl:2:");
+  refused(score + prompts.string() + " --bf16-layers 5,0", "bf16_first");  // the model has 2 layers
   // a model directory whose weights file is a directory
   const fs::path broken = dir / "broken";
   fs::create_directories(broken / "model.safetensors");

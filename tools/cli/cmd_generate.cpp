@@ -100,7 +100,11 @@ int cmd_generate(int argc, char** argv) {
       r.proc = proc;
       r.seed = static_cast<uint64_t>(a.get_int("seed", 0, 0));
       r.stop_tokens = stops;
-      eng.submit(std::move(r));
+      try {
+        eng.submit(std::move(r));
+      } catch (const std::invalid_argument& e) {  // name the input line, not the request id
+        throw std::invalid_argument(a.get("prompts") + ":" + std::to_string(items[i].line) + ": " + e.what());
+      }
     }
     for (const auto& r : eng.run_to_completion()) {
       nlohmann::json out = {{"tokens", r.tokens}, {"logprobs", r.logprobs}, {"weight_version", r.weight_version},

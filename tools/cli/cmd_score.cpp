@@ -21,6 +21,11 @@ int cmd_score(int argc, char** argv) {
   const auto policy = policy_from_args(a).training();
   const auto items = read_token_jsonl(a.need("input"), params.cfg.vocab_size, tokenizer_of(a.need("model")).get());
   const int64_t max_tokens = a.get_int("max-batch-tokens", 4096, 1, INT32_MAX);
+  for (const auto& it : items)
+    if (static_cast<int64_t>(it.tokens.size()) > params.cfg.max_position_embeddings)
+      throw std::invalid_argument(a.get("input") + ":" + std::to_string(it.line) + ": " + std::to_string(it.tokens.size()) +
+                                  " tokens, beyond the model's max_position_embeddings " +
+                                  std::to_string(params.cfg.max_position_embeddings));
   with_threads(a, [&] {
     auto be = models::make_cpu_backend();
     auto w = models::model_weights_build(*be, params.cfg, policy, {&params, nullptr, nullptr}, false);
