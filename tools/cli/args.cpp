@@ -3,16 +3,21 @@
 
 namespace fp8rl::cli {
 
-long long args::get_int(const std::string& k, long long def, long long lo, long long hi) const {
-  if (!has(k)) return def;
-  long long v = 0;
+std::optional<long long> int_of(const std::string& t) {
   try {
     size_t pos = 0;
-    v = std::stoll(kv.at(k), &pos);
-    if (pos != kv.at(k).size()) throw std::invalid_argument("");
+    const long long v = std::stoll(t, &pos);
+    if (pos == t.size()) return v;
   } catch (const std::exception&) {
-    throw std::invalid_argument("option --" + k + ": '" + kv.at(k) + "' is not an integer (or out of range)");
   }
+  return std::nullopt;
+}
+
+long long args::get_int(const std::string& k, long long def, long long lo, long long hi) const {
+  if (!has(k)) return def;
+  const auto parsed = int_of(kv.at(k));
+  if (!parsed) throw std::invalid_argument("option --" + k + ": '" + kv.at(k) + "' is not an integer (or out of range)");
+  const long long v = *parsed;
   if (v < lo || v > hi)
     throw std::invalid_argument("option --" + k + ": " + std::to_string(v) + " is outside [" + std::to_string(lo) + ", " +
                                 std::to_string(hi) + "]");

@@ -3,6 +3,7 @@
 #pragma once
 #include <cfloat>
 #include <climits>
+#include <optional>
 #include <map>
 #include <set>
 #include <stdexcept>
@@ -28,6 +29,9 @@ struct args {
   long long get_int(const std::string& k, long long def, long long lo = LLONG_MIN, long long hi = LLONG_MAX) const;
   double get_num(const std::string& k, double def, double lo = -DBL_MAX, double hi = DBL_MAX) const;
 };
+
+// The integer that all of `t` spells (no trailing text, within long long), else nullopt.
+std::optional<long long> int_of(const std::string& t);
 
 // valued: options that take a value; switches: options without one.
 args args_parse(int argc, char** argv, int first, const std::set<std::string>& valued,

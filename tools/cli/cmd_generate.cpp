@@ -54,17 +54,11 @@ int cmd_generate(int argc, char** argv) {
     std::stringstream ss(list);
     std::string t;
     while (std::getline(ss, t, ',')) {
-      size_t pos = 0;
-      long long v = -1;
-      try {
-        v = std::stoll(t, &pos);
-      } catch (const std::exception&) {
-        pos = 0;
-      }
-      if (t.empty() || pos != t.size() || v < 0 || v >= params.cfg.vocab_size)
+      const auto v = int_of(t);
+      if (!v || *v < 0 || *v >= params.cfg.vocab_size)
         throw std::invalid_argument("option --stop: '" + t + "' is not a token id in [0, " +
                                     std::to_string(params.cfg.vocab_size) + ")");
-      stops.push_back(static_cast<int32_t>(v));
+      stops.push_back(static_cast<int32_t>(*v));
     }
   } else if (params.cfg.eos_token_id >= 0) {
     stops.push_back(static_cast<int32_t>(params.cfg.eos_token_id));

@@ -80,16 +80,10 @@ models::precision_policy policy_from_args(const args& a, const std::string& def)
     const auto comma = s.find(',');
     const std::string first = s.substr(0, comma), last = comma == std::string::npos ? "0" : s.substr(comma + 1);
     auto count = [&](const std::string& t) {
-      size_t pos = 0;
-      long long v = -1;
-      try {
-        v = std::stoll(t, &pos);
-      } catch (const std::exception&) {
-        pos = 0;
-      }
-      if (t.empty() || pos != t.size() || v < 0)
+      const auto v = int_of(t);
+      if (!v || *v < 0)
         throw std::invalid_argument("option --bf16-layers: expected FIRST,LAST (two layer counts >= 0), got '" + s + "'");
-      return v;
+      return *v;
     };
     p.bf16_first = count(first);
     p.bf16_last = count(last);
