@@ -6,6 +6,8 @@
 #include <limits>
 #include <stdexcept>
 
+#include <unistd.h>
+
 #include "models/sampling.hpp"
 
 namespace fp8rl::models {
@@ -31,6 +33,17 @@ generation_engine::generation_engine(backend& be, const model_config& cfg, engin
   if (ec_.slots <= 0 || ec_.max_context <= 1) throw std::invalid_argument("engine: slots and max_context must be positive");
   if (ec_.max_context > cfg_.max_position_embeddings)
     throw std::invalid_argument("engine: max_context exceeds max_position_embeddings");
+  // The KV cache is allocated up front: refuse what this machine cannot hold, naming the knobs
+  // (a typo in max_context otherwise ends in an allocation failure, or in swap).
+  const double esize = ec_.policy.kv == kv_dtype::fp8 ? 1 : ec_.policy.kv == kv_dtype::bf16 ? 2 : 4;
+  const double kv_bytes = double(ec_.slots) * double(ec_.max_context) * double(cfg_.num_hidden_layers) * 2.0 *
+                          double(cfg_.num_key_value_heads) * double(cfg_.head_dim) * esize;
+  const double ram = double(sysconf(_SC_PHYS_PAGES)) * double(sysconf(_SC_PAGE_SIZE));
+  if (ram > 0 && kv_bytes > ram)
+    throw std::invalid_argument("engine: a KV cache of " + std::to_string(ec_.slots) + " slots x " +
+                                std::to_string(ec_.max_context) + " positions needs " +
+                                std::to_string(int64_t(kv_bytes / double(1 << 30))) + " GiB, more than this machine's " +
+                                std::to_string(int64_t(ram / double(1 << 30))) + " GiB: lower slots or max_context");
   slots_.resize(static_cast<size_t>(ec_.slots));
   cache_ = be_.kv_cache_create(ec_.slots, cfg_.num_hidden_layers, cfg_.num_key_value_heads, cfg_.head_dim,
                                ec_.max_context, ec_.policy.kv);

@@ -152,7 +152,8 @@ TEST(Sampling, StopTokensEndARequest) {
   EXPECT_EQ(stopped[0].tokens, std::vector<int32_t>(g.begin(), g.begin() + first + 1));
 }
 
-// Settings no distribution answers to are refused when submitted, naming the setting.
+// Settings no distribution answers to are refused when submitted, naming the setting; an engine
+// whose KV cache cannot fit in memory is refused when made.
 TEST(Sampling, ImpossibleSettingsAreRefusedByName) {
   const model_params p = model_params_init(gen_cfg(), 23);
   auto be = make_cpu_backend();
@@ -176,4 +177,12 @@ TEST(Sampling, ImpossibleSettingsAreRefusedByName) {
   EXPECT_NE(with([](gen_request& r) { r.stop_tokens = {3, 61}; }).find("stop token 61"), std::string::npos);
   EXPECT_EQ(refused(base), "");
   EXPECT_FALSE(e.idle());
+  // a KV cache beyond the machine's memory is refused before it is allocated, naming the knobs
+  engine_config huge = ecfg("fp32", int64_t{1} << 22);  // 4M slots x 64 positions x 2 KiB: 512 GiB
+  try {
+    generation_engine g(*be, p.cfg, huge);
+    ADD_FAILURE() << "a 512 GiB KV cache was accepted";
+  } catch (const std::invalid_argument& x) {
+    EXPECT_NE(std::string(x.what()).find("lower slots or max_context"), std::string::npos) << x.what();
+  }
 }
