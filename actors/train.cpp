@@ -10,6 +10,7 @@
 #include <filesystem>
 #include <fstream>
 #include <future>
+#include <iterator>
 #include <nlohmann/json.hpp>
 #include <thread>
 #include <unistd.h>
@@ -205,10 +206,14 @@ std::string prepare_init(const run_config& cfg, const std::string& run_dir, bool
     std::string name;
     if (!(f >> name)) throw std::invalid_argument(run_dir + ": --resume but no checkpoints/latest");
     const fs::path dir = ck / name;
-    auto state = json::parse(std::ifstream(dir / "state.json"), nullptr, false);
-    if (state.is_discarded() || !state.contains("weight_version"))
-      throw std::invalid_argument((dir / "state.json").string() + ": no weight_version");
+    const std::string sp = (dir / "state.json").string();
+    auto state = json::parse(std::ifstream(sp), nullptr, false);
+    if (state.is_discarded() || !state.is_object()) throw std::invalid_argument(sp + ": not a valid JSON object");
+    if (!state.contains("weight_version") || !state["weight_version"].is_number_unsigned())
+      throw std::invalid_argument(sp + ": key 'weight_version' must be a step number >= 0");
     *start_version = state["weight_version"].get<uint64_t>();
+    if (name.rfind("step_", 0) == 0 && name != "step_" + std::to_string(*start_version))
+      throw std::invalid_argument(sp + ": weight_version " + std::to_string(*start_version) + " contradicts its directory " + name);
     return dir.string();
   }
   if (cfg.init != "tiny") return cfg.init;
@@ -238,6 +243,35 @@ std::string prepare_init(const run_config& cfg, const std::string& run_dir, bool
   models::checkpoint_save(dir.string(), c);
   models::char_tokenizer_save(dir.string(), models::arithmetic_alphabet());
   return dir.string();
+}
+
+// Reads here, on the main thread, what the actors would otherwise fail on inside their
+// behaviors (an exception there is CAF's "unhandled exception", and a dataset error inside one
+// left the run hanging): the start checkpoint (weights, optimizer, state), the tokenizer against
+// the model's vocabulary, both task splits, and metrics.jsonl for appending (a resumed run
+// drops a partial last line a crash left, with a warning).
+void run_preflight(const actor_env& env, bool resume) {
+  models::checkpoint_load(env.init_dir);
+  if (env.tok->vocab_size() > env.model.vocab_size)
+    throw std::invalid_argument(env.init_dir + ": the tokenizer has " + std::to_string(env.tok->vocab_size()) +
+                                " tokens, config.json's vocab_size is " + std::to_string(env.model.vocab_size));
+  const auto task = models::task_spec_parse(env.cfg.task);
+  models::task_load(task, false, env.cfg.train_size, static_cast<uint64_t>(env.cfg.seed));
+  if (env.cfg.eval_every > 0) models::task_load(task, true, env.cfg.val_size, static_cast<uint64_t>(env.cfg.seed));
+  const fs::path metrics = fs::path(env.run_dir) / "metrics.jsonl";
+  if (fs::exists(metrics) && !fs::is_regular_file(metrics)) throw std::invalid_argument(metrics.string() + ": not a file");
+  if (resume && fs::exists(metrics)) {
+    std::ifstream in(metrics, std::ios::binary);
+    std::string text((std::istreambuf_iterator<char>(in)), {});
+    if (!text.empty() && text.back() != '\n') {
+      const size_t keep = text.rfind('\n') == std::string::npos ? 0 : text.rfind('\n') + 1;
+      log_get("train")->warn("{}: dropping a partial last line ({} bytes) left by an interrupted run", metrics.string(),
+                             text.size() - keep);
+      fs::resize_file(metrics, keep);
+    }
+  }
+  std::ofstream probe(metrics, std::ios::app);
+  if (!probe) throw std::invalid_argument(metrics.string() + ": cannot open for writing");
 }
 
 int run_remote_node(fp8rl_config& cfg, const topology& t, const std::string& name) {
@@ -284,8 +318,8 @@ int train_main(int argc, char** argv) {
   if (!topo.find(node)->has("controller")) return run_remote_node(ccfg, topo, node);
 
   const std::string run_dir = c.run_dir.empty() ? "runs/" + cfg.name : c.run_dir;
+  if (c.resume && !fs::is_directory(run_dir)) throw std::invalid_argument(run_dir + ": --resume but no such run directory");
   fs::create_directories(run_dir);
-  std::ofstream(fs::path(run_dir) / "recipe.conf") << recipe_dump(cfg);
   uint64_t start_version = 0;
   const std::string init_dir = prepare_init(cfg, run_dir, c.resume, &start_version);
   if (start_version >= static_cast<uint64_t>(cfg.steps)) {
@@ -293,9 +327,11 @@ int train_main(int argc, char** argv) {
                  static_cast<unsigned long>(start_version), long(cfg.steps));
     return 0;
   }
-  if (cfg.trace) trace_writer::process().open((fs::path(run_dir) / "traces" / (node + ".jsonl")).string(), node);
   const std::string run_id = cfg.name + "-" + std::to_string(trace_now_us()) + "-" + std::to_string(::getpid());
   auto env = env_make(cfg, node, run_dir, init_dir, start_version, run_id);
+  run_preflight(*env, c.resume);  // every file the actors will read or write, before any of them starts
+  std::ofstream(fs::path(run_dir) / "recipe.conf") << recipe_dump(cfg);  // only once the run can start
+  if (cfg.trace) trace_writer::process().open((fs::path(run_dir) / "traces" / (node + ".jsonl")).string(), node);
   int code = 1;
   {
     caf::actor_system sys{ccfg};

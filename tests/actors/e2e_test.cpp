@@ -80,6 +80,28 @@ TEST(E2E, EmbeddedDefaultRunsAndResumes) {
   ASSERT_EQ(m.size(), 6u);
   EXPECT_EQ(m[4]["step"], 5);
   EXPECT_EQ(m[5]["step"], 6);
+  // bad input fails before any actor starts, naming the file, and changes nothing: a task file
+  // with a broken line (it used to hang the run), a state.json that is not JSON or contradicts
+  // its step directory
+  auto text_of = [](const fs::path& f) { std::ifstream in(f); return std::string((std::istreambuf_iterator<char>(in)), {}); };
+  const std::string recipe = text_of(d / "recipe.conf"), before = text_of(d / "metrics.jsonl");
+  std::ofstream(d / "bad.jsonl") << "{\"prompt\": \"1+1=\", \"answer\": \"2\"}\n{bad\n";
+  const fs::path out = d / "out.txt";
+  auto fails_naming = [&](const std::string& args, const std::string& what) {
+    const int rc = std::system((kBin + "/fp8rl train " + args + " > " + out.string() + " 2>&1").c_str());
+    EXPECT_NE(rc, 0) << args;
+    EXPECT_NE(text_of(out).find(what), std::string::npos) << args << "\n" << text_of(out);
+  };
+  fails_naming("--run-dir " + (d / "other").string() + " --task.name=" + (d / "bad.jsonl").string() + " --model.init=" +
+                   (d / "checkpoints" / "step_6").string() + kSmall,
+               "bad.jsonl:2");
+  const fs::path state = d / "checkpoints" / "step_6" / "state.json";
+  std::ofstream(state) << "{bad";
+  fails_naming("--resume --run-dir " + d.string() + kSmall + " --run.steps=8", "state.json: not a valid JSON object");
+  std::ofstream(state) << nlohmann::json{{"weight_version", 5}}.dump();
+  fails_naming("--resume --run-dir " + d.string() + kSmall + " --run.steps=8", "contradicts its directory step_6");
+  EXPECT_EQ(text_of(d / "recipe.conf"), recipe);  // a failed resume rewrote it with this invocation's recipe
+  EXPECT_EQ(text_of(d / "metrics.jsonl"), before);
   fs::remove_all(d);
 }
 
