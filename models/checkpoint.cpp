@@ -45,8 +45,8 @@ checkpoint checkpoint_load(const std::string& dir) {
   } catch (const nlohmann::json::exception& e) {
     throw std::invalid_argument(st.string() + ": not valid JSON: " + e.what());
   }
-  if (!s.contains("adam_step") || !s["adam_step"].is_number_integer())
-    throw std::invalid_argument(st.string() + ": key 'adam_step' missing or not an integer");
+  if (!s.contains("adam_step") || !s["adam_step"].is_number_unsigned())
+    throw std::invalid_argument(st.string() + ": key 'adam_step' missing or not an integer >= 0");
   c.opt.step = s["adam_step"].get<int64_t>();
   c.state_json = s.dump();
   const fs::path op = fs::path(dir) / "optimizer.safetensors";

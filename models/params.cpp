@@ -1,6 +1,7 @@
 // models/params.cpp -- parameter layout, init, and conversion to/from safetensors.
 #include "models/params.hpp"
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
@@ -114,7 +115,12 @@ model_params model_params_from_tensors(const model_config& c, const st_tensors& 
       throw std::invalid_argument(file(info.name) + ": tensor '" + info.name + "' has shape [" + got + "], config needs [" +
                                   want + "]");
     }
-    std::copy(it->second.data.begin(), it->second.data.end(), p.data.begin() + info.offset);
+    const auto& d = it->second.data;
+    const auto bad = std::find_if(d.begin(), d.end(), [](float x) { return !std::isfinite(x); });
+    if (bad != d.end())  // caught here, the error names the weight; later it named a gradient's tile
+      throw std::invalid_argument(file(info.name) + ": tensor '" + info.name + "' holds a non-finite value (" +
+                                  std::to_string(*bad) + ") at index " + std::to_string(bad - d.begin()));
+    std::copy(d.begin(), d.end(), p.data.begin() + info.offset);
   }
   for (const auto& [name, tensor] : t) {
     if (p.layout.index.count(name)) continue;

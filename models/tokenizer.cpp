@@ -377,6 +377,8 @@ std::unique_ptr<tokenizer> tokenizer_load(const std::string& path) {
     const auto chr = std::filesystem::path(path) / "fp8rl-char-tokenizer.json";
     if (std::filesystem::exists(chr)) file = chr.string();
     else file = (std::filesystem::path(path) / "tokenizer.json").string();
+    if (!std::filesystem::exists(file))
+      throw std::invalid_argument(path + ": no tokenizer (neither tokenizer.json nor fp8rl-char-tokenizer.json)");
   }
   std::ifstream f(file);
   if (!f) throw std::invalid_argument(file + ": cannot open");

@@ -198,6 +198,10 @@ TEST(Safetensors, MissingAndMisshapenTensorsAreNamed) {
   bad["model.norm.weight"].shape = {63};
   bad["model.norm.weight"].data.resize(63);
   EXPECT_NE(error_of([&] { model_params_from_tensors(c, bad, "ckpt"); }).find("model.norm.weight"), std::string::npos);
+  auto nan = t;
+  nan["model.norm.weight"].data[7] = std::nanf("");
+  EXPECT_NE(error_of([&] { model_params_from_tensors(c, nan, "ckpt"); }).find("'model.norm.weight' holds a non-finite value"),
+            std::string::npos);
   auto extra = t;
   extra["model.layers.9.mlp.up_proj.weight"] = t.at("model.norm.weight");
   EXPECT_NE(error_of([&] { model_params_from_tensors(c, extra, "ckpt"); }).find("layers.9"), std::string::npos);
