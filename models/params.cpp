@@ -184,6 +184,7 @@ void model_save(const std::string& dir, const model_params& p, st_dtype dtype, i
   }
   // shards in layout order, each up to max_shard_bytes (a larger tensor gets one of its own)
   const int64_t esize = dtype == st_dtype::f32 ? 4 : 2;
+  st_tensors all = model_params_to_tensors(p);
   std::vector<st_tensors> shards(1);
   int64_t bytes = 0, total = 0;
   for (const auto& info : p.layout.infos) {
@@ -191,10 +192,7 @@ void model_save(const std::string& dir, const model_params& p, st_dtype dtype, i
       shards.emplace_back();
       bytes = 0;
     }
-    st_tensor t;
-    t.shape = info.shape;
-    t.data.assign(p.data.begin() + info.offset, p.data.begin() + info.offset + info.numel);
-    shards.back().emplace(info.name, std::move(t));
+    shards.back().insert(all.extract(info.name));
     bytes += info.numel * esize;
     total += info.numel * esize;
   }

@@ -2,8 +2,13 @@
 #pragma once
 #include <cstdint>
 #include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
 #include <random>
 #include <string>
+#include <sys/wait.h>
+#include <unistd.h>
 #include <vector>
 
 namespace fp8rl::test {
@@ -31,6 +36,22 @@ inline int64_t first_diff(const std::vector<float>& a, const std::vector<float>&
 }
 
 inline std::vector<double> to_double(const std::vector<float>& v) { return {v.begin(), v.end()}; }
+
+// A shell command's exit code (128 when it did not exit normally: a crash) and its stdout +
+// stderr, for tests that run the project's binaries.
+struct command_result {
+  int rc;
+  std::string out;
+};
+inline command_result run_command(const std::string& cmd) {
+  const auto log = std::filesystem::temp_directory_path() / ("fp8rl_cmd_" + std::to_string(::getpid()) + ".txt");
+  const int rc = std::system((cmd + " > " + log.string() + " 2>&1").c_str());
+  std::ifstream f(log);
+  std::stringstream ss;
+  ss << f.rdbuf();
+  std::filesystem::remove(log);
+  return {WIFEXITED(rc) ? WEXITSTATUS(rc) : 128, ss.str()};
+}
 
 // The message of the E that `fn` throws ("" if it throws none).
 template <class E, class Fn>

@@ -17,6 +17,7 @@
 #include "models/cpu/cpu_backend.hpp"
 #include "models/rl/loop.hpp"
 #include "quant/gemm.hpp"
+#include "tests/test_util.hpp"
 
 namespace fs = std::filesystem;
 using json = nlohmann::json;
@@ -86,11 +87,10 @@ TEST(E2E, EmbeddedDefaultRunsAndResumes) {
   auto text_of = [](const fs::path& f) { std::ifstream in(f); return std::string((std::istreambuf_iterator<char>(in)), {}); };
   const std::string recipe = text_of(d / "recipe.conf"), before = text_of(d / "metrics.jsonl");
   std::ofstream(d / "bad.jsonl") << "{\"prompt\": \"1+1=\", \"answer\": \"2\"}\n{bad\n";
-  const fs::path out = d / "out.txt";
   auto fails_naming = [&](const std::string& args, const std::string& what) {
-    const int rc = std::system((kBin + "/fp8rl train " + args + " > " + out.string() + " 2>&1").c_str());
-    EXPECT_NE(rc, 0) << args;
-    EXPECT_NE(text_of(out).find(what), std::string::npos) << args << "\n" << text_of(out);
+    const auto r = fp8rl::test::run_command(kBin + "/fp8rl train " + args);
+    EXPECT_NE(r.rc, 0) << args;
+    EXPECT_NE(r.out.find(what), std::string::npos) << args << "\n" << r.out;
   };
   fails_naming("--run-dir " + (d / "other").string() + " --task.name=" + (d / "bad.jsonl").string() + " --model.init=" +
                    (d / "checkpoints" / "step_6").string() + kSmall,
@@ -108,12 +108,9 @@ TEST(E2E, EmbeddedDefaultRunsAndResumes) {
 TEST(E2E, BadRecipeKeyFailsWithItsName) {
   const fs::path d = fresh_dir("bad");
   std::ofstream(d / "r.conf") << "[rollout]\nslotz=3\n";
-  const std::string out = (d / "out.txt").string();
-  const int rc = std::system((kBin + "/fp8rl train --recipe " + (d / "r.conf").string() + " > " + out + " 2>&1").c_str());
-  EXPECT_NE(rc, 0);
-  std::ifstream f(out);
-  std::string text((std::istreambuf_iterator<char>(f)), {});
-  EXPECT_NE(text.find("rollout.slotz"), std::string::npos) << text;
+  const auto r = fp8rl::test::run_command(kBin + "/fp8rl train --recipe " + (d / "r.conf").string());
+  EXPECT_NE(r.rc, 0);
+  EXPECT_NE(r.out.find("rollout.slotz"), std::string::npos) << r.out;
   fs::remove_all(d);
 }
 

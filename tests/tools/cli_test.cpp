@@ -4,32 +4,20 @@
 // with a message naming what is wrong -- never a crash, a silent fallback or an empty success.
 #include <gtest/gtest.h>
 
-#include <cstdlib>
 #include <filesystem>
 #include <fstream>
-#include <sstream>
 
 #include "models/params.hpp"
+#include "tests/test_util.hpp"
 
 namespace fs = std::filesystem;
 
 namespace {
 const std::string kBin = FP8RL_BIN_DIR;
 
-struct result {
-  int rc;
-  std::string out;  // stdout + stderr
-};
+using result = fp8rl::test::command_result;
 
-result run(const std::string& args) {
-  const fs::path log = fs::temp_directory_path() / ("fp8rl_cli_" + std::to_string(::getpid()) + ".txt");
-  const int rc = std::system((kBin + "/fp8rl " + args + " > " + log.string() + " 2>&1").c_str());
-  std::ifstream f(log);
-  std::stringstream ss;
-  ss << f.rdbuf();
-  fs::remove(log);
-  return {WIFEXITED(rc) ? WEXITSTATUS(rc) : 128, ss.str()};
-}
+result run(const std::string& args) { return fp8rl::test::run_command(kBin + "/fp8rl " + args); }
 
 class Cli : public ::testing::Test {
  protected:
