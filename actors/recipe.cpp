@@ -227,6 +227,9 @@ void recipe_apply_cli(run_config& r, const std::string& arg) {
 void recipe_validate(const run_config& r) {
   auto fail = [](const char* key, const std::string& why) { throw std::invalid_argument("recipe key '" + std::string(key) + "': " + why); };
   auto positive = [&](const char* key, int64_t v) { if (v <= 0) fail(key, "must be > 0"); };
+  if (r.name.empty() || r.name[0] == '.' ||
+      r.name.find_first_not_of("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._-") != std::string::npos)
+    fail("run.name", "'" + r.name + "' must be letters, digits, '.', '_' or '-', not starting with '.' (it names runs/NAME)");
   positive("run.steps", r.steps);
   positive("rollout.prompts_per_step", r.prompts_per_step);
   positive("rollout.group_size", r.group_size);

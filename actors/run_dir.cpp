@@ -1,13 +1,70 @@
-// actors/run_dir.cpp -- metrics.jsonl and plots.
+// actors/run_dir.cpp -- metrics.jsonl, plots, and which directory a run writes.
 #include "actors/run_dir.hpp"
 
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
+#include <stdexcept>
 #include <nlohmann/json.hpp>
 
 namespace fp8rl::actors {
 namespace fs = std::filesystem;
+
+std::vector<std::string> run_dir_outputs(const std::string& dir) {
+  const fs::path d(dir);
+  std::vector<std::string> found;
+  std::error_code ec;
+  if (fs::exists(d / "recipe.conf")) found.push_back("recipe.conf");  // written when a run starts
+  if (fs::exists(d / "checkpoints" / "latest")) found.push_back("checkpoints/latest");
+  if (fs::exists(d / "metrics.jsonl") && fs::file_size(d / "metrics.jsonl", ec) != 0) found.push_back("metrics.jsonl");
+  if (fs::is_directory(d / "traces") && !fs::is_empty(d / "traces")) found.push_back("traces/");
+  return found;
+}
+
+namespace {
+std::string join_names(const std::vector<std::string>& v) {
+  std::string s;
+  for (const auto& e : v) {
+    if (!s.empty()) s += ", ";
+    s += e;
+  }
+  return s;
+}
+// runs/NAME, runs/NAME-2, ...: the k-th candidate default directory (k >= 1).
+std::string run_dir_default(const std::string& name, int k) {
+  std::string d = "runs/";
+  d += name;
+  if (k > 1) d.append(1, '-').append(std::to_string(k));
+  return d;
+}
+}  // namespace
+
+std::string run_dir_choose(const std::string& given, const std::string& name, bool resume, bool overwrite) {
+  if (resume && overwrite) throw std::invalid_argument("--resume continues a run and --overwrite replaces it: give one");
+  std::string dir = given;
+  if (dir.empty() && resume) {  // the newest existing default directory
+    for (int k = 1; fs::exists(run_dir_default(name, k)); ++k) dir = run_dir_default(name, k);
+    if (dir.empty()) throw std::invalid_argument(run_dir_default(name, 1) + ": --resume but no such run directory");
+  }
+  if (dir.empty() && !overwrite) {  // the first default directory without an earlier run
+    int k = 1;
+    while (!run_dir_outputs(run_dir_default(name, k)).empty()) ++k;
+    dir = run_dir_default(name, k);
+  }
+  if (dir.empty()) dir = run_dir_default(name, 1);
+  if (resume) {
+    if (!fs::is_directory(dir)) throw std::invalid_argument(dir + ": --resume but no such run directory");
+    return dir;
+  }
+  if (fs::exists(dir) && !fs::is_directory(dir)) throw std::invalid_argument(dir + ": exists and is not a directory");
+  const auto outputs = run_dir_outputs(dir);
+  if (outputs.empty()) return dir;
+  if (!overwrite)
+    throw std::invalid_argument(dir + ": holds an earlier run (" + join_names(outputs) +
+                                "); --resume continues it, --overwrite replaces it, or give another --run-dir");
+  for (const char* e : {"recipe.conf", "checkpoints", "metrics.jsonl", "traces", "plots", "gloo"}) fs::remove_all(fs::path(dir) / e);
+  return dir;
+}
 
 void metrics_writer::open(const std::string& run_dir, bool append) {
   fs::create_directories(run_dir);

@@ -1,5 +1,5 @@
 // actors/run_dir.hpp -- the run directory: metrics.jsonl, progress lines, gnuplot plots.
-// defines: metrics_writer, plots_write, progress_line
+// defines: metrics_writer, plots_write, run_dir_outputs, run_dir_choose
 //
 //   RUN_DIR/metrics.jsonl      one JSON object per learner step: "step", every metric (spec names)
 //   RUN_DIR/checkpoints/...    step_N/ (safetensors + optimizer + state.json), "latest"
@@ -9,6 +9,7 @@
 #include <fstream>
 #include <map>
 #include <string>
+#include <vector>
 
 namespace fp8rl::actors {
 
@@ -25,5 +26,19 @@ class metrics_writer {
 
 // Writes RUN_DIR/plots/{reward,mismatch}.png from metrics.jsonl with gnuplot; returns "" or why not.
 std::string plots_write(const std::string& run_dir);
+
+// What shows that DIR holds an earlier run that started (recipe.conf, checkpoints/latest, a
+// non-empty metrics.jsonl, trace files); empty when a new run may write there (a run refused
+// by its preflight leaves at most checkpoints/init, which the next one rebuilds).
+std::vector<std::string> run_dir_outputs(const std::string& dir);
+
+// Where `fp8rl train` writes. `given` is --run-dir ("" when absent: the default is
+// runs/NAME, and while that holds an earlier run, the first of runs/NAME-2, -3, ... that does
+// not). A fresh run never writes into a directory holding an earlier run unless `overwrite`
+// (which first removes what runs write: recipe.conf, checkpoints/,
+// metrics.jsonl, traces/, plots/, gloo/); an explicit --run-dir holding one is refused with the
+// way out. `resume` continues `given`, or by default the newest existing of runs/NAME,
+// runs/NAME-2, ...; it must hold checkpoints. Throws std::invalid_argument naming the directory.
+std::string run_dir_choose(const std::string& given, const std::string& name, bool resume, bool overwrite);
 
 }  // namespace fp8rl::actors

@@ -16,6 +16,7 @@
 #include <unistd.h>
 
 #include "actors/actors.hpp"
+#include "actors/run_dir.hpp"
 #include "actors/trace.hpp"
 #include "models/checkpoint.hpp"
 #include "models/log.hpp"
@@ -156,10 +157,35 @@ struct fp8rl_config : caf::actor_system_config {
 
 struct cli {
   std::string recipe, topology, node, run_dir;
-  bool resume = false, dump = false;
+  bool resume = false, overwrite = false, dump = false;
   std::vector<std::string> overrides;
   caf::actor_system_config::string_list caf_args;
 };
+
+// CAF 0.17 takes any atom for these options and falls back to its default on an unknown one
+// (--scheduler.policy=shareing ran work stealing): refuse it, naming the option and its values.
+void caf_options_validate(const caf::actor_system_config& cfg) {
+  const std::vector<std::string> verbosities = {"quiet", "error", "warning", "info", "debug", "trace"};
+  const std::vector<std::pair<std::string, std::vector<std::string>>> allowed = {
+      {"scheduler.policy", {"stealing", "sharing"}},
+      {"logger.verbosity", verbosities},
+      {"logger.file-verbosity", verbosities},
+      {"logger.console-verbosity", verbosities},
+      {"logger.console", {"none", "colored", "uncolored"}},
+      {"middleman.network-backend", {"default", "asio"}}};
+  for (const auto& [key, values] : allowed) {
+    const auto v = caf::get_if<caf::atom_value>(&caf::content(cfg), key);
+    if (!v) continue;  // not set: CAF's default
+    const std::string got = caf::to_string(*v);
+    if (std::find(values.begin(), values.end(), got) != values.end()) continue;
+    std::string list;
+    for (const auto& a : values) {
+      if (!list.empty()) list += ", ";
+      list += a;
+    }
+    throw std::invalid_argument("CAF option --" + key + "=" + got + ": must be one of " + list);
+  }
+}
 
 cli parse_cli(int argc, char** argv) {
   cli c;
@@ -179,6 +205,7 @@ cli parse_cli(int argc, char** argv) {
     else if (is("--node")) c.node = value("--node");
     else if (is("--run-dir")) c.run_dir = value("--run-dir");
     else if (a == "--resume") c.resume = true;
+    else if (a == "--overwrite") c.overwrite = true;
     else if (a == "--dump-config") c.dump = true;
     else if (a.rfind("--", 0) == 0 && sections.count(a.substr(2, a.find('.') == std::string::npos ? 0 : a.find('.') - 2)))
       c.overrides.push_back(a);
@@ -186,8 +213,10 @@ cli parse_cli(int argc, char** argv) {
              a.rfind("--caf#", 0) == 0)
       c.caf_args.push_back(a);
     else if (a == "--help" || a == "-h") {
-      std::printf("usage: fp8rl train [--recipe FILE] [--topology FILE] [--node NAME] [--run-dir DIR] [--resume]\n"
+      std::printf("usage: fp8rl train [--recipe FILE] [--topology FILE] [--node NAME] [--run-dir DIR] [--resume|--overwrite]\n"
                   "                   [--dump-config] [--section.key=value ...] [--scheduler.*|--middleman.* ...]\n"
+                  "The run directory defaults to runs/NAME (run.name), or runs/NAME-2, -3, ... while that holds an earlier\n"
+                  "run; --resume continues the newest of them (or --run-dir); --overwrite replaces an earlier run's outputs.\n"
                   "Every recipe key with its default: fp8rl train --dump-config (documented in configs/default.conf).\n");
       std::exit(0);
     } else {
@@ -314,11 +343,13 @@ int train_main(int argc, char** argv) {
   if (!topo.find(node)) throw std::invalid_argument(topo.source + ": no node named '" + node + "'");
   fp8rl_config ccfg;
   if (auto err = ccfg.parse(c.caf_args)) throw std::invalid_argument("CAF options: " + caf::actor_system_config::render(err));
+  caf_options_validate(ccfg);
   ccfg.load<caf::io::middleman>();
   if (!topo.find(node)->has("controller")) return run_remote_node(ccfg, topo, node);
 
-  const std::string run_dir = c.run_dir.empty() ? "runs/" + cfg.name : c.run_dir;
-  if (c.resume && !fs::is_directory(run_dir)) throw std::invalid_argument(run_dir + ": --resume but no such run directory");
+  const std::string run_dir = run_dir_choose(c.run_dir, cfg.name, c.resume, c.overwrite);
+  if (c.run_dir.empty() && !c.resume && run_dir != "runs/" + cfg.name)
+    log_get("train")->info("runs/{} holds an earlier run; this run writes {}", cfg.name, run_dir);
   fs::create_directories(run_dir);
   uint64_t start_version = 0;
   const std::string init_dir = prepare_init(cfg, run_dir, c.resume, &start_version);

@@ -1,11 +1,13 @@
 // tests/actors/config_test.cpp -- recipes and topologies: strict validation naming file and key,
-// CLI overrides, dump -> reload, every shipped file, and the Llama-3.1-8B 8-GPU placement plan.
+// CLI overrides, dump -> reload, every shipped file, the Llama-3.1-8B 8-GPU placement plan, and
+// which run directory `fp8rl train` writes (an earlier run is never overwritten unasked).
 #include <gtest/gtest.h>
 
 #include <filesystem>
 #include <fstream>
 
 #include "actors/recipe.hpp"
+#include "actors/run_dir.hpp"
 #include "actors/topology.hpp"
 #include "models/log.hpp"
 
@@ -158,4 +160,58 @@ TEST(Topology, BadFilesNameNodeAndKey) {
   const auto f6 = write_tmp("t6.conf", "[cluster]\nnodes=[{name=\"a\", roles=[\"controller\"]}\n");  // never closed
   EXPECT_NE(error_of([&] { topology_load(f6); }).find("is never closed"), std::string::npos);
   for (const auto& f : {f1, f2, f3, f4, f5, f6}) fs::remove(f);
+}
+
+TEST(RunDir, AnEarlierRunIsNeverOverwrittenUnasked) {
+  const fs::path root = fs::temp_directory_path() / ("fp8rl_rundir_" + std::to_string(::getpid()));
+  fs::remove_all(root);
+  fs::create_directories(root);
+  const fs::path cwd = fs::current_path();
+  fs::current_path(root);  // the default directories are relative: runs/NAME
+  auto started = [](const std::string& d) {  // what a run that started leaves
+    fs::create_directories(fs::path(d) / "checkpoints");
+    std::ofstream(fs::path(d) / "recipe.conf") << "[run]\n";
+    std::ofstream(fs::path(d) / "metrics.jsonl") << "{\"step\":1}\n";
+  };
+  EXPECT_EQ(run_dir_choose("", "x", false, false), "runs/x");
+  EXPECT_NE(error_of([] { run_dir_choose("", "x", true, false); }).find("runs/x: --resume but no such run directory"),
+            std::string::npos);
+  // a run refused by its preflight leaves only checkpoints/init: the next run may use the dir
+  fs::create_directories("runs/x/checkpoints/init");
+  EXPECT_TRUE(run_dir_outputs("runs/x").empty());
+  started("runs/x");
+  EXPECT_EQ(run_dir_outputs("runs/x"), (std::vector<std::string>{"recipe.conf", "metrics.jsonl"}));
+  EXPECT_EQ(run_dir_choose("", "x", false, false), "runs/x-2");  // the default moves on
+  started("runs/x-2");
+  EXPECT_EQ(run_dir_choose("", "x", false, false), "runs/x-3");
+  EXPECT_EQ(run_dir_choose("", "x", true, false), "runs/x-2");  // --resume: the newest
+  // an explicit directory holding a run is refused, naming it and the way out, and kept
+  const std::string err = error_of([] { run_dir_choose("runs/x", "x", false, false); });
+  EXPECT_NE(err.find("runs/x: holds an earlier run (recipe.conf, metrics.jsonl)"), std::string::npos) << err;
+  EXPECT_NE(err.find("--overwrite"), std::string::npos) << err;
+  EXPECT_TRUE(fs::exists("runs/x/metrics.jsonl"));
+  EXPECT_EQ(run_dir_choose("runs/x", "x", true, false), "runs/x");
+  EXPECT_NE(error_of([] { run_dir_choose("runs/x", "x", true, true); }).find("give one"), std::string::npos);
+  // --overwrite removes what runs write, and only that
+  std::ofstream("runs/x/notes.txt") << "mine\n";
+  EXPECT_EQ(run_dir_choose("runs/x", "x", false, true), "runs/x");
+  EXPECT_FALSE(fs::exists("runs/x/metrics.jsonl"));
+  EXPECT_FALSE(fs::exists("runs/x/checkpoints"));
+  EXPECT_TRUE(fs::exists("runs/x/notes.txt"));
+  std::ofstream("runs/file") << "";
+  EXPECT_NE(error_of([] { run_dir_choose("runs/file", "x", false, false); }).find("runs/file: exists and is not a directory"),
+            std::string::npos);
+  fs::current_path(cwd);
+  fs::remove_all(root);
+}
+
+TEST(Recipe, RunNameMustBeAPlainDirectoryName) {
+  for (const char* bad : {"", "../up", ".hidden", "a/b", "a b"}) {
+    run_config r;
+    r.name = bad;
+    EXPECT_NE(error_of([&] { recipe_validate(r); }).find("recipe key 'run.name'"), std::string::npos) << bad;
+  }
+  run_config ok;
+  ok.name = "exp-1.2_b";
+  EXPECT_EQ(error_of([&] { recipe_validate(ok); }), "");
 }

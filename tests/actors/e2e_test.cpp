@@ -100,6 +100,7 @@ TEST(E2E, EmbeddedDefaultRunsAndResumes) {
   fails_naming("--resume --run-dir " + d.string() + kSmall + " --run.steps=8", "state.json: not a valid JSON object");
   std::ofstream(state) << nlohmann::json{{"weight_version", 5}}.dump();
   fails_naming("--resume --run-dir " + d.string() + kSmall + " --run.steps=8", "contradicts its directory step_6");
+  fails_naming("--run-dir " + d.string() + kSmall, "holds an earlier run");  // a new run truncated metrics.jsonl
   EXPECT_EQ(text_of(d / "recipe.conf"), recipe);  // a failed resume rewrote it with this invocation's recipe
   EXPECT_EQ(text_of(d / "metrics.jsonl"), before);
   fs::remove_all(d);
@@ -111,6 +112,16 @@ TEST(E2E, BadRecipeKeyFailsWithItsName) {
   const auto r = fp8rl::test::run_command(kBin + "/fp8rl train --recipe " + (d / "r.conf").string());
   EXPECT_NE(r.rc, 0);
   EXPECT_NE(r.out.find("rollout.slotz"), std::string::npos) << r.out;
+  // CAF's own options: an unknown atom made CAF fall back to its default silently
+  for (const auto& [arg, what] : std::vector<std::pair<std::string, std::string>>{
+           {"--scheduler.policy=shareing", "--scheduler.policy=shareing: must be one of stealing, sharing"},
+           {"--logger.console-verbosity=loud", "--logger.console-verbosity=loud: must be one of quiet"},
+           {"--scheduler.nope=1", "not_an_option"}}) {
+    const auto c = fp8rl::test::run_command(kBin + "/fp8rl train --run-dir " + (d / "run").string() + " " + arg);
+    EXPECT_NE(c.rc, 0) << arg;
+    EXPECT_NE(c.out.find(what), std::string::npos) << arg << "\n" << c.out;
+  }
+  EXPECT_FALSE(fs::exists(d / "run"));  // refused before anything is written
   fs::remove_all(d);
 }
 
