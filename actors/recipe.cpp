@@ -170,18 +170,41 @@ void config_file_precheck(const std::string& path) {
         open.pop_back();
       }
     }
+    if (quoted)  // CAF read it up to the end of the file, or cut it at the end of the line
+      throw std::invalid_argument(path + ":" + std::to_string(n) + ": a string is never closed (missing '\"')");
   }
   if (!open.empty())
     throw std::invalid_argument(path + ":" + std::to_string(open.back().second) + ": '" + std::string(1, open.back().first) +
                                 "' is never closed");
 }
 
-void recipe_load_file(run_config& r, const std::string& path) {
+caf::settings config_file_parse(const std::string& path) {
   config_file_precheck(path);
   auto parsed = caf::actor_system_config::parse_config_file(path.c_str());
-  if (!parsed) throw std::invalid_argument(path + ": " + caf::to_string(parsed.error()));
+  if (parsed) return std::move(*parsed);
+  const caf::error& err = parsed.error();
+  const caf::message& ctx = err.context();
+  if (err.category() != caf::atom("parser") || ctx.size() != 1 || !ctx.match_element<caf::settings>(0))
+    throw std::invalid_argument(path + ": " + caf::to_string(err));
+  const auto& where = ctx.get_as<caf::settings>(0);
+  int64_t line = caf::get_or(where, "line", int64_t{0}), column = caf::get_or(where, "column", int64_t{0});
+  const auto code = static_cast<caf::pec>(err.code());
+  std::string what = caf::to_string(code);
+  if (code == caf::pec::unexpected_newline || code == caf::pec::unexpected_eof) {
+    what = "the line ends where a value or closing character was expected";
+    if (column == 1 && line > 1) --line;  // CAF counts the newline it stopped at as the next line
+    column = 0;
+  } else if (code == caf::pec::unexpected_character) {
+    what = "unexpected character";
+  }
+  throw std::invalid_argument(path + ":" + std::to_string(line) + (column > 0 ? ":" + std::to_string(column) : std::string()) +
+                              ": " + what + " (CAF config syntax: key=value, [section], \"string\", [list])");
+}
+
+void recipe_load_file(run_config& r, const std::string& path) {
+  const caf::settings parsed = config_file_parse(path);
   auto keys = recipe_keys(r);
-  for (const auto& [section, value] : *parsed) {
+  for (const auto& [section, value] : parsed) {
     auto dict = caf::get_if<caf::config_value::dictionary>(&value);
     if (!dict) throw std::invalid_argument(path + ": '" + section + "' is not a [section]");
     bool known_section = false;

@@ -8,6 +8,7 @@
 // file (or flag) and the key; CAF's own parser accepts unknown file keys silently
 // (caf-0.17.md §6), so fp8rl walks the parsed settings itself.
 #pragma once
+#include <caf/settings.hpp>
 #include <cstdint>
 #include <string>
 #include <variant>
@@ -66,8 +67,12 @@ std::vector<recipe_key> recipe_keys(run_config& r);
 
 // What CAF 0.17's config parser lets through, checked first (recipes and topologies): the path
 // is a regular file, every '[' / '{' closes (an unclosed list made CAF drop the key silently),
-// and no key is set twice in a section (CAF kept the first). Throws naming file and line.
+// no string runs past its line, and no key is set twice in a section (CAF kept the first).
+// Throws naming file and line.
 void config_file_precheck(const std::string& path);
+// config_file_precheck, then CAF's parser; a parse error names the file and the line at fault
+// (CAF reports an unexpected end of line at column 1 of the next line).
+caf::settings config_file_parse(const std::string& path);
 // Applies a recipe file (CAF config syntax) over r. Throws std::invalid_argument naming the file
 // and key (unknown section/key, wrong type).
 void recipe_load_file(run_config& r, const std::string& path);

@@ -48,15 +48,13 @@ const node_spec* topology::find(const std::string& name) const {
 }
 
 topology topology_load(const std::string& path) {
-  config_file_precheck(path);
-  auto parsed = caf::actor_system_config::parse_config_file(path.c_str());
-  if (!parsed) throw std::invalid_argument(path + ": " + caf::to_string(parsed.error()));
+  auto parsed = config_file_parse(path);
   topology t;
   t.source = path;
-  for (const auto& [section, v] : *parsed)
+  for (const auto& [section, v] : parsed)
     if (section != "cluster") throw std::invalid_argument(path + ": unknown section [" + section + "]");
-  auto cit = parsed->find("cluster");
-  auto cluster = cit == parsed->end() ? nullptr : caf::get_if<caf::config_value::dictionary>(&cit->second);
+  auto cit = parsed.find("cluster");
+  auto cluster = cit == parsed.end() ? nullptr : caf::get_if<caf::config_value::dictionary>(&cit->second);
   if (!cluster) throw std::invalid_argument(path + ": [cluster] missing");
   for (const auto& [k, v] : *cluster)
     if (k != "nodes") throw std::invalid_argument(path + ": unknown key 'cluster." + k + "'");

@@ -69,7 +69,16 @@ TEST(Recipe, MalformedFilesAndOutOfRangeValuesNameTheirKey) {
     recipe_apply_cli(x, arg);
     EXPECT_NE(error_of([&] { recipe_validate(x); }).find("'" + key + "'"), std::string::npos) << arg;
   }
-  for (const auto& f : {open, twice, fine}) fs::remove(f);
+  // CAF's parse errors name the line at fault (CAF counts an unexpected end of line as the next
+  // line's column 1); a string left open ran to the end of the file
+  const auto empty_value = write_tmp("empty.conf", "[run]\nsteps=3\nname=\n[rollout]\nslots=4\n");
+  EXPECT_NE(error_of([&] { recipe_load_file(r, empty_value); }).find(empty_value + ":3: the line ends"), std::string::npos)
+      << error_of([&] { recipe_load_file(r, empty_value); });
+  const auto escape = write_tmp("escape.conf", "[run]\nsteps=4\nname=\"a\\q\"\n");
+  EXPECT_NE(error_of([&] { recipe_load_file(r, escape); }).find(escape + ":3:10: illegal_escape_sequence"), std::string::npos);
+  const auto unclosed = write_tmp("unclosed.conf", "[run]\nsteps=4\nname=\"abc");
+  EXPECT_NE(error_of([&] { recipe_load_file(r, unclosed); }).find(unclosed + ":3: a string is never closed"), std::string::npos);
+  for (const auto& f : {open, twice, fine, empty_value, escape, unclosed}) fs::remove(f);
 }
 
 TEST(Recipe, CliOverridesAndDumpRoundTrip) {
