@@ -18,6 +18,7 @@ std::shared_ptr<const actor_env> env_make(const run_config& cfg, const std::stri
   e->node = node;
   e->run_dir = run_dir;
   e->init_dir = init_dir;
+  e->ref_dir = cfg.init == "tiny" ? (std::filesystem::path(run_dir) / "checkpoints" / "init").string() : cfg.init;
   e->start_version = start_version;
   e->run_id = run_id;
   e->model = models::model_config_load((std::filesystem::path(init_dir) / "config.json").string());

@@ -16,6 +16,8 @@ struct actor_env {
   run_config cfg;
   models::rl_run_config rl;
   std::string node, run_dir, init_dir;  // init_dir: checkpoint the run starts from
+  std::string ref_dir;                  // the KL reference policy (grpo.kl_beta > 0): the run's first
+                                        // weights, model.init or RUN_DIR/checkpoints/init, also on resume
   uint64_t start_version = 0;           // resume: weight_version of init_dir
   std::string run_id;                   // unique per launch (rendezvous keys, e.g. Gloo)
   models::model_config model;

@@ -42,6 +42,8 @@ struct learner_state {
   models::dataset train, val;
   std::shared_ptr<gloo::Context> gloo;
   std::deque<std::pair<uint64_t, std::vector<float>>> past;  // audit: recent master weights by version
+  models::model_params ref;                                  // KL reference (grpo.kl_beta > 0) and
+  std::unique_ptr<models::model_weights> ref_w;              // its compute weights, built once
 };
 
 using clk = std::chrono::steady_clock;
@@ -182,6 +184,10 @@ msg::learner_actor spawn_learner(caf::actor_system& sys, std::shared_ptr<const a
     st.run = std::make_unique<models::model_runner>(*st.be);
     st.ck = models::checkpoint_load(env->init_dir);
     st.version = env->start_version;
+    if (env->cfg.kl_beta > 0) {
+      st.ref = models::checkpoint_load(env->ref_dir).params;
+      st.ref_w = models::model_weights_build(*st.be, st.ref.cfg, env->rl.train_policy.training(), {&st.ref, nullptr, nullptr}, false);
+    }
     st.end_version = static_cast<uint64_t>(env->cfg.steps);
     const auto task = models::task_spec_parse(env->cfg.task);
     st.train = models::task_load(task, false, env->cfg.train_size, static_cast<uint64_t>(env->cfg.seed));
@@ -215,7 +221,8 @@ msg::learner_actor spawn_learner(caf::actor_system& sys, std::shared_ptr<const a
                   s.arena->execute([&] {
                     auto w = models::model_weights_build(*s.be, s.ck.params.cfg, s.env->rl.train_policy.training(),
                                                          {&s.ck.params, nullptr, nullptr}, true);
-                    lo = models::learner_grpo(*s.run, *w, b.samples, s.env->rl.grpo, b.n_global, s.version, nullptr, s.env->rl.proc);
+                    lo = models::learner_grpo(*s.run, *w, b.samples, s.env->rl.grpo, b.n_global, s.version, s.ref_w.get(),
+                                              s.env->rl.proc);
                     allreduce(s, lo.grads);
                     if (s.env->cfg.audit_every > 0 && s.env->cfg.max_staleness > 0) {
                       s.past.emplace_back(s.version, s.ck.params.data);

@@ -280,7 +280,12 @@ std::string prepare_init(const run_config& cfg, const std::string& run_dir, bool
 // the model's vocabulary, both task splits, and metrics.jsonl for appending (a resumed run
 // drops a partial last line a crash left, with a warning).
 void run_preflight(const actor_env& env, bool resume) {
-  models::checkpoint_load(env.init_dir);
+  const auto start = models::checkpoint_load(env.init_dir);
+  if (env.cfg.kl_beta > 0 && env.ref_dir != env.init_dir) {
+    const auto ref = models::checkpoint_load(env.ref_dir);
+    if (ref.params.data.size() != start.params.data.size())
+      throw std::invalid_argument(env.ref_dir + ": the KL reference (grpo.kl_beta > 0) does not have the shape of " + env.init_dir);
+  }
   if (env.tok->vocab_size() > env.model.vocab_size)
     throw std::invalid_argument(env.init_dir + ": the tokenizer has " + std::to_string(env.tok->vocab_size()) +
                                 " tokens, config.json's vocab_size is " + std::to_string(env.model.vocab_size));

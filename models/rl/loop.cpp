@@ -79,7 +79,12 @@ metric_map rl_sync_step(rl_state& st, generation_engine& eng, const dataset& tra
   auto be = make_cpu_backend();
   model_runner run(*be);
   auto w = model_weights_build(*be, st.params.cfg, cfg.train_policy.training(), {&st.params, nullptr, nullptr}, true);
-  learner_out lo = learner_grpo(run, *w, samples, cfg.grpo, N, st.version, nullptr, cfg.proc);
+  std::unique_ptr<model_weights> ref;
+  if (cfg.grpo.kl_beta > 0) {
+    if (!st.ref) throw std::invalid_argument("rl_sync_step: grpo.kl_beta > 0 needs the reference weights (rl_state::ref)");
+    ref = model_weights_build(*be, st.ref->cfg, cfg.train_policy.training(), {st.ref.get(), nullptr, nullptr}, false);
+  }
+  learner_out lo = learner_grpo(run, *w, samples, cfg.grpo, N, st.version, ref.get(), cfg.proc);
   const double gnorm = adamw_step(cfg.opt, st.params.layout, st.params.data.data(), lo.grads.data(), st.opt);
   metric_map m = lo.loss.metrics;
   rl_batch_metrics(samples, st.version, m);

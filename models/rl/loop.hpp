@@ -27,6 +27,7 @@ struct rl_state {
   uint64_t version = 0;        // weight_version of params
   uint64_t prompt_cursor = 0;  // next prompt of the training set
   std::vector<std::vector<int32_t>> last_trained;  // sequences of the last step (calibration batch)
+  std::shared_ptr<const model_params> ref;  // KL reference policy (grpo.kl_beta > 0): the initial weights
 };
 
 // Per-layer, per-head Q/K/V scales from forward passes over `batches` with the given weights

@@ -1,6 +1,6 @@
 // tests/actors/e2e_test.cpp -- the whole system as users run it, with real processes on loopback:
 // the embedded default for a few steps (+ --resume), max_staleness = 0 reproducing the
-// synchronous loop's metrics bit for bit, two processes via caf-run (FP8 KV cache), and killing
+// synchronous loop's metrics bit for bit (with the KL penalty), two processes via caf-run (FP8 KV cache), and killing
 // the remote rollout process mid-run (the run finishes, every group is counted once); the AMX
 // tiles recipe.
 #include <gtest/gtest.h>
@@ -128,7 +128,7 @@ TEST(E2E, BadRecipeKeyFailsWithItsName) {
 TEST(E2E, StalenessZeroReproducesTheSynchronousLoop) {
   const fs::path d = fresh_dir("sync");
   const std::string flags = " --run.steps=3 --run.eval_every=0 --run.checkpoint_every=0 --model.sft_steps=60"
-                            " --rollout.prompts_per_step=8 --async.max_staleness=0";
+                            " --rollout.prompts_per_step=8 --async.max_staleness=0 --grpo.kl_beta=0.05";
   ASSERT_EQ(run(kBin + "/fp8rl train --run-dir " + d.string() + flags), 0);
   const auto m = metrics(d);
   ASSERT_EQ(m.size(), 3u);
@@ -140,6 +140,7 @@ TEST(E2E, StalenessZeroReproducesTheSynchronousLoop) {
   const auto rc = fp8rl::actors::recipe_rl_config(cfg);
   fp8rl::models::rl_state st;
   st.params = fp8rl::models::checkpoint_load((d / "checkpoints" / "init").string()).params;
+  st.ref = std::make_shared<const fp8rl::models::model_params>(st.params);  // the KL reference: the initial policy
   auto tok = fp8rl::models::tokenizer_load((d / "checkpoints" / "init").string());
   const auto train = fp8rl::models::task_load(fp8rl::models::task_spec_parse(cfg.task), false, cfg.train_size,
                                               static_cast<uint64_t>(cfg.seed));
@@ -152,9 +153,14 @@ TEST(E2E, StalenessZeroReproducesTheSynchronousLoop) {
   for (int s = 0; s < 3; ++s) {
     auto want = fp8rl::models::rl_sync_step(st, eng, train, *tok, rc);
     for (const char* k : {"reward_mean", "loss", "token_mult_prob_error", "gen_kl_error", "grad_norm", "tokens",
-                          "sampling_importance_ratio", "approx_entropy"})
+                          "sampling_importance_ratio", "approx_entropy", "kl_penalty"})
       EXPECT_EQ(m[s][k].get<double>(), want[k]) << "step " << s + 1 << " " << k;
   }
+  // the KL term to the initial policy: 0 exactly while the policy is the initial one, then > 0
+  // (grpo.kl_beta > 0 used to fail every step: the learner had no reference weights)
+  EXPECT_EQ(m[0]["kl_penalty"].get<double>(), 0.0);
+  EXPECT_GT(m[1]["kl_penalty"].get<double>(), 0.0);
+  EXPECT_GT(m[2]["kl_penalty"].get<double>(), 0.0);
   fs::remove_all(d);
 }
 
