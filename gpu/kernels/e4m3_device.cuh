@@ -25,6 +25,7 @@ __device__ __forceinline__ uint8_t e4m3_encode(float x) {
 
 __device__ __forceinline__ float e4m3_decode(uint8_t b) {
   const int s = b >> 7, e = (b >> 3) & 15, m = b & 7;
+  if (e == 15 && m == 7) return __int_as_float(0x7fc00000);  // 0x7F / 0xFF: NaN (fp8-numerics §1), not +-480
   const float v = e ? ldexpf(1.0f + m / 8.0f, e - 7) : ldexpf(float(m), -9);
   return s ? -v : v;
 }

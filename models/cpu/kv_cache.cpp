@@ -163,6 +163,12 @@ int64_t cpu_kv_cache_write(kv_cache& cache, int64_t layer, const kv_step& st, co
           scaled[d] = kt[d] / k_scale[g];
           scaled[D + d] = vt[d] / v_scale[g];
         }
+        for (int64_t d = 0; d < 2 * D; ++d)
+          if (!std::isfinite(d < D ? kt[d] : vt[d - D]))  // the encoder would store NaN as 0x7F, Inf as 448
+            throw std::invalid_argument("kv_cache_write: layer " + std::to_string(layer) + ", KV head " + std::to_string(g) +
+                                        ", position " + std::to_string(p) + ": " + (d < D ? "K" : "V") + "[" +
+                                        std::to_string(d % D) + "] is " + std::to_string(d < D ? kt[d] : vt[d - D]) +
+                                        " (not finite; FP8 K/V cache)");
         for (float x : scaled) saturated += std::fabs(x) > 448.0f;
         quant::e4m3_encode_array(scaled.data(), 2 * D, codes.data());
         for (int64_t d = 0; d < D; ++d) {

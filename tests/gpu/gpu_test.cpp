@@ -179,6 +179,18 @@ TEST(GpuOps, Fp8KvCacheCodecIsBitExact) {
   gpu::gpu_kv_read_fp8(codes.data(), T, KV, D, ds.data(), back.data());
   const auto b = back.to_host();
   for (size_t i = 0; i < x.size(); ++i) ASSERT_EQ(b[i], quant::e4m3_to_float(c[i]) * scale[(i / D) % KV]) << i;
+  // every one of the 256 codes decodes as the CPU does (0x7F / 0xFF: NaN, not +-480)
+  std::vector<uint8_t> all(256 * KV * D / 256 * 8);
+  for (size_t i = 0; i < all.size(); ++i) all[i] = static_cast<uint8_t>(i);
+  auto dall = gpu::dbuf<uint8_t>::from(all);
+  gpu::dbuf<float> dec(all.size());
+  gpu::gpu_kv_read_fp8(dall.data(), static_cast<int64_t>(all.size() / (KV * D)), KV, D, ds.data(), dec.data());
+  const auto d = dec.to_host();
+  for (size_t i = 0; i < all.size(); ++i) {
+    const float want = quant::e4m3_to_float(all[i]) * scale[(i / D) % KV];
+    if (std::isnan(want)) EXPECT_TRUE(std::isnan(d[i])) << "code " << int(all[i]);
+    else ASSERT_EQ(d[i], want) << "code " << int(all[i]);
+  }
 }
 
 TEST(GpuOps, NcclSingleRankBroadcastRoundTrip) {

@@ -310,6 +310,28 @@ TEST(Generate, Fp8KvCacheMismatchIsMeasured) {
 // operands. Two tokens of two slots in one call (different n: per-thread scratch reused); the
 // positions past each token's own hold stale large values and layer 0 other values, so a read
 // past n or of the wrong layer changes the result.
+// fp8-numerics §0.2: NaN/Inf reaching the FP8 K/V cache is an error naming layer, head and
+// position (the encoder stored NaN as code 0x7F and Inf as 448 * scale, counted as saturation).
+TEST(Generate, NonFiniteKvIsRefusedByTheFp8Cache) {
+  auto be = make_cpu_backend();
+  const int64_t KV = 2, D = 64;
+  auto cache = be->kv_cache_create(1, 2, KV, D, 8, kv_dtype::fp8);
+  const std::vector<float> scale(static_cast<size_t>(KV), 1.0f / 64);
+  const int32_t slot = 0, pos = 3;
+  for (const float bad : {std::nanf(""), INFINITY}) {
+    std::vector<float> k(static_cast<size_t>(KV * D), 0.5f), v(k);
+    v[static_cast<size_t>(D + 5)] = bad;  // KV head 1, V[5]
+    try {
+      be->kv_cache_write(*cache, 1, {1, &slot, &pos}, k.data(), v.data(), scale.data(), scale.data());
+      ADD_FAILURE() << "accepted " << bad;
+    } catch (const std::invalid_argument& e) {
+      EXPECT_NE(std::string(e.what()).find("layer 1, KV head 1, position 3: V[5]"), std::string::npos) << e.what();
+    }
+  }
+  std::vector<float> k(static_cast<size_t>(KV * D), 0.5f);
+  EXPECT_EQ(be->kv_cache_write(*cache, 1, {1, &slot, &pos}, k.data(), k.data(), scale.data(), scale.data()), 0);
+}
+
 TEST(Generate, CachedAttentionEqualsOneQueryAtATime) {
   auto be = make_cpu_backend();
   uint32_t seed = 12345;
