@@ -231,6 +231,10 @@ msg::learner_actor spawn_learner(caf::actor_system& sys, std::shared_ptr<const a
                     gnorm = models::adamw_step(s.env->rl.opt, s.ck.params.layout, s.ck.params.data.data(), lo.grads.data(), s.ck.opt);
                   });
                   m = lo.loss.metrics;
+                  if (m["nonfinite_is_weights"] > 0)  // counted and raised (rl-algorithm.md §10), not only zeroed
+                    log_get("learner")->warn("step {}: {} tokens left the loss with a non-finite logprob or IS weight (e.g. "
+                                             "top-k/top-p no longer keeping a token sampled under older weights)",
+                                             s.version + 1, m["nonfinite_is_weights"]);
                   models::rl_batch_metrics(b.samples, s.version, m);
                   for (const auto& [k, v] : b.buffer_metrics) m[k] = v;
                   m["grad_norm"] = gnorm;

@@ -48,6 +48,13 @@ is_result is_weights(const token_batch_rl& b, const grpo_config& cfg) {
   is_result out;
   out.w.assign(static_cast<size_t>(n), 0.0f);
   out.mask = b.mask;
+  // a non-finite logprob leaves the step, counted: c = p = -inf where the learner's top-k/top-p
+  // no longer keeps a token sampled under older weights (its true weight pi_train/pi_inf is 0)
+  for (int64_t t = 0; t < n; ++t)
+    if (out.mask[t] > 0 && !(std::isfinite(b.c[t]) && std::isfinite(b.p[t]) && std::isfinite(b.g[t]))) {
+      ++out.nonfinite;
+      out.mask[t] = 0.0f;
+    }
   // optional sequence filter on e_i = mean_t exp(|g - p|)
   if (cfg.seq_logprob_error_threshold > 0.0f) {
     std::vector<double> e(static_cast<size_t>(b.n_seqs), 0.0), cnt(static_cast<size_t>(b.n_seqs), 0.0);
@@ -62,8 +69,9 @@ is_result is_weights(const token_batch_rl& b, const grpo_config& cfg) {
   std::vector<double> seq_sum(static_cast<size_t>(b.n_seqs), 0.0), seq_cnt(static_cast<size_t>(b.n_seqs), 0.0);
   for (int64_t t = 0; t < n; ++t) {
     double w = std::exp(static_cast<double>(b.p[t]) - b.g[t]);
-    if (!std::isfinite(w)) {
+    if (!std::isfinite(w)) {  // exp overflow: out of the step, counted
       if (out.mask[t] > 0) ++out.nonfinite;
+      out.mask[t] = 0.0f;
       w = 0.0;
     }
     float wt = static_cast<float>(w);

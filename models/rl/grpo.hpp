@@ -52,7 +52,7 @@ using metric_map = std::map<std::string, double>;
 // logprob-error filter. Non-finite raw weights become 0 and are counted in metrics.
 struct is_result {
   std::vector<float> w;     // w~ [n]
-  std::vector<float> mask;  // effective mask [n] (sequence filter applied)
+  std::vector<float> mask;  // effective mask [n]: sequence filter applied, non-finite tokens removed
   int64_t nonfinite = 0, oob = 0, oob_seqs = 0, masked_seqs = 0;
 };
 is_result is_weights(const token_batch_rl& b, const grpo_config& cfg);

@@ -135,6 +135,23 @@ TEST(Grpo, NonFiniteWeightsAreZeroedAndCounted) {
   EXPECT_EQ(is.w[1], 0.0f);
   EXPECT_EQ(is.w[2], 0.0f);
   EXPECT_EQ(is.nonfinite, 2);
+  EXPECT_EQ(is.mask, (std::vector<float>{1, 0, 0}));  // out of the loss and the metrics
+  // the learner's top-k/top-p no longer keeping a token sampled under older weights: c = p = -inf
+  // (the loss was NaN and every mismatch metric Inf/NaN, with nothing counted)
+  for (is_mode mode : {is_mode::none, is_mode::tis, is_mode::icepop, is_mode::seq_mask_tis}) {
+    cfg.is = mode;
+    cfg.is_lo = 0.5f;
+    token_batch_rl k = b;
+    k.g = {-1.0f, -0.7f, -0.5f};
+    k.c = {-1.0f, -INFINITY, -0.5f};
+    k.p = k.c;
+    const loss_result r = policy_loss(k, cfg, 3.0);
+    EXPECT_TRUE(std::isfinite(r.loss)) << is_mode_name(mode);
+    for (const auto& [name, v] : r.metrics) EXPECT_TRUE(std::isfinite(v)) << name << " " << is_mode_name(mode);
+    EXPECT_EQ(r.metrics.at("nonfinite_is_weights"), 1.0);
+    EXPECT_EQ(r.dc[1], 0.0f);
+    EXPECT_NEAR(r.loss, -(1.0 + 1.0) / 3.0, 1e-12) << is_mode_name(mode);  // tokens 0 and 2: w = r = 1, A = 1
+  }
 }
 
 TEST(Grpo, AsyncVariantReducesToOnPolicyLoss) {
@@ -155,7 +172,9 @@ TEST(Grpo, AsyncVariantReducesToOnPolicyLoss) {
       EXPECT_NEAR(r.dc[t], -b.mask[t] * b.adv[t] / N, 1e-7);
     }
     EXPECT_NEAR(r.loss, want, 1e-9);
-    EXPECT_NEAR(r.metrics.at("token_mult_prob_error"), b.size() ? r.metrics.at("token_mult_prob_error") : 1.0, 0);
+    double msum = 0;
+    for (float m : b.mask) msum += m;
+    EXPECT_NEAR(r.metrics.at("token_mult_prob_error"), msum / N, 1e-12);  // g = p: exp(0) per masked-in token
     EXPECT_EQ(r.metrics.at("clip_fraction"), 0.0);
   }
 }
