@@ -17,6 +17,7 @@
 #include <deque>
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <nlohmann/json.hpp>
 
 #include "actors/actors.hpp"
@@ -126,11 +127,14 @@ void checkpoint(learner_state& s, uint64_t prompt_cursor) {
   std::ofstream(fs::path(s.env->run_dir) / "checkpoints" / "latest") << dir.filename().string() << "\n";
 }
 
-// Re-scores sampled trajectories at their behaviour version in BF16 (q_t): log w = (c - q) + (q - g).
+// Re-scores sampled trajectories at their behaviour version in BF16 (q_t): log w = (c - q) + (q - g),
+// with c_t the learner's logprob inside this step (the weights before its update).
 void audit_into(learner_state& s, const std::vector<models::rl_sample>& samples, msg::metrics_t& m) {
   models::precision_policy bf = models::precision_policy::named("bf16");
   double stale_kl = 0, prec_kl = 0, prec_tmpe = 0, n = 0;
   const int64_t want = s.env->cfg.audit_samples;
+  auto wc = models::model_weights_build(*s.be, s.ck.params.cfg, s.env->rl.train_policy.training(), {&s.ck.params, nullptr, nullptr}, false);
+  std::map<uint64_t, std::unique_ptr<models::model_weights>> wq_of;  // BF16 weights of each behaviour version
   for (const auto& smp : samples) {
     if (n >= double(want) * 8 || smp.response.empty()) break;
     const uint64_t v = smp.weight_version.front();
@@ -139,10 +143,12 @@ void audit_into(learner_state& s, const std::vector<models::rl_sample>& samples,
     if (v == s.version) w = &s.ck.params.data;
     for (const auto& [pv, pw] : s.past) if (pv == v) w = &pw;
     if (!w) continue;
-    models::model_params p = s.ck.params;
-    p.data = *w;
-    auto wq = models::model_weights_build(*s.be, p.cfg, bf, {&p, nullptr, nullptr}, false);
-    auto wc = models::model_weights_build(*s.be, p.cfg, s.env->rl.train_policy.training(), {&s.ck.params, nullptr, nullptr}, false);
+    auto& wq = wq_of[v];
+    if (!wq) {
+      models::model_params p = s.ck.params;
+      p.data = *w;
+      wq = models::model_weights_build(*s.be, p.cfg, bf, {&p, nullptr, nullptr}, false);
+    }
     models::token_batch b;
     auto seq = smp.prompt;
     seq.insert(seq.end(), smp.response.begin(), smp.response.end());
@@ -217,6 +223,7 @@ msg::learner_actor spawn_learner(caf::actor_system& sys, std::shared_ptr<const a
                   const auto t_train = clk::now();
                   trace_span span("learner" + std::to_string(s.rank), "train_step", static_cast<int64_t>(s.version));
                   models::learner_out lo;
+                  msg::metrics_t audit;
                   double gnorm = 0;
                   s.arena->execute([&] {
                     auto w = models::model_weights_build(*s.be, s.ck.params.cfg, s.env->rl.train_policy.training(),
@@ -228,6 +235,8 @@ msg::learner_actor spawn_learner(caf::actor_system& sys, std::shared_ptr<const a
                       s.past.emplace_back(s.version, s.ck.params.data);
                       while (s.past.size() > static_cast<size_t>(s.env->cfg.max_staleness + 1)) s.past.pop_front();
                     }
+                    if (s.rank == 0 && s.env->cfg.audit_every > 0 && (s.version + 1) % static_cast<uint64_t>(s.env->cfg.audit_every) == 0)
+                      audit_into(s, b.samples, audit);  // before the update: c_t is this step's logprob
                     gnorm = models::adamw_step(s.env->rl.opt, s.ck.params.layout, s.ck.params.data.data(), lo.grads.data(), s.ck.opt);
                   });
                   m = lo.loss.metrics;
@@ -237,6 +246,7 @@ msg::learner_actor spawn_learner(caf::actor_system& sys, std::shared_ptr<const a
                                              s.version + 1, m["nonfinite_is_weights"]);
                   models::rl_batch_metrics(b.samples, s.version, m);
                   for (const auto& [k, v] : b.buffer_metrics) m[k] = v;
+                  for (const auto& [k, v] : audit) m[k] = v;
                   m["grad_norm"] = gnorm;
                   m["tokens"] = b.n_global;
                   m["wait_batch_s"] = std::chrono::duration<double>(t_train - t_wait).count();
@@ -253,8 +263,6 @@ msg::learner_actor spawn_learner(caf::actor_system& sys, std::shared_ptr<const a
                     }
                     self->send(s.peers.calibration, std::move(pm));
                     const bool last = s.version >= s.end_version;
-                    if (s.env->cfg.audit_every > 0 && s.version % static_cast<uint64_t>(s.env->cfg.audit_every) == 0)
-                      s.arena->execute([&] { audit_into(s, b.samples, m); });
                     if (last || (s.env->cfg.eval_every > 0 && s.version % static_cast<uint64_t>(s.env->cfg.eval_every) == 0))
                       s.arena->execute([&] { evaluate_into(s, m); });
                     if (last || (s.env->cfg.checkpoint_every > 0 && s.version % static_cast<uint64_t>(s.env->cfg.checkpoint_every) == 0))

@@ -247,5 +247,19 @@ TEST(E2E, TwoLearnersAllReduceAndAuditMode) {
   bool audited = false;
   for (const auto& x : m) audited |= x.contains("audit/precision_kl") && x.contains("audit/staleness_kl");
   EXPECT_TRUE(audited);
+  // BF16 on both sides, staleness 0: the staleness part of the split is 0 exactly at every step
+  // (the audit used the weights after the update, 1.29 at step 1; with max_staleness 0 it
+  // reported nothing)
+  ASSERT_EQ(run(kBin + "/fp8rl train --run-dir " + (d / "bf16").string() + kSmall +
+                " --audit.every=1 --audit.samples=4 --async.max_staleness=0 --precision.training=bf16"
+                " --precision.generation=bf16"),
+            0);
+  const auto b = metrics(d / "bf16");
+  ASSERT_EQ(b.size(), 4u);
+  for (const auto& x : b) {
+    ASSERT_TRUE(x.contains("audit/staleness_kl")) << x.dump();
+    EXPECT_EQ(x["audit/staleness_kl"].get<double>(), 0.0) << x.dump();
+    EXPECT_GT(x["audit/tokens"].get<double>(), 0.0);
+  }
   fs::remove_all(d);
 }
