@@ -256,11 +256,7 @@ msg::learner_actor spawn_learner(caf::actor_system& sys, std::shared_ptr<const a
                     msg::params_msg pm;
                     pm.version = s.version;
                     pm.params = snapshot_params(s);
-                    for (const auto& x : b.samples) {
-                      auto seq = x.prompt;
-                      seq.insert(seq.end(), x.response.begin(), x.response.end());
-                      pm.calib.push_back(std::move(seq));
-                    }
+                    pm.calib = std::move(b.calib);  // the whole step's batch, every rank's shard
                     self->send(s.peers.calibration, std::move(pm));
                     const bool last = s.version >= s.end_version;
                     if (last || (s.env->cfg.eval_every > 0 && s.version % static_cast<uint64_t>(s.env->cfg.eval_every) == 0))

@@ -101,6 +101,12 @@ msg::buffer_actor spawn_buffer(caf::actor_system& sys, std::shared_ptr<const act
         b.n_global = n;
         int64_t i = 0;
         for (const auto& [pid, g] : groups) {
+          for (const auto& x : g.samples)
+            if (pb.rank == 0) {
+              auto seq = x.prompt;
+              seq.insert(seq.end(), x.response.begin(), x.response.end());
+              b.calib.push_back(std::move(seq));
+            }
           if (i++ % pb.world != pb.rank) continue;
           for (const auto& x : g.samples) b.samples.push_back(x);
         }

@@ -89,6 +89,8 @@ struct batch_msg {
   double n_global = 0;  // masked response tokens over the whole global batch
   std::vector<models::rl_sample> samples;
   std::map<std::string, double> buffer_metrics;  // admission / drops / staleness
+  std::vector<std::vector<int32_t>> calib;       // rank 0 only: prompt + response of every sample of the
+                                                 // step, all ranks' (calibration: rl-algorithm.md §5)
 };
 
 // Updated master weights after a step (learner -> calibration); shared in-process.
@@ -201,7 +203,7 @@ typename Inspector::result_type inspect(Inspector& f, group_msg& x) {
 }
 template <class Inspector>
 typename Inspector::result_type inspect(Inspector& f, batch_msg& x) {
-  return f(caf::meta::type_name("batch_msg"), x.trace, x.step, x.n_global, x.samples, x.buffer_metrics);
+  return f(caf::meta::type_name("batch_msg"), x.trace, x.step, x.n_global, x.samples, x.buffer_metrics, x.calib);
 }
 
 // weight_bundle as one record of raw byte runs
