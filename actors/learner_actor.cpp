@@ -69,6 +69,33 @@ void allreduce(learner_state& s, std::vector<float>& g) {
   ar.run();
 }
 
+// Several learners: each rank's c_t (and reference logprobs) go to their places in the step's
+// token vector (a sum all-reduce of zeros elsewhere: exact), and rank 0 recomputes the step
+// metrics on all of it; its own shard's metrics covered half the tokens with the global N
+// (token_mult_prob_error ~0.5 with two learners).
+void gather_metrics(learner_state& s, const msg::batch_msg& b, models::learner_out& lo) {
+  const size_t n = static_cast<size_t>(b.n_global);
+  const bool kl = !lo.tokens.ref.empty() || s.ref_w;
+  std::vector<float> c(n, 0.0f), ref(kl ? n : 0, 0.0f);
+  size_t k = 0;
+  for (size_t i = 0; i < b.samples.size(); ++i)
+    for (size_t j = 0; j < b.samples[i].response.size(); ++j, ++k) {
+      const size_t at = static_cast<size_t>(b.offsets.at(i)) + j;
+      if (at >= n) throw std::runtime_error("gather_metrics: token offset past the step's " + std::to_string(n) + " tokens");
+      c[at] = lo.tokens.c[k];
+      if (kl) ref[at] = lo.tokens.ref[k];
+    }
+  allreduce(s, c);
+  if (kl) allreduce(s, ref);
+  if (s.rank != 0) return;
+  models::token_batch_rl all = models::rl_tokens(b.all_samples);
+  if (all.g.size() != n) throw std::runtime_error("gather_metrics: rank 0 got " + std::to_string(all.g.size()) + " of " + std::to_string(n) + " tokens");
+  all.c = c;
+  all.p = std::move(c);
+  all.ref = std::move(ref);
+  lo.loss.metrics = models::learner_metrics(all, s.env->rl.grpo, b.n_global, s.version);
+}
+
 // A copy of the master weights for calibration. The previous snapshot's buffer is reused once
 // nobody else holds it (calibration done; only this actor hands out references), so steady-state
 // steps copy into memory that is already mapped instead of faulting in a fresh buffer.
@@ -231,6 +258,7 @@ msg::learner_actor spawn_learner(caf::actor_system& sys, std::shared_ptr<const a
                     lo = models::learner_grpo(*s.run, *w, b.samples, s.env->rl.grpo, b.n_global, s.version, s.ref_w.get(),
                                               s.env->rl.proc);
                     allreduce(s, lo.grads);
+                    if (s.world > 1) gather_metrics(s, b, lo);
                     if (s.env->cfg.audit_every > 0 && s.env->cfg.max_staleness > 0) {
                       s.past.emplace_back(s.version, s.ck.params.data);
                       while (s.past.size() > static_cast<size_t>(s.env->cfg.max_staleness + 1)) s.past.pop_front();
@@ -239,12 +267,12 @@ msg::learner_actor spawn_learner(caf::actor_system& sys, std::shared_ptr<const a
                       audit_into(s, b.samples, audit);  // before the update: c_t is this step's logprob
                     gnorm = models::adamw_step(s.env->rl.opt, s.ck.params.layout, s.ck.params.data.data(), lo.grads.data(), s.ck.opt);
                   });
-                  m = lo.loss.metrics;
+                  m = lo.loss.metrics;  // several learners: rank 0's are the whole step's (gather_metrics)
                   if (m["nonfinite_is_weights"] > 0)  // counted and raised (rl-algorithm.md §10), not only zeroed
                     log_get("learner")->warn("step {}: {} tokens left the loss with a non-finite logprob or IS weight (e.g. "
                                              "top-k/top-p no longer keeping a token sampled under older weights)",
                                              s.version + 1, m["nonfinite_is_weights"]);
-                  models::rl_batch_metrics(b.samples, s.version, m);
+                  models::rl_batch_metrics(b.all_samples.empty() ? b.samples : b.all_samples, s.version, m);
                   for (const auto& [k, v] : b.buffer_metrics) m[k] = v;
                   for (const auto& [k, v] : audit) m[k] = v;
                   m["grad_norm"] = gnorm;
@@ -256,7 +284,11 @@ msg::learner_actor spawn_learner(caf::actor_system& sys, std::shared_ptr<const a
                     msg::params_msg pm;
                     pm.version = s.version;
                     pm.params = snapshot_params(s);
-                    pm.calib = std::move(b.calib);  // the whole step's batch, every rank's shard
+                    for (const auto& x : b.all_samples.empty() ? b.samples : b.all_samples) {  // every rank's shard
+                      auto seq = x.prompt;
+                      seq.insert(seq.end(), x.response.begin(), x.response.end());
+                      pm.calib.push_back(std::move(seq));
+                    }
                     self->send(s.peers.calibration, std::move(pm));
                     const bool last = s.version >= s.end_version;
                     if (last || (s.env->cfg.eval_every > 0 && s.version % static_cast<uint64_t>(s.env->cfg.eval_every) == 0))

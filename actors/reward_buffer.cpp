@@ -99,16 +99,17 @@ msg::buffer_actor spawn_buffer(caf::actor_system& sys, std::shared_ptr<const act
         msg::batch_msg b;
         b.step = step;
         b.n_global = n;
-        int64_t i = 0;
+        int64_t i = 0, offset = 0;
         for (const auto& [pid, g] : groups) {
-          for (const auto& x : g.samples)
-            if (pb.rank == 0) {
-              auto seq = x.prompt;
-              seq.insert(seq.end(), x.response.begin(), x.response.end());
-              b.calib.push_back(std::move(seq));
+          const bool mine = i++ % pb.world == pb.rank;
+          for (const auto& x : g.samples) {
+            if (pb.world > 1 && pb.rank == 0) b.all_samples.push_back(x);
+            if (mine) {
+              b.samples.push_back(x);
+              if (pb.world > 1) b.offsets.push_back(offset);
             }
-          if (i++ % pb.world != pb.rank) continue;
-          for (const auto& x : g.samples) b.samples.push_back(x);
+            offset += static_cast<int64_t>(x.response.size());
+          }
         }
         b.buffer_metrics = {{"buffer/admitted_total", double(s.admitted)}, {"buffer/dropped_stale_total", double(s.dropped_stale)},
                             {"buffer/dropped_duplicate_total", double(s.dropped_dup)}};

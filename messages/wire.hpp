@@ -89,8 +89,11 @@ struct batch_msg {
   double n_global = 0;  // masked response tokens over the whole global batch
   std::vector<models::rl_sample> samples;
   std::map<std::string, double> buffer_metrics;  // admission / drops / staleness
-  std::vector<std::vector<int32_t>> calib;       // rank 0 only: prompt + response of every sample of the
-                                                 // step, all ranks' (calibration: rl-algorithm.md §5)
+  // several learners: rank 0 gets the whole step in global order (its metrics and the calibration
+  // batch cover every shard, rl-algorithm.md §5/§6); every rank the global token offset of each
+  // of its samples (where its c_t go in the gathered vector)
+  std::vector<models::rl_sample> all_samples;
+  std::vector<int64_t> offsets;
 };
 
 // Updated master weights after a step (learner -> calibration); shared in-process.
@@ -203,7 +206,8 @@ typename Inspector::result_type inspect(Inspector& f, group_msg& x) {
 }
 template <class Inspector>
 typename Inspector::result_type inspect(Inspector& f, batch_msg& x) {
-  return f(caf::meta::type_name("batch_msg"), x.trace, x.step, x.n_global, x.samples, x.buffer_metrics, x.calib);
+  return f(caf::meta::type_name("batch_msg"), x.trace, x.step, x.n_global, x.samples, x.buffer_metrics, x.all_samples,
+           x.offsets);
 }
 
 // weight_bundle as one record of raw byte runs

@@ -92,16 +92,7 @@ learner_batch learner_batch_build(const std::vector<rl_sample>& samples, bool sh
   return lb;
 }
 
-learner_out learner_grpo(model_runner& run, const model_weights& w, const std::vector<rl_sample>& samples,
-                         const grpo_config& cfg, double N_global, uint64_t learner_version, const model_weights* ref,
-                         const logit_processing& proc) {
-  learner_out out;
-  out.grads.assign(static_cast<size_t>(model_param_layout(w.cfg).total), 0.0f);
-  if (samples.empty()) return out;
-  const learner_batch lb = learner_batch_build(samples, cfg.share_prompts);
-  const token_batch& b = lb.b;
-  const std::vector<int64_t>& at = lb.at;
-  const std::vector<int32_t>& targets = lb.targets;
+token_batch_rl rl_tokens(const std::vector<rl_sample>& samples) {
   token_batch_rl rl;
   for (size_t i = 0; i < samples.size(); ++i) {
     const auto& s = samples[i];
@@ -114,18 +105,11 @@ learner_out learner_grpo(model_runner& run, const model_weights& w, const std::v
     }
   }
   rl.n_seqs = static_cast<int64_t>(samples.size());
-  std::vector<float> all(targets.size());
-  if (ref) {
-    run.forward(*ref, b, false);
-    run.logprobs(targets, proc, all.data());
-    for (int64_t t : at) rl.ref.push_back(all[t]);
-  }
-  run.forward(w, b, true);
-  run.logprobs(targets, proc, all.data());
-  for (int64_t t : at) rl.c.push_back(all[t]);
-  rl.p = rl.c;  // p := sg(c): one optimizer step per batch
-  out.loss = policy_loss(rl, cfg, N_global);
-  out.tokens = static_cast<double>(rl.c.size());
+  return rl;
+}
+
+metric_map learner_metrics(const token_batch_rl& rl, const grpo_config& cfg, double N_global, uint64_t learner_version) {
+  metric_map out = policy_loss(rl, cfg, N_global).metrics;
   // per-version and per-staleness mismatch (Δ = learner_version - weight_version)
   std::map<uint64_t, std::vector<int64_t>> by_v;
   for (int64_t t = 0; t < rl.size(); ++t) by_v[rl.weight_version[t]].push_back(t);
@@ -143,12 +127,39 @@ learner_out learner_grpo(model_runner& run, const model_weights& w, const std::v
     metric_map m;
     mismatch_metrics(sub, sis, cfg, n, "", m);
     const uint64_t delta = learner_version >= v ? learner_version - v : 0;
-    out.loss.metrics["by_version/" + std::to_string(v) + "/token_mult_prob_error"] = m["token_mult_prob_error"];
-    out.loss.metrics["by_version/" + std::to_string(v) + "/gen_kl_error"] = m["gen_kl_error"];
-    out.loss.metrics["by_version/" + std::to_string(v) + "/tokens"] = n;
-    out.loss.metrics["by_staleness/" + std::to_string(delta) + "/token_mult_prob_error"] = m["token_mult_prob_error"];
-    out.loss.metrics["by_staleness/" + std::to_string(delta) + "/gen_kl_error"] = m["gen_kl_error"];
+    out["by_version/" + std::to_string(v) + "/token_mult_prob_error"] = m["token_mult_prob_error"];
+    out["by_version/" + std::to_string(v) + "/gen_kl_error"] = m["gen_kl_error"];
+    out["by_version/" + std::to_string(v) + "/tokens"] = n;
+    out["by_staleness/" + std::to_string(delta) + "/token_mult_prob_error"] = m["token_mult_prob_error"];
+    out["by_staleness/" + std::to_string(delta) + "/gen_kl_error"] = m["gen_kl_error"];
   }
+  return out;
+}
+
+learner_out learner_grpo(model_runner& run, const model_weights& w, const std::vector<rl_sample>& samples,
+                         const grpo_config& cfg, double N_global, uint64_t learner_version, const model_weights* ref,
+                         const logit_processing& proc) {
+  learner_out out;
+  out.grads.assign(static_cast<size_t>(model_param_layout(w.cfg).total), 0.0f);
+  if (samples.empty()) return out;
+  const learner_batch lb = learner_batch_build(samples, cfg.share_prompts);
+  const token_batch& b = lb.b;
+  const std::vector<int64_t>& at = lb.at;
+  const std::vector<int32_t>& targets = lb.targets;
+  token_batch_rl& rl = out.tokens;
+  rl = rl_tokens(samples);
+  std::vector<float> all(targets.size());
+  if (ref) {
+    run.forward(*ref, b, false);
+    run.logprobs(targets, proc, all.data());
+    for (int64_t t : at) rl.ref.push_back(all[t]);
+  }
+  run.forward(w, b, true);
+  run.logprobs(targets, proc, all.data());
+  for (int64_t t : at) rl.c.push_back(all[t]);
+  rl.p = rl.c;  // p := sg(c): one optimizer step per batch
+  out.loss = policy_loss(rl, cfg, N_global);
+  out.loss.metrics = learner_metrics(rl, cfg, N_global, learner_version);
   std::vector<float> dlogp(targets.size(), 0.0f);
   for (size_t k = 0; k < at.size(); ++k) dlogp[at[k]] = out.loss.dc[k];
   run.backward(w, targets, proc, dlogp.data(), out.grads.data());

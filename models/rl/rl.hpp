@@ -55,9 +55,17 @@ learner_batch learner_batch_build(const std::vector<rl_sample>& samples, bool sh
 
 struct learner_out {
   std::vector<float> grads;  // dL/dθ (host, layout of model_params), this shard's share of the global sum
-  loss_result loss;          // loss, dc, metrics (mismatch metrics on this shard)
-  double tokens = 0;         // masked response tokens in this shard
+  loss_result loss;          // loss, dc, metrics (learner_metrics of this shard)
+  token_batch_rl tokens;     // this shard's response tokens: g, c = p, ref, advantages, versions
 };
+// The response tokens of `samples` in order (sample i, token j): g, advantage, mask 1, sequence
+// index, behaviour version; c, p and ref are left to the caller.
+token_batch_rl rl_tokens(const std::vector<rl_sample>& samples);
+// Every step metric of the learner on a token batch: policy_loss's (loss, KL, mismatch, clip
+// fraction) and per-version / per-staleness token_mult_prob_error and gen_kl_error. With several
+// learners, rank 0 computes it on the whole step's tokens (gathered c), so the metrics do not
+// depend on how the batch was sharded.
+metric_map learner_metrics(const token_batch_rl& rl, const grpo_config& cfg, double N_global, uint64_t learner_version);
 // GRPO gradient on `samples` (one learner's shard) with the global token count N. Computes
 // c_t with the training weights, sets p_t := c_t (one optimizer step per batch, rl-algorithm.md
 // §4), IS weights from g_t, and per-version / per-staleness metrics (Δ = learner_version - v).

@@ -247,6 +247,21 @@ TEST(E2E, TwoLearnersAllReduceAndAuditMode) {
   bool audited = false;
   for (const auto& x : m) audited |= x.contains("audit/precision_kl") && x.contains("audit/staleness_kl");
   EXPECT_TRUE(audited);
+  // the step metrics cover the whole step whatever the sharding: one learner and two, staleness 0,
+  // agree exactly at step 1 (same rollouts from the same weights; rank 0 reported its own shard:
+  // token_mult_prob_error ~0.5, half the staleness histogram)
+  const std::string sync = kSmall + std::string(" --async.max_staleness=0 --run.steps=2 --run.eval_every=0");
+  ASSERT_EQ(run(kBin + "/fp8rl train --topology " + topo.string() + " --run-dir " + (d / "two").string() + sync), 0);
+  ASSERT_EQ(run(kBin + "/fp8rl train --run-dir " + (d / "one").string() + sync), 0);
+  const auto two = metrics(d / "two"), one = metrics(d / "one");
+  ASSERT_EQ(two.size(), 2u);
+  ASSERT_EQ(one.size(), 2u);
+  for (const char* k : {"token_mult_prob_error", "gen_kl_error", "policy_kl_error", "sampling_importance_ratio", "loss",
+                        "approx_entropy", "clip_fraction", "reward_mean", "accuracy", "staleness_hist/0",
+                        "by_version/0/tokens", "by_staleness/0/token_mult_prob_error", "seq_mult_prob_error_max"}) {
+    ASSERT_TRUE(one[0].contains(k)) << k;
+    EXPECT_EQ(two[0][k].get<double>(), one[0][k].get<double>()) << k;
+  }
   // BF16 on both sides, staleness 0: the staleness part of the split is 0 exactly at every step
   // (the audit used the weights after the update, 1.29 at step 1; with max_staleness 0 it
   // reported nothing)

@@ -95,9 +95,12 @@ TEST(Messages, EveryWireTypeRoundTrips) {
   ASSERT_EQ(g2.samples.size(), 2u);
   EXPECT_EQ(g2.samples[1].gen_logprobs, g.samples[1].gen_logprobs);
   EXPECT_EQ(g2.samples[1].weight_version, g.samples[1].weight_version);
-  msg::batch_msg b{{}, 4, 123.0, g.samples, {{"x", 1.5}}, {{4, 5}, {6}}};
-  EXPECT_EQ(round_trip(sys, b).buffer_metrics.at("x"), 1.5);
-  EXPECT_EQ(round_trip(sys, b).calib, b.calib);
+  msg::batch_msg b{{}, 4, 123.0, g.samples, {{"x", 1.5}}, g.samples, {0, 7}};
+  const auto b2 = round_trip(sys, b);
+  EXPECT_EQ(b2.buffer_metrics.at("x"), 1.5);
+  ASSERT_EQ(b2.all_samples.size(), 2u);
+  EXPECT_EQ(b2.all_samples[1].response, g.samples[1].response);
+  EXPECT_EQ(b2.offsets, b.offsets);
   msg::params_msg pm;
   pm.version = 5;
   pm.params = std::make_shared<const std::vector<float>>(std::vector<float>{1.0f, -2.5f, 3.25f});
@@ -183,7 +186,7 @@ TEST(Protocol, BufferAdmitsDedupsShardsAndDropsStale) {
   self->send(buf, g01);
   expect_admitted(0, 1, false);
   // two learners ask for their shards of step 0: one group each, N over the whole batch, and the
-  // calibration batch (rank 0) holds all of it
+  // step's samples (rank 0: metrics, calibration) and the token offsets of each shard
   caf::scoped_actor l0{sys}, l1{sys};  // both ranks ask before either is served
   l0->send(buf, msg::batch_atom::value, uint64_t{0}, int32_t{0}, int32_t{2}, uint64_t{0});
   l1->send(buf, msg::batch_atom::value, uint64_t{0}, int32_t{1}, int32_t{2}, uint64_t{0});
@@ -196,8 +199,11 @@ TEST(Protocol, BufferAdmitsDedupsShardsAndDropsStale) {
       EXPECT_EQ(b.buffer_metrics.at("kv_saturated_total/layer0"), 1.0);  // summed over the rollouts' groups
       EXPECT_EQ(b.buffer_metrics.at("kv_saturated_total/layer1"), 7.0);
       EXPECT_EQ(b.buffer_metrics.at("kv_saturated_total"), 8.0);
-      // rank 0 calibrates on the whole step (both ranks' sequences), the others get none
-      EXPECT_EQ(b.calib.size(), rank == 0 ? 4u : 0u);
+      // rank 0 gets the whole step (metrics, calibration batch); each rank where its tokens go
+      EXPECT_EQ(b.all_samples.size(), rank == 0 ? 4u : 0u);
+      ASSERT_EQ(b.offsets.size(), 2u);
+      EXPECT_EQ(b.offsets[0], rank == 0 ? 0 : 6);  // groups of 2 samples x 3 tokens: rank 1's starts at 6
+      EXPECT_EQ(b.offsets[1], rank == 0 ? 3 : 9);
     }, caf::after(std::chrono::seconds(5)) >> [] { FAIL() << "no shard"; });
     ++rank;
   }
