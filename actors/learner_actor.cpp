@@ -21,6 +21,7 @@
 #include <nlohmann/json.hpp>
 
 #include "actors/actors.hpp"
+#include "actors/run_dir.hpp"
 #include "actors/trace.hpp"
 #include "models/checkpoint.hpp"
 #include "models/log.hpp"
@@ -143,11 +144,12 @@ void evaluate_into(learner_state& s, msg::metrics_t& m) {
   m["eval_s"] = secs(t0);
 }
 
-void checkpoint(learner_state& s, uint64_t prompt_cursor) {
+void checkpoint(learner_state& s, uint64_t prompt_cursor, const std::vector<std::vector<int32_t>>& calib) {
   const fs::path dir = fs::path(s.env->run_dir) / "checkpoints" / ("step_" + std::to_string(s.version));
   nlohmann::json j = {{"weight_version", s.version}, {"prompt_cursor", prompt_cursor}, {"run", s.env->cfg.name}};
   s.ck.state_json = j.dump();
   models::checkpoint_save(dir.string(), s.ck);
+  calibration_batch_save(dir.string(), calib);
   for (const char* f : {"fp8rl-char-tokenizer.json", "tokenizer.json"})
     if (fs::exists(fs::path(s.env->init_dir) / f))
       fs::copy_file(fs::path(s.env->init_dir) / f, dir / f, fs::copy_options::overwrite_existing);
@@ -289,12 +291,13 @@ msg::learner_actor spawn_learner(caf::actor_system& sys, std::shared_ptr<const a
                       seq.insert(seq.end(), x.response.begin(), x.response.end());
                       pm.calib.push_back(std::move(seq));
                     }
+                    const auto calib = pm.calib;
                     self->send(s.peers.calibration, std::move(pm));
                     const bool last = s.version >= s.end_version;
                     if (last || (s.env->cfg.eval_every > 0 && s.version % static_cast<uint64_t>(s.env->cfg.eval_every) == 0))
                       s.arena->execute([&] { evaluate_into(s, m); });
                     if (last || (s.env->cfg.checkpoint_every > 0 && s.version % static_cast<uint64_t>(s.env->cfg.checkpoint_every) == 0))
-                      checkpoint(s, s.version * static_cast<uint64_t>(s.env->cfg.prompts_per_step));
+                      checkpoint(s, s.version * static_cast<uint64_t>(s.env->cfg.prompts_per_step), calib);
                     self->send(s.peers.controller, msg::step_report{s.version, std::move(m)});
                   }
                 } catch (const std::exception& e) {
@@ -310,11 +313,18 @@ msg::learner_actor spawn_learner(caf::actor_system& sys, std::shared_ptr<const a
         [self, request_batch, fail](msg::start_atom, uint64_t) {
           log_get("learner")->debug("learner{} start at v{}", self->state.rank, self->state.version);
           auto& s = self->state;
-          if (s.rank == 0) {  // the bundle of the starting version, calibrated on its first prompts
+          if (s.rank == 0) {  // the bundle of the starting version, calibrated on its first prompts, or
+                              // (resume) on the batch that produced it, as the uninterrupted run did
             msg::params_msg pm;
             pm.version = s.version;
             pm.params = snapshot_params(s);
-            pm.calib = step_prompts(s, s.version);
+            if (s.version > 0) pm.calib = calibration_batch_load(s.env->init_dir);  // read in the preflight already
+            if (pm.calib.empty()) {
+              if (s.version > 0)
+                log_get("learner")->warn("{}: no calibration.jsonl (an older checkpoint): v{} is calibrated on its step's prompts, "
+                                         "not on the batch that produced it", s.env->init_dir, s.version);
+              pm.calib = step_prompts(s, s.version);
+            }
             self->send(s.peers.calibration, std::move(pm));
           }
           (*request_batch)();

@@ -66,6 +66,35 @@ std::string run_dir_choose(const std::string& given, const std::string& name, bo
   return dir;
 }
 
+void calibration_batch_save(const std::string& checkpoint_dir, const std::vector<std::vector<int32_t>>& seqs) {
+  const fs::path p = fs::path(checkpoint_dir) / "calibration.jsonl";
+  std::ofstream out(p);
+  for (const auto& s : seqs) out << nlohmann::json{{"tokens", s}}.dump() << '\n';
+  if (!out) throw std::runtime_error(p.string() + ": cannot write");
+}
+
+std::vector<std::vector<int32_t>> calibration_batch_load(const std::string& checkpoint_dir) {
+  const fs::path p = fs::path(checkpoint_dir) / "calibration.jsonl";
+  std::vector<std::vector<int32_t>> seqs;
+  if (!fs::exists(p)) return seqs;
+  std::ifstream in(p);
+  std::string line;
+  for (int n = 1; std::getline(in, line); ++n) {
+    const auto j = nlohmann::json::parse(line, nullptr, false);
+    if (j.is_discarded() || !j.is_object() || !j.contains("tokens") || !j["tokens"].is_array() || j["tokens"].empty())
+      throw std::invalid_argument(p.string() + ":" + std::to_string(n) + ": expected {\"tokens\": [ids...]}");
+    std::vector<int32_t> s;
+    for (const auto& t : j["tokens"]) {
+      if (!t.is_number_integer() || t.get<int64_t>() < 0 || t.get<int64_t>() > INT32_MAX)
+        throw std::invalid_argument(p.string() + ":" + std::to_string(n) + ": token ids must be integers >= 0");
+      s.push_back(t.get<int32_t>());
+    }
+    seqs.push_back(std::move(s));
+  }
+  if (seqs.empty()) throw std::invalid_argument(p.string() + ": no sequences");
+  return seqs;
+}
+
 void metrics_writer::open(const std::string& run_dir, bool append) {
   fs::create_directories(run_dir);
   path_ = (fs::path(run_dir) / "metrics.jsonl").string();

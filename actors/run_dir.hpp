@@ -2,13 +2,14 @@
 // defines: metrics_writer, plots_write, run_dir_outputs, run_dir_choose
 //
 //   RUN_DIR/metrics.jsonl      one JSON object per learner step: "step", every metric (spec names)
-//   RUN_DIR/checkpoints/...    step_N/ (safetensors + optimizer + state.json), "latest"
+//   RUN_DIR/checkpoints/...    step_N/ (safetensors + optimizer + state.json + calibration.jsonl), "latest"
 //   RUN_DIR/traces/NODE.jsonl  trace events of each process (fp8rl-trace merges them)
 //   RUN_DIR/plots/*.png        reward/accuracy and mismatch curves (gnuplot)
 #pragma once
 #include <fstream>
 #include <map>
 #include <string>
+#include <cstdint>
 #include <vector>
 
 namespace fp8rl::actors {
@@ -26,6 +27,13 @@ class metrics_writer {
 
 // Writes RUN_DIR/plots/{reward,mismatch}.png from metrics.jsonl with gnuplot; returns "" or why not.
 std::string plots_write(const std::string& run_dir);
+
+// CHECKPOINT/calibration.jsonl: the sequences (prompt + response token ids, one {"tokens": [...]}
+// per line) of the step that produced the checkpoint -- the batch its FP8 K/V/Q scales are
+// calibrated on (rl-algorithm.md §5), so a resumed run calibrates as the uninterrupted one did.
+void calibration_batch_save(const std::string& checkpoint_dir, const std::vector<std::vector<int32_t>>& seqs);
+// The saved batch; empty if the checkpoint has none (older runs). Throws naming file and line.
+std::vector<std::vector<int32_t>> calibration_batch_load(const std::string& checkpoint_dir);
 
 // What shows that DIR holds an earlier run that started (recipe.conf, checkpoints/latest, a
 // non-empty metrics.jsonl, trace files); empty when a new run may write there (a run refused

@@ -281,6 +281,12 @@ std::string prepare_init(const run_config& cfg, const std::string& run_dir, bool
 // drops a partial last line a crash left, with a warning).
 void run_preflight(const actor_env& env, bool resume) {
   const auto start = models::checkpoint_load(env.init_dir);
+  if (resume)
+    for (const auto& seq : calibration_batch_load(env.init_dir))
+      for (int32_t t : seq)
+        if (t >= env.model.vocab_size)
+          throw std::invalid_argument(env.init_dir + "/calibration.jsonl: token id " + std::to_string(t) +
+                                      " is outside the vocabulary (" + std::to_string(env.model.vocab_size) + ")");
   if (env.cfg.kl_beta > 0 && env.ref_dir != env.init_dir) {
     const auto ref = models::checkpoint_load(env.ref_dir);
     if (ref.params.data.size() != start.params.data.size())

@@ -106,6 +106,30 @@ TEST(E2E, EmbeddedDefaultRunsAndResumes) {
   fs::remove_all(d);
 }
 
+// A resumed run continues exactly where the uninterrupted one would be, FP8 K/V cache included:
+// the checkpoint keeps the batch its K/V scales are calibrated on (calibration.jsonl); the
+// resumed run calibrated on the next step's prompts and its metrics differed from step 3 on.
+TEST(E2E, ResumeReproducesTheUninterruptedRun) {
+  const fs::path d = fresh_dir("resume");
+  const std::string f = " --run.eval_every=0 --run.checkpoint_every=2 --model.sft_steps=60 --rollout.prompts_per_step=8"
+                        " --async.max_staleness=0 --precision.generation=fp8-kv";
+  ASSERT_EQ(run(kBin + "/fp8rl train --run-dir " + (d / "full").string() + f + " --run.steps=4"), 0);
+  ASSERT_EQ(run(kBin + "/fp8rl train --run-dir " + (d / "part").string() + f + " --run.steps=2"), 0);
+  ASSERT_TRUE(fs::exists(d / "part" / "checkpoints" / "step_2" / "calibration.jsonl"));
+  ASSERT_EQ(run(kBin + "/fp8rl train --resume --run-dir " + (d / "part").string() + f + " --run.steps=4"), 0);
+  const auto a = metrics(d / "full"), b = metrics(d / "part");
+  ASSERT_EQ(a.size(), 4u);
+  ASSERT_EQ(b.size(), 4u);
+  for (size_t i = 2; i < 4; ++i)
+    for (const char* k : {"loss", "token_mult_prob_error", "gen_kl_error", "grad_norm", "reward_mean"})
+      EXPECT_EQ(a[i][k].get<double>(), b[i][k].get<double>()) << "step " << i + 1 << " " << k;
+  std::ofstream(d / "part" / "checkpoints" / "step_4" / "calibration.jsonl") << "{\"tokens\": [1, 2]}\n{\"tokens\": \"x\"}\n";
+  const auto r = fp8rl::test::run_command(kBin + "/fp8rl train --resume --run-dir " + (d / "part").string() + f + " --run.steps=6");
+  EXPECT_NE(r.rc, 0);
+  EXPECT_NE(r.out.find("step_4/calibration.jsonl:2: expected {\"tokens\": [ids...]}"), std::string::npos) << r.out;
+  fs::remove_all(d);
+}
+
 TEST(E2E, BadRecipeKeyFailsWithItsName) {
   const fs::path d = fresh_dir("bad");
   std::ofstream(d / "r.conf") << "[rollout]\nslotz=3\n";
