@@ -51,7 +51,8 @@ struct learner_state {
 using clk = std::chrono::steady_clock;
 double secs(clk::time_point a) { return std::chrono::duration<double>(clk::now() - a).count(); }
 
-void allreduce(learner_state& s, std::vector<float>& g) {
+template <class T>
+void allreduce(learner_state& s, std::vector<T>& g) {
   if (s.world == 1) return;
   if (!s.gloo) {
     gloo::transport::tcp::attr attr;
@@ -65,8 +66,8 @@ void allreduce(learner_state& s, std::vector<float>& g) {
     ctx->connectFullMesh(prefix, dev);
     s.gloo = ctx;
   }
-  std::vector<float*> ptrs{g.data()};
-  gloo::AllreduceRing<float> ar(s.gloo, ptrs, static_cast<int>(g.size()));
+  std::vector<T*> ptrs{g.data()};
+  gloo::AllreduceRing<T> ar(s.gloo, ptrs, static_cast<int>(g.size()));
   ar.run();
 }
 
@@ -257,8 +258,13 @@ msg::learner_actor spawn_learner(caf::actor_system& sys, std::shared_ptr<const a
                   s.arena->execute([&] {
                     auto w = models::model_weights_build(*s.be, s.ck.params.cfg, s.env->rl.train_policy.training(),
                                                          {&s.ck.params, nullptr, nullptr}, true);
+                    auto sum_over_learners = [&s](double x) {
+                      std::vector<double> v{x};
+                      allreduce(s, v);
+                      return v[0];
+                    };
                     lo = models::learner_grpo(*s.run, *w, b.samples, s.env->rl.grpo, b.n_global, s.version, s.ref_w.get(),
-                                              s.env->rl.proc);
+                                              s.env->rl.proc, sum_over_learners);
                     allreduce(s, lo.grads);
                     if (s.world > 1) gather_metrics(s, b, lo);
                     if (s.env->cfg.audit_every > 0 && s.env->cfg.max_staleness > 0) {

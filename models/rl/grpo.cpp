@@ -48,6 +48,7 @@ is_result is_weights(const token_batch_rl& b, const grpo_config& cfg) {
   is_result out;
   out.w.assign(static_cast<size_t>(n), 0.0f);
   out.mask = b.mask;
+  out.filtered.assign(static_cast<size_t>(n), 0);
   // a non-finite logprob leaves the step, counted: c = p = -inf where the learner's top-k/top-p
   // no longer keeps a token sampled under older weights (its true weight pi_train/pi_inf is 0)
   for (int64_t t = 0; t < n; ++t)
@@ -63,7 +64,12 @@ is_result is_weights(const token_batch_rl& b, const grpo_config& cfg) {
     for (int64_t s = 0; s < b.n_seqs; ++s)
       if (cnt[s] > 0 && e[s] / cnt[s] > cfg.seq_logprob_error_threshold) {
         ++out.masked_seqs;
-        for (int64_t t = 0; t < n; ++t) if (b.seq[t] == s) out.mask[t] = 0.0f;
+        for (int64_t t = 0; t < n; ++t)
+          if (b.seq[t] == s) {
+            out.filtered[t] = 1;
+            out.filtered_tokens += b.mask[t] > 0;
+            out.mask[t] = 0.0f;
+          }
       }
   }
   std::vector<double> seq_sum(static_cast<size_t>(b.n_seqs), 0.0), seq_cnt(static_cast<size_t>(b.n_seqs), 0.0);
@@ -86,6 +92,9 @@ is_result is_weights(const token_batch_rl& b, const grpo_config& cfg) {
     }
     out.w[t] = wt;
   }
+  std::vector<char> alive(static_cast<size_t>(b.n_seqs), 0);
+  for (int64_t t = 0; t < n; ++t) if (out.mask[t] > 0) alive[b.seq[t]] = 1;
+  for (char a : alive) out.valid_seqs += a;
   if (cfg.is == is_mode::seq_mask_tis)
     for (int64_t s = 0; s < b.n_seqs; ++s) {
       if (seq_cnt[s] == 0) continue;
@@ -179,7 +188,7 @@ void mismatch_metrics(const token_batch_rl& b, const is_result& is, const grpo_c
   out[prefix + "seq_mult_prob_error_max"] = emax;
   out[prefix + "seq_mult_prob_error_mean"] = nseq > 0 ? esum / nseq : 0.0;
   out[prefix + "seq_mult_prob_error_min"] = emin;
-  out[prefix + "is_oob_ratio"] = cfg.is == is_mode::seq_mask_tis ? (b.n_seqs > 0 ? double(is.oob_seqs) / double(b.n_seqs) : 0.0)
+  out[prefix + "is_oob_ratio"] = cfg.is == is_mode::seq_mask_tis ? (is.valid_seqs > 0 ? double(is.oob_seqs) / double(is.valid_seqs) : 0.0)
                                                                    : (ntok > 0 ? double(is.oob) / ntok : 0.0);
   out[prefix + "nonfinite_is_weights"] = static_cast<double>(is.nonfinite);
   out[prefix + "num_masked_seqs"] = static_cast<double>(is.masked_seqs);

@@ -54,6 +54,9 @@ struct is_result {
   std::vector<float> w;     // w~ [n]
   std::vector<float> mask;  // effective mask [n]: sequence filter applied, non-finite tokens removed
   int64_t nonfinite = 0, oob = 0, oob_seqs = 0, masked_seqs = 0;
+  std::vector<uint8_t> filtered;  // [n] 1: a token of a sequence the e_i filter dropped
+  int64_t filtered_tokens = 0;    // masked-in tokens of those sequences: they leave N
+  int64_t valid_seqs = 0;       // sequences with a token left in the step (seq-mask-tis's is_oob_ratio)
 };
 is_result is_weights(const token_batch_rl& b, const grpo_config& cfg);
 
@@ -62,7 +65,9 @@ struct loss_result {
   std::vector<float> dc;  // dL/dc_t [n]
   metric_map metrics;
 };
-// loss = sum_t m_t w~_t L_t / N + beta sum_t m_t k3_t / N, and its gradient w.r.t. c.
+// loss = sum_t m_t w~_t L_t / N + beta sum_t m_t k3_t / N, and its gradient w.r.t. c. N: the
+// step's masked-in tokens over all learners once the e_i filter has dropped its sequences
+// (is_result::filtered_tokens, summed over ranks); tokens with zeroed weights stay in N.
 loss_result policy_loss(const token_batch_rl& b, const grpo_config& cfg, double N);
 
 // The mismatch metrics of rl-algorithm.md §6 (token and sequence level), with `prefix` prepended

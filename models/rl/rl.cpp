@@ -109,11 +109,12 @@ token_batch_rl rl_tokens(const std::vector<rl_sample>& samples) {
 }
 
 metric_map learner_metrics(const token_batch_rl& rl, const grpo_config& cfg, double N_global, uint64_t learner_version) {
-  metric_map out = policy_loss(rl, cfg, N_global).metrics;
+  const is_result is = is_weights(rl, cfg);
+  const double N = N_global - double(is.filtered_tokens);
+  metric_map out = policy_loss(rl, cfg, N > 0 ? N : 1.0).metrics;
   // per-version and per-staleness mismatch (Δ = learner_version - weight_version)
   std::map<uint64_t, std::vector<int64_t>> by_v;
   for (int64_t t = 0; t < rl.size(); ++t) by_v[rl.weight_version[t]].push_back(t);
-  const is_result is = is_weights(rl, cfg);
   for (const auto& [v, idx] : by_v) {
     token_batch_rl sub;
     is_result sis;
@@ -123,13 +124,15 @@ metric_map learner_metrics(const token_batch_rl& rl, const grpo_config& cfg, dou
       sub.adv.push_back(rl.adv[t]); sub.mask.push_back(rl.mask[t]); sub.seq.push_back(rl.seq[t]);
       sis.w.push_back(is.w[t]); sis.mask.push_back(is.mask[t]);
     }
-    const double n = static_cast<double>(idx.size());
+    double n = 0;  // the version's tokens left in the step
+    for (int64_t t : idx) n += rl.mask[t] > 0 && !is.filtered[t];
+    const uint64_t delta = learner_version >= v ? learner_version - v : 0;
+    out["by_version/" + std::to_string(v) + "/tokens"] = n;
+    if (n == 0) continue;  // every sequence of this version was filtered out
     metric_map m;
     mismatch_metrics(sub, sis, cfg, n, "", m);
-    const uint64_t delta = learner_version >= v ? learner_version - v : 0;
     out["by_version/" + std::to_string(v) + "/token_mult_prob_error"] = m["token_mult_prob_error"];
     out["by_version/" + std::to_string(v) + "/gen_kl_error"] = m["gen_kl_error"];
-    out["by_version/" + std::to_string(v) + "/tokens"] = n;
     out["by_staleness/" + std::to_string(delta) + "/token_mult_prob_error"] = m["token_mult_prob_error"];
     out["by_staleness/" + std::to_string(delta) + "/gen_kl_error"] = m["gen_kl_error"];
   }
@@ -138,7 +141,7 @@ metric_map learner_metrics(const token_batch_rl& rl, const grpo_config& cfg, dou
 
 learner_out learner_grpo(model_runner& run, const model_weights& w, const std::vector<rl_sample>& samples,
                          const grpo_config& cfg, double N_global, uint64_t learner_version, const model_weights* ref,
-                         const logit_processing& proc) {
+                         const logit_processing& proc, const std::function<double(double)>& sum_over_learners) {
   learner_out out;
   out.grads.assign(static_cast<size_t>(model_param_layout(w.cfg).total), 0.0f);
   if (samples.empty()) return out;
@@ -158,7 +161,12 @@ learner_out learner_grpo(model_runner& run, const model_weights& w, const std::v
   run.logprobs(targets, proc, all.data());
   for (int64_t t : at) rl.c.push_back(all[t]);
   rl.p = rl.c;  // p := sg(c): one optimizer step per batch
-  out.loss = policy_loss(rl, cfg, N_global);
+  double N = N_global;  // less the tokens of sequences the e_i filter dropped, on every learner
+  if (cfg.seq_logprob_error_threshold > 0) {
+    const double filtered = double(is_weights(rl, cfg).filtered_tokens);
+    N -= sum_over_learners ? sum_over_learners(filtered) : filtered;
+  }
+  out.loss = policy_loss(rl, cfg, N > 0 ? N : 1.0);  // N = 0: every token dropped, the loss is 0
   out.loss.metrics = learner_metrics(rl, cfg, N_global, learner_version);
   std::vector<float> dlogp(targets.size(), 0.0f);
   for (size_t k = 0; k < at.size(); ++k) dlogp[at[k]] = out.loss.dc[k];

@@ -69,10 +69,12 @@ metric_map learner_metrics(const token_batch_rl& rl, const grpo_config& cfg, dou
 // GRPO gradient on `samples` (one learner's shard) with the global token count N. Computes
 // c_t with the training weights, sets p_t := c_t (one optimizer step per batch, rl-algorithm.md
 // §4), IS weights from g_t, and per-version / per-staleness metrics (Δ = learner_version - v).
-// ref: reference weights for the KL term (cfg.kl_beta > 0).
+// ref: reference weights for the KL term (cfg.kl_beta > 0). sum_over_learners (several
+// learners): the all-reduce that turns this shard's count of filtered tokens into the step's.
 learner_out learner_grpo(model_runner& run, const model_weights& w, const std::vector<rl_sample>& samples,
                          const grpo_config& cfg, double N_global, uint64_t learner_version,
-                         const model_weights* ref = nullptr, const logit_processing& proc = {});
+                         const model_weights* ref = nullptr, const logit_processing& proc = {},
+                         const std::function<double(double)>& sum_over_learners = {});
 
 // Reward mean/std, accuracy (reward > 0.5), response length, staleness histogram.
 void rl_batch_metrics(const std::vector<rl_sample>& samples, uint64_t learner_version, metric_map& out);

@@ -10,6 +10,7 @@
 
 #include "models/params.hpp"
 #include "models/rl/grpo.hpp"
+#include "models/rl/rl.hpp"
 #include "models/rl/task.hpp"
 #include "tests/tolerances.hpp"
 
@@ -152,6 +153,35 @@ TEST(Grpo, NonFiniteWeightsAreZeroedAndCounted) {
     EXPECT_EQ(r.dc[1], 0.0f);
     EXPECT_NEAR(r.loss, -(1.0 + 1.0) / 3.0, 1e-12) << is_mode_name(mode);  // tokens 0 and 2: w = r = 1, A = 1
   }
+}
+
+// rl-algorithm.md §6: sequences above seq_logprob_error_threshold are dropped before the step --
+// they leave N, so the kept tokens' metrics are not diluted (52 of 64 sequences dropped used to
+// report token_mult_prob_error 0.2), and seq-mask-tis's is_oob_ratio counts kept sequences.
+TEST(Grpo, FilteredSequencesLeaveTheTokenCount) {
+  token_batch_rl b;
+  b.g = {-1.0f, -2.0f, -1.0f, -1.0f, -3.0f};
+  b.p = {-1.0f, -2.0f, -1.0f, 1.0f, -1.0f};  // sequence 1 (tokens 2..4): e = (1 + e^2 + e^2) / 3
+  b.c = b.p;
+  b.adv = {1, 1, -1, -1, -1};
+  b.mask = {1, 1, 1, 1, 1};
+  b.seq = {0, 0, 1, 1, 1};
+  b.n_seqs = 2;
+  b.weight_version = {3, 3, 3, 3, 3};
+  grpo_config cfg;
+  cfg.seq_logprob_error_threshold = 2.0f;
+  const is_result is = is_weights(b, cfg);
+  EXPECT_EQ(is.masked_seqs, 1);
+  EXPECT_EQ(is.filtered_tokens, 3);
+  EXPECT_EQ(is.filtered, (std::vector<uint8_t>{0, 0, 1, 1, 1}));
+  EXPECT_EQ(is.valid_seqs, 1);
+  const metric_map m = learner_metrics(b, cfg, 5.0, 3);
+  EXPECT_EQ(m.at("token_mult_prob_error"), 1.0);  // g = p on the kept tokens, over N = 2
+  EXPECT_EQ(m.at("sampling_importance_ratio"), 1.0);
+  EXPECT_EQ(m.at("num_masked_seqs"), 1.0);
+  EXPECT_EQ(m.at("by_version/3/tokens"), 2.0);
+  EXPECT_EQ(m.at("by_version/3/token_mult_prob_error"), 1.0);
+  EXPECT_NEAR(m.at("loss"), -(1.0 + 1.0) / 2.0, 1e-12);  // two kept tokens, A = 1, r = w = 1
 }
 
 TEST(Grpo, AsyncVariantReducesToOnPolicyLoss) {
