@@ -280,7 +280,8 @@ msg::learner_actor spawn_learner(caf::actor_system& sys, std::shared_ptr<const a
                     log_get("learner")->warn("step {}: {} tokens left the loss with a non-finite logprob or IS weight (e.g. "
                                              "top-k/top-p no longer keeping a token sampled under older weights)",
                                              s.version + 1, m["nonfinite_is_weights"]);
-                  models::rl_batch_metrics(b.all_samples.empty() ? b.samples : b.all_samples, s.version, m);
+                  models::rl_batch_metrics(b.all_samples.empty() ? b.samples : b.all_samples, s.version,
+                                           s.env->cfg.max_staleness, m);
                   for (const auto& [k, v] : b.buffer_metrics) m[k] = v;
                   for (const auto& [k, v] : audit) m[k] = v;
                   m["grad_norm"] = gnorm;

@@ -60,7 +60,7 @@ is_result is_weights(const token_batch_rl& b, const grpo_config& cfg) {
   if (cfg.seq_logprob_error_threshold > 0.0f) {
     std::vector<double> e(static_cast<size_t>(b.n_seqs), 0.0), cnt(static_cast<size_t>(b.n_seqs), 0.0);
     for (int64_t t = 0; t < n; ++t)
-      if (b.mask[t] > 0) { e[b.seq[t]] += std::exp(std::fabs(b.g[t] - b.p[t])); cnt[b.seq[t]] += 1; }
+      if (b.mask[t] > 0) { e[b.seq[t]] += std::exp(std::fabs(double(b.g[t]) - b.p[t])); cnt[b.seq[t]] += 1; }
     for (int64_t s = 0; s < b.n_seqs; ++s)
       if (cnt[s] > 0 && e[s] / cnt[s] > cfg.seq_logprob_error_threshold) {
         ++out.masked_seqs;
@@ -154,7 +154,14 @@ void mismatch_metrics(const token_batch_rl& b, const is_result& is, const grpo_c
                       const std::string& prefix, metric_map& out) {
   const int64_t n = b.size();
   double tmpe = 0, gkl = 0, pkl = 0, js = 0, sir = 0, ent = 0, ntok = 0;
-  std::vector<double> e(static_cast<size_t>(b.n_seqs), 0.0), cnt(static_cast<size_t>(b.n_seqs), 0.0);
+  // e_i over each sequence's finite tokens before the filter, and over those left after it
+  const size_t S = static_cast<size_t>(b.n_seqs);
+  std::vector<double> e(S, 0.0), cnt(S, 0.0), e_all(S, 0.0), cnt_all(S, 0.0);
+  for (int64_t t = 0; t < n; ++t)
+    if (b.mask[t] > 0 && std::isfinite(b.g[t] - b.p[t])) {
+      e_all[b.seq[t]] += std::exp(std::fabs(double(b.g[t]) - b.p[t]));
+      cnt_all[b.seq[t]] += 1;
+    }
   for (int64_t t = 0; t < n; ++t) {
     const double m = is.mask[t];
     if (m == 0.0) continue;
@@ -176,18 +183,32 @@ void mismatch_metrics(const token_batch_rl& b, const is_result& is, const grpo_c
   out[prefix + "js_divergence_error"] = js / N;
   out[prefix + "sampling_importance_ratio"] = sir / N;
   out[prefix + "approx_entropy"] = ent / N;
-  double emax = 0, emin = 0, esum = 0, nseq = 0;
-  for (int64_t s = 0; s < b.n_seqs; ++s) {
-    if (cnt[s] == 0) continue;
-    const double es = e[s] / cnt[s];
-    emax = nseq == 0 ? es : std::max(emax, es);
-    emin = nseq == 0 ? es : std::min(emin, es);
-    esum += es;
-    nseq += 1;
+  auto seq_stats = [&](const std::vector<double>& es_sum, const std::vector<double>& es_cnt, const std::string& suffix) {
+    double emax = 0, emin = 0, esum = 0, nseq = 0;
+    for (size_t s = 0; s < S; ++s) {
+      if (es_cnt[s] == 0) continue;
+      const double es = es_sum[s] / es_cnt[s];
+      emax = nseq == 0 ? es : std::max(emax, es);
+      emin = nseq == 0 ? es : std::min(emin, es);
+      esum += es;
+      nseq += 1;
+    }
+    out[prefix + "seq_mult_prob_error_max" + suffix] = emax;
+    out[prefix + "seq_mult_prob_error_mean" + suffix] = nseq > 0 ? esum / nseq : 0.0;
+    out[prefix + "seq_mult_prob_error_min" + suffix] = emin;
+  };
+  seq_stats(e_all, cnt_all, "");
+  seq_stats(e, cnt, "_after_mask");
+  if (b.reward.size() == S) {  // of the sequences the e_i filter dropped, the percentage that were correct
+    std::vector<char> dropped(S, 0);
+    for (int64_t t = 0; t < n; ++t) dropped[b.seq[t]] |= is.filtered[t];
+    double masked = 0, correct = 0;
+    for (size_t s = 0; s < S; ++s) {
+      masked += dropped[s];
+      correct += dropped[s] && b.reward[s] > 0.5f;
+    }
+    out[prefix + "masked_correct_pct"] = masked > 0 ? 100.0 * correct / masked : 0.0;
   }
-  out[prefix + "seq_mult_prob_error_max"] = emax;
-  out[prefix + "seq_mult_prob_error_mean"] = nseq > 0 ? esum / nseq : 0.0;
-  out[prefix + "seq_mult_prob_error_min"] = emin;
   out[prefix + "is_oob_ratio"] = cfg.is == is_mode::seq_mask_tis ? (is.valid_seqs > 0 ? double(is.oob_seqs) / double(is.valid_seqs) : 0.0)
                                                                    : (ntok > 0 ? double(is.oob) / ntok : 0.0);
   out[prefix + "nonfinite_is_weights"] = static_cast<double>(is.nonfinite);

@@ -87,7 +87,7 @@ metric_map rl_sync_step(rl_state& st, generation_engine& eng, const dataset& tra
   learner_out lo = learner_grpo(run, *w, samples, cfg.grpo, N, st.version, ref.get(), cfg.proc);
   const double gnorm = adamw_step(cfg.opt, st.params.layout, st.params.data.data(), lo.grads.data(), st.opt);
   metric_map m = lo.loss.metrics;
-  rl_batch_metrics(samples, st.version, m);
+  rl_batch_metrics(samples, st.version, 0, m);
   m["grad_norm"] = gnorm;
   m["weight_version"] = double(st.version);
   m["generation_s"] = std::chrono::duration<double>(t1 - t0).count();

@@ -103,6 +103,7 @@ token_batch_rl rl_tokens(const std::vector<rl_sample>& samples) {
       rl.seq.push_back(static_cast<int32_t>(i));
       rl.weight_version.push_back(s.weight_version[j]);
     }
+    rl.reward.push_back(s.reward);
   }
   rl.n_seqs = static_cast<int64_t>(samples.size());
   return rl;
@@ -174,17 +175,20 @@ learner_out learner_grpo(model_runner& run, const model_weights& w, const std::v
   return out;
 }
 
-void rl_batch_metrics(const std::vector<rl_sample>& s, uint64_t learner_version, metric_map& out) {
+void rl_batch_metrics(const std::vector<rl_sample>& s, uint64_t learner_version, int64_t max_staleness, metric_map& out) {
   if (s.empty()) return;
   double sum = 0, sq = 0, acc = 0, len = 0;
-  std::map<uint64_t, double> hist;
+  std::map<uint64_t, double> hist, scale_hist;
+  for (int64_t d = 0; d <= max_staleness; ++d) hist[static_cast<uint64_t>(d)] = 0;  // every bin, also empty ones
   for (const auto& x : s) {
     sum += x.reward;
     sq += double(x.reward) * x.reward;
     acc += x.reward > 0.5f;
     len += double(x.response.size());
     for (uint64_t v : x.weight_version) hist[learner_version >= v ? learner_version - v : 0] += 1;
+    for (uint64_t v : x.scale_version) scale_hist[learner_version >= v ? learner_version - v : 0] += 1;
   }
+  for (const auto& [d, c] : scale_hist) out["scale_lag_hist/" + std::to_string(d)] = c;
   const double n = double(s.size()), mean = sum / n;
   out["reward_mean"] = mean;
   out["reward_std"] = std::sqrt(std::max(0.0, sq / n - mean * mean));

@@ -76,8 +76,11 @@ learner_out learner_grpo(model_runner& run, const model_weights& w, const std::v
                          const model_weights* ref = nullptr, const logit_processing& proc = {},
                          const std::function<double(double)>& sum_over_learners = {});
 
-// Reward mean/std, accuracy (reward > 0.5), response length, staleness histogram.
-void rl_batch_metrics(const std::vector<rl_sample>& samples, uint64_t learner_version, metric_map& out);
+// Reward mean/std, accuracy (reward > 0.5), response length, and token counts by staleness
+// (staleness_hist/Δ, Δ = learner_version - weight_version; every bin 0..max_staleness, empty
+// ones too) and by scale-version lag (scale_lag_hist/Δ).
+void rl_batch_metrics(const std::vector<rl_sample>& samples, uint64_t learner_version, int64_t max_staleness,
+                      metric_map& out);
 
 struct sft_config {
   int64_t steps = 300, batch = 32;

@@ -66,9 +66,14 @@ TEST(E2E, EmbeddedDefaultRunsAndResumes) {
   for (size_t i = 0; i < m.size(); ++i) {
     EXPECT_EQ(m[i]["step"], i + 1);
     for (const char* k : {"token_mult_prob_error", "gen_kl_error", "policy_kl_error", "js_divergence_error",
-                          "sampling_importance_ratio", "is_oob_ratio", "reward_mean", "accuracy", "clip_fraction"})
+                          "sampling_importance_ratio", "is_oob_ratio", "reward_mean", "accuracy", "clip_fraction",
+                          "staleness_hist/0", "staleness_hist/1", "seq_mult_prob_error_max_after_mask", "masked_correct_pct"})
       EXPECT_TRUE(m[i].contains(k)) << k;
   }
+  EXPECT_EQ(m[0]["staleness_hist/1"], 0.0);  // every bin up to max_staleness, the empty ones too
+  double lag = 0;
+  for (const auto& [k, v] : m[1].items()) lag += k.rfind("scale_lag_hist/", 0) == 0 ? v.get<double>() : 0.0;
+  EXPECT_EQ(lag, m[1]["tokens"].get<double>());  // every token counted by its scale-version lag
   EXPECT_TRUE(m[1].contains("val_accuracy"));
   EXPECT_TRUE(m[3].contains("val_accuracy"));
   EXPECT_TRUE(fs::exists(d / "checkpoints" / "step_4" / "model.safetensors"));

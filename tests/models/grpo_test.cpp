@@ -182,6 +182,14 @@ TEST(Grpo, FilteredSequencesLeaveTheTokenCount) {
   EXPECT_EQ(m.at("by_version/3/tokens"), 2.0);
   EXPECT_EQ(m.at("by_version/3/token_mult_prob_error"), 1.0);
   EXPECT_NEAR(m.at("loss"), -(1.0 + 1.0) / 2.0, 1e-12);  // two kept tokens, A = 1, r = w = 1
+  // e_i before the filter (both sequences) and after it (sequence 0 alone)
+  const double e1 = (1.0 + 2.0 * std::exp(2.0)) / 3.0;
+  EXPECT_NEAR(m.at("seq_mult_prob_error_max"), e1, 1e-12);
+  EXPECT_NEAR(m.at("seq_mult_prob_error_mean"), (1.0 + e1) / 2.0, 1e-12);
+  EXPECT_EQ(m.at("seq_mult_prob_error_max_after_mask"), 1.0);
+  EXPECT_EQ(m.count("masked_correct_pct"), 0u);  // no rewards given
+  b.reward = {0.0f, 1.0f};                        // the dropped sequence was correct
+  EXPECT_EQ(learner_metrics(b, cfg, 5.0, 3).at("masked_correct_pct"), 100.0);
 }
 
 TEST(Grpo, AsyncVariantReducesToOnPolicyLoss) {
