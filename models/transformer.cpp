@@ -7,6 +7,7 @@
 #include <tbb/parallel_for.h>
 
 #include <cmath>
+#include <limits>
 #include <stdexcept>
 
 namespace fp8rl::models {
@@ -200,14 +201,22 @@ attn_params model_runner::attn(const model_weights& w, int64_t layer) const {
 }
 
 namespace {
-// max |x| per head of x[T, nh, D] (host copy)
+// max |x| per head of x[T, nh, D] (host copy); NaN for a head holding a NaN (std::max skipped
+// it, so calibration turned a diverged head into a valid-looking scale)
 void head_amax(backend& be, const float* x, int64_t T, int64_t nh, int64_t D, float* out) {
   std::vector<float> h(static_cast<size_t>(T * nh * D));
   be.to_host(h.data(), x, h.size() * 4);
   for (int64_t i = 0; i < nh; ++i) out[i] = 0.0f;
+  std::vector<char> nan(static_cast<size_t>(nh), 0);
   for (int64_t t = 0; t < T; ++t)
     for (int64_t i = 0; i < nh; ++i)
-      for (int64_t d = 0; d < D; ++d) out[i] = std::max(out[i], std::fabs(h[(t * nh + i) * D + d]));
+      for (int64_t d = 0; d < D; ++d) {
+        const float a = std::fabs(h[(t * nh + i) * D + d]);
+        nan[i] |= std::isnan(a);
+        out[i] = std::max(out[i], a);
+      }
+  for (int64_t i = 0; i < nh; ++i)
+    if (nan[i]) out[i] = std::numeric_limits<float>::quiet_NaN();
 }
 }  // namespace
 

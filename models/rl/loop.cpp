@@ -19,19 +19,28 @@ attn_fp8_scales calibrate_attention(model_runner& run, const model_weights& w, c
     run.forward(w, b, false, nullptr, &st);
     samples.push_back(std::move(st));
   }
-  auto pick = [&](auto member) {
+  const int64_t L = w.cfg.num_hidden_layers;
+  auto pick = [&](auto member, const char* tensor) {
     const size_t n = (samples[0].*member).size();
+    const size_t heads = n / static_cast<size_t>(L);
     std::vector<float> out(n);
     for (size_t i = 0; i < n; ++i) {
       std::vector<float> v;
-      for (const auto& s : samples) v.push_back((s.*member)[i]);
+      for (const auto& s : samples) {
+        const float a = (s.*member)[i];
+        if (!std::isfinite(a))  // fp8-numerics §0.2: never a scale from non-finite data
+          throw std::invalid_argument("calibrate_attention: layer " + std::to_string(i / heads) + ", " + tensor + " head " +
+                                      std::to_string(i % heads) + ": amax is " + std::to_string(a) +
+                                      " (non-finite activations in the calibration forward)");
+        v.push_back(a);
+      }
       std::sort(v.begin(), v.end());
       const float amax = v[static_cast<size_t>(std::llround(percentile * double(v.size() - 1)))];
       out[i] = std::max(amax, 1e-6f) * margin / 448.0f;
     }
     return out;
   };
-  return {pick(&qkv_stats::q), pick(&qkv_stats::k), pick(&qkv_stats::v)};
+  return {pick(&qkv_stats::q, "Q"), pick(&qkv_stats::k, "K"), pick(&qkv_stats::v, "V")};
 }
 
 std::shared_ptr<quant::weight_bundle> make_bundle(const rl_state& st, const rl_run_config& cfg,

@@ -18,6 +18,7 @@
 
 #include "models/cpu/cpu_backend.hpp"
 #include "models/generate.hpp"
+#include "models/rl/loop.hpp"
 #include "quant/gemm.hpp"
 #include "tests/models/gen_util.hpp"
 
@@ -270,6 +271,41 @@ TEST(Generate, Fp8KvScalesAdoptedMidGeneration) {
     ASSERT_EQ(want.size(), 1u);
     EXPECT_EQ(want[0].tokens, std::vector<int32_t>(t.tokens.begin() + before, t.tokens.end()));
     EXPECT_TRUE(same(want[0].logprobs, std::vector<float>(t.logprobs.begin() + before, t.logprobs.end())));
+  }
+}
+
+// rl-algorithm.md §5: per head, the amax samples of the calibration forwards sorted, sample
+// round(p * (n - 1)) taken, times margin / 448; a non-finite amax is refused naming layer and
+// head (std::max skipped NaN: a diverged head got a valid-looking scale).
+TEST(Generate, CalibrationTakesThePercentileSampleAndRefusesNonFinite) {
+  model_params p = model_params_init(cfg(), 10);
+  auto be = make_cpu_backend();
+  model_runner run(*be);
+  auto w = model_weights_build(*be, p.cfg, precision_policy::named("fp32"), {&p, nullptr, nullptr}, false);
+  std::vector<token_batch> batches(3);
+  std::vector<qkv_stats> st(3);
+  const auto reqs = requests(6, 1.0f);
+  for (size_t i = 0; i < 3; ++i) {
+    for (size_t r = 2 * i; r < 2 * i + 2; ++r) batches[i].add(reqs[r].prompt);
+    run.forward(*w, batches[i], false, nullptr, &st[i]);
+  }
+  for (const double pct : {0.999, 0.5, 0.0}) {
+    const size_t pick = static_cast<size_t>(std::llround(pct * 2.0));  // of 3 sorted samples
+    const attn_fp8_scales sc = calibrate_attention(run, *w, batches, pct, 1.05f);
+    ASSERT_EQ(sc.k.size(), st[0].k.size());
+    for (size_t h = 0; h < sc.k.size(); ++h) {
+      std::vector<float> v = {st[0].k[h], st[1].k[h], st[2].k[h]};
+      std::sort(v.begin(), v.end());
+      EXPECT_EQ(sc.k[h], v[pick] * 1.05f / 448.0f) << "K head " << h << " p " << pct;
+    }
+  }
+  std::fill(p.data.begin(), p.data.end(), std::nanf(""));
+  auto bad = model_weights_build(*be, p.cfg, precision_policy::named("fp32"), {&p, nullptr, nullptr}, false);
+  try {
+    calibrate_attention(run, *bad, batches, 0.999, 1.05f);
+    ADD_FAILURE() << "calibrated on NaN activations";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("layer 0, Q head 0: amax is nan"), std::string::npos) << e.what();
   }
 }
 
