@@ -19,7 +19,9 @@
 // FP64 under the FP32 accumulation bound (tests/tolerances.hpp kGemmTilesAccumulation):
 //   bf16        C = sum over k of a[k]*b[k], FP32 tile accumulation over all of K
 //   fp8, pow2   the same on (q_a * sa) and (q_b * sb): power-of-two scales fold into the
-//               BF16 values exactly, so no promotion is needed
+//               BF16 values exactly, so no promotion is needed -- as long as the folded value
+//               is a normal number: TDPBF16PS reads BF16 subnormals as 0, so in a block whose
+//               scale_inv is below 2^-117 (amax below ~1e-33) the smallest codes count as 0
 //   fp8, fp32   per 128-K block the tile sum of q_a * q_b, then out = fma(sa * sb, acc, out)
 // Row results do not depend on M (rows never mix), so they are batch-invariant among
 // themselves, but they differ from the exact kernels in the last bits.

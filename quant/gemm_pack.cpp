@@ -160,7 +160,7 @@ gemm_packed_b gemm_pack_fp8(const qtensor& B, gemm_pack_forms forms) {
   p.scale_inv.assign(static_cast<size_t>(NP * KB * 32), 0.0f);
   p.Kt = Kp;
   if (forms.tiles) p.tiles.resize(static_cast<size_t>(NP * Kp * 32));  // tiles_put_panel writes all
-  const bool fold = B.mode == scale_mode::pow2;  // q * 2^e is exact in BF16
+  const bool fold = B.mode == scale_mode::pow2;  // q * 2^e is exact in BF16 (normal: quant/gemm.hpp)
   const float* lut = e4m3_table();
   int pos[32][2];  // codes form: byte position of (column j, pair half h) in a 64-byte step
   for (int j = 0; j < 32; ++j)
@@ -195,7 +195,7 @@ gemm_packed_b gemm_pack_fp8(const qtensor& B, gemm_pack_forms forms) {
       if (!forms.tiles) continue;
       detail::e4m3_to_bf16_avx512(src + j * K, K, col);  // tiles imply AMX, hence AVX-512
       std::fill(col + K, col + Kp, uint16_t{0});
-      if (fold)  // q * 2^e is exact in BF16
+      if (fold)  // q * 2^e is exact in BF16 (while normal: quant/gemm.hpp)
         for (int64_t kb = 0; kb < KB; ++kb)
           detail::tiles_scale_row(col + kb * kBlock, std::min(kBlock, K - kb * kBlock), p.scale_inv[(pn * KB + kb) * 32 + j]);
     }
