@@ -390,7 +390,11 @@ std::unique_ptr<tokenizer> tokenizer_load(const std::string& path) {
   }
   if (j.is_object() && j.value("type", "") == "fp8rl-char") {
     if (!j.contains("alphabet") || !j["alphabet"].is_string()) throw std::invalid_argument(file + ": 'alphabet' missing");
-    return char_tokenizer_make(j["alphabet"].get<std::string>());
+    try {
+      return char_tokenizer_make(j["alphabet"].get<std::string>());
+    } catch (const std::invalid_argument& e) {
+      throw std::invalid_argument(file + ": " + e.what());  // non-ASCII or repeated characters
+    }
   }
   return std::make_unique<bpe_tok>(j, file);
 }

@@ -53,5 +53,13 @@ TEST(Tokenizer, MalformedFilesNameTheKey) {
   EXPECT_NE(write_and_load(R"({"model": {"type": "BPE", "vocab": {}, "merges": []}, "pre_tokenizer": {"type": "Split", "behavior": "Isolated", "pattern": {"Regex": "(["}}})")
                 .find("regex does not compile"),
             std::string::npos);
+  // the character tokenizer's file: its errors name it too
+  const auto chr = dir / "fp8rl-char-tokenizer.json";
+  for (const auto& [alphabet, what] : std::vector<std::pair<std::string, std::string>>{
+           {"abca", "duplicate character 'a'"}, {"ab\u00e9", "alphabet must be ASCII"}}) {
+    std::ofstream(chr) << R"({"type": "fp8rl-char", "alphabet": ")" + alphabet + "\"}";
+    const std::string err = write_and_load("{}");
+    EXPECT_NE(err.find(chr.string() + ": char tokenizer: " + what), std::string::npos) << err;
+  }
   std::filesystem::remove_all(dir);
 }
