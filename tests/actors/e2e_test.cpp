@@ -12,6 +12,12 @@
 #include <nlohmann/json.hpp>
 #include <thread>
 
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <signal.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
 #include "actors/recipe.hpp"
 #include "models/checkpoint.hpp"
 #include "models/cpu/cpu_backend.hpp"
@@ -259,6 +265,50 @@ TEST(E2E, KillingTheRemoteRolloutMidRunIsSurvived) {
   EXPECT_EQ(m.back()["rollouts_lost_total"], 1.0);
   EXPECT_EQ(m.back()["rollouts_live"], 1.0);
   EXPECT_EQ(m.back()["buffer/admitted_total"], steps * 8.0);  // every group counted exactly once
+  fs::remove_all(d);
+}
+
+// caf-run supervises its group: SIGTERM to caf-run stops every node (they run in their own
+// process groups and kept training after caf-run was gone), and a node that fails before it
+// is up stops the group at once (the controller retried its connection for 60 s).
+TEST(E2E, CafRunStopsItsGroup) {
+  const fs::path d = fresh_dir("cafrun");
+  const int port = 41000 + (::getpid() + 6500) % 9000;
+  const std::string topo = two_process_topology(d, port);
+  const std::string cafrun = kBin + "/caf-run --grace 2 --hostfile " + (d / "hosts").string() + " --topology " + topo +
+                             " -- " + kBin + "/fp8rl train --run-dir " + (d / "run").string() +
+                             " --run.steps=100000 --run.eval_every=0 --run.checkpoint_every=0 --model.sft_steps=20";
+  ASSERT_EQ(std::system((cafrun + " > " + (d / "log").string() + " 2>&1 & echo $! > " + (d / "pid").string()).c_str()), 0);
+  pid_t pid = 0;
+  std::ifstream(d / "pid") >> pid;
+  ASSERT_GT(pid, 0);
+  for (int i = 0; i < 600 && !(fs::exists(d / "run" / "metrics.jsonl") && metrics(d / "run").size() >= 2); ++i)
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  ASSERT_GE(metrics(d / "run").size(), 2u) << "the run did not start";
+  ::kill(pid, SIGTERM);
+  for (int i = 0; i < 300 && ::kill(pid, 0) == 0; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  std::ifstream log(d / "log");
+  const std::string text((std::istreambuf_iterator<char>(log)), {});
+  EXPECT_NE(text.find("caf-run: stopped by a signal; every node was stopped"), std::string::npos) << text;
+  for (size_t at = text.find("(pid "); at != std::string::npos; at = text.find("(pid ", at + 1)) {
+    const pid_t node = static_cast<pid_t>(std::stol(text.substr(at + 5)));
+    EXPECT_FALSE(fs::exists("/proc/" + std::to_string(node))) << "node pid " << node << " outlived caf-run";
+  }
+  // the rollout node cannot open its port: the group stops, naming it
+  int busy = ::socket(AF_INET, SOCK_STREAM, 0), one = 1;
+  ::setsockopt(busy, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);  // past the first run's TIME_WAIT
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_port = htons(static_cast<uint16_t>(port));
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  ASSERT_EQ(::bind(busy, reinterpret_cast<sockaddr*>(&a), sizeof a), 0);
+  ASSERT_EQ(::listen(busy, 1), 0);
+  fs::remove_all(d / "run");
+  const auto r = fp8rl::test::run_command(cafrun);
+  ::close(busy);
+  EXPECT_EQ(r.rc, 1);
+  EXPECT_NE(r.out.find("node rollout1 failed (exit 1); the group was stopped"), std::string::npos) << r.out;
   fs::remove_all(d);
 }
 

@@ -5,12 +5,20 @@
 // Hostfile lines: "<host> [slots=N]" ('#' comments). Each topology node runs on the hostfile
 // host equal to its "host" (127.0.0.1 and localhost are this machine), as
 //   <command...> --topology FILE --node NAME [--scheduler.max-threads=N]
-// Non-controller nodes start first (the controller retries its connections). The controller
-// judges whether the run survives a lost node (a lost rollout is replaced; a lost learner is
-// fatal), so by default a failing non-controller node is reported and the group continues; the
-// controller's failure stops the group. --fail-fast stops the group on any node's failure.
-// Exit codes: the controller's (or, with --fail-fast, the first failing node's) code, 128+signal
-// if killed; 2 for bad input.
+// Non-controller nodes start first (the controller retries its connections). Supervision:
+//  - a node that fails before it is up (its "ready" line) stops the group: the run cannot start;
+//  - once the run is up the controller judges whether it survives a lost node (a lost rollout's
+//    work is re-queued; a lost learner is fatal), so a failing non-controller node is reported
+//    and the group continues; --fail-fast stops the group on any node's failure;
+//  - when the controller exits, the other nodes get --grace seconds to exit by themselves
+//    (it told them to stop), then SIGTERM, then after --grace more SIGKILL;
+//  - SIGINT/SIGTERM/SIGHUP to caf-run stop the whole group the same way (nodes run in their own
+//    process groups, so they would otherwise outlive it and keep training).
+// --scheduler.max-threads is max(8, slots): actor handlers block while they compute (the
+// compute itself runs in oneTBB arenas sized by the topology's devices), so CAF needs spare
+// workers for the controller, buffer and weight sync.
+// Exit codes: the controller's (or, with --fail-fast / at startup, the first failing node's)
+// code, 128+signal if caf-run was signalled; 2 for bad input.
 #include <fcntl.h>
 #include <poll.h>
 #include <signal.h>
@@ -77,9 +85,12 @@ struct child {
   pid_t pid = -1;
   int fd = -1;  // merged stdout/stderr
   std::string partial;
-  bool done = false;
+  bool done = false, ready = false;  // ready: printed "fp8rl node NAME ready on ..."
   int code = 0;
 };
+
+volatile sig_atomic_t g_signal = 0;
+void on_signal(int sig) { g_signal = sig; }
 
 void relay(child& c, bool flush_all) {
   char buf[4096];
@@ -91,6 +102,8 @@ void relay(child& c, bool flush_all) {
   }
   size_t p;
   while ((p = c.partial.find('\n')) != std::string::npos) {
+    const std::string tag = "fp8rl node " + c.name + " ready on ";
+    if (p >= tag.size() && c.partial.compare(0, tag.size(), tag) == 0) c.ready = true;
     std::printf("[%s] %s\n", c.name.c_str(), c.partial.substr(0, p).c_str());
     c.partial.erase(0, p + 1);
   }
@@ -116,7 +129,13 @@ int main(int argc, char** argv) {
       if (a == "--hostfile") hostfile = val();
       else if (a == "--topology") topofile = val();
       else if (a == "--wdir") wdir = val();
-      else if (a == "--grace") grace = std::stoi(val());
+      else if (a == "--grace") {
+        const std::string v = val();
+        char* end = nullptr;
+        const long g = std::strtol(v.c_str(), &end, 10);
+        if (v.empty() || *end || g < 0 || g > 3600) throw std::invalid_argument("--grace '" + v + "': seconds in [0, 3600]");
+        grace = static_cast<int>(g);
+      }
       else if (a == "--fail-fast") fail_fast = true;
       else throw std::invalid_argument("unknown option '" + a + "' (usage: caf-run --hostfile F --topology F -- CMD ...)");
     }
@@ -135,6 +154,7 @@ int main(int argc, char** argv) {
     std::vector<child> kids;
     std::string controller_name = topo.controller_node().name;
     signal(SIGPIPE, SIG_IGN);
+    for (int sig : {SIGINT, SIGTERM, SIGHUP}) signal(sig, on_signal);
     for (const auto* n : order) {
       const host_entry* h = nullptr;
       for (const auto& e : hosts)
@@ -180,11 +200,28 @@ int main(int argc, char** argv) {
     }
     int first_failure = 0;
     std::string failed;
+    using clk = std::chrono::steady_clock;
+    clk::time_point term_at = clk::time_point::max(), kill_at = clk::time_point::max();
+    auto stop_group = [&](clk::time_point when) {  // SIGTERM at `when`, SIGKILL grace seconds later
+      if (when < term_at) {
+        term_at = when;
+        kill_at = when + std::chrono::seconds(grace);
+      }
+    };
+    bool term_sent = false, kill_sent = false;
     while (true) {
       std::vector<pollfd> fds;
       for (auto& k : kids) if (k.fd >= 0) fds.push_back({k.fd, POLLIN, 0});
       if (!fds.empty()) poll(fds.data(), fds.size(), 200);
+      else std::this_thread::sleep_for(std::chrono::milliseconds(50));
       for (auto& k : kids) if (k.fd >= 0) relay(k, false);
+      if (g_signal && first_failure == 0) {
+        first_failure = 128 + g_signal;
+        failed = "caf-run";
+        std::printf("caf-run: signal %d; stopping the group\n", int(g_signal));
+        std::fflush(stdout);
+        stop_group(clk::now());
+      }
       bool all_done = true;
       for (auto& k : kids) {
         if (k.done) continue;
@@ -197,26 +234,45 @@ int main(int argc, char** argv) {
           k.code = WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
           std::printf("caf-run: %s exited with %d\n", k.name.c_str(), k.code);
           std::fflush(stdout);
-          const bool decisive = fail_fast || k.name == controller_name;
+          const bool is_controller = k.name == controller_name;
+          const bool decisive = fail_fast || is_controller || !k.ready;  // not up yet: the run cannot start
           if (k.code != 0 && !decisive)
             std::printf("caf-run: %s failed (exit %d); the controller decides whether the run goes on\n", k.name.c_str(), k.code);
           if (k.code != 0 && decisive && first_failure == 0) {
             first_failure = k.code;
             failed = k.name;
-            for (auto& o : kids) if (!o.done) kill(-o.pid, SIGTERM);
-            const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(grace);
-            std::thread([&kids, deadline] {
-              std::this_thread::sleep_until(deadline);
-              for (auto& o : kids) if (!o.done) kill(-o.pid, SIGKILL);
-            }).detach();
+            stop_group(clk::now());
           }
+          if (is_controller) stop_group(clk::now() + std::chrono::seconds(grace));  // the rest should follow it
         } else {
           all_done = false;
         }
       }
       if (all_done) break;
+      const auto now = clk::now();
+      if (!term_sent && now >= term_at) {
+        term_sent = true;
+        for (auto& o : kids)
+          if (!o.done) {
+            std::printf("caf-run: stopping %s (SIGTERM)\n", o.name.c_str());
+            kill(-o.pid, SIGTERM);
+          }
+        std::fflush(stdout);
+      }
+      if (!kill_sent && now >= kill_at) {
+        kill_sent = true;
+        for (auto& o : kids)
+          if (!o.done) {
+            std::printf("caf-run: %s did not exit within %d s of SIGTERM (SIGKILL)\n", o.name.c_str(), grace);
+            kill(-o.pid, SIGKILL);
+          }
+        std::fflush(stdout);
+      }
     }
-    if (first_failure) std::fprintf(stderr, "caf-run: node %s failed (exit %d); the group was stopped\n", failed.c_str(), first_failure);
+    if (first_failure && failed == "caf-run")
+      std::fprintf(stderr, "caf-run: stopped by a signal; every node was stopped\n");
+    else if (first_failure)
+      std::fprintf(stderr, "caf-run: node %s failed (exit %d); the group was stopped\n", failed.c_str(), first_failure);
     return first_failure;
   } catch (const std::exception& e) {
     std::fprintf(stderr, "caf-run: %s\n", e.what());
