@@ -60,6 +60,13 @@ msg::rollout_actor spawn_rollout(caf::actor_system& sys, std::shared_ptr<const a
         self->send(self, msg::step_atom::value);
       }
     };
+    // An engine error is the run's error, named (an exception here was CAF's "unhandled
+    // exception": the controller re-queued the same work onto the other rollouts until none
+    // was left, and the cause only reached stderr).
+    auto fatal = [self](const std::string& what) {
+      self->send(self->state.peers.controller, self->state.name, what);
+      self->quit(caf::make_error(caf::sec::runtime_error, what));
+    };
     auto adopt = [self, schedule, log](std::shared_ptr<const quant::weight_bundle> b, double published_at) {
       auto& s = self->state;
       trace_span span(s.name, "adopt", static_cast<int64_t>(b->weight_version), static_cast<double>(b->bytes()));
@@ -73,19 +80,23 @@ msg::rollout_actor spawn_rollout(caf::actor_system& sys, std::shared_ptr<const a
     };
     return {
         [self](msg::peers_msg& p) { self->state.peers = std::move(p); },
-        [self, schedule](msg::work_msg& w) {
+        [self, schedule, fatal](msg::work_msg& w) {
           auto& s = self->state;
           s.lamport = std::max(s.lamport, w.trace.lamport) + 1;
-          const auto prompt = s.env->tok->encode(w.prompt, true);
-          for (int32_t j = 0; j < w.group_size; ++j) {
-            models::gen_request r;
-            r.id = w.prompt_id * static_cast<uint64_t>(w.group_size) + static_cast<uint64_t>(j);
-            r.prompt = prompt;
-            r.max_tokens = s.env->rl.max_new_tokens;
-            r.proc = s.env->rl.proc;
-            r.seed = w.seed;
-            if (s.env->tok->eos >= 0) r.stop_tokens = {s.env->tok->eos};
-            s.eng->submit(std::move(r));
+          try {
+            const auto prompt = s.env->tok->encode(w.prompt, true);
+            for (int32_t j = 0; j < w.group_size; ++j) {
+              models::gen_request r;
+              r.id = w.prompt_id * static_cast<uint64_t>(w.group_size) + static_cast<uint64_t>(j);
+              r.prompt = prompt;
+              r.max_tokens = s.env->rl.max_new_tokens;
+              r.proc = s.env->rl.proc;
+              r.seed = w.seed;
+              if (s.env->tok->eos >= 0) r.stop_tokens = {s.env->tok->eos};
+              s.eng->submit(std::move(r));
+            }
+          } catch (const std::exception& e) {
+            return fatal("prompt " + std::to_string(w.prompt_id) + ": " + e.what());
           }
           s.work[w.prompt_id] = std::move(w);
           schedule();
@@ -122,14 +133,16 @@ msg::rollout_actor spawn_rollout(caf::actor_system& sys, std::shared_ptr<const a
           }
           return rp;
         },
-        [self, schedule](msg::step_atom) {
+        [self, schedule, fatal](msg::step_atom) {
           auto& s = self->state;
           s.step_scheduled = false;
           if (!s.eng->has_weights() || s.eng->idle()) return;
           std::vector<models::gen_result> fin;
-          {
+          try {
             trace_span span(s.name, "decode_step", static_cast<int64_t>(s.eng->weight_version()));
             s.arena->execute([&] { fin = s.eng->step(); });
+          } catch (const std::exception& e) {
+            return fatal(std::string("decode step: ") + e.what());
           }
           for (auto& r : fin) {
             const uint64_t pid = r.id / static_cast<uint64_t>(s.env->cfg.group_size);

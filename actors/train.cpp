@@ -296,8 +296,24 @@ void run_preflight(const actor_env& env, bool resume) {
     throw std::invalid_argument(env.init_dir + ": the tokenizer has " + std::to_string(env.tok->vocab_size()) +
                                 " tokens, config.json's vocab_size is " + std::to_string(env.model.vocab_size));
   const auto task = models::task_spec_parse(env.cfg.task);
-  models::task_load(task, false, env.cfg.train_size, static_cast<uint64_t>(env.cfg.seed));
-  if (env.cfg.eval_every > 0) models::task_load(task, true, env.cfg.val_size, static_cast<uint64_t>(env.cfg.seed));
+  // every prompt encodes and fits the context (a rollout failing on one lost every rollout)
+  auto prompts_fit = [&](const models::dataset& d, const char* split) {
+    for (size_t i = 0; i < d.items.size(); ++i) {
+      std::vector<int32_t> ids;
+      try {
+        ids = env.tok->encode(d.items[i].prompt, true);
+      } catch (const std::exception& e) {
+        throw std::invalid_argument(env.cfg.task + " (" + split + " prompt " + std::to_string(i) + "): " + e.what());
+      }
+      if (static_cast<int64_t>(ids.size()) >= env.cfg.max_context)
+        throw std::invalid_argument(env.cfg.task + " (" + split + " prompt " + std::to_string(i) + "): " +
+                                    std::to_string(ids.size()) + " tokens do not fit model.max_context " +
+                                    std::to_string(env.cfg.max_context) + " (leave room for the response)");
+    }
+  };
+  prompts_fit(models::task_load(task, false, env.cfg.train_size, static_cast<uint64_t>(env.cfg.seed)), "train");
+  if (env.cfg.eval_every > 0)
+    prompts_fit(models::task_load(task, true, env.cfg.val_size, static_cast<uint64_t>(env.cfg.seed)), "validation");
   const fs::path metrics = fs::path(env.run_dir) / "metrics.jsonl";
   if (fs::exists(metrics) && !fs::is_regular_file(metrics)) throw std::invalid_argument(metrics.string() + ": not a file");
   if (resume && fs::exists(metrics)) {

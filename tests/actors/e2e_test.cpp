@@ -151,12 +151,14 @@ TEST(E2E, BadRecipeKeyFailsWithItsName) {
   for (const auto& [arg, what] : std::vector<std::pair<std::string, std::string>>{
            {"--scheduler.policy=shareing", "--scheduler.policy=shareing: must be one of stealing, sharing"},
            {"--logger.console-verbosity=loud", "--logger.console-verbosity=loud: must be one of quiet"},
-           {"--scheduler.nope=1", "not_an_option"}}) {
+           {"--scheduler.nope=1", "not_an_option"},
+           // a prompt longer than the context: every rollout failed in turn, the cause on stderr
+           {"--model.max_context=6 --model.sft_steps=5", "builtin:add2 (train prompt 0): 7 tokens do not fit model.max_context 6"}}) {
     const auto c = fp8rl::test::run_command(kBin + "/fp8rl train --run-dir " + (d / "run").string() + " " + arg);
     EXPECT_NE(c.rc, 0) << arg;
     EXPECT_NE(c.out.find(what), std::string::npos) << arg << "\n" << c.out;
   }
-  EXPECT_FALSE(fs::exists(d / "run"));  // refused before anything is written
+  EXPECT_FALSE(fs::exists(d / "run" / "recipe.conf"));  // refused before the run starts
   fs::remove_all(d);
 }
 

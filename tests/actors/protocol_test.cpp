@@ -249,3 +249,30 @@ TEST(Protocol, WeightSyncFansOutInProcessAndReportsFullAdoption) {
   }, caf::after(std::chrono::seconds(5)) >> [] { FAIL() << "no sync_report"; });
   ctl->send_exit(ws, caf::exit_reason::user_shutdown);
 }
+
+// An engine error in a rollout is the run's error, named: the rollout reports it to the
+// controller and stops (it was CAF's "unhandled exception"; the controller re-queued the same
+// prompt onto the other rollouts until none was left, the cause only on stderr).
+TEST(Protocol, RolloutReportsAnEngineErrorByName) {
+  test_config cfg;
+  caf::actor_system sys{cfg};
+  caf::scoped_actor ctl{sys};
+  auto ro = actors::spawn_rollout(sys, env_with(1, 2), "rollout0", actors::device_spec::parse("cpu:1", "test"));
+  ctl->monitor(ro);
+  msg::peers_msg p;
+  p.controller = caf::actor_cast<msg::controller_actor>(ctl);
+  ctl->send(ro, p);
+  msg::work_msg w;
+  w.step = 0;
+  w.prompt_id = 7;
+  w.prompt = "12+3@=";  // '@' is not in the built-in alphabet
+  w.group_size = 2;
+  ctl->send(ro, w);
+  ctl->receive([&](std::string& who, std::string& what) {
+    EXPECT_EQ(who, "rollout0");
+    EXPECT_NE(what.find("prompt 7: char tokenizer: character '@'"), std::string::npos) << what;
+  }, caf::after(std::chrono::seconds(5)) >> [] { FAIL() << "no error report"; });
+  ctl->receive([&](caf::down_msg& d) { EXPECT_TRUE(d.reason); },
+               caf::after(std::chrono::seconds(5)) >> [] { FAIL() << "the rollout did not stop"; });
+}
+
