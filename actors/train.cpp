@@ -31,11 +31,13 @@ using json = nlohmann::json;
 std::mutex g_mu;
 std::condition_variable g_cv;
 bool g_agent_started = false, g_agent_done = false;
+std::string g_agent_failure;  // why the agent stopped, if not by the controller's stop
 
-void agent_signal(bool started, bool done) {
+void agent_signal(bool started, bool done, const std::string& failure = "") {
   std::lock_guard<std::mutex> g(g_mu);
   g_agent_started |= started;
   g_agent_done |= done;
+  if (g_agent_failure.empty()) g_agent_failure = failure;
   g_cv.notify_all();
 }
 
@@ -112,7 +114,8 @@ topology topology_from_json(const json& j) {
 msg::node_agent_actor::behavior_type node_agent(msg::node_agent_actor::stateful_pointer<agent_state> self) {
   agent_signal(true, false);
   self->attach_functor([] { agent_signal(false, true); });
-  self->set_down_handler([self](caf::down_msg&) {  // the controller is gone: stop this node
+  self->set_down_handler([self](caf::down_msg& dm) {  // the controller is gone: stop this node, and say so
+    agent_signal(false, false, "the controller disappeared (" + self->system().render(dm.reason) + "); stopped this node's actors");
     for (auto& a : self->state.spawned) self->send_exit(a, caf::exit_reason::user_shutdown);
     self->quit();
   });
@@ -346,8 +349,13 @@ int run_remote_node(fp8rl_config& cfg, const topology& t, const std::string& nam
     return 1;
   }
   g_cv.wait(lk, [] { return g_agent_done; });
+  const std::string failure = g_agent_failure;
   lk.unlock();
   trace_writer::process().close();
+  if (!failure.empty()) {  // it exited 0 in silence
+    std::fprintf(stderr, "fp8rl node %s: %s\n", name.c_str(), failure.c_str());
+    return 1;
+  }
   return 0;
 }
 

@@ -314,6 +314,27 @@ TEST(E2E, CafRunStopsItsGroup) {
   fs::remove_all(d);
 }
 
+// A node whose controller disappears stops its actors and exits 1 saying so (it exited 0 in
+// silence).
+TEST(E2E, NodeSaysWhenItsControllerDisappears) {
+  const fs::path d = fresh_dir("lostctl");
+  const std::string topo = two_process_topology(d, 41000 + (::getpid() + 7500) % 9000);
+  const std::string node = kBin + "/fp8rl train --topology " + topo + " --node rollout1";
+  std::thread main_node([&] {  // the controller, killed -9 once the run is under way
+    std::system((kBin + "/fp8rl train --topology " + topo + " --node main --run-dir " + (d / "run").string() +
+                 " --run.steps=100000 --run.eval_every=0 --run.checkpoint_every=0 --model.sft_steps=20 > /dev/null 2>&1 &")
+                    .c_str());
+    for (int i = 0; i < 600 && !(fs::exists(d / "run" / "metrics.jsonl") && metrics(d / "run").size() >= 2); ++i)
+      std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    std::system(("pkill -9 -f -- '" + topo + " --node main'").c_str());
+  });
+  const auto r = fp8rl::test::run_command(node);
+  main_node.join();
+  EXPECT_EQ(r.rc, 1) << r.out;
+  EXPECT_NE(r.out.find("fp8rl node rollout1: the controller disappeared"), std::string::npos) << r.out;
+  fs::remove_all(d);
+}
+
 TEST(E2E, TwoLearnersAllReduceAndAuditMode) {
   const fs::path d = fresh_dir("learners");
   const fs::path topo = d / "two-learners.conf";
