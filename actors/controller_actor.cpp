@@ -140,7 +140,15 @@ msg::controller_actor spawn_controller(caf::actor_system& sys, std::shared_ptr<c
           log->warn("a node agent is down ({})", self->system().render(dm.reason));
           return;
         }
-      finish(1, "an actor went down: " + self->system().render(dm.reason));
+      std::string who = "an actor";  // name it: which role, and on which node
+      for (size_t i = 0; i < s.peers.learners.size(); ++i)
+        if (s.peers.learners[i].address() == dm.source) who = "learner" + std::to_string(i);
+      if (s.peers.buffer.address() == dm.source) who = "the trajectory buffer";
+      if (s.peers.reward.address() == dm.source) who = "the reward actor";
+      if (s.peers.weight_sync.address() == dm.source) who = "the weight-sync actor";
+      if (s.peers.calibration.address() == dm.source) who = "the calibration actor";
+      const bool remote = dm.source.node() != self->node();
+      finish(1, who + (remote ? " (in another process)" : "") + " went down: " + self->system().render(dm.reason));
     });
     return {
         [self, all_actors, issue_ready, broadcast_peers](msg::peers_msg& p, std::vector<caf::actor>& agents) {
@@ -172,7 +180,11 @@ msg::controller_actor spawn_controller(caf::actor_system& sys, std::shared_ptr<c
           s.tokens += r.metrics.count("tokens") ? r.metrics["tokens"] : 0.0;
           r.metrics["elapsed_s"] = el;
           r.metrics["samples_per_s"] = double((r.version - s.env->start_version) * s.env->cfg.prompts_per_step * s.env->cfg.group_size) / el;
-          s.metrics.write(r.version, r.metrics);
+          try {
+            s.metrics.write(r.version, r.metrics);
+          } catch (const std::exception& e) {
+            return finish(1, e.what());  // metrics that cannot be written are a failed run, not a silent gap
+          }
           if (s.opts.print_progress) {
             double stale = 0, cnt = 0;
             for (const auto& [k, v] : r.metrics)

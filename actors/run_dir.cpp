@@ -108,6 +108,7 @@ void metrics_writer::write(uint64_t step, const std::map<std::string, double>& m
   for (const auto& [k, v] : m) j[k] = std::isfinite(v) ? nlohmann::json(v) : nlohmann::json(nullptr);
   out_ << j.dump() << '\n';
   out_.flush();
+  if (!out_) throw std::runtime_error(path_ + ": writing step " + std::to_string(step) + " failed (disk full?)");
 }
 
 std::string plots_write(const std::string& run_dir) {
