@@ -4,6 +4,7 @@
 // across processes with one chunk in flight, adoption acks, sync latency).
 #include <tbb/task_arena.h>
 
+#include <algorithm>
 #include <chrono>
 #include <deque>
 #include <map>
@@ -115,8 +116,17 @@ msg::weight_sync_actor spawn_weight_sync(caf::actor_system& sys, std::shared_ptr
             [self, name, pr, send_one, log, version](caf::error& err) {
               if (pr->failed) return;
               pr->failed = true;
-              log->warn("bundle v{} to {} failed: {}", version, name, self->system().render(err));
               *send_one = nullptr;
+              const auto& live = self->state.peers.rollout_names;
+              const bool gone = err == caf::sec::request_receiver_down || std::find(live.begin(), live.end(), name) == live.end();
+              if (gone) {  // the controller sees the rollout's down message and re-queues its work
+                log->warn("bundle v{} to {} failed: {} (the rollout is gone)", version, name, self->system().render(err));
+                return;
+              }
+              // a live rollout that cannot take its weights would wait for them forever (the run
+              // hung until the learner's 30-minute batch request timed out)
+              self->send(self->state.peers.controller, std::string("weight_sync"),
+                         "bundle v" + std::to_string(version) + " to " + name + " failed: " + self->system().render(err));
             });
       };
       for (uint32_t i = 0; i < std::min(kWindow, total); ++i) (*send_one)();
