@@ -28,10 +28,15 @@ msg::calibration_actor spawn_calibration(caf::actor_system& sys, std::shared_ptr
 msg::weight_sync_actor spawn_weight_sync(caf::actor_system& sys, std::shared_ptr<const actor_env> env);
 
 // The controller: issues prompt groups within the staleness window, writes metrics.jsonl,
-// supervises every actor (monitors; re-queues a lost rollout's work), and shuts the run down.
+// supervises every actor (monitors; re-queues a lost rollout's work and restarts a rollout of
+// its own process), and shuts the run down.
 struct controller_options {
   std::function<void(int)> on_done;  // called once with the exit code when the run ends
   bool print_progress = true;
+  // A new rollout actor with this name on this process's device for it; an invalid handle if
+  // the name is not one of this process's rollouts (a lost process cannot be restarted here).
+  std::function<msg::rollout_actor(caf::actor_system&, const std::string& name)> respawn_rollout;
+  int max_restarts = 3;  // per rollout name: an actor that keeps dying is a failed run
 };
 msg::controller_actor spawn_controller(caf::actor_system& sys, std::shared_ptr<const actor_env> env,
                                        controller_options opts);

@@ -41,6 +41,18 @@ struct sync_state {
   int64_t refused = 0;
 };
 
+// A bundle as the bytes its chunks carry across processes; null and *err set on failure.
+std::shared_ptr<const std::vector<char>> bundle_bytes(caf::actor_system& sys, const quant::weight_bundle& b, std::string* err) {
+  auto buf = std::make_shared<std::vector<char>>();
+  caf::binary_serializer sink(sys, *buf);
+  auto w = msg::bundle_to_wire(b);
+  if (auto e = sink(w)) {
+    *err = "cannot serialize bundle v" + std::to_string(b.weight_version) + ": " + sys.render(e);
+    return nullptr;
+  }
+  return buf;
+}
+
 }  // namespace
 
 msg::calibration_actor spawn_calibration(caf::actor_system& sys, std::shared_ptr<const actor_env> env, device_spec dev) {
@@ -132,9 +144,28 @@ msg::weight_sync_actor spawn_weight_sync(caf::actor_system& sys, std::shared_ptr
       for (uint32_t i = 0; i < std::min(kWindow, total); ++i) (*send_one)();
     };
     return {
-        [self](msg::peers_msg& p) {
+        [self, send_chunks](msg::peers_msg& p) {
           auto& s = self->state;
+          std::set<caf::actor_addr> known;
+          for (const auto& r : s.peers.rollouts) known.insert(r.address());
+          const bool first = s.peers.rollouts.empty();
           s.peers = std::move(p);
+          // a rollout that joined (a restarted one) gets the newest bundle: it has no weights yet
+          if (!first && !s.versions.empty())
+            for (size_t i = 0; i < s.peers.rollouts.size(); ++i) {
+              const auto& r = s.peers.rollouts[i];
+              auto& [v, sv] = *s.versions.rbegin();
+              if (known.count(r.address()) || !sv.bundle) continue;
+              log_get("weight_sync")->info("sending v{} to {} (joined)", v, s.peers.rollout_names[i]);
+              if (r.node() == self->node()) {
+                self->send(r, msg::bundle_msg{{}, sv.bundle, sv.published_at});
+              } else {
+                std::string err;
+                auto bytes = bundle_bytes(self->system(), *sv.bundle, &err);
+                if (!bytes) return self->send(s.peers.controller, std::string("weight_sync"), err);
+                send_chunks(r, s.peers.rollout_names[i], bytes, v, sv.published_at);
+              }
+            }
           // rollouts that left no longer hold up adoption accounting
           std::set<std::string> live(s.peers.rollout_names.begin(), s.peers.rollout_names.end());
           for (auto& [v, sv] : s.versions) {
@@ -162,14 +193,9 @@ msg::weight_sync_actor spawn_weight_sync(caf::actor_system& sys, std::shared_ptr
             } else {
               sv.cross = true;
               if (!bytes) {
-                auto buf = std::make_shared<std::vector<char>>();
-                caf::binary_serializer sink(self->system(), *buf);
-                auto w = msg::bundle_to_wire(*sv.bundle);
-                if (auto err = sink(w)) {
-                  self->send(s.peers.controller, std::string("weight_sync"), "cannot serialize bundle: " + self->system().render(err));
-                  return;
-                }
-                bytes = std::move(buf);
+                std::string err;
+                bytes = bundle_bytes(self->system(), *sv.bundle, &err);
+                if (!bytes) return self->send(s.peers.controller, std::string("weight_sync"), err);
               }
               send_chunks(r, s.peers.rollout_names[i], bytes, v, sv.published_at);
             }

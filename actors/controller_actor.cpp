@@ -7,7 +7,9 @@
 // max_staleness = 0 generation of step s starts only after step s-1 was trained and v = s is
 // everywhere (the synchronous loop); with k > 0 rollouts run up to k steps ahead. Every group is tracked until the buffer admits it; a rollout that goes down
 // (monitor; remote peers via middleman heartbeats) has its groups re-issued to live rollouts,
-// and the buffer drops the duplicate if the lost one shows up after all.
+// and the buffer drops the duplicate if the lost one shows up after all. A lost rollout of the
+// controller's own process is restarted (at most opts.max_restarts times per name; weight sync
+// sends it the newest bundle); one in a lost process is not (the process is gone).
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -35,7 +37,8 @@ struct controller_state {
   size_t rr = 0;  // round-robin over live rollouts
   std::map<std::pair<uint64_t, uint64_t>, std::pair<std::string, msg::work_msg>> in_flight;
   std::map<std::string, double> extras;  // latest calibration / sync metrics
-  int64_t reissued = 0, rollouts_lost = 0;
+  int64_t reissued = 0, rollouts_lost = 0, rollouts_restarted = 0;
+  std::map<std::string, int> restarts;  // per rollout name
   bool stopping = false;
   std::chrono::steady_clock::time_point t0 = std::chrono::steady_clock::now();
   double tokens = 0;
@@ -125,9 +128,19 @@ msg::controller_actor spawn_controller(caf::actor_system& sys, std::shared_ptr<c
         if (s.peers.rollouts[i].address() != dm.source) continue;
         const std::string name = s.peers.rollout_names[i];
         log->warn("{} is down ({}); re-queueing its work", name, self->system().render(dm.reason));
-        s.peers.rollouts.erase(s.peers.rollouts.begin() + static_cast<long>(i));
-        s.peers.rollout_names.erase(s.peers.rollout_names.begin() + static_cast<long>(i));
         ++s.rollouts_lost;
+        msg::rollout_actor fresh;  // architecture.md §4: a failed rollout is restarted, its prompts re-queued
+        if (s.opts.respawn_rollout && s.restarts[name] < s.opts.max_restarts) fresh = s.opts.respawn_rollout(self->system(), name);
+        if (fresh) {
+          ++s.restarts[name];
+          ++s.rollouts_restarted;
+          log->warn("{} restarted ({} of at most {})", name, s.restarts[name], s.opts.max_restarts);
+          self->monitor(fresh);
+          s.peers.rollouts[i] = fresh;  // weight sync sends it the newest bundle when it sees the new peers
+        } else {
+          s.peers.rollouts.erase(s.peers.rollouts.begin() + static_cast<long>(i));
+          s.peers.rollout_names.erase(s.peers.rollout_names.begin() + static_cast<long>(i));
+        }
         if (s.peers.rollouts.empty()) return finish(1, "every rollout actor is gone");
         broadcast_peers();
         std::vector<msg::work_msg> redo;
@@ -175,6 +188,7 @@ msg::controller_actor spawn_controller(caf::actor_system& sys, std::shared_ptr<c
           r.metrics["in_flight_groups"] = double(s.in_flight.size());
           r.metrics["reissued_groups_total"] = double(s.reissued);
           r.metrics["rollouts_lost_total"] = double(s.rollouts_lost);
+          r.metrics["rollouts_restarted_total"] = double(s.rollouts_restarted);
           r.metrics["rollouts_live"] = double(s.peers.rollouts.size());
           const double el = std::chrono::duration<double>(std::chrono::steady_clock::now() - s.t0).count();
           s.tokens += r.metrics.count("tokens") ? r.metrics["tokens"] : 0.0;

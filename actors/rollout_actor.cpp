@@ -4,7 +4,9 @@
 // orders adoption and decoding); every token carries (weight_version, scale_version).
 #include <tbb/task_arena.h>
 
+#include <atomic>
 #include <chrono>
+#include <cstdlib>
 #include <deque>
 #include <map>
 #include <numeric>
@@ -15,6 +17,15 @@
 
 namespace fp8rl::actors {
 namespace {
+
+// Supervision tests: with FP8RL_FAULT_ROLLOUT_EXIT_AT_STEP=S in the environment, rollout0 of
+// the process exits abnormally (once per process) when work of step S reaches it.
+bool fault_exit_now(const std::string& name, uint64_t step) {
+  static std::atomic<bool> fired{false};
+  const char* at = std::getenv("FP8RL_FAULT_ROLLOUT_EXIT_AT_STEP");
+  if (!at || name != "rollout0" || std::strtoull(at, nullptr, 10) != step) return false;
+  return !fired.exchange(true);
+}
 
 struct rollout_state {
   std::shared_ptr<const actor_env> env;
@@ -82,6 +93,7 @@ msg::rollout_actor spawn_rollout(caf::actor_system& sys, std::shared_ptr<const a
         [self](msg::peers_msg& p) { self->state.peers = std::move(p); },
         [self, schedule, fatal](msg::work_msg& w) {
           auto& s = self->state;
+          if (fault_exit_now(s.name, w.step)) return self->quit(caf::make_error(caf::sec::runtime_error, "fault injection"));
           s.lamport = std::max(s.lamport, w.trace.lamport) + 1;
           try {
             const auto prompt = s.env->tok->encode(w.prompt, true);

@@ -406,8 +406,15 @@ int train_main(int argc, char** argv) {
     auto once = std::make_shared<std::once_flag>();
     controller_options opts;
     opts.on_done = [&done, once](int rc) { std::call_once(*once, [&] { done.set_value(rc); }); };
-    auto ctrl = spawn_controller(sys, env, opts);
     const auto idx = index_nodes(topo);
+    std::map<std::string, device_spec> local_rollouts;  // what the controller can restart: this process's
+    for (size_t i = 0; i < topo.controller_node().rollouts.size(); ++i)
+      local_rollouts["rollout" + std::to_string(idx.at(node).first_rollout + static_cast<int32_t>(i))] = topo.controller_node().rollouts[i];
+    opts.respawn_rollout = [env, local_rollouts](caf::actor_system& s, const std::string& name) {
+      auto it = local_rollouts.find(name);
+      return it == local_rollouts.end() ? msg::rollout_actor{} : spawn_rollout(s, env, name, it->second);
+    };
+    auto ctrl = spawn_controller(sys, env, opts);
     const int32_t world = learner_world(topo);
     std::vector<std::pair<const node_spec*, std::vector<caf::actor>>> spawned;
     spawned.emplace_back(&topo.controller_node(), spawn_node(sys, topo.controller_node(), env, idx.at(node).first_learner, world,

@@ -1,8 +1,8 @@
 // tests/actors/e2e_test.cpp -- the whole system as users run it, with real processes on loopback:
 // the embedded default for a few steps (+ --resume), max_staleness = 0 reproducing the
 // synchronous loop's metrics bit for bit (with the KL penalty), two processes via caf-run (FP8 KV cache), and killing
-// the remote rollout process mid-run (the run finishes, every group is counted once); the AMX
-// tiles recipe.
+// the remote rollout process mid-run (the run finishes, every group is counted once), a failed
+// local rollout restarted, caf-run's supervision; the AMX tiles recipe.
 #include <gtest/gtest.h>
 
 #include <chrono>
@@ -266,6 +266,25 @@ TEST(E2E, KillingTheRemoteRolloutMidRunIsSurvived) {
   ASSERT_EQ(m.size(), static_cast<size_t>(steps));
   EXPECT_EQ(m.back()["rollouts_lost_total"], 1.0);
   EXPECT_EQ(m.back()["rollouts_live"], 1.0);
+  EXPECT_EQ(m.back()["buffer/admitted_total"], steps * 8.0);  // every group counted exactly once
+  fs::remove_all(d);
+}
+
+// architecture.md §4: a failed rollout actor is restarted with its in-flight prompts re-queued
+// (it was dropped: the run went on with one rollout fewer). Fault injected in the rollout.
+TEST(E2E, FailedRolloutIsRestartedAndItsWorkRequeued) {
+  const fs::path d = fresh_dir("restart");
+  const int steps = 5;
+  ASSERT_EQ(run("FP8RL_FAULT_ROLLOUT_EXIT_AT_STEP=2 " + kBin + "/fp8rl train --run-dir " + (d / "run").string() +
+                " --run.steps=" + std::to_string(steps) + " --run.eval_every=0 --run.checkpoint_every=0 --model.sft_steps=40"
+                " --rollout.prompts_per_step=8"),
+            0);
+  const auto m = metrics(d / "run");
+  ASSERT_EQ(m.size(), static_cast<size_t>(steps));
+  EXPECT_EQ(m.back()["rollouts_lost_total"], 1.0);
+  EXPECT_EQ(m.back()["rollouts_restarted_total"], 1.0);
+  EXPECT_EQ(m.back()["rollouts_live"], 1.0);
+  EXPECT_GE(m.back()["reissued_groups_total"].get<double>(), 1.0);
   EXPECT_EQ(m.back()["buffer/admitted_total"], steps * 8.0);  // every group counted exactly once
   fs::remove_all(d);
 }
