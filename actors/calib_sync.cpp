@@ -63,6 +63,7 @@ msg::calibration_actor spawn_calibration(caf::actor_system& sys, std::shared_ptr
     return {
         [self](msg::peers_msg& p) { self->state.peers = std::move(p); },
         [self](msg::params_msg& pm) {
+          trace_recv("calibration", "params_msg", pm.trace, static_cast<int64_t>(pm.version));
           log_get("calibration")->debug("calibrating v{}", pm.version);
           auto& s = self->state;
           const auto t0 = std::chrono::steady_clock::now();
@@ -82,8 +83,10 @@ msg::calibration_actor spawn_calibration(caf::actor_system& sys, std::shared_ptr
             return;
           }
           const double sec = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-          self->send(s.peers.controller, msg::step_report{pm.version, {{"calibration_s", sec}}});
-          self->send(s.peers.weight_sync, msg::bundle_msg{{}, std::move(b), now_s()});
+          self->send(s.peers.controller, msg::step_report{{}, pm.version, {{"calibration_s", sec}}});
+          msg::bundle_msg out{{}, std::move(b), now_s()};
+          trace_send("calibration", "bundle_msg", out.trace, static_cast<int64_t>(pm.version));
+          self->send(s.peers.weight_sync, std::move(out));
         },
     };
   }, env);  // env as a spawn argument: actors.hpp
@@ -114,6 +117,7 @@ msg::weight_sync_actor spawn_weight_sync(caf::actor_system& sys, std::shared_ptr
         c.published_at = published_at;
         const size_t b = size_t(c.seq) * kChunk, e = std::min(bytes->size(), b + kChunk);
         c.bytes.assign(bytes->begin() + static_cast<long>(b), bytes->begin() + static_cast<long>(e));
+        trace_send("weight_sync", "bundle_chunk", c.trace, static_cast<int64_t>(version), double(c.bytes.size()));
         self->request(r, std::chrono::seconds(60), std::move(c)).then(
             [self, pr, send_one, total, version, t_start](msg::chunk_ack&) {
               if (pr->failed) return;
@@ -158,7 +162,9 @@ msg::weight_sync_actor spawn_weight_sync(caf::actor_system& sys, std::shared_ptr
               if (known.count(r.address()) || !sv.bundle) continue;
               log_get("weight_sync")->info("sending v{} to {} (joined)", v, s.peers.rollout_names[i]);
               if (r.node() == self->node()) {
-                self->send(r, msg::bundle_msg{{}, sv.bundle, sv.published_at});
+                msg::bundle_msg out{{}, sv.bundle, sv.published_at};
+                trace_send("weight_sync", "bundle_msg", out.trace, static_cast<int64_t>(v));
+                self->send(r, std::move(out));
               } else {
                 std::string err;
                 auto bytes = bundle_bytes(self->system(), *sv.bundle, &err);
@@ -179,6 +185,7 @@ msg::weight_sync_actor spawn_weight_sync(caf::actor_system& sys, std::shared_ptr
         [self, send_chunks](msg::bundle_msg& bm) {
           auto& s = self->state;
           const uint64_t v = bm.bundle->weight_version;
+          trace_recv("weight_sync", "bundle_msg", bm.trace, static_cast<int64_t>(v));
           log_get("weight_sync")->debug("publishing v{} to {} rollouts", v, s.peers.rollouts.size());
           trace_span span("weight_sync", "publish", static_cast<int64_t>(v), static_cast<double>(bm.bundle->bytes()));
           auto& sv = s.versions[v];
@@ -189,7 +196,9 @@ msg::weight_sync_actor spawn_weight_sync(caf::actor_system& sys, std::shared_ptr
             const auto& r = s.peers.rollouts[i];
             sv.waiting.insert(s.peers.rollout_names[i]);
             if (r.node() == self->node()) {
-              self->send(r, msg::bundle_msg{bm.trace, sv.bundle, sv.published_at});
+              msg::bundle_msg out{{}, sv.bundle, sv.published_at};
+              trace_send("weight_sync", "bundle_msg", out.trace, static_cast<int64_t>(v));
+              self->send(r, std::move(out));
             } else {
               sv.cross = true;
               if (!bytes) {

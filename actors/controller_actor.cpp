@@ -88,7 +88,7 @@ msg::controller_actor spawn_controller(caf::actor_system& sys, std::shared_ptr<c
       auto& s = self->state;
       if (s.peers.rollouts.empty()) return;
       const size_t i = s.rr++ % s.peers.rollouts.size();
-      w.trace.lamport = trace_now_us();
+      trace_send("controller", "work_msg", w.trace, static_cast<int64_t>(w.step));
       s.issued[{w.step, w.prompt_id}] = w;
       s.in_flight[{w.step, w.prompt_id}] = {s.peers.rollout_names[i], w};
       self->send(s.peers.rollouts[i], std::move(w));
@@ -177,6 +177,7 @@ msg::controller_actor spawn_controller(caf::actor_system& sys, std::shared_ptr<c
         },
         [self, finish, issue_ready](msg::step_report& r) {
           auto& s = self->state;
+          trace_recv("controller", "step_report", r.trace, static_cast<int64_t>(r.version));
           if (r.metrics.size() == 1 && r.metrics.count("calibration_s")) {  // from the calibration actor
             s.extras["calibration_s"] = r.metrics["calibration_s"];
             return;

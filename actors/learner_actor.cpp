@@ -247,6 +247,7 @@ msg::learner_actor spawn_learner(caf::actor_system& sys, std::shared_ptr<const a
           .then(
               [self, fail, request_batch, t_wait, t0](msg::batch_msg& b) {
                 auto& s = self->state;
+                trace_recv("learner" + std::to_string(s.rank), "batch_msg", b.trace, static_cast<int64_t>(b.step));
                 trace_writer::process().event("learner" + std::to_string(s.rank), "wait_batch", "span", t0, trace_now_us() - t0);
                 msg::metrics_t m;
                 try {
@@ -299,13 +300,16 @@ msg::learner_actor spawn_learner(caf::actor_system& sys, std::shared_ptr<const a
                       pm.calib.push_back(std::move(seq));
                     }
                     const auto calib = pm.calib;
+                    trace_send("learner0", "params_msg", pm.trace, static_cast<int64_t>(pm.version));
                     self->send(s.peers.calibration, std::move(pm));
                     const bool last = s.version >= s.end_version;
                     if (last || (s.env->cfg.eval_every > 0 && s.version % static_cast<uint64_t>(s.env->cfg.eval_every) == 0))
                       s.arena->execute([&] { evaluate_into(s, m); });
                     if (last || (s.env->cfg.checkpoint_every > 0 && s.version % static_cast<uint64_t>(s.env->cfg.checkpoint_every) == 0))
                       checkpoint(s, s.version * static_cast<uint64_t>(s.env->cfg.prompts_per_step), calib);
-                    self->send(s.peers.controller, msg::step_report{s.version, std::move(m)});
+                    msg::step_report rep{{}, s.version, std::move(m)};
+                    trace_send("learner0", "step_report", rep.trace, static_cast<int64_t>(s.version));
+                    self->send(s.peers.controller, std::move(rep));
                   }
                 } catch (const std::exception& e) {
                   fail(std::string("step failed: ") + e.what());
@@ -332,6 +336,7 @@ msg::learner_actor spawn_learner(caf::actor_system& sys, std::shared_ptr<const a
                                          "not on the batch that produced it", s.env->init_dir, s.version);
               pm.calib = step_prompts(s, s.version);
             }
+            trace_send("learner0", "params_msg", pm.trace, static_cast<int64_t>(pm.version));
             self->send(s.peers.calibration, std::move(pm));
           }
           (*request_batch)();

@@ -49,6 +49,7 @@ msg::reward_actor spawn_reward(caf::actor_system& sys, std::shared_ptr<const act
         [self](msg::peers_msg& p) { self->state.peers = std::move(p); },
         [self](msg::group_msg& g) {
           auto& s = self->state;
+          trace_recv("reward", "group_msg", g.trace, static_cast<int64_t>(g.step));
           trace_span span("reward", "score", -1, double(g.samples.size()));
           const auto& tok = *s.env->tok;
           std::vector<float> rewards;
@@ -61,6 +62,7 @@ msg::reward_actor spawn_reward(caf::actor_system& sys, std::shared_ptr<const act
           const auto adv = models::grpo_advantages(rewards, static_cast<int64_t>(rewards.size()), s.env->rl.grpo.normalize_std,
                                                    s.env->rl.grpo.adv_eps);
           for (size_t i = 0; i < adv.size(); ++i) g.samples[i].advantage = adv[i];
+          trace_send("reward", "group_msg", g.trace, static_cast<int64_t>(g.step));
           self->send(s.peers.buffer, std::move(g));
         },
     };
@@ -121,6 +123,7 @@ msg::buffer_actor spawn_buffer(caf::actor_system& sys, std::shared_ptr<const act
           }
           b.buffer_metrics["kv_saturated_total"] = double(all);
         }
+        trace_send("buffer", "batch_msg", b.trace, static_cast<int64_t>(step));
         pb.rp.deliver(std::move(b));
       }
       for (const auto& [pid, g] : groups) s.delivered.insert({step, pid});
@@ -131,6 +134,7 @@ msg::buffer_actor spawn_buffer(caf::actor_system& sys, std::shared_ptr<const act
         [self](msg::peers_msg& p) { self->state.peers = std::move(p); },
         [self, try_deliver](msg::group_msg& g) {
           auto& s = self->state;
+          trace_recv("buffer", "group_msg", g.trace, static_cast<int64_t>(g.step));
           if (s.kv_saturated.size() < g.kv_saturated.size()) s.kv_saturated.resize(g.kv_saturated.size(), 0);
           for (size_t l = 0; l < g.kv_saturated.size(); ++l) s.kv_saturated[l] += g.kv_saturated[l];  // duplicates too: work done
           const auto key = std::make_pair(g.step, g.prompt_id);

@@ -39,7 +39,6 @@ struct rollout_state {
   bool step_scheduled = false;
   std::vector<uint8_t> chunks;                            // cross-process bundle being received
   uint64_t chunk_version = 0;
-  uint64_t lamport = 0;
   int64_t tokens = 0, groups = 0;
   std::vector<int64_t> sat_reported;                      // engine's per-layer K/V saturations already sent
 };
@@ -94,7 +93,7 @@ msg::rollout_actor spawn_rollout(caf::actor_system& sys, std::shared_ptr<const a
         [self, schedule, fatal](msg::work_msg& w) {
           auto& s = self->state;
           if (fault_exit_now(s.name, w.step)) return self->quit(caf::make_error(caf::sec::runtime_error, "fault injection"));
-          s.lamport = std::max(s.lamport, w.trace.lamport) + 1;
+          trace_recv(s.name, "work_msg", w.trace, static_cast<int64_t>(w.step));
           try {
             const auto prompt = s.env->tok->encode(w.prompt, true);
             for (int32_t j = 0; j < w.group_size; ++j) {
@@ -113,9 +112,13 @@ msg::rollout_actor spawn_rollout(caf::actor_system& sys, std::shared_ptr<const a
           s.work[w.prompt_id] = std::move(w);
           schedule();
         },
-        [adopt](msg::bundle_msg& b) { adopt(b.bundle, b.published_at); },
+        [self, adopt](msg::bundle_msg& b) {
+          trace_recv(self->state.name, "bundle_msg", b.trace, static_cast<int64_t>(b.bundle->weight_version));
+          adopt(b.bundle, b.published_at);
+        },
         [self](msg::bundle_chunk& c) -> caf::result<msg::chunk_ack> {
           auto& s = self->state;
+          trace_recv(s.name, "bundle_chunk", c.trace, static_cast<int64_t>(c.version), double(c.bytes.size()));
           if (c.seq == 0) {
             s.chunks = std::move(c.bytes);
             s.chunks.reserve(s.chunks.size() * c.total);  // every chunk but the last is full-size
@@ -164,7 +167,7 @@ msg::rollout_actor spawn_rollout(caf::actor_system& sys, std::shared_ptr<const a
             auto it = s.work.find(pid);
             if (it == s.work.end() || static_cast<int32_t>(d.size()) < it->second.group_size) continue;
             msg::group_msg g;
-            g.trace.lamport = ++s.lamport;
+            trace_send(s.name, "group_msg", g.trace, static_cast<int64_t>(g.step));
             g.step = it->second.step;
             g.prompt_id = pid;
             g.answer = it->second.answer;

@@ -1,15 +1,21 @@
 // actors/trace.hpp -- cheap per-process trace events (JSONL), merged offline by fp8rl-trace.
-// defines: trace_writer, trace_span, trace_now_us
+// defines: trace_writer, trace_span, trace_now_us, trace_send, trace_recv
 //
 // One line per event: {"node", "actor", "name", "ts" (µs since epoch), "dur" (µs), "bytes",
-// "wv" (weight version), "sv" (scale version), "lamport", "kind": "span"|"send"|"recv"}.
+// "wv" (weight version), "sv" (scale version), "lamport", "msg" (message id, send/recv),
+// "kind": "span"|"send"|"recv"}. Spans time what an actor does; send/recv pairs (one "msg" id,
+// the sender's Lamport clock carried in the message's trace_ctx) give the causal order across
+// processes, from which fp8rl-trace computes vector clocks (caf-0.17.md §7).
 // Writes are buffered and flushed every few hundred events and at close; a disabled writer
 // costs one branch per event.
 #pragma once
 #include <cstdint>
 #include <fstream>
 #include <mutex>
+#include <map>
 #include <string>
+
+#include "messages/wire.hpp"
 
 namespace fp8rl::actors {
 
@@ -23,7 +29,11 @@ class trace_writer {
   void close();
   bool enabled() const { return enabled_; }
   void event(const std::string& actor, const std::string& name, const char* kind, int64_t ts_us, int64_t dur_us,
-             double bytes = 0, int64_t wv = -1, int64_t sv = -1, uint64_t lamport = 0);
+             double bytes = 0, int64_t wv = -1, int64_t sv = -1, uint64_t lamport = 0, uint64_t msg = 0);
+  // The Lamport clock of `actor` (per actor name in this process): tick for a send, or
+  // max(own, received) + 1 for a receive; returns the new value.
+  uint64_t lamport_tick(const std::string& actor, uint64_t received = 0);
+  uint64_t next_message_id();  // unique across processes (pid and start time in the high bits)
   static trace_writer& process();  // the process-wide writer
 
  private:
@@ -32,7 +42,14 @@ class trace_writer {
   std::string node_;
   bool enabled_ = false;
   int64_t pending_ = 0;
+  std::map<std::string, uint64_t> clocks_;
+  uint64_t id_salt_ = 0, id_next_ = 0;
 };
+
+// Message events: trace_send stamps ctx (a fresh id, the sender's clock) and records the send;
+// trace_recv records the receive of a message stamped so. No-ops while tracing is off.
+void trace_send(const std::string& actor, const char* type, msg::trace_ctx& ctx, int64_t wv = -1, double bytes = 0);
+void trace_recv(const std::string& actor, const char* type, const msg::trace_ctx& ctx, int64_t wv = -1, double bytes = 0);
 
 // RAII span: records [construction, destruction) as one event.
 class trace_span {

@@ -113,6 +113,7 @@ struct bundle_msg {
 
 // One piece of a serialized bundle (weight-sync -> remote rollout), answered by chunk_ack.
 struct bundle_chunk {
+  trace_ctx trace;
   uint64_t version = 0;
   uint32_t seq = 0, total = 0;
   double published_at = 0;
@@ -124,7 +125,7 @@ struct chunk_ack {
 };
 template <class Inspector>
 typename Inspector::result_type inspect(Inspector& f, bundle_chunk& x) {
-  return f(caf::meta::type_name("bundle_chunk"), x.version, x.seq, x.total, x.published_at, x.bytes);
+  return f(caf::meta::type_name("bundle_chunk"), x.trace, x.version, x.seq, x.total, x.published_at, x.bytes);
 }
 template <class Inspector>
 typename Inspector::result_type inspect(Inspector& f, chunk_ack& x) {
@@ -145,12 +146,13 @@ typename Inspector::result_type inspect(Inspector& f, adopted_msg& x) {
 
 // Learner -> controller after each optimizer step.
 struct step_report {
+  trace_ctx trace;
   uint64_t version = 0;  // weight_version after the step
   std::map<std::string, double> metrics;
 };
 template <class Inspector>
 typename Inspector::result_type inspect(Inspector& f, step_report& x) {
-  return f(caf::meta::type_name("step_report"), x.version, x.metrics);
+  return f(caf::meta::type_name("step_report"), x.trace, x.version, x.metrics);
 }
 
 // ---- serialization of the value types carried inside messages ----

@@ -243,6 +243,22 @@ TEST(E2E, TwoProcessesOnLoopbackViaCafRun) {
     per_layer += m.back()["kv_saturated_total/layer" + std::to_string(l)].get<double>();
   }
   EXPECT_EQ(m.back()["kv_saturated_total"], per_layer);
+  // one timeline of both processes: every receive has its send, bundle chunks and work cross
+  // the process boundary, and the vector clocks order them (fp8rl-trace, caf-0.17.md §7)
+  const auto sv = fp8rl::test::run_command(kBin + "/fp8rl-trace shiviz " + (d / "run").string());
+  ASSERT_EQ(sv.rc, 0) << sv.out;
+  EXPECT_NE(sv.out.find(" 0 receives without their send"), std::string::npos) << sv.out;
+  std::ifstream log(d / "run" / "trace.shiviz.log");
+  std::string l;
+  bool chunk_across = false, work_across = false;
+  while (std::getline(log, l)) {
+    chunk_across |= l.rfind("rollout1@rollout1 ", 0) == 0 && l.find("recv bundle_chunk") != std::string::npos &&
+                    l.find("\"weight_sync@main\"") != std::string::npos;
+    work_across |= l.rfind("rollout1@rollout1 ", 0) == 0 && l.find("recv work_msg") != std::string::npos &&
+                   l.find("\"controller@main\"") != std::string::npos;
+  }
+  EXPECT_TRUE(chunk_across);
+  EXPECT_TRUE(work_across);
   fs::remove_all(d);
 }
 

@@ -151,10 +151,11 @@ TEST(Messages, EveryWireTypeRoundTrips) {
   caf::binary_serializer short_sink(sys, short_buf);
   EXPECT_FALSE(short_sink(qw));
   EXPECT_NE(deserialize(short_buf).find("'w'"), std::string::npos);  // qtensor_validate names the tensor
-  msg::bundle_chunk c{9, 1, 3, 1.5, {1, 2, 3}};
+  msg::bundle_chunk c{{7, 8, 5}, 9, 1, 3, 1.5, {1, 2, 3}};
   EXPECT_EQ(round_trip(sys, c).bytes, c.bytes);
+  EXPECT_EQ(round_trip(sys, c).trace.lamport, 5u);  // the trace context crosses processes
   EXPECT_EQ(round_trip(sys, msg::adopted_msg{"rollout3", 4, 4, 0.1, "bad"}).error, "bad");
-  msg::step_report sr{4, {{"reward_mean", 0.5}}};
+  msg::step_report sr{{}, 4, {{"reward_mean", 0.5}}};
   EXPECT_EQ(round_trip(sys, sr).metrics, sr.metrics);
   EXPECT_EQ(round_trip(sys, msg::admitted_msg{1, 2, true, "stale"}).reason, "stale");
   EXPECT_EQ(round_trip(sys, msg::sync_report{3, 0.25, 100, true}).bytes, 100);

@@ -1,8 +1,12 @@
 // tools/trace/trace_tool.cpp -- build/bin/fp8rl-trace: one timeline of a whole run.
 //   fp8rl-trace merge RUN_DIR     -> RUN_DIR/trace.json (Chrome trace / Perfetto: load it in
 //                                   ui.perfetto.dev or chrome://tracing), one row per actor
+//                                   with an arrow from each message's send to its receive
+//   fp8rl-trace shiviz RUN_DIR    -> RUN_DIR/trace.shiviz.log: the messages' send/receive events
+//                                   with vector clocks (recomputed from the Lamport clocks the
+//                                   messages carried, as caf-vec did), for ShiViz
 //   fp8rl-trace summary RUN_DIR   -> busy/idle per actor, generation/training overlap, staleness
-//                                   histogram, weight-sync latency, calibration time
+//                                   histogram, weight-sync latency, calibration time, messages
 // Input: RUN_DIR/traces/*.jsonl (actors/trace.hpp) and RUN_DIR/metrics.jsonl.
 #include <algorithm>
 #include <cstdio>
@@ -24,6 +28,8 @@ struct event {
   int64_t ts = 0, dur = 0;
   double bytes = 0;
   int64_t wv = -1;
+  uint64_t lamport = 0, msg = 0;  // send/recv: Lamport clock, message id
+  std::string who() const { return actor + "@" + node; }
 };
 
 std::vector<event> load_events(const fs::path& run) {
@@ -51,12 +57,84 @@ std::vector<event> load_events(const fs::path& run) {
       e.dur = j.value("dur", int64_t{0});
       e.bytes = j.value("bytes", 0.0);
       e.wv = j.value("wv", int64_t{-1});
+      e.lamport = j.value("lamport", uint64_t{0});
+      e.msg = j.value("msg", uint64_t{0});
+      if ((e.kind == "send" || e.kind == "recv") && (e.msg == 0 || e.lamport == 0)) {
+        std::fprintf(stderr, "fp8rl-trace: %s:%ld: %s event without msg/lamport; skipped\n", f.path().c_str(), long(n), e.kind.c_str());
+        continue;
+      }
       ev.push_back(e);
     }
   }
   std::sort(ev.begin(), ev.end(), [](const event& a, const event& b) { return a.ts < b.ts; });
   if (ev.empty()) throw std::invalid_argument(dir.string() + ": no events");
   return ev;
+}
+
+// Each message's send and receive (indices into ev); receives whose send is missing (a process
+// without traces, a torn file) are counted, not matched.
+struct message_pairs {
+  std::map<uint64_t, std::pair<size_t, size_t>> pairs;  // msg -> (send, recv)
+  size_t unmatched_recv = 0, unmatched_send = 0;
+};
+message_pairs match_messages(const std::vector<event>& ev) {
+  message_pairs m;
+  std::map<uint64_t, size_t> send_of;
+  for (size_t i = 0; i < ev.size(); ++i)
+    if (ev[i].kind == "send") send_of[ev[i].msg] = i;
+  for (size_t i = 0; i < ev.size(); ++i) {
+    if (ev[i].kind != "recv") continue;
+    auto it = send_of.find(ev[i].msg);
+    if (it == send_of.end()) { ++m.unmatched_recv; continue; }
+    m.pairs[ev[i].msg] = {it->second, i};
+  }
+  m.unmatched_send = send_of.size() - m.pairs.size();
+  return m;
+}
+
+// Vector clocks of the send/recv events, in Lamport order (a send's clock is below its
+// receive's, and each actor's clock rises with every event): an event ticks its actor's own
+// entry; a receive first takes the entry-wise max with the clock its send had.
+std::map<size_t, std::map<std::string, uint64_t>> vector_clocks(const std::vector<event>& ev, const message_pairs& mp) {
+  std::vector<size_t> order;
+  for (size_t i = 0; i < ev.size(); ++i)
+    if (ev[i].kind == "send" || ev[i].kind == "recv") order.push_back(i);
+  std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) { return ev[a].lamport < ev[b].lamport; });
+  std::map<std::string, std::map<std::string, uint64_t>> now;  // per actor
+  std::map<size_t, std::map<std::string, uint64_t>> at;        // per event
+  for (size_t i : order) {
+    const event& e = ev[i];
+    auto& vc = now[e.who()];
+    if (e.kind == "recv") {
+      auto p = mp.pairs.find(e.msg);
+      if (p != mp.pairs.end() && at.count(p->second.first))
+        for (const auto& [k, v] : at[p->second.first]) vc[k] = std::max(vc[k], v);
+    }
+    ++vc[e.who()];
+    at[i] = vc;
+  }
+  return at;
+}
+
+int shiviz(const fs::path& run) {
+  const auto ev = load_events(run);
+  const auto mp = match_messages(ev);
+  const auto vc = vector_clocks(ev, mp);
+  std::vector<size_t> order;
+  for (const auto& [i, c] : vc) order.push_back(i);
+  std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) { return ev[a].lamport < ev[b].lamport; });
+  const fs::path p = run / "trace.shiviz.log";
+  std::ofstream out(p);
+  out << "(?<host>\\S+) (?<clock>\\{.*?\\}) (?<event>.*)\n\n";  // ShiViz: the parser regex, a blank line, events
+  for (size_t i : order) {
+    const event& e = ev[i];
+    out << e.who() << ' ' << json(vc.at(i)).dump() << ' ' << e.kind << ' ' << e.name;
+    if (e.wv >= 0) out << " v" << e.wv;
+    out << " msg=" << e.msg << " ts=" << e.ts << '\n';
+  }
+  std::printf("wrote %s (%zu events, %zu messages matched, %zu receives without their send)\n", p.c_str(), order.size(),
+              mp.pairs.size(), mp.unmatched_recv);
+  return 0;
 }
 
 int merge(const fs::path& run) {
@@ -79,9 +157,22 @@ int merge(const fs::path& run) {
     out.push_back({{"name", e.name}, {"ph", "X"}, {"ts", e.ts - ev.front().ts}, {"dur", std::max<int64_t>(e.dur, 1)},
                    {"pid", pid[e.node]}, {"tid", tid[key]}, {"args", args}});
   }
+  // an arrow (flow) from each message's send slice to its receive slice
+  const auto mp = match_messages(ev);
+  int64_t flow = 0;
+  for (const auto& [m, sr] : mp.pairs) {
+    const event& s = ev[sr.first];
+    const event& r = ev[sr.second];
+    ++flow;
+    out.push_back({{"name", s.name}, {"cat", "message"}, {"ph", "s"}, {"id", flow}, {"ts", s.ts - ev.front().ts},
+                   {"pid", pid[s.node]}, {"tid", tid[s.node + "/" + s.actor]}});
+    out.push_back({{"name", s.name}, {"cat", "message"}, {"ph", "f"}, {"bp", "e"}, {"id", flow}, {"ts", r.ts - ev.front().ts},
+                   {"pid", pid[r.node]}, {"tid", tid[r.node + "/" + r.actor]}});
+  }
   const fs::path p = run / "trace.json";
   std::ofstream(p) << json{{"traceEvents", out}, {"displayTimeUnit", "ms"}}.dump();
-  std::printf("wrote %s (%zu events, %zu processes, %zu actors)\n", p.c_str(), ev.size(), pid.size(), tid.size());
+  std::printf("wrote %s (%zu events, %zu processes, %zu actors, %zu messages)\n", p.c_str(), ev.size(), pid.size(), tid.size(),
+              mp.pairs.size());
   return 0;
 }
 
@@ -130,6 +221,16 @@ int summary(const fs::path& run) {
   double csum = 0;
   for (double c : calib) csum += c;
   std::printf("calibration: %zu runs, mean %.4f s\n", calib.size(), calib.empty() ? 0.0 : csum / double(calib.size()));
+  const auto mp = match_messages(ev);
+  std::map<std::string, std::pair<size_t, double>> by_type;  // count, send -> receive µs
+  for (const auto& [m, sr] : mp.pairs) {
+    auto& t = by_type[ev[sr.first].name];
+    ++t.first;
+    t.second += double(ev[sr.second].ts - ev[sr.first].ts);
+  }
+  std::printf("messages: %zu matched, %zu receives without their send, %zu sends not received\n", mp.pairs.size(),
+              mp.unmatched_recv, mp.unmatched_send);
+  for (const auto& [t, c] : by_type) std::printf("  %-14s %6zu   mean send->receive %.1f us\n", t.c_str(), c.first, c.second / double(c.first));
   // staleness and sync latency from the metrics
   std::map<int64_t, double> hist;
   std::vector<double> sync;
@@ -155,12 +256,14 @@ int summary(const fs::path& run) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  if (argc != 3 || (std::string(argv[1]) != "merge" && std::string(argv[1]) != "summary")) {
-    std::fprintf(stderr, "usage: fp8rl-trace merge|summary RUN_DIR\n");
+  const std::string cmd = argc == 3 ? argv[1] : "";
+  if (cmd != "merge" && cmd != "summary" && cmd != "shiviz") {
+    std::fprintf(stderr, "usage: fp8rl-trace merge|shiviz|summary RUN_DIR\n");
     return 2;
   }
   try {
-    return std::string(argv[1]) == "merge" ? merge(argv[2]) : summary(argv[2]);
+    if (cmd == "shiviz") return shiviz(argv[2]);
+    return cmd == "merge" ? merge(argv[2]) : summary(argv[2]);
   } catch (const std::exception& e) {
     std::fprintf(stderr, "fp8rl-trace: %s\n", e.what());
     return 2;
