@@ -26,9 +26,14 @@ std::shared_ptr<const actor_env> env_make(const run_config& cfg, const std::stri
   return e;
 }
 
+std::string device_problem(const device_spec& d) {
+  if (d.kind == "cpu") return "";
+  return "device '" + d.str() + "': this build has no CUDA backend for actors (gpu/ is kernel-level only)";
+}
+
 std::unique_ptr<models::backend> backend_for(const device_spec& d) {
-  if (d.kind == "cpu") return models::make_cpu_backend();
-  throw std::invalid_argument("device '" + d.str() + "': this build has no CUDA backend for actors (gpu/ is kernel-level only)");
+  if (const std::string why = device_problem(d); !why.empty()) throw std::invalid_argument(why);
+  return models::make_cpu_backend();
 }
 
 }  // namespace fp8rl::actors

@@ -31,5 +31,8 @@ std::shared_ptr<const actor_env> env_make(const run_config& cfg, const std::stri
 
 // The compute backend for a device ("cpu:N"; "cuda:K" needs the CUDA build).
 std::unique_ptr<models::backend> backend_for(const device_spec& d);
+// "" if this build's actors can run on d, else why not (checked for every node of a topology
+// before a run writes anything: a cuda device failed only once the warm start was done).
+std::string device_problem(const device_spec& d);
 
 }  // namespace fp8rl::actors

@@ -376,6 +376,11 @@ int train_main(int argc, char** argv) {
   }
   const std::string node = c.node.empty() ? topo.controller_node().name : c.node;
   if (!topo.find(node)) throw std::invalid_argument(topo.source + ": no node named '" + node + "'");
+  for (const auto& n : topo.nodes)  // every node's devices, before anything is written
+    for (const auto* devs : {&n.learners, &n.rollouts})
+      for (const auto& d : *devs)
+        if (const std::string why = device_problem(d); !why.empty())
+          throw std::invalid_argument(topo.source + ": node '" + n.name + "': " + why);
   fp8rl_config ccfg;
   if (auto err = ccfg.parse(c.caf_args)) throw std::invalid_argument("CAF options: " + caf::actor_system_config::render(err));
   caf_options_validate(ccfg);

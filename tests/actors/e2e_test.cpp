@@ -159,6 +159,13 @@ TEST(E2E, BadRecipeKeyFailsWithItsName) {
     EXPECT_NE(c.out.find(what), std::string::npos) << arg << "\n" << c.out;
   }
   EXPECT_FALSE(fs::exists(d / "run" / "recipe.conf"));  // refused before the run starts
+  // a topology placing actors on GPUs is refused before anything is written (after the warm start, it was)
+  const auto g = fp8rl::test::run_command(kBin + "/fp8rl train --topology configs/topologies/llama-8gpu.conf --run-dir " +
+                                          (d / "gpu").string());
+  EXPECT_NE(g.rc, 0);
+  EXPECT_NE(g.out.find("llama-8gpu.conf: node 'gpu-host': device 'cuda:0': this build has no CUDA backend"), std::string::npos)
+      << g.out;
+  EXPECT_FALSE(fs::exists(d / "gpu"));
   fs::remove_all(d);
 }
 
