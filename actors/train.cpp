@@ -442,7 +442,15 @@ int train_main(int argc, char** argv) {
                    {"start_version", start_version}, {"run_id", run_id}};
       caf::scoped_actor self{sys};
       self->request(*agent, std::chrono::seconds(120), msg::start_atom::value, init.dump(), caf::actor_cast<caf::actor>(ctrl))
-          .receive([&](std::vector<caf::actor>& hs) { spawned.emplace_back(&n, std::move(hs)); },
+          .receive(
+              [&](std::vector<caf::actor>& hs) {
+                size_t want = n.learners.size() + n.rollouts.size();
+                for (const auto& r : n.roles) want += r != "controller";
+                if (hs.size() != want)  // the wiring below reads them by position
+                  failure = "node '" + n.name + "' started " + std::to_string(hs.size()) + " actors, its topology entry has " +
+                            std::to_string(want) + " (another fp8rl build there?)";
+                spawned.emplace_back(&n, std::move(hs));
+              },
                    [&](caf::error& err) { failure = "node '" + n.name + "' could not start its actors: " + sys.render(err); });
       if (!failure.empty()) break;
     }
