@@ -329,7 +329,11 @@ msg::learner_actor spawn_learner(caf::actor_system& sys, std::shared_ptr<const a
             msg::params_msg pm;
             pm.version = s.version;
             pm.params = snapshot_params(s);
-            if (s.version > 0) pm.calib = calibration_batch_load(s.env->init_dir);  // read in the preflight already
+            try {
+              if (s.version > 0) pm.calib = calibration_batch_load(s.env->init_dir);  // the controller's preflight read it too
+            } catch (const std::exception& e) {
+              return fail(e.what());  // rank 0 on another node: its own copy of the run directory
+            }
             if (pm.calib.empty()) {
               if (s.version > 0)
                 log_get("learner")->warn("{}: no calibration.jsonl (an older checkpoint): v{} is calibrated on its step's prompts, "

@@ -167,7 +167,6 @@ msg::rollout_actor spawn_rollout(caf::actor_system& sys, std::shared_ptr<const a
             auto it = s.work.find(pid);
             if (it == s.work.end() || static_cast<int32_t>(d.size()) < it->second.group_size) continue;
             msg::group_msg g;
-            trace_send(s.name, "group_msg", g.trace, static_cast<int64_t>(g.step));
             g.step = it->second.step;
             g.prompt_id = pid;
             g.answer = it->second.answer;
@@ -193,6 +192,7 @@ msg::rollout_actor spawn_rollout(caf::actor_system& sys, std::shared_ptr<const a
             }
             std::sort(g.samples.begin(), g.samples.end(), [](const auto& a, const auto& b) { return a.group_index < b.group_index; });
             ++s.groups;
+            trace_send(s.name, "group_msg", g.trace, static_cast<int64_t>(g.step));
             self->send(s.peers.reward, std::move(g));
             s.done.erase(pid);
             s.work.erase(it);

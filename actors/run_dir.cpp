@@ -39,7 +39,8 @@ std::string run_dir_default(const std::string& name, int k) {
 }
 }  // namespace
 
-std::string run_dir_choose(const std::string& given, const std::string& name, bool resume, bool overwrite) {
+std::string run_dir_choose(const std::string& given, const std::string& name, bool resume, bool overwrite,
+                           const std::string& keep) {
   if (resume && overwrite) throw std::invalid_argument("--resume continues a run and --overwrite replaces it: give one");
   std::string dir = given;
   if (dir.empty() && resume) {  // the newest existing default directory
@@ -62,6 +63,11 @@ std::string run_dir_choose(const std::string& given, const std::string& name, bo
   if (!overwrite)
     throw std::invalid_argument(dir + ": holds an earlier run (" + join_names(outputs) +
                                 "); --resume continues it, --overwrite replaces it, or give another --run-dir");
+  if (!keep.empty() && fs::exists(keep)) {
+    const std::string d = fs::weakly_canonical(dir).string() + "/", k = fs::weakly_canonical(keep).string() + "/";
+    if (k.rfind(d, 0) == 0)
+      throw std::invalid_argument(dir + ": --overwrite would delete " + keep + ", which this run starts from; give another --run-dir");
+  }
   for (const char* e : {"recipe.conf", "checkpoints", "metrics.jsonl", "traces", "plots", "gloo"}) fs::remove_all(fs::path(dir) / e);
   return dir;
 }

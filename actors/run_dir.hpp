@@ -47,6 +47,8 @@ std::vector<std::string> run_dir_outputs(const std::string& dir);
 // metrics.jsonl, traces/, plots/, gloo/); an explicit --run-dir holding one is refused with the
 // way out. `resume` continues `given`, or by default the newest existing of runs/NAME,
 // runs/NAME-2, ...; it must hold checkpoints. Throws std::invalid_argument naming the directory.
-std::string run_dir_choose(const std::string& given, const std::string& name, bool resume, bool overwrite);
+// `keep`: a path the run reads (model.init) -- --overwrite is refused when it lies inside DIR.
+std::string run_dir_choose(const std::string& given, const std::string& name, bool resume, bool overwrite,
+                           const std::string& keep = "");
 
 }  // namespace fp8rl::actors

@@ -72,6 +72,8 @@ void trace_writer::event(const std::string& actor, const std::string& name, cons
   if (sv >= 0) j["sv"] = sv;
   if (lamport) j["lamport"] = lamport;
   if (msg) j["msg"] = msg;
+  static const int64_t pid = ::getpid();
+  j["pid"] = pid;  // a resumed run appends to the same file: its clocks start again
   std::lock_guard<std::mutex> g(mu_);
   out_ << j.dump() << '\n';
   if (++pending_ % 256 == 0) out_.flush();

@@ -3,7 +3,7 @@
 //
 // One line per event: {"node", "actor", "name", "ts" (µs since epoch), "dur" (µs), "bytes",
 // "wv" (weight version), "sv" (scale version), "lamport", "msg" (message id, send/recv),
-// "kind": "span"|"send"|"recv"}. Spans time what an actor does; send/recv pairs (one "msg" id,
+// "pid", "kind": "span"|"send"|"recv"}. Spans time what an actor does; send/recv pairs (one "msg" id,
 // the sender's Lamport clock carried in the message's trace_ctx) give the causal order across
 // processes, from which fp8rl-trace computes vector clocks (caf-0.17.md §7).
 // Writes are buffered and flushed every few hundred events and at close; a disabled writer

@@ -387,7 +387,7 @@ int train_main(int argc, char** argv) {
   ccfg.load<caf::io::middleman>();
   if (!topo.find(node)->has("controller")) return run_remote_node(ccfg, topo, node);
 
-  const std::string run_dir = run_dir_choose(c.run_dir, cfg.name, c.resume, c.overwrite);
+  const std::string run_dir = run_dir_choose(c.run_dir, cfg.name, c.resume, c.overwrite, cfg.init == "tiny" ? "" : cfg.init);
   if (c.run_dir.empty() && !c.resume && run_dir != "runs/" + cfg.name)
     log_get("train")->info("runs/{} holds an earlier run; this run writes {}", cfg.name, run_dir);
   fs::create_directories(run_dir);

@@ -60,14 +60,14 @@ is_result is_weights(const token_batch_rl& b, const grpo_config& cfg) {
   if (cfg.seq_logprob_error_threshold > 0.0f) {
     std::vector<double> e(static_cast<size_t>(b.n_seqs), 0.0), cnt(static_cast<size_t>(b.n_seqs), 0.0);
     for (int64_t t = 0; t < n; ++t)
-      if (b.mask[t] > 0) { e[b.seq[t]] += std::exp(std::fabs(double(b.g[t]) - b.p[t])); cnt[b.seq[t]] += 1; }
+      if (out.mask[t] > 0) { e[b.seq[t]] += std::exp(std::fabs(double(b.g[t]) - b.p[t])); cnt[b.seq[t]] += 1; }
     for (int64_t s = 0; s < b.n_seqs; ++s)
       if (cnt[s] > 0 && e[s] / cnt[s] > cfg.seq_logprob_error_threshold) {
         ++out.masked_seqs;
         for (int64_t t = 0; t < n; ++t)
           if (b.seq[t] == s) {
             out.filtered[t] = 1;
-            out.filtered_tokens += b.mask[t] > 0;
+            out.filtered_tokens += b.mask[t] > 0;  // non-finite ones too: the whole sequence leaves N
             out.mask[t] = 0.0f;
           }
       }

@@ -145,7 +145,10 @@ learner_out learner_grpo(model_runner& run, const model_weights& w, const std::v
                          const logit_processing& proc, const std::function<double(double)>& sum_over_learners) {
   learner_out out;
   out.grads.assign(static_cast<size_t>(model_param_layout(w.cfg).total), 0.0f);
-  if (samples.empty()) return out;
+  if (samples.empty()) {  // an empty shard still takes part in every collective the others run
+    if (cfg.seq_logprob_error_threshold > 0 && sum_over_learners) sum_over_learners(0.0);
+    return out;
+  }
   const learner_batch lb = learner_batch_build(samples, cfg.share_prompts);
   const token_batch& b = lb.b;
   const std::vector<int64_t>& at = lb.at;

@@ -207,6 +207,12 @@ TEST(RunDir, AnEarlierRunIsNeverOverwrittenUnasked) {
   EXPECT_FALSE(fs::exists("runs/x/metrics.jsonl"));
   EXPECT_FALSE(fs::exists("runs/x/checkpoints"));
   EXPECT_TRUE(fs::exists("runs/x/notes.txt"));
+  // --overwrite never deletes what the run starts from (model.init inside the directory)
+  started("runs/x");
+  fs::create_directories("runs/x/checkpoints/step_1");
+  EXPECT_NE(error_of([] { run_dir_choose("runs/x", "x", false, true, "runs/x/checkpoints/step_1"); }).find("would delete"),
+            std::string::npos);
+  EXPECT_TRUE(fs::exists("runs/x/checkpoints/step_1"));
   std::ofstream("runs/file") << "";
   EXPECT_NE(error_of([] { run_dir_choose("runs/file", "x", false, false); }).find("runs/file: exists and is not a directory"),
             std::string::npos);

@@ -235,7 +235,7 @@ TEST(E2E, TilesRecipeRunsWithAmxAndIsRefusedWithout) {
 // saturated K/V elements reaches the metrics from both processes' rollouts.
 TEST(E2E, TwoProcessesOnLoopbackViaCafRun) {
   const fs::path d = fresh_dir("two");
-  const std::string topo = two_process_topology(d, 41000 + ::getpid() % 9000);
+  const std::string topo = two_process_topology(d, 21000 + ::getpid() % 9000);
   ASSERT_EQ(run(kBin + "/caf-run --hostfile " + (d / "hosts").string() + " --topology " + topo + " -- " + kBin +
                 "/fp8rl train --run-dir " + (d / "run").string() + kSmall + " --precision.generation=fp8-kv"),
             0);
@@ -271,7 +271,7 @@ TEST(E2E, TwoProcessesOnLoopbackViaCafRun) {
 
 TEST(E2E, KillingTheRemoteRolloutMidRunIsSurvived) {
   const fs::path d = fresh_dir("kill");
-  const std::string topo = two_process_topology(d, 41000 + (::getpid() + 4500) % 9000);
+  const std::string topo = two_process_topology(d, 21000 + (::getpid() + 4500) % 9000);
   const int steps = 30;
   std::thread killer([&] {  // once a few steps are done, kill -9 the rollout process
     for (int i = 0; i < 600; ++i) {
@@ -317,7 +317,7 @@ TEST(E2E, FailedRolloutIsRestartedAndItsWorkRequeued) {
 // is up stops the group at once (the controller retried its connection for 60 s).
 TEST(E2E, CafRunStopsItsGroup) {
   const fs::path d = fresh_dir("cafrun");
-  const int port = 41000 + (::getpid() + 6500) % 9000;
+  const int port = 21000 + (::getpid() + 6500) % 9000;
   const std::string topo = two_process_topology(d, port);
   const std::string cafrun = kBin + "/caf-run --grace 2 --hostfile " + (d / "hosts").string() + " --topology " + topo +
                              " -- " + kBin + "/fp8rl train --run-dir " + (d / "run").string() +
@@ -328,8 +328,9 @@ TEST(E2E, CafRunStopsItsGroup) {
   ASSERT_GT(pid, 0);
   for (int i = 0; i < 600 && !(fs::exists(d / "run" / "metrics.jsonl") && metrics(d / "run").size() >= 2); ++i)
     std::this_thread::sleep_for(std::chrono::milliseconds(100));
-  ASSERT_GE(metrics(d / "run").size(), 2u) << "the run did not start";
-  ::kill(pid, SIGTERM);
+  const bool started = fs::exists(d / "run" / "metrics.jsonl") && metrics(d / "run").size() >= 2;
+  ::kill(pid, SIGTERM);  // also when the run did not start: nothing of this test may outlive it
+  ASSERT_TRUE(started) << "the run did not start";
   for (int i = 0; i < 300 && ::kill(pid, 0) == 0; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(100));
   std::this_thread::sleep_for(std::chrono::milliseconds(300));
   std::ifstream log(d / "log");
@@ -360,7 +361,7 @@ TEST(E2E, CafRunStopsItsGroup) {
 // silence).
 TEST(E2E, NodeSaysWhenItsControllerDisappears) {
   const fs::path d = fresh_dir("lostctl");
-  const std::string topo = two_process_topology(d, 41000 + (::getpid() + 7500) % 9000);
+  const std::string topo = two_process_topology(d, 21000 + (::getpid() + 7500) % 9000);
   const std::string node = kBin + "/fp8rl train --topology " + topo + " --node rollout1";
   std::thread main_node([&] {  // the controller, killed -9 once the run is under way
     std::system((kBin + "/fp8rl train --topology " + topo + " --node main --run-dir " + (d / "run").string() +

@@ -190,6 +190,13 @@ TEST(Grpo, FilteredSequencesLeaveTheTokenCount) {
   EXPECT_EQ(m.count("masked_correct_pct"), 0u);  // no rewards given
   b.reward = {0.0f, 1.0f};                        // the dropped sequence was correct
   EXPECT_EQ(learner_metrics(b, cfg, 5.0, 3).at("masked_correct_pct"), 100.0);
+  // a non-finite token leaves alone: its sequence's e_i is taken over the finite ones (it was
+  // infinite, and the whole sequence was dropped)
+  b.c[0] = b.p[0] = -INFINITY;
+  const is_result nf = is_weights(b, cfg);
+  EXPECT_EQ(nf.nonfinite, 1);
+  EXPECT_EQ(nf.masked_seqs, 1);  // sequence 1 only
+  EXPECT_EQ(nf.mask, (std::vector<float>{0, 1, 0, 0, 0}));
 }
 
 TEST(Grpo, AsyncVariantReducesToOnPolicyLoss) {

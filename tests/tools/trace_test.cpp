@@ -74,5 +74,16 @@ TEST(Trace, VectorClocksFollowTheMessages) {
   const auto c = fp8rl::test::run_command(kBin + "/fp8rl-trace shiviz " + run.string());
   EXPECT_NE(c.out.find("C.jsonl:1: recv event without msg/lamport; skipped"), std::string::npos) << c.out;
   EXPECT_NE(fp8rl::test::run_command(kBin + "/fp8rl-trace shiviz " + (run / "nope").string()).rc, 0);
+  // a resumed run appends to the same node file with its clocks starting again: each process
+  // is its own host, so the two runs' events are not merged into one timeline of one actor
+  fs::remove(run / "traces" / "C.jsonl");
+  json again = json::parse(line("A", "controller", "send", "work_msg", 3000000, 1, 21));
+  again["pid"] = 777;
+  std::ofstream(run / "traces" / "A.jsonl", std::ios::app) << again.dump() << "\n";
+  ASSERT_EQ(fp8rl::test::run_command(kBin + "/fp8rl-trace shiviz " + run.string()).rc, 0);
+  std::ifstream in2(run / "trace.shiviz.log");
+  const std::string text((std::istreambuf_iterator<char>(in2)), {});
+  EXPECT_NE(text.find("controller@A#777 {\"controller@A#777\":1} send work_msg"), std::string::npos) << text;
+  EXPECT_NE(text.find("controller@A#0 {\"controller@A#0\":1} send work_msg"), std::string::npos) << text;
   fs::remove_all(run);
 }

@@ -188,6 +188,7 @@ int main(int argc, char** argv) {
         std::fprintf(stderr, "caf-run: cannot execute %s: %s\n", av[0], std::strerror(errno));
         _exit(127);
       }
+      setpgid(pid, pid);  // also here: a signal before the child's own setpgid must still reach its group
       close(pfd[1]);
       fcntl(pfd[0], F_SETFL, O_NONBLOCK);
       child k;
@@ -208,7 +209,7 @@ int main(int argc, char** argv) {
         kill_at = when + std::chrono::seconds(grace);
       }
     };
-    bool term_sent = false, kill_sent = false;
+    bool term_sent = false, kill_sent = false, controller_done = false;
     while (true) {
       std::vector<pollfd> fds;
       for (auto& k : kids) if (k.fd >= 0) fds.push_back({k.fd, POLLIN, 0});
@@ -235,7 +236,8 @@ int main(int argc, char** argv) {
           std::printf("caf-run: %s exited with %d\n", k.name.c_str(), k.code);
           std::fflush(stdout);
           const bool is_controller = k.name == controller_name;
-          const bool decisive = fail_fast || is_controller || !k.ready;  // not up yet: the run cannot start
+          // not up yet: the run cannot start; after the controller, the others only follow it
+          const bool decisive = !controller_done && (fail_fast || is_controller || !k.ready);
           if (k.code != 0 && !decisive)
             std::printf("caf-run: %s failed (exit %d); the controller decides whether the run goes on\n", k.name.c_str(), k.code);
           if (k.code != 0 && decisive && first_failure == 0) {
@@ -243,7 +245,10 @@ int main(int argc, char** argv) {
             failed = k.name;
             stop_group(clk::now());
           }
-          if (is_controller) stop_group(clk::now() + std::chrono::seconds(grace));  // the rest should follow it
+          if (is_controller) {
+            controller_done = true;
+            stop_group(clk::now() + std::chrono::seconds(grace));  // the rest should follow it
+          }
         } else {
           all_done = false;
         }

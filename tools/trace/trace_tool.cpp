@@ -29,7 +29,9 @@ struct event {
   double bytes = 0;
   int64_t wv = -1;
   uint64_t lamport = 0, msg = 0;  // send/recv: Lamport clock, message id
-  std::string who() const { return actor + "@" + node; }
+  int64_t pid = 0;
+  std::string host;  // actor@node, plus #pid where a node's file holds several processes (a resumed run)
+  const std::string& who() const { return host; }
 };
 
 std::vector<event> load_events(const fs::path& run) {
@@ -59,6 +61,7 @@ std::vector<event> load_events(const fs::path& run) {
       e.wv = j.value("wv", int64_t{-1});
       e.lamport = j.value("lamport", uint64_t{0});
       e.msg = j.value("msg", uint64_t{0});
+      e.pid = j.value("pid", int64_t{0});
       if ((e.kind == "send" || e.kind == "recv") && (e.msg == 0 || e.lamport == 0)) {
         std::fprintf(stderr, "fp8rl-trace: %s:%ld: %s event without msg/lamport; skipped\n", f.path().c_str(), long(n), e.kind.c_str());
         continue;
@@ -68,6 +71,13 @@ std::vector<event> load_events(const fs::path& run) {
   }
   std::sort(ev.begin(), ev.end(), [](const event& a, const event& b) { return a.ts < b.ts; });
   if (ev.empty()) throw std::invalid_argument(dir.string() + ": no events");
+  std::map<std::string, std::set<int64_t>> pids;
+  for (const auto& e : ev) pids[e.node].insert(e.pid);
+  for (auto& e : ev) {
+    e.host = e.actor;
+    e.host.append(1, '@').append(e.node);
+    if (pids[e.node].size() > 1) e.host.append(1, '#').append(std::to_string(e.pid));
+  }
   return ev;
 }
 
