@@ -6,7 +6,7 @@
 #include <algorithm>
 #include <chrono>
 #include <filesystem>
-#include <nlohmann/json.hpp>
+#include <cstdio>
 
 namespace fp8rl::actors {
 
@@ -63,19 +63,50 @@ void trace_recv(const std::string& actor, const char* type, const msg::trace_ctx
   w.event(actor, type, "recv", trace_now_us(), 0, bytes, wv, -1, clock, ctx.span_id);
 }
 
+namespace {
+// Appends s as a JSON string (quotes, backslashes and control characters escaped).
+void json_string(std::string& out, const std::string& s) {
+  out += '"';
+  for (char c : s) {
+    if (c == '"' || c == '\\') out += '\\', out += c;
+    else if (static_cast<unsigned char>(c) < 0x20) {
+      char b[8];
+      std::snprintf(b, sizeof b, "\\u%04x", c);
+      out += b;
+    } else {
+      out += c;
+    }
+  }
+  out += '"';
+}
+}  // namespace
+
+// Formatted by hand, not through nlohmann::json: ~300 events per step of the default run, and
+// building a json object per event took ~5% off the asynchronous run's samples/s.
 void trace_writer::event(const std::string& actor, const std::string& name, const char* kind, int64_t ts_us,
                          int64_t dur_us, double bytes, int64_t wv, int64_t sv, uint64_t lamport, uint64_t msg) {
   if (!enabled_) return;
-  nlohmann::json j = {{"node", node_}, {"actor", actor}, {"name", name}, {"kind", kind}, {"ts", ts_us}, {"dur", dur_us}};
-  if (bytes > 0) j["bytes"] = bytes;
-  if (wv >= 0) j["wv"] = wv;
-  if (sv >= 0) j["sv"] = sv;
-  if (lamport) j["lamport"] = lamport;
-  if (msg) j["msg"] = msg;
-  static const int64_t pid = ::getpid();
-  j["pid"] = pid;  // a resumed run appends to the same file: its clocks start again
+  static const long pid = ::getpid();
+  thread_local std::string line;
+  line.clear();
+  line += "{\"node\":";
+  json_string(line, node_);
+  line += ",\"actor\":";
+  json_string(line, actor);
+  line += ",\"name\":";
+  json_string(line, name);
+  char b[256];
+  int n = std::snprintf(b, sizeof b, ",\"kind\":\"%s\",\"ts\":%lld,\"dur\":%lld,\"pid\":%ld", kind, static_cast<long long>(ts_us),
+                        static_cast<long long>(dur_us), pid);
+  line.append(b, static_cast<size_t>(n));
+  if (bytes > 0) line.append(b, static_cast<size_t>(std::snprintf(b, sizeof b, ",\"bytes\":%.17g", bytes)));
+  if (wv >= 0) line.append(b, static_cast<size_t>(std::snprintf(b, sizeof b, ",\"wv\":%lld", static_cast<long long>(wv))));
+  if (sv >= 0) line.append(b, static_cast<size_t>(std::snprintf(b, sizeof b, ",\"sv\":%lld", static_cast<long long>(sv))));
+  if (lamport) line.append(b, static_cast<size_t>(std::snprintf(b, sizeof b, ",\"lamport\":%llu", static_cast<unsigned long long>(lamport))));
+  if (msg) line.append(b, static_cast<size_t>(std::snprintf(b, sizeof b, ",\"msg\":%llu", static_cast<unsigned long long>(msg))));
+  line += "}\n";
   std::lock_guard<std::mutex> g(mu_);
-  out_ << j.dump() << '\n';
+  out_ << line;
   if (++pending_ % 256 == 0) out_.flush();
 }
 

@@ -74,7 +74,10 @@ int main(int argc, char** argv) {
   // on this shared machine, a transient of ~40 ms in one run moving the ratio by 4%
   const std::string steps = a.quick ? "10" : "60";
   const size_t skip = a.quick ? 2 : 5;
-  const std::string common = " --run.steps=" + steps + " --run.eval_every=0 --run.checkpoint_every=0 --model.sft_steps=100";
+  // Tracing off for the loop's own speed: the message-level trace records ~40k events/s at this
+  // tiny model's rate (~1 us each), a cost of its own, measured in part 3 (trace_cost).
+  const std::string base = " --run.steps=" + steps + " --run.eval_every=0 --run.checkpoint_every=0 --model.sft_steps=100";
+  const std::string common = base + " --trace.enabled=false";
   // 1. samples/s vs staleness, repetitions alternating k = 0, 1, 2 so that each ratio compares
   //    runs minutes apart at most; medians over repetitions
   if (bench_selected(a, "staleness")) {
@@ -116,6 +119,23 @@ int main(int argc, char** argv) {
       }
       bench_emit(a, f);
     }
+  }
+  // 3. what tracing costs the asynchronous run (max_staleness 1): on/off alternated, medians
+  if (bench_selected(a, "trace_cost")) {
+    const int reps = a.quick ? 1 : std::clamp(a.reps, 1, 5);
+    std::vector<double> on, off, ratio;
+    for (int r = 0; r < reps; ++r) {
+      for (bool tr : {false, true}) {
+        const std::string cmd = (bin / "fp8rl").string() + " train --topology " + (src / "configs/topologies/local.conf").string() +
+                                base + " --async.max_staleness=1 --trace.enabled=" + (tr ? "true" : "false");
+        const auto m = run_train(cmd, work / (tr ? "trace_on" : "trace_off"));
+        (tr ? on : off).push_back(steady_samples_per_s(m, skip));
+      }
+      ratio.push_back(on.back() / off.back());
+    }
+    bench_emit(a, {{"bench", jstr("rl")}, {"impl", jstr("trace_cost")}, {"max_staleness", jnum(1)},
+                   {"samples_per_s_trace_on", jnum(bench_median_of(on))}, {"samples_per_s_trace_off", jnum(bench_median_of(off))},
+                   {"on_over_off", jnum(bench_median_of(ratio))}, {"runs", jnum(reps)}});
   }
   // 2. bundle sync latency and MB/s, FP8 vs BF16, in process and across processes
   if (bench_selected(a, "sync")) {
