@@ -37,6 +37,7 @@ void gpu_logprob_forward(const float* logits, const int32_t* targets, int64_t T,
 void gpu_adamw_step(float* p, float* g, float* m, float* v, int64_t n, float lr, float b1, float b2, float eps,
                     float decay, float clip, int64_t step);
 // FP8 KV cache entries: code = e4m3(x / scale[h]) for x [T, KV, D]; read back dec(code) * scale.
+// A NaN/Inf in x is an error naming token, KV head and element (std::invalid_argument).
 void gpu_kv_write_fp8(const float* x, int64_t T, int64_t KV, int64_t D, const float* scale, uint8_t* codes);
 void gpu_kv_read_fp8(const uint8_t* codes, int64_t T, int64_t KV, int64_t D, const float* scale, float* x);
 // Causal GQA attention over one sequence: q [T,H,D], k/v [T,KV,D] -> out [T,H,D]; BF16 operand

@@ -3,6 +3,10 @@
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
+#include <stdexcept>
+#include <string>
+#include <vector>
+
 #include "gpu/device.hpp"
 #include "gpu/kernels/e4m3_device.cuh"
 #include "gpu/ops.hpp"
@@ -87,9 +91,13 @@ __global__ void adamw_kernel(float* p, float* g, float* m, float* v, int64_t n, 
   p[i] -= step_size * (m[i] / (sqrtf(v[i]) / bc2_sqrt + eps));
 }
 
-__global__ void kv_write_kernel(const float* x, int64_t n, int64_t KV, int64_t D, const float* scale, uint8_t* codes) {
+// first_bad: the lowest index holding NaN/Inf (fp8-numerics §0.2: an error, never encoded silently)
+__global__ void kv_write_kernel(const float* x, int64_t n, int64_t KV, int64_t D, const float* scale, uint8_t* codes,
+                                unsigned long long* first_bad) {
   const int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
-  if (i < n) codes[i] = e4m3_encode(__fdiv_rn(x[i], scale[(i / D) % KV]));
+  if (i >= n) return;
+  if (!isfinite(x[i])) atomicMin(first_bad, static_cast<unsigned long long>(i));
+  codes[i] = e4m3_encode(__fdiv_rn(x[i], scale[(i / D) % KV]));
 }
 
 __global__ void kv_read_kernel(const uint8_t* codes, int64_t n, int64_t KV, int64_t D, const float* scale, float* x) {
@@ -162,8 +170,16 @@ void gpu_adamw_step(float* p, float* g, float* m, float* v, int64_t n, float lr,
   check();
 }
 void gpu_kv_write_fp8(const float* x, int64_t T, int64_t KV, int64_t D, const float* scale, uint8_t* codes) {
-  if (T * KV * D) kv_write_kernel<<<blocks(T * KV * D), 256>>>(x, T * KV * D, KV, D, scale, codes);
+  if (T * KV * D == 0) return;
+  constexpr unsigned long long kNone = ~0ull;
+  auto first_bad = dbuf<unsigned long long>::from(std::vector<unsigned long long>{kNone});
+  kv_write_kernel<<<blocks(T * KV * D), 256>>>(x, T * KV * D, KV, D, scale, codes, first_bad.data());
   check();
+  const unsigned long long i = first_bad.to_host()[0];
+  if (i != kNone)
+    throw std::invalid_argument("gpu_kv_write_fp8: token " + std::to_string(i / (KV * D)) + ", KV head " +
+                                std::to_string(i / D % KV) + ", element " + std::to_string(i % D) +
+                                ": not finite (FP8 K/V cache)");
 }
 void gpu_kv_read_fp8(const uint8_t* codes, int64_t T, int64_t KV, int64_t D, const float* scale, float* x) {
   if (T * KV * D) kv_read_kernel<<<blocks(T * KV * D), 256>>>(codes, T * KV * D, KV, D, scale, x);

@@ -179,6 +179,16 @@ TEST(GpuOps, Fp8KvCacheCodecIsBitExact) {
   gpu::gpu_kv_read_fp8(codes.data(), T, KV, D, ds.data(), back.data());
   const auto b = back.to_host();
   for (size_t i = 0; i < x.size(); ++i) ASSERT_EQ(b[i], quant::e4m3_to_float(c[i]) * scale[(i / D) % KV]) << i;
+  // a NaN/Inf key or value is refused, naming where (fp8-numerics §0.2)
+  auto bad = x;
+  bad[static_cast<size_t>(2 * KV * D + D + 5)] = std::nanf("");  // token 2, KV head 1, element 5
+  auto dbad = gpu::dbuf<float>::from(bad);
+  try {
+    gpu::gpu_kv_write_fp8(dbad.data(), T, KV, D, ds.data(), codes.data());
+    ADD_FAILURE() << "NaN encoded";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("token 2, KV head 1, element 5: not finite"), std::string::npos) << e.what();
+  }
   // every one of the 256 codes decodes as the CPU does (0x7F / 0xFF: NaN, not +-480)
   std::vector<uint8_t> all(256 * KV * D / 256 * 8);
   for (size_t i = 0; i < all.size(); ++i) all[i] = static_cast<uint8_t>(i);
