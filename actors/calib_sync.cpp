@@ -147,8 +147,30 @@ msg::weight_sync_actor spawn_weight_sync(caf::actor_system& sys, std::shared_ptr
       };
       for (uint32_t i = 0; i < std::min(kWindow, total); ++i) (*send_one)();
     };
+    // One rollout's copy of version v: the bundle itself in this process, chunks of its bytes
+    // across processes (`bytes` caches them: serialized once per publish). False when the
+    // bundle cannot be serialized (reported to the controller).
+    auto send_bundle = [self, send_chunks](const msg::rollout_actor& r, const std::string& name, uint64_t v,
+                                           const sync_version& sv, std::shared_ptr<const std::vector<char>>& bytes) {
+      if (r.node() == self->node()) {
+        msg::bundle_msg out{{}, sv.bundle, sv.published_at};
+        trace_send("weight_sync", "bundle_msg", out.trace, static_cast<int64_t>(v));
+        self->send(r, std::move(out));
+        return true;
+      }
+      if (!bytes) {
+        std::string err;
+        bytes = bundle_bytes(self->system(), *sv.bundle, &err);
+        if (!bytes) {
+          self->send(self->state.peers.controller, std::string("weight_sync"), err);
+          return false;
+        }
+      }
+      send_chunks(r, name, bytes, v, sv.published_at);
+      return true;
+    };
     return {
-        [self, send_chunks](msg::peers_msg& p) {
+        [self, send_bundle](msg::peers_msg& p) {
           auto& s = self->state;
           std::set<caf::actor_addr> known;
           for (const auto& r : s.peers.rollouts) known.insert(r.address());
@@ -161,16 +183,8 @@ msg::weight_sync_actor spawn_weight_sync(caf::actor_system& sys, std::shared_ptr
               auto& [v, sv] = *s.versions.rbegin();
               if (known.count(r.address()) || !sv.bundle) continue;
               log_get("weight_sync")->info("sending v{} to {} (joined)", v, s.peers.rollout_names[i]);
-              if (r.node() == self->node()) {
-                msg::bundle_msg out{{}, sv.bundle, sv.published_at};
-                trace_send("weight_sync", "bundle_msg", out.trace, static_cast<int64_t>(v));
-                self->send(r, std::move(out));
-              } else {
-                std::string err;
-                auto bytes = bundle_bytes(self->system(), *sv.bundle, &err);
-                if (!bytes) return self->send(s.peers.controller, std::string("weight_sync"), err);
-                send_chunks(r, s.peers.rollout_names[i], bytes, v, sv.published_at);
-              }
+              std::shared_ptr<const std::vector<char>> bytes;
+              if (!send_bundle(r, s.peers.rollout_names[i], v, sv, bytes)) return;
             }
           // rollouts that left no longer hold up adoption accounting
           std::set<std::string> live(s.peers.rollout_names.begin(), s.peers.rollout_names.end());
@@ -182,7 +196,7 @@ msg::weight_sync_actor spawn_weight_sync(caf::actor_system& sys, std::shared_ptr
             }
           }
         },
-        [self, send_chunks](msg::bundle_msg& bm) {
+        [self, send_bundle](msg::bundle_msg& bm) {
           auto& s = self->state;
           const uint64_t v = bm.bundle->weight_version;
           trace_recv("weight_sync", "bundle_msg", bm.trace, static_cast<int64_t>(v));
@@ -195,19 +209,8 @@ msg::weight_sync_actor spawn_weight_sync(caf::actor_system& sys, std::shared_ptr
           for (size_t i = 0; i < s.peers.rollouts.size(); ++i) {
             const auto& r = s.peers.rollouts[i];
             sv.waiting.insert(s.peers.rollout_names[i]);
-            if (r.node() == self->node()) {
-              msg::bundle_msg out{{}, sv.bundle, sv.published_at};
-              trace_send("weight_sync", "bundle_msg", out.trace, static_cast<int64_t>(v));
-              self->send(r, std::move(out));
-            } else {
-              sv.cross = true;
-              if (!bytes) {
-                std::string err;
-                bytes = bundle_bytes(self->system(), *sv.bundle, &err);
-                if (!bytes) return self->send(s.peers.controller, std::string("weight_sync"), err);
-              }
-              send_chunks(r, s.peers.rollout_names[i], bytes, v, sv.published_at);
-            }
+            sv.cross |= r.node() != self->node();
+            if (!send_bundle(r, s.peers.rollout_names[i], v, sv, bytes)) return;
           }
           while (s.versions.size() > static_cast<size_t>(s.env->cfg.max_staleness + 1)) s.versions.erase(s.versions.begin());
         },

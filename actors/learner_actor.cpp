@@ -294,19 +294,17 @@ msg::learner_actor spawn_learner(caf::actor_system& sys, std::shared_ptr<const a
                     msg::params_msg pm;
                     pm.version = s.version;
                     pm.params = snapshot_params(s);
-                    for (const auto& x : b.all_samples.empty() ? b.samples : b.all_samples) {  // every rank's shard
-                      auto seq = x.prompt;
-                      seq.insert(seq.end(), x.response.begin(), x.response.end());
-                      pm.calib.push_back(std::move(seq));
-                    }
-                    const auto calib = pm.calib;
+                    pm.calib = models::rl_sequences(b.all_samples.empty() ? b.samples : b.all_samples);  // every rank's shard
+                    const bool last = s.version >= s.end_version;
+                    const bool ckpt = last || (s.env->cfg.checkpoint_every > 0 &&
+                                               s.version % static_cast<uint64_t>(s.env->cfg.checkpoint_every) == 0);
+                    std::vector<std::vector<int32_t>> calib;  // a copy for the checkpoint, only when one is due
+                    if (ckpt) calib = pm.calib;
                     trace_send("learner0", "params_msg", pm.trace, static_cast<int64_t>(pm.version));
                     self->send(s.peers.calibration, std::move(pm));
-                    const bool last = s.version >= s.end_version;
                     if (last || (s.env->cfg.eval_every > 0 && s.version % static_cast<uint64_t>(s.env->cfg.eval_every) == 0))
                       s.arena->execute([&] { evaluate_into(s, m); });
-                    if (last || (s.env->cfg.checkpoint_every > 0 && s.version % static_cast<uint64_t>(s.env->cfg.checkpoint_every) == 0))
-                      checkpoint(s, s.version * static_cast<uint64_t>(s.env->cfg.prompts_per_step), calib);
+                    if (ckpt) checkpoint(s, s.version * static_cast<uint64_t>(s.env->cfg.prompts_per_step), calib);
                     msg::step_report rep{{}, s.version, std::move(m)};
                     trace_send("learner0", "step_report", rep.trace, static_cast<int64_t>(s.version));
                     self->send(s.peers.controller, std::move(rep));

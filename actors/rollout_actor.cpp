@@ -22,7 +22,7 @@ namespace {
 // the process exits abnormally (once per process) when work of step S reaches it.
 bool fault_exit_now(const std::string& name, uint64_t step) {
   static std::atomic<bool> fired{false};
-  const char* at = std::getenv("FP8RL_FAULT_ROLLOUT_EXIT_AT_STEP");
+  static const char* const at = std::getenv("FP8RL_FAULT_ROLLOUT_EXIT_AT_STEP");  // read once
   if (!at || name != "rollout0" || std::strtoull(at, nullptr, 10) != step) return false;
   return !fired.exchange(true);
 }

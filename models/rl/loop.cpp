@@ -104,12 +104,7 @@ metric_map rl_sync_step(rl_state& st, generation_engine& eng, const dataset& tra
   m["tokens"] = N;
   st.version += 1;
   st.prompt_cursor += static_cast<uint64_t>(cfg.prompts_per_step);
-  st.last_trained.clear();
-  for (const auto& s : samples) {
-    auto seq = s.prompt;
-    seq.insert(seq.end(), s.response.begin(), s.response.end());
-    st.last_trained.push_back(std::move(seq));
-  }
+  st.last_trained = rl_sequences(samples);
   return m;
 }
 

@@ -92,6 +92,16 @@ learner_batch learner_batch_build(const std::vector<rl_sample>& samples, bool sh
   return lb;
 }
 
+std::vector<std::vector<int32_t>> rl_sequences(const std::vector<rl_sample>& samples) {
+  std::vector<std::vector<int32_t>> out;
+  out.reserve(samples.size());
+  for (const auto& s : samples) {
+    out.push_back(s.prompt);
+    out.back().insert(out.back().end(), s.response.begin(), s.response.end());
+  }
+  return out;
+}
+
 token_batch_rl rl_tokens(const std::vector<rl_sample>& samples) {
   token_batch_rl rl;
   for (size_t i = 0; i < samples.size(); ++i) {
@@ -109,11 +119,10 @@ token_batch_rl rl_tokens(const std::vector<rl_sample>& samples) {
   return rl;
 }
 
-metric_map learner_metrics(const token_batch_rl& rl, const grpo_config& cfg, double N_global, uint64_t learner_version) {
-  const is_result is = is_weights(rl, cfg);
-  const double N = N_global - double(is.filtered_tokens);
-  metric_map out = policy_loss(rl, cfg, N > 0 ? N : 1.0).metrics;
-  // per-version and per-staleness mismatch (Δ = learner_version - weight_version)
+namespace {
+// Per-version and per-staleness mismatch (Δ = learner_version - weight_version) into out.
+void version_metrics(const token_batch_rl& rl, const is_result& is, const grpo_config& cfg, uint64_t learner_version,
+                     metric_map& out) {
   std::map<uint64_t, std::vector<int64_t>> by_v;
   for (int64_t t = 0; t < rl.size(); ++t) by_v[rl.weight_version[t]].push_back(t);
   for (const auto& [v, idx] : by_v) {
@@ -137,6 +146,14 @@ metric_map learner_metrics(const token_batch_rl& rl, const grpo_config& cfg, dou
     out["by_staleness/" + std::to_string(delta) + "/token_mult_prob_error"] = m["token_mult_prob_error"];
     out["by_staleness/" + std::to_string(delta) + "/gen_kl_error"] = m["gen_kl_error"];
   }
+}
+}  // namespace
+
+metric_map learner_metrics(const token_batch_rl& rl, const grpo_config& cfg, double N_global, uint64_t learner_version) {
+  const is_result is = is_weights(rl, cfg);
+  const double N = N_global - double(is.filtered_tokens);
+  metric_map out = policy_loss(rl, cfg, N > 0 ? N : 1.0).metrics;
+  version_metrics(rl, is, cfg, learner_version, out);
   return out;
 }
 
@@ -165,13 +182,14 @@ learner_out learner_grpo(model_runner& run, const model_weights& w, const std::v
   run.logprobs(targets, proc, all.data());
   for (int64_t t : at) rl.c.push_back(all[t]);
   rl.p = rl.c;  // p := sg(c): one optimizer step per batch
+  const is_result is = is_weights(rl, cfg);
   double N = N_global;  // less the tokens of sequences the e_i filter dropped, on every learner
   if (cfg.seq_logprob_error_threshold > 0) {
-    const double filtered = double(is_weights(rl, cfg).filtered_tokens);
+    const double filtered = double(is.filtered_tokens);
     N -= sum_over_learners ? sum_over_learners(filtered) : filtered;
   }
   out.loss = policy_loss(rl, cfg, N > 0 ? N : 1.0);  // N = 0: every token dropped, the loss is 0
-  out.loss.metrics = learner_metrics(rl, cfg, N_global, learner_version);
+  version_metrics(rl, is, cfg, learner_version, out.loss.metrics);  // = learner_metrics with one learner
   std::vector<float> dlogp(targets.size(), 0.0f);
   for (size_t k = 0; k < at.size(); ++k) dlogp[at[k]] = out.loss.dc[k];
   run.backward(w, targets, proc, dlogp.data(), out.grads.data());

@@ -58,6 +58,8 @@ struct learner_out {
   loss_result loss;          // loss, dc, metrics (learner_metrics of this shard)
   token_batch_rl tokens;     // this shard's response tokens: g, c = p, ref, advantages, versions
 };
+// prompt + response of each sample: what the calibration runs on (the batch just trained).
+std::vector<std::vector<int32_t>> rl_sequences(const std::vector<rl_sample>& samples);
 // The response tokens of `samples` in order (sample i, token j): g, advantage, mask 1, sequence
 // index, behaviour version; c, p and ref are left to the caller.
 token_batch_rl rl_tokens(const std::vector<rl_sample>& samples);
