@@ -1,6 +1,7 @@
 // quant/gemm.hpp -- CPU GEMMs C[M,N] = A[M,K] · B[N,K]^T (row-major; lda = ldb = K, ldc = N).
 // defines: gemm_desc, gemm_config, gemm_packed_b, gemm_pack_{f32,bf16,fp8},
-//          gemm_{f32,bf16,fp8}, gemm_{f32,bf16,fp8}_ref, gemm_tiles_available, gemm_{bf16,fp8}_tiles
+//          gemm_{f32,bf16,fp8}, gemm_{f32,bf16,fp8}_ref, gemm_fp8_exact_ref, gemm_tiles_available,
+//          gemm_{bf16,fp8}_tiles
 //
 // Each precision has a scalar reference (`*_ref`, built with -ffp-contract=off) that defines
 // the result bit for bit, and a fast path that must equal it exactly:
@@ -16,7 +17,7 @@
 // The tile GEMMs (`*_tiles`, AMX TDPBF16PS) are the CPU's tensor-core path and, like cuBLASLt,
 // are NOT bit-exact: the order inside one TDPBF16PS is undocumented. They compute the same
 // exact products in FP32 (BF16 inputs; E4M3 values are exact in BF16) and are checked against
-// FP64 under the FP32 accumulation bound (tests/tolerances.hpp kGemmTilesAccumulation):
+// FP64 under the FP32 accumulation bound (tests/tolerances.hpp gemm_tiles_bound):
 //   bf16        C = sum over k of a[k]*b[k], FP32 tile accumulation over all of K
 //   fp8, pow2   the same on (q_a * sa) and (q_b * sb): power-of-two scales fold into the
 //               BF16 values exactly, so no promotion is needed -- as long as the folded value
@@ -170,6 +171,12 @@ void gemm_f32_ref(const gemm_desc& d, const float* A, const float* B, float* C);
 void gemm_bf16_ref(const gemm_desc& d, const uint16_t* A, const uint16_t* B, float* C);
 // A: 1x128 tiles (rowwise, or colwise as its transposed operand). B: any layout.
 void gemm_fp8_ref(const qtensor& A, const qtensor& B, float* C);
+// fp8-numerics.md §5.4, the order-independent exact model: each 128-K block sum of q_a * q_b in
+// int64 (units of 2^-18: every E4M3 value is a multiple of 2^-9), one RNE to FP32 per block, then
+// the §5.2 promotion out = fma(sa * sb, acc, out). Its block sums do not depend on the order of
+// the products, so it is the yardstick for kernels whose order is undocumented (tensor cores,
+// AMX tiles). Same operands and errors as gemm_fp8_ref.
+void gemm_fp8_exact_ref(const qtensor& A, const qtensor& B, float* C);
 
 // Fast paths (oneTBB inside; the calling arena's threads).
 void gemm_f32(const gemm_desc& d, const float* A, const gemm_packed_b& B, float* C,

@@ -1,5 +1,6 @@
 // quant/gemm_ref.cpp -- scalar reference GEMMs: the definition of every result bit.
 // Built with -ffp-contract=off; every fused operation is an explicit std::fma.
+#include <algorithm>
 #include <cmath>
 #include <cfloat>
 #include <sstream>
@@ -88,6 +89,38 @@ void gemm_fp8_ref(const qtensor& A, const qtensor& B, float* C) {
           acc = std::fma(at(A, m, k + 1), at(B, n, k + 1), acc);  // odd element first
           acc = std::fma(at(A, m, k), at(B, n, k), acc);
         }
+        const float s = A.scale_at(m, kb) * B.scale_at(n, kb);  // rounded before the FMA
+        out = std::fma(s, acc, out);
+      }
+      C[m * N + n] = out;
+    }
+}
+
+void gemm_fp8_exact_ref(const qtensor& A, const qtensor& B, float* C) {
+  check_fp8_operands(A, B);
+  const int64_t M = A.op_rows(), N = B.op_rows(), K = A.op_cols();
+  // q * 2^9 is an integer for every finite E4M3 value (|q * 2^9| <= 448 * 512 < 2^18), so a
+  // product is an integer number of 2^-18 and a 128-term sum stays below 2^43: exact in int64.
+  // The NaN codes (0x7F, 0xFF) never come out of quant/'s encoders; a block that holds one
+  // gives NaN, as in gemm_fp8_ref.
+  int32_t units[256];
+  for (int c = 0; c < 256; ++c)
+    units[c] = (c & 0x7F) == 0x7F ? 0 : static_cast<int32_t>(std::ldexp(e4m3_table()[c], 9));
+  auto is_nan = [](uint8_t c) { return (c & 0x7F) == 0x7F; };
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t n = 0; n < N; ++n) {
+      float out = 0.0f;
+      for (int64_t kb = 0; kb * kBlock < K; ++kb) {
+        int64_t sum = 0;
+        bool nan = false;
+        for (int64_t k = kb * kBlock; k < std::min(K, (kb + 1) * kBlock); ++k) {
+          const uint8_t a = A.data[m * K + k], b = B.data[n * K + k];
+          sum += int64_t(units[a]) * units[b];
+          nan |= is_nan(a) || is_nan(b);
+        }
+        // int64 -> float rounds to nearest even (the default mode); the 2^-18 scaling is exact
+        // (a nonzero |sum| >= 1 unit stays a normal float).
+        const float acc = nan ? std::nanf("") : std::ldexp(static_cast<float>(sum), -18);
         const float s = A.scale_at(m, kb) * B.scale_at(n, kb);  // rounded before the FMA
         out = std::fma(s, acc, out);
       }

@@ -385,6 +385,8 @@ TEST(Gemm, ExactIntegerInputsGiveExactResultsOnEveryPath) {
   qtensor B = quantize(Bf.data(), N, K, qlayout::block_128x128, scale_mode::pow2, "B");
   gemm_fp8_ref(A, B, c.data());
   check(c, "fp8 reference");
+  gemm_fp8_exact_ref(A, B, c.data());
+  check(c, "fp8 exact reference (5.4)");
   const auto A16 = to_bf16(Af), B16 = to_bf16(Bf);
   gemm_bf16_ref(d, A16.data(), B16.data(), c.data());
   check(c, "bf16 reference");
