@@ -68,8 +68,49 @@ std::string run_dir_choose(const std::string& given, const std::string& name, bo
     if (k.rfind(d, 0) == 0)
       throw std::invalid_argument(dir + ": --overwrite would delete " + keep + ", which this run starts from; give another --run-dir");
   }
-  for (const char* e : {"recipe.conf", "checkpoints", "metrics.jsonl", "traces", "plots", "gloo"}) fs::remove_all(fs::path(dir) / e);
   return dir;
+}
+
+namespace {
+const char* const kRunOutputs[] = {"recipe.conf", "checkpoints", "metrics.jsonl", "traces", "plots", "gloo"};
+const char* const kStash = ".replaced";
+}  // namespace
+
+run_dir_stash::run_dir_stash(std::string dir) : dir_(std::move(dir)) {
+  const fs::path d(dir_), st = d / kStash;
+  fs::remove_all(st);  // a stash left by a killed process: its run was replaced on purpose
+  fs::create_directories(st);
+  for (const char* e : kRunOutputs) {
+    if (!fs::exists(fs::symlink_status(d / e))) continue;
+    std::error_code ec;
+    fs::rename(d / e, st / e, ec);
+    if (ec) {
+      restore();
+      throw std::runtime_error((d / e).string() + ": --overwrite cannot move it aside: " + ec.message());
+    }
+    moved_.emplace_back(e);
+  }
+}
+
+void run_dir_stash::drop() {
+  fs::remove_all(fs::path(dir_) / kStash);
+  dropped_ = true;
+}
+
+void run_dir_stash::restore() noexcept {
+  const fs::path d(dir_), st = d / kStash;
+  for (const auto& e : moved_) {
+    std::error_code ec;
+    fs::remove_all(d / e, ec);  // what the failed start wrote there
+    fs::rename(st / e, d / e, ec);
+    if (ec) std::fprintf(stderr, "fp8rl: could not move %s back to %s: %s\n", (st / e).c_str(), (d / e).c_str(), ec.message().c_str());
+  }
+  std::error_code ec;
+  fs::remove(st, ec);  // only when empty: anything not moved back stays visible there
+}
+
+run_dir_stash::~run_dir_stash() {
+  if (!dropped_) restore();
 }
 
 void calibration_batch_save(const std::string& checkpoint_dir, const std::vector<std::vector<int32_t>>& seqs) {

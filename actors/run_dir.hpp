@@ -1,5 +1,5 @@
 // actors/run_dir.hpp -- the run directory: metrics.jsonl, progress lines, gnuplot plots.
-// defines: metrics_writer, plots_write, run_dir_outputs, run_dir_choose
+// defines: metrics_writer, plots_write, run_dir_outputs, run_dir_choose, run_dir_stash
 //
 //   RUN_DIR/metrics.jsonl      one JSON object per learner step: "step", every metric (spec names)
 //   RUN_DIR/checkpoints/...    step_N/ (safetensors + optimizer + state.json + calibration.jsonl), "latest"
@@ -43,12 +43,31 @@ std::vector<std::string> run_dir_outputs(const std::string& dir);
 // Where `fp8rl train` writes. `given` is --run-dir ("" when absent: the default is
 // runs/NAME, and while that holds an earlier run, the first of runs/NAME-2, -3, ... that does
 // not). A fresh run never writes into a directory holding an earlier run unless `overwrite`
-// (which first removes what runs write: recipe.conf, checkpoints/,
-// metrics.jsonl, traces/, plots/, gloo/); an explicit --run-dir holding one is refused with the
-// way out. `resume` continues `given`, or by default the newest existing of runs/NAME,
+// (then the caller moves the earlier run aside with run_dir_stash and drops it only once the
+// new run can start); an explicit --run-dir holding one is refused with the way out. `resume` continues `given`, or by default the newest existing of runs/NAME,
 // runs/NAME-2, ...; it must hold checkpoints. Throws std::invalid_argument naming the directory.
 // `keep`: a path the run reads (model.init) -- --overwrite is refused when it lies inside DIR.
 std::string run_dir_choose(const std::string& given, const std::string& name, bool resume, bool overwrite,
                            const std::string& keep = "");
+
+// --overwrite without losing the earlier run when the new one cannot start: the constructor
+// renames what runs write (recipe.conf, checkpoints/, metrics.jsonl, traces/, plots/, gloo/) into
+// DIR/.replaced/; drop() deletes them once the new run has passed its preflight; without drop(),
+// the destructor removes what the failed start wrote under those names and moves the earlier
+// run's files back. Throws std::runtime_error naming the path it cannot move.
+class run_dir_stash {
+ public:
+  explicit run_dir_stash(std::string dir);
+  ~run_dir_stash();
+  run_dir_stash(const run_dir_stash&) = delete;
+  run_dir_stash& operator=(const run_dir_stash&) = delete;
+  void drop();
+
+ private:
+  void restore() noexcept;
+  std::string dir_;
+  std::vector<std::string> moved_;  // entry names now under DIR/.replaced/
+  bool dropped_ = false;
+};
 
 }  // namespace fp8rl::actors

@@ -11,6 +11,7 @@
 #include <fstream>
 #include <future>
 #include <iterator>
+#include <optional>
 #include <nlohmann/json.hpp>
 #include <thread>
 #include <unistd.h>
@@ -391,6 +392,9 @@ int train_main(int argc, char** argv) {
   if (c.run_dir.empty() && !c.resume && run_dir != "runs/" + cfg.name)
     log_get("train")->info("runs/{} holds an earlier run; this run writes {}", cfg.name, run_dir);
   fs::create_directories(run_dir);
+  // --overwrite: the earlier run is moved aside and deleted only once this one passes its preflight
+  std::optional<run_dir_stash> replaced;
+  if (c.overwrite && !run_dir_outputs(run_dir).empty()) replaced.emplace(run_dir);
   uint64_t start_version = 0;
   const std::string init_dir = prepare_init(cfg, run_dir, c.resume, &start_version);
   if (start_version >= static_cast<uint64_t>(cfg.steps)) {
@@ -401,6 +405,7 @@ int train_main(int argc, char** argv) {
   const std::string run_id = cfg.name + "-" + std::to_string(trace_now_us()) + "-" + std::to_string(::getpid());
   auto env = env_make(cfg, node, run_dir, init_dir, start_version, run_id);
   run_preflight(*env, c.resume);  // every file the actors will read or write, before any of them starts
+  if (replaced) replaced->drop();
   std::ofstream(fs::path(run_dir) / "recipe.conf") << recipe_dump(cfg);  // only once the run can start
   if (cfg.trace) trace_writer::process().open((fs::path(run_dir) / "traces" / (node + ".jsonl")).string(), node);
   int code = 1;

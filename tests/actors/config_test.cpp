@@ -201,11 +201,31 @@ TEST(RunDir, AnEarlierRunIsNeverOverwrittenUnasked) {
   EXPECT_TRUE(fs::exists("runs/x/metrics.jsonl"));
   EXPECT_EQ(run_dir_choose("runs/x", "x", true, false), "runs/x");
   EXPECT_NE(error_of([] { run_dir_choose("runs/x", "x", true, true); }).find("give one"), std::string::npos);
-  // --overwrite removes what runs write, and only that
+  // --overwrite accepts the directory and deletes nothing yet
   std::ofstream("runs/x/notes.txt") << "mine\n";
   EXPECT_EQ(run_dir_choose("runs/x", "x", false, true), "runs/x");
+  EXPECT_TRUE(fs::exists("runs/x/metrics.jsonl"));
+  auto text = [](const char* p) { std::ifstream f(p); return std::string(std::istreambuf_iterator<char>(f), {}); };
+  {  // a start that fails after the stash (its preflight) gets the earlier run back, byte for byte
+    run_dir_stash st("runs/x");
+    EXPECT_FALSE(fs::exists("runs/x/metrics.jsonl"));
+    EXPECT_FALSE(fs::exists("runs/x/checkpoints"));
+    EXPECT_TRUE(fs::exists("runs/x/notes.txt"));
+    fs::create_directories("runs/x/checkpoints/step_0");  // what the failed start wrote
+    std::ofstream("runs/x/metrics.jsonl") << "new\n";
+  }
+  EXPECT_EQ(text("runs/x/metrics.jsonl"), "{\"step\":1}\n");
+  EXPECT_EQ(text("runs/x/recipe.conf"), "[run]\n");
+  EXPECT_FALSE(fs::exists("runs/x/checkpoints/step_0"));
+  EXPECT_TRUE(fs::exists("runs/x/checkpoints/init"));  // the earlier run's, moved back
+  EXPECT_FALSE(fs::exists("runs/x/.replaced"));
+  {  // a start that passes drops what runs write, and only that
+    run_dir_stash st("runs/x");
+    st.drop();
+  }
   EXPECT_FALSE(fs::exists("runs/x/metrics.jsonl"));
   EXPECT_FALSE(fs::exists("runs/x/checkpoints"));
+  EXPECT_FALSE(fs::exists("runs/x/.replaced"));
   EXPECT_TRUE(fs::exists("runs/x/notes.txt"));
   // --overwrite never deletes what the run starts from (model.init inside the directory)
   started("runs/x");

@@ -106,6 +106,15 @@ TEST(E2E, EmbeddedDefaultRunsAndResumes) {
   fails_naming("--run-dir " + (d / "other").string() + " --task.name=" + (d / "bad.jsonl").string() + " --model.init=" +
                    (d / "checkpoints" / "step_6").string() + kSmall,
                "bad.jsonl:2");
+  // --overwrite whose new run fails its preflight: the earlier run is moved back (it was deleted first)
+  const fs::path init = d.string() + "-init";
+  fs::copy(d / "checkpoints" / "step_6", init, fs::copy_options::recursive);
+  fails_naming("--overwrite --run-dir " + d.string() + " --task.name=" + (d / "bad.jsonl").string() +
+                   " --model.init=" + init.string() + kSmall,
+               "bad.jsonl:2");
+  EXPECT_TRUE(fs::exists(d / "checkpoints" / "step_4" / "model.safetensors"));
+  EXPECT_FALSE(fs::exists(d / ".replaced"));
+  fs::remove_all(init);
   const fs::path state = d / "checkpoints" / "step_6" / "state.json";
   std::ofstream(state) << "{bad";
   fails_naming("--resume --run-dir " + d.string() + kSmall + " --run.steps=8", "state.json: not a valid JSON object");
