@@ -1,10 +1,11 @@
 // tests/actors/protocol_test.cpp -- message serialization round trips, and the protocols of the
 // buffer (admission by max_staleness, de-duplication, learner shards) and of weight-sync
-// (in-process fan-out, adoption accounting) with explicit message ordering: the test is the
+// (in-process fan-out, adoption accounting, a failed cross-process transfer) with explicit message ordering: the test is the
 // peer of the actor under test and drives it one message at a time.
 #include <gtest/gtest.h>
 
 #include <caf/all.hpp>
+#include <caf/io/all.hpp>
 #include <cmath>
 #include <filesystem>
 
@@ -277,3 +278,41 @@ TEST(Protocol, RolloutReportsAnEngineErrorByName) {
                caf::after(std::chrono::seconds(5)) >> [] { FAIL() << "the rollout did not stop"; });
 }
 
+
+// A live rollout in another process that cannot take its weights (a chunk answered with an
+// error) would wait for them forever: weight-sync reports the failure to the controller, naming
+// the version, the rollout and the cause. Two actor systems in this process, joined over
+// loopback, make the rollout remote, so the bundle travels as chunks.
+TEST(Protocol, WeightSyncReportsAFailedTransferToALiveRollout) {
+  test_config cfg1, cfg2;
+  cfg1.load<caf::io::middleman>();
+  cfg2.load<caf::io::middleman>();
+  caf::actor_system sys{cfg1}, remote{cfg2};
+  auto fake = remote.spawn([](caf::event_based_actor*) -> caf::behavior {
+    return {[](msg::bundle_chunk& c) -> caf::result<msg::chunk_ack> {
+      return caf::make_error(caf::sec::runtime_error, "no space left for chunk " + std::to_string(c.seq));
+    }};
+  });
+  auto port = remote.middleman().publish(fake, 0, "127.0.0.1");
+  ASSERT_TRUE(port) << remote.render(port.error());
+  auto proxy = sys.middleman().remote_actor("127.0.0.1", *port);
+  ASSERT_TRUE(proxy) << sys.render(proxy.error());
+  ASSERT_NE(proxy->node(), sys.node());
+  caf::scoped_actor ctl{sys};
+  auto ws = actors::spawn_weight_sync(sys, env_with(1, 2));
+  msg::peers_msg p;
+  p.controller = caf::actor_cast<msg::controller_actor>(ctl);
+  p.rollouts = {caf::actor_cast<msg::rollout_actor>(*proxy)};
+  p.rollout_names = {"rollout0"};
+  ctl->send(ws, p);
+  const auto params = models::model_load(init_dir());
+  auto b = std::make_shared<const quant::weight_bundle>(models::bundle_from_params(params, models::precision_policy::named("fp8"), 1, 1, nullptr));
+  ctl->send(ws, msg::bundle_msg{{}, b, 0.0});
+  ctl->receive([&](std::string& who, std::string& what) {
+    EXPECT_EQ(who, "weight_sync");
+    EXPECT_NE(what.find("bundle v1 to rollout0 failed"), std::string::npos) << what;
+    EXPECT_NE(what.find("no space left for chunk 0"), std::string::npos) << what;
+  }, caf::after(std::chrono::seconds(20)) >> [] { FAIL() << "the failed transfer was not reported"; });
+  ctl->send_exit(ws, caf::exit_reason::user_shutdown);
+  caf::anon_send_exit(fake, caf::exit_reason::user_shutdown);
+}
