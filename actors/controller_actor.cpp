@@ -99,11 +99,12 @@ msg::controller_actor spawn_controller(caf::actor_system& sys, std::shared_ptr<c
       while (s.next_step < s.end && s.synced_version >= 0 &&
              s.next_step <= static_cast<uint64_t>(s.synced_version) + static_cast<uint64_t>(s.env->cfg.max_staleness)) {
         const uint64_t step = s.next_step++;
-        const auto prompts = models::take_prompts(s.train, step * B, static_cast<int64_t>(B));
+        const uint64_t cursor = s.env->prompt_cursor(step);
+        const auto prompts = models::take_prompts(s.train, cursor, static_cast<int64_t>(B));
         for (uint64_t i = 0; i < B; ++i) {
           msg::work_msg w;
           w.step = step;
-          w.prompt_id = step * B + i;
+          w.prompt_id = cursor + i;
           w.prompt = prompts[i].prompt;
           w.answer = prompts[i].answer;
           w.group_size = static_cast<int32_t>(s.env->cfg.group_size);

@@ -2,12 +2,23 @@
 #include "actors/env.hpp"
 
 #include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
 #include <stdexcept>
 
 #include "models/cpu/cpu_backend.hpp"
 #include "models/params.hpp"
 
 namespace fp8rl::actors {
+
+uint64_t state_prompt_cursor(const std::string& checkpoint_dir) {
+  const std::string sp = (std::filesystem::path(checkpoint_dir) / "state.json").string();
+  const auto state = nlohmann::json::parse(std::ifstream(sp), nullptr, false);
+  if (state.is_discarded() || !state.is_object()) throw std::invalid_argument(sp + ": not a valid JSON object");
+  if (!state.contains("prompt_cursor") || !state["prompt_cursor"].is_number_unsigned())
+    throw std::invalid_argument(sp + ": key 'prompt_cursor' must be a prompt index >= 0");
+  return state["prompt_cursor"].get<uint64_t>();
+}
 
 std::shared_ptr<const actor_env> env_make(const run_config& cfg, const std::string& node, const std::string& run_dir,
                                           const std::string& init_dir, uint64_t start_version,
@@ -20,6 +31,7 @@ std::shared_ptr<const actor_env> env_make(const run_config& cfg, const std::stri
   e->init_dir = init_dir;
   e->ref_dir = cfg.init == "tiny" ? (std::filesystem::path(run_dir) / "checkpoints" / "init").string() : cfg.init;
   e->start_version = start_version;
+  if (start_version > 0) e->start_cursor = state_prompt_cursor(init_dir);
   e->run_id = run_id;
   e->model = models::model_config_load((std::filesystem::path(init_dir) / "config.json").string());
   e->tok = models::tokenizer_load(init_dir);

@@ -1,6 +1,6 @@
 // actors/env.hpp -- what every actor of a process shares: the recipe, the run directory, the
 // policy model's config and tokenizer, and the initial checkpoint every learner starts from.
-// defines: actor_env, env_make, backend_for
+// defines: actor_env, env_make, state_prompt_cursor, backend_for
 #pragma once
 #include <memory>
 #include <string>
@@ -19,15 +19,27 @@ struct actor_env {
   std::string ref_dir;                  // the KL reference policy (grpo.kl_beta > 0): the run's first
                                         // weights, model.init or RUN_DIR/checkpoints/init, also on resume
   uint64_t start_version = 0;           // resume: weight_version of init_dir
+  uint64_t start_cursor = 0;            // resume: prompt_cursor of init_dir (the next training prompt)
   std::string run_id;                   // unique per launch (rendezvous keys, e.g. Gloo)
   models::model_config model;
   std::shared_ptr<const models::tokenizer> tok;
+
+  // The first training prompt of `step` (>= start_version): a resumed run continues the prompt
+  // sequence where its checkpoint stopped, also when it runs with another prompts_per_step.
+  uint64_t prompt_cursor(uint64_t step) const {
+    return start_cursor + (step - start_version) * static_cast<uint64_t>(cfg.prompts_per_step);
+  }
 };
 
-// Loads the model config and tokenizer from init_dir; throws std::invalid_argument.
+// Loads the model config and tokenizer from init_dir, and when start_version > 0 the prompt
+// cursor from its state.json; throws std::invalid_argument naming the file.
 std::shared_ptr<const actor_env> env_make(const run_config& cfg, const std::string& node, const std::string& run_dir,
                                           const std::string& init_dir, uint64_t start_version,
                                           const std::string& run_id = "");
+
+// A checkpoint's state.json "prompt_cursor" (what the run's learner wrote); throws
+// std::invalid_argument naming the file and key.
+uint64_t state_prompt_cursor(const std::string& checkpoint_dir);
 
 // The compute backend for a device ("cpu:N"; "cuda:K" needs the CUDA build).
 std::unique_ptr<models::backend> backend_for(const device_spec& d);

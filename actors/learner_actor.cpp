@@ -118,7 +118,7 @@ std::shared_ptr<const std::vector<float>> snapshot_params(learner_state& s) {
 // token_batch of BOS+prompt for the prompts of `step` (calibration before anything was trained)
 std::vector<std::vector<int32_t>> step_prompts(const learner_state& s, uint64_t step) {
   std::vector<std::vector<int32_t>> out;
-  for (const auto& p : models::take_prompts(s.train, step * static_cast<uint64_t>(s.env->cfg.prompts_per_step),
+  for (const auto& p : models::take_prompts(s.train, s.env->prompt_cursor(step),
                                             s.env->cfg.prompts_per_step))
     out.push_back(s.env->tok->encode(p.prompt, true));
   return out;
@@ -304,7 +304,7 @@ msg::learner_actor spawn_learner(caf::actor_system& sys, std::shared_ptr<const a
                     self->send(s.peers.calibration, std::move(pm));
                     if (last || (s.env->cfg.eval_every > 0 && s.version % static_cast<uint64_t>(s.env->cfg.eval_every) == 0))
                       s.arena->execute([&] { evaluate_into(s, m); });
-                    if (ckpt) checkpoint(s, s.version * static_cast<uint64_t>(s.env->cfg.prompts_per_step), calib);
+                    if (ckpt) checkpoint(s, s.env->prompt_cursor(s.version), calib);
                     msg::step_report rep{{}, s.version, std::move(m)};
                     trace_send("learner0", "step_report", rep.trace, static_cast<int64_t>(s.version));
                     self->send(s.peers.controller, std::move(rep));

@@ -247,6 +247,7 @@ std::string prepare_init(const run_config& cfg, const std::string& run_dir, bool
     *start_version = state["weight_version"].get<uint64_t>();
     if (name.rfind("step_", 0) == 0 && name != "step_" + std::to_string(*start_version))
       throw std::invalid_argument(sp + ": weight_version " + std::to_string(*start_version) + " contradicts its directory " + name);
+    if (*start_version > 0) state_prompt_cursor(dir.string());  // checked here, read by env_make
     return dir.string();
   }
   if (cfg.init != "tiny") return cfg.init;

@@ -86,12 +86,19 @@ TEST(E2E, EmbeddedDefaultRunsAndResumes) {
   EXPECT_TRUE(fs::exists(d / "checkpoints" / "step_4" / "optimizer.safetensors"));
   EXPECT_TRUE(fs::exists(d / "plots" / "reward.png"));
   EXPECT_TRUE(fs::exists(d / "traces" / "local.jsonl"));
-  // --resume continues from checkpoints/latest (step 4) to step 6
-  ASSERT_EQ(run(kBin + "/fp8rl train --resume --run-dir " + d.string() + kSmall + " --run.steps=6"), 0);
+  // --resume continues from checkpoints/latest (step 4) to step 6, and the prompt sequence from
+  // the checkpoint's cursor (4 x 8 prompts) also with another prompts_per_step: 32 + 2 x 4
+  auto cursor = [&](int step) {
+    std::ifstream f(d / "checkpoints" / ("step_" + std::to_string(step)) / "state.json");
+    return nlohmann::json::parse(f)["prompt_cursor"].get<int>();
+  };
+  EXPECT_EQ(cursor(4), 32);
+  ASSERT_EQ(run(kBin + "/fp8rl train --resume --run-dir " + d.string() + kSmall + " --run.steps=6 --rollout.prompts_per_step=4"), 0);
   m = metrics(d);
   ASSERT_EQ(m.size(), 6u);
   EXPECT_EQ(m[4]["step"], 5);
   EXPECT_EQ(m[5]["step"], 6);
+  EXPECT_EQ(cursor(6), 40);
   // bad input fails before any actor starts, naming the file, and changes nothing: a task file
   // with a broken line (it used to hang the run), a state.json that is not JSON or contradicts
   // its step directory
@@ -120,6 +127,8 @@ TEST(E2E, EmbeddedDefaultRunsAndResumes) {
   fails_naming("--resume --run-dir " + d.string() + kSmall + " --run.steps=8", "state.json: not a valid JSON object");
   std::ofstream(state) << nlohmann::json{{"weight_version", 5}}.dump();
   fails_naming("--resume --run-dir " + d.string() + kSmall + " --run.steps=8", "contradicts its directory step_6");
+  std::ofstream(state) << nlohmann::json{{"weight_version", 6}}.dump();
+  fails_naming("--resume --run-dir " + d.string() + kSmall + " --run.steps=8", "state.json: key 'prompt_cursor'");
   fails_naming("--run-dir " + d.string() + kSmall, "holds an earlier run");  // a new run truncated metrics.jsonl
   EXPECT_EQ(text_of(d / "recipe.conf"), recipe);  // a failed resume rewrote it with this invocation's recipe
   EXPECT_EQ(text_of(d / "metrics.jsonl"), before);
