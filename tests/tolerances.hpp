@@ -68,6 +68,12 @@ inline constexpr double kFp8AttentionVsBf16 = 4 * kUnitRmsE4M3;
 // log-sum-exp by <= 2^-22, and the FP32 result adds half an ulp of |logp| < 16 (2^-20).
 inline constexpr double kLogprobVsF64 = 4e-6;
 
+// An FP64 value summed from a few dozen FP64 terms in another order, or exp() of exact inputs:
+// a few ulps (2^-52) of magnitudes <= 100.
+inline constexpr double kFp64FewTerms = 1e-12;
+// A hand-computed loss value vs policy_loss: the clip bounds (0.2f), the IS weights and dL/dc are
+// FP32, one rounding each (2^-24 relative); at magnitudes <= 4 that is < 3e-7 absolute.
+inline constexpr double kLossFp32Roundings = 3e-7;
 // Policy-loss finite differences: the loss is computed in FP64 from FP32 logprobs, h = 1e-3;
 // truncation ~h^2 |L'''| on exp(c - p) terms is ~1e-6 relative.
 inline constexpr double kFiniteDiffLoss = 1e-4;

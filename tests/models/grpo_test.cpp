@@ -28,7 +28,7 @@ token_batch_rl random_batch(uint64_t seed, int64_t nseq, bool kl) {
       const float p = static_cast<float>(-0.3 - 2.0 * g.uniform());
       b.p.push_back(p);
       b.g.push_back(p + static_cast<float>(0.6 * (g.uniform() - 0.5)));
-      b.c.push_back(p + static_cast<float>(0.5 * (g.uniform() - 0.5)));
+      b.c.push_back(p + static_cast<float>(3.0 * (g.uniform() - 0.5)));  // r in [e^-1.5, e^1.5]: past both clips
       if (kl) b.ref.push_back(p + static_cast<float>(0.3 * (g.uniform() - 0.5)));
       b.adv.push_back(adv);
       b.mask.push_back(g.uniform() < 0.85 ? 1.0f : 0.0f);
@@ -86,6 +86,14 @@ TEST(Grpo, LossGradientMatchesFiniteDifferencesForEveryIsMode) {
         ana.push_back(lr.dc[t]);
       }
       ASSERT_GT(num.size(), 20u);
+      int dual = 0, clipped = 0;  // the data reaches the dual clip (A < 0, r > 3) and the PPO clip
+      for (int64_t t = 0; t < b.size(); ++t) {
+        const double r = std::exp(double(b.c[t]) - b.p[t]);
+        dual += b.mask[t] > 0 && b.adv[t] < 0 && r > cfg.dual_clip;
+        clipped += b.mask[t] > 0 && (r > 1.0 + cfg.clip_high || r < 1.0 - cfg.clip_low);
+      }
+      EXPECT_GT(dual, 0);
+      EXPECT_GT(clipped, 5);
       EXPECT_LE(fp8rl::tol::rel_norm_err(ana, num), fp8rl::tol::kFiniteDiffLoss)
           << is_mode_name(mode) << " kl " << kl;
     }
@@ -116,7 +124,82 @@ TEST(Grpo, MetricsMatchHandComputedExample) {
   EXPECT_EQ(r.metrics.at("is_oob_ratio"), 0.0);
   // one out-of-bounds token under tis with C = 1.2: w = exp(0.5) = 1.65 > 1.2
   cfg.is_hi = 1.2f;
-  EXPECT_NEAR(policy_loss(b, cfg, 3.0).metrics.at("is_oob_ratio"), 1.0 / 3.0, 1e-12);
+  EXPECT_NEAR(policy_loss(b, cfg, 3.0).metrics.at("is_oob_ratio"), 1.0 / 3.0, fp8rl::tol::kFp64FewTerms);
+}
+
+// Each branch of the weights and the clipped objective on one-token cases computed by hand (the
+// finite-difference test cannot see a wrong weight: w does not depend on c): the PPO clip, the
+// dual clip, tis's clamp, icepop's cut, seq-mask-tis's sequence mask.
+TEST(Grpo, EachWeightAndClipBranchByHand) {
+  const double tol = fp8rl::tol::kLossFp32Roundings;
+  auto one = [](float A, double log_r, double log_w) {  // c - p = log r, p - g = log w
+    token_batch_rl b;
+    b.p = {-1.0f};
+    b.c = {static_cast<float>(-1.0 + log_r)};
+    b.g = {static_cast<float>(-1.0 - log_w)};
+    b.adv = {A};
+    b.mask = {1};
+    b.seq = {0};
+    b.n_seqs = 1;
+    return b;
+  };
+  auto r_of = [](const token_batch_rl& b) { return std::exp(double(b.c[0]) - b.p[0]); };
+  auto w_of = [](const token_batch_rl& b) { return std::exp(double(b.p[0]) - b.g[0]); };
+  grpo_config cfg;  // clip 0.2 / 0.2
+  cfg.is = is_mode::none;
+  // PPO clip, A > 0, r = 1.5: L = -A (1 + clip_high), no gradient, counted as clipped
+  auto b = one(1.0f, std::log(1.5), 0.0);
+  auto r = policy_loss(b, cfg, 1.0);
+  EXPECT_NEAR(r.loss, -1.2, tol);
+  EXPECT_EQ(r.dc[0], 0.0f);
+  EXPECT_EQ(r.metrics.at("clip_fraction"), 1.0);
+  // A < 0, r = 4: PPO keeps -A r = 4 (the unclipped term is larger); the dual clip caps it at
+  // -dual_clip A = 3 with no gradient; without it, dL/dc = -A r
+  b = one(-1.0f, std::log(4.0), 0.0);
+  cfg.dual_clip = 0.0f;
+  r = policy_loss(b, cfg, 1.0);
+  EXPECT_NEAR(r.loss, r_of(b), tol);
+  EXPECT_NEAR(r.dc[0], r_of(b), tol);
+  cfg.dual_clip = 3.0f;
+  r = policy_loss(b, cfg, 1.0);
+  EXPECT_NEAR(r.loss, 3.0, tol);
+  EXPECT_EQ(r.dc[0], 0.0f);
+  // tis clamps w = 1.65 to is_hi = 1.2 (r = 1, A = 1: L = -w); w = 0.3 to is_lo = 0.5
+  cfg.is = is_mode::tis;
+  cfg.is_lo = 0.5f;
+  cfg.is_hi = 1.2f;
+  b = one(1.0f, 0.0, 0.5);
+  r = policy_loss(b, cfg, 1.0);
+  EXPECT_NEAR(r.loss, -1.2, tol);
+  EXPECT_NEAR(r.dc[0], -1.2, tol);
+  EXPECT_EQ(r.metrics.at("is_oob_ratio"), 1.0);
+  EXPECT_NEAR(policy_loss(one(1.0f, 0.0, std::log(0.3)), cfg, 1.0).loss, -0.5, tol);
+  // icepop drops a token outside [is_lo, is_hi] and keeps w itself inside
+  cfg.is = is_mode::icepop;
+  r = policy_loss(b, cfg, 1.0);
+  EXPECT_EQ(r.loss, 0.0);
+  EXPECT_EQ(r.dc[0], 0.0f);
+  b = one(1.0f, 0.0, std::log(1.1));
+  EXPECT_NEAR(policy_loss(b, cfg, 1.0).loss, -w_of(b), tol);
+  // seq-mask-tis: sequence 0 (p - g = 0.5 on both tokens: rho = e^0.5 > 1.2) is dropped whole;
+  // sequence 1 (p - g = 0.05: rho = e^0.05) keeps its tokens' own w; is_oob_ratio = 1 of 2
+  cfg.is = is_mode::seq_mask_tis;
+  token_batch_rl q;
+  q.p = {-1.0f, -2.0f, -1.0f};
+  q.c = q.p;
+  q.g = {-1.5f, -2.5f, -1.05f};
+  q.adv = {1, 1, 1};
+  q.mask = {1, 1, 1};
+  q.seq = {0, 0, 1};
+  q.n_seqs = 2;
+  const is_result is = is_weights(q, cfg);
+  EXPECT_EQ(is.oob_seqs, 1);
+  EXPECT_EQ(is.w[0], 0.0f);
+  EXPECT_EQ(is.w[1], 0.0f);
+  EXPECT_NEAR(is.w[2], std::exp(double(q.p[2]) - q.g[2]), tol);
+  r = policy_loss(q, cfg, 3.0);
+  EXPECT_NEAR(r.loss, -std::exp(double(q.p[2]) - q.g[2]) / 3.0, tol);
+  EXPECT_EQ(r.metrics.at("is_oob_ratio"), 0.5);
 }
 
 TEST(Grpo, NonFiniteWeightsAreZeroedAndCounted) {
@@ -151,13 +234,13 @@ TEST(Grpo, NonFiniteWeightsAreZeroedAndCounted) {
     for (const auto& [name, v] : r.metrics) EXPECT_TRUE(std::isfinite(v)) << name << " " << is_mode_name(mode);
     EXPECT_EQ(r.metrics.at("nonfinite_is_weights"), 1.0);
     EXPECT_EQ(r.dc[1], 0.0f);
-    EXPECT_NEAR(r.loss, -(1.0 + 1.0) / 3.0, 1e-12) << is_mode_name(mode);  // tokens 0 and 2: w = r = 1, A = 1
+    EXPECT_NEAR(r.loss, -(1.0 + 1.0) / 3.0, fp8rl::tol::kFp64FewTerms) << is_mode_name(mode);  // tokens 0 and 2: w = r = 1, A = 1
   }
 }
 
 // rl-algorithm.md §6: sequences above seq_logprob_error_threshold are dropped before the step --
 // they leave N, so the kept tokens' metrics are not diluted (52 of 64 sequences dropped used to
-// report token_mult_prob_error 0.2), and seq-mask-tis's is_oob_ratio counts kept sequences.
+// report token_mult_prob_error 0.2). (seq-mask-tis's is_oob_ratio: EachWeightAndClipBranchByHand.)
 TEST(Grpo, FilteredSequencesLeaveTheTokenCount) {
   token_batch_rl b;
   b.g = {-1.0f, -2.0f, -1.0f, -1.0f, -3.0f};
@@ -181,11 +264,11 @@ TEST(Grpo, FilteredSequencesLeaveTheTokenCount) {
   EXPECT_EQ(m.at("num_masked_seqs"), 1.0);
   EXPECT_EQ(m.at("by_version/3/tokens"), 2.0);
   EXPECT_EQ(m.at("by_version/3/token_mult_prob_error"), 1.0);
-  EXPECT_NEAR(m.at("loss"), -(1.0 + 1.0) / 2.0, 1e-12);  // two kept tokens, A = 1, r = w = 1
+  EXPECT_NEAR(m.at("loss"), -(1.0 + 1.0) / 2.0, fp8rl::tol::kFp64FewTerms);  // two kept tokens, A = 1, r = w = 1
   // e_i before the filter (both sequences) and after it (sequence 0 alone)
   const double e1 = (1.0 + 2.0 * std::exp(2.0)) / 3.0;
-  EXPECT_NEAR(m.at("seq_mult_prob_error_max"), e1, 1e-12);
-  EXPECT_NEAR(m.at("seq_mult_prob_error_mean"), (1.0 + e1) / 2.0, 1e-12);
+  EXPECT_NEAR(m.at("seq_mult_prob_error_max"), e1, fp8rl::tol::kFp64FewTerms);
+  EXPECT_NEAR(m.at("seq_mult_prob_error_mean"), (1.0 + e1) / 2.0, fp8rl::tol::kFp64FewTerms);
   EXPECT_EQ(m.at("seq_mult_prob_error_max_after_mask"), 1.0);
   EXPECT_EQ(m.count("masked_correct_pct"), 0u);  // no rewards given
   b.reward = {0.0f, 1.0f};                        // the dropped sequence was correct
@@ -214,12 +297,12 @@ TEST(Grpo, AsyncVariantReducesToOnPolicyLoss) {
     double want = 0;
     for (int64_t t = 0; t < b.size(); ++t) {
       want += -b.mask[t] * b.adv[t] / N;
-      EXPECT_NEAR(r.dc[t], -b.mask[t] * b.adv[t] / N, 1e-7);
+      EXPECT_NEAR(r.dc[t], -b.mask[t] * b.adv[t] / N, fp8rl::tol::kLossFp32Roundings);
     }
-    EXPECT_NEAR(r.loss, want, 1e-9);
+    EXPECT_NEAR(r.loss, want, fp8rl::tol::kFp64FewTerms);
     double msum = 0;
     for (float m : b.mask) msum += m;
-    EXPECT_NEAR(r.metrics.at("token_mult_prob_error"), msum / N, 1e-12);  // g = p: exp(0) per masked-in token
+    EXPECT_NEAR(r.metrics.at("token_mult_prob_error"), msum / N, fp8rl::tol::kFp64FewTerms);  // g = p: exp(0) per masked-in token
     EXPECT_EQ(r.metrics.at("clip_fraction"), 0.0);
   }
 }
