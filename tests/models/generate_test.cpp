@@ -11,6 +11,7 @@
 #include <bit>
 #include <cmath>
 #include <cstring>
+#include <set>
 #include <thread>
 
 #include <tbb/global_control.h>
@@ -135,26 +136,47 @@ TEST(Generate, ConcurrentAdopterNeverTearsAStep) {
   for (auto& r : requests(12, 1.0f)) { r.max_tokens = 20; e.submit(r); }
   // Each thread runs oneTBB in a one-slot arena: no TBB worker threads take part, so under TSan
   // (uninstrumented libtbb) the only concurrency is the adopter vs the stepping thread.
+  // The adopter starts adopting bundle k once the stepping thread has finished step 2k+1, while
+  // step 2k+2 runs; the stepper waits for that adoption before step 2k+3 (an adoption, which
+  // unpacks a bundle, can outlast a step of this tiny model). So every adoption overlaps a
+  // running step and lands mid-generation (12 x 20 tokens in 4 slots take 60 steps) -- forced,
+  // not left to timing.
+  std::atomic<int> steps{0}, adopted{0};
+  const int n_bundles = static_cast<int>(bundles.size());
   std::thread adopter([&] {
     tbb::task_arena(1).execute([&] {
-      for (const auto& b : bundles) {
-        EXPECT_EQ(e.adopt(b), "");
-        std::this_thread::sleep_for(std::chrono::milliseconds(3));
+      for (int k = 0; k < n_bundles; ++k) {
+        while (steps.load() < 2 * k + 1) std::this_thread::yield();
+        EXPECT_EQ(e.adopt(bundles[static_cast<size_t>(k)]), "");
+        adopted.store(k + 1);
       }
     });
   });
   std::vector<gen_result> res;
   tbb::task_arena(1).execute([&] {
-    while (!e.idle()) for (auto& r : e.step()) res.push_back(std::move(r));
+    while (!e.idle()) {
+      const int s = steps.load();  // steps done; the next is s + 1
+      if (s >= 2 && (s - 2) % 2 == 0 && (s - 2) / 2 < n_bundles)
+        while (adopted.load() < (s - 2) / 2 + 1) std::this_thread::yield();
+      for (auto& r : e.step()) res.push_back(std::move(r));
+      steps.fetch_add(1);
+    }
   });
   adopter.join();
   ASSERT_EQ(res.size(), 12u);
-  for (const auto& r : res)
+  std::set<uint64_t> seen;
+  int spanning = 0;  // requests whose tokens carry more than one version
+  for (const auto& r : res) {
+    seen.insert(r.weight_version.begin(), r.weight_version.end());
+    spanning += r.weight_version.front() != r.weight_version.back();
     for (size_t i = 1; i < r.tokens.size(); ++i) {
       EXPECT_GE(r.weight_version[i], r.weight_version[i - 1]);
       EXPECT_EQ(r.weight_version[i], r.scale_version[i]);
       EXPECT_LE(r.oldest_kv_version[i], r.weight_version[i]);
     }
+  }
+  EXPECT_EQ(seen, (std::set<uint64_t>{1, 2, 3, 4, 5, 6}));  // every bundle was used by some token
+  EXPECT_GT(spanning, 0);
 }
 
 TEST(Generate, RefusedBundlesKeepTheOldWeights) {
@@ -292,11 +314,15 @@ TEST(Generate, CalibrationTakesThePercentileSampleAndRefusesNonFinite) {
   for (const double pct : {0.999, 0.5, 0.0}) {
     const size_t pick = static_cast<size_t>(std::llround(pct * 2.0));  // of 3 sorted samples
     const attn_fp8_scales sc = calibrate_attention(run, *w, batches, pct, 1.05f);
-    ASSERT_EQ(sc.k.size(), st[0].k.size());
-    for (size_t h = 0; h < sc.k.size(); ++h) {
-      std::vector<float> v = {st[0].k[h], st[1].k[h], st[2].k[h]};
-      std::sort(v.begin(), v.end());
-      EXPECT_EQ(sc.k[h], v[pick] * 1.05f / 448.0f) << "K head " << h << " p " << pct;
+    const std::pair<const std::vector<float>*, std::vector<float> qkv_stats::*> parts[] = {
+        {&sc.q, &qkv_stats::q}, {&sc.k, &qkv_stats::k}, {&sc.v, &qkv_stats::v}};
+    for (const auto& [got, amax] : parts) {  // Q, K and V: a swapped or wrong percentile fails
+      ASSERT_EQ(got->size(), (st[0].*amax).size());
+      for (size_t h = 0; h < got->size(); ++h) {
+        std::vector<float> v = {(st[0].*amax)[h], (st[1].*amax)[h], (st[2].*amax)[h]};
+        std::sort(v.begin(), v.end());
+        EXPECT_EQ((*got)[h], v[pick] * 1.05f / 448.0f) << "head " << h << " of part " << (amax == &qkv_stats::q ? "Q" : amax == &qkv_stats::k ? "K" : "V") << " p " << pct;
+      }
     }
   }
   std::fill(p.data.begin(), p.data.end(), std::nanf(""));
