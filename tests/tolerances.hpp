@@ -74,6 +74,9 @@ inline constexpr double kFp64FewTerms = 1e-12;
 // A hand-computed loss value vs policy_loss: the clip bounds (0.2f), the IS weights and dL/dc are
 // FP32, one rounding each (2^-24 relative); at magnitudes <= 4 that is < 3e-7 absolute.
 inline constexpr double kLossFp32Roundings = 3e-7;
+// Seeded draws vs their probabilities: a count within 5 binomial standard deviations (two-sided
+// p ~ 6e-7 per token for a correct sampler), plus half a count for rounding.
+inline constexpr double kBinomialSigmas = 5.0;
 // Policy-loss finite differences: the loss is computed in FP64 from FP32 logprobs, h = 1e-3;
 // truncation ~h^2 |L'''| on exp(c - p) terms is ~1e-6 relative.
 inline constexpr double kFiniteDiffLoss = 1e-4;

@@ -129,9 +129,18 @@ TEST(Sampling, DrawsFollowTheDistribution) {
   for (size_t v = 0; v < z.size(); ++v) {
     const double pv = z[v] == ninf ? 0.0 : std::exp(double(z[v]) - lse);
     const double sd = std::sqrt(n * pv * (1 - pv));
-    EXPECT_LE(std::fabs(count[v] - n * pv), 5 * sd + 0.5) << "token " << v << " p " << pv;
+    EXPECT_LE(std::fabs(count[v] - n * pv), fp8rl::tol::kBinomialSigmas * sd + 0.5) << "token " << v << " p " << pv;
   }
   EXPECT_EQ(count[3], 0);
+  // the ends of u: 0 takes the first kept token; u just below 1, on a row whose last entries are
+  // dropped, takes the last kept one (also when the rounded mass falls short of u)
+  EXPECT_EQ(sample_processed(z.data(), static_cast<int64_t>(z.size()), lse, 0.0), 0);
+  std::vector<float> tail = {0.5f, -1.0f, 2.0f, 0.0f, ninf, ninf};
+  double st = 0;
+  for (float x : tail) st += x == ninf ? 0.0 : std::exp(double(x) - 2.0);
+  const double lt = 2.0 + std::log(st);
+  EXPECT_EQ(sample_processed(tail.data(), 6, lt, std::nextafter(1.0, 0.0)), 3);
+  EXPECT_EQ(sample_processed(tail.data(), 6, lt + 1e-9, std::nextafter(1.0, 0.0)), 3);  // mass < u: fallback
 }
 
 // A stop token ends its request at its first occurrence ("stop"); without one it runs to
