@@ -59,6 +59,13 @@ TEST(Precision, Fp8LinearIsQuantizeThenReferenceGemm) {
   EXPECT_EQ(first_diff(y, ref_y), -1) << "fprop";
   EXPECT_EQ(first_diff(dx, ref_dx), -1) << "dgrad";
   EXPECT_EQ(first_diff(dw, ref_dw), -1) << "wgrad";
+  // linear_backward adds into dw (gradient accumulation): dw0 + the wgrad, one FP32 addition each
+  const auto dw0 = randn(out * in, 7);
+  dw = dw0;
+  be->linear_backward(*pl, x.data(), dy.data(), T, dx.data(), dw.data());
+  std::vector<float> sum(out * in);
+  for (size_t i = 0; i < sum.size(); ++i) sum[i] = dw0[i] + ref_dw[i];
+  EXPECT_EQ(first_diff(dw, sum), -1) << "wgrad accumulates";
 }
 
 TEST(Precision, Bf16LinearIsRoundThenReferenceGemm) {
@@ -78,6 +85,11 @@ TEST(Precision, Bf16LinearIsRoundThenReferenceGemm) {
   EXPECT_EQ(first_diff(y, ry), -1);
   EXPECT_EQ(first_diff(dx, rdx), -1);
   EXPECT_EQ(first_diff(dw, rdw), -1);
+  const auto dw0 = randn(out * in, 8);  // adds into dw, as the FP8 path
+  dw = dw0;
+  be->linear_backward(*pl, x.data(), dy.data(), T, dx.data(), dw.data());
+  for (size_t i = 0; i < rdw.size(); ++i) rdw[i] += dw0[i];
+  EXPECT_EQ(first_diff(dw, rdw), -1) << "wgrad accumulates";
 }
 
 // A group of layers reading one input (q/k/v, gate/up) shares the input's quantized/rounded
