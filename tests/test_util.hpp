@@ -11,7 +11,19 @@
 #include <unistd.h>
 #include <vector>
 
+#include "quant/cpu_isa.hpp"
+
 namespace fp8rl::test {
+
+// Limits the ISA the kernels dispatch to for a scope; the limit is lifted again however the scope
+// ends (a failed ASSERT returns early: the rest of the binary must not stay on the limited path).
+class isa_limit_scope {
+ public:
+  explicit isa_limit_scope(quant::cpu_isa max) { quant::cpu_isa_set_limit(max); }
+  ~isa_limit_scope() { quant::cpu_isa_set_limit(quant::cpu_isa::amx); }  // amx: no limit
+  isa_limit_scope(const isa_limit_scope&) = delete;
+  isa_limit_scope& operator=(const isa_limit_scope&) = delete;
+};
 
 // Normal(0, sigma) values with a few outliers (x outlier_mul) so blocks have varied amax.
 inline std::vector<float> randn(size_t n, uint64_t seed, float sigma = 1.0f,

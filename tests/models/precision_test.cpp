@@ -246,7 +246,7 @@ TEST(Precision, TilePolicyNamesAndRefusalWithoutAmx) {
   f.tiles = true;
   EXPECT_THROW(f.validate(), std::invalid_argument);
   // Without AMX, building tile weights is an error naming the layer, never a silent fallback.
-  cpu_isa_set_limit(cpu_isa::avx512_bf16);
+  fp8rl::test::isa_limit_scope no_amx(cpu_isa::avx512_bf16);
   model_config c = small_config();
   model_params p = model_params_init(c, 1);
   auto be = make_cpu_backend();
@@ -257,7 +257,6 @@ TEST(Precision, TilePolicyNamesAndRefusalWithoutAmx) {
     EXPECT_NE(std::string(e.what()).find("q_proj"), std::string::npos) << e.what();
     EXPECT_NE(std::string(e.what()).find("tiles"), std::string::npos) << e.what();
   }
-  cpu_isa_set_limit(cpu_isa::amx);  // the default: no limit
 }
 
 TEST(Precision, Fp8AttentionNearBf16Attention) {

@@ -12,6 +12,7 @@
 
 #include "quant/cpu_isa.hpp"
 #include "quant/fp8.hpp"
+#include "tests/test_util.hpp"
 #include "tests/quant/codec_oracle.hpp"
 
 using namespace fp8rl::quant;
@@ -83,7 +84,7 @@ TEST(Fp8Codec, DecodeArrayEqualsTheScalarDecoder) {
   std::vector<uint8_t> codes(3 * 256 + 37);
   for (size_t i = 0; i < codes.size(); ++i) codes[i] = static_cast<uint8_t>(i * 97 + i / 256);
   for (cpu_isa isa : {cpu_isa::portable, cpu_isa_detected()}) {
-    cpu_isa_set_limit(isa);
+    fp8rl::test::isa_limit_scope limit(isa);
     for (int64_t n : {int64_t{0}, int64_t{5}, int64_t{64}, int64_t{200}, static_cast<int64_t>(codes.size())}) {
       std::vector<float> out(static_cast<size_t>(n) + 1, -7.0f);
       e4m3_decode_array(codes.data(), n, out.data());
@@ -93,7 +94,6 @@ TEST(Fp8Codec, DecodeArrayEqualsTheScalarDecoder) {
       EXPECT_EQ(out[n], -7.0f) << "wrote past n = " << n;
     }
   }
-  cpu_isa_set_limit(cpu_isa::amx);  // no limit
 }
 
 // All 256 codes, bit for bit (NaNs too), with the default MXCSR and with DAZ|FTZ set (as a host

@@ -295,10 +295,9 @@ namespace {
 template <class Fn>
 void for_each_build_isa(Fn&& fn) {
   for (cpu_isa limit : {cpu_isa::amx, cpu_isa::portable}) {
-    cpu_isa_set_limit(limit);
+    fp8rl::test::isa_limit_scope scope(limit);
     fn(limit);
   }
-  cpu_isa_set_limit(cpu_isa::amx);
 }
 }  // namespace
 
