@@ -41,7 +41,8 @@ std::shared_ptr<const actor_env> env_make(const run_config& cfg, const std::stri
 // std::invalid_argument naming the file and key.
 uint64_t state_prompt_cursor(const std::string& checkpoint_dir);
 
-// The compute backend for a device ("cpu:N"; "cuda:K" needs the CUDA build).
+// The compute backend for a device: "cpu:N" only (no actor runs on "cuda:K" yet: gpu/ has kernels,
+// not a models::backend).
 std::unique_ptr<models::backend> backend_for(const device_spec& d);
 // "" if this build's actors can run on d, else why not (checked for every node of a topology
 // before a run writes anything: a cuda device failed only once the warm start was done).

@@ -1,7 +1,8 @@
 // actors/recipe.hpp -- the run configuration ("recipe"): every key of a training run, read from
 // files in CAF's config syntax and from `--section.key=value` flags, strictly validated.
 // defines: run_config, recipe_key, recipe_keys, recipe_load_file, recipe_apply_cli,
-//          recipe_dump, recipe_to_json, recipe_from_json, recipe_validate, recipe_policies
+//          recipe_dump, recipe_to_json, recipe_from_json, recipe_validate, recipe_rl_config,
+//          config_file_precheck, config_file_parse
 //
 // Every key, its type, default and meaning is listed once, in recipe_keys() (recipe.cpp), and
 // documented in configs/default.conf. Unknown keys and ill-typed values are errors naming the

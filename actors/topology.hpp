@@ -7,7 +7,8 @@
 //   nodes=[{name="main", host="127.0.0.1", port=0, roles=["controller", "buffer", "reward",
 //           "weight_sync", "calibration"], learners=["cpu:1"], rollouts=["cpu:1"]}]
 // Roles are the singleton actors; learners/rollouts list one device per actor: "cpu:N" (a
-// oneTBB arena of N cores; 0 = all) or "cuda:K" (GPU K, CUDA backend). Exactly one node holds
+// oneTBB arena of N cores; 0 = all) or "cuda:K" (GPU K: parsed and planned, but no build runs
+// actors on it yet -- env.hpp device_problem refuses it before a run starts). Exactly one node holds
 // each singleton role; calibration runs next to a learner.
 #pragma once
 #include <cstdint>

@@ -218,7 +218,9 @@ cli parse_cli(int argc, char** argv) {
       c.caf_args.push_back(a);
     else if (a == "--help" || a == "-h") {
       std::printf("usage: fp8rl train [--recipe FILE] [--topology FILE] [--node NAME] [--run-dir DIR] [--resume|--overwrite]\n"
-                  "                   [--dump-config] [--section.key=value ...] [--scheduler.*|--middleman.* ...]\n"
+                  "                   [--dump-config] [--section.key=value ...] [--scheduler.*|--middleman.*|--logger.*|--caf#* ...]\n"
+                  "--config-file FILE is --recipe FILE (CAF's name). --node NAME: the topology node this process runs\n"
+                  "(default: the controller's; caf-run passes it). CAF's own options pass through to CAF.\n"
                   "The run directory defaults to runs/NAME (run.name), or runs/NAME-2, -3, ... while that holds an earlier\n"
                   "run; --resume continues the newest of them (or --run-dir); --overwrite replaces an earlier run's outputs.\n"
                   "Every recipe key with its default: fp8rl train --dump-config (documented in configs/default.conf).\n");

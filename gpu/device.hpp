@@ -1,5 +1,5 @@
-// gpu/device.hpp -- device discovery, RAII device memory and streams, error texts.
-// defines: device_count, has_device, device_name, dbuf, stream, cuda_text, cublas_text, nccl_text
+// gpu/device.hpp -- device discovery, RAII device memory, error texts.
+// defines: device_count, has_device, device_name, dbuf, cuda_text, cublas_text, nccl_text
 #pragma once
 #include <cublasLt.h>
 #include <cuda_runtime.h>

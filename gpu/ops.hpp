@@ -6,7 +6,7 @@
 // Bit-exact with quant/ on the CPU: quantize/dequantize (same integer E4M3 encoder, pow2
 // exponent formula, IEEE __fdiv_rn/__fmul_rn for fp32 scales, never fast-math) and the own
 // CUDA-core FP8 GEMM (the §5.2 FMA order with __fmaf_rn). The other kernels are compared with the
-// CPU backend under named tolerances (tests/gpu/cross_backend_test.cpp).
+// CPU backend under named tolerances (tests/gpu/gpu_test.cpp, target gpu_ops_test).
 #pragma once
 #include <cstdint>
 

@@ -1,6 +1,6 @@
 // quant/bundle.hpp -- weight bundles and scale snapshots: the immutable, versioned artifacts
 // that weight sync moves from the learner to rollout engines (architecture.md §3).
-// defines: bundle_dtype, bundle_tensor, scale_snapshot, weight_bundle, snapshot_validate
+// defines: bundle_dtype, bundle_tensor, scale_snapshot, weight_bundle, bundle_validate
 //
 // A bundle = FP8 weight bytes + tensors that stay BF16/FP32 (embeddings, norms, lm_head,
 // BF16-kept layers) + one scale snapshot identified by (weight_version, scale_version). The

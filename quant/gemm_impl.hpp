@@ -44,7 +44,8 @@ void tiles_put_fp8_row(uint16_t* tiles, int64_t KS, int64_t m, const uint8_t* sr
 int64_t fp8_pack_panel_avx512(const uint8_t* src, int64_t K, float* wide, uint8_t* narrow);
 
 // Tile GEMM problem (quant/gemm_amx.cpp). A in tile order [Mp/16][KS][16][32] BF16 (Mp: M
-// zero-padded to 32); promotion every `ksteps_per_block` k-steps when sa/sb are given.
+// zero-padded to 32); with sa (1x128 scales of A, [Mp][KB]) the sum is promoted per 128-K block with
+// B's per-block scales, else one tile sum over all of K (pow2 scales folded into the values).
 struct tiles_problem {
   int64_t M = 0, Mp = 0, N = 0, KS = 0;
   const uint16_t* a = nullptr;

@@ -1,6 +1,6 @@
 // quant/qtensor.hpp -- blockwise FP8 (E4M3) quantization of row-major matrices.
 // defines: qlayout, qtensor, nonfinite_error, quantize, quantize_ref, dequantize,
-//          qtensor_transpose_blocks, qtensor_scale_inv, qtensor_validate
+//          qtensor_transpose_blocks, qtensor_validate
 //
 // Legend: a source matrix X is row-major [rows, cols]. As a GEMM operand (C = A·B^T) an
 // FP8 tensor is an "operand matrix" [R, K] whose rows are contiguous in `data`:

@@ -2,13 +2,16 @@
 //   fp8rl train ...      the RL run (actors/train.cpp)
 //   fp8rl score ...      per-token logprobs of sequences (tools/cli/cmd_score.cpp)
 //   fp8rl generate ...   sampling with the rollout engine (tools/cli/cmd_generate.cpp)
-// Errors go to stderr as "fp8rl: <what>" with exit code 2 (bad input) or 1 (failure).
+//   fp8rl sft | eval ... warm start / validation accuracy (tools/cli/cmd_sft.cpp)
+// `fp8rl CMD --help` prints a command's options. Errors go to stderr as "fp8rl CMD: <what>"
+// with exit code 2 (bad input) or "fp8rl CMD: error: <what>" with exit code 1 (failure).
 #include <cstdio>
 #include <cstring>
 #include <stdexcept>
 #include <string>
 
 #include "actors/train.hpp"
+#include "tools/cli/args.hpp"
 #include "tools/cli/commands.hpp"
 
 namespace {
@@ -19,7 +22,8 @@ void usage() {
                "  score     per-token logprobs of sequences under a precision policy\n"
                "  generate  batched sampling with the rollout engine (logprobs, version tags)\n"
                "  sft       supervised warm start on a task; writes a checkpoint\n"
-               "  eval      validation accuracy (greedy and sampled pass@1) of a checkpoint\n");
+               "  eval      validation accuracy (greedy and sampled pass@1) of a checkpoint\n"
+               "fp8rl <command> --help lists a command's options.\n");
 }
 }  // namespace
 
@@ -41,6 +45,8 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "fp8rl: unknown command '%s'\n", cmd.c_str());
     usage();
     return 2;
+  } catch (const fp8rl::cli::help_shown&) {
+    return 0;
   } catch (const std::invalid_argument& e) {
     std::fprintf(stderr, "fp8rl %s: %s\n", cmd.c_str(), e.what());
     return 2;

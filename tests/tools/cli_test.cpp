@@ -92,3 +92,28 @@ TEST_F(Cli, BadFilesAreRefusedByName) {
   fs::copy_file(model / "config.json", broken / "config.json");
   refused("score --model " + broken.string() + " --input " + prompts.string(), "not a file");
 }
+
+// Every program answers --help with its options and exit code 0 (the subcommands' help used to be
+// "unknown option --help"); the subcommands' parsers refuse to run when their help text lacks an
+// option they accept (args_parse checks it), so a run of each also checks the text is complete.
+TEST_F(Cli, EveryProgramHasHelp) {
+  const std::pair<std::string, std::vector<std::string>> progs[] = {
+      {"/fp8rl score --help", {"--model", "--input", "--max-batch-tokens", "--log-level"}},
+      {"/fp8rl generate --help", {"--prompts", "--kv", "--top-p", "--stop", "--bf16-layers", "--scale-mode"}},
+      {"/fp8rl sft --help", {"--out", "--tokenizer", "--size", "--bf16-layers"}},
+      {"/fp8rl eval --help", {"--verifier", "--n", "--max-tokens"}},
+      {"/fp8rl train --help", {"--overwrite", "--logger.", "--config-file"}},
+      {"/fp8rl --help", {"fp8rl <command> --help"}},
+      {"/caf-run --help", {"--hostfile", "--grace", "--fail-fast", "--wdir"}},
+      {"/fp8rl-trace --help", {"merge", "shiviz", "summary"}},
+      {"/bench-gemm --help", {"--shapes"}},
+      {"/bench-decode --help", {"--layers", "--prefill"}}};
+  for (const auto& [cmd, opts] : progs) {
+    const result r = fp8rl::test::run_command(kBin + cmd);
+    EXPECT_EQ(r.rc, 0) << cmd << "\n" << r.out;
+    for (const auto& o : opts) EXPECT_NE(r.out.find(o), std::string::npos) << cmd << " lacks " << o << "\n" << r.out;
+  }
+  refused("score --bogus 1" + m(), "unknown option --bogus (--help lists the options)");
+  const result b = fp8rl::test::run_command(kBin + "/bench-decode --layerz=2");
+  EXPECT_EQ(b.rc, 2) << b.out;  // a mistyped benchmark option was stored and ignored
+}

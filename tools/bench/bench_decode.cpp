@@ -160,7 +160,8 @@ void run_decode_ratio(const bench_args& a, backend& be, const model_config& cfg,
 }  // namespace
 
 int main(int argc, char** argv) {
-  bench_args a = bench_parse(argc, argv);
+  bench_args a = bench_parse(argc, argv, {{"layers", "model layers (default 22, TinyLlama; 2 with --quick)"},
+                                          {"prefill", "0: decode only (default 1)"}});
   const int64_t layers = a.extra.count("layers") ? std::stoll(a.extra["layers"]) : (a.quick ? 2 : 22);
   const bool do_prefill = !a.extra.count("prefill") || a.extra["prefill"] != "0";
   const model_config cfg = tinyllama(layers);

@@ -187,7 +187,8 @@ void run_gemv_dram(const bench_args& a, int t) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  bench_args a = bench_parse(argc, argv);
+  bench_args a = bench_parse(argc, argv, {{"shapes", "MxNxK,MxNxK,...: only these GEMM shapes"},
+                                          {"onednn-isa", "internal: the child run of oneDNN limited to avx512_core_bf16"}});
   if (a.extra.count("onednn-isa")) {  // child: oneDNN limited to one ISA (must precede any use)
     if (a.extra["onednn-isa"] != "avx512_core_bf16") { std::fprintf(stderr, "unsupported isa\n"); return 2; }
     dnnl::set_max_cpu_isa(dnnl::cpu_isa::avx512_core_bf16);

@@ -23,7 +23,9 @@ struct bench_args {
   std::map<std::string, std::string> extra;  // --key=value options of the program
 };
 
-inline bench_args bench_parse(int argc, char** argv) {
+// Common options, plus the program's own `--key=value` options (`extra_opts`: key -> help line);
+// any other option is an error.
+inline bench_args bench_parse(int argc, char** argv, const std::map<std::string, std::string>& extra_opts = {}) {
   bench_args a;
   for (int i = 1; i < argc; ++i) {
     std::string s = argv[i];
@@ -40,10 +42,11 @@ inline bench_args bench_parse(int argc, char** argv) {
         a.threads.push_back(std::stoi(t.substr(p, q - p)));
         p = q + 1;
       }
-    } else if (s.rfind("--", 0) == 0 && s.find('=') != std::string::npos) {
+    } else if (s.rfind("--", 0) == 0 && s.find('=') != std::string::npos && extra_opts.count(s.substr(2, s.find('=') - 2))) {
       a.extra[s.substr(2, s.find('=') - 2)] = s.substr(s.find('=') + 1);
     } else if (s == "--help" || s == "-h") {
-      std::printf("options: --json --quick --reps=N --threads=1,2 --only=IMPL\n");
+      std::printf("options: --json --quick --reps=N --threads=1,2 --only=IMPL (a substring of impl names)\n");
+      for (const auto& [k, help] : extra_opts) std::printf("  --%s=...  %s\n", k.c_str(), help.c_str());
       std::exit(0);
     } else {
       std::fprintf(stderr, "unknown option '%s' (see --help)\n", s.c_str());

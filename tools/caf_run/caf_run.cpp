@@ -1,7 +1,8 @@
 // tools/caf_run/caf_run.cpp -- build/bin/caf-run: launch every node of a topology as its own
 // process (fork/exec on this host, ssh elsewhere), prefix their output, stop the group on the
 // first failure, exit with a meaningful code.
-//   caf-run --hostfile FILE --topology FILE [--wdir DIR] [--grace SECONDS] -- fp8rl train ARGS...
+//   caf-run --hostfile FILE --topology FILE [--wdir DIR] [--grace SECONDS] [--fail-fast] -- CMD ARGS...
+// (kUsage below, printed by --help)
 // Hostfile lines: "<host> [slots=N]" ('#' comments). Each topology node runs on the hostfile
 // host equal to its "host" (127.0.0.1 and localhost are this machine), as
 //   <command...> --topology FILE --node NAME [--scheduler.max-threads=N]
@@ -111,6 +112,21 @@ void relay(child& c, bool flush_all) {
   std::fflush(stdout);
 }
 
+const char* const kUsage =
+    "usage: caf-run --hostfile FILE --topology FILE [options] -- CMD ARGS...\n"
+    "Starts one process per topology node (fork/exec here, ssh to other hosts) running\n"
+    "  CMD ARGS... --topology FILE --node NAME [--scheduler.max-threads=N]\n"
+    "with its output prefixed by the node's name. CMD is the fp8rl program as every host sees it\n"
+    "(a path: caf-run does not search the build directory), e.g. $PWD/build/bin/fp8rl train ...\n"
+    "  --hostfile FILE     lines \"<host> [slots=N]\"; a node runs on the host equal to its \"host\"\n"
+    "  --topology FILE     the topology (configs/topologies/)\n"
+    "  --wdir DIR          working directory of every process (default: the current one)\n"
+    "  --grace SECONDS     after the controller exits, or on a stop: wait, then SIGTERM, then\n"
+    "                      SIGKILL, SECONDS apart (default 5)\n"
+    "  --fail-fast         any node's failure stops the group (default: only before the run is up,\n"
+    "                      or the controller's; afterwards the controller decides)\n"
+    "Exit code: the controller's (or the first failing node's), 128+signal when caf-run was\n"
+    "signalled, 2 for bad input.\n";
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -126,6 +142,7 @@ int main(int argc, char** argv) {
         return std::string(argv[++i]);
       };
       if (a == "--") { for (++i; i < argc; ++i) cmd.push_back(argv[i]); break; }
+      if (a == "--help" || a == "-h") { std::fputs(kUsage, stdout); return 0; }
       if (a == "--hostfile") hostfile = val();
       else if (a == "--topology") topofile = val();
       else if (a == "--wdir") wdir = val();
@@ -137,10 +154,10 @@ int main(int argc, char** argv) {
         grace = static_cast<int>(g);
       }
       else if (a == "--fail-fast") fail_fast = true;
-      else throw std::invalid_argument("unknown option '" + a + "' (usage: caf-run --hostfile F --topology F -- CMD ...)");
+      else throw std::invalid_argument("unknown option '" + a + "' (caf-run --help lists the options)");
     }
     if (hostfile.empty() || topofile.empty() || cmd.empty())
-      throw std::invalid_argument("usage: caf-run --hostfile FILE --topology FILE [--wdir DIR] -- CMD ARGS...");
+      throw std::invalid_argument("--hostfile, --topology and -- CMD are required (caf-run --help)");
     const auto hosts = read_hostfile(hostfile);
     const auto topo = fp8rl::actors::topology_load(topofile);
     if (wdir.empty()) {
@@ -238,7 +255,7 @@ int main(int argc, char** argv) {
           const bool is_controller = k.name == controller_name;
           // not up yet: the run cannot start; after the controller, the others only follow it
           const bool decisive = !controller_done && (fail_fast || is_controller || !k.ready);
-          if (k.code != 0 && !decisive)
+          if (k.code != 0 && !decisive && !controller_done && first_failure == 0)  // not while the group stops
             std::printf("caf-run: %s failed (exit %d); the controller decides whether the run goes on\n", k.name.c_str(), k.code);
           if (k.code != 0 && decisive && first_failure == 0) {
             first_failure = k.code;

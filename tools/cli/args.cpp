@@ -1,6 +1,8 @@
 // tools/cli/args.cpp -- strict option parsing.
 #include "tools/cli/args.hpp"
 
+#include <cstdio>
+
 namespace fp8rl::cli {
 
 std::optional<long long> int_of(const std::string& t) {
@@ -41,11 +43,19 @@ double args::get_num(const std::string& k, double def, double lo, double hi) con
 }
 
 args args_parse(int argc, char** argv, int first, const std::set<std::string>& valued,
-                const std::set<std::string>& switches) {
+                const std::set<std::string>& switches, const char* usage) {
+  const std::string help = usage;
+  for (const auto* opts : {&valued, &switches})
+    for (const auto& k : *opts)
+      if (help.find("--" + k) == std::string::npos) throw std::logic_error("usage text lacks option --" + k);
   args a;
   for (int i = first; i < argc; ++i) {
     std::string s = argv[i];
-    if (s.rfind("--", 0) != 0) throw std::invalid_argument("unexpected argument '" + s + "'");
+    if (s == "--help" || s == "-h") {
+      std::fputs(usage, stdout);
+      throw help_shown{};
+    }
+    if (s.rfind("--", 0) != 0) throw std::invalid_argument("unexpected argument '" + s + "' (--help lists the options)");
     std::string key = s.substr(2), val;
     const auto eq = key.find('=');
     const bool inline_val = eq != std::string::npos;
@@ -64,7 +74,7 @@ args args_parse(int argc, char** argv, int first, const std::set<std::string>& v
       }
       a.kv[key] = val;
     } else {
-      throw std::invalid_argument("unknown option --" + key);
+      throw std::invalid_argument("unknown option --" + key + " (--help lists the options)");
     }
   }
   return a;

@@ -33,8 +33,12 @@ struct args {
 // The integer that all of `t` spells (no trailing text, within long long), else nullopt.
 std::optional<long long> int_of(const std::string& t);
 
-// valued: options that take a value; switches: options without one.
+// Thrown by args_parse once it has printed the command's usage for --help or -h (exit code 0).
+struct help_shown {};
+
+// valued: options that take a value; switches: options without one; usage: the command's help
+// text, which names every option (checked on each call: an option missing there is a logic_error).
 args args_parse(int argc, char** argv, int first, const std::set<std::string>& valued,
-                const std::set<std::string>& switches);
+                const std::set<std::string>& switches, const char* usage);
 
 }  // namespace fp8rl::cli

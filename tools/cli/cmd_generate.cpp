@@ -1,15 +1,5 @@
-// tools/cli/cmd_generate.cpp -- `fp8rl generate`: batched generation with the rollout engine.
-//   fp8rl generate --model DIR --prompts FILE.jsonl [--policy fp32|bf16|fp8|fp8-kv, +-tiles]
-//                  [--kv f32|bf16|fp8] [--max-tokens N] [--temperature T] [--top-k K] [--top-p P]
-//                  [--seed S] [--slots N] [--max-context N] [--stop ID,ID] [--threads N]
-// Input lines {"tokens": [ids...]} or {"text": "..."} (model dir with a tokenizer); output one JSON
-// line per prompt, in input order:
-//   {"tokens": [...], "logprobs": [...], "weight_version": [...], "scale_version": [...],
-//    "finish": "stop"|"length"}
-// logprobs are g_t: log p(token) under the distribution sampled from (after temperature,
-// top-k, top-p; greedy -- temperature 0 -- reports temperature-1 logprobs after top-k/top-p).
-// With an FP8 KV cache the Q/K/V scales are calibrated on the prompts (amax * 1.05 / 448), and
-// the count of K/V elements that saturated (|x / scale| > 448), per layer, is logged at the end.
+// tools/cli/cmd_generate.cpp -- `fp8rl generate`: batched generation with the rollout engine
+// (options: kUsage below, printed by --help).
 #include <fmt/ranges.h>
 
 #include <cstdio>
@@ -25,12 +15,40 @@
 #include "tools/cli/common.hpp"
 
 namespace fp8rl::cli {
+namespace {
+const char* const kUsage =
+    "usage: fp8rl generate --model DIR --prompts FILE.jsonl [options]\n"
+    "Batched generation with the rollout engine. Input lines {\"tokens\": [ids...]} or {\"text\": \"...\"}\n"
+    "(a model directory with a tokenizer); output one JSON line per prompt, in input order:\n"
+    "  {\"tokens\": [...], \"logprobs\": [...], \"weight_version\": [...], \"scale_version\": [...],\n"
+    "   \"finish\": \"stop\"|\"length\"}\n"
+    "logprobs are log p(token) under the distribution sampled from (after temperature, top-k, top-p;\n"
+    "greedy -- temperature 0 -- reports temperature-1 logprobs after top-k/top-p). With an FP8 KV\n"
+    "cache the Q/K/V scales are calibrated on the prompts (amax * 1.05 / 448), and the K/V elements\n"
+    "that saturated (|x / scale| > 448) are logged per layer at the end.\n"
+    "  --model DIR              checkpoint or Hugging Face model directory\n"
+    "  --prompts FILE.jsonl     prompts\n"
+    "  --policy P               fp32 (default) | bf16 | fp8 | fp8-kv, each also as P-tiles (AMX)\n"
+    "  --bf16-layers F,L        keep the first F and last L layers BF16 (fp8 policies)\n"
+    "  --scale-mode M           pow2 (default) | fp32\n"
+    "  --kv K                   KV cache f32 | bf16 | fp8 (default: the policy's; fp8 adds FP8 attention)\n"
+    "  --max-tokens N           per prompt (default 64)\n"
+    "  --temperature T          0 = greedy (default 1)\n"
+    "  --top-k K                0 = off (default)\n"
+    "  --top-p P                in (0, 1] (default 1)\n"
+    "  --seed S                 sampling seed of every request (default 0)\n"
+    "  --stop ID,ID             stop tokens (default: the model's eos_token_id)\n"
+    "  --slots N                continuous-batching slots (default 8)\n"
+    "  --max-context N          tokens per slot (default: min(max_position_embeddings, 2048))\n"
+    "  --threads N              oneTBB threads (default 0: all cores)\n"
+    "  --log-level L            trace | debug | info (default) | warn | error | off\n";
+}  // namespace
 
 int cmd_generate(int argc, char** argv) {
   const args a = args_parse(argc, argv, 2,
                             {"model", "prompts", "policy", "bf16-layers", "scale-mode", "kv", "max-tokens",
                              "temperature", "top-k", "top-p", "seed", "slots", "max-context", "stop", "threads", "log-level"},
-                            {});
+                            {}, kUsage);
   log_level_from_args(a);
   const auto params = models::model_load(a.need("model"));
   models::engine_config ec;

@@ -1,8 +1,5 @@
-// tools/cli/cmd_score.cpp -- `fp8rl score`: per-token log-probabilities of given sequences.
-//   fp8rl score --model DIR --input FILE.jsonl [--policy fp32|bf16|fp8[-tiles]] [--bf16-layers F,L]
-//               [--scale-mode pow2|fp32] [--threads N] [--max-batch-tokens N]
-// Input lines {"tokens": [ids...]}; output one line per input, {"logprobs": [...]} with n-1
-// entries: log p(token i | tokens < i) for i = 1..n-1, under the chosen precision policy.
+// tools/cli/cmd_score.cpp -- `fp8rl score`: per-token log-probabilities of given sequences
+// (options: kUsage below, printed by --help).
 #include <cstdio>
 #include <nlohmann/json.hpp>
 
@@ -12,10 +9,25 @@
 #include "tools/cli/common.hpp"
 
 namespace fp8rl::cli {
+namespace {
+const char* const kUsage =
+    "usage: fp8rl score --model DIR --input FILE.jsonl [options]\n"
+    "Per-token log-probabilities of given sequences. Input lines {\"tokens\": [ids...]} or {\"text\": \"...\"}\n"
+    "(a model directory with a tokenizer); output one line per input, {\"logprobs\": [...]} with n-1\n"
+    "entries: log p(token i | tokens < i) for i = 1..n-1, under the chosen precision policy.\n"
+    "  --model DIR              checkpoint or Hugging Face model directory\n"
+    "  --input FILE.jsonl       sequences\n"
+    "  --policy P               fp32 (default) | bf16 | fp8 | fp8-kv, each also as P-tiles (AMX)\n"
+    "  --bf16-layers F,L        keep the first F and last L layers BF16 (fp8 policies)\n"
+    "  --scale-mode M           pow2 (default) | fp32\n"
+    "  --max-batch-tokens N     tokens per forward batch (default 4096)\n"
+    "  --threads N              oneTBB threads (default 0: all cores)\n"
+    "  --log-level L            trace | debug | info (default) | warn | error | off\n";
+}  // namespace
 
 int cmd_score(int argc, char** argv) {
   const args a = args_parse(argc, argv, 2, {"model", "input", "policy", "bf16-layers", "scale-mode", "threads",
-                                            "max-batch-tokens", "log-level"}, {});
+                                            "max-batch-tokens", "log-level"}, {}, kUsage);
   log_level_from_args(a);
   const auto params = models::model_load(a.need("model"));
   const auto policy = policy_from_args(a).training();

@@ -1,10 +1,5 @@
-// tools/cli/cmd_sft.cpp -- `fp8rl sft`: supervised warm start on task demonstrations.
-//   fp8rl sft --out DIR [--task builtin:add2 | --task FILE.jsonl] [--model DIR | --size tiny]
-//             [--tokenizer PATH] [--steps N] [--batch N] [--lr X] [--policy fp32|bf16|fp8[-tiles]]
-//             [--seed S] [--threads N]
-// Without --model a tiny model is initialized from the seed (built-in character tokenizer for
-// built-in tasks; --tokenizer PATH for your own). Writes a checkpoint directory (config.json,
-// model.safetensors, optimizer state, the tokenizer) loadable by score/generate/eval/train.
+// tools/cli/cmd_sft.cpp -- `fp8rl sft` (supervised warm start on task demonstrations) and
+// `fp8rl eval` (validation accuracy); options: kSftUsage and kEvalUsage below, printed by --help.
 #include <cstdio>
 #include <filesystem>
 
@@ -15,12 +10,49 @@
 #include "tools/cli/common.hpp"
 
 namespace fp8rl::cli {
+namespace {
+const char* const kSftUsage =
+    "usage: fp8rl sft --out DIR [options]\n"
+    "Supervised warm start on a task's demonstrations. Without --model a tiny model is initialized\n"
+    "from the seed (built-in character tokenizer for built-in tasks; --tokenizer PATH for your own).\n"
+    "Writes a checkpoint directory (config.json, model.safetensors, optimizer state, the tokenizer)\n"
+    "that score, generate, eval and train load.\n"
+    "  --out DIR                the checkpoint to write (refused if it exists and is not a directory)\n"
+    "  --task T                 builtin:add2 (default) | builtin:add1..add6, mul1..mul6 | FILE.jsonl ({\"prompt\", \"answer\"} lines)\n"
+    "  --model DIR              start from this checkpoint instead of a fresh tiny model\n"
+    "  --size S                 the fresh model's size: tiny (default) | small\n"
+    "  --tokenizer PATH         tokenizer.json or a directory holding one (dataset tasks without --model)\n"
+    "  --steps N                optimizer steps (default 450)\n"
+    "  --batch N                sequences per step (default 64)\n"
+    "  --lr X                   AdamW learning rate (default 2e-3)\n"
+    "  --policy P               training precision: fp8 (default) | fp32 | bf16 | fp8-kv, each also as P-tiles\n"
+    "  --bf16-layers F,L        keep the first F and last L layers BF16 (fp8 policies)\n"
+    "  --scale-mode M           pow2 (default) | fp32\n"
+    "  --seed S                 initialization and data order (default 1)\n"
+    "  --threads N              oneTBB threads (default 0: all cores)\n"
+    "  --log-level L            trace | debug | info (default) | warn | error | off\n";
+const char* const kEvalUsage =
+    "usage: fp8rl eval --model DIR [options]\n"
+    "Validation accuracy of a checkpoint: greedy and sampled pass@1 on the task's validation split,\n"
+    "printed as one JSON line {\"greedy_accuracy\", \"sampled_accuracy\", \"n\"}.\n"
+    "  --model DIR              checkpoint with a tokenizer\n"
+    "  --task T                 builtin:add2 (default) | builtin:add1..add6, mul1..mul6 | FILE.jsonl\n"
+    "  --verifier V             numeric (default for built-in tasks) | exact (default for files)\n"
+    "  --n N                    validation items (default 400)\n"
+    "  --max-tokens N           per answer (default 16)\n"
+    "  --policy P               generation precision: fp8 (default) | fp32 | bf16 | fp8-kv, each also as P-tiles\n"
+    "  --bf16-layers F,L        keep the first F and last L layers BF16 (fp8 policies)\n"
+    "  --scale-mode M           pow2 (default) | fp32\n"
+    "  --seed S                 validation split and sampling seed (default 1)\n"
+    "  --threads N              oneTBB threads (default 0: all cores)\n"
+    "  --log-level L            trace | debug | info (default) | warn | error | off\n";
+}  // namespace
 
 int cmd_sft(int argc, char** argv) {
   const args a = args_parse(argc, argv, 2,
                             {"out", "task", "model", "tokenizer", "steps", "batch", "lr", "policy", "bf16-layers",
                              "scale-mode", "seed", "threads", "size", "log-level"},
-                            {});
+                            {}, kSftUsage);
   log_level_from_args(a);
   const std::string out = a.need("out");  // checked before training, not after
   if (std::filesystem::exists(out) && !std::filesystem::is_directory(out))
@@ -76,7 +108,7 @@ int cmd_eval(int argc, char** argv) {
   const args a = args_parse(argc, argv, 2,
                             {"model", "task", "verifier", "policy", "bf16-layers", "scale-mode", "max-tokens", "seed",
                              "threads", "n", "log-level"},
-                            {});
+                            {}, kEvalUsage);
   log_level_from_args(a);
   const uint64_t seed = static_cast<uint64_t>(a.get_int("seed", 1, 0));  // options first, then files
   const int64_t n = a.get_int("n", 400, 1, 1 << 24);

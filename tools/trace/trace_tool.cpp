@@ -10,6 +10,7 @@
 // Input: RUN_DIR/traces/*.jsonl (actors/trace.hpp) and RUN_DIR/metrics.jsonl.
 #include <algorithm>
 #include <cstdio>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <map>
@@ -266,9 +267,19 @@ int summary(const fs::path& run) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  const char* const usage =
+      "usage: fp8rl-trace merge|shiviz|summary RUN_DIR\n"
+      "  merge    RUN_DIR/traces/*.jsonl -> RUN_DIR/trace.json (ui.perfetto.dev, chrome://tracing):\n"
+      "           one row per actor, an arrow from each message's send to its receive\n"
+      "  shiviz   -> RUN_DIR/trace.shiviz.log: send/receive events with vector clocks (ShiViz)\n"
+      "  summary  busy/idle per actor, overlap, staleness, weight-sync latency, message latencies\n";
+  if (argc == 2 && (!std::strcmp(argv[1], "--help") || !std::strcmp(argv[1], "-h"))) {
+    std::fputs(usage, stdout);
+    return 0;
+  }
   const std::string cmd = argc == 3 ? argv[1] : "";
   if (cmd != "merge" && cmd != "summary" && cmd != "shiviz") {
-    std::fprintf(stderr, "usage: fp8rl-trace merge|shiviz|summary RUN_DIR\n");
+    std::fputs(usage, stderr);
     return 2;
   }
   try {
