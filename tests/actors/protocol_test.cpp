@@ -6,8 +6,10 @@
 
 #include <caf/all.hpp>
 #include <caf/io/all.hpp>
+#include <algorithm>
 #include <cmath>
 #include <filesystem>
+#include <set>
 
 #include "actors/actors.hpp"
 #include "models/checkpoint.hpp"
@@ -315,4 +317,125 @@ TEST(Protocol, WeightSyncReportsAFailedTransferToALiveRollout) {
   }, caf::after(std::chrono::seconds(20)) >> [] { FAIL() << "the failed transfer was not reported"; });
   ctl->send_exit(ws, caf::exit_reason::user_shutdown);
   caf::anon_send_exit(fake, caf::exit_reason::user_shutdown);
+}
+
+namespace {
+// An actor system on CAF's deterministic test coordinator: every message runs on this thread,
+// in an order the test drives (sched.run()), with no timing involved.
+struct coordinated_config : caf::actor_system_config {
+  coordinated_config() {
+    msg::messages_register(*this);
+    set("scheduler.policy", caf::atom("testing"));
+    set("logger.console", caf::atom("none"));
+    set("logger.file-verbosity", caf::atom("quiet"));
+  }
+};
+struct issued_work {
+  std::string to;
+  msg::work_msg w;
+};
+// A stand-in peer: records the work it receives (rollouts), drops everything else.
+caf::actor stand_in(caf::actor_system& sys, std::string name, std::vector<issued_work>* log) {
+  return sys.spawn([name, log](caf::event_based_actor* self) -> caf::behavior {
+    // swallow the rest without a reply (caf::drop answers with an error, which kills the sender)
+    self->set_default_handler([](caf::scheduled_actor*, caf::message_view&) -> caf::result<caf::message> { return caf::message{}; });
+    return {[=](msg::work_msg& w) { log->push_back({name, w}); }};
+  });
+}
+}  // namespace
+
+// The controller's window, under the test coordinator: work for step s is issued only once every
+// rollout has adopted version >= s - max_staleness (sync_report), round robin over the rollouts,
+// prompt ids from the prompt cursor; a group the buffer drops as stale is re-issued; a lost
+// rollout's groups in flight go to the live one; a trained step is no longer re-issued.
+TEST(Protocol, ControllerIssuesWithinTheStalenessWindowDeterministically) {
+  coordinated_config cfg;
+  caf::actor_system sys{cfg};
+  auto& sched = dynamic_cast<caf::scheduler::test_coordinator&>(sys.scheduler());
+  caf::scoped_actor self{sys, true};
+  const fs::path run_dir = fs::temp_directory_path() / ("fp8rl_ctrl_" + std::to_string(::getpid()));
+  fs::create_directories(run_dir);
+  actors::run_config r;
+  r.max_staleness = 1;
+  r.prompts_per_step = 3;
+  r.group_size = 2;
+  r.steps = 10;
+  r.log_level = "off";
+  auto env = actors::env_make(r, "test", run_dir.string(), init_dir(), 0);
+  int done = -1;
+  actors::controller_options opts;
+  opts.print_progress = false;
+  opts.on_done = [&](int code) { done = code; };
+  auto ctrl = actors::spawn_controller(sys, env, opts);
+  std::vector<issued_work> work;
+  msg::peers_msg p;
+  p.controller = ctrl;
+  p.buffer = caf::actor_cast<msg::buffer_actor>(stand_in(sys, "buffer", &work));
+  p.reward = caf::actor_cast<msg::reward_actor>(stand_in(sys, "reward", &work));
+  p.weight_sync = caf::actor_cast<msg::weight_sync_actor>(stand_in(sys, "weight_sync", &work));
+  p.calibration = caf::actor_cast<msg::calibration_actor>(stand_in(sys, "calibration", &work));
+  p.learners = {caf::actor_cast<msg::learner_actor>(stand_in(sys, "learner0", &work))};
+  auto r0 = stand_in(sys, "rollout0", &work), r1 = stand_in(sys, "rollout1", &work);
+  p.rollouts = {caf::actor_cast<msg::rollout_actor>(r0), caf::actor_cast<msg::rollout_actor>(r1)};
+  p.rollout_names = {"rollout0", "rollout1"};
+  sched.run();
+  self->send(ctrl, p, std::vector<caf::actor>{});
+  sched.run();
+  EXPECT_TRUE(work.empty()) << "work issued before any rollout holds weights";
+  auto steps_of = [&](size_t from) {  // of the work issued since entry `from`, in prompt order
+    std::sort(work.begin() + static_cast<long>(from), work.end(),
+              [](const issued_work& a, const issued_work& b) { return a.w.prompt_id < b.w.prompt_id; });
+    std::vector<uint64_t> s;
+    for (size_t i = from; i < work.size(); ++i) s.push_back(work[i].w.step);
+    return s;
+  };
+  self->send(ctrl, msg::sync_report{0, 0.0, 0.0, false, 0.0});  // version 0 everywhere: steps 0 and 1
+  sched.run();
+  ASSERT_EQ(steps_of(0), (std::vector<uint64_t>{0, 0, 0, 1, 1, 1}));
+  for (size_t i = 0; i < work.size(); ++i) {
+    EXPECT_EQ(work[i].to, i % 2 ? "rollout1" : "rollout0");  // round robin
+    EXPECT_EQ(work[i].w.prompt_id, i);                      // the prompt cursor: step * 3 + i
+    EXPECT_EQ(work[i].w.group_size, 2);
+  }
+  self->send(ctrl, msg::step_report{{}, 1, {{"tokens", 10.0}}});  // step 1 trained; v1 not yet synced
+  sched.run();
+  EXPECT_EQ(work.size(), 6u) << "step 2 issued before version 1 reached the rollouts";
+  self->send(ctrl, msg::sync_report{1, 0.0, 0.0, false, 0.0});
+  sched.run();
+  ASSERT_EQ(steps_of(6), (std::vector<uint64_t>{2, 2, 2}));
+  EXPECT_EQ(work[6].w.prompt_id, 6u);
+  // the buffer drops a step-2 group as stale: it is issued again, once
+  self->send(ctrl, msg::admitted_msg{2, 7, true, "stale (test)"});
+  sched.run();
+  ASSERT_EQ(steps_of(9), (std::vector<uint64_t>{2}));
+  EXPECT_EQ(work[9].w.prompt_id, 7u);
+  // a step-0 group dropped as stale after step 1 was trained is not re-issued (nothing to redo)
+  self->send(ctrl, msg::admitted_msg{0, 0, true, "stale (test)"});
+  sched.run();
+  EXPECT_EQ(work.size(), 10u);
+  // rollout0 goes down: its groups in flight (not yet admitted) go to rollout1
+  for (uint64_t pid : {0, 1, 2, 3, 5}) self->send(ctrl, msg::admitted_msg{pid / 3, pid, false, ""});  // admitted ones
+  sched.run();
+  std::set<uint64_t> r0_open;  // rollout0 had the even prompt ids (round robin): 4, 6, 8 are open
+  for (const auto& iw : work)
+    if (iw.to == "rollout0" && iw.w.prompt_id > 3) r0_open.insert(iw.w.prompt_id);
+  EXPECT_EQ(r0_open, (std::set<uint64_t>{4, 6, 8}));
+  self->send_exit(r0, caf::exit_reason::kill);
+  sched.run();
+  std::set<uint64_t> moved;
+  for (size_t i = 10; i < work.size(); ++i) {
+    EXPECT_EQ(work[i].to, "rollout1");
+    moved.insert(work[i].w.prompt_id);
+  }
+  EXPECT_EQ(moved, r0_open);
+  EXPECT_EQ(done, -1);  // the run goes on with one rollout
+  // the system's destructor waits for every actor, and under the test coordinator actors only
+  // run inside sched.run(): stop them all here
+  for (const caf::actor& a : std::vector<caf::actor>{caf::actor_cast<caf::actor>(ctrl), caf::actor_cast<caf::actor>(p.buffer),
+                                                     caf::actor_cast<caf::actor>(p.reward), caf::actor_cast<caf::actor>(p.weight_sync),
+                                                     caf::actor_cast<caf::actor>(p.calibration),
+                                                     caf::actor_cast<caf::actor>(p.learners[0]), r1})
+    self->send_exit(a, caf::exit_reason::user_shutdown);
+  sched.run();
+  fs::remove_all(run_dir);
 }
