@@ -1,6 +1,7 @@
 // tests/actors/protocol_test.cpp -- message serialization round trips, and the protocols of the
 // buffer (admission by max_staleness, de-duplication, learner shards) and of weight-sync
-// (in-process fan-out, adoption accounting, a failed cross-process transfer) with explicit message ordering: the test is the
+// (in-process fan-out, adoption accounting, a failed cross-process transfer) with explicit message ordering, and
+// the controller's staleness window on CAF's deterministic test coordinator: the test is the
 // peer of the actor under test and drives it one message at a time.
 #include <gtest/gtest.h>
 
@@ -290,11 +291,12 @@ TEST(Protocol, WeightSyncReportsAFailedTransferToALiveRollout) {
   cfg1.load<caf::io::middleman>();
   cfg2.load<caf::io::middleman>();
   caf::actor_system sys{cfg1}, remote{cfg2};
-  auto fake = remote.spawn([](caf::event_based_actor*) -> caf::behavior {
-    return {[](msg::bundle_chunk& c) -> caf::result<msg::chunk_ack> {
-      return caf::make_error(caf::sec::runtime_error, "no space left for chunk " + std::to_string(c.seq));
+  // (an argument for the spawn: CAF 0.17 dereferences a missing argument tuple; actors.hpp)
+  auto fake = remote.spawn([](caf::event_based_actor*, std::string why) -> caf::behavior {
+    return {[why](msg::bundle_chunk& c) -> caf::result<msg::chunk_ack> {
+      return caf::make_error(caf::sec::runtime_error, why + std::to_string(c.seq));
     }};
-  });
+  }, std::string("no space left for chunk "));
   auto port = remote.middleman().publish(fake, 0, "127.0.0.1");
   ASSERT_TRUE(port) << remote.render(port.error());
   auto proxy = sys.middleman().remote_actor("127.0.0.1", *port);
@@ -336,11 +338,11 @@ struct issued_work {
 };
 // A stand-in peer: records the work it receives (rollouts), drops everything else.
 caf::actor stand_in(caf::actor_system& sys, std::string name, std::vector<issued_work>* log) {
-  return sys.spawn([name, log](caf::event_based_actor* self) -> caf::behavior {
+  return sys.spawn([](caf::event_based_actor* self, std::string name, std::vector<issued_work>* log) -> caf::behavior {
     // swallow the rest without a reply (caf::drop answers with an error, which kills the sender)
     self->set_default_handler([](caf::scheduled_actor*, caf::message_view&) -> caf::result<caf::message> { return caf::message{}; });
     return {[=](msg::work_msg& w) { log->push_back({name, w}); }};
-  });
+  }, std::move(name), log);  // spawn arguments, not captures: actors.hpp
 }
 }  // namespace
 
