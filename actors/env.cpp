@@ -21,8 +21,7 @@ uint64_t state_prompt_cursor(const std::string& checkpoint_dir) {
 }
 
 std::shared_ptr<const actor_env> env_make(const run_config& cfg, const std::string& node, const std::string& run_dir,
-                                          const std::string& init_dir, uint64_t start_version,
-                                          const std::string& run_id) {
+                                          const std::string& init_dir, run_start start, const std::string& run_id) {
   auto e = std::make_shared<actor_env>();
   e->cfg = cfg;
   e->rl = recipe_rl_config(cfg);
@@ -30,8 +29,8 @@ std::shared_ptr<const actor_env> env_make(const run_config& cfg, const std::stri
   e->run_dir = run_dir;
   e->init_dir = init_dir;
   e->ref_dir = cfg.init == "tiny" ? (std::filesystem::path(run_dir) / "checkpoints" / "init").string() : cfg.init;
-  e->start_version = start_version;
-  if (start_version > 0) e->start_cursor = state_prompt_cursor(init_dir);
+  e->start_version = start.version;
+  e->start_cursor = start.prompt_cursor;
   e->run_id = run_id;
   e->model = models::model_config_load((std::filesystem::path(init_dir) / "config.json").string());
   e->tok = models::tokenizer_load(init_dir);

@@ -1,6 +1,6 @@
 // actors/env.hpp -- what every actor of a process shares: the recipe, the run directory, the
 // policy model's config and tokenizer, and the initial checkpoint every learner starts from.
-// defines: actor_env, env_make, state_prompt_cursor, backend_for
+// defines: run_start, actor_env, env_make, state_prompt_cursor, backend_for
 #pragma once
 #include <memory>
 #include <string>
@@ -11,6 +11,13 @@
 #include "models/tokenizer.hpp"
 
 namespace fp8rl::actors {
+
+// Where a run starts: the weight version of its first checkpoint and the next training prompt
+// (state.json's weight_version and prompt_cursor on --resume; both 0 for a fresh run).
+struct run_start {
+  uint64_t version = 0, prompt_cursor = 0;
+  run_start(uint64_t v = 0, uint64_t cursor = 0) : version(v), prompt_cursor(cursor) {}  // NOLINT: 0 reads as "fresh"
+};
 
 struct actor_env {
   run_config cfg;
@@ -31,11 +38,9 @@ struct actor_env {
   }
 };
 
-// Loads the model config and tokenizer from init_dir, and when start_version > 0 the prompt
-// cursor from its state.json; throws std::invalid_argument naming the file.
+// Loads the model config and tokenizer from init_dir; throws std::invalid_argument.
 std::shared_ptr<const actor_env> env_make(const run_config& cfg, const std::string& node, const std::string& run_dir,
-                                          const std::string& init_dir, uint64_t start_version,
-                                          const std::string& run_id = "");
+                                          const std::string& init_dir, run_start start, const std::string& run_id = "");
 
 // A checkpoint's state.json "prompt_cursor" (what the run's learner wrote); throws
 // std::invalid_argument naming the file and key.

@@ -39,19 +39,44 @@ std::string run_dir_default(const std::string& name, int k) {
 }
 }  // namespace
 
+namespace {
+const char* const kRunOutputs[] = {"recipe.conf", "checkpoints", "metrics.jsonl", "traces", "plots", "gloo"};
+const char* const kStash = ".replaced";
+}  // namespace
+
+bool run_dir_recover(const std::string& dir) {
+  const fs::path d(dir), st = d / kStash;
+  std::error_code ec;
+  if (!fs::is_directory(st, ec)) return false;
+  for (const char* e : kRunOutputs) {
+    if (!fs::exists(fs::symlink_status(st / e, ec))) continue;
+    fs::remove_all(d / e);  // what the interrupted start wrote there
+    fs::rename(st / e, d / e);
+  }
+  fs::remove(st, ec);  // only when empty: anything else stays visible there
+  std::fprintf(stderr, "fp8rl: %s: restored the earlier run from %s (an --overwrite start was interrupted before it could run)\n",
+               dir.c_str(), st.c_str());
+  return true;
+}
+
 std::string run_dir_choose(const std::string& given, const std::string& name, bool resume, bool overwrite,
                            const std::string& keep) {
   if (resume && overwrite) throw std::invalid_argument("--resume continues a run and --overwrite replaces it: give one");
   std::string dir = given;
+  if (!dir.empty()) run_dir_recover(dir);
   if (dir.empty() && resume) {  // the newest existing default directory
-    for (int k = 1; fs::exists(run_dir_default(name, k)); ++k) dir = run_dir_default(name, k);
+    for (int k = 1; fs::exists(run_dir_default(name, k)); ++k) {
+      dir = run_dir_default(name, k);
+      run_dir_recover(dir);
+    }
     if (dir.empty()) throw std::invalid_argument(run_dir_default(name, 1) + ": --resume but no such run directory");
   }
   if (dir.empty() && !overwrite) {  // the first default directory without an earlier run
     int k = 1;
-    while (!run_dir_outputs(run_dir_default(name, k)).empty()) ++k;
+    while (run_dir_recover(run_dir_default(name, k)), !run_dir_outputs(run_dir_default(name, k)).empty()) ++k;
     dir = run_dir_default(name, k);
   }
+  if (dir.empty()) run_dir_recover(run_dir_default(name, 1));
   if (dir.empty()) dir = run_dir_default(name, 1);
   if (resume) {
     if (!fs::is_directory(dir)) throw std::invalid_argument(dir + ": --resume but no such run directory");
@@ -71,41 +96,41 @@ std::string run_dir_choose(const std::string& given, const std::string& name, bo
   return dir;
 }
 
-namespace {
-const char* const kRunOutputs[] = {"recipe.conf", "checkpoints", "metrics.jsonl", "traces", "plots", "gloo"};
-const char* const kStash = ".replaced";
-}  // namespace
 
 run_dir_stash::run_dir_stash(std::string dir) : dir_(std::move(dir)) {
   const fs::path d(dir_), st = d / kStash;
-  fs::remove_all(st);  // a stash left by a killed process: its run was replaced on purpose
-  fs::create_directories(st);
-  for (const char* e : kRunOutputs) {
-    if (!fs::exists(fs::symlink_status(d / e))) continue;
-    std::error_code ec;
-    fs::rename(d / e, st / e, ec);
-    if (ec) {
-      restore();
-      throw std::runtime_error((d / e).string() + ": --overwrite cannot move it aside: " + ec.message());
+  if (fs::exists(st))  // run_dir_choose recovers an interrupted start's stash first
+    throw std::runtime_error(st.string() + ": holds an earlier run moved aside by an interrupted --overwrite; move it back or delete it");
+  try {
+    fs::create_directories(st);
+    for (const char* e : kRunOutputs) {
+      if (!fs::exists(fs::symlink_status(d / e))) continue;
+      std::error_code ec;
+      fs::rename(d / e, st / e, ec);
+      if (ec) throw std::runtime_error((d / e).string() + ": --overwrite cannot move it aside: " + ec.message());
+      moved_.emplace_back(e);
     }
-    moved_.emplace_back(e);
+  } catch (...) {  // the destructor does not run for a half-built stash
+    restore();
+    throw;
   }
 }
 
 void run_dir_stash::drop() {
-  fs::remove_all(fs::path(dir_) / kStash);
-  dropped_ = true;
+  dropped_ = true;  // from here on the new run owns the directory, whatever the deletion does
+  std::error_code ec;
+  fs::remove_all(fs::path(dir_) / kStash, ec);
+  if (ec) std::fprintf(stderr, "fp8rl: could not delete the replaced run in %s/%s: %s\n", dir_.c_str(), kStash, ec.message().c_str());
 }
 
 void run_dir_stash::restore() noexcept {
   const fs::path d(dir_), st = d / kStash;
+  std::error_code ec;
+  for (const char* e : kRunOutputs) fs::remove_all(d / e, ec);  // whatever the failed start wrote
   for (const auto& e : moved_) {
-    std::error_code ec;
-    fs::remove_all(d / e, ec);  // what the failed start wrote there
     fs::rename(st / e, d / e, ec);
     if (ec) std::fprintf(stderr, "fp8rl: could not move %s back to %s: %s\n", (st / e).c_str(), (d / e).c_str(), ec.message().c_str());
   }
-  std::error_code ec;
   fs::remove(st, ec);  // only when empty: anything not moved back stays visible there
 }
 

@@ -1,5 +1,6 @@
 // actors/run_dir.hpp -- the run directory: metrics.jsonl, progress lines, gnuplot plots.
-// defines: metrics_writer, plots_write, run_dir_outputs, run_dir_choose, run_dir_stash
+// defines: metrics_writer, plots_write, run_dir_outputs, run_dir_choose, run_dir_stash,
+//          run_dir_recover
 //
 //   RUN_DIR/metrics.jsonl      one JSON object per learner step: "step", every metric (spec names)
 //   RUN_DIR/checkpoints/...    step_N/ (safetensors + optimizer + state.json + calibration.jsonl), "latest"
@@ -54,7 +55,13 @@ std::string run_dir_choose(const std::string& given, const std::string& name, bo
 // renames what runs write (recipe.conf, checkpoints/, metrics.jsonl, traces/, plots/, gloo/) into
 // DIR/.replaced/; drop() deletes them once the new run has passed its preflight; without drop(),
 // the destructor removes what the failed start wrote under those names and moves the earlier
-// run's files back. Throws std::runtime_error naming the path it cannot move.
+// run's files back. Throws std::runtime_error naming the path it cannot move. A start killed in
+// between (no destructor runs) leaves DIR/.replaced/: run_dir_recover moves it back.
+//
+// run_dir_recover: if DIR/.replaced/ exists, moves the earlier run back (replacing what the
+// interrupted start wrote), says so on stderr and returns true. run_dir_choose calls it for
+// every directory it considers, so a killed --overwrite never hides or loses a run.
+bool run_dir_recover(const std::string& dir);
 class run_dir_stash {
  public:
   explicit run_dir_stash(std::string dir);

@@ -127,7 +127,8 @@ msg::node_agent_actor::behavior_type node_agent(msg::node_agent_actor::stateful_
           const run_config cfg = recipe_from_json(j["recipe"].get<std::string>());
           const topology t = topology_from_json(j["topology"]);
           const std::string node = j["node"];
-          auto env = env_make(cfg, node, j["run_dir"], j["init_dir"], j["start_version"].get<uint64_t>(), j["run_id"]);
+          auto env = env_make(cfg, node, j["run_dir"], j["init_dir"],
+                              run_start{j["start_version"].get<uint64_t>(), j["start_cursor"].get<uint64_t>()}, j["run_id"]);
           if (cfg.trace) trace_writer::process().open((fs::path(j["run_dir"].get<std::string>()) / "traces" / (node + ".jsonl")).string(), node);
           const auto idx = index_nodes(t).at(node);
           self->state.spawned = spawn_node(self->system(), *t.find(node), env, idx.first_learner, learner_world(t), idx.first_rollout);
@@ -222,7 +223,9 @@ cli parse_cli(int argc, char** argv) {
                   "--config-file FILE is --recipe FILE (CAF's name). --node NAME: the topology node this process runs\n"
                   "(default: the controller's; caf-run passes it). CAF's own options pass through to CAF.\n"
                   "The run directory defaults to runs/NAME (run.name), or runs/NAME-2, -3, ... while that holds an earlier\n"
-                  "run; --resume continues the newest of them (or --run-dir); --overwrite replaces an earlier run's outputs.\n"
+                  "run; --resume continues the newest of them (or --run-dir); --overwrite replaces an earlier run's outputs\n"
+                  "(moved to RUN_DIR/.replaced/ and deleted once the new run passed its preflight; a failed or killed start\n"
+                  "gets them back).\n"
                   "Every recipe key with its default: fp8rl train --dump-config (documented in configs/default.conf).\n");
       std::exit(0);
     } else {
@@ -233,8 +236,9 @@ cli parse_cli(int argc, char** argv) {
 }
 
 // The checkpoint this run starts from: resume (latest), a HF model dir, or a fresh SFT warm start.
-std::string prepare_init(const run_config& cfg, const std::string& run_dir, bool resume, uint64_t* start_version) {
-  *start_version = 0;
+std::string prepare_init(const run_config& cfg, const std::string& run_dir, bool resume, run_start* start) {
+  *start = run_start{};
+  uint64_t* start_version = &start->version;
   const fs::path ck = fs::path(run_dir) / "checkpoints";
   if (resume) {
     std::ifstream f(ck / "latest");
@@ -249,7 +253,7 @@ std::string prepare_init(const run_config& cfg, const std::string& run_dir, bool
     *start_version = state["weight_version"].get<uint64_t>();
     if (name.rfind("step_", 0) == 0 && name != "step_" + std::to_string(*start_version))
       throw std::invalid_argument(sp + ": weight_version " + std::to_string(*start_version) + " contradicts its directory " + name);
-    if (*start_version > 0) state_prompt_cursor(dir.string());  // checked here, read by env_make
+    if (*start_version > 0) start->prompt_cursor = state_prompt_cursor(dir.string());
     return dir.string();
   }
   if (cfg.init != "tiny") return cfg.init;
@@ -398,15 +402,16 @@ int train_main(int argc, char** argv) {
   // --overwrite: the earlier run is moved aside and deleted only once this one passes its preflight
   std::optional<run_dir_stash> replaced;
   if (c.overwrite && !run_dir_outputs(run_dir).empty()) replaced.emplace(run_dir);
-  uint64_t start_version = 0;
-  const std::string init_dir = prepare_init(cfg, run_dir, c.resume, &start_version);
+  run_start start;
+  const std::string init_dir = prepare_init(cfg, run_dir, c.resume, &start);
+  const uint64_t start_version = start.version;
   if (start_version >= static_cast<uint64_t>(cfg.steps)) {
     std::fprintf(stderr, "fp8rl train: %s is already at step %lu of %ld\n", run_dir.c_str(),
                  static_cast<unsigned long>(start_version), long(cfg.steps));
     return 0;
   }
   const std::string run_id = cfg.name + "-" + std::to_string(trace_now_us()) + "-" + std::to_string(::getpid());
-  auto env = env_make(cfg, node, run_dir, init_dir, start_version, run_id);
+  auto env = env_make(cfg, node, run_dir, init_dir, start, run_id);
   run_preflight(*env, c.resume);  // every file the actors will read or write, before any of them starts
   if (replaced) replaced->drop();
   std::ofstream(fs::path(run_dir) / "recipe.conf") << recipe_dump(cfg);  // only once the run can start
@@ -447,7 +452,7 @@ int train_main(int argc, char** argv) {
       agents.push_back(caf::actor_cast<caf::actor>(*agent));
       json init = {{"recipe", recipe_to_json(cfg)}, {"topology", topology_to_json(topo)}, {"node", n.name},
                    {"run_dir", fs::absolute(run_dir).string()}, {"init_dir", fs::absolute(init_dir).string()},
-                   {"start_version", start_version}, {"run_id", run_id}};
+                   {"start_version", start.version}, {"start_cursor", start.prompt_cursor}, {"run_id", run_id}};
       caf::scoped_actor self{sys};
       self->request(*agent, std::chrono::seconds(120), msg::start_atom::value, init.dump(), caf::actor_cast<caf::actor>(ctrl))
           .receive(

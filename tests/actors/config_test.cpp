@@ -233,6 +233,19 @@ TEST(RunDir, AnEarlierRunIsNeverOverwrittenUnasked) {
   EXPECT_NE(error_of([] { run_dir_choose("runs/x", "x", false, true, "runs/x/checkpoints/step_1"); }).find("would delete"),
             std::string::npos);
   EXPECT_TRUE(fs::exists("runs/x/checkpoints/step_1"));
+  // a start killed between its stash and its preflight leaves DIR/.replaced (no destructor ran):
+  // the next run that looks at DIR moves the earlier run back, replacing what the killed start wrote
+  started("runs/k");
+  fs::create_directories("runs/k/checkpoints/step_3");
+  fs::create_directories("runs/k/.replaced");
+  for (const char* e : {"recipe.conf", "metrics.jsonl", "checkpoints"}) fs::rename(fs::path("runs/k") / e, fs::path("runs/k/.replaced") / e);
+  fs::create_directories("runs/k/checkpoints/init");  // the killed start's warm start
+  EXPECT_TRUE(run_dir_outputs("runs/k").empty());     // it looks empty ...
+  EXPECT_NE(error_of([] { run_dir_choose("runs/k", "x", false, false); }).find("holds an earlier run"), std::string::npos);
+  EXPECT_TRUE(fs::exists("runs/k/checkpoints/step_3"));  // ... but the earlier run is back and kept
+  EXPECT_FALSE(fs::exists("runs/k/checkpoints/init"));
+  EXPECT_FALSE(fs::exists("runs/k/.replaced"));
+  EXPECT_EQ(text("runs/k/metrics.jsonl"), "{\"step\":1}\n");
   std::ofstream("runs/file") << "";
   EXPECT_NE(error_of([] { run_dir_choose("runs/file", "x", false, false); }).find("runs/file: exists and is not a directory"),
             std::string::npos);

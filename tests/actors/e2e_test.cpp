@@ -16,6 +16,7 @@
 #include <netinet/in.h>
 #include <signal.h>
 #include <sys/socket.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include "actors/recipe.hpp"
@@ -132,6 +133,40 @@ TEST(E2E, EmbeddedDefaultRunsAndResumes) {
   fails_naming("--run-dir " + d.string() + kSmall, "holds an earlier run");  // a new run truncated metrics.jsonl
   EXPECT_EQ(text_of(d / "recipe.conf"), recipe);  // a failed resume rewrote it with this invocation's recipe
   EXPECT_EQ(text_of(d / "metrics.jsonl"), before);
+  fs::remove_all(d);
+}
+
+// --overwrite killed between moving the earlier run aside and passing its preflight (here: in
+// its warm start) runs no destructor: the earlier run sits in RUN_DIR/.replaced. The next run
+// that looks at the directory moves it back, so --resume continues it.
+TEST(E2E, KilledOverwriteStartGivesTheEarlierRunBack) {
+  const fs::path d = fresh_dir("killed_overwrite");
+  ASSERT_EQ(run(kBin + "/fp8rl train --run-dir " + d.string() + kSmall), 0);
+  auto text_of = [](const fs::path& f) { std::ifstream in(f); return std::string((std::istreambuf_iterator<char>(in)), {}); };
+  const std::string before = text_of(d / "metrics.jsonl");
+  const std::string cmd = "exec " + kBin + "/fp8rl train --overwrite --run-dir " + d.string() + kSmall +
+                          " --model.sft_steps=1000000 > /dev/null 2>&1";
+  const pid_t pid = ::fork();
+  if (pid == 0) {
+    ::execl("/bin/sh", "sh", "-c", cmd.c_str(), static_cast<char*>(nullptr));
+    ::_exit(127);
+  }
+  ASSERT_GT(pid, 0);
+  // the stash moves recipe.conf, checkpoints, metrics.jsonl, traces, plots in that order; then the
+  // warm start runs its 10^6 steps: a kill after plots/ has moved lands between stash and preflight
+  for (int i = 0; i < 1200 && !fs::exists(d / ".replaced" / "plots"); ++i)
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  ::kill(pid, SIGKILL);
+  int st = 0;
+  ::waitpid(pid, &st, 0);
+  ASSERT_TRUE(fs::exists(d / ".replaced" / "metrics.jsonl")) << "the start was not caught between stash and preflight";
+  EXPECT_FALSE(fs::exists(d / "metrics.jsonl"));
+  ASSERT_EQ(run(kBin + "/fp8rl train --resume --run-dir " + d.string() + kSmall + " --run.steps=6"), 0);
+  EXPECT_FALSE(fs::exists(d / ".replaced"));
+  const std::string after = text_of(d / "metrics.jsonl");
+  EXPECT_EQ(after.substr(0, before.size()), before);  // the earlier run's 4 steps, then 2 more
+  EXPECT_EQ(metrics(d).size(), 6u);
   fs::remove_all(d);
 }
 

@@ -25,10 +25,20 @@ struct test_config : caf::actor_system_config {
   test_config() { msg::messages_register(*this); set("logger.console", caf::atom("none")); }
 };
 
-// A tiny model checkpoint with the built-in tokenizer (what actors load their env from).
+// A tiny model checkpoint with the built-in tokenizer (what actors load their env from), removed
+// when the process exits.
+struct temp_dir_remover {
+  fs::path dir;
+  ~temp_dir_remover() {
+    std::error_code ec;
+    if (!dir.empty()) fs::remove_all(dir, ec);
+  }
+};
 std::string init_dir() {
+  static temp_dir_remover remover;
   static const std::string dir = [] {
     const fs::path d = fs::temp_directory_path() / ("fp8rl_proto_" + std::to_string(::getpid()));
+    remover.dir = d;
     auto tok = models::char_tokenizer_make(models::arithmetic_alphabet());
     models::model_config c;
     c.hidden_size = 128; c.intermediate_size = 256; c.num_hidden_layers = 1; c.num_attention_heads = 4;
@@ -346,64 +356,90 @@ caf::actor stand_in(caf::actor_system& sys, std::string name, std::vector<issued
 }
 }  // namespace
 
-// The controller's window, under the test coordinator: work for step s is issued only once every
-// rollout has adopted version >= s - max_staleness (sync_report), round robin over the rollouts,
-// prompt ids from the prompt cursor; a group the buffer drops as stale is re-issued; a lost
-// rollout's groups in flight go to the live one; a trained step is no longer re-issued.
-TEST(Protocol, ControllerIssuesWithinTheStalenessWindowDeterministically) {
+// The controller on the test coordinator, wired to stand-in peers (rollout0, rollout1 record
+// their work). TearDown stops every actor: under the test coordinator actors run only inside
+// sched.run(), and the system's destructor waits for them (an ASSERT returning early would hang).
+class ControllerOnTestCoordinator : public ::testing::Test {
+ protected:
   coordinated_config cfg;
   caf::actor_system sys{cfg};
-  auto& sched = dynamic_cast<caf::scheduler::test_coordinator&>(sys.scheduler());
+  caf::scheduler::test_coordinator& sched = dynamic_cast<caf::scheduler::test_coordinator&>(sys.scheduler());
   caf::scoped_actor self{sys, true};
-  const fs::path run_dir = fs::temp_directory_path() / ("fp8rl_ctrl_" + std::to_string(::getpid()));
-  fs::create_directories(run_dir);
-  actors::run_config r;
-  r.max_staleness = 1;
-  r.prompts_per_step = 3;
-  r.group_size = 2;
-  r.steps = 10;
-  r.log_level = "off";
-  auto env = actors::env_make(r, "test", run_dir.string(), init_dir(), 0);
-  int done = -1;
-  actors::controller_options opts;
-  opts.print_progress = false;
-  opts.on_done = [&](int code) { done = code; };
-  auto ctrl = actors::spawn_controller(sys, env, opts);
+  fs::path run_dir = fs::temp_directory_path() / ("fp8rl_ctrl_" + std::to_string(::getpid()));
   std::vector<issued_work> work;
   msg::peers_msg p;
-  p.controller = ctrl;
-  p.buffer = caf::actor_cast<msg::buffer_actor>(stand_in(sys, "buffer", &work));
-  p.reward = caf::actor_cast<msg::reward_actor>(stand_in(sys, "reward", &work));
-  p.weight_sync = caf::actor_cast<msg::weight_sync_actor>(stand_in(sys, "weight_sync", &work));
-  p.calibration = caf::actor_cast<msg::calibration_actor>(stand_in(sys, "calibration", &work));
-  p.learners = {caf::actor_cast<msg::learner_actor>(stand_in(sys, "learner0", &work))};
-  auto r0 = stand_in(sys, "rollout0", &work), r1 = stand_in(sys, "rollout1", &work);
-  p.rollouts = {caf::actor_cast<msg::rollout_actor>(r0), caf::actor_cast<msg::rollout_actor>(r1)};
-  p.rollout_names = {"rollout0", "rollout1"};
-  sched.run();
-  self->send(ctrl, p, std::vector<caf::actor>{});
-  sched.run();
-  EXPECT_TRUE(work.empty()) << "work issued before any rollout holds weights";
-  auto steps_of = [&](size_t from) {  // of the work issued since entry `from`, in prompt order
+  msg::controller_actor ctrl;
+  caf::actor r0, r1;
+  int done = -1;
+
+  // A controller for B = 3 prompts per step, group size 2, max_staleness 1, from `start`.
+  void wire(actors::run_start start) {
+    fs::create_directories(run_dir);
+    actors::run_config r;
+    r.max_staleness = 1;
+    r.prompts_per_step = 3;
+    r.group_size = 2;
+    r.steps = 10;
+    r.log_level = "off";
+    actors::controller_options opts;
+    opts.print_progress = false;
+    opts.on_done = [this](int code) { done = code; };
+    ctrl = actors::spawn_controller(sys, actors::env_make(r, "test", run_dir.string(), init_dir(), start), opts);
+    p.controller = ctrl;
+    p.buffer = caf::actor_cast<msg::buffer_actor>(stand_in(sys, "buffer", &work));
+    p.reward = caf::actor_cast<msg::reward_actor>(stand_in(sys, "reward", &work));
+    p.weight_sync = caf::actor_cast<msg::weight_sync_actor>(stand_in(sys, "weight_sync", &work));
+    p.calibration = caf::actor_cast<msg::calibration_actor>(stand_in(sys, "calibration", &work));
+    p.learners = {caf::actor_cast<msg::learner_actor>(stand_in(sys, "learner0", &work))};
+    r0 = stand_in(sys, "rollout0", &work);
+    r1 = stand_in(sys, "rollout1", &work);
+    p.rollouts = {caf::actor_cast<msg::rollout_actor>(r0), caf::actor_cast<msg::rollout_actor>(r1)};
+    p.rollout_names = {"rollout0", "rollout1"};
+    sched.run();
+    self->send(ctrl, p, std::vector<caf::actor>{});
+    sched.run();
+  }
+  void sync(uint64_t v) {  // every rollout has adopted version v
+    self->send(ctrl, msg::sync_report{v, 0.0, 0.0, false, 0.0});
+    sched.run();
+  }
+  // The steps of the work issued since entry `from`, which is sorted into prompt order.
+  std::vector<uint64_t> steps_of(size_t from) {
     std::sort(work.begin() + static_cast<long>(from), work.end(),
               [](const issued_work& a, const issued_work& b) { return a.w.prompt_id < b.w.prompt_id; });
     std::vector<uint64_t> s;
     for (size_t i = from; i < work.size(); ++i) s.push_back(work[i].w.step);
     return s;
-  };
-  self->send(ctrl, msg::sync_report{0, 0.0, 0.0, false, 0.0});  // version 0 everywhere: steps 0 and 1
-  sched.run();
+  }
+  void TearDown() override {
+    for (const caf::actor& a : {caf::actor_cast<caf::actor>(ctrl), caf::actor_cast<caf::actor>(p.buffer),
+                                caf::actor_cast<caf::actor>(p.reward), caf::actor_cast<caf::actor>(p.weight_sync),
+                                caf::actor_cast<caf::actor>(p.calibration), r0, r1})
+      if (a) self->send_exit(a, caf::exit_reason::user_shutdown);
+    for (const auto& l : p.learners) self->send_exit(l, caf::exit_reason::user_shutdown);
+    sched.run();
+    fs::remove_all(run_dir);
+  }
+};
+
+// The controller's window: work for step s is issued only once every rollout has adopted version
+// >= s - max_staleness (sync_report), round robin over the rollouts, prompt ids from the prompt
+// cursor; a group the buffer drops as stale is re-issued; a lost rollout's groups in flight go to
+// the live one; a trained step is no longer re-issued.
+TEST_F(ControllerOnTestCoordinator, IssuesWithinTheStalenessWindow) {
+  wire(0);
+  EXPECT_TRUE(work.empty()) << "work issued before any rollout holds weights";
+  sync(0);  // version 0 everywhere: steps 0 and 1
   ASSERT_EQ(steps_of(0), (std::vector<uint64_t>{0, 0, 0, 1, 1, 1}));
   for (size_t i = 0; i < work.size(); ++i) {
     EXPECT_EQ(work[i].to, i % 2 ? "rollout1" : "rollout0");  // round robin
     EXPECT_EQ(work[i].w.prompt_id, i);                      // the prompt cursor: step * 3 + i
     EXPECT_EQ(work[i].w.group_size, 2);
   }
-  self->send(ctrl, msg::step_report{{}, 1, {{"tokens", 10.0}}});  // step 1 trained; v1 not yet synced
+  self->send(ctrl, msg::step_report{{}, 1, {{"tokens", 10.0}}});  // step 0 trained; v1 not yet synced
   sched.run();
   EXPECT_EQ(work.size(), 6u) << "step 2 issued before version 1 reached the rollouts";
-  self->send(ctrl, msg::sync_report{1, 0.0, 0.0, false, 0.0});
-  sched.run();
+  sync(1);
   ASSERT_EQ(steps_of(6), (std::vector<uint64_t>{2, 2, 2}));
   EXPECT_EQ(work[6].w.prompt_id, 6u);
   // the buffer drops a step-2 group as stale: it is issued again, once
@@ -411,7 +447,7 @@ TEST(Protocol, ControllerIssuesWithinTheStalenessWindowDeterministically) {
   sched.run();
   ASSERT_EQ(steps_of(9), (std::vector<uint64_t>{2}));
   EXPECT_EQ(work[9].w.prompt_id, 7u);
-  // a step-0 group dropped as stale after step 1 was trained is not re-issued (nothing to redo)
+  // a step-0 group dropped as stale after step 0 was trained is not re-issued (nothing to redo)
   self->send(ctrl, msg::admitted_msg{0, 0, true, "stale (test)"});
   sched.run();
   EXPECT_EQ(work.size(), 10u);
@@ -431,13 +467,19 @@ TEST(Protocol, ControllerIssuesWithinTheStalenessWindowDeterministically) {
   }
   EXPECT_EQ(moved, r0_open);
   EXPECT_EQ(done, -1);  // the run goes on with one rollout
-  // the system's destructor waits for every actor, and under the test coordinator actors only
-  // run inside sched.run(): stop them all here
-  for (const caf::actor& a : std::vector<caf::actor>{caf::actor_cast<caf::actor>(ctrl), caf::actor_cast<caf::actor>(p.buffer),
-                                                     caf::actor_cast<caf::actor>(p.reward), caf::actor_cast<caf::actor>(p.weight_sync),
-                                                     caf::actor_cast<caf::actor>(p.calibration),
-                                                     caf::actor_cast<caf::actor>(p.learners[0]), r1})
-    self->send_exit(a, caf::exit_reason::user_shutdown);
-  sched.run();
-  fs::remove_all(run_dir);
+}
+
+// A resumed run (checkpoint at version 2 whose prompt_cursor is 17) issues step 2's groups from
+// prompt 17 on -- the prompts the checkpoint says come next, not step * prompts_per_step.
+TEST_F(ControllerOnTestCoordinator, ResumedRunIssuesFromTheCheckpointsPromptCursor) {
+  wire(actors::run_start{2, 17});
+  sync(2);  // steps 2 and 3
+  ASSERT_EQ(steps_of(0), (std::vector<uint64_t>{2, 2, 2, 3, 3, 3}));
+  const auto train = models::task_load(models::task_spec_parse("builtin:add2"), false, actors::run_config{}.train_size, 1);
+  const auto want = models::take_prompts(train, 17, 6);
+  for (size_t i = 0; i < work.size(); ++i) {
+    EXPECT_EQ(work[i].w.prompt_id, 17 + i);
+    EXPECT_EQ(work[i].w.prompt, want[i].prompt) << i;
+    EXPECT_EQ(work[i].w.answer, want[i].answer) << i;
+  }
 }
