@@ -158,13 +158,19 @@ void checkpoint(learner_state& s, uint64_t prompt_cursor, const std::vector<std:
 }
 
 // Re-scores sampled trajectories at their behaviour version in BF16 (q_t): log w = (c - q) + (q - g),
-// with c_t the learner's logprob inside this step (the weights before its update).
+// with c_t the learner's logprob inside this step (the weights before its update). When generation
+// runs FP8 linear layers, also under the generation policy's FP8 weights in the training forward
+// (q8_t; rl-algorithm.md "re-scoring with the FP8 bundle itself"), which splits q - g into weight
+// quantization (q - q8) and kernel / FP8 attention / KV-cache effects (q8 - g).
 void audit_into(learner_state& s, const std::vector<models::rl_sample>& samples, msg::metrics_t& m) {
   models::precision_policy bf = models::precision_policy::named("bf16");
-  double stale_kl = 0, prec_kl = 0, prec_tmpe = 0, n = 0;
+  models::precision_policy g8 = s.env->rl.gen_policy.training();  // FP8 weights, dense attention
+  const bool split_fp8 = s.env->rl.gen_policy.linear == models::precision::fp8;
+  double stale_kl = 0, prec_kl = 0, prec_tmpe = 0, wq_kl = 0, kern_kl = 0, n = 0;
   const int64_t want = s.env->cfg.audit_samples;
   auto wc = models::model_weights_build(*s.be, s.ck.params.cfg, s.env->rl.train_policy.training(), {&s.ck.params, nullptr, nullptr}, false);
-  std::map<uint64_t, std::unique_ptr<models::model_weights>> wq_of;  // BF16 weights of each behaviour version
+  // BF16 (and FP8) weights of each behaviour version
+  std::map<uint64_t, std::pair<std::unique_ptr<models::model_weights>, std::unique_ptr<models::model_weights>>> w_of;
   for (const auto& smp : samples) {
     if (n >= double(want) * 8 || smp.response.empty()) break;
     const uint64_t v = smp.weight_version.front();
@@ -173,28 +179,38 @@ void audit_into(learner_state& s, const std::vector<models::rl_sample>& samples,
     if (v == s.version) w = &s.ck.params.data;
     for (const auto& [pv, pw] : s.past) if (pv == v) w = &pw;
     if (!w) continue;
-    auto& wq = wq_of[v];
+    auto& [wq, w8] = w_of[v];
     if (!wq) {
       models::model_params p = s.ck.params;
       p.data = *w;
       wq = models::model_weights_build(*s.be, p.cfg, bf, {&p, nullptr, nullptr}, false);
+      if (split_fp8) w8 = models::model_weights_build(*s.be, p.cfg, g8, {&p, nullptr, nullptr}, false);
     }
     models::token_batch b;
     auto seq = smp.prompt;
     seq.insert(seq.end(), smp.response.begin(), smp.response.end());
     b.add(seq);
     const auto targets = b.next_targets();
-    std::vector<float> q(targets.size()), c(targets.size());
+    std::vector<float> q(targets.size()), c(targets.size()), q8(targets.size());
     s.run->forward(*wq, b, false);
     s.run->logprobs(targets, s.env->rl.proc, q.data());
     s.run->forward(*wc, b, false);
     s.run->logprobs(targets, s.env->rl.proc, c.data());
+    if (w8) {
+      s.run->forward(*w8, b, false);
+      s.run->logprobs(targets, s.env->rl.proc, q8.data());
+    }
+    auto k3 = [](double d) { return std::exp(-d) + d - 1.0; };
     for (size_t j = 0; j < smp.response.size(); ++j) {
       const size_t t = smp.prompt.size() - 1 + j;
       const double dq = double(c[t]) - q[t], dg = double(q[t]) - smp.gen_logprobs[j];
-      stale_kl += std::exp(-dq) + dq - 1.0;  // k3 of (q | c): staleness (+ learner FP8 error)
-      prec_kl += std::exp(-dg) + dg - 1.0;   // k3 of (g | q): rollout precision and kernels
+      stale_kl += k3(dq);  // k3 of (q | c): staleness (+ learner FP8 error)
+      prec_kl += k3(dg);   // k3 of (g | q): rollout precision and kernels
       prec_tmpe += std::exp(std::fabs(dg));
+      if (w8) {
+        wq_kl += k3(double(q[t]) - q8[t]);                   // (q8 | q): FP8 weight quantization
+        kern_kl += k3(double(q8[t]) - smp.gen_logprobs[j]);  // (g | q8): kernels, FP8 attention, KV cache
+      }
       n += 1;
     }
   }
@@ -202,6 +218,10 @@ void audit_into(learner_state& s, const std::vector<models::rl_sample>& samples,
   m["audit/staleness_kl"] = stale_kl / n;
   m["audit/precision_kl"] = prec_kl / n;
   m["audit/precision_token_mult_prob_error"] = prec_tmpe / n;
+  if (split_fp8) {
+    m["audit/weight_quant_kl"] = wq_kl / n;
+    m["audit/kernel_kv_kl"] = kern_kl / n;
+  }
   m["audit/tokens"] = n;
 }
 

@@ -443,8 +443,25 @@ TEST(E2E, TwoLearnersAllReduceAndAuditMode) {
   ASSERT_EQ(m.size(), 4u);
   EXPECT_TRUE(fs::exists(d / "run" / "gloo"));  // the learners met through Gloo's file store
   bool audited = false;
-  for (const auto& x : m) audited |= x.contains("audit/precision_kl") && x.contains("audit/staleness_kl");
+  double weight_quant = 0;
+  for (const auto& x : m) {
+    audited |= x.contains("audit/precision_kl") && x.contains("audit/staleness_kl");
+    if (!x.contains("audit/kernel_kv_kl")) continue;
+    // FP8 generation without an FP8 KV cache: the engine's logprobs are the training forward's under
+    // the same FP8 weights bit for bit, so the whole precision mismatch is weight quantization
+    EXPECT_EQ(x["audit/kernel_kv_kl"].get<double>(), 0.0) << x.dump();
+    EXPECT_EQ(x["audit/weight_quant_kl"].get<double>(), x["audit/precision_kl"].get<double>()) << x.dump();
+    weight_quant += x["audit/weight_quant_kl"].get<double>();
+  }
   EXPECT_TRUE(audited);
+  EXPECT_GT(weight_quant, 0.0);
+  // with the FP8 KV cache and attention the kernel/KV part is no longer 0
+  ASSERT_EQ(run(kBin + "/fp8rl train --run-dir " + (d / "kv").string() + kSmall +
+                " --audit.every=1 --audit.samples=4 --run.steps=2 --run.eval_every=0 --precision.generation=fp8-kv"),
+            0);
+  double kv_part = 0;
+  for (const auto& x : metrics(d / "kv")) kv_part += x.value("audit/kernel_kv_kl", 0.0);
+  EXPECT_GT(kv_part, 0.0);
   // the step metrics cover the whole step whatever the sharding: one learner and two, staleness 0,
   // agree exactly at step 1 (same rollouts from the same weights; rank 0 reported its own shard:
   // token_mult_prob_error ~0.5, half the staleness histogram)
@@ -473,6 +490,7 @@ TEST(E2E, TwoLearnersAllReduceAndAuditMode) {
     ASSERT_TRUE(x.contains("audit/staleness_kl")) << x.dump();
     EXPECT_EQ(x["audit/staleness_kl"].get<double>(), 0.0) << x.dump();
     EXPECT_GT(x["audit/tokens"].get<double>(), 0.0);
+    EXPECT_FALSE(x.contains("audit/kernel_kv_kl")) << "no FP8 weights to split off";
   }
   fs::remove_all(d);
 }
