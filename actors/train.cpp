@@ -43,25 +43,55 @@ void agent_signal(bool started, bool done, const std::string& failure = "") {
 }
 
 struct agent_state {
-  std::vector<caf::actor> spawned;
+  msg::node_actors spawned;
 };
 
-// Spawns the actors a node hosts; order: singleton roles, learners, rollouts.
-std::vector<caf::actor> spawn_node(caf::actor_system& sys, const node_spec& n, std::shared_ptr<const actor_env> env,
-                                   int32_t first_learner, int32_t world, int32_t first_rollout) {
-  std::vector<caf::actor> out;
+// Spawns the actors a node hosts (its singleton roles, learners and rollouts).
+msg::node_actors spawn_node(caf::actor_system& sys, const node_spec& n, std::shared_ptr<const actor_env> env,
+                            int32_t first_learner, int32_t world, int32_t first_rollout) {
+  msg::node_actors out;
   const device_spec learner_dev = n.learners.empty() ? device_spec{} : n.learners.front();
-  for (const auto& r : n.roles) {
-    if (r == "buffer") out.push_back(caf::actor_cast<caf::actor>(spawn_buffer(sys, env)));
-    if (r == "reward") out.push_back(caf::actor_cast<caf::actor>(spawn_reward(sys, env)));
-    if (r == "weight_sync") out.push_back(caf::actor_cast<caf::actor>(spawn_weight_sync(sys, env)));
-    if (r == "calibration") out.push_back(caf::actor_cast<caf::actor>(spawn_calibration(sys, env, learner_dev)));
-  }
+  if (n.has("buffer")) out.buffer = spawn_buffer(sys, env);
+  if (n.has("reward")) out.reward = spawn_reward(sys, env);
+  if (n.has("weight_sync")) out.weight_sync = spawn_weight_sync(sys, env);
+  if (n.has("calibration")) out.calibration = spawn_calibration(sys, env, learner_dev);
   for (size_t i = 0; i < n.learners.size(); ++i)
-    out.push_back(caf::actor_cast<caf::actor>(spawn_learner(sys, env, first_learner + static_cast<int32_t>(i), world, n.learners[i])));
-  for (size_t i = 0; i < n.rollouts.size(); ++i)
-    out.push_back(caf::actor_cast<caf::actor>(spawn_rollout(sys, env, "rollout" + std::to_string(first_rollout + static_cast<int32_t>(i)), n.rollouts[i])));
+    out.learners.push_back(spawn_learner(sys, env, first_learner + static_cast<int32_t>(i), world, n.learners[i]));
+  for (size_t i = 0; i < n.rollouts.size(); ++i) {
+    out.rollout_names.push_back("rollout" + std::to_string(first_rollout + static_cast<int32_t>(i)));
+    out.rollouts.push_back(spawn_rollout(sys, env, out.rollout_names.back(), n.rollouts[i]));
+  }
   return out;
+}
+
+// Every valid handle of a node's actors (to stop them).
+std::vector<caf::actor> node_actors_all(const msg::node_actors& x) {
+  std::vector<caf::actor> v;
+  for (const caf::actor& a : {caf::actor_cast<caf::actor>(x.buffer), caf::actor_cast<caf::actor>(x.reward),
+                              caf::actor_cast<caf::actor>(x.weight_sync), caf::actor_cast<caf::actor>(x.calibration)})
+    if (a) v.push_back(a);
+  for (const auto& l : x.learners) v.push_back(caf::actor_cast<caf::actor>(l));
+  for (const auto& r : x.rollouts) v.push_back(caf::actor_cast<caf::actor>(r));
+  return v;
+}
+
+// "" if a node's answer holds exactly the actors its topology entry names, else what differs
+// (another fp8rl build on that node could answer otherwise).
+std::string node_actors_problem(const node_spec& n, const msg::node_actors& x) {
+  std::string why;
+  auto check = [&](const char* role, bool has) {
+    if (has != n.has(role)) why.append(why.empty() ? "" : "; ").append(role).append(has ? " not in its topology entry" : " missing");
+  };
+  check("buffer", bool(x.buffer));
+  check("reward", bool(x.reward));
+  check("weight_sync", bool(x.weight_sync));
+  check("calibration", bool(x.calibration));
+  if (x.learners.size() != n.learners.size() || x.rollouts.size() != n.rollouts.size() ||
+      x.rollout_names.size() != x.rollouts.size())
+    why.append(why.empty() ? "" : "; ").append(std::to_string(x.learners.size()) + " learners and " +
+                                               std::to_string(x.rollouts.size()) + " rollouts, its topology entry has " +
+                                               std::to_string(n.learners.size()) + " and " + std::to_string(n.rollouts.size()));
+  return why;
 }
 
 // Index bookkeeping shared by the controller and the agents: learner/rollout numbering.
@@ -117,21 +147,19 @@ msg::node_agent_actor::behavior_type node_agent(msg::node_agent_actor::stateful_
   self->attach_functor([] { agent_signal(false, true); });
   self->set_down_handler([self](caf::down_msg& dm) {  // the controller is gone: stop this node, and say so
     agent_signal(false, false, "the controller disappeared (" + self->system().render(dm.reason) + "); stopped this node's actors");
-    for (auto& a : self->state.spawned) self->send_exit(a, caf::exit_reason::user_shutdown);
+    for (auto& a : node_actors_all(self->state.spawned)) self->send_exit(a, caf::exit_reason::user_shutdown);
     self->quit();
   });
   return {
-      [self](msg::start_atom, std::string& init, caf::actor& controller) -> caf::result<std::vector<caf::actor>> {
+      [self](msg::start_atom, msg::node_start& init, msg::controller_actor& controller) -> caf::result<msg::node_actors> {
         try {
-          const json j = json::parse(init);
-          const run_config cfg = recipe_from_json(j["recipe"].get<std::string>());
-          const topology t = topology_from_json(j["topology"]);
-          const std::string node = j["node"];
-          auto env = env_make(cfg, node, j["run_dir"], j["init_dir"],
-                              run_start{j["start_version"].get<uint64_t>(), j["start_cursor"].get<uint64_t>()}, j["run_id"]);
-          if (cfg.trace) trace_writer::process().open((fs::path(j["run_dir"].get<std::string>()) / "traces" / (node + ".jsonl")).string(), node);
-          const auto idx = index_nodes(t).at(node);
-          self->state.spawned = spawn_node(self->system(), *t.find(node), env, idx.first_learner, learner_world(t), idx.first_rollout);
+          const run_config cfg = recipe_from_json(init.recipe_json);
+          const topology t = topology_from_json(json::parse(init.topology_json));
+          if (!t.find(init.node)) throw std::invalid_argument("no node named '" + init.node + "' in the controller's topology");
+          auto env = env_make(cfg, init.node, init.run_dir, init.init_dir, run_start{init.start_version, init.start_cursor}, init.run_id);
+          if (cfg.trace) trace_writer::process().open((fs::path(init.run_dir) / "traces" / (init.node + ".jsonl")).string(), init.node);
+          const auto idx = index_nodes(t).at(init.node);
+          self->state.spawned = spawn_node(self->system(), *t.find(init.node), env, idx.first_learner, learner_world(t), idx.first_rollout);
           self->monitor(controller);
           return self->state.spawned;
         } catch (const std::exception& e) {
@@ -139,7 +167,7 @@ msg::node_agent_actor::behavior_type node_agent(msg::node_agent_actor::stateful_
         }
       },
       [self](msg::stop_atom) {
-        for (auto& a : self->state.spawned) self->send_exit(a, caf::exit_reason::user_shutdown);
+        for (auto& a : node_actors_all(self->state.spawned)) self->send_exit(a, caf::exit_reason::user_shutdown);
         self->quit();
       },
   };
@@ -434,7 +462,7 @@ int train_main(int argc, char** argv) {
     };
     auto ctrl = spawn_controller(sys, env, opts);
     const int32_t world = learner_world(topo);
-    std::vector<std::pair<const node_spec*, std::vector<caf::actor>>> spawned;
+    std::vector<std::pair<const node_spec*, msg::node_actors>> spawned;
     spawned.emplace_back(&topo.controller_node(), spawn_node(sys, topo.controller_node(), env, idx.at(node).first_learner, world,
                                                              idx.at(node).first_rollout));
     std::vector<caf::actor> agents;
@@ -450,19 +478,23 @@ int train_main(int argc, char** argv) {
       auto agent = sys.middleman().remote_spawn<msg::node_agent_actor>(*nid, "node_agent", caf::make_message(), std::chrono::seconds(30));
       if (!agent) { failure = "remote spawn on '" + n.name + "': " + sys.render(agent.error()); break; }
       agents.push_back(caf::actor_cast<caf::actor>(*agent));
-      json init = {{"recipe", recipe_to_json(cfg)}, {"topology", topology_to_json(topo)}, {"node", n.name},
-                   {"run_dir", fs::absolute(run_dir).string()}, {"init_dir", fs::absolute(init_dir).string()},
-                   {"start_version", start.version}, {"start_cursor", start.prompt_cursor}, {"run_id", run_id}};
+      msg::node_start init;
+      init.recipe_json = recipe_to_json(cfg);
+      init.topology_json = topology_to_json(topo).dump();
+      init.node = n.name;
+      init.run_dir = fs::absolute(run_dir).string();
+      init.init_dir = fs::absolute(init_dir).string();
+      init.run_id = run_id;
+      init.start_version = start.version;
+      init.start_cursor = start.prompt_cursor;
       caf::scoped_actor self{sys};
-      self->request(*agent, std::chrono::seconds(120), msg::start_atom::value, init.dump(), caf::actor_cast<caf::actor>(ctrl))
+      self->request(*agent, std::chrono::seconds(120), msg::start_atom::value, init, ctrl)
           .receive(
-              [&](std::vector<caf::actor>& hs) {
-                size_t want = n.learners.size() + n.rollouts.size();
-                for (const auto& r : n.roles) want += r != "controller";
-                if (hs.size() != want)  // the wiring below reads them by position
-                  failure = "node '" + n.name + "' started " + std::to_string(hs.size()) + " actors, its topology entry has " +
-                            std::to_string(want) + " (another fp8rl build there?)";
-                spawned.emplace_back(&n, std::move(hs));
+              [&](msg::node_actors& x) {
+                if (const std::string why = node_actors_problem(n, x); !why.empty())
+                  failure = "node '" + n.name + "' started other actors than its topology entry names: " + why +
+                            " (another fp8rl build there?)";
+                spawned.emplace_back(&n, std::move(x));
               },
                    [&](caf::error& err) { failure = "node '" + n.name + "' could not start its actors: " + sys.render(err); });
       if (!failure.empty()) break;
@@ -470,27 +502,20 @@ int train_main(int argc, char** argv) {
     if (failure.empty()) {
       msg::peers_msg peers;
       peers.controller = ctrl;
-      for (const auto& [n, hs] : spawned) {
-        size_t k = 0;
-        for (const auto& r : n->roles) {
-          if (r == "controller") continue;  // spawned separately
-          const caf::actor& a = hs[k++];
-          if (r == "buffer") peers.buffer = caf::actor_cast<msg::buffer_actor>(a);
-          if (r == "reward") peers.reward = caf::actor_cast<msg::reward_actor>(a);
-          if (r == "weight_sync") peers.weight_sync = caf::actor_cast<msg::weight_sync_actor>(a);
-          if (r == "calibration") peers.calibration = caf::actor_cast<msg::calibration_actor>(a);
-        }
-        for (size_t i = 0; i < n->learners.size(); ++i) peers.learners.push_back(caf::actor_cast<msg::learner_actor>(hs[k++]));
-        for (size_t i = 0; i < n->rollouts.size(); ++i) {
-          peers.rollouts.push_back(caf::actor_cast<msg::rollout_actor>(hs[k++]));
-          peers.rollout_names.push_back("rollout" + std::to_string(idx.at(n->name).first_rollout + static_cast<int32_t>(i)));
-        }
+      for (const auto& [n, x] : spawned) {  // each singleton role lives on exactly one node (topology_load)
+        if (x.buffer) peers.buffer = x.buffer;
+        if (x.reward) peers.reward = x.reward;
+        if (x.weight_sync) peers.weight_sync = x.weight_sync;
+        if (x.calibration) peers.calibration = x.calibration;
+        peers.learners.insert(peers.learners.end(), x.learners.begin(), x.learners.end());
+        peers.rollouts.insert(peers.rollouts.end(), x.rollouts.begin(), x.rollouts.end());
+        peers.rollout_names.insert(peers.rollout_names.end(), x.rollout_names.begin(), x.rollout_names.end());
       }
       caf::anon_send(ctrl, std::move(peers), std::move(agents));
       code = fut.get();
     } else {
       std::fprintf(stderr, "fp8rl train: %s\n", failure.c_str());
-      for (auto& [n, hs] : spawned) for (auto& a : hs) caf::anon_send_exit(a, caf::exit_reason::user_shutdown);
+      for (auto& [n, x] : spawned) for (auto& a : node_actors_all(x)) caf::anon_send_exit(a, caf::exit_reason::user_shutdown);
       for (auto& a : agents) caf::anon_send(caf::actor_cast<msg::node_agent_actor>(a), msg::stop_atom::value);
       caf::anon_send_exit(ctrl, caf::exit_reason::user_shutdown);
       code = 1;

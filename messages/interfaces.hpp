@@ -1,7 +1,8 @@
 // messages/interfaces.hpp -- the typed actor interfaces of fp8rl (CAF 0.17 `replies_to` form) and
 // the wiring message that tells every actor its peers.
 // defines: rollout_actor, reward_actor, buffer_actor, learner_actor, calibration_actor,
-//          weight_sync_actor, controller_actor, node_agent_actor, peers_msg, admitted_msg
+//          weight_sync_actor, controller_actor, node_start, node_actors, node_agent_actor, peers_msg,
+//          admitted_msg
 //
 // Data flow (architecture.md §1): controller -work-> rollout -group-> reward -group-> buffer
 // <-batch- learner -params-> calibration -bundle-> weight_sync -bundle-> rollout -adopted->
@@ -71,11 +72,41 @@ using controller_actor = caf::typed_actor<
     caf::reacts_to<sync_report>,
     caf::reacts_to<std::string, std::string>>;  // (component, fatal error) from any actor
 
+// What a node needs to start its actors (controller -> node agent). The recipe and the topology
+// travel in their canonical JSON forms (actors/recipe.hpp recipe_to_json, train.cpp
+// topology_to_json) and are validated again on the node.
+struct node_start {
+  std::string recipe_json, topology_json, node, run_dir, init_dir, run_id;
+  uint64_t start_version = 0, start_cursor = 0;  // actors/env.hpp run_start
+};
+template <class Inspector>
+typename Inspector::result_type inspect(Inspector& f, node_start& x) {
+  return f(caf::meta::type_name("node_start"), x.recipe_json, x.topology_json, x.node, x.run_dir, x.init_dir, x.run_id,
+           x.start_version, x.start_cursor);
+}
+
+// The actors one node spawned, by role (a node agent's answer; the controller's node builds one
+// too). Handles of singleton roles the node does not hold are invalid.
+struct node_actors {
+  buffer_actor buffer;
+  reward_actor reward;
+  weight_sync_actor weight_sync;
+  calibration_actor calibration;
+  std::vector<learner_actor> learners;
+  std::vector<rollout_actor> rollouts;
+  std::vector<std::string> rollout_names;
+};
+template <class Inspector>
+typename Inspector::result_type inspect(Inspector& f, node_actors& x) {
+  return f(caf::meta::type_name("node_actors"), x.buffer, x.reward, x.weight_sync, x.calibration, x.learners, x.rollouts,
+           x.rollout_names);
+}
+
 // The per-process agent a controller spawns on every remote node: it spawns that node's actors
-// and answers their handles (in role order), and stops them when told or when the controller dies.
+// and answers their handles, and stops them when told or when the controller dies.
 using node_agent_actor = caf::typed_actor<
-    // (node init JSON, controller to watch) -> the node's actor handles
-    caf::replies_to<start_atom, std::string, caf::actor>::with<std::vector<caf::actor>>,
+    // (what to start, the controller to watch) -> the node's actors
+    caf::replies_to<start_atom, node_start, controller_actor>::with<node_actors>,
     caf::reacts_to<stop_atom>>;
 
 struct peers_msg {

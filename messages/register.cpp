@@ -75,6 +75,8 @@ void messages_register(caf::actor_system_config& cfg) {
       .add_message_type<admitted_msg>("fp8rl.admitted_msg")
       .add_message_type<sync_report>("fp8rl.sync_report")
       .add_message_type<peers_msg>("fp8rl.peers_msg")
+      .add_message_type<node_start>("fp8rl.node_start")
+      .add_message_type<node_actors>("fp8rl.node_actors")
       .add_message_type<metrics_t>("fp8rl.metrics")
       .add_message_type<std::vector<caf::actor>>("fp8rl.actor_list")
       .add_message_type<std::vector<std::vector<int32_t>>>("fp8rl.token_lists")

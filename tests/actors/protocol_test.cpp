@@ -169,6 +169,19 @@ TEST(Messages, EveryWireTypeRoundTrips) {
   EXPECT_EQ(round_trip(sys, c).bytes, c.bytes);
   EXPECT_EQ(round_trip(sys, c).trace.lamport, 5u);  // the trace context crosses processes
   EXPECT_EQ(round_trip(sys, msg::adopted_msg{"rollout3", 4, 4, 0.1, "bad"}).error, "bad");
+  msg::node_start ns;  // the node protocol: typed fields, not a JSON string and positional handles
+  ns.recipe_json = "{}";
+  ns.node = "n1";
+  ns.start_version = 3;
+  ns.start_cursor = 17;
+  const auto ns2 = round_trip(sys, ns);
+  EXPECT_EQ(ns2.node, "n1");
+  EXPECT_EQ(ns2.start_cursor, 17u);
+  msg::node_actors na;
+  na.rollout_names = {"rollout2"};
+  const auto na2 = round_trip(sys, na);
+  EXPECT_EQ(na2.rollout_names, na.rollout_names);
+  EXPECT_FALSE(na2.buffer);
   msg::step_report sr{{}, 4, {{"reward_mean", 0.5}}};
   EXPECT_EQ(round_trip(sys, sr).metrics, sr.metrics);
   EXPECT_EQ(round_trip(sys, msg::admitted_msg{1, 2, true, "stale"}).reason, "stale");
