@@ -161,18 +161,30 @@ void checkpoint(learner_state& s, uint64_t prompt_cursor, const std::vector<std:
 // with c_t the learner's logprob inside this step (the weights before its update). When generation
 // runs FP8 linear layers, also under the generation policy's FP8 weights in the training forward
 // (q8_t; rl-algorithm.md "re-scoring with the FP8 bundle itself"), which splits q - g into weight
-// quantization (q - q8) and kernel / FP8 attention / KV-cache effects (q8 - g).
+// quantization (q - q8) and kernel / FP8 attention / KV-cache effects (q8 - g). The log-ratios
+// add up; their k3 KL estimates do not (each is >= 0 and convex), so the two parts are reported
+// beside precision_kl, not as its decomposition. Up to audit.samples trajectories (every shard's
+// on rank 0), each sampled under one version still held.
 void audit_into(learner_state& s, const std::vector<models::rl_sample>& samples, msg::metrics_t& m) {
-  models::precision_policy bf = models::precision_policy::named("bf16");
   models::precision_policy g8 = s.env->rl.gen_policy.training();  // FP8 weights, dense attention
   const bool split_fp8 = s.env->rl.gen_policy.linear == models::precision::fp8;
+  // q: BF16 linear weights; with the split, otherwise the generation policy's (its kernels: -tiles),
+  // so that q and q8 differ in the linear weights' precision only
+  models::precision_policy bf = models::precision_policy::named("bf16");
+  if (split_fp8) {
+    bf = g8;
+    bf.linear = models::precision::bf16;
+    bf.bf16_first = bf.bf16_last = 0;
+  }
   double stale_kl = 0, prec_kl = 0, prec_tmpe = 0, wq_kl = 0, kern_kl = 0, n = 0;
+  int64_t audited = 0;  // trajectories
   const int64_t want = s.env->cfg.audit_samples;
   auto wc = models::model_weights_build(*s.be, s.ck.params.cfg, s.env->rl.train_policy.training(), {&s.ck.params, nullptr, nullptr}, false);
   // BF16 (and FP8) weights of each behaviour version
   std::map<uint64_t, std::pair<std::unique_ptr<models::model_weights>, std::unique_ptr<models::model_weights>>> w_of;
   for (const auto& smp : samples) {
-    if (n >= double(want) * 8 || smp.response.empty()) break;
+    if (audited >= want) break;
+    if (smp.response.empty()) continue;
     const uint64_t v = smp.weight_version.front();
     if (std::any_of(smp.weight_version.begin(), smp.weight_version.end(), [&](uint64_t x) { return x != v; })) continue;
     const std::vector<float>* w = nullptr;
@@ -213,6 +225,7 @@ void audit_into(learner_state& s, const std::vector<models::rl_sample>& samples,
       }
       n += 1;
     }
+    ++audited;
   }
   if (n == 0) return;
   m["audit/staleness_kl"] = stale_kl / n;
@@ -223,6 +236,7 @@ void audit_into(learner_state& s, const std::vector<models::rl_sample>& samples,
     m["audit/kernel_kv_kl"] = kern_kl / n;
   }
   m["audit/tokens"] = n;
+  m["audit/trajectories"] = double(audited);
 }
 
 }  // namespace
@@ -293,7 +307,7 @@ msg::learner_actor spawn_learner(caf::actor_system& sys, std::shared_ptr<const a
                       while (s.past.size() > static_cast<size_t>(s.env->cfg.max_staleness + 1)) s.past.pop_front();
                     }
                     if (s.rank == 0 && s.env->cfg.audit_every > 0 && (s.version + 1) % static_cast<uint64_t>(s.env->cfg.audit_every) == 0)
-                      audit_into(s, b.samples, audit);  // before the update: c_t is this step's logprob
+                      audit_into(s, b.all_samples.empty() ? b.samples : b.all_samples, audit);  // every shard; before the update
                     gnorm = models::adamw_step(s.env->rl.opt, s.ck.params.layout, s.ck.params.data.data(), lo.grads.data(), s.ck.opt);
                   });
                   m = lo.loss.metrics;  // several learners: rank 0's are the whole step's (gather_metrics)

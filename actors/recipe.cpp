@@ -74,7 +74,8 @@ std::vector<recipe_key> recipe_keys(run_config& r) {
       {"calibration", "percentile", &r.percentile, "Q/K/V amax percentile over calibration forwards"},
       {"calibration", "margin", &r.margin, "scale = amax * margin / 448"},
       {"audit", "every", &r.audit_every, "re-score sampled trajectories at their behaviour version every N steps (0: off): audit/staleness_kl, "
-       "audit/precision_kl, and with FP8 generation audit/weight_quant_kl + audit/kernel_kv_kl"},
+       "audit/precision_kl, and with FP8 generation audit/weight_quant_kl and audit/kernel_kv_kl (its two parts; "
+       "KL estimates of parts, not additive)"},
       {"audit", "samples", &r.audit_samples, "trajectories per audit"},
       {"trace", "enabled", &r.trace, "write per-process trace events (runs/<dir>/traces)"},
   };

@@ -75,9 +75,9 @@ std::vector<caf::actor> node_actors_all(const msg::node_actors& x) {
   return v;
 }
 
-// "" if a node's answer holds exactly the actors its topology entry names, else what differs
-// (another fp8rl build on that node could answer otherwise).
-std::string node_actors_problem(const node_spec& n, const msg::node_actors& x) {
+// "" if a node's answer holds exactly the actors its topology entry names (valid handles, rollouts
+// named rollout<first_rollout + i>), else what differs (another fp8rl build could answer otherwise).
+std::string node_actors_problem(const node_spec& n, const msg::node_actors& x, int32_t first_rollout) {
   std::string why;
   auto check = [&](const char* role, bool has) {
     if (has != n.has(role)) why.append(why.empty() ? "" : "; ").append(role).append(has ? " not in its topology entry" : " missing");
@@ -91,7 +91,15 @@ std::string node_actors_problem(const node_spec& n, const msg::node_actors& x) {
     why.append(why.empty() ? "" : "; ").append(std::to_string(x.learners.size()) + " learners and " +
                                                std::to_string(x.rollouts.size()) + " rollouts, its topology entry has " +
                                                std::to_string(n.learners.size()) + " and " + std::to_string(n.rollouts.size()));
-  return why;
+  if (!why.empty()) return why;
+  for (const auto& l : x.learners)
+    if (!l) return "an invalid learner handle";
+  for (size_t i = 0; i < x.rollouts.size(); ++i) {
+    const std::string want = "rollout" + std::to_string(first_rollout + static_cast<int32_t>(i));
+    if (!x.rollouts[i]) return "an invalid handle for " + want;
+    if (x.rollout_names[i] != want) return "rollout '" + x.rollout_names[i] + "' where " + want + " belongs";
+  }
+  return "";
 }
 
 // Index bookkeeping shared by the controller and the agents: learner/rollout numbering.
@@ -476,7 +484,10 @@ int train_main(int argc, char** argv) {
       }
       if (!nid) { failure = "cannot connect to node '" + n.name + "' at " + n.host + ":" + std::to_string(n.port); break; }
       auto agent = sys.middleman().remote_spawn<msg::node_agent_actor>(*nid, "node_agent", caf::make_message(), std::chrono::seconds(30));
-      if (!agent) { failure = "remote spawn on '" + n.name + "': " + sys.render(agent.error()); break; }
+      if (!agent) {  // an fp8rl build with another node protocol fails CAF's interface check here
+        failure = "remote spawn on '" + n.name + "': " + sys.render(agent.error()) + " (the same fp8rl build there?)";
+        break;
+      }
       agents.push_back(caf::actor_cast<caf::actor>(*agent));
       msg::node_start init;
       init.recipe_json = recipe_to_json(cfg);
@@ -491,7 +502,7 @@ int train_main(int argc, char** argv) {
       self->request(*agent, std::chrono::seconds(120), msg::start_atom::value, init, ctrl)
           .receive(
               [&](msg::node_actors& x) {
-                if (const std::string why = node_actors_problem(n, x); !why.empty())
+                if (const std::string why = node_actors_problem(n, x, idx.at(n.name).first_rollout); !why.empty())
                   failure = "node '" + n.name + "' started other actors than its topology entry names: " + why +
                             " (another fp8rl build there?)";
                 spawned.emplace_back(&n, std::move(x));

@@ -447,6 +447,8 @@ TEST(E2E, TwoLearnersAllReduceAndAuditMode) {
   for (const auto& x : m) {
     audited |= x.contains("audit/precision_kl") && x.contains("audit/staleness_kl");
     if (!x.contains("audit/kernel_kv_kl")) continue;
+    EXPECT_GE(x["audit/trajectories"].get<double>(), 1.0);
+    EXPECT_LE(x["audit/trajectories"].get<double>(), 4.0) << "audit.samples counts trajectories";
     // FP8 generation without an FP8 KV cache: the engine's logprobs are the training forward's under
     // the same FP8 weights bit for bit, so the whole precision mismatch is weight quantization
     EXPECT_EQ(x["audit/kernel_kv_kl"].get<double>(), 0.0) << x.dump();
