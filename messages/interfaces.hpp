@@ -109,20 +109,13 @@ using node_agent_actor = caf::typed_actor<
     caf::replies_to<start_atom, node_start, controller_actor>::with<node_actors>,
     caf::reacts_to<stop_atom>>;
 
-struct peers_msg {
+// Every actor of the run (all nodes' actors merged) and the controller: the wiring message.
+struct peers_msg : node_actors {
   controller_actor controller;
-  buffer_actor buffer;
-  reward_actor reward;
-  weight_sync_actor weight_sync;
-  calibration_actor calibration;
-  std::vector<learner_actor> learners;
-  std::vector<rollout_actor> rollouts;
-  std::vector<std::string> rollout_names;
 };
 template <class Inspector>
 typename Inspector::result_type inspect(Inspector& f, peers_msg& x) {
-  return f(caf::meta::type_name("peers_msg"), x.controller, x.buffer, x.reward, x.weight_sync, x.calibration,
-           x.learners, x.rollouts, x.rollout_names);
+  return f(caf::meta::type_name("peers_msg"), x.controller, static_cast<node_actors&>(x));
 }
 
 // The one registration point: every process calls it on its config.
