@@ -33,6 +33,7 @@ std::mutex g_mu;
 std::condition_variable g_cv;
 bool g_agent_started = false, g_agent_done = false;
 std::string g_agent_failure;  // why the agent stopped, if not by the controller's stop
+std::string g_node_name;      // this process's topology node (set before its port opens)
 
 void agent_signal(bool started, bool done, const std::string& failure = "") {
   std::lock_guard<std::mutex> g(g_mu);
@@ -164,6 +165,12 @@ msg::node_agent_actor::behavior_type node_agent(msg::node_agent_actor::stateful_
           const run_config cfg = recipe_from_json(init.recipe_json);
           const topology t = topology_from_json(json::parse(init.topology_json));
           if (!t.find(init.node)) throw std::invalid_argument("no node named '" + init.node + "' in the controller's topology");
+          {
+            std::lock_guard<std::mutex> g(g_mu);
+            if (init.node != g_node_name)  // the controller reached another process than it meant
+              throw std::invalid_argument("this process runs node '" + g_node_name + "', the controller asked for node '" +
+                                          init.node + "' (host/port mix-up in the topology?)");
+          }
           auto env = env_make(cfg, init.node, init.run_dir, init.init_dir, run_start{init.start_version, init.start_cursor}, init.run_id);
           if (cfg.trace) trace_writer::process().open((fs::path(init.run_dir) / "traces" / (init.node + ".jsonl")).string(), init.node);
           const auto idx = index_nodes(t).at(init.node);
@@ -379,6 +386,10 @@ void run_preflight(const actor_env& env, bool resume) {
 
 int run_remote_node(fp8rl_config& cfg, const topology& t, const std::string& name) {
   const node_spec* n = t.find(name);
+  {
+    std::lock_guard<std::mutex> g(g_mu);
+    g_node_name = name;
+  }
   caf::actor_system sys{cfg};
   auto port = sys.middleman().open(static_cast<uint16_t>(n->port), n->host.c_str(), true);
   if (!port) {

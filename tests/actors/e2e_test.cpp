@@ -431,6 +431,26 @@ TEST(E2E, NodeSaysWhenItsControllerDisappears) {
   fs::remove_all(d);
 }
 
+// A controller that reaches another node process than it meant (a host/port mix-up between
+// topology files) is refused by that node's agent, naming both nodes, and the run fails at
+// startup (the node used to start whatever actors the controller asked for).
+TEST(E2E, NodeRefusesAControllerAskingForAnotherNode) {
+  const fs::path d = fresh_dir("wrongnode");
+  const int port = 21000 + (::getpid() + 3000) % 9000;
+  const std::string topo = two_process_topology(d, port);
+  const fs::path other = d / "other.conf";  // the same port, the node called rolloutX
+  std::ofstream(other) << "[cluster]\nnodes=[{name=\"main\", host=\"127.0.0.1\", port=0, roles=[\"controller\", \"buffer\", "
+                          "\"reward\", \"weight_sync\", \"calibration\"], learners=[\"cpu:1\"], rollouts=[\"cpu:1\"]},\n"
+                          "{name=\"rolloutX\", host=\"127.0.0.1\", port=" << port << ", roles=[], learners=[], rollouts=[\"cpu:1\"]}]\n";
+  std::system((kBin + "/fp8rl train --topology " + other.string() + " --node rolloutX > " + (d / "node.log").string() + " 2>&1 &").c_str());
+  const auto r = fp8rl::test::run_command(kBin + "/fp8rl train --topology " + topo + " --node main --run-dir " +
+                                          (d / "run").string() + kSmall);
+  std::system(("pkill -f -- '" + other.string() + " --node rolloutX'").c_str());
+  EXPECT_NE(r.rc, 0) << r.out;
+  EXPECT_NE(r.out.find("this process runs node 'rolloutX', the controller asked for node 'rollout1'"), std::string::npos) << r.out;
+  fs::remove_all(d);
+}
+
 TEST(E2E, TwoLearnersAllReduceAndAuditMode) {
   const fs::path d = fresh_dir("learners");
   const fs::path topo = d / "two-learners.conf";
