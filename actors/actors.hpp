@@ -1,6 +1,6 @@
 // actors/actors.hpp -- spawn functions of every fp8rl actor (behaviors live in actors/*.cpp).
 // defines: spawn_rollout, spawn_reward, spawn_buffer, spawn_learner, spawn_calibration,
-//          spawn_weight_sync, spawn_controller, controller_options
+//          spawn_weight_sync, spawn_controller, controller_options, node_actors_all
 //
 // Actors do no math themselves: they call models/ (engine, learner_grpo, AdamW, calibration)
 // inside a oneTBB arena sized by their device, and exchange the typed messages of messages/.
@@ -38,6 +38,8 @@ struct controller_options {
   std::function<msg::rollout_actor(caf::actor_system&, const std::string& name)> respawn_rollout;
   int max_restarts = 3;  // per rollout name: an actor that keeps dying is a failed run
 };
+// Every valid handle of a node's (or, for peers_msg, the run's) actors: to monitor or stop them.
+std::vector<caf::actor> node_actors_all(const msg::node_actors& x);
 msg::controller_actor spawn_controller(caf::actor_system& sys, std::shared_ptr<const actor_env> env,
                                        controller_options opts);
 

@@ -177,15 +177,16 @@ msg::weight_sync_actor spawn_weight_sync(caf::actor_system& sys, std::shared_ptr
           const bool first = s.peers.rollouts.empty();
           s.peers = std::move(p);
           // a rollout that joined (a restarted one) gets the newest bundle: it has no weights yet
-          if (!first && !s.versions.empty())
+          if (!first && !s.versions.empty() && s.versions.rbegin()->second.bundle) {
+            auto& [v, sv] = *s.versions.rbegin();
+            std::shared_ptr<const std::vector<char>> bytes;  // serialized once for every remote joiner
             for (size_t i = 0; i < s.peers.rollouts.size(); ++i) {
               const auto& r = s.peers.rollouts[i];
-              auto& [v, sv] = *s.versions.rbegin();
-              if (known.count(r.address()) || !sv.bundle) continue;
+              if (known.count(r.address())) continue;
               log_get("weight_sync")->info("sending v{} to {} (joined)", v, s.peers.rollout_names[i]);
-              std::shared_ptr<const std::vector<char>> bytes;
               if (!send_bundle(r, s.peers.rollout_names[i], v, sv, bytes)) return;
             }
+          }
           // rollouts that left no longer hold up adoption accounting
           std::set<std::string> live(s.peers.rollout_names.begin(), s.peers.rollout_names.end());
           for (auto& [v, sv] : s.versions) {

@@ -46,6 +46,16 @@ struct controller_state {
 
 }  // namespace
 
+std::vector<caf::actor> node_actors_all(const msg::node_actors& x) {
+  std::vector<caf::actor> v;
+  for (const caf::actor& a : {caf::actor_cast<caf::actor>(x.buffer), caf::actor_cast<caf::actor>(x.reward),
+                              caf::actor_cast<caf::actor>(x.weight_sync), caf::actor_cast<caf::actor>(x.calibration)})
+    if (a) v.push_back(a);
+  for (const auto& l : x.learners) v.push_back(caf::actor_cast<caf::actor>(l));
+  for (const auto& r : x.rollouts) v.push_back(caf::actor_cast<caf::actor>(r));
+  return v;
+}
+
 msg::controller_actor spawn_controller(caf::actor_system& sys, std::shared_ptr<const actor_env> env, controller_options opts) {
   using self_t = msg::controller_actor::stateful_pointer<controller_state>;
   return sys.spawn([opts](self_t self, std::shared_ptr<const actor_env> env) -> msg::controller_actor::behavior_type {
@@ -59,14 +69,7 @@ msg::controller_actor spawn_controller(caf::actor_system& sys, std::shared_ptr<c
                                  static_cast<uint64_t>(env->cfg.seed));
     st.metrics.open(env->run_dir, env->start_version > 0);
     auto log = log_get("controller");
-    auto all_actors = [self] {
-      auto& p = self->state.peers;
-      std::vector<caf::actor> v = {caf::actor_cast<caf::actor>(p.buffer), caf::actor_cast<caf::actor>(p.reward),
-                                   caf::actor_cast<caf::actor>(p.weight_sync), caf::actor_cast<caf::actor>(p.calibration)};
-      for (auto& l : p.learners) v.push_back(caf::actor_cast<caf::actor>(l));
-      for (auto& r : p.rollouts) v.push_back(caf::actor_cast<caf::actor>(r));
-      return v;
-    };
+    auto all_actors = [self] { return node_actors_all(self->state.peers); };
     auto finish = [self, all_actors, log](int code, const std::string& why) {
       auto& s = self->state;
       if (s.stopping) return;

@@ -2,23 +2,12 @@
 #include "actors/env.hpp"
 
 #include <filesystem>
-#include <fstream>
-#include <nlohmann/json.hpp>
 #include <stdexcept>
 
 #include "models/cpu/cpu_backend.hpp"
 #include "models/params.hpp"
 
 namespace fp8rl::actors {
-
-uint64_t state_prompt_cursor(const std::string& checkpoint_dir) {
-  const std::string sp = (std::filesystem::path(checkpoint_dir) / "state.json").string();
-  const auto state = nlohmann::json::parse(std::ifstream(sp), nullptr, false);
-  if (state.is_discarded() || !state.is_object()) throw std::invalid_argument(sp + ": not a valid JSON object");
-  if (!state.contains("prompt_cursor") || !state["prompt_cursor"].is_number_unsigned())
-    throw std::invalid_argument(sp + ": key 'prompt_cursor' must be a prompt index >= 0");
-  return state["prompt_cursor"].get<uint64_t>();
-}
 
 std::shared_ptr<const actor_env> env_make(const run_config& cfg, const std::string& node, const std::string& run_dir,
                                           const std::string& init_dir, run_start start, const std::string& run_id) {

@@ -1,6 +1,6 @@
 // actors/env.hpp -- what every actor of a process shares: the recipe, the run directory, the
 // policy model's config and tokenizer, and the initial checkpoint every learner starts from.
-// defines: run_start, actor_env, env_make, state_prompt_cursor, backend_for
+// defines: run_start, actor_env, env_make, backend_for
 #pragma once
 #include <memory>
 #include <string>
@@ -41,10 +41,6 @@ struct actor_env {
 // Loads the model config and tokenizer from init_dir; throws std::invalid_argument.
 std::shared_ptr<const actor_env> env_make(const run_config& cfg, const std::string& node, const std::string& run_dir,
                                           const std::string& init_dir, run_start start, const std::string& run_id = "");
-
-// A checkpoint's state.json "prompt_cursor" (what the run's learner wrote); throws
-// std::invalid_argument naming the file and key.
-uint64_t state_prompt_cursor(const std::string& checkpoint_dir);
 
 // The compute backend for a device: "cpu:N" only (no actor runs on "cuda:K" yet: gpu/ has kernels,
 // not a models::backend).

@@ -62,22 +62,23 @@ bool run_dir_recover(const std::string& dir) {
 std::string run_dir_choose(const std::string& given, const std::string& name, bool resume, bool overwrite,
                            const std::string& keep) {
   if (resume && overwrite) throw std::invalid_argument("--resume continues a run and --overwrite replaces it: give one");
+  auto candidate = [&](int k) {  // every directory considered gets an interrupted start's stash back
+    std::string d = run_dir_default(name, k);
+    run_dir_recover(d);
+    return d;
+  };
   std::string dir = given;
   if (!dir.empty()) run_dir_recover(dir);
   if (dir.empty() && resume) {  // the newest existing default directory
-    for (int k = 1; fs::exists(run_dir_default(name, k)); ++k) {
-      dir = run_dir_default(name, k);
-      run_dir_recover(dir);
-    }
+    for (int k = 1; fs::exists(run_dir_default(name, k)); ++k) dir = candidate(k);
     if (dir.empty()) throw std::invalid_argument(run_dir_default(name, 1) + ": --resume but no such run directory");
   }
   if (dir.empty() && !overwrite) {  // the first default directory without an earlier run
     int k = 1;
-    while (run_dir_recover(run_dir_default(name, k)), !run_dir_outputs(run_dir_default(name, k)).empty()) ++k;
+    while (!run_dir_outputs(candidate(k)).empty()) ++k;
     dir = run_dir_default(name, k);
   }
-  if (dir.empty()) run_dir_recover(run_dir_default(name, 1));
-  if (dir.empty()) dir = run_dir_default(name, 1);
+  if (dir.empty()) dir = candidate(1);
   if (resume) {
     if (!fs::is_directory(dir)) throw std::invalid_argument(dir + ": --resume but no such run directory");
     return dir;

@@ -150,7 +150,7 @@ std::vector<placement> topology_plan(const topology& t) {
     }
     for (const auto& d : n.rollouts) {
       if (d.kind == "cuda" && !gpus.insert(d.str()).second) throw std::invalid_argument(t.source + ": node '" + n.name + "': " + d.str() + " used twice");
-      plan.push_back({"rollout" + std::to_string(ri++), n.name, d.str()});
+      plan.push_back({rollout_name(ri++), n.name, d.str()});
     }
   }
   return plan;

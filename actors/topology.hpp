@@ -1,6 +1,6 @@
 // actors/topology.hpp -- where actors run: nodes (processes), their roles and devices.
 // defines: device_spec, node_spec, topology, topology_load, topology_local, topology_validate,
-//          placement, topology_plan
+//          placement, topology_plan, rollout_name
 //
 // A topology file (CAF config syntax, read with CAF's parser, validated here key by key):
 //   [cluster]
@@ -49,5 +49,8 @@ struct placement {
   std::string device;  // "cpu:1", "cuda:3", "" for singletons
 };
 std::vector<placement> topology_plan(const topology& t);
+
+// The name of the run's k-th rollout actor (numbered across nodes in topology order).
+inline std::string rollout_name(int64_t k) { return "rollout" + std::to_string(k); }
 
 }  // namespace fp8rl::actors

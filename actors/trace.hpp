@@ -39,7 +39,7 @@ class trace_writer {
  private:
   std::mutex mu_;
   std::ofstream out_;
-  std::string node_;
+  std::string prefix_;  // {"node":"<node, JSON-escaped>": every line starts with it
   bool enabled_ = false;
   int64_t pending_ = 0;
   std::map<std::string, uint64_t> clocks_;

@@ -59,21 +59,10 @@ msg::node_actors spawn_node(caf::actor_system& sys, const node_spec& n, std::sha
   for (size_t i = 0; i < n.learners.size(); ++i)
     out.learners.push_back(spawn_learner(sys, env, first_learner + static_cast<int32_t>(i), world, n.learners[i]));
   for (size_t i = 0; i < n.rollouts.size(); ++i) {
-    out.rollout_names.push_back("rollout" + std::to_string(first_rollout + static_cast<int32_t>(i)));
+    out.rollout_names.push_back(rollout_name(first_rollout + static_cast<int64_t>(i)));
     out.rollouts.push_back(spawn_rollout(sys, env, out.rollout_names.back(), n.rollouts[i]));
   }
   return out;
-}
-
-// Every valid handle of a node's actors (to stop them).
-std::vector<caf::actor> node_actors_all(const msg::node_actors& x) {
-  std::vector<caf::actor> v;
-  for (const caf::actor& a : {caf::actor_cast<caf::actor>(x.buffer), caf::actor_cast<caf::actor>(x.reward),
-                              caf::actor_cast<caf::actor>(x.weight_sync), caf::actor_cast<caf::actor>(x.calibration)})
-    if (a) v.push_back(a);
-  for (const auto& l : x.learners) v.push_back(caf::actor_cast<caf::actor>(l));
-  for (const auto& r : x.rollouts) v.push_back(caf::actor_cast<caf::actor>(r));
-  return v;
 }
 
 // "" if a node's answer holds exactly the actors its topology entry names (valid handles, rollouts
@@ -96,7 +85,7 @@ std::string node_actors_problem(const node_spec& n, const msg::node_actors& x, i
   for (const auto& l : x.learners)
     if (!l) return "an invalid learner handle";
   for (size_t i = 0; i < x.rollouts.size(); ++i) {
-    const std::string want = "rollout" + std::to_string(first_rollout + static_cast<int32_t>(i));
+    const std::string want = rollout_name(first_rollout + static_cast<int64_t>(i));
     if (!x.rollouts[i]) return "an invalid handle for " + want;
     if (x.rollout_names[i] != want) return "rollout '" + x.rollout_names[i] + "' where " + want + " belongs";
   }
@@ -281,7 +270,6 @@ cli parse_cli(int argc, char** argv) {
 // The checkpoint this run starts from: resume (latest), a HF model dir, or a fresh SFT warm start.
 std::string prepare_init(const run_config& cfg, const std::string& run_dir, bool resume, run_start* start) {
   *start = run_start{};
-  uint64_t* start_version = &start->version;
   const fs::path ck = fs::path(run_dir) / "checkpoints";
   if (resume) {
     std::ifstream f(ck / "latest");
@@ -291,12 +279,15 @@ std::string prepare_init(const run_config& cfg, const std::string& run_dir, bool
     const std::string sp = (dir / "state.json").string();
     auto state = json::parse(std::ifstream(sp), nullptr, false);
     if (state.is_discarded() || !state.is_object()) throw std::invalid_argument(sp + ": not a valid JSON object");
-    if (!state.contains("weight_version") || !state["weight_version"].is_number_unsigned())
-      throw std::invalid_argument(sp + ": key 'weight_version' must be a step number >= 0");
-    *start_version = state["weight_version"].get<uint64_t>();
-    if (name.rfind("step_", 0) == 0 && name != "step_" + std::to_string(*start_version))
-      throw std::invalid_argument(sp + ": weight_version " + std::to_string(*start_version) + " contradicts its directory " + name);
-    if (*start_version > 0) start->prompt_cursor = state_prompt_cursor(dir.string());
+    auto unsigned_key = [&](const char* key, const char* what) {
+      if (!state.contains(key) || !state[key].is_number_unsigned())
+        throw std::invalid_argument(sp + ": key '" + key + "' must be " + what + " >= 0");
+      return state[key].get<uint64_t>();
+    };
+    start->version = unsigned_key("weight_version", "a step number");
+    if (name.rfind("step_", 0) == 0 && name != "step_" + std::to_string(start->version))
+      throw std::invalid_argument(sp + ": weight_version " + std::to_string(start->version) + " contradicts its directory " + name);
+    if (start->version > 0) start->prompt_cursor = unsigned_key("prompt_cursor", "a prompt index");
     return dir.string();
   }
   if (cfg.init != "tiny") return cfg.init;
@@ -474,7 +465,7 @@ int train_main(int argc, char** argv) {
     const auto idx = index_nodes(topo);
     std::map<std::string, device_spec> local_rollouts;  // what the controller can restart: this process's
     for (size_t i = 0; i < topo.controller_node().rollouts.size(); ++i)
-      local_rollouts["rollout" + std::to_string(idx.at(node).first_rollout + static_cast<int32_t>(i))] = topo.controller_node().rollouts[i];
+      local_rollouts[rollout_name(idx.at(node).first_rollout + static_cast<int64_t>(i))] = topo.controller_node().rollouts[i];
     opts.respawn_rollout = [env, local_rollouts](caf::actor_system& s, const std::string& name) {
       auto it = local_rollouts.find(name);
       return it == local_rollouts.end() ? msg::rollout_actor{} : spawn_rollout(s, env, name, it->second);

@@ -107,13 +107,23 @@ is_result is_weights(const token_batch_rl& b, const grpo_config& cfg) {
   return out;
 }
 
-loss_result policy_loss(const token_batch_rl& b, const grpo_config& cfg, double N) {
-  const int64_t n = b.size();
+namespace {
+void policy_loss_check(const token_batch_rl& b, const grpo_config& cfg, double N) {
   if (b.p.size() != b.c.size() || b.g.size() != b.c.size() || b.adv.size() != b.c.size() || b.mask.size() != b.c.size())
     throw std::invalid_argument("policy_loss: c, p, g, adv, mask must have the same length");
   if (cfg.kl_beta > 0 && b.ref.size() != b.c.size()) throw std::invalid_argument("policy_loss: kl_beta > 0 needs ref logprobs");
   if (!(N > 0)) throw std::invalid_argument("policy_loss: N (global token count) must be > 0");
-  const is_result is = is_weights(b, cfg);
+}
+}  // namespace
+
+loss_result policy_loss(const token_batch_rl& b, const grpo_config& cfg, double N) {
+  policy_loss_check(b, cfg, N);  // before is_weights reads the arrays
+  return policy_loss(b, cfg, N, is_weights(b, cfg));
+}
+
+loss_result policy_loss(const token_batch_rl& b, const grpo_config& cfg, double N, const is_result& is) {
+  policy_loss_check(b, cfg, N);
+  const int64_t n = b.size();
   loss_result out;
   out.dc.assign(static_cast<size_t>(n), 0.0f);
   double clipped = 0;

@@ -70,6 +70,8 @@ struct loss_result {
 // step's masked-in tokens over all learners once the e_i filter has dropped its sequences
 // (is_result::filtered_tokens, summed over ranks); tokens with zeroed weights stay in N.
 loss_result policy_loss(const token_batch_rl& b, const grpo_config& cfg, double N);
+// The same with is = is_weights(b, cfg) already computed (the learner needs it for N first).
+loss_result policy_loss(const token_batch_rl& b, const grpo_config& cfg, double N, const is_result& is);
 
 // The mismatch metrics of rl-algorithm.md §6 (token and sequence level), with `prefix` prepended
 // to each name. Uses g, p, c, w~ and the effective mask.

@@ -152,7 +152,7 @@ void version_metrics(const token_batch_rl& rl, const is_result& is, const grpo_c
 metric_map learner_metrics(const token_batch_rl& rl, const grpo_config& cfg, double N_global, uint64_t learner_version) {
   const is_result is = is_weights(rl, cfg);
   const double N = N_global - double(is.filtered_tokens);
-  metric_map out = policy_loss(rl, cfg, N > 0 ? N : 1.0).metrics;
+  metric_map out = policy_loss(rl, cfg, N > 0 ? N : 1.0, is).metrics;
   version_metrics(rl, is, cfg, learner_version, out);
   return out;
 }
@@ -188,7 +188,7 @@ learner_out learner_grpo(model_runner& run, const model_weights& w, const std::v
     const double filtered = double(is.filtered_tokens);
     N -= sum_over_learners ? sum_over_learners(filtered) : filtered;
   }
-  out.loss = policy_loss(rl, cfg, N > 0 ? N : 1.0);  // N = 0: every token dropped, the loss is 0
+  out.loss = policy_loss(rl, cfg, N > 0 ? N : 1.0, is);  // N = 0: every token dropped, the loss is 0
   version_metrics(rl, is, cfg, learner_version, out.loss.metrics);  // = learner_metrics with one learner
   std::vector<float> dlogp(targets.size(), 0.0f);
   for (size_t k = 0; k < at.size(); ++k) dlogp[at[k]] = out.loss.dc[k];
