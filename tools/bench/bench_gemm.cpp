@@ -154,8 +154,13 @@ void run_shape(const bench_args& a, const shape& s, int t) {
 // GEMV with weights streamed from DRAM: each call reads the next of enough copies of B that
 // together exceed the last-level cache several times (the plain M = 1 shapes reuse one B, which
 // then stays in cache across repetitions).
+// GEMV with B streamed from DRAM: each call reads the next of enough copies of B (1.5 GiB per
+// format) that none is cached. FP8 and BF16 calls alternate (order swapped every round) so both
+// see the same memory traffic of a shared machine; each format's line is its median over the
+// rounds and "gemv_dram_side_by_side" the median of the per-round ratios bf16 time / fp8 time.
 void run_gemv_dram(const bench_args& a, int t) {
   constexpr int64_t kStreamBytes = int64_t{3} << 29;  // 1.5 GiB per format
+  constexpr int kCallsPerRound = 16;                  // per round: 256 MiB of FP8 codes, 512 MiB of BF16
   const shape s{1, 4096, 4096};
   auto Af = rnd(size_t(s.K), 1), Bf = rnd(size_t(s.N * s.K), 2);
   std::vector<uint16_t> Ab(Af.size()), Bb(Bf.size());
@@ -163,24 +168,39 @@ void run_gemv_dram(const bench_args& a, int t) {
   for (size_t i = 0; i < Bf.size(); ++i) Bb[i] = bf16_from_float(Bf[i]);
   std::vector<float> C(size_t(s.N));
   const gemm_pack_forms narrow{false, true, false};  // the decode form only
+  const gemm_desc d{s.M, s.N, s.K};
   tbb::task_arena arena(t);
   arena.execute([&] {
-    {
-      qtensor qa = quantize(Af.data(), s.M, s.K, qlayout::rowwise_1x128, scale_mode::pow2, "A");
-      const auto pb = gemm_pack_fp8(quantize(Bf.data(), s.N, s.K, qlayout::block_128x128, scale_mode::pow2, "B"), narrow);
-      std::vector<gemm_packed_b> copies(size_t(kStreamBytes / pb.bytes() + 1), pb);
-      size_t next = 0;
-      emit(a, "gemv_dram_fp8", s, t, bench_median(a.reps, [&] { gemm_fp8(qa, copies[next++ % copies.size()], C.data()); }),
-           std::to_string(copies.size()) + " copies of B");
+    const qtensor qa = quantize(Af.data(), s.M, s.K, qlayout::rowwise_1x128, scale_mode::pow2, "A");
+    const auto pf = gemm_pack_fp8(quantize(Bf.data(), s.N, s.K, qlayout::block_128x128, scale_mode::pow2, "B"), narrow);
+    const auto pb = gemm_pack_bf16(Bb.data(), s.N, s.K, "B", narrow);
+    const std::vector<gemm_packed_b> cf(size_t(kStreamBytes / pf.bytes() + 1), pf), cb(size_t(kStreamBytes / pb.bytes() + 1), pb);
+    size_t nf = 0, nb = 0;
+    auto time_calls = [&](const std::function<void()>& call) {
+      const auto t0 = std::chrono::steady_clock::now();
+      for (int i = 0; i < kCallsPerRound; ++i) call();
+      return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() / kCallsPerRound;
+    };
+    auto fp8_call = [&] { gemm_fp8(qa, cf[nf++ % cf.size()], C.data()); };
+    auto bf16_call = [&] { gemm_bf16(d, Ab.data(), cb[nb++ % cb.size()], C.data()); };
+    time_calls(fp8_call);  // warm-up: page in every copy's first use, start the threads
+    time_calls(bf16_call);
+    std::vector<double> tf, tb, ratio;
+    for (int r = 0; r < std::max(a.reps, 1); ++r) {
+      if (r % 2 == 0) {
+        tf.push_back(time_calls(fp8_call));
+        tb.push_back(time_calls(bf16_call));
+      } else {
+        tb.push_back(time_calls(bf16_call));
+        tf.push_back(time_calls(fp8_call));
+      }
+      ratio.push_back(tb.back() / tf.back());
     }
-    {
-      const gemm_desc d{s.M, s.N, s.K};
-      const auto pb = gemm_pack_bf16(Bb.data(), s.N, s.K, "B", narrow);
-      std::vector<gemm_packed_b> copies(size_t(kStreamBytes / pb.bytes() + 1), pb);
-      size_t next = 0;
-      emit(a, "gemv_dram_bf16", s, t, bench_median(a.reps, [&] { gemm_bf16(d, Ab.data(), copies[next++ % copies.size()], C.data()); }),
-           std::to_string(copies.size()) + " copies of B");
-    }
+    emit(a, "gemv_dram_fp8", s, t, bench_median_of(tf), std::to_string(cf.size()) + " copies of B");
+    emit(a, "gemv_dram_bf16", s, t, bench_median_of(tb), std::to_string(cb.size()) + " copies of B");
+    bench_emit(a, {{"bench", jstr("gemm")}, {"impl", jstr("gemv_dram_side_by_side")}, {"M", jnum(double(s.M))},
+                   {"N", jnum(double(s.N))}, {"K", jnum(double(s.K))}, {"threads", jnum(t)},
+                   {"speedup", jnum(bench_median_of(ratio))}, {"runs", jnum(double(ratio.size()))}});
   });
 }
 
