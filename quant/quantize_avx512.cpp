@@ -34,34 +34,55 @@ struct first_bad {
   }
 };
 
-// amax over a [nr x nk] region with row stride ld; returns false if non-finite (count in *bad)
+// amax over a [nr x nk] region with row stride ld, as the maximum of |x|'s bits: non-negative
+// floats order as their bits do and NaN/Inf lie above every finite value, so one integer max
+// per vector finds both (the per-vector NaN/Inf count cost 2.5x the pass on Zen 5). Returns
+// false, the number of NaN/Inf in *bad (a second pass, taken only then), if the region holds any.
+// prefetch_ahead (floats, 0: none): each line's prefetch of x + that, in the same loop (a
+// separate prefetch loop per row cost the rowwise quantizer 20% on Zen 5).
 inline bool region_amax(const float* x, int64_t ld, int64_t nr, int64_t nk, float* amax,
-                        int* bad) {
-  __m512 acc = _mm512_setzero_ps();
-  int n = 0;
+                        int* bad, int64_t prefetch_ahead = 0) {
+  const __m512i abs_bits = _mm512_set1_epi32(0x7fffffff);
+  __m512i acc = _mm512_setzero_si512();
+  for (int64_t r = 0; r < nr; ++r) {
+    const float* xr = x + r * ld;
+    int64_t k = 0;
+    for (; k + 16 <= nk; k += 16) {
+      if (prefetch_ahead) _mm_prefetch(reinterpret_cast<const char*>(xr + k + prefetch_ahead), _MM_HINT_T0);
+      acc = _mm512_max_epu32(acc, _mm512_and_si512(_mm512_loadu_si512(xr + k), abs_bits));
+    }
+    if (k < nk) acc = _mm512_max_epu32(acc, _mm512_and_si512(_mm512_maskz_loadu_epi32(tail_mask(nk - k), xr + k), abs_bits));
+  }
+  const uint32_t top = _mm512_reduce_max_epu32(acc);
+  *bad = 0;
+  if (top < 0x7f800000u) {
+    std::memcpy(amax, &top, sizeof top);
+    return true;
+  }
+  __m512 ignored = _mm512_setzero_ps();
   for (int64_t r = 0; r < nr; ++r)
     for (int64_t k = 0; k < nk; k += 16) {
-      __mmask16 m = tail_mask(nk - k);
-      acc = abs_max_acc(acc, _mm512_maskz_loadu_ps(m, x + r * ld + k), m, &n);
+      const __mmask16 m = tail_mask(nk - k);
+      ignored = abs_max_acc(ignored, _mm512_maskz_loadu_ps(m, x + r * ld + k), m, bad);
     }
-  *amax = _mm512_reduce_max_ps(acc);
-  *bad = n;
-  return n == 0;
+  *amax = 0.0f;
+  return false;
 }
 
 inline void encode_row(const float* x, int64_t nk, float scale, uint8_t* out) {
   const __m512 s = _mm512_set1_ps(scale);
-  for (int64_t k = 0; k < nk; k += 16) {
-    __mmask16 m = tail_mask(nk - k);
-    const __m128i c = _mm512_cvtepi32_epi8(e4m3_encode16(_mm512_mul_ps(_mm512_maskz_loadu_ps(m, x + k), s)));
-    // narrow in a register, then a plain (unmasked when full) store
-    if (m == 0xffff) _mm_storeu_si128(reinterpret_cast<__m128i*>(out + k), c);
-    else _mm_mask_storeu_epi8(out + k, m, c);
+  int64_t k = 0;
+  for (; k + 16 <= nk; k += 16)  // narrow in a register, then a plain store
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + k), _mm512_cvtepi32_epi8(e4m3_encode16(_mm512_mul_ps(_mm512_loadu_ps(x + k), s))));
+  if (k < nk) {
+    const __mmask16 m = tail_mask(nk - k);
+    _mm_mask_storeu_epi8(out + k, m, _mm512_cvtepi32_epi8(e4m3_encode16(_mm512_mul_ps(_mm512_maskz_loadu_ps(m, x + k), s))));
   }
 }
 
 // Three passes per row -- amax of every tile, scales, then encoding -- so the encoder's vector
-// constants stay in registers (a scale_from_amax call between tiles clobbers them all).
+// constants stay in registers (a scale_from_amax call between tiles clobbers them all). The
+// amax pass is the DRAM stream: it prefetches the row kPrefetchRows ahead.
 constexpr int64_t kPrefetchRows = 4;
 
 // Passes 1 and 2 for row r (xr, K values): scale[kb] and its inverse into
@@ -75,7 +96,8 @@ struct row_scales {
     const int64_t KB = static_cast<int64_t>(amax.size());
     bool ok = true;
     for (int64_t kb = 0; kb < KB; ++kb)
-      ok &= region_amax(xr + kb * kBlock, K, 1, std::clamp<int64_t>(K - kb * kBlock, 0, kBlock), &amax[kb], &bad[kb]);
+      ok &= region_amax(xr + kb * kBlock, K, 1, std::clamp<int64_t>(K - kb * kBlock, 0, kBlock), &amax[kb], &bad[kb],
+                        kPrefetchRows * K);
     if (!ok) {
       for (int64_t kb = 0; kb < KB; ++kb)
         if (bad[kb]) fb.report(r, kb, bad[kb]);
@@ -96,8 +118,6 @@ void quantize_rows(const float* x, qtensor& q, first_bad& fb) {
     row_scales rs(KB);
     for (int64_t r = rr.begin(); r < rr.end(); ++r) {
       const float* xr = x + r * K;
-      for (int64_t k = 0; k < K; k += 16)  // a few rows ahead: the amax pass is the DRAM stream
-        _mm_prefetch(reinterpret_cast<const char*>(xr + kPrefetchRows * K + k), _MM_HINT_T0);
       if (!rs.compute(xr, K, r, q.mode, fb, q.scale_inv.data() + r, ld)) continue;
       for (int64_t kb = 0; kb < KB; ++kb)
         encode_row(xr + kb * kBlock, std::min(kBlock, K - kb * kBlock), rs.scale[kb], q.data.data() + r * K + kb * kBlock);

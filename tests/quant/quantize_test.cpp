@@ -215,6 +215,31 @@ TEST(Quantize, NonFiniteIsAnErrorNamingTensorAndBlock) {
     }
 }
 
+// The fast amax finds NaN/Inf as the largest |x| bits, then counts them in a second pass: a
+// ragged last tile (44 values, a masked tail vector) with the largest finite float beside them.
+TEST(Quantize, NonFiniteInARaggedTailIsCountedExactly) {
+  for (qlayout l : {qlayout::rowwise_1x128, qlayout::block_128x128}) {
+    std::vector<float> x(3 * 300, 0.5f);
+    x[1 * 300 + 290] = std::numeric_limits<float>::quiet_NaN();
+    x[1 * 300 + 299] = -std::numeric_limits<float>::infinity();  // the tail vector's last lane
+    x[1 * 300 + 298] = std::numeric_limits<float>::max();
+    for (int path = 0; path < 2; ++path) {
+      try {
+        if (path) quantize(x.data(), 3, 300, l, scale_mode::fp32, "tail");
+        else quantize_ref(x.data(), 3, 300, l, scale_mode::fp32, "tail");
+        FAIL() << "no error";
+      } catch (const nonfinite_error& e) {
+        EXPECT_EQ(e.block_row, l == qlayout::rowwise_1x128 ? 1 : 0) << path;
+        EXPECT_EQ(e.block_col, 2) << path;
+        EXPECT_EQ(e.count, 2) << path;
+      }
+    }
+    x[1 * 300 + 290] = x[1 * 300 + 299] = 1.0f;  // finite again: the largest float sets the scale
+    EXPECT_EQ(quantize(x.data(), 3, 300, l, scale_mode::fp32, "tail").scale_inv,
+              quantize_ref(x.data(), 3, 300, l, scale_mode::fp32, "tail").scale_inv);
+  }
+}
+
 TEST(Quantize, ValidateRejectsMissingScaleAndNaNCodes) {
   auto x = fp8rl::test::randn(130 * 130, 2);
   qtensor q = quantize(x.data(), 130, 130, qlayout::block_128x128, scale_mode::pow2, "w");
