@@ -4,6 +4,7 @@
 #include <tbb/parallel_for.h>
 
 #include <algorithm>
+#include <cmath>
 #include <atomic>
 #include <cstring>
 #include <mutex>
@@ -160,32 +161,32 @@ void quantize_cols(const float* x, qtensor& q, first_bad& fb) {
       const int64_t r0 = tb * kBlock, nr = std::min(kBlock, rows - r0);
       const int64_t ng = std::min<int64_t>(kColGroups, (cols - cg0 + 15) / 16);
       __mmask16 m[kColGroups];
-      __m512 acc[kColGroups];
-      __m512i nbad[kColGroups];
+      __m512i acc[kColGroups];  // per column: the largest |x| bits (NaN/Inf above all finite; see region_amax)
       for (int64_t h = 0; h < kColGroups; ++h) {
         m[h] = h < ng ? tail_mask(cols - cg0 - 16 * h) : 0;
-        acc[h] = _mm512_setzero_ps();
-        nbad[h] = _mm512_setzero_si512();
+        acc[h] = _mm512_setzero_si512();
       }
       for (int64_t r = 0; r < nr; ++r)
-        for (int64_t h = 0; h < ng; ++h) {
-          __m512i a = _mm512_and_si512(
-              _mm512_castps_si512(_mm512_maskz_loadu_ps(m[h], x + (r0 + r) * cols + cg0 + 16 * h)),
-              _mm512_set1_epi32(0x7fffffff));
-          __mmask16 b = _mm512_mask_cmpge_epu32_mask(m[h], a, _mm512_set1_epi32(0x7f800000));
-          nbad[h] = _mm512_mask_add_epi32(nbad[h], b, nbad[h], _mm512_set1_epi32(1));
-          acc[h] = _mm512_mask_max_ps(acc[h], m[h] & static_cast<__mmask16>(~b), acc[h], _mm512_castsi512_ps(a));
-        }
+        for (int64_t h = 0; h < ng; ++h)
+          acc[h] = _mm512_max_epu32(acc[h], _mm512_and_si512(_mm512_maskz_loadu_epi32(m[h], x + (r0 + r) * cols + cg0 + 16 * h),
+                                                             _mm512_set1_epi32(0x7fffffff)));
       for (int64_t h = 0; h < ng; ++h) {
         const int64_t c0 = cg0 + 16 * h, nc = std::min<int64_t>(16, cols - c0);
-        alignas(64) float amax16[16], sc[16];
-        alignas(64) int32_t bad16[16];
-        _mm512_store_ps(amax16, acc[h]);
-        _mm512_store_si512(bad16, nbad[h]);
+        alignas(64) uint32_t top16[16];
+        alignas(64) float sc[16];
+        _mm512_store_si512(top16, acc[h]);
         bool ok = true;
         for (int64_t j = 0; j < nc; ++j) {
-          if (bad16[j]) { fb.report(c0 + j, tb, bad16[j]); ok = false; continue; }
-          block_scale s = scale_from_amax(amax16[j], q.mode);
+          if (top16[j] >= 0x7f800000u) {  // NaN/Inf in this column's tile: count them (the error says how many)
+            int64_t n = 0;
+            for (int64_t r = 0; r < nr; ++r) n += !std::isfinite(x[(r0 + r) * cols + c0 + j]);
+            fb.report(c0 + j, tb, n);
+            ok = false;
+            continue;
+          }
+          float amax;
+          std::memcpy(&amax, &top16[j], sizeof amax);
+          block_scale s = scale_from_amax(amax, q.mode);
           sc[j] = s.scale;
           q.scale_inv[tb * ld + c0 + j] = s.scale_inv;
         }
