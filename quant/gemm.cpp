@@ -34,6 +34,11 @@ void check_packed(const gemm_desc& d, const gemm_packed_b& B, gemm_dtype want, c
 }
 
 // Narrow (VDPBF16PS) kernels for small M or when only the narrow form exists.
+bool decode_once(const gemm_config& cfg) {
+  if (cfg.batched_decode == gemm_decode::automatic) return !gemm_narrow_preferred();
+  return cfg.batched_decode == gemm_decode::once;
+}
+
 bool use_narrow(const gemm_packed_b& B, bool has_narrow, int64_t M, cpu_isa isa, const gemm_config& cfg) {
   if (isa < cpu_isa::avx512_bf16 || !has_narrow) return false;
   if (M <= cfg.stream_max_m || B.wide.empty()) return true;
@@ -169,7 +174,7 @@ void gemm_fp8(const qtensor& A, const gemm_packed_b& B, float* C, const gemm_con
     }
     for (int64_t kb = 0; kb < KB; ++kb) sa[m * KB + kb] = A.scale_at(m, kb);
   });
-  if (narrow) detail::gemm_narrow_avx512(gemm_model::fp8, {d.M, lda, nullptr, ab, sa.data()}, B, C);
+  if (narrow) detail::gemm_narrow_avx512(gemm_model::fp8, {d.M, lda, nullptr, ab, sa.data()}, B, C, decode_once(cfg));
   else run_wide(gemm_model::fp8, {d.M, lda, af, nullptr, sa.data()}, B, C, isa);
 }
 
@@ -289,7 +294,7 @@ void gemm_fp8(const gemm_wide_a& A, const gemm_packed_b& B, float* C, const gemm
   // the narrow kernel reads BF16 values: E4M3 values are exact in BF16
   avector<uint16_t> ab(static_cast<size_t>(d.M * A.Kp));
   for (int64_t i = 0; i < d.M * A.Kp; ++i) ab[i] = bf16_from_float(A.values[i]);
-  detail::gemm_narrow_avx512(gemm_model::fp8, {d.M, A.Kp, nullptr, ab.data(), A.sa.data()}, B, C);
+  detail::gemm_narrow_avx512(gemm_model::fp8, {d.M, A.Kp, nullptr, ab.data(), A.sa.data()}, B, C, decode_once(cfg));
 }
 
 namespace {

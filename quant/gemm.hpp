@@ -48,10 +48,17 @@ struct gemm_desc {  // the problem
 // VDPBF16PS at the FMA rate, so `narrow` wins by 2x). `automatic` asks gemm_narrow_preferred().
 enum class gemm_kernel : uint8_t { automatic, wide, narrow };
 
+// How the narrow FP8 kernel decodes codes for batched decode (8 < M <= 32, several row tiles):
+// each 128-K block `once` into L1 for all row tiles, or in registers `per_tile`. Same bits.
+// `automatic`: once where VDPBF16PS is slower than FMA (Xeon: 1.12x the per-tile decode), per
+// tile where it runs at the FMA rate (Zen 5: 1.1-1.5x the L1 pass, M = 16 and 32).
+enum class gemm_decode : uint8_t { automatic, once, per_tile };
+
 struct gemm_config {  // tuning only; never changes a result
   cpu_isa max_isa = cpu_isa::amx;  // further limited by cpu_isa_active()
   int64_t stream_max_m = 16;  // M <= this: stream the narrow form (GEMV/decode: bytes matter)
   gemm_kernel large_m = gemm_kernel::automatic;  // M > stream_max_m
+  gemm_decode batched_decode = gemm_decode::automatic;
 };
 
 // True when this CPU's VDPBF16PS outruns FP32 FMA per multiply-add (a one-time

@@ -370,7 +370,9 @@ void tile_dispatch(int rows, int npan, gemm_model model, const gemm_a_operand& A
 // ran at one tile's compute (TinyLlama step at batch 16: 0.71x of BF16 pairs; with B cached the
 // cost hid). Here a panel's block is decoded once into BF16 pair steps in L1 (8 KiB: the words
 // the in-register decode makes, patches applied) and every row tile's pairs micro-kernel reads
-// them (1.12x): the same products in the same order, so bit-identical to tile<.., codes>.
+// them (1.12x on the Xeon): the same products in the same order, so bit-identical to
+// tile<.., codes>. Where VDPBF16PS runs at the FMA rate (Zen 5) the in-register decode per tile
+// is the faster one (1.1-1.5x): gemm_decode chooses.
 constexpr int64_t kMultiRows = 4 * kMR;  // rows sharing one decoded block (their outputs: 4 KiB)
 
 // Panel pn's block kb as pair steps, decoded as the codes kernel does (values * 2^-8):
@@ -435,11 +437,11 @@ void tile_codes_rows(const gemm_a_operand& A, int64_t m0, int64_t m1, const gemm
 // Runs every (row tile, panel group): blocks of kMTB micro-tiles keep A in L2 while panels
 // stream. Panels are grouped by 4 so short tiles can use several at once.
 template <bsrc kSrc>
-void run_tiles(gemm_model model, const gemm_a_operand& A, const gemm_packed_b& B, float* C) {
+void run_tiles(gemm_model model, const gemm_a_operand& A, const gemm_packed_b& B, float* C, bool decode_once = false) {
   const int64_t MT = (A.M + kMR - 1) / kMR, NP = B.panels(), NG = (NP + 3) / 4;
   tbb::parallel_for(tbb::blocked_range2d<int64_t>(0, MT, 4, 0, NG, 1), [&](const auto& rg) {
     const int64_t mb = rg.rows().begin() * kMR, me = std::min(A.M, rg.rows().end() * kMR);
-    if (kSrc == bsrc::codes && A.M <= kMultiRows && me - mb > kMR) {  // batched decode: decode once
+    if (kSrc == bsrc::codes && decode_once && A.M <= kMultiRows && me - mb > kMR) {  // batched decode: decode once
       for (int64_t pn = rg.cols().begin() * 4; pn < std::min(NP, rg.cols().end() * 4); ++pn)
         tile_codes_rows(A, mb, me, B, pn, C);
       return;
@@ -470,8 +472,9 @@ void gemm_wide_avx512(gemm_model model, const gemm_a_operand& A, const gemm_pack
   run_tiles<bsrc::wide>(model, A, B, C);
 }
 
-void gemm_narrow_avx512(gemm_model model, const gemm_a_operand& A, const gemm_packed_b& B, float* C) {
-  if (model == gemm_model::fp8) run_tiles<bsrc::codes>(model, A, B, C);
+void gemm_narrow_avx512(gemm_model model, const gemm_a_operand& A, const gemm_packed_b& B, float* C,
+                        bool decode_once) {
+  if (model == gemm_model::fp8) run_tiles<bsrc::codes>(model, A, B, C, decode_once);
   else run_tiles<bsrc::pairs>(model, A, B, C);
 }
 

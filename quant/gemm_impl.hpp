@@ -28,7 +28,9 @@ struct gemm_a_operand {
 
 void gemm_wide_avx512(gemm_model model, const gemm_a_operand& A, const gemm_packed_b& B, float* C);
 // fp8 model: reads B.fp8 (E4M3 codes, decoded in registers); else B.bf16 (BF16 pairs)
-void gemm_narrow_avx512(gemm_model model, const gemm_a_operand& A, const gemm_packed_b& B, float* C);
+// decode_once: FP8 codes at 8 < M <= 32 decoded once per block for all row tiles (gemm_decode)
+void gemm_narrow_avx512(gemm_model model, const gemm_a_operand& A, const gemm_packed_b& B, float* C,
+                        bool decode_once = false);
 void gemm_wide_portable(gemm_model model, const gemm_a_operand& A, const gemm_packed_b& B, float* C);
 // VDPBF16PS multiply-adds per second over FP32 FMA multiply-adds per second on this core
 // (best of a few short runs of independent chains; needs AVX512_BF16).

@@ -26,7 +26,9 @@ const cpu_isa kIsas[] = {cpu_isa::portable, cpu_isa::avx512, cpu_isa::avx512_bf1
 const gemm_kernel kKernels[] = {gemm_kernel::wide, gemm_kernel::narrow};
 
 // Forces one kernel family for every M.
-gemm_config force(cpu_isa isa, gemm_kernel k) { return {isa, 0, k}; }
+gemm_config force(cpu_isa isa, gemm_kernel k, gemm_decode dec = gemm_decode::automatic) { return {isa, 0, k, dec}; }
+// both ways the narrow FP8 kernel can decode for batched decode (8 < M <= 32)
+const gemm_decode kDecodes[] = {gemm_decode::once, gemm_decode::per_tile};
 const char* kernel_name(gemm_kernel k) { return k == gemm_kernel::narrow ? "narrow" : "wide"; }
 const int64_t kShapes[][3] = {{1, 32, 128}, {1, 4096 / 8, 1024}, {3, 33, 129}, {8, 64, 256}, {9, 70, 300},
                               {17, 100, 127}, {64, 96, 384}, {130, 257, 250}, {5, 31, 1}};
@@ -161,12 +163,13 @@ TEST(Gemm, Fp8RandomShapesEqualTheReference) {
     const auto pb = gemm_pack_fp8(B);
     for (cpu_isa isa : kIsas) {
       if (!have(isa)) continue;
-      for (gemm_kernel k : kKernels) {
-        std::fill(fast.begin(), fast.end(), -1.0f);
-        gemm_fp8(A, pb, fast.data(), force(isa, k));
-        ASSERT_EQ(first_diff(fast, ref), -1)
-            << "M=" << M << " N=" << N << " K=" << K << " isa " << cpu_isa_name(isa) << " " << kernel_name(k);
-      }
+      for (gemm_kernel k : kKernels)
+        for (gemm_decode dec : kDecodes) {
+          std::fill(fast.begin(), fast.end(), -1.0f);
+          gemm_fp8(A, pb, fast.data(), force(isa, k, dec));
+          ASSERT_EQ(first_diff(fast, ref), -1) << "M=" << M << " N=" << N << " K=" << K << " isa " << cpu_isa_name(isa)
+                                               << " " << kernel_name(k) << " decode " << int(dec);
+        }
     }
   }
 }
@@ -194,10 +197,13 @@ TEST(Gemm, Fp8NarrowKernelTakesEveryCodeBitExactly) {
     for (int64_t M : {1, 3, 8, 20}) {  // 20: batched decode, each block decoded once for 3 row tiles
       auto Af = randn(M * K, 42 + M, 2.0f);
       qtensor A = quantize(Af.data(), M, K, qlayout::rowwise_1x128, mode, "A");
-      std::vector<float> ref(M * N), fast(M * N, -1.0f);
+      std::vector<float> ref(M * N), fast(M * N);
       gemm_fp8_ref(A, B, ref.data());
-      gemm_fp8(A, pb, fast.data(), force(cpu_isa::avx512_bf16, gemm_kernel::narrow));
-      ASSERT_EQ(first_diff(fast, ref), -1) << "M=" << M << " mode " << int(mode);
+      for (gemm_decode dec : kDecodes) {
+        std::fill(fast.begin(), fast.end(), -1.0f);
+        gemm_fp8(A, pb, fast.data(), force(cpu_isa::avx512_bf16, gemm_kernel::narrow, dec));
+        ASSERT_EQ(first_diff(fast, ref), -1) << "M=" << M << " mode " << int(mode) << " decode " << int(dec);
+      }
     }
   }
 }
@@ -226,10 +232,13 @@ TEST(Gemm, Fp8NarrowKernelPatchesStepsOfOnlyRareCodes) {
   for (int64_t M : {1, 2, 5, 32}) {  // 32: batched decode (four full row tiles per decoded block)
     auto Af = randn(M * K, 52 + M, 2.0f);
     qtensor A = quantize(Af.data(), M, K, qlayout::rowwise_1x128, scale_mode::pow2, "A");
-    std::vector<float> ref(M * N), fast(M * N, -1.0f);
+    std::vector<float> ref(M * N), fast(M * N);
     gemm_fp8_ref(A, B, ref.data());
-    gemm_fp8(A, pb, fast.data(), force(cpu_isa::avx512_bf16, gemm_kernel::narrow));
-    ASSERT_EQ(first_diff(fast, ref), -1) << "M=" << M;
+    for (gemm_decode dec : kDecodes) {
+      std::fill(fast.begin(), fast.end(), -1.0f);
+      gemm_fp8(A, pb, fast.data(), force(cpu_isa::avx512_bf16, gemm_kernel::narrow, dec));
+      ASSERT_EQ(first_diff(fast, ref), -1) << "M=" << M << " decode " << int(dec);
+    }
   }
 }
 
