@@ -7,9 +7,12 @@
 //   {"bench":"train","impl":...,"threads":..,"tokens":..,"median_s":..,"tokens_per_s":..,"runs":..,
 //    "weights_s":..,"forward_s":..,"backward_s":..,"optimizer_s":..}   (phase medians: weight
 //    quantize/pack, forward + logprobs, backward, gradient norm + AdamW)
+// plus, per thread count, fp8 against bf16 in alternating steps ("..._side_by_side": "speedup"
+// is the median per-round ratio bf16 time / fp8 time; --only=side_by_side for these alone).
 #include <tbb/task_arena.h>
 
 #include <algorithm>
+#include <array>
 #include <chrono>
 #include <cstdio>
 #include <filesystem>
@@ -35,6 +38,70 @@ struct phase_clock {
     return s;
   }
 };
+
+// One policy's training step on its own copy of the parameters (run inside the caller's arena).
+struct train_step {
+  const models::model_config& c;
+  const models::token_batch& b;
+  const std::vector<int32_t>& targets;
+  std::unique_ptr<models::backend> be = models::make_cpu_backend();
+  models::model_runner run{*be};
+  models::adamw_state st;
+  models::model_params q;
+  models::precision_policy policy;
+  std::vector<float> grads;
+  train_step(const models::model_config& cfg, const models::token_batch& batch, const std::vector<int32_t>& tg,
+             const models::model_params& p, const std::string& pol)
+      : c(cfg), b(batch), targets(tg), q(p), policy(models::precision_policy::named(pol)),
+        grads(static_cast<size_t>(q.layout.total), 0.0f) {}
+  // seconds of each phase: weight quantize/pack, forward + logprobs, backward, gradient norm + AdamW
+  std::array<double, 4> operator()() {
+    std::array<double, 4> ph{};
+    phase_clock pc;
+    auto w = models::model_weights_build(*be, c, policy, {&q, nullptr, nullptr}, true);
+    ph[0] = pc.lap();
+    run.forward(*w, b, true);
+    std::vector<float> lp(targets.size()), dl(targets.size());
+    run.logprobs(targets, {}, lp.data());
+    ph[1] = pc.lap();
+    for (size_t i = 0; i < dl.size(); ++i) dl[i] = targets[i] >= 0 ? -1.0f / float(targets.size()) : 0.0f;
+    std::fill(grads.begin(), grads.end(), 0.0f);  // a learner keeps its gradient buffer
+    run.backward(*w, targets, {}, dl.data(), grads.data());
+    ph[2] = pc.lap();
+    models::adamw_step({}, q.layout, q.data.data(), grads.data(), st);
+    ph[3] = pc.lap();
+    return ph;
+  }
+};
+
+// fp8 against bf16 (and fp8-tiles against bf16-tiles where AMX exists) in alternating steps,
+// the order swapped every round: "speedup" is the median per-round ratio bf16 time / fp8 time,
+// the number to read on a shared machine (both see the same neighbours).
+void run_side_by_side(const bench_args& a, int t, const models::model_config& c, const models::token_batch& b,
+                      const std::vector<int32_t>& targets, const models::model_params& p, const std::string& fp8,
+                      const std::string& bf16) {
+  tbb::task_arena arena(t);
+  std::vector<double> tf, tb, ratio;
+  arena.execute([&] {
+    train_step f(c, b, targets, p, fp8), g(c, b, targets, p, bf16);
+    auto secs = [](train_step& s) {
+      const auto ph = s();
+      return ph[0] + ph[1] + ph[2] + ph[3];
+    };
+    secs(f), secs(g), secs(f), secs(g);  // warm-up: scratch pools, first-touch pages
+    for (int r = 0; r < std::max(a.reps, 1); ++r) {
+      if (r % 2 == 0) tf.push_back(secs(f)), tb.push_back(secs(g));
+      else tb.push_back(secs(g)), tf.push_back(secs(f));
+      ratio.push_back(tb.back() / tf.back());
+    }
+  });
+  std::string impl = fp8 + "_vs_" + bf16 + "_side_by_side";
+  std::replace(impl.begin(), impl.end(), '-', '_');
+  bench_emit(a, {{"bench", jstr("train")}, {"impl", jstr(impl)}, {"threads", jnum(t)}, {"tokens", jnum(double(b.T()))},
+                 {"fp8_tokens_per_s", jnum(double(b.T()) / bench_median_of(tf))},
+                 {"bf16_tokens_per_s", jnum(double(b.T()) / bench_median_of(tb))},
+                 {"speedup", jnum(bench_median_of(ratio))}, {"runs", jnum(double(ratio.size()))}});
+}
 
 }  // namespace
 
@@ -62,28 +129,11 @@ int main(int argc, char** argv) {
       tbb::task_arena arena(t);
       double sec = 0, phase_s[4] = {};
       arena.execute([&] {
-        auto be = models::make_cpu_backend();
-        models::model_runner run(*be);
-        models::adamw_state st;
-        models::model_params q = p;
-        const auto policy = models::precision_policy::named(pol);
-        std::vector<float> grads(static_cast<size_t>(q.layout.total), 0.0f);
-        // phase times of every run (bench_median makes 2 warm-up runs first; medians below)
-        std::vector<double> ph[4];
+        train_step step(c, b, targets, p, pol);
+        std::vector<double> ph[4];  // phase times of every run (bench_median makes 2 warm-up runs first)
         sec = bench_median(a.reps, [&] {
-          phase_clock pc;
-          auto w = models::model_weights_build(*be, c, policy, {&q, nullptr, nullptr}, true);
-          ph[0].push_back(pc.lap());
-          run.forward(*w, b, true);
-          std::vector<float> lp(targets.size()), dl(targets.size());
-          run.logprobs(targets, {}, lp.data());
-          ph[1].push_back(pc.lap());
-          for (size_t i = 0; i < dl.size(); ++i) dl[i] = targets[i] >= 0 ? -1.0f / float(targets.size()) : 0.0f;
-          std::fill(grads.begin(), grads.end(), 0.0f);  // a learner keeps its gradient buffer
-          run.backward(*w, targets, {}, dl.data(), grads.data());
-          ph[2].push_back(pc.lap());
-          models::adamw_step({}, q.layout, q.data.data(), grads.data(), st);
-          ph[3].push_back(pc.lap());
+          const auto s = step();
+          for (int i = 0; i < 4; ++i) ph[i].push_back(s[i]);
         }, 0.0);
         for (int i = 0; i < 4; ++i) phase_s[i] = bench_median_of(ph[i]);
       });
@@ -91,6 +141,11 @@ int main(int argc, char** argv) {
                      {"tokens", jnum(double(b.T()))}, {"median_s", jnum(sec)}, {"tokens_per_s", jnum(double(b.T()) / sec)},
                      {"runs", jnum(a.reps)}, {"weights_s", jnum(phase_s[0])}, {"forward_s", jnum(phase_s[1])},
                      {"backward_s", jnum(phase_s[2])}, {"optimizer_s", jnum(phase_s[3])}});
+    }
+  if (bench_selected(a, "side_by_side"))
+    for (int t : a.threads) {
+      run_side_by_side(a, t, c, b, targets, p, "fp8", "bf16");
+      if (quant::gemm_tiles_available()) run_side_by_side(a, t, c, b, targets, p, "fp8-tiles", "bf16-tiles");
     }
   // PyTorch baseline in the same run
   const auto script = std::filesystem::path(__FILE__).parent_path().parent_path() / "bench-train-torch.py";
