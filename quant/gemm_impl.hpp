@@ -44,6 +44,9 @@ void tiles_put_fp8_row(uint16_t* tiles, int64_t KS, int64_t m, const uint8_t* sr
 // Packs k < (returned) of a full 32-column FP8 panel (rows at src + j * K) into the wide and/or
 // narrow forms (null: skip), exactly as gemm_pack_fp8's scalar loop; needs AVX512_BF16+VBMI.
 int64_t fp8_pack_panel_avx512(const uint8_t* src, int64_t K, float* wide, uint8_t* narrow);
+// OR-s bit i % 64 of bits[i / 64] for each of `steps` 64-byte pair steps at codes (64-byte
+// aligned) holding a code fp8_code_rare takes; as the scalar scan, needs AVX-512 BW.
+void fp8_rare_steps_avx512(const uint8_t* codes, int64_t steps, uint64_t* bits);
 
 // Tile GEMM problem (quant/gemm_amx.cpp). A in tile order [Mp/16][KS][16][32] BF16 (Mp: M
 // zero-padded to 32); with sa (1x128 scales of A, [Mp][KB]) the sum is promoted per 128-K block with

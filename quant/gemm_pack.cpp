@@ -183,7 +183,9 @@ gemm_packed_b gemm_pack_fp8(const qtensor& B, gemm_pack_forms forms) {
         if (forms.narrow) p.fp8[i * 64 + pos[j][h]] = c;
       }
     }
-    for (int64_t i = 0; forms.narrow && i < Kp / 2; ++i) {  // rare-code bits per pair step
+    if (forms.narrow && vector_pack)  // rare-code bits per pair step
+      detail::fp8_rare_steps_avx512(p.fp8.data() + pn * Kp / 2 * 64, Kp / 2, p.fp8_rare.data() + pn * KB);
+    for (int64_t i = 0; forms.narrow && !vector_pack && i < Kp / 2; ++i) {
       const uint8_t* step = p.fp8.data() + (pn * Kp / 2 + i) * 64;
       if (std::any_of(step, step + 64, detail::fp8_code_rare)) p.fp8_rare[pn * KB + i / 64] |= uint64_t{1} << (i % 64);
     }
