@@ -34,16 +34,17 @@ void check_packed(const gemm_desc& d, const gemm_packed_b& B, gemm_dtype want, c
 }
 
 // Narrow (VDPBF16PS) kernels for small M or when only the narrow form exists.
-bool decode_once(const gemm_config& cfg) {
-  if (cfg.batched_decode == gemm_decode::automatic) return !gemm_narrow_preferred();
-  return cfg.batched_decode == gemm_decode::once;
-}
-
 bool use_narrow(const gemm_packed_b& B, bool has_narrow, int64_t M, cpu_isa isa, const gemm_config& cfg) {
   if (isa < cpu_isa::avx512_bf16 || !has_narrow) return false;
   if (M <= cfg.stream_max_m || B.wide.empty()) return true;
   if (cfg.large_m == gemm_kernel::automatic) return gemm_narrow_preferred();
   return cfg.large_m == gemm_kernel::narrow;
+}
+
+// Batched decode's FP8 codes decoded once per block for all row tiles (gemm_decode).
+bool decode_once(const gemm_config& cfg) {
+  if (cfg.batched_decode == gemm_decode::automatic) return !gemm_narrow_preferred();
+  return cfg.batched_decode == gemm_decode::once;
 }
 
 void check_tiles(const gemm_packed_b& B, const char* fn) {
