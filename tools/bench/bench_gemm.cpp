@@ -6,7 +6,8 @@
 //   {"bench":"gemm","impl":...,"M":..,"N":..,"K":..,"threads":..,"median_s":..,"gflops":..,"runs":..}
 // plus two lines about the machine, not GEMM results: {"bench":"gemm_peak","impl":"vdpbf16ps",
 // "threads":..,"gflops":..} (the instruction's measured peak) and {"bench":"gemm_dispatch",...}
-// (which large-M kernel the rate probe chose).
+// (which large-M kernel the rate probe chose). Side by side (alternating rounds, median per-round
+// ratio; --only=side_by_side for these alone): fp8_vs_onednn_bf16 (M >= 512) and the DRAM GEMV.
 // Usage: bench-gemm [--json] [--quick] [--threads=1,2] [--reps=N] [--only=IMPL]
 #include <cblas.h>
 #include <tbb/parallel_for.h>
@@ -17,6 +18,7 @@
 #include <random>
 #include <sstream>
 #include <string>
+#include <thread>
 
 #include "quant/fp8.hpp"
 #include "quant/gemm.hpp"
@@ -86,6 +88,40 @@ void emit(const bench_args& a, const std::string& impl, const shape& s, int t, d
   bench_emit(a, f);
 }
 
+// Our FP8 GEMM against oneDNN bf16 (default ISA) in alternating rounds of ~0.1 s each, the
+// order swapped every round and 50 ms idle before each (OpenMP's and oneTBB's threads spin a
+// while after their work; without the pause that spinning lands in the other's round):
+// "speedup" is the median per-round ratio oneDNN time / FP8 time.
+void run_fp8_vs_onednn(const bench_args& a, const shape& s, int t, const std::vector<float>& Af,
+                       const std::vector<float>& Bf, const std::vector<uint16_t>& Ab, const std::vector<uint16_t>& Bb) {
+  std::vector<float> C(size_t(s.M * s.N));
+  tbb::task_arena arena(t);
+  omp_set_num_threads(t);
+  onednn_bf16 o(s, Ab, Bb);
+  const qtensor qa = quantize(Af.data(), s.M, s.K, qlayout::rowwise_1x128, scale_mode::pow2, "A");
+  const auto pb = gemm_pack_fp8(quantize(Bf.data(), s.N, s.K, qlayout::block_128x128, scale_mode::pow2, "B"));
+  auto fp8 = [&] { arena.execute([&] { gemm_fp8(qa, pb, C.data()); }); };
+  auto dnn = [&] { o.run(); };
+  auto round_s = [](const std::function<void()>& fn, int n) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));  // the other pool's spinning threads go idle
+    const auto t0 = std::chrono::steady_clock::now();
+    for (int i = 0; i < n; ++i) fn();
+    return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() / n;
+  };
+  const int n = std::max(1, static_cast<int>(0.1 / std::max(round_s(fp8, 1), 1e-6)));  // calls per round
+  round_s(dnn, n);
+  std::vector<double> ratio;
+  for (int r = 0; r < std::max(a.reps, 1); ++r) {
+    double tf, td;
+    if (r % 2 == 0) tf = round_s(fp8, n), td = round_s(dnn, n);
+    else td = round_s(dnn, n), tf = round_s(fp8, n);
+    ratio.push_back(td / tf);
+  }
+  bench_emit(a, {{"bench", jstr("gemm")}, {"impl", jstr("fp8_vs_onednn_bf16_side_by_side")}, {"M", jnum(double(s.M))},
+                 {"N", jnum(double(s.N))}, {"K", jnum(double(s.K))}, {"threads", jnum(t)},
+                 {"speedup", jnum(bench_median_of(ratio))}, {"runs", jnum(double(ratio.size()))}, {"note", jstr(o.isa)}});
+}
+
 void run_shape(const bench_args& a, const shape& s, int t) {
   auto Af = rnd(size_t(s.M * s.K), 1), Bf = rnd(size_t(s.N * s.K), 2);
   std::vector<uint16_t> Ab(Af.size()), Bb(Bf.size());
@@ -149,11 +185,9 @@ void run_shape(const bench_args& a, const shape& s, int t) {
     const std::string impl = child ? "onednn_bf16_" + a.extra.at("onednn-isa") : "onednn_bf16";
     emit(a, impl, s, t, bench_median(a.reps, [&] { o.run(); }), o.isa);
   }
+  if (!child && s.M >= 512 && bench_selected(a, "side_by_side")) run_fp8_vs_onednn(a, s, t, Af, Bf, Ab, Bb);
 }
 
-// GEMV with weights streamed from DRAM: each call reads the next of enough copies of B that
-// together exceed the last-level cache several times (the plain M = 1 shapes reuse one B, which
-// then stays in cache across repetitions).
 // GEMV with B streamed from DRAM: each call reads the next of enough copies of B (1.5 GiB per
 // format) that none is cached. FP8 and BF16 calls alternate (order swapped every round) so both
 // see the same memory traffic of a shared machine; each format's line is its median over the
