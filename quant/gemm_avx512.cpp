@@ -595,9 +595,6 @@ void e4m3_to_f32_avx512(const uint8_t* src, int64_t n, float* dst) {
   for (; i < n; ++i) dst[i] = lut[src[i]];
 }
 
-// 16 k x 32 columns of a full panel per round: two 16x16 byte transposes give each k's codes
-// of columns 0-15 and 16-31; wide stores their FP32 values ([Kp][32]), narrow interleaves two
-// k into the pair-step byte order of fp8_stream_pos. K % 16 tail columns are left to the caller.
 void fp8_rare_steps_avx512(const uint8_t* codes, int64_t steps, uint64_t* bits) {
   const __m512i exp = _mm512_set1_epi8(0x78), nan = _mm512_set1_epi8(0x7f);
   for (int64_t i = 0; i < steps; ++i) {
@@ -607,6 +604,9 @@ void fp8_rare_steps_avx512(const uint8_t* codes, int64_t steps, uint64_t* bits) 
   }
 }
 
+// 16 k x 32 columns of a full panel per round: two 16x16 byte transposes give each k's codes
+// of columns 0-15 and 16-31; wide stores their FP32 values ([Kp][32]), narrow interleaves two
+// k into the pair-step byte order of fp8_stream_pos. K % 16 tail columns are left to the caller.
 int64_t fp8_pack_panel_avx512(const uint8_t* src, int64_t K, float* wide, uint8_t* narrow) {
   int64_t k0 = 0;
   for (; k0 + 16 <= K; k0 += 16) {

@@ -216,9 +216,10 @@ TEST(Quantize, NonFiniteIsAnErrorNamingTensorAndBlock) {
 }
 
 // The fast amax finds NaN/Inf as the largest |x| bits, then counts them in a second pass: a
-// ragged last tile (44 values, a masked tail vector) with the largest finite float beside them.
+// ragged last tile (44 values, a masked tail vector; columnwise: 3-row tiles) with the largest
+// finite float beside them.
 TEST(Quantize, NonFiniteInARaggedTailIsCountedExactly) {
-  for (qlayout l : {qlayout::rowwise_1x128, qlayout::block_128x128}) {
+  for (qlayout l : {qlayout::rowwise_1x128, qlayout::block_128x128, qlayout::colwise_1x128}) {
     std::vector<float> x(3 * 300, 0.5f);
     x[1 * 300 + 290] = std::numeric_limits<float>::quiet_NaN();
     x[1 * 300 + 299] = -std::numeric_limits<float>::infinity();  // the tail vector's last lane
@@ -229,6 +230,12 @@ TEST(Quantize, NonFiniteInARaggedTailIsCountedExactly) {
         else quantize_ref(x.data(), 3, 300, l, scale_mode::fp32, "tail");
         FAIL() << "no error";
       } catch (const nonfinite_error& e) {
+        if (l == qlayout::colwise_1x128) {  // operand rows are source columns: 290 sorts first, one each
+          EXPECT_EQ(e.block_row, 290) << path;
+          EXPECT_EQ(e.block_col, 0) << path;
+          EXPECT_EQ(e.count, 1) << path;
+          continue;
+        }
         EXPECT_EQ(e.block_row, l == qlayout::rowwise_1x128 ? 1 : 0) << path;
         EXPECT_EQ(e.block_col, 2) << path;
         EXPECT_EQ(e.count, 2) << path;

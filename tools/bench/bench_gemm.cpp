@@ -7,7 +7,8 @@
 // plus two lines about the machine, not GEMM results: {"bench":"gemm_peak","impl":"vdpbf16ps",
 // "threads":..,"gflops":..} (the instruction's measured peak) and {"bench":"gemm_dispatch",...}
 // (which large-M kernel the rate probe chose). Side by side (alternating rounds, median per-round
-// ratio; --only=side_by_side for these alone): fp8_vs_onednn_bf16 (M >= 512) and the DRAM GEMV.
+// ratio): fp8_vs_onednn_bf16 (M >= 512; --only=side_by_side) and gemv_dram_side_by_side
+// (--only=gemv_dram).
 // Usage: bench-gemm [--json] [--quick] [--threads=1,2] [--reps=N] [--only=IMPL]
 #include <cblas.h>
 #include <tbb/parallel_for.h>
@@ -109,6 +110,7 @@ void run_fp8_vs_onednn(const bench_args& a, const shape& s, int t, const std::ve
     return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() / n;
   };
   const int n = std::max(1, static_cast<int>(0.1 / std::max(round_s(fp8, 1), 1e-6)));  // calls per round
+  round_s(fp8, n);  // warm-up rounds: scratch pools, pages, both thread pools started
   round_s(dnn, n);
   std::vector<double> ratio;
   for (int r = 0; r < std::max(a.reps, 1); ++r) {
@@ -217,7 +219,7 @@ void run_gemv_dram(const bench_args& a, int t) {
     };
     auto fp8_call = [&] { gemm_fp8(qa, cf[nf++ % cf.size()], C.data()); };
     auto bf16_call = [&] { gemm_bf16(d, Ab.data(), cb[nb++ % cb.size()], C.data()); };
-    time_calls(fp8_call);  // warm-up: page in every copy's first use, start the threads
+    time_calls(fp8_call);  // warm-up: start the threads and the scratch pools
     time_calls(bf16_call);
     std::vector<double> tf, tb, ratio;
     for (int r = 0; r < std::max(a.reps, 1); ++r) {
