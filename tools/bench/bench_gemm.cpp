@@ -105,20 +105,12 @@ void run_fp8_vs_onednn(const bench_args& a, const shape& s, int t, const std::ve
   auto dnn = [&] { o.run(); };
   auto round_s = [](const std::function<void()>& fn, int n) {
     std::this_thread::sleep_for(std::chrono::milliseconds(50));  // the other pool's spinning threads go idle
-    const auto t0 = std::chrono::steady_clock::now();
-    for (int i = 0; i < n; ++i) fn();
-    return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() / n;
+    return bench_time_calls(fn, n);
   };
   const int n = std::max(1, static_cast<int>(0.1 / std::max(round_s(fp8, 1), 1e-6)));  // calls per round
   round_s(fp8, n);  // warm-up rounds: scratch pools, pages, both thread pools started
   round_s(dnn, n);
-  std::vector<double> ratio;
-  for (int r = 0; r < std::max(a.reps, 1); ++r) {
-    double tf, td;
-    if (r % 2 == 0) tf = round_s(fp8, n), td = round_s(dnn, n);
-    else td = round_s(dnn, n), tf = round_s(fp8, n);
-    ratio.push_back(td / tf);
-  }
+  const auto ratio = bench_side_by_side(a.reps, [&] { return round_s(fp8, n); }, [&] { return round_s(dnn, n); }).ratio;
   bench_emit(a, {{"bench", jstr("gemm")}, {"impl", jstr("fp8_vs_onednn_bf16_side_by_side")}, {"M", jnum(double(s.M))},
                  {"N", jnum(double(s.N))}, {"K", jnum(double(s.K))}, {"threads", jnum(t)},
                  {"speedup", jnum(bench_median_of(ratio))}, {"runs", jnum(double(ratio.size()))}, {"note", jstr(o.isa)}});
@@ -212,31 +204,16 @@ void run_gemv_dram(const bench_args& a, int t) {
     const auto pb = gemm_pack_bf16(Bb.data(), s.N, s.K, "B", narrow);
     const std::vector<gemm_packed_b> cf(size_t(kStreamBytes / pf.bytes() + 1), pf), cb(size_t(kStreamBytes / pb.bytes() + 1), pb);
     size_t nf = 0, nb = 0;
-    auto time_calls = [&](const std::function<void()>& call) {
-      const auto t0 = std::chrono::steady_clock::now();
-      for (int i = 0; i < kCallsPerRound; ++i) call();
-      return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() / kCallsPerRound;
-    };
-    auto fp8_call = [&] { gemm_fp8(qa, cf[nf++ % cf.size()], C.data()); };
-    auto bf16_call = [&] { gemm_bf16(d, Ab.data(), cb[nb++ % cb.size()], C.data()); };
-    time_calls(fp8_call);  // warm-up: start the threads and the scratch pools
-    time_calls(bf16_call);
-    std::vector<double> tf, tb, ratio;
-    for (int r = 0; r < std::max(a.reps, 1); ++r) {
-      if (r % 2 == 0) {
-        tf.push_back(time_calls(fp8_call));
-        tb.push_back(time_calls(bf16_call));
-      } else {
-        tb.push_back(time_calls(bf16_call));
-        tf.push_back(time_calls(fp8_call));
-      }
-      ratio.push_back(tb.back() / tf.back());
-    }
-    emit(a, "gemv_dram_fp8", s, t, bench_median_of(tf), std::to_string(cf.size()) + " copies of B");
-    emit(a, "gemv_dram_bf16", s, t, bench_median_of(tb), std::to_string(cb.size()) + " copies of B");
+    auto fp8_round = [&] { return bench_time_calls([&] { gemm_fp8(qa, cf[nf++ % cf.size()], C.data()); }, kCallsPerRound); };
+    auto bf16_round = [&] { return bench_time_calls([&] { gemm_bf16(d, Ab.data(), cb[nb++ % cb.size()], C.data()); }, kCallsPerRound); };
+    fp8_round();  // warm-up: start the threads and the scratch pools
+    bf16_round();
+    const auto side = bench_side_by_side(a.reps, fp8_round, bf16_round);
+    emit(a, "gemv_dram_fp8", s, t, bench_median_of(side.a), std::to_string(cf.size()) + " copies of B");
+    emit(a, "gemv_dram_bf16", s, t, bench_median_of(side.b), std::to_string(cb.size()) + " copies of B");
     bench_emit(a, {{"bench", jstr("gemm")}, {"impl", jstr("gemv_dram_side_by_side")}, {"M", jnum(double(s.M))},
                    {"N", jnum(double(s.N))}, {"K", jnum(double(s.K))}, {"threads", jnum(t)},
-                   {"speedup", jnum(bench_median_of(ratio))}, {"runs", jnum(double(ratio.size()))}});
+                   {"speedup", jnum(bench_median_of(side.ratio))}, {"runs", jnum(double(side.ratio.size()))}});
   });
 }
 

@@ -89,11 +89,8 @@ void run_side_by_side(const bench_args& a, int t, const models::model_config& c,
       return ph[0] + ph[1] + ph[2] + ph[3];
     };
     secs(f), secs(g), secs(f), secs(g);  // warm-up: scratch pools, first-touch pages
-    for (int r = 0; r < std::max(a.reps, 1); ++r) {
-      if (r % 2 == 0) tf.push_back(secs(f)), tb.push_back(secs(g));
-      else tb.push_back(secs(g)), tf.push_back(secs(f));
-      ratio.push_back(tb.back() / tf.back());
-    }
+    const auto side = bench_side_by_side(a.reps, [&] { return secs(f); }, [&] { return secs(g); });
+    tf = side.a, tb = side.b, ratio = side.ratio;
   });
   std::string impl = fp8 + "_vs_" + bf16 + "_side_by_side";
   std::replace(impl.begin(), impl.end(), '-', '_');

@@ -85,6 +85,34 @@ inline double bench_median(int reps, const std::function<void()>& fn, double min
   return bench_median_of(std::move(v));
 }
 
+// Seconds per call of n calls of fn.
+inline double bench_time_calls(const std::function<void()>& fn, int n) {
+  const auto t0 = std::chrono::steady_clock::now();
+  for (int i = 0; i < n; ++i) fn();
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() / n;
+}
+
+// Two implementations side by side on a shared machine: max(rounds, 1) rounds, each timing one
+// run of a and one of b (each returns its seconds), b first in odd rounds so neither always runs
+// second. Per round: a's and b's seconds and the ratio b / a (> 1: a is faster).
+struct bench_pair_times {
+  std::vector<double> a, b, ratio;
+};
+inline bench_pair_times bench_side_by_side(int rounds, const std::function<double()>& a, const std::function<double()>& b) {
+  bench_pair_times t;
+  for (int r = 0; r < std::max(rounds, 1); ++r) {
+    if (r % 2 == 0) {
+      t.a.push_back(a());
+      t.b.push_back(b());
+    } else {
+      t.b.push_back(b());
+      t.a.push_back(a());
+    }
+    t.ratio.push_back(t.b.back() / t.a.back());
+  }
+  return t;
+}
+
 // One result line. fields: ordered key -> already-formatted JSON value.
 inline void bench_emit(const bench_args& a, const std::vector<std::pair<std::string, std::string>>& f) {
   if (a.json) {
