@@ -473,3 +473,25 @@ TEST(Gemm, BadOperandsAreErrors) {
   EXPECT_THROW(gemm_fp8(Af, gemm_pack_fp8(Bw), C.data()), std::invalid_argument);  // modes differ
   EXPECT_THROW(gemm_desc({-1, 2, 3}).check(), std::invalid_argument);
 }
+
+// Large buffers (packed weights) sit on 2 MiB boundaries so they can take transparent huge pages;
+// small ones keep 64-byte alignment; copies and growth keep the contents either way.
+TEST(Gemm, LargeBuffersAreHugePageAlignedAndKeepTheirContents) {
+  const size_t big = fp8rl::kHugeAllocMin + 12345, small = 1000;
+  fp8rl::avector<uint8_t> a(big);
+  for (size_t i = 0; i < big; ++i) a[i] = static_cast<uint8_t>(i * 7);
+  fp8rl::avector_uninit<float> f(big / 4 + 1);
+  fp8rl::avector<uint16_t> s(small, 3);
+  EXPECT_EQ(reinterpret_cast<uintptr_t>(a.data()) % fp8rl::kHugePage, 0u);
+  EXPECT_EQ(reinterpret_cast<uintptr_t>(f.data()) % fp8rl::kHugePage, 0u);
+  EXPECT_EQ(reinterpret_cast<uintptr_t>(s.data()) % 64, 0u);
+  fp8rl::avector<uint8_t> b = a;  // copy: a second huge buffer
+  b.resize(2 * big, 1);          // growth moves the contents into a larger one
+  EXPECT_EQ(reinterpret_cast<uintptr_t>(b.data()) % fp8rl::kHugePage, 0u);
+  for (size_t i = 0; i < big; ++i) ASSERT_EQ(b[i], static_cast<uint8_t>(i * 7)) << "byte " << i;
+  EXPECT_EQ(b[2 * big - 1], 1);
+  s.resize(fp8rl::kHugeAllocMin, 5);  // a small buffer that grows past the threshold
+  EXPECT_EQ(reinterpret_cast<uintptr_t>(s.data()) % fp8rl::kHugePage, 0u);
+  EXPECT_EQ(s[small - 1], 3);
+  EXPECT_EQ(s.back(), 5);
+}
