@@ -14,7 +14,9 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstring>
+#include <stdexcept>
 
 #include "quant/fp8.hpp"
 #include "quant/fp8_avx512.hpp"
@@ -31,13 +33,13 @@ inline __mmask16 col_mask(int64_t n) {
 }
 
 // E4M3 -> BF16 in registers: two 128-entry byte tables (high and low byte of the BF16 value
-// of codes 0..127), indexed by VPERMI2B (bit 7 ignored), sign OR-ed into the high byte.
+// of codes 0..127, times 2^exp2), indexed by VPERMI2B (bit 7 ignored), sign OR-ed into the high byte.
 struct e4m3_bf16_tables {
   __m512i hi0, hi1, lo0, lo1;
-  e4m3_bf16_tables() {
+  explicit e4m3_bf16_tables(int exp2) {
     alignas(64) uint8_t hi[128], lo[128];
     for (int c = 0; c < 128; ++c) {
-      uint16_t b = bf16_from_float(e4m3_to_float(static_cast<uint8_t>(c)));
+      uint16_t b = bf16_from_float(std::ldexp(e4m3_to_float(static_cast<uint8_t>(c)), exp2));
       hi[c] = static_cast<uint8_t>(b >> 8);
       lo[c] = static_cast<uint8_t>(b & 0xff);
     }
@@ -56,9 +58,11 @@ struct e4m3_bf16_tables {
   }
 };
 
-const e4m3_bf16_tables& tables() {
-  static const e4m3_bf16_tables t;
-  return t;
+// exp2: 0 (the values) or kCodesAExp (the narrow FP8 kernels' A operand)
+const e4m3_bf16_tables& tables(int exp2 = 0) {
+  static const e4m3_bf16_tables plain(0), codes_a(kCodesAExp);
+  if (exp2 != 0 && exp2 != kCodesAExp) throw std::logic_error("e4m3 -> bf16 tables: unsupported exponent shift");
+  return exp2 ? codes_a : plain;
 }
 
 // Narrow FP8 pair steps (fp8_stream_pos): word w holds column w/2 (pair half w%2) in its low
@@ -67,10 +71,9 @@ const e4m3_bf16_tables& tables() {
 // to 0111 and clearing the low nibble gives s|0111eeee|mmm0000, the BF16 of (1 + m/8) *
 // 2^(e - 15) = E4M3(c) * 2^-8 for 1 <= e (NaN excepted). Steps holding a code outside that
 // range (fp8_rare bit) patch those words with values precomputed at packing (fp8_rare_patch,
-// VPEXPANDW). Every product
-// and partial sum is then the §5.2 one times 2^-8 exactly (nonzero ones stay >= 2^-26, far from
-// FTZ), and the promotion scales the block sum back by 2^8 (exact): results are bit-identical.
-constexpr float kCodesUnscale = 256.0f;
+// VPEXPANDW). The A operand carries its values times 2^8 (kCodesAExp, exact in BF16), so every
+// product, and so every partial sum, is the §5.2 one exactly (nonzero ones >= 2^-18, far from
+// FTZ): results are bit-identical without rescaling the block sum.
 
 inline void decode_shift(__m512i raw, __m512i* lo, __m512i* hi) {
   const __m512i set = _mm512_set1_epi16(0x3800), clear = _mm512_set1_epi16(0x400f);
@@ -202,8 +205,10 @@ inline void dot_narrow(const uint16_t* A, int64_t lda, const void* const (&P)[PN
 }
 
 // One 128-K block (64 pairs) with a constant trip count: the compiler unrolls it and the
-// block boundary costs no loop-exit mispredict. Codes: rare[p] marks panel p's patched steps.
-template <int MR, int PN, bool kCodes>
+// block boundary costs no loop-exit mispredict. Codes: rare[p] marks panel p's patched steps;
+// kRare = false: no panel has one in this block, and no step checks (about half of 128x128
+// blocks of normal data on one panel: the check and its mispredicts cost the 2048^3 GEMM ~2%).
+template <int MR, int PN, bool kCodes, bool kRare = kCodes>
 inline void dot_narrow_block(const uint16_t* A, int64_t lda, const void* const (&P)[PN], int64_t i0,
                              const rare_steps (&rare)[PN], tile_acc<MR, PN>& acc) {
   const void* Q[PN];
@@ -220,7 +225,8 @@ inline void dot_narrow_block(const uint16_t* A, int64_t lda, const void* const (
         __m512i w0, w1;
         if constexpr (MR <= kPrefetchMaxRows)
           _mm_prefetch(static_cast<const char*>(Q[p]) + i * 64 + kPrefetchBytes, _MM_HINT_T0);
-        decode_step(static_cast<const uint8_t*>(Q[p]), i, rare[p].bits, &rp[p], &w0, &w1);
+        if constexpr (kRare) decode_step(static_cast<const uint8_t*>(Q[p]), i, rare[p].bits, &rp[p], &w0, &w1);
+        else decode_shift(_mm512_load_si512(static_cast<const uint8_t*>(Q[p]) + i * 64), &w0, &w1);
         b[2 * p] = (__m512bh)w0;
         b[2 * p + 1] = (__m512bh)w1;
       } else {
@@ -238,28 +244,28 @@ inline void dot_narrow_block(const uint16_t* A, int64_t lda, const void* const (
 enum class bsrc : uint8_t { wide, pairs, codes };  // which packed form of B the kernel reads
 
 // One 128-K block's FP8 promotion: o = fma(sa * sb, acc, o), the scale product rounded first
-// (§5.2); a codes kernel's acc is 2^-8 of the block sum (scaled back first, exactly).
-// panel_scales: the codes form's one scale per (panel, block) where the pack has it, else null.
-template <int MR, int PN, bool kCodes>
-inline void promote_block(tile_acc<MR, PN>& acc, const gemm_a_operand& A, int64_t m0, const gemm_packed_b& B,
+// (§5.2). panel_scales: the codes form's one scale per (panel, block) where the pack has it (one
+// product per row then serves both halves of the panel), else null (32 per panel).
+template <int MR, int PN>
+inline void promote_block(const tile_acc<MR, PN>& acc, const gemm_a_operand& A, int64_t m0, const gemm_packed_b& B,
                           int64_t pn, int64_t kb, const float* panel_scales, __m512 (&o)[MR][2 * PN]) {
   const int64_t KB = B.Kp / kBlock;
-  if constexpr (kCodes)
-    for (int r = 0; r < MR; ++r)
-      for (int j = 0; j < 2 * PN; ++j) acc.v[r][j] = _mm512_mul_ps(acc.v[r][j], _mm512_set1_ps(kCodesUnscale));
   for (int p = 0; p < PN; ++p) {
     const int64_t b = (pn + p) * KB + kb;
-    __m512 s0, s1;
     if (panel_scales) {
-      s0 = s1 = _mm512_set1_ps(panel_scales[b]);
+      const __m512 sb = _mm512_set1_ps(panel_scales[b]);
+      for (int r = 0; r < MR; ++r) {
+        const __m512 s = _mm512_mul_ps(_mm512_set1_ps(A.scale_inv[(m0 + r) * KB + kb]), sb);
+        o[r][2 * p] = _mm512_fmadd_ps(s, acc.v[r][2 * p], o[r][2 * p]);
+        o[r][2 * p + 1] = _mm512_fmadd_ps(s, acc.v[r][2 * p + 1], o[r][2 * p + 1]);
+      }
     } else {
-      s0 = _mm512_load_ps(B.scale_inv.data() + b * 32);
-      s1 = _mm512_load_ps(B.scale_inv.data() + b * 32 + 16);
-    }
-    for (int r = 0; r < MR; ++r) {
-      const __m512 a = _mm512_set1_ps(A.scale_inv[(m0 + r) * KB + kb]);
-      o[r][2 * p] = _mm512_fmadd_ps(_mm512_mul_ps(a, s0), acc.v[r][2 * p], o[r][2 * p]);
-      o[r][2 * p + 1] = _mm512_fmadd_ps(_mm512_mul_ps(a, s1), acc.v[r][2 * p + 1], o[r][2 * p + 1]);
+      const __m512 s0 = _mm512_load_ps(B.scale_inv.data() + b * 32), s1 = _mm512_load_ps(B.scale_inv.data() + b * 32 + 16);
+      for (int r = 0; r < MR; ++r) {
+        const __m512 a = _mm512_set1_ps(A.scale_inv[(m0 + r) * KB + kb]);
+        o[r][2 * p] = _mm512_fmadd_ps(_mm512_mul_ps(a, s0), acc.v[r][2 * p], o[r][2 * p]);
+        o[r][2 * p + 1] = _mm512_fmadd_ps(_mm512_mul_ps(a, s1), acc.v[r][2 * p + 1], o[r][2 * p + 1]);
+      }
     }
   }
 }
@@ -323,9 +329,14 @@ void tile(gemm_model model, const gemm_a_operand& A, int64_t m0, const gemm_pack
             for (const char* e = reinterpret_cast<const char*>(B.fp8_rare_patch.data() + B.fp8_rare_at[b + 1]); q < e; q += 64)
               _mm_prefetch(q, _MM_HINT_T0);
           }
-        dot_narrow_block<MR, PN, kSrc == bsrc::codes>(A.bf16 + m0 * lda, lda, pnw, kb * kBlock / 2, rare, acc);
+        uint64_t any_rare = 0;
+        for (int p = 0; p < PN; ++p) any_rare |= rare[p].bits;
+        if (kSrc == bsrc::codes && any_rare == 0)
+          dot_narrow_block<MR, PN, true, false>(A.bf16 + m0 * lda, lda, pnw, kb * kBlock / 2, rare, acc);
+        else
+          dot_narrow_block<MR, PN, kSrc == bsrc::codes>(A.bf16 + m0 * lda, lda, pnw, kb * kBlock / 2, rare, acc);
       }
-      promote_block<MR, PN, kSrc == bsrc::codes>(acc, A, m0, B, pn, kb, panel_scales, o);
+      promote_block<MR, PN>(acc, A, m0, B, pn, kb, panel_scales, o);
     }
     for (int r = 0; r < MR; ++r)
       for (int j = 0; j < 2 * PN; ++j) _mm512_store_ps(out[r] + 16 * j, o[r][j]);
@@ -403,7 +414,7 @@ void rows_block(const gemm_a_operand& A, int64_t m0, const gemm_packed_b& B, int
     v[r][0] = _mm512_load_ps(o[r]);
     v[r][1] = _mm512_load_ps(o[r] + 16);
   }
-  promote_block<MR, 1, true>(acc, A, m0, B, pn, kb, panel_scales, v);
+  promote_block<MR, 1>(acc, A, m0, B, pn, kb, panel_scales, v);
   for (int r = 0; r < MR; ++r) {
     _mm512_store_ps(o[r], v[r][0]);
     _mm512_store_ps(o[r] + 16, v[r][1]);
@@ -520,12 +531,12 @@ double dpbf16_fma_rate_ratio() {
 
 namespace {
 // 64 codes -> their BF16 values in natural order (two vectors of 32 words)
-inline void e4m3_bf16_natural(const uint8_t* src, __m512i* first32, __m512i* last32) {
+inline void e4m3_bf16_natural(const uint8_t* src, __m512i* first32, __m512i* last32, const e4m3_bf16_tables& t = tables()) {
   // natural order from the unpacked halves: 128-bit lanes (w0.L0, w1.L0, w0.L1, w1.L1), ...
   const __m512i first = _mm512_set_epi64(11, 10, 3, 2, 9, 8, 1, 0);
   const __m512i second = _mm512_set_epi64(15, 14, 7, 6, 13, 12, 5, 4);
   __m512i w0, w1;
-  tables().decode(_mm512_loadu_si512(src), &w0, &w1);
+  t.decode(_mm512_loadu_si512(src), &w0, &w1);
   *first32 = _mm512_permutex2var_epi64(w0, first, w1);
   *last32 = _mm512_permutex2var_epi64(w0, second, w1);
 }
@@ -537,16 +548,17 @@ inline void bf16_store_f32(__m512i w, float* dst) {
 }
 }  // namespace
 
-void e4m3_to_bf16_avx512(const uint8_t* src, int64_t n, uint16_t* dst) {
+void e4m3_to_bf16_avx512(const uint8_t* src, int64_t n, uint16_t* dst, int exp2) {
+  const e4m3_bf16_tables& t = tables(exp2);
   int64_t i = 0;
   for (; i + 64 <= n; i += 64) {
     __m512i a, b;
-    e4m3_bf16_natural(src + i, &a, &b);
+    e4m3_bf16_natural(src + i, &a, &b, t);
     _mm512_storeu_si512(dst + i, a);
     _mm512_storeu_si512(dst + i + 32, b);
   }
   const float* lut = e4m3_table();
-  for (; i < n; ++i) dst[i] = bf16_from_float(lut[src[i]]);
+  for (; i < n; ++i) dst[i] = bf16_from_float(std::ldexp(lut[src[i]], exp2));
 }
 
 namespace {

@@ -17,8 +17,12 @@ inline bool fp8_code_rare(uint8_t c) { return (c & 0x78) == 0 || (c & 0x7f) == 0
 // first, DAZ/FTZ), or FP8 (pairs per 128-K block, then the scaled promotion).
 enum class gemm_model : uint8_t { seq, pairs, fp8 };
 
+// The narrow FP8 kernels decode B's codes to their values times 2^-8 (quant/gemm_avx512.cpp) and
+// read A's values times 2^8 (exact in BF16: |value| <= 448 * 2^8), so each product is exact.
+inline constexpr int kCodesAExp = 8;
+
 // A operand prepared for a kernel: values zero-padded to lda = Kp, as FP32 (wide kernels) or
-// BF16 (narrow kernels); FP8 scales [M][KB].
+// BF16 (narrow kernels; the fp8 model's times 2^kCodesAExp); FP8 scales [M][KB].
 struct gemm_a_operand {
   int64_t M = 0, lda = 0;
   const float* f32 = nullptr;
@@ -35,7 +39,8 @@ void gemm_wide_portable(gemm_model model, const gemm_a_operand& A, const gemm_pa
 // VDPBF16PS multiply-adds per second over FP32 FMA multiply-adds per second on this core
 // (best of a few short runs of independent chains; needs AVX512_BF16).
 double dpbf16_fma_rate_ratio();
-void e4m3_to_bf16_avx512(const uint8_t* src, int64_t n, uint16_t* dst);
+// BF16 values of n E4M3 codes times 2^exp2 (0, or kCodesAExp for a narrow fp8 A operand)
+void e4m3_to_bf16_avx512(const uint8_t* src, int64_t n, uint16_t* dst, int exp2 = 0);
 void e4m3_to_f32_avx512(const uint8_t* src, int64_t n, float* dst);
 // Row m of the tile-ordered A array ([Mp/16][KS][16][32], as tiles_put_row) from K E4M3 codes:
 // their BF16 values, times scale[k / 128] when scale is given (power-of-two scales: exact),
