@@ -95,6 +95,13 @@ int64_t gemm_packed_b::bytes() const {
                               tiles.size() * 2);
 }
 
+void gemm_packed_b::to_huge_pages() {
+  on_huge_pages(wide);
+  on_huge_pages(bf16);
+  on_huge_pages(fp8);
+  on_huge_pages(tiles);
+}
+
 gemm_packed_b gemm_pack_f32(const float* B, int64_t N, int64_t K, std::string name) {
   gemm_desc{0, N, K}.check();
   gemm_packed_b p;

@@ -132,7 +132,8 @@ gemm_packed_b pack(precision prec, scale_mode mode, const float* B, int64_t N, i
 
 }  // namespace
 
-std::unique_ptr<prepared_linear> cpu_linear_prepare(const linear_source& w, bool for_backward) {
+namespace {
+std::unique_ptr<cpu_linear> linear_pack(const linear_source& w, bool for_backward) {
   auto p = std::make_unique<cpu_linear>();
   p->name = w.name;
   p->out = w.out;
@@ -170,6 +171,15 @@ std::unique_ptr<prepared_linear> cpu_linear_prepare(const linear_source& w, bool
     auto wt = transpose(w.f32, w.out, w.in);
     p->bwd = pack(w.prec, w.mode, wt.data(), w.in, w.out, w.name + ".T", bwd_forms);
   }
+  return p;
+}
+}  // namespace
+
+std::unique_ptr<prepared_linear> cpu_linear_prepare(const linear_source& w, bool for_backward) {
+  auto p = linear_pack(w, for_backward);
+  // generation keeps these weights for many decode steps, each streaming them from DRAM: huge
+  // pages (quant/aligned.hpp). Training repacks them every step, where fresh huge pages cost.
+  if (!for_backward) p->fwd.to_huge_pages();
   return p;
 }
 

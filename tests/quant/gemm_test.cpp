@@ -474,24 +474,42 @@ TEST(Gemm, BadOperandsAreErrors) {
   EXPECT_THROW(gemm_desc({-1, 2, 3}).check(), std::invalid_argument);
 }
 
-// Large buffers (packed weights) sit on 2 MiB boundaries so they can take transparent huge pages;
-// small ones keep 64-byte alignment; copies and growth keep the contents either way.
-TEST(Gemm, LargeBuffersAreHugePageAlignedAndKeepTheirContents) {
-  const size_t big = fp8rl::kHugeAllocMin + 12345, small = 1000;
+// On request (generation's packed weights) large buffers sit on 2 MiB boundaries so they can take
+// transparent huge pages; copies, growth and moves keep the contents and the policy. Default
+// buffers stay 64-byte aligned heap memory.
+TEST(Gemm, HugePageBuffersAreAlignedAndKeepTheirContents) {
+  const size_t big = fp8rl::kHugeAllocMin + 12345;
   fp8rl::avector<uint8_t> a(big);
   for (size_t i = 0; i < big; ++i) a[i] = static_cast<uint8_t>(i * 7);
-  fp8rl::avector_uninit<float> f(big / 4 + 1);
-  fp8rl::avector<uint16_t> s(small, 3);
+  EXPECT_FALSE(a.get_allocator().huge);
+  EXPECT_EQ(reinterpret_cast<uintptr_t>(a.data()) % 64, 0u);
+  fp8rl::on_huge_pages(a);
+  EXPECT_TRUE(a.get_allocator().huge);
   EXPECT_EQ(reinterpret_cast<uintptr_t>(a.data()) % fp8rl::kHugePage, 0u);
-  EXPECT_EQ(reinterpret_cast<uintptr_t>(f.data()) % fp8rl::kHugePage, 0u);
-  EXPECT_EQ(reinterpret_cast<uintptr_t>(s.data()) % 64, 0u);
-  fp8rl::avector<uint8_t> b = a;  // copy: a second huge buffer
-  b.resize(2 * big, 1);          // growth moves the contents into a larger one
+  fp8rl::avector<uint8_t> b = a;  // a copy: huge too
+  EXPECT_TRUE(b.get_allocator().huge);
+  b.resize(2 * big, 1);  // growth moves the contents into a larger huge buffer
   EXPECT_EQ(reinterpret_cast<uintptr_t>(b.data()) % fp8rl::kHugePage, 0u);
   for (size_t i = 0; i < big; ++i) ASSERT_EQ(b[i], static_cast<uint8_t>(i * 7)) << "byte " << i;
   EXPECT_EQ(b[2 * big - 1], 1);
-  s.resize(fp8rl::kHugeAllocMin, 5);  // a small buffer that grows past the threshold
-  EXPECT_EQ(reinterpret_cast<uintptr_t>(s.data()) % fp8rl::kHugePage, 0u);
-  EXPECT_EQ(s[small - 1], 3);
-  EXPECT_EQ(s.back(), 5);
+  fp8rl::avector_uninit<float> f{fp8rl::aligned_uninit_allocator<float>(true)};
+  f.resize(10);  // small: heap, 64-byte aligned; then past the threshold: huge
+  EXPECT_EQ(reinterpret_cast<uintptr_t>(f.data()) % 64, 0u);
+  f.resize(fp8rl::kHugeAllocMin / 4);
+  EXPECT_EQ(reinterpret_cast<uintptr_t>(f.data()) % fp8rl::kHugePage, 0u);
+}
+
+// Packed weights moved onto huge pages give the same bits.
+TEST(Gemm, PackedWeightsOnHugePagesGiveTheSameResults) {
+  const int64_t M = 3, N = 2048, K = 2048;  // 4 MiB of codes: the decode kernel streams them
+  auto a = randn(size_t(M * K), 1), b = randn(size_t(N * K), 2);
+  const qtensor qa = quantize(a.data(), M, K, qlayout::rowwise_1x128, scale_mode::pow2, "A");
+  gemm_packed_b pb = gemm_pack_fp8(quantize(b.data(), N, K, qlayout::block_128x128, scale_mode::pow2, "B"));
+  std::vector<float> c0(size_t(M * N)), c1(c0.size());
+  gemm_fp8(qa, pb, c0.data());
+  pb.to_huge_pages();
+  ASSERT_TRUE(pb.fp8.get_allocator().huge);
+  EXPECT_EQ(reinterpret_cast<uintptr_t>(pb.fp8.data()) % fp8rl::kHugePage, 0u);
+  gemm_fp8(qa, pb, c1.data());
+  EXPECT_EQ(c0, c1);
 }

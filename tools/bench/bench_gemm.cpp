@@ -200,8 +200,10 @@ void run_gemv_dram(const bench_args& a, int t) {
   tbb::task_arena arena(t);
   arena.execute([&] {
     const qtensor qa = quantize(Af.data(), s.M, s.K, qlayout::rowwise_1x128, scale_mode::pow2, "A");
-    const auto pf = gemm_pack_fp8(quantize(Bf.data(), s.N, s.K, qlayout::block_128x128, scale_mode::pow2, "B"), narrow);
-    const auto pb = gemm_pack_bf16(Bb.data(), s.N, s.K, "B", narrow);
+    auto pf = gemm_pack_fp8(quantize(Bf.data(), s.N, s.K, qlayout::block_128x128, scale_mode::pow2, "B"), narrow);
+    auto pb = gemm_pack_bf16(Bb.data(), s.N, s.K, "B", narrow);
+    pf.to_huge_pages();  // as generation keeps its weights (models/cpu/linear.cpp); copies too
+    pb.to_huge_pages();
     const std::vector<gemm_packed_b> cf(size_t(kStreamBytes / pf.bytes() + 1), pf), cb(size_t(kStreamBytes / pb.bytes() + 1), pb);
     size_t nf = 0, nb = 0;
     auto fp8_round = [&] { return bench_time_calls([&] { gemm_fp8(qa, cf[nf++ % cf.size()], C.data()); }, kCallsPerRound); };
