@@ -27,6 +27,7 @@ struct linear_source {
   const float* f32 = nullptr;            // host FP32 values (quantized / rounded per prec)
   const quant::qtensor* fp8 = nullptr;   // or: already-quantized 128x128 blocks (bundles)
   bool tiles = false;                    // precision_policy::tiles (bf16/fp8 layers only)
+  bool long_lived = false;               // kept for many forward calls (model_weights_build)
 };
 
 struct prepared_linear {

@@ -66,7 +66,7 @@ std::string generation_engine::adopt(std::shared_ptr<const quant::weight_bundle>
   try {
     bundle_contents c = bundle_unpack(*b, cfg_, ec_.policy);
     auto s = std::make_shared<state>();
-    s->weights = model_weights_build(be_, cfg_, ec_.policy, c.source(), false);
+    s->weights = model_weights_build(be_, cfg_, ec_.policy, c.source(), false, true);
     s->attn = std::move(c.attn);
     s->weight_version = b->snapshot.weight_version;
     s->scale_version = b->snapshot.scale_version;
@@ -103,7 +103,7 @@ std::string generation_engine::adopt_params(const model_params& p, uint64_t weig
     if (attn)
       if (std::string why = attn_scales_problem(cfg_, *attn); !why.empty()) return why;
     auto s = std::make_shared<state>();
-    s->weights = model_weights_build(be_, cfg_, ec_.policy, {&p, nullptr, nullptr}, false);
+    s->weights = model_weights_build(be_, cfg_, ec_.policy, {&p, nullptr, nullptr}, false, true);
     if (attn) s->attn = *attn;
     s->weight_version = weight_version;
     s->scale_version = scale_version;

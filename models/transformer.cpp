@@ -106,7 +106,7 @@ std::vector<float> values_of(const weight_source& src, const model_config& cfg, 
 }  // namespace
 
 std::unique_ptr<model_weights> model_weights_build(backend& be, const model_config& cfg, const precision_policy& policy,
-                                                   const weight_source& src, bool for_backward) {
+                                                   const weight_source& src, bool for_backward, bool long_lived) {
   policy.validate();
   if (policy.bf16_first > cfg.num_hidden_layers || policy.bf16_last > cfg.num_hidden_layers)
     throw std::invalid_argument("precision policy '" + policy.name + "': bf16_first/bf16_last (" +
@@ -129,6 +129,7 @@ std::unique_ptr<model_weights> model_weights_build(backend& be, const model_conf
     ls.prec = layer < 0 ? hp : policy.linear_for(cfg, layer, proj, out, in);
     ls.mode = policy.scales;
     ls.tiles = policy.tiles;
+    ls.long_lived = long_lived;
     std::vector<float> vals;
     if (ls.prec == precision::fp8 && !src.master) {
       auto it = src.fp8->find(name);
@@ -157,7 +158,7 @@ std::unique_ptr<model_weights> model_weights_build(backend& be, const model_conf
     w->layers.push_back(std::move(l));
   }
   if (cfg.tie_word_embeddings) {
-    linear_source ls{"lm_head.weight", cfg.vocab_size, C, hp, policy.scales, wte.data(), nullptr, policy.tiles};
+    linear_source ls{"lm_head.weight", cfg.vocab_size, C, hp, policy.scales, wte.data(), nullptr, policy.tiles, long_lived};
     w->lm_head = be.linear_prepare(ls, for_backward);
   } else {
     w->lm_head = linear(-1, "lm_head.weight", "lm_head", cfg.vocab_size, C);

@@ -61,8 +61,10 @@ struct weight_source {
   const std::map<std::string, std::vector<float>>* values = nullptr;
   const std::map<std::string, quant::qtensor>* fp8 = nullptr;
 };
+// long_lived: weights kept for many forward calls that stream them from memory (the generation
+// engine's); the backend may place them for that (CPU: huge pages, quant/aligned.hpp).
 std::unique_ptr<model_weights> model_weights_build(backend& be, const model_config& cfg, const precision_policy& policy,
-                                                   const weight_source& src, bool for_backward);
+                                                   const weight_source& src, bool for_backward, bool long_lived = false);
 
 // Per-layer, per-head max |q|, |k|, |v| after RoPE, for calibration (rl-algorithm.md §5).
 struct qkv_stats {

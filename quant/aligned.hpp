@@ -1,9 +1,7 @@
 // quant/aligned.hpp -- 64-byte aligned std::vector (for packed GEMM operands); on request, large
 // buffers on transparent huge pages.
-// defines: aligned_allocator, avector, avector_uninit, kHugeAllocMin, kHugePage, on_huge_pages
+// defines: aligned_allocator, avector, avector_uninit, kHugeAllocMin, kHugePage, huge_alloc, huge_free
 #pragma once
-#include <sys/mman.h>
-
 #include <cstddef>
 #include <new>
 #include <type_traits>
@@ -12,15 +10,19 @@
 
 namespace fp8rl {
 
-// An allocator with `huge` set puts buffers of at least kHugeAllocMin bytes on 2 MiB boundaries,
-// rounded up to 2 MiB and advised onto transparent huge pages (MADV_HUGEPAGE; a no-op where THP
-// is off). For long-lived data streamed from DRAM, like the packed weights of generation: two
-// cores streaming FP8 weights on 4 KiB pages read at 22-46 GB/s against 53-62 on 2 MiB pages
-// (Zen 5, 4096^2 GEMV). Not the default: fresh huge pages cost a 2 MiB clear and, with THP's
-// defrag on madvise, compaction at the first touch, so a training step that allocates its
-// temporaries anew ran 12-35% slower with every large buffer huge.
+// An allocator with `huge` set puts buffers of at least kHugeAllocMin bytes in their own anonymous
+// mappings, 2 MiB aligned, rounded up to 2 MiB and advised onto transparent huge pages
+// (MADV_HUGEPAGE; a no-op where THP is off). For long-lived data streamed from DRAM, like the
+// packed weights of generation: two cores streaming FP8 weights on 4 KiB pages read at 22-46 GB/s
+// against 53-62 on 2 MiB pages (Zen 5, 4096^2 GEMV). Their own mappings, not malloc's heap: the
+// advice must not stay on heap ranges that later serve ordinary allocations. Not the default:
+// fresh huge pages cost a 2 MiB clear and, with THP's defrag on madvise, compaction at the first
+// touch, so a training step that allocates its temporaries anew ran 12-35% slower with every
+// large buffer huge.
 inline constexpr std::size_t kHugeAllocMin = std::size_t{4} << 20;
 inline constexpr std::size_t kHugePage = std::size_t{2} << 20;
+void* huge_alloc(std::size_t bytes);                // throws std::bad_alloc (quant/aligned.cpp)
+void huge_free(void* p, std::size_t bytes) noexcept;  // bytes as given to huge_alloc
 
 template <class T>
 struct aligned_allocator {
@@ -31,19 +33,17 @@ struct aligned_allocator {
   using propagate_on_container_swap = std::true_type;
   bool huge = false;
   aligned_allocator() noexcept = default;
-  explicit aligned_allocator(bool on_huge_pages) noexcept : huge(on_huge_pages) {}
+  explicit aligned_allocator(bool huge_pages) noexcept : huge(huge_pages) {}
   template <class U>
   aligned_allocator(const aligned_allocator<U>& o) noexcept : huge(o.huge) {}
   bool huge_for(std::size_t n) const noexcept { return huge && n * sizeof(T) >= kHugeAllocMin; }
   T* allocate(std::size_t n) {
-    if (!huge_for(n)) return static_cast<T*>(::operator new(n * sizeof(T), std::align_val_t{64}));
-    const std::size_t rounded = (n * sizeof(T) + kHugePage - 1) / kHugePage * kHugePage;
-    void* p = ::operator new(rounded, std::align_val_t{kHugePage});
-    ::madvise(p, rounded, MADV_HUGEPAGE);  // advice only: failure leaves 4 KiB pages
-    return static_cast<T*>(p);
+    if (huge_for(n)) return static_cast<T*>(huge_alloc(n * sizeof(T)));
+    return static_cast<T*>(::operator new(n * sizeof(T), std::align_val_t{64}));
   }
   void deallocate(T* p, std::size_t n) noexcept {
-    ::operator delete(p, std::align_val_t{huge_for(n) ? kHugePage : 64});
+    if (huge_for(n)) huge_free(p, n * sizeof(T));
+    else ::operator delete(p, std::align_val_t{64});
   }
   template <class U>
   bool operator==(const aligned_allocator<U>& o) const noexcept { return huge == o.huge; }
@@ -61,7 +61,7 @@ struct aligned_uninit_allocator : aligned_allocator<T> {
     using other = aligned_uninit_allocator<U>;
   };
   aligned_uninit_allocator() noexcept = default;
-  explicit aligned_uninit_allocator(bool on_huge_pages) noexcept : aligned_allocator<T>(on_huge_pages) {}
+  explicit aligned_uninit_allocator(bool huge_pages) noexcept : aligned_allocator<T>(huge_pages) {}
   template <class U>
   aligned_uninit_allocator(const aligned_uninit_allocator<U>& o) noexcept : aligned_allocator<T>(o.huge) {}
   template <class U>
@@ -76,15 +76,5 @@ struct aligned_uninit_allocator : aligned_allocator<T> {
 
 template <class T>
 using avector_uninit = std::vector<T, aligned_uninit_allocator<T>>;
-
-// v's contents moved into a buffer whose allocator has `huge` set (one copy; no-op if it has).
-template <class V>
-void on_huge_pages(V& v) {
-  if (v.get_allocator().huge) return;
-  V h(typename V::allocator_type(true));
-  h.reserve(v.size());
-  h.insert(h.end(), v.begin(), v.end());
-  v = std::move(h);  // the allocator propagates
-}
 
 }  // namespace fp8rl

@@ -167,7 +167,7 @@ void gemm_fp8(const qtensor& A, const gemm_packed_b& B, float* C, const gemm_con
   tbb::parallel_for(int64_t{0}, d.M, [&](int64_t m) {
     const uint8_t* src = A.data.data() + m * d.K;
     if (narrow) {
-      detail::e4m3_to_bf16_avx512(src, d.K, ab + m * lda, detail::kCodesAExp);
+      detail::e4m3_to_bf16_avx512(src, d.K, ab + m * lda, true);
       std::fill(ab + m * lda + d.K, ab + (m + 1) * lda, uint16_t{0});
     } else {
       if (isa >= cpu_isa::avx512_bf16) detail::e4m3_to_f32_avx512(src, d.K, af + m * lda);
@@ -295,7 +295,8 @@ void gemm_fp8(const gemm_wide_a& A, const gemm_packed_b& B, float* C, const gemm
   }
   // the narrow kernel reads BF16 values times 2^kCodesAExp: E4M3 values so scaled are exact in BF16
   avector<uint16_t> ab(static_cast<size_t>(d.M * A.Kp));
-  for (int64_t i = 0; i < d.M * A.Kp; ++i) ab[i] = bf16_from_float(std::ldexp(A.values[i], detail::kCodesAExp));
+  const float times = std::ldexp(1.0f, detail::kCodesAExp);
+  for (int64_t i = 0; i < d.M * A.Kp; ++i) ab[i] = bf16_from_float(A.values[i] * times);
   detail::gemm_narrow_avx512(gemm_model::fp8, {d.M, A.Kp, nullptr, ab.data(), A.sa.data()}, B, C, decode_once(cfg));
 }
 

@@ -76,6 +76,9 @@ struct gemm_pack_forms {
   bool wide = true;
   bool narrow = true;
   bool tiles = false;
+  // large forms on transparent huge pages (quant/aligned.hpp), for weights kept for many calls
+  // and streamed from DRAM (generation); copies of the pack stay there
+  bool huge_pages = false;
 };
 // The forms automatic dispatch uses on this CPU: the large-M form (wide, or narrow where
 // gemm_narrow_preferred), plus the narrow form when small-M (decode) calls will come.
@@ -108,9 +111,6 @@ struct gemm_packed_b {
   int64_t Kt = 0;
   int64_t panels() const { return (N + 31) / 32; }
   int64_t bytes() const;
-  // Moves the forms onto transparent huge pages where large (quant/aligned.hpp; one copy): for
-  // weights kept for many calls and streamed from DRAM (generation). Copies of it stay there.
-  void to_huge_pages();
 };
 
 gemm_packed_b gemm_pack_f32(const float* B, int64_t N, int64_t K, std::string name = "B");

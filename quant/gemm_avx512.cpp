@@ -16,7 +16,6 @@
 #include <chrono>
 #include <cmath>
 #include <cstring>
-#include <stdexcept>
 
 #include "quant/fp8.hpp"
 #include "quant/fp8_avx512.hpp"
@@ -58,11 +57,10 @@ struct e4m3_bf16_tables {
   }
 };
 
-// exp2: 0 (the values) or kCodesAExp (the narrow FP8 kernels' A operand)
-const e4m3_bf16_tables& tables(int exp2 = 0) {
-  static const e4m3_bf16_tables plain(0), codes_a(kCodesAExp);
-  if (exp2 != 0 && exp2 != kCodesAExp) throw std::logic_error("e4m3 -> bf16 tables: unsupported exponent shift");
-  return exp2 ? codes_a : plain;
+// The values, or (codes_a) the values times 2^kCodesAExp: the narrow FP8 kernels' A operand.
+const e4m3_bf16_tables& tables(bool codes_a = false) {
+  static const e4m3_bf16_tables plain(0), scaled(kCodesAExp);
+  return codes_a ? scaled : plain;
 }
 
 // Narrow FP8 pair steps (fp8_stream_pos): word w holds column w/2 (pair half w%2) in its low
@@ -75,6 +73,8 @@ const e4m3_bf16_tables& tables(int exp2 = 0) {
 // product, and so every partial sum, is the §5.2 one exactly (nonzero ones >= 2^-18, far from
 // FTZ): results are bit-identical without rescaling the block sum.
 
+// 0x3800 puts code exponent e at BF16 exponent 112 + e = 127 + (e - 15); E4M3's bias is 7.
+static_assert(kCodesAExp == 15 - 7, "the A operand's 2^kCodesAExp undoes decode_shift's 2^(7 - 15)");
 inline void decode_shift(__m512i raw, __m512i* lo, __m512i* hi) {
   const __m512i set = _mm512_set1_epi16(0x3800), clear = _mm512_set1_epi16(0x400f);
   // (x | set) & ~clear
@@ -260,7 +260,8 @@ inline void promote_block(const tile_acc<MR, PN>& acc, const gemm_a_operand& A, 
         o[r][2 * p + 1] = _mm512_fmadd_ps(s, acc.v[r][2 * p + 1], o[r][2 * p + 1]);
       }
     } else {
-      const __m512 s0 = _mm512_load_ps(B.scale_inv.data() + b * 32), s1 = _mm512_load_ps(B.scale_inv.data() + b * 32 + 16);
+      const float* sb = B.scale_inv.data() + b * 32;
+      const __m512 s0 = _mm512_load_ps(sb), s1 = _mm512_load_ps(sb + 16);
       for (int r = 0; r < MR; ++r) {
         const __m512 a = _mm512_set1_ps(A.scale_inv[(m0 + r) * KB + kb]);
         o[r][2 * p] = _mm512_fmadd_ps(_mm512_mul_ps(a, s0), acc.v[r][2 * p], o[r][2 * p]);
@@ -329,12 +330,15 @@ void tile(gemm_model model, const gemm_a_operand& A, int64_t m0, const gemm_pack
             for (const char* e = reinterpret_cast<const char*>(B.fp8_rare_patch.data() + B.fp8_rare_at[b + 1]); q < e; q += 64)
               _mm_prefetch(q, _MM_HINT_T0);
           }
-        uint64_t any_rare = 0;
-        for (int p = 0; p < PN; ++p) any_rare |= rare[p].bits;
-        if (kSrc == bsrc::codes && any_rare == 0)
-          dot_narrow_block<MR, PN, true, false>(A.bf16 + m0 * lda, lda, pnw, kb * kBlock / 2, rare, acc);
-        else
-          dot_narrow_block<MR, PN, kSrc == bsrc::codes>(A.bf16 + m0 * lda, lda, pnw, kb * kBlock / 2, rare, acc);
+        const uint16_t* a = A.bf16 + m0 * lda;
+        if constexpr (kSrc == bsrc::codes) {
+          uint64_t any_rare = 0;
+          for (int p = 0; p < PN; ++p) any_rare |= rare[p].bits;
+          if (any_rare == 0) dot_narrow_block<MR, PN, true, false>(a, lda, pnw, kb * kBlock / 2, rare, acc);
+          else dot_narrow_block<MR, PN, true, true>(a, lda, pnw, kb * kBlock / 2, rare, acc);
+        } else {
+          dot_narrow_block<MR, PN, false>(a, lda, pnw, kb * kBlock / 2, rare, acc);
+        }
       }
       promote_block<MR, PN>(acc, A, m0, B, pn, kb, panel_scales, o);
     }
@@ -531,7 +535,8 @@ double dpbf16_fma_rate_ratio() {
 
 namespace {
 // 64 codes -> their BF16 values in natural order (two vectors of 32 words)
-inline void e4m3_bf16_natural(const uint8_t* src, __m512i* first32, __m512i* last32, const e4m3_bf16_tables& t = tables()) {
+inline void e4m3_bf16_natural(const uint8_t* src, __m512i* first32, __m512i* last32,
+                              const e4m3_bf16_tables& t = tables()) {
   // natural order from the unpacked halves: 128-bit lanes (w0.L0, w1.L0, w0.L1, w1.L1), ...
   const __m512i first = _mm512_set_epi64(11, 10, 3, 2, 9, 8, 1, 0);
   const __m512i second = _mm512_set_epi64(15, 14, 7, 6, 13, 12, 5, 4);
@@ -548,8 +553,8 @@ inline void bf16_store_f32(__m512i w, float* dst) {
 }
 }  // namespace
 
-void e4m3_to_bf16_avx512(const uint8_t* src, int64_t n, uint16_t* dst, int exp2) {
-  const e4m3_bf16_tables& t = tables(exp2);
+void e4m3_to_bf16_avx512(const uint8_t* src, int64_t n, uint16_t* dst, bool codes_a) {
+  const e4m3_bf16_tables& t = tables(codes_a);
   int64_t i = 0;
   for (; i + 64 <= n; i += 64) {
     __m512i a, b;
@@ -558,7 +563,8 @@ void e4m3_to_bf16_avx512(const uint8_t* src, int64_t n, uint16_t* dst, int exp2)
     _mm512_storeu_si512(dst + i + 32, b);
   }
   const float* lut = e4m3_table();
-  for (; i < n; ++i) dst[i] = bf16_from_float(std::ldexp(lut[src[i]], exp2));
+  const float times = codes_a ? std::ldexp(1.0f, kCodesAExp) : 1.0f;
+  for (; i < n; ++i) dst[i] = bf16_from_float(lut[src[i]] * times);
 }
 
 namespace {

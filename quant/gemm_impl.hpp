@@ -39,8 +39,8 @@ void gemm_wide_portable(gemm_model model, const gemm_a_operand& A, const gemm_pa
 // VDPBF16PS multiply-adds per second over FP32 FMA multiply-adds per second on this core
 // (best of a few short runs of independent chains; needs AVX512_BF16).
 double dpbf16_fma_rate_ratio();
-// BF16 values of n E4M3 codes times 2^exp2 (0, or kCodesAExp for a narrow fp8 A operand)
-void e4m3_to_bf16_avx512(const uint8_t* src, int64_t n, uint16_t* dst, int exp2 = 0);
+// BF16 values of n E4M3 codes; codes_a: times 2^kCodesAExp (a narrow fp8 kernel's A operand)
+void e4m3_to_bf16_avx512(const uint8_t* src, int64_t n, uint16_t* dst, bool codes_a = false);
 void e4m3_to_f32_avx512(const uint8_t* src, int64_t n, float* dst);
 // Row m of the tile-ordered A array ([Mp/16][KS][16][32], as tiles_put_row) from K E4M3 codes:
 // their BF16 values, times scale[k / 128] when scale is given (power-of-two scales: exact),

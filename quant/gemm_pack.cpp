@@ -15,6 +15,14 @@ namespace {
 
 // The narrow forms need AVX512_BF16 kernels; without them packing always builds `wide`.
 // The tile form serves only the tile GEMMs, which need AMX: without it, it is not built.
+// The large forms' buffers take the huge-page policy before the packer sizes them.
+void use_huge_pages(gemm_packed_b& p) {
+  p.wide = avector_uninit<float>(aligned_uninit_allocator<float>(true));
+  p.bf16 = avector<uint16_t>(aligned_allocator<uint16_t>(true));
+  p.fp8 = avector<uint8_t>(aligned_allocator<uint8_t>(true));
+  p.tiles = avector_uninit<uint16_t>(aligned_uninit_allocator<uint16_t>(true));
+}
+
 gemm_pack_forms usable(gemm_pack_forms f) {
   if (cpu_isa_active() < cpu_isa::amx) f.tiles = false;
   if (cpu_isa_active() < cpu_isa::avx512_bf16) f.wide = true;
@@ -95,13 +103,6 @@ int64_t gemm_packed_b::bytes() const {
                               tiles.size() * 2);
 }
 
-void gemm_packed_b::to_huge_pages() {
-  on_huge_pages(wide);
-  on_huge_pages(bf16);
-  on_huge_pages(fp8);
-  on_huge_pages(tiles);
-}
-
 gemm_packed_b gemm_pack_f32(const float* B, int64_t N, int64_t K, std::string name) {
   gemm_desc{0, N, K}.check();
   gemm_packed_b p;
@@ -122,6 +123,7 @@ gemm_packed_b gemm_pack_bf16(const uint16_t* B, int64_t N, int64_t K, std::strin
   gemm_desc{0, N, K}.check();
   forms = usable(forms);
   gemm_packed_b p;
+  if (forms.huge_pages) use_huge_pages(p);
   p.dtype = gemm_dtype::bf16;
   p.name = std::move(name);
   p.N = N;
@@ -152,6 +154,7 @@ gemm_packed_b gemm_pack_bf16(const uint16_t* B, int64_t N, int64_t K, std::strin
 gemm_packed_b gemm_pack_fp8(const qtensor& B, gemm_pack_forms forms) {
   forms = usable(forms);
   gemm_packed_b p;
+  if (forms.huge_pages) use_huge_pages(p);
   p.dtype = gemm_dtype::fp8;
   p.mode = B.mode;
   p.name = B.name;

@@ -132,8 +132,7 @@ gemm_packed_b pack(precision prec, scale_mode mode, const float* B, int64_t N, i
 
 }  // namespace
 
-namespace {
-std::unique_ptr<cpu_linear> linear_pack(const linear_source& w, bool for_backward) {
+std::unique_ptr<prepared_linear> cpu_linear_prepare(const linear_source& w, bool for_backward) {
   auto p = std::make_unique<cpu_linear>();
   p->name = w.name;
   p->out = w.out;
@@ -145,7 +144,9 @@ std::unique_ptr<cpu_linear> linear_pack(const linear_source& w, bool for_backwar
     throw std::runtime_error("linear '" + w.name + "': the precision policy asks for tile GEMMs (tiles) and this CPU has no "
                              "AMX-BF16 (active ISA: " + std::string(cpu_isa_name(cpu_isa_active())) + ")");
   // training runs large-M GEMMs only; generation also needs the narrow (decode) form
-  const gemm_pack_forms forms = forms_for(p->tiles, !for_backward), bwd_forms = forms_for(p->tiles, false);
+  const gemm_pack_forms bwd_forms = forms_for(p->tiles, false);
+  gemm_pack_forms forms = forms_for(p->tiles, !for_backward);
+  forms.huge_pages = w.long_lived;  // every decode step streams them (quant/aligned.hpp)
   if (w.fp8) {
     if (w.prec != precision::fp8) throw std::invalid_argument("linear '" + w.name + "': FP8 bytes for a non-FP8 layer");
     if (w.fp8->rows != w.out || w.fp8->cols != w.in || w.fp8->layout != qlayout::block_128x128)
@@ -171,15 +172,6 @@ std::unique_ptr<cpu_linear> linear_pack(const linear_source& w, bool for_backwar
     auto wt = transpose(w.f32, w.out, w.in);
     p->bwd = pack(w.prec, w.mode, wt.data(), w.in, w.out, w.name + ".T", bwd_forms);
   }
-  return p;
-}
-}  // namespace
-
-std::unique_ptr<prepared_linear> cpu_linear_prepare(const linear_source& w, bool for_backward) {
-  auto p = linear_pack(w, for_backward);
-  // generation keeps these weights for many decode steps, each streaming them from DRAM: huge
-  // pages (quant/aligned.hpp). Training repacks them every step, where fresh huge pages cost.
-  if (!for_backward) p->fwd.to_huge_pages();
   return p;
 }
 

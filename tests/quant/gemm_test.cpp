@@ -6,6 +6,8 @@
 
 #include <cfloat>
 #include <cmath>
+#include <cstdio>
+#include <fstream>
 #include <limits>
 #include <string>
 
@@ -474,42 +476,81 @@ TEST(Gemm, BadOperandsAreErrors) {
   EXPECT_THROW(gemm_desc({-1, 2, 3}).check(), std::invalid_argument);
 }
 
-// On request (generation's packed weights) large buffers sit on 2 MiB boundaries so they can take
-// transparent huge pages; copies, growth and moves keep the contents and the policy. Default
-// buffers stay 64-byte aligned heap memory.
-TEST(Gemm, HugePageBuffersAreAlignedAndKeepTheirContents) {
+namespace {
+bool aligned_to(const void* p, size_t a) { return reinterpret_cast<uintptr_t>(p) % a == 0; }
+
+// Whether the mapping holding p carries MADV_HUGEPAGE ("hg" in /proc/self/smaps' VmFlags).
+bool advised_huge(const void* p) {
+  std::ifstream smaps("/proc/self/smaps");
+  const auto a = reinterpret_cast<uintptr_t>(p);
+  bool inside = false;
+  for (std::string line; std::getline(smaps, line);) {
+    unsigned long lo = 0, hi = 0;
+    if (std::sscanf(line.c_str(), "%lx-%lx ", &lo, &hi) == 2 && line.find(':') > line.find(' ')) inside = a >= lo && a < hi;
+    else if (inside && line.rfind("VmFlags:", 0) == 0) return line.find(" hg") != std::string::npos;
+  }
+  return false;
+}
+}  // namespace
+
+// On request (generation's packed weights) large buffers get their own 2 MiB-aligned mappings
+// advised onto transparent huge pages; the policy travels with copies, assignment, swap and
+// rebinding, and growth keeps the contents. Default buffers stay 64-byte aligned heap memory.
+TEST(AlignedBuffers, HugePagePolicyAlignsAdvisesAndTravels) {
   const size_t big = fp8rl::kHugeAllocMin + 12345;
-  fp8rl::avector<uint8_t> a(big);
+  fp8rl::avector<uint8_t> plain(big, 1);
+  EXPECT_FALSE(plain.get_allocator().huge);
+  EXPECT_TRUE(aligned_to(plain.data(), 64));
+  fp8rl::avector<uint8_t> a{fp8rl::aligned_allocator<uint8_t>(true)};
+  a.resize(big);
   for (size_t i = 0; i < big; ++i) a[i] = static_cast<uint8_t>(i * 7);
-  EXPECT_FALSE(a.get_allocator().huge);
-  EXPECT_EQ(reinterpret_cast<uintptr_t>(a.data()) % 64, 0u);
-  fp8rl::on_huge_pages(a);
-  EXPECT_TRUE(a.get_allocator().huge);
-  EXPECT_EQ(reinterpret_cast<uintptr_t>(a.data()) % fp8rl::kHugePage, 0u);
-  fp8rl::avector<uint8_t> b = a;  // a copy: huge too
+  EXPECT_TRUE(aligned_to(a.data(), fp8rl::kHugePage));
+  if (std::ifstream("/sys/kernel/mm/transparent_hugepage/enabled")) {  // a kernel with THP takes the advice
+    EXPECT_TRUE(advised_huge(a.data()));
+    EXPECT_FALSE(advised_huge(plain.data()));
+  }
+  fp8rl::avector<uint8_t> b = a;  // copy construction
   EXPECT_TRUE(b.get_allocator().huge);
-  b.resize(2 * big, 1);  // growth moves the contents into a larger huge buffer
-  EXPECT_EQ(reinterpret_cast<uintptr_t>(b.data()) % fp8rl::kHugePage, 0u);
+  b.resize(2 * big, 1);  // growth: a larger huge buffer with the contents
+  EXPECT_TRUE(aligned_to(b.data(), fp8rl::kHugePage));
   for (size_t i = 0; i < big; ++i) ASSERT_EQ(b[i], static_cast<uint8_t>(i * 7)) << "byte " << i;
   EXPECT_EQ(b[2 * big - 1], 1);
-  fp8rl::avector_uninit<float> f{fp8rl::aligned_uninit_allocator<float>(true)};
-  f.resize(10);  // small: heap, 64-byte aligned; then past the threshold: huge
-  EXPECT_EQ(reinterpret_cast<uintptr_t>(f.data()) % 64, 0u);
+  fp8rl::avector<uint8_t> c(10, 2);
+  c = a;  // copy assignment takes the policy
+  EXPECT_TRUE(c.get_allocator().huge);
+  EXPECT_TRUE(aligned_to(c.data(), fp8rl::kHugePage));
+  EXPECT_EQ(c[big - 1], static_cast<uint8_t>((big - 1) * 7));
+  c.swap(plain);  // swap exchanges the policies with the buffers
+  EXPECT_FALSE(c.get_allocator().huge);
+  EXPECT_TRUE(plain.get_allocator().huge);
+  EXPECT_EQ(c[0], 1);
+  const fp8rl::aligned_uninit_allocator<float> rebound(fp8rl::aligned_uninit_allocator<uint8_t>(true));
+  EXPECT_TRUE(rebound.huge);
+  fp8rl::avector_uninit<float> f{rebound};
+  f.resize(10);  // small: heap, 64-byte aligned; past the threshold: huge
+  EXPECT_TRUE(aligned_to(f.data(), 64));
   f.resize(fp8rl::kHugeAllocMin / 4);
-  EXPECT_EQ(reinterpret_cast<uintptr_t>(f.data()) % fp8rl::kHugePage, 0u);
+  EXPECT_TRUE(aligned_to(f.data(), fp8rl::kHugePage));
 }
 
-// Packed weights moved onto huge pages give the same bits.
-TEST(Gemm, PackedWeightsOnHugePagesGiveTheSameResults) {
-  const int64_t M = 3, N = 2048, K = 2048;  // 4 MiB of codes: the decode kernel streams them
+// A pack on huge pages (the decode form the DRAM GEMV streams) gives the reference's bits.
+TEST(Gemm, PackOnHugePagesEqualsTheReference) {
+  const int64_t M = 3, N = 2048, K = 2048;  // 4 MiB of codes
   auto a = randn(size_t(M * K), 1), b = randn(size_t(N * K), 2);
   const qtensor qa = quantize(a.data(), M, K, qlayout::rowwise_1x128, scale_mode::pow2, "A");
-  gemm_packed_b pb = gemm_pack_fp8(quantize(b.data(), N, K, qlayout::block_128x128, scale_mode::pow2, "B"));
-  std::vector<float> c0(size_t(M * N)), c1(c0.size());
-  gemm_fp8(qa, pb, c0.data());
-  pb.to_huge_pages();
-  ASSERT_TRUE(pb.fp8.get_allocator().huge);
-  EXPECT_EQ(reinterpret_cast<uintptr_t>(pb.fp8.data()) % fp8rl::kHugePage, 0u);
-  gemm_fp8(qa, pb, c1.data());
-  EXPECT_EQ(c0, c1);
+  const qtensor qb = quantize(b.data(), N, K, qlayout::block_128x128, scale_mode::pow2, "B");
+  gemm_pack_forms forms = gemm_forms_for(true);
+  forms.huge_pages = true;
+  const gemm_packed_b pb = gemm_pack_fp8(qb, forms);
+  if (!pb.fp8.empty()) {  // the forms this CPU builds
+    EXPECT_TRUE(pb.fp8.get_allocator().huge);
+    EXPECT_TRUE(aligned_to(pb.fp8.data(), fp8rl::kHugePage));
+  }
+  if (!pb.wide.empty()) {
+    EXPECT_TRUE(aligned_to(pb.wide.data(), fp8rl::kHugePage));
+  }
+  std::vector<float> ref(size_t(M * N)), got(ref.size());
+  gemm_fp8_ref(qa, qb, ref.data());
+  gemm_fp8(qa, pb, got.data());
+  EXPECT_EQ(got, ref);
 }

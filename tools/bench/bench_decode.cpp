@@ -129,8 +129,9 @@ struct decode_runner {
 // the line reports the median over rounds of the two step times' ratio.
 void run_decode_ratio(const bench_args& a, backend& be, const model_config& cfg, const model_params& params,
                       int64_t ctx, int64_t steps, int t) {
-  const auto w8 = model_weights_build(be, cfg, bench_policy("fp8", "fp8"), {&params, nullptr, nullptr}, false);
-  const auto w16 = model_weights_build(be, cfg, bench_policy("bf16", "bf16"), {&params, nullptr, nullptr}, false);
+  // long-lived (huge pages), as the generation engine keeps its weights (models/generate.cpp)
+  const auto w8 = model_weights_build(be, cfg, bench_policy("fp8", "fp8"), {&params, nullptr, nullptr}, false, true);
+  const auto w16 = model_weights_build(be, cfg, bench_policy("bf16", "bf16"), {&params, nullptr, nullptr}, false, true);
   decode_runner fp8(be, *w8, 1, ctx, steps), bf16(be, *w16, 1, ctx, steps);
   tbb::task_arena arena(t);
   arena.execute([&] {
@@ -181,7 +182,7 @@ int main(int argc, char** argv) {
       const double wbytes = (std::string(wname) == "fp8" ? 1.0 : std::string(wname) == "bf16" ? 2.0 : 4.0) * layer_params * layers +
                             (std::string(wname) == "fp32" ? 4.0 : 2.0) * 32000.0 * 2048;
       const double kv_esize = pol.kv == kv_dtype::fp8 ? 1.0 : 2.0;
-      const auto w = model_weights_build(*be, cfg, pol, {&params, nullptr, nullptr}, false);
+      const auto w = model_weights_build(*be, cfg, pol, {&params, nullptr, nullptr}, false, true);  // as generation
       for (int64_t batch : {int64_t{1}, int64_t{16}}) {
         decode_runner run(*be, *w, batch, ctx, decode_steps);
         for (int t : a.threads) {

@@ -195,15 +195,13 @@ void run_gemv_dram(const bench_args& a, int t) {
   for (size_t i = 0; i < Af.size(); ++i) Ab[i] = bf16_from_float(Af[i]);
   for (size_t i = 0; i < Bf.size(); ++i) Bb[i] = bf16_from_float(Bf[i]);
   std::vector<float> C(size_t(s.N));
-  const gemm_pack_forms narrow{false, true, false};  // the decode form only
+  const gemm_pack_forms narrow{false, true, false, true};  // the decode form only, as generation keeps it (huge pages)
   const gemm_desc d{s.M, s.N, s.K};
   tbb::task_arena arena(t);
   arena.execute([&] {
     const qtensor qa = quantize(Af.data(), s.M, s.K, qlayout::rowwise_1x128, scale_mode::pow2, "A");
-    auto pf = gemm_pack_fp8(quantize(Bf.data(), s.N, s.K, qlayout::block_128x128, scale_mode::pow2, "B"), narrow);
-    auto pb = gemm_pack_bf16(Bb.data(), s.N, s.K, "B", narrow);
-    pf.to_huge_pages();  // as generation keeps its weights (models/cpu/linear.cpp); copies too
-    pb.to_huge_pages();
+    const auto pf = gemm_pack_fp8(quantize(Bf.data(), s.N, s.K, qlayout::block_128x128, scale_mode::pow2, "B"), narrow);
+    const auto pb = gemm_pack_bf16(Bb.data(), s.N, s.K, "B", narrow);
     const std::vector<gemm_packed_b> cf(size_t(kStreamBytes / pf.bytes() + 1), pf), cb(size_t(kStreamBytes / pb.bytes() + 1), pb);
     size_t nf = 0, nb = 0;
     auto fp8_round = [&] { return bench_time_calls([&] { gemm_fp8(qa, cf[nf++ % cf.size()], C.data()); }, kCallsPerRound); };
@@ -211,8 +209,8 @@ void run_gemv_dram(const bench_args& a, int t) {
     fp8_round();  // warm-up: start the threads and the scratch pools
     bf16_round();
     const auto side = bench_side_by_side(a.reps, fp8_round, bf16_round);
-    emit(a, "gemv_dram_fp8", s, t, bench_median_of(side.a), std::to_string(cf.size()) + " copies of B");
-    emit(a, "gemv_dram_bf16", s, t, bench_median_of(side.b), std::to_string(cb.size()) + " copies of B");
+    emit(a, "gemv_dram_fp8", s, t, bench_median_of(side.a), std::to_string(cf.size()) + " copies of B (huge pages)");
+    emit(a, "gemv_dram_bf16", s, t, bench_median_of(side.b), std::to_string(cb.size()) + " copies of B (huge pages)");
     bench_emit(a, {{"bench", jstr("gemm")}, {"impl", jstr("gemv_dram_side_by_side")}, {"M", jnum(double(s.M))},
                    {"N", jnum(double(s.N))}, {"K", jnum(double(s.K))}, {"threads", jnum(t)},
                    {"speedup", jnum(bench_median_of(side.ratio))}, {"runs", jnum(double(side.ratio.size()))}});
