@@ -4,7 +4,6 @@
 #include <tbb/parallel_for.h>
 
 #include <algorithm>
-#include <cmath>
 #include <mutex>
 #include <vector>
 
@@ -295,8 +294,7 @@ void gemm_fp8(const gemm_wide_a& A, const gemm_packed_b& B, float* C, const gemm
   }
   // the narrow kernel reads BF16 values times 2^kCodesAExp: E4M3 values so scaled are exact in BF16
   avector<uint16_t> ab(static_cast<size_t>(d.M * A.Kp));
-  const float times = std::ldexp(1.0f, detail::kCodesAExp);
-  for (int64_t i = 0; i < d.M * A.Kp; ++i) ab[i] = bf16_from_float(A.values[i] * times);
+  for (int64_t i = 0; i < d.M * A.Kp; ++i) ab[i] = bf16_from_float(A.values[i] * detail::kCodesAScale);
   detail::gemm_narrow_avx512(gemm_model::fp8, {d.M, A.Kp, nullptr, ab.data(), A.sa.data()}, B, C, decode_once(cfg));
 }
 

@@ -563,7 +563,7 @@ void e4m3_to_bf16_avx512(const uint8_t* src, int64_t n, uint16_t* dst, bool code
     _mm512_storeu_si512(dst + i + 32, b);
   }
   const float* lut = e4m3_table();
-  const float times = codes_a ? std::ldexp(1.0f, kCodesAExp) : 1.0f;
+  const float times = codes_a ? kCodesAScale : 1.0f;
   for (; i < n; ++i) dst[i] = bf16_from_float(lut[src[i]] * times);
 }
 

@@ -20,6 +20,7 @@ enum class gemm_model : uint8_t { seq, pairs, fp8 };
 // The narrow FP8 kernels decode B's codes to their values times 2^-8 (quant/gemm_avx512.cpp) and
 // read A's values times 2^8 (exact in BF16: |value| <= 448 * 2^8), so each product is exact.
 inline constexpr int kCodesAExp = 8;
+inline constexpr float kCodesAScale = 1 << kCodesAExp;  // 2^kCodesAExp
 
 // A operand prepared for a kernel: values zero-padded to lda = Kp, as FP32 (wide kernels) or
 // BF16 (narrow kernels; the fp8 model's times 2^kCodesAExp); FP8 scales [M][KB].

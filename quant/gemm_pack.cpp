@@ -13,8 +13,6 @@
 namespace fp8rl::quant {
 namespace {
 
-// The narrow forms need AVX512_BF16 kernels; without them packing always builds `wide`.
-// The tile form serves only the tile GEMMs, which need AMX: without it, it is not built.
 // The large forms' buffers take the huge-page policy before the packer sizes them.
 void use_huge_pages(gemm_packed_b& p) {
   p.wide = avector_uninit<float>(aligned_uninit_allocator<float>(true));
@@ -23,6 +21,8 @@ void use_huge_pages(gemm_packed_b& p) {
   p.tiles = avector_uninit<uint16_t>(aligned_uninit_allocator<uint16_t>(true));
 }
 
+// The narrow forms need AVX512_BF16 kernels; without them packing always builds `wide`.
+// The tile form serves only the tile GEMMs, which need AMX: without it, it is not built.
 gemm_pack_forms usable(gemm_pack_forms f) {
   if (cpu_isa_active() < cpu_isa::amx) f.tiles = false;
   if (cpu_isa_active() < cpu_isa::avx512_bf16) f.wide = true;
