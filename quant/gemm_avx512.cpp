@@ -55,12 +55,28 @@ struct e4m3_bf16_tables {
     *w0 = _mm512_unpacklo_epi8(l, h);
     *w1 = _mm512_unpackhi_epi8(l, h);
   }
+  // 64 codes of a narrow pair step (fp8_stream_pos) -> word w of w0 from byte 2w, of w1 from
+  // byte 2w + 1: the words decode_shift makes, for every code (no patch: a table has no rare code)
+  inline void decode_pairs(__m512i raw, __m512i* w0, __m512i* w1) const {
+    const __m512i h = _mm512_ternarylogic_epi32(_mm512_permutex2var_epi8(hi0, raw, hi1), raw,
+                                                _mm512_set1_epi8(static_cast<char>(0x80)), 0xF8);  // h | (raw & 0x80)
+    const __m512i l = _mm512_permutex2var_epi8(lo0, raw, lo1);
+    const __mmask64 odd = 0xAAAAAAAAAAAAAAAAull;
+    *w0 = _mm512_mask_blend_epi8(odd, l, _mm512_slli_epi16(h, 8));
+    *w1 = _mm512_mask_blend_epi8(odd, _mm512_srli_epi16(l, 8), h);
+  }
 };
 
 // The values, or (codes_a) the values times 2^kCodesAExp: the narrow FP8 kernels' A operand.
 const e4m3_bf16_tables& tables(bool codes_a = false) {
   static const e4m3_bf16_tables plain(0), scaled(kCodesAExp);
   return codes_a ? scaled : plain;
+}
+
+// The values times 2^-kCodesAExp: the narrow FP8 kernels' B operand (decode_shift's words).
+const e4m3_bf16_tables& codes_b_tables() {
+  static const e4m3_bf16_tables t(-kCodesAExp);
+  return t;
 }
 
 // Narrow FP8 pair steps (fp8_stream_pos): word w holds column w/2 (pair half w%2) in its low
@@ -204,13 +220,25 @@ inline void dot_narrow(const uint16_t* A, int64_t lda, const void* const (&P)[PN
   }
 }
 
+// How a narrow block's pair steps come to registers: BF16 pairs loaded; FP8 codes decoded by
+// shifts, with no rare step in the block (no check) or with rare steps patched (rare[p]); or
+// decoded by tables (no patch, 2 more vector ops per step than the shifts). Where B streams from
+// memory (decode-sized tiles) the patched steps' mispredicts cost the GEMV ~4% on Zen 5, so those
+// tiles take the tables; compute-bound tiles take the shifts, whose checks their rows amortize.
+enum class steps : uint8_t { pairs, shift, shift_rare, table };
+
+template <int MR>
+constexpr bool codes_by_table = MR <= kPrefetchMaxRows;
+
 // One 128-K block (64 pairs) with a constant trip count: the compiler unrolls it and the
-// block boundary costs no loop-exit mispredict. Codes: rare[p] marks panel p's patched steps;
-// kRare = false: no panel has one in this block, and no step checks (about half of 128x128
-// blocks of normal data on one panel: the check and its mispredicts cost the 2048^3 GEMM ~2%).
-template <int MR, int PN, bool kCodes, bool kRare = kCodes>
+// block boundary costs no loop-exit mispredict. shift: about half of 128x128 blocks of normal
+// data on one panel have no rare step (the check and its mispredicts cost the 2048^3 GEMM ~2%).
+template <int MR, int PN, steps kSteps>
 inline void dot_narrow_block(const uint16_t* A, int64_t lda, const void* const (&P)[PN], int64_t i0,
-                             const rare_steps (&rare)[PN], tile_acc<MR, PN>& acc) {
+                             const rare_steps (&rare)[PN], const e4m3_bf16_tables& tables_b,
+                             tile_acc<MR, PN>& acc) {
+  constexpr bool kCodes = kSteps != steps::pairs;
+  const e4m3_bf16_tables tb = tables_b;  // in registers for the block
   const void* Q[PN];
   for (int p = 0; p < PN; ++p)
     Q[p] = static_cast<const uint8_t*>(P[p]) + i0 * 64 * (kCodes ? 1 : 2);
@@ -225,8 +253,14 @@ inline void dot_narrow_block(const uint16_t* A, int64_t lda, const void* const (
         __m512i w0, w1;
         if constexpr (MR <= kPrefetchMaxRows)
           _mm_prefetch(static_cast<const char*>(Q[p]) + i * 64 + kPrefetchBytes, _MM_HINT_T0);
-        if constexpr (kRare) decode_step(static_cast<const uint8_t*>(Q[p]), i, rare[p].bits, &rp[p], &w0, &w1);
-        else decode_shift(_mm512_load_si512(static_cast<const uint8_t*>(Q[p]) + i * 64), &w0, &w1);
+        const __m512i raw = _mm512_load_si512(static_cast<const uint8_t*>(Q[p]) + i * 64);
+        if constexpr (kSteps == steps::table) {
+          tb.decode_pairs(raw, &w0, &w1);
+        } else {
+          decode_shift(raw, &w0, &w1);
+          if constexpr (kSteps == steps::shift_rare)
+            if (__builtin_expect((rare[p].bits >> i) & 1, 0)) patch_rare(&rp[p], &w0, &w1);
+        }
         b[2 * p] = (__m512bh)w0;
         b[2 * p + 1] = (__m512bh)w1;
       } else {
@@ -303,6 +337,7 @@ void tile(gemm_model model, const gemm_a_operand& A, int64_t m0, const gemm_pack
     }
   };
   alignas(64) float out[MR][32 * PN];
+  const e4m3_bf16_tables& tb = codes_b_tables();
   if (model != gemm_model::fp8) {
     acc.zero();
     dot(0, Kp);
@@ -320,7 +355,7 @@ void tile(gemm_model model, const gemm_a_operand& A, int64_t m0, const gemm_pack
         dot(kb * kBlock, (kb + 1) * kBlock);
       } else {
         rare_steps rare[PN] = {};
-        if constexpr (kSrc == bsrc::codes)
+        if constexpr (kSrc == bsrc::codes && !codes_by_table<MR>)
           for (int p = 0; p < PN; ++p) {
             const int64_t b = (pn + p) * KB + kb;
             rare[p] = {B.fp8_rare[b], B.fp8_rare_patch.data() + B.fp8_rare_at[b]};
@@ -331,13 +366,16 @@ void tile(gemm_model model, const gemm_a_operand& A, int64_t m0, const gemm_pack
               _mm_prefetch(q, _MM_HINT_T0);
           }
         const uint16_t* a = A.bf16 + m0 * lda;
-        if constexpr (kSrc == bsrc::codes) {
+        const int64_t i0 = kb * kBlock / 2;
+        if constexpr (kSrc == bsrc::codes && codes_by_table<MR>) {
+          dot_narrow_block<MR, PN, steps::table>(a, lda, pnw, i0, rare, tb, acc);
+        } else if constexpr (kSrc == bsrc::codes) {
           uint64_t any_rare = 0;
           for (int p = 0; p < PN; ++p) any_rare |= rare[p].bits;
-          if (any_rare == 0) dot_narrow_block<MR, PN, true, false>(a, lda, pnw, kb * kBlock / 2, rare, acc);
-          else dot_narrow_block<MR, PN, true, true>(a, lda, pnw, kb * kBlock / 2, rare, acc);
+          if (any_rare == 0) dot_narrow_block<MR, PN, steps::shift>(a, lda, pnw, i0, rare, tb, acc);
+          else dot_narrow_block<MR, PN, steps::shift_rare>(a, lda, pnw, i0, rare, tb, acc);
         } else {
-          dot_narrow_block<MR, PN, false>(a, lda, pnw, kb * kBlock / 2, rare, acc);
+          dot_narrow_block<MR, PN, steps::pairs>(a, lda, pnw, i0, rare, tb, acc);
         }
       }
       promote_block<MR, PN>(acc, A, m0, B, pn, kb, panel_scales, o);

@@ -196,7 +196,7 @@ TEST(Gemm, Fp8NarrowKernelTakesEveryCodeBitExactly) {
     for (uint64_t bits : pb.fp8_rare) rare += __builtin_popcountll(bits);
     ASSERT_GT(rare, 0);
     ASSERT_LT(rare, int64_t(pb.fp8.size() / 64)) << "some steps must take the shift decoder";
-    for (int64_t M : {1, 3, 8, 20}) {  // 20: batched decode, each block decoded once for 3 row tiles
+    for (int64_t M : {1, 3, 8, 20}) {  // 1: the table decode; 20: batched decode, each block decoded once for 3 row tiles
       auto Af = randn(M * K, 42 + M, 2.0f);
       qtensor A = quantize(Af.data(), M, K, qlayout::rowwise_1x128, mode, "A");
       std::vector<float> ref(M * N), fast(M * N);
@@ -231,7 +231,7 @@ TEST(Gemm, Fp8NarrowKernelPatchesStepsOfOnlyRareCodes) {
     ASSERT_EQ(pb.fp8_rare[pn * KB + 1], 0x5555555555555555ull) << "block 1 of panel " << pn << ": every other step";
   }
   EXPECT_EQ(pb.fp8_rare_at[1] - pb.fp8_rare_at[0], 64u * (4 + 64)) << "full panel: 64 steps of 64 patched words";
-  for (int64_t M : {1, 2, 5, 32}) {  // 32: batched decode (four full row tiles per decoded block)
+  for (int64_t M : {1, 2, 5, 32}) {  // 1, 2: the table decode; 32: batched decode (four full row tiles per decoded block)
     auto Af = randn(M * K, 52 + M, 2.0f);
     qtensor A = quantize(Af.data(), M, K, qlayout::rowwise_1x128, scale_mode::pow2, "A");
     std::vector<float> ref(M * N), fast(M * N);
