@@ -41,6 +41,11 @@ bool use_narrow(const gemm_packed_b& B, bool has_narrow, int64_t M, cpu_isa isa,
   return cfg.large_m == gemm_kernel::narrow;
 }
 
+// Large M reads an FP8 pack's decoded form where it has one; small M streams the codes.
+bool read_decoded(const gemm_packed_b& B, int64_t M, const gemm_config& cfg) {
+  return !B.bf16.empty() && M > cfg.stream_max_m;
+}
+
 // Batched decode's FP8 codes decoded once per block for all row tiles (gemm_decode).
 bool decode_once(const gemm_config& cfg) {
   if (cfg.batched_decode == gemm_decode::automatic) return !gemm_narrow_preferred();
@@ -175,7 +180,8 @@ void gemm_fp8(const qtensor& A, const gemm_packed_b& B, float* C, const gemm_con
     }
     for (int64_t kb = 0; kb < KB; ++kb) sa[m * KB + kb] = A.scale_at(m, kb);
   });
-  if (narrow) detail::gemm_narrow_avx512(gemm_model::fp8, {d.M, lda, nullptr, ab, sa.data()}, B, C, decode_once(cfg));
+  if (narrow)
+    detail::gemm_narrow_avx512(gemm_model::fp8, {d.M, lda, nullptr, ab, sa.data()}, B, C, decode_once(cfg), read_decoded(B, d.M, cfg));
   else run_wide(gemm_model::fp8, {d.M, lda, af, nullptr, sa.data()}, B, C, isa);
 }
 
@@ -295,7 +301,8 @@ void gemm_fp8(const gemm_wide_a& A, const gemm_packed_b& B, float* C, const gemm
   // the narrow kernel reads BF16 values times 2^kCodesAExp: E4M3 values so scaled are exact in BF16
   avector<uint16_t> ab(static_cast<size_t>(d.M * A.Kp));
   for (int64_t i = 0; i < d.M * A.Kp; ++i) ab[i] = bf16_from_float(A.values[i] * detail::kCodesAScale);
-  detail::gemm_narrow_avx512(gemm_model::fp8, {d.M, A.Kp, nullptr, ab.data(), A.sa.data()}, B, C, decode_once(cfg));
+  detail::gemm_narrow_avx512(gemm_model::fp8, {d.M, A.Kp, nullptr, ab.data(), A.sa.data()}, B, C, decode_once(cfg),
+                             read_decoded(B, d.M, cfg));
 }
 
 namespace {

@@ -67,9 +67,12 @@ bool gemm_narrow_preferred();
 
 // Which packed forms of B to build. Every kernel gives the same bits; forms trade memory for
 // speed: `wide` (FP32 values) feeds FMA kernels, `narrow` (BF16 pairs, or for FP8 the E4M3
-// codes, decoded to BF16 pairs in registers) feeds VDPBF16PS kernels. (Decoding FP8 to BF16
-// pairs once per weight version was tried: 2 bytes/weight and 4-5% slower than decoding the
-// 1-byte codes in registers on Zen 5, so it is not offered.)
+// codes, decoded to BF16 pairs in registers) feeds VDPBF16PS kernels. `decoded` (fp8, with
+// `narrow`, AVX512_BF16) adds the codes decoded once to BF16 pairs, which large-M narrow GEMMs
+// read instead of decoding each pair step for every 8-row tile (2048^3 on Zen 5: ~3% faster);
+// small M still streams the 1-byte codes. 2 more bytes per weight and a pass at packing: for
+// weights many large-M calls read, not for training's per-step packs (measured no faster there),
+// so gemm_forms_for does not ask for it.
 // Whatever is asked, packing adds the form the active CPU needs.
 // `tiles` (BF16 in AMX's VNNI tile order) feeds only the tile GEMMs.
 struct gemm_pack_forms {
@@ -79,6 +82,7 @@ struct gemm_pack_forms {
   // large forms on transparent huge pages (quant/aligned.hpp), for weights kept for many calls
   // and streamed from DRAM (generation); copies of the pack stay there
   bool huge_pages = false;
+  bool decoded = false;
 };
 // The forms automatic dispatch uses on this CPU: the large-M form (wide, or narrow where
 // gemm_narrow_preferred), plus the narrow form when small-M (decode) calls will come.
@@ -94,7 +98,8 @@ struct gemm_packed_b {
   std::string name;
   int64_t N = 0, K = 0, Kp = 0;   // Kp: K zero-padded (f32: K, bf16: even, fp8: 128-multiple)
   avector_uninit<float> wide;     // [NP][Kp][32] values as FP32 (bf16/fp8: exact, unscaled); packers write all
-  avector<uint16_t> bf16;         // bf16 narrow: [NP][Kp/2][32][2]
+  avector<uint16_t> bf16;         // bf16 narrow: [NP][Kp/2][32][2]; fp8 decoded: [NP][Kp/2][64] the
+                                  // BF16 words * 2^-8 of the codes below, in the decoder's order
   avector<uint8_t> fp8;           // fp8 narrow: [NP][Kp/2][64] codes in decoder order (1.0 padding)
   avector<uint64_t> fp8_rare;     // fp8 narrow: [NP][Kp/128], bit i: pair step i of the block holds a
                                   // code the shift decoder cannot take (±0, subnormal, NaN) ...

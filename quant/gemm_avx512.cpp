@@ -346,7 +346,7 @@ void tile(gemm_model model, const gemm_a_operand& A, int64_t m0, const gemm_pack
   } else {
     __m512 o[MR][2 * PN];  // FP32 outputs, promoted once per 128-K block
     // the codes form's one scale per (panel, block), where the pack has it (else 32 per panel)
-    const float* panel_scales = kSrc == bsrc::codes && !B.scale_panel.empty() ? B.scale_panel.data() : nullptr;
+    const float* panel_scales = kSrc != bsrc::wide && !B.scale_panel.empty() ? B.scale_panel.data() : nullptr;
     for (int r = 0; r < MR; ++r)
       for (int j = 0; j < 2 * PN; ++j) o[r][j] = _mm512_setzero_ps();
     for (int64_t kb = 0; kb < KB; ++kb) {
@@ -526,9 +526,16 @@ void gemm_wide_avx512(gemm_model model, const gemm_a_operand& A, const gemm_pack
 }
 
 void gemm_narrow_avx512(gemm_model model, const gemm_a_operand& A, const gemm_packed_b& B, float* C,
-                        bool decode_once) {
-  if (model == gemm_model::fp8) run_tiles<bsrc::codes>(model, A, B, C, decode_once);
+                        bool decode_once, bool decoded_b) {
+  if (model == gemm_model::fp8 && !decoded_b) run_tiles<bsrc::codes>(model, A, B, C, decode_once);
   else run_tiles<bsrc::pairs>(model, A, B, C);
+}
+
+void fp8_decode_pack_avx512(gemm_packed_b& B) {
+  const int64_t KB = B.Kp / kBlock;
+  tbb::parallel_for(int64_t{0}, B.panels() * KB, [&](int64_t b) {
+    decode_block(B, b / KB, b % KB, B.bf16.data() + b * kBlock * 32);
+  });
 }
 
 namespace {

@@ -32,10 +32,14 @@ struct gemm_a_operand {
 };
 
 void gemm_wide_avx512(gemm_model model, const gemm_a_operand& A, const gemm_packed_b& B, float* C);
-// fp8 model: reads B.fp8 (E4M3 codes, decoded in registers); else B.bf16 (BF16 pairs)
-// decode_once: FP8 codes at 8 < M <= 32 decoded once per block for all row tiles (gemm_decode)
+// fp8 model: reads B.fp8 (E4M3 codes, decoded in registers), or with decoded_b the decoded
+// form B.bf16; else B.bf16 (BF16 pairs). decode_once: FP8 codes at 8 < M <= 32 decoded once per
+// block for all row tiles (gemm_decode)
 void gemm_narrow_avx512(gemm_model model, const gemm_a_operand& A, const gemm_packed_b& B, float* C,
-                        bool decode_once = false);
+                        bool decode_once = false, bool decoded_b = false);
+// Fills B.bf16 (sized [NP][Kp/2][64]) with the decoded form of B.fp8: the words the codes
+// kernel decodes in registers, rare steps patched.
+void fp8_decode_pack_avx512(gemm_packed_b& B);
 void gemm_wide_portable(gemm_model model, const gemm_a_operand& A, const gemm_packed_b& B, float* C);
 // VDPBF16PS multiply-adds per second over FP32 FMA multiply-adds per second on this core
 // (best of a few short runs of independent chains; needs AVX512_BF16).

@@ -220,6 +220,10 @@ gemm_packed_b gemm_pack_fp8(const qtensor& B, gemm_pack_forms forms) {
     pack_rare_steps(p);
     pack_panel_scales(p);
   }
+  if (forms.narrow && forms.decoded && vector_pack) {
+    p.bf16.resize(static_cast<size_t>(NP * Kp * 32));  // every word written
+    detail::fp8_decode_pack_avx512(p);
+  }
   return p;
 }
 

@@ -191,21 +191,28 @@ TEST(Gemm, Fp8NarrowKernelTakesEveryCodeBitExactly) {
         if (((code + 1) & 0x7f) == 0) ++code;  // skip 0x7f and 0xff (NaN), so the next is 0x80 or 0x00
         B.data[n * K + k + (n % 2)] = code++;
       }
-    const gemm_packed_b pb = gemm_pack_fp8(B, {false, true, false});
+    gemm_pack_forms decoded{false, true, false};
+    decoded.decoded = true;
+    const gemm_packed_b pb = gemm_pack_fp8(B, {false, true, false}), pd = gemm_pack_fp8(B, decoded);
+    ASSERT_EQ(pd.bf16.size(), pd.fp8.size());
     int64_t rare = 0;
     for (uint64_t bits : pb.fp8_rare) rare += __builtin_popcountll(bits);
     ASSERT_GT(rare, 0);
     ASSERT_LT(rare, int64_t(pb.fp8.size() / 64)) << "some steps must take the shift decoder";
-    for (int64_t M : {1, 3, 8, 20}) {  // 1: the table decode; 20: batched decode, each block decoded once for 3 row tiles
+    // 1: the table decode; 20: batched decode, each block decoded once for 3 row tiles, or (pd)
+    // the decoded form
+    for (int64_t M : {1, 3, 8, 20, 40}) {
       auto Af = randn(M * K, 42 + M, 2.0f);
       qtensor A = quantize(Af.data(), M, K, qlayout::rowwise_1x128, mode, "A");
       std::vector<float> ref(M * N), fast(M * N);
       gemm_fp8_ref(A, B, ref.data());
-      for (gemm_decode dec : kDecodes) {
-        std::fill(fast.begin(), fast.end(), -1.0f);
-        gemm_fp8(A, pb, fast.data(), force(cpu_isa::avx512_bf16, gemm_kernel::narrow, dec));
-        ASSERT_EQ(first_diff(fast, ref), -1) << "M=" << M << " mode " << int(mode) << " decode " << int(dec);
-      }
+      for (const gemm_packed_b* p : {&pb, &pd})
+        for (gemm_decode dec : kDecodes) {
+          std::fill(fast.begin(), fast.end(), -1.0f);
+          gemm_fp8(A, *p, fast.data(), force(cpu_isa::avx512_bf16, gemm_kernel::narrow, dec));
+          ASSERT_EQ(first_diff(fast, ref), -1) << "M=" << M << " mode " << int(mode) << " decode " << int(dec)
+                                               << (p == &pd ? " decoded form" : "");
+        }
     }
   }
 }
@@ -231,16 +238,22 @@ TEST(Gemm, Fp8NarrowKernelPatchesStepsOfOnlyRareCodes) {
     ASSERT_EQ(pb.fp8_rare[pn * KB + 1], 0x5555555555555555ull) << "block 1 of panel " << pn << ": every other step";
   }
   EXPECT_EQ(pb.fp8_rare_at[1] - pb.fp8_rare_at[0], 64u * (4 + 64)) << "full panel: 64 steps of 64 patched words";
-  for (int64_t M : {1, 2, 5, 32}) {  // 1, 2: the table decode; 32: batched decode (four full row tiles per decoded block)
+  gemm_pack_forms decoded{false, true, false};
+  decoded.decoded = true;
+  const gemm_packed_b pd = gemm_pack_fp8(B, decoded);
+  // 1, 2: the table decode; 32: batched decode (four full row tiles per decoded block), or (pd)
+  // the decoded form, its patched words written at packing
+  for (int64_t M : {1, 2, 5, 32}) {
     auto Af = randn(M * K, 52 + M, 2.0f);
     qtensor A = quantize(Af.data(), M, K, qlayout::rowwise_1x128, scale_mode::pow2, "A");
     std::vector<float> ref(M * N), fast(M * N);
     gemm_fp8_ref(A, B, ref.data());
-    for (gemm_decode dec : kDecodes) {
-      std::fill(fast.begin(), fast.end(), -1.0f);
-      gemm_fp8(A, pb, fast.data(), force(cpu_isa::avx512_bf16, gemm_kernel::narrow, dec));
-      ASSERT_EQ(first_diff(fast, ref), -1) << "M=" << M << " decode " << int(dec);
-    }
+    for (const gemm_packed_b* p : {&pb, &pd})
+      for (gemm_decode dec : kDecodes) {
+        std::fill(fast.begin(), fast.end(), -1.0f);
+        gemm_fp8(A, *p, fast.data(), force(cpu_isa::avx512_bf16, gemm_kernel::narrow, dec));
+        ASSERT_EQ(first_diff(fast, ref), -1) << "M=" << M << " decode " << int(dec) << (p == &pd ? " decoded form" : "");
+      }
   }
 }
 
@@ -459,6 +472,30 @@ TEST(Gemm, FormsForThisCpuServeEveryM) {
       gemm_fp8(A, pb, fast.data());
       ASSERT_EQ(first_diff(fast, ref), -1) << "M=" << M << " small_m " << small_m;
     }
+  }
+}
+
+// Large M reads the decoded form (so a pack must keep it equal to its codes), small M the codes:
+// a changed decoded word changes large-M results only.
+TEST(Gemm, Fp8LargeMReadsTheDecodedFormSmallMTheCodes) {
+  if (!have(cpu_isa::avx512_bf16)) GTEST_SKIP() << "no AVX512_BF16: no narrow kernel";
+  const int64_t N = 64, K = 256;
+  auto Bf = randn(N * K, 61);
+  gemm_pack_forms forms{false, true, false};
+  forms.decoded = true;
+  gemm_packed_b pb = gemm_pack_fp8(quantize(Bf.data(), N, K, qlayout::block_128x128, scale_mode::pow2, "B"), forms);
+  ASSERT_EQ(pb.bf16.size(), size_t(N * K));
+  const gemm_config cfg;  // automatic: M <= stream_max_m streams the codes
+  for (int64_t M : {cfg.stream_max_m, cfg.stream_max_m + 1}) {
+    auto Af = randn(M * K, 62 + M);
+    qtensor A = quantize(Af.data(), M, K, qlayout::rowwise_1x128, scale_mode::pow2, "A");
+    std::vector<float> before(M * N), after(M * N);
+    gemm_packed_b changed = pb;
+    changed.bf16[0] ^= 0x0100;  // pair step 0, column 0: another BF16 value
+    gemm_fp8(A, pb, before.data(), cfg);
+    gemm_fp8(A, changed, after.data(), cfg);
+    if (M > cfg.stream_max_m) EXPECT_NE(first_diff(after, before), -1) << "M=" << M << " must read the decoded form";
+    else EXPECT_EQ(first_diff(after, before), -1) << "M=" << M << " must stream the codes";
   }
 }
 

@@ -2,12 +2,13 @@
 // and oneDNN bf16 (default ISA, plus a child run limited to AVX512_CORE_BF16, the instruction
 // our exact kernels use), side by side in one run, medians of repetitions. `fp8_tiles` and
 // `bf16_tiles` are the AMX tile GEMMs (tolerance-checked, not bit-exact; only where AMX exists).
+// `fp8_decoded` (M > 16): the exact FP8 GEMM on a pack with gemm_pack_forms::decoded.
 // One JSON line per result:
 //   {"bench":"gemm","impl":...,"M":..,"N":..,"K":..,"threads":..,"median_s":..,"gflops":..,"runs":..}
 // plus two lines about the machine, not GEMM results: {"bench":"gemm_peak","impl":"vdpbf16ps",
 // "threads":..,"gflops":..} (the instruction's measured peak) and {"bench":"gemm_dispatch",...}
 // (which large-M kernel the rate probe chose). Side by side (alternating rounds, median per-round
-// ratio): fp8_vs_onednn_bf16 (M >= 512; --only=side_by_side) and gemv_dram_side_by_side
+// ratio): fp8_vs_onednn_bf16 and fp8_decoded_vs_onednn_bf16 (M >= 512; --only=side_by_side), gemv_dram_side_by_side
 // (--only=gemv_dram).
 // Usage: bench-gemm [--json] [--quick] [--threads=1,2] [--reps=N] [--only=IMPL]
 #include <cblas.h>
@@ -100,20 +101,27 @@ void run_fp8_vs_onednn(const bench_args& a, const shape& s, int t, const std::ve
   omp_set_num_threads(t);
   onednn_bf16 o(s, Ab, Bb);
   const qtensor qa = quantize(Af.data(), s.M, s.K, qlayout::rowwise_1x128, scale_mode::pow2, "A");
-  const auto pb = gemm_pack_fp8(quantize(Bf.data(), s.N, s.K, qlayout::block_128x128, scale_mode::pow2, "B"));
-  auto fp8 = [&] { arena.execute([&] { gemm_fp8(qa, pb, C.data()); }); };
-  auto dnn = [&] { o.run(); };
   auto round_s = [](const std::function<void()>& fn, int n) {
     std::this_thread::sleep_for(std::chrono::milliseconds(50));  // the other pool's spinning threads go idle
     return bench_time_calls(fn, n);
   };
-  const int n = std::max(1, static_cast<int>(0.1 / std::max(round_s(fp8, 1), 1e-6)));  // calls per round
-  round_s(fp8, n);  // warm-up rounds: scratch pools, pages, both thread pools started
-  round_s(dnn, n);
-  const auto ratio = bench_side_by_side(a.reps, [&] { return round_s(fp8, n); }, [&] { return round_s(dnn, n); }).ratio;
-  bench_emit(a, {{"bench", jstr("gemm")}, {"impl", jstr("fp8_vs_onednn_bf16_side_by_side")}, {"M", jnum(double(s.M))},
-                 {"N", jnum(double(s.N))}, {"K", jnum(double(s.K))}, {"threads", jnum(t)},
-                 {"speedup", jnum(bench_median_of(ratio))}, {"runs", jnum(double(ratio.size()))}, {"note", jstr(o.isa)}});
+  auto dnn = [&] { o.run(); };
+  // B as the models pack it (codes decoded in registers), then with the decoded form
+  // (gemm_pack_forms::decoded: BF16 pairs decoded once at packing)
+  for (bool decoded : {false, true}) {
+    gemm_pack_forms forms;
+    forms.decoded = decoded;
+    const auto pb = gemm_pack_fp8(quantize(Bf.data(), s.N, s.K, qlayout::block_128x128, scale_mode::pow2, "B"), forms);
+    auto fp8 = [&] { arena.execute([&] { gemm_fp8(qa, pb, C.data()); }); };
+    const int n = std::max(1, static_cast<int>(0.1 / std::max(round_s(fp8, 1), 1e-6)));  // calls per round
+    round_s(fp8, n);  // warm-up rounds: scratch pools, pages, both thread pools started
+    round_s(dnn, n);
+    const auto ratio = bench_side_by_side(a.reps, [&] { return round_s(fp8, n); }, [&] { return round_s(dnn, n); }).ratio;
+    bench_emit(a, {{"bench", jstr("gemm")},
+                   {"impl", jstr(decoded ? "fp8_decoded_vs_onednn_bf16_side_by_side" : "fp8_vs_onednn_bf16_side_by_side")},
+                   {"M", jnum(double(s.M))}, {"N", jnum(double(s.N))}, {"K", jnum(double(s.K))}, {"threads", jnum(t)},
+                   {"speedup", jnum(bench_median_of(ratio))}, {"runs", jnum(double(ratio.size()))}, {"note", jstr(o.isa)}});
+  }
 }
 
 void run_shape(const bench_args& a, const shape& s, int t) {
@@ -145,6 +153,12 @@ void run_shape(const bench_args& a, const shape& s, int t) {
               cfg.large_m = k;
               gemm_fp8(qa, pb, C.data(), cfg);
             }));
+        if (s.M > gemm_config{}.stream_max_m && cpu_isa_active() >= cpu_isa::avx512_bf16) {
+          gemm_pack_forms forms;
+          forms.decoded = true;  // BF16 pairs decoded once at packing
+          const auto pd = gemm_pack_fp8(quantize(Bf.data(), s.N, s.K, qlayout::block_128x128, scale_mode::pow2, "B"), forms);
+          emit(a, "fp8_decoded", s, t, bench_median(a.reps, [&] { gemm_fp8(qa, pd, C.data()); }));
+        }
       }
       if (bench_selected(a, "fp8_tiles") && gemm_tiles_available()) {
         qtensor qa = quantize(Af.data(), s.M, s.K, qlayout::rowwise_1x128, scale_mode::pow2, "A");
