@@ -152,10 +152,16 @@ std::vector<gen_request> generation_engine::drain() {
   return out;
 }
 
+const char* forward_profile::name(forward_op op) {
+  static constexpr const char* kNames[kOps] = {"embedding", "norm", "qkv", "rope", "kv_write", "attention", "o_proj",
+                                               "residual", "gate_up", "swiglu", "down", "lm_head"};
+  return kNames[static_cast<size_t>(op)];
+}
+
 void engine_forward(backend& be_, const model_weights& w, kv_cache& cache, const attn_fp8_scales& a,
                     const std::vector<int32_t>& tokens, const std::vector<int32_t>& slot_of,
                     const std::vector<int32_t>& pos, const std::vector<int64_t>& rows, std::vector<float>& logits,
-                    std::vector<int64_t>* kv_saturated) {
+                    std::vector<int64_t>* kv_saturated, forward_profile* profile) {
   const model_config& c = w.cfg;
   const int64_t T = static_cast<int64_t>(tokens.size()), C = c.hidden_size, F = c.intermediate_size,
                 H = c.num_attention_heads, KV = c.num_key_value_heads, D = c.head_dim, R = static_cast<int64_t>(rows.size());
@@ -168,32 +174,50 @@ void engine_forward(backend& be_, const model_weights& w, kv_cache& cache, const
                           a.k.size() != static_cast<size_t>(c.num_hidden_layers * KV)))
     throw std::invalid_argument("engine forward: FP8 attention/KV scales missing");
   const float eps = static_cast<float>(c.rms_norm_eps);
+  if (profile && !be_.host_memory())
+    throw std::invalid_argument("engine forward: an op profile needs a synchronous backend ('" + be_.name() + "' is not)");
+  forward_laps lap(profile);
   be_.embedding_forward(w.wte.data(), tokens.data(), T, C, x.data());
+  lap.mark(forward_op::embedding);
   for (int64_t i = 0; i < c.num_hidden_layers; ++i) {
     const auto& lw = w.layers[i];
     be_.rmsnorm_forward(x.data(), lw.attn_norm.data(), T, C, eps, xn.data(), rstd.data());
+    lap.mark(forward_op::norm);
     const prepared_linear* qkv[] = {lw.q.get(), lw.k.get(), lw.v.get()};
     float* qkv_out[] = {q.data(), k.data(), v.data()};
     be_.linear_forward_group(qkv, xn.data(), T, qkv_out);
+    lap.mark(forward_op::qkv);
     be_.rope(q.data(), pos.data(), T, H, D, c.rope_theta, false);
     be_.rope(k.data(), pos.data(), T, KV, D, c.rope_theta, false);
+    lap.mark(forward_op::rope);
     const int64_t sat = be_.kv_cache_write(cache, i, st, k.data(), v.data(), fp8kv ? a.k.data() + i * KV : nullptr,
                                            fp8kv ? a.v.data() + i * KV : nullptr);
     if (kv_saturated) (*kv_saturated)[i] += sat;
+    lap.mark(forward_op::kv_write);
     be_.attention_cached(cache, i, st, q.data(), H, w.policy.attention, fp8q ? a.q.data() + i * H : nullptr, att.data());
+    lap.mark(forward_op::attention);
     be_.linear_forward(*lw.o, att.data(), T, tmp.data());
+    lap.mark(forward_op::o_proj);
     be_.add_inplace(x.data(), tmp.data(), T * C);
+    lap.mark(forward_op::residual);
     be_.rmsnorm_forward(x.data(), lw.mlp_norm.data(), T, C, eps, xn.data(), rstd.data());
+    lap.mark(forward_op::norm);
     const prepared_linear* gate_up[] = {lw.gate.get(), lw.up.get()};
     float* gate_up_out[] = {gate.data(), up.data()};
     be_.linear_forward_group(gate_up, xn.data(), T, gate_up_out);
+    lap.mark(forward_op::gate_up);
     be_.swiglu_forward(gate.data(), up.data(), T * F, gate.data());
+    lap.mark(forward_op::swiglu);
     be_.linear_forward(*lw.down, gate.data(), T, tmp.data());
+    lap.mark(forward_op::down);
     be_.add_inplace(x.data(), tmp.data(), T * C);
+    lap.mark(forward_op::residual);
   }
   be_.rmsnorm_forward(x.data(), w.final_norm.data(), T, C, eps, xn.data(), rstd.data());
+  lap.mark(forward_op::norm);
   for (int64_t r = 0; r < R; ++r) be_.copy(xr.data() + r * C, xn.data() + rows[r] * C, C);
   be_.linear_forward(*w.lm_head, xr.data(), R, lg.data());
+  lap.mark(forward_op::lm_head);
   logits.resize(static_cast<size_t>(R * c.vocab_size));
   be_.to_host(logits.data(), lg.data(), logits.size() * 4);
 }

@@ -2,7 +2,7 @@
 // fixed number of slots, KV cache (F32/BF16/FP8), seeded sampling with per-token logprobs and
 // version tags, and bundle adoption at step boundaries.
 // defines: gen_request, gen_result, kv_adopt_policy, engine_config, engine_stats,
-//          generation_engine
+//          forward_op, forward_profile, generation_engine
 //
 // One step: (1) adopt a pending bundle if any (KV policy `recompute` re-prefills every active
 // sequence under the new weights; `keep` keeps cache entries, and tokens record the oldest
@@ -12,6 +12,8 @@
 // tokens and logprobs do not depend on what else is in the batch, and equal the training
 // forward's logprobs of the same sequence under the same policy.
 #pragma once
+#include <array>
+#include <chrono>
 #include <cstdint>
 #include <deque>
 #include <memory>
@@ -59,15 +61,47 @@ struct engine_stats {
   std::vector<int64_t> kv_saturated;  // per layer: FP8 KV elements that saturated
 };
 
+// Where an engine forward spends its time: host wall seconds and calls per kind of op, summed
+// over forwards. The q/k/v and gate/up groups count as one op each; `residual` is the two adds.
+// Needs a synchronous backend (host memory, as the CPU one): an asynchronous one would time
+// its launches, so engine_forward refuses a profile there.
+enum class forward_op : uint8_t { embedding, norm, qkv, rope, kv_write, attention, o_proj, residual, gate_up,
+                                  swiglu, down, lm_head, count };
+struct forward_profile {
+  static constexpr size_t kOps = static_cast<size_t>(forward_op::count);
+  std::array<double, kOps> seconds{};
+  std::array<int64_t, kOps> calls{};
+  static const char* name(forward_op op);
+};
+
+// Attributes the time since the previous mark to an op (no clock read without a profile).
+class forward_laps {
+ public:
+  explicit forward_laps(forward_profile* p) : p_(p) {
+    if (p_) t_ = std::chrono::steady_clock::now();
+  }
+  void mark(forward_op op) {
+    if (!p_) return;
+    const auto t = std::chrono::steady_clock::now();
+    p_->seconds[static_cast<size_t>(op)] += std::chrono::duration<double>(t - t_).count();
+    ++p_->calls[static_cast<size_t>(op)];
+    t_ = t;
+  }
+
+ private:
+  forward_profile* p_;
+  std::chrono::steady_clock::time_point t_;
+};
+
 // One forward of the rollout model over tokens living in `cache` at (slot_of[t], pos[t]): writes
 // their K/V, attends to each token's cached context, and returns logits of the `rows` [R, V]
 // (host). attn: FP8 Q/K/V scales when the policy has an FP8 KV cache / attention. kv_saturated
-// (per layer, optional) accumulates saturated FP8 KV elements. The engine's step and the
-// decode benchmark both run this.
+// (per layer, optional) accumulates saturated FP8 KV elements; profile (optional) accumulates
+// op times. The engine's step and the decode benchmark both run this.
 void engine_forward(backend& be, const model_weights& w, kv_cache& cache, const attn_fp8_scales& attn,
                     const std::vector<int32_t>& tokens, const std::vector<int32_t>& slot_of,
                     const std::vector<int32_t>& pos, const std::vector<int64_t>& rows, std::vector<float>& logits,
-                    std::vector<int64_t>* kv_saturated);
+                    std::vector<int64_t>* kv_saturated, forward_profile* profile = nullptr);
 
 class generation_engine {
  public:

@@ -157,6 +157,10 @@ gemm_desc check_fp8(const qtensor& A, const gemm_packed_b& B, const char* fn) {
 }
 }  // namespace
 
+// Decode-sized A (a few rows of K codes: well under a microsecond) converts on the calling
+// thread: a parallel_for per GEMV call cost the FP8 decode step ~2 us per call.
+constexpr int64_t kConvertInlineRows = 4;
+
 void gemm_fp8(const qtensor& A, const gemm_packed_b& B, float* C, const gemm_config& cfg) {
   const gemm_desc d = check_fp8(A, B, "gemm_fp8");
   if (d.M == 0 || d.N == 0) return;
@@ -168,7 +172,7 @@ void gemm_fp8(const qtensor& A, const gemm_packed_b& B, float* C, const gemm_con
   uint16_t* ab = values.as<uint16_t>();  // narrow: BF16 values [M][lda]
   float* af = values.as<float>();        // wide: FP32 values [M][lda]
   const float* lut = e4m3_table();
-  tbb::parallel_for(int64_t{0}, d.M, [&](int64_t m) {
+  auto convert_row = [&](int64_t m) {
     const uint8_t* src = A.data.data() + m * d.K;
     if (narrow) {
       detail::e4m3_to_bf16_avx512(src, d.K, ab + m * lda, true);
@@ -179,7 +183,9 @@ void gemm_fp8(const qtensor& A, const gemm_packed_b& B, float* C, const gemm_con
       std::fill(af + m * lda + d.K, af + (m + 1) * lda, 0.0f);
     }
     for (int64_t kb = 0; kb < KB; ++kb) sa[m * KB + kb] = A.scale_at(m, kb);
-  });
+  };
+  if (d.M <= kConvertInlineRows) for (int64_t m = 0; m < d.M; ++m) convert_row(m);
+  else tbb::parallel_for(int64_t{0}, d.M, convert_row);
   if (narrow)
     detail::gemm_narrow_avx512(gemm_model::fp8, {d.M, lda, nullptr, ab, sa.data()}, B, C, decode_once(cfg), read_decoded(B, d.M, cfg));
   else run_wide(gemm_model::fp8, {d.M, lda, af, nullptr, sa.data()}, B, C, isa);

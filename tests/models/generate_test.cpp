@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <atomic>
 #include <bit>
+#include <chrono>
 #include <cmath>
 #include <cstring>
 #include <set>
@@ -469,4 +470,41 @@ TEST(Generate, CachedAttentionEqualsOneQueryAtATime) {
             }
           }
         }
+}
+
+// The op profile of engine_forward: every op of every layer is counted, the op times add up to
+// at most the forward's wall time, and profiling changes no logit.
+TEST(Generate, ForwardProfileCountsEveryOpAndChangesNothing) {
+  const model_params p = model_params_init(cfg(), 3);
+  auto be = make_cpu_backend();
+  const int64_t L = p.cfg.num_hidden_layers, KV = p.cfg.num_key_value_heads, D = p.cfg.head_dim;
+  const auto w = model_weights_build(*be, p.cfg, precision_policy::named("fp8"), {&p, nullptr, nullptr}, false, true);
+  const std::vector<int32_t> tokens = {3, 17, 29, 5}, slot = {0, 0, 0, 0}, pos = {0, 1, 2, 3};
+  const std::vector<int64_t> rows = {3};
+  std::vector<float> plain, profiled;
+  forward_profile prof;
+  double wall = 0;
+  for (bool with : {false, true}) {
+    auto cache = be->kv_cache_create(1, L, KV, D, 16, kv_dtype::bf16);
+    const auto t0 = std::chrono::steady_clock::now();
+    engine_forward(*be, *w, *cache, {}, tokens, slot, pos, rows, with ? profiled : plain, nullptr, with ? &prof : nullptr);
+    if (with) wall = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  }
+  EXPECT_EQ(plain, profiled);
+  const auto calls = [&](forward_op op) { return prof.calls[static_cast<size_t>(op)]; };
+  EXPECT_EQ(calls(forward_op::embedding), 1);
+  EXPECT_EQ(calls(forward_op::norm), 2 * L + 1);  // two per layer and the final one
+  EXPECT_EQ(calls(forward_op::residual), 2 * L);
+  EXPECT_EQ(calls(forward_op::lm_head), 1);
+  for (forward_op op : {forward_op::qkv, forward_op::rope, forward_op::kv_write, forward_op::attention, forward_op::o_proj,
+                        forward_op::gate_up, forward_op::swiglu, forward_op::down})
+    EXPECT_EQ(calls(op), L) << forward_profile::name(op);
+  double sum = 0;
+  for (size_t i = 0; i < forward_profile::kOps; ++i) {
+    EXPECT_GE(prof.seconds[i], 0.0) << forward_profile::name(static_cast<forward_op>(i));
+    sum += prof.seconds[i];
+  }
+  EXPECT_GT(sum, 0.0);
+  EXPECT_LE(sum, wall);
+  EXPECT_STREQ(forward_profile::name(forward_op::gate_up), "gate_up");
 }

@@ -9,7 +9,8 @@
 // compares the achieved bytes/s with a measured streaming-read bandwidth at the same threads.
 // A last line per thread count, phase "decode_side_by_side" (--only=side_by_side alone), times fp8
 // weights + fp8 KV against bf16 + bf16 at batch 1 in alternating steps: its "speedup" is the
-// median per-round ratio, the number to read on a shared machine (see run_decode_ratio).
+// median per-round ratio, the number to read on a shared machine (see run_decode_ratio); then one
+// line per op (phase "ops": ms per step of each, and the GEMVs' GB/s) from the same rounds.
 // Options: --json --quick (2 layers) --reps=N --threads=1,2 --only=SUBSTR --layers=N --prefill=0|1
 #include <tbb/parallel_for.h>
 #include <tbb/task_arena.h>
@@ -117,12 +118,46 @@ struct decode_runner {
         be.kv_cache_write(*cache, l, {ctx, slot.data(), pos.data()}, kv.data(), kv.data(), sc.k.data(), sc.v.data());
     }
   }
-  void step() {
+  void step(forward_profile* prof = nullptr) {
     for (int64_t s = 0; s < batch; ++s) ps[s] = static_cast<int32_t>(ctx + (step_no % steps));
     ++step_no;
-    engine_forward(be, w, *cache, sc, tok, sl, ps, rows, logits, nullptr);
+    engine_forward(be, w, *cache, sc, tok, sl, ps, rows, logits, nullptr, prof);
   }
 };
+
+// Weight bytes one decode step's op reads at `esize` bytes per FP8/BF16 layer weight (0: not a
+// GEMV); the lm_head stays BF16 under every policy.
+double op_weight_bytes(const model_config& c, forward_op op, double esize) {
+  const double C = double(c.hidden_size), F = double(c.intermediate_size), L = double(c.num_hidden_layers),
+               HD = double(c.num_attention_heads * c.head_dim), KD = double(c.num_key_value_heads * c.head_dim);
+  switch (op) {
+    case forward_op::qkv: return L * (HD + 2 * KD) * C * esize;
+    case forward_op::o_proj: return L * C * HD * esize;
+    case forward_op::gate_up: return L * 2 * F * C * esize;
+    case forward_op::down: return L * C * F * esize;
+    case forward_op::lm_head: return double(c.vocab_size) * C * 2;
+    default: return 0;
+  }
+}
+
+// Per op of the side-by-side rounds (phase "ops"): ms per step of each, their ratio, and for the
+// GEMVs the bytes/s they streamed -- where the two steps' times differ and where they do not.
+void emit_op_profile(const bench_args& a, const model_config& cfg, int t, int rounds, const forward_profile& p8,
+                     const forward_profile& p16) {
+  for (size_t i = 0; i < forward_profile::kOps; ++i) {
+    const auto op = static_cast<forward_op>(i);
+    const double s8 = p8.seconds[i] / rounds, s16 = p16.seconds[i] / rounds;
+    std::vector<std::pair<std::string, std::string>> f = {
+        {"bench", jstr("decode")}, {"phase", jstr("ops")}, {"op", jstr(forward_profile::name(op))},
+        {"threads", jnum(t)}, {"fp8_ms_per_step", jnum(s8 * 1e3)}, {"bf16_ms_per_step", jnum(s16 * 1e3)},
+        {"bf16_over_fp8", jnum(s8 > 0 ? s16 / s8 : 0)}};
+    if (const double b = op_weight_bytes(cfg, op, 1.0); b > 0) {
+      f.push_back({"fp8_gbps", jnum(b / s8 / 1e9)});
+      f.push_back({"bf16_gbps", jnum(op_weight_bytes(cfg, op, 2.0) / s16 / 1e9)});
+    }
+    bench_emit(a, f);
+  }
+}
 
 // fp8 weights + fp8 KV against bf16 + bf16, batch 1, side by side: rounds alternate one step of
 // each (a shared machine's bandwidth drifts over minutes; both models see the same moments), and
@@ -139,12 +174,13 @@ void run_decode_ratio(const bench_args& a, backend& be, const model_config& cfg,
     bf16.fill();
     for (int i = 0; i < 2; ++i) { fp8.step(); bf16.step(); }  // warm-up
     std::vector<double> tf, tb, ratio;
+    forward_profile prof8, prof16;  // a clock read per op: well under a microsecond of ~100 per layer
     const int rounds = std::max(5, a.reps * 3);
     for (int r = 0; r < rounds; ++r) {
       auto t0 = std::chrono::steady_clock::now();
-      fp8.step();
+      fp8.step(&prof8);
       auto t1 = std::chrono::steady_clock::now();
-      bf16.step();
+      bf16.step(&prof16);
       auto t2 = std::chrono::steady_clock::now();
       tf.push_back(std::chrono::duration<double>(t1 - t0).count());
       tb.push_back(std::chrono::duration<double>(t2 - t1).count());
@@ -155,6 +191,7 @@ void run_decode_ratio(const bench_args& a, backend& be, const model_config& cfg,
                    {"layers", jnum(double(cfg.num_hidden_layers))}, {"fp8_tokens_per_s", jnum(1.0 / bench_median_of(tf))},
                    {"bf16_tokens_per_s", jnum(1.0 / bench_median_of(tb))}, {"speedup", jnum(bench_median_of(ratio))},
                    {"runs", jnum(rounds)}});
+    emit_op_profile(a, cfg, t, rounds, prof8, prof16);
   });
 }
 
