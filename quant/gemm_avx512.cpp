@@ -47,23 +47,14 @@ struct e4m3_bf16_tables {
     lo0 = _mm512_load_si512(lo);
     lo1 = _mm512_load_si512(lo + 64);
   }
-  // 64 codes -> words of bytes {0-7,16-23,32-39,48-55} (w0) and {8-15,...,56-63} (w1)
+  // 64 codes -> words of bytes {0-7,16-23,32-39,48-55} (w0) and {8-15,...,56-63} (w1): a narrow
+  // pair step's two halves (fp8_step_byte), for every code (no patch: a table has no rare code)
   inline void decode(__m512i raw, __m512i* w0, __m512i* w1) const {
-    __m512i h = _mm512_permutex2var_epi8(hi0, raw, hi1);
-    h = _mm512_or_si512(h, _mm512_and_si512(raw, _mm512_set1_epi8(static_cast<char>(0x80))));
-    __m512i l = _mm512_permutex2var_epi8(lo0, raw, lo1);
-    *w0 = _mm512_unpacklo_epi8(l, h);
-    *w1 = _mm512_unpackhi_epi8(l, h);
-  }
-  // 64 codes of a narrow pair step (fp8_stream_pos) -> word w of w0 from byte 2w, of w1 from
-  // byte 2w + 1: the words decode_shift makes, for every code (no patch: a table has no rare code)
-  inline void decode_pairs(__m512i raw, __m512i* w0, __m512i* w1) const {
     const __m512i h = _mm512_ternarylogic_epi32(_mm512_permutex2var_epi8(hi0, raw, hi1), raw,
                                                 _mm512_set1_epi8(static_cast<char>(0x80)), 0xF8);  // h | (raw & 0x80)
     const __m512i l = _mm512_permutex2var_epi8(lo0, raw, lo1);
-    const __mmask64 odd = 0xAAAAAAAAAAAAAAAAull;
-    *w0 = _mm512_mask_blend_epi8(odd, l, _mm512_slli_epi16(h, 8));
-    *w1 = _mm512_mask_blend_epi8(odd, _mm512_srli_epi16(l, 8), h);
+    *w0 = _mm512_unpacklo_epi8(l, h);
+    *w1 = _mm512_unpackhi_epi8(l, h);
   }
 };
 
@@ -79,23 +70,24 @@ const e4m3_bf16_tables& codes_b_tables() {
   return t;
 }
 
-// Narrow FP8 pair steps (fp8_stream_pos): word w holds column w/2 (pair half w%2) in its low
-// byte and column 16 + w/2 in its high byte. A code c = s|eeee|mmm sign-extended into bits
-// 15..8 and shifted right arithmetically by 4 reads s|ssss|eeeemmm|xxxx; forcing bits 14..11
-// to 0111 and clearing the low nibble gives s|0111eeee|mmm0000, the BF16 of (1 + m/8) *
-// 2^(e - 15) = E4M3(c) * 2^-8 for 1 <= e (NaN excepted). Steps holding a code outside that
-// range (fp8_rare bit) patch those words with values precomputed at packing (fp8_rare_patch,
-// VPEXPANDW). The A operand carries its values times 2^8 (kCodesAExp, exact in BF16), so every
-// product, and so every partial sum, is the §5.2 one exactly (nonzero ones >= 2^-18, far from
-// FTZ): results are bit-identical without rescaling the block sum.
+// Narrow FP8 pair steps (fp8_stream_pos): decoded word w of half 0 (1) comes from byte
+// fp8_step_byte(0 (1), w), which a byte unpack puts in the high byte of word w. A code c =
+// s|eeee|mmm there, shifted right arithmetically by 4, reads s|ssss|eeeemmm|0000; forcing bits
+// 14..11 to 0111 gives s|0111eeee|mmm0000, the BF16 of (1 + m/8) * 2^(e - 15) = E4M3(c) * 2^-8
+// for 1 <= e (NaN excepted). Steps holding a code outside that range (fp8_rare bit) patch those
+// words with values precomputed at packing (fp8_rare_patch, VPEXPANDW). The A operand carries its
+// values times 2^8 (kCodesAExp, exact in BF16), so every product, and so every partial sum, is
+// the §5.2 one exactly (nonzero ones >= 2^-18, far from FTZ): results are bit-identical without
+// rescaling the block sum. Byte unpacks run on twice the vector pipes of shifts on Zen 5 (4 vs 2
+// a cycle), so this order decodes with fewer contended ops than 16-bit shifts alone.
 
 // 0x3800 puts code exponent e at BF16 exponent 112 + e = 127 + (e - 15); E4M3's bias is 7.
 static_assert(kCodesAExp == 15 - 7, "the A operand's 2^kCodesAExp undoes decode_shift's 2^(7 - 15)");
 inline void decode_shift(__m512i raw, __m512i* lo, __m512i* hi) {
-  const __m512i set = _mm512_set1_epi16(0x3800), clear = _mm512_set1_epi16(0x400f);
+  const __m512i set = _mm512_set1_epi16(0x3800), clear = _mm512_set1_epi16(0x400f), zero = _mm512_setzero_si512();
   // (x | set) & ~clear
-  *lo = _mm512_ternarylogic_epi32(_mm512_srai_epi16(_mm512_slli_epi16(raw, 8), 4), set, clear, 0x54);
-  *hi = _mm512_ternarylogic_epi32(_mm512_srai_epi16(raw, 4), set, clear, 0x54);
+  *lo = _mm512_ternarylogic_epi32(_mm512_srai_epi16(_mm512_unpacklo_epi8(zero, raw), 4), set, clear, 0x54);
+  *hi = _mm512_ternarylogic_epi32(_mm512_srai_epi16(_mm512_unpackhi_epi8(zero, raw), 4), set, clear, 0x54);
 }
 
 // The rare steps of one (panel, 128-K block): bit i of `bits` marks step i; their patches follow
@@ -222,9 +214,10 @@ inline void dot_narrow(const uint16_t* A, int64_t lda, const void* const (&P)[PN
 
 // How a narrow block's pair steps come to registers: BF16 pairs loaded; FP8 codes decoded by
 // shifts, with no rare step in the block (no check) or with rare steps patched (rare[p]); or
-// decoded by tables (no patch, 2 more vector ops per step than the shifts). Where B streams from
-// memory (decode-sized tiles) the patched steps' mispredicts cost the GEMV ~4% on Zen 5, so those
-// tiles take the tables; compute-bound tiles take the shifts, whose checks their rows amortize.
+// decoded by tables (no patch; 5 vector ops a step to the shifts' 6 plus a check). Where B
+// streams from memory (decode-sized tiles) the patched steps' mispredicts cost the GEMV ~4% on
+// Zen 5, so those tiles take the tables; compute-bound tiles take the shifts, whose checks their
+// rows amortize (the tables there measured the same at 2048^3 on Zen 5).
 enum class steps : uint8_t { pairs, shift, shift_rare, table };
 
 template <int MR>
@@ -255,7 +248,7 @@ inline void dot_narrow_block(const uint16_t* A, int64_t lda, const void* const (
           _mm_prefetch(static_cast<const char*>(Q[p]) + i * 64 + kPrefetchBytes, _MM_HINT_T0);
         const __m512i raw = _mm512_load_si512(static_cast<const uint8_t*>(Q[p]) + i * 64);
         if constexpr (kSteps == steps::table) {
-          tb.decode_pairs(raw, &w0, &w1);
+          tb.decode(raw, &w0, &w1);
         } else {
           decode_shift(raw, &w0, &w1);
           if constexpr (kSteps == steps::shift_rare)
@@ -694,14 +687,15 @@ int64_t fp8_pack_panel_avx512(const uint8_t* src, int64_t K, float* wide, uint8_
         }
     if (narrow)
       for (int t = 0; t < 16; t += 2) {
-        // words w = 2j + (k odd) of columns j (half 0) and 16 + j (half 1)
+        // words w = 2j + (k odd) of columns j (half 0) and 16 + j (half 1); lane L holds half 0's
+        // words 8L..8L+7, then half 1's (fp8_step_byte)
         const __m128i lo0 = _mm_unpacklo_epi8(col[0][t], col[0][t + 1]), lo1 = _mm_unpackhi_epi8(col[0][t], col[0][t + 1]);
         const __m128i hi0 = _mm_unpacklo_epi8(col[1][t], col[1][t + 1]), hi1 = _mm_unpackhi_epi8(col[1][t], col[1][t + 1]);
         __m128i* out = reinterpret_cast<__m128i*>(narrow + (k0 + t) / 2 * 64);
-        _mm_store_si128(out, _mm_unpacklo_epi8(lo0, hi0));
-        _mm_store_si128(out + 1, _mm_unpackhi_epi8(lo0, hi0));
-        _mm_store_si128(out + 2, _mm_unpacklo_epi8(lo1, hi1));
-        _mm_store_si128(out + 3, _mm_unpackhi_epi8(lo1, hi1));
+        _mm_store_si128(out, _mm_unpacklo_epi64(lo0, hi0));
+        _mm_store_si128(out + 1, _mm_unpackhi_epi64(lo0, hi0));
+        _mm_store_si128(out + 2, _mm_unpacklo_epi64(lo1, hi1));
+        _mm_store_si128(out + 3, _mm_unpackhi_epi64(lo1, hi1));
       }
   }
   return k0;

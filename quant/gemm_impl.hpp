@@ -5,10 +5,13 @@
 
 namespace fp8rl::quant::detail {
 
-// Byte position of B element (column j in panel 0..31, pair half h) inside a 64-byte FP8
-// pair step: 16-bit word w = 2 * (j % 16) + h holds columns 0-15 in its low byte and 16-31 in
-// its high byte, so word shifts decode both halves in VDPBF16PS pair order.
-inline int fp8_stream_pos(int j, int h) { return 2 * (2 * (j & 15) + h) + (j >= 16 ? 1 : 0); }
+// Byte of a 64-byte FP8 pair step that decoded word w (0..31) of half `half` comes from: the
+// unpack order -- 128-bit lane w / 8 holds half 0's words in its low 8 bytes and half 1's in its
+// high 8, so byte unpacks (VPUNPCKL/HBW) put both halves in VDPBF16PS pair order.
+inline int fp8_step_byte(int half, int w) { return (w / 8) * 16 + half * 8 + w % 8; }
+// Byte position of B element (column j in panel 0..31, pair half h): word 2 * (j % 16) + h of
+// half j / 16 (a decoded half holds 16 columns' BF16 pairs).
+inline int fp8_stream_pos(int j, int h) { return fp8_step_byte(j >= 16 ? 1 : 0, 2 * (j & 15) + h); }
 
 // Codes outside the shift decoder's range: exponent field zero (±0, subnormals) or NaN.
 inline bool fp8_code_rare(uint8_t c) { return (c & 0x78) == 0 || (c & 0x7f) == 0x7f; }

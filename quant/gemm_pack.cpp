@@ -69,7 +69,7 @@ void pack_rare_steps(gemm_packed_b& p) {
       uint16_t* v = out + 4;
       for (int half = 0; half < 2; ++half)
         for (int w = 0; w < 32; ++w)
-          if (const uint8_t c = step[2 * w + half]; detail::fp8_code_rare(c)) {
+          if (const uint8_t c = step[detail::fp8_step_byte(half, w)]; detail::fp8_code_rare(c)) {
             k[half] |= uint32_t{1} << w;
             *v++ = bf16_from_float(std::ldexp(lut[c], -8));
           }
