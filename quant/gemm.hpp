@@ -106,7 +106,7 @@ struct gemm_packed_b {
   avector<uint32_t> fp8_rare_at;  // ... [NP][Kp/128 + 1] offset of the block's first such step in ...
   avector<uint16_t> fp8_rare_patch;  // ... patches, one per step: [k0 (2 words), k1 (2 words),
                                   // BF16 values * 2^-8 of the words k0 marks, then k1's]; k0 (k1)
-                                  // marks the decoder's even (odd) byte words it cannot take
+                                  // marks the words of w0 (w1) it cannot take (fp8_step_byte)
   avector<float> scale_inv;       // fp8: [NP][Kp/128][32]
   avector<float> scale_panel;     // fp8 narrow, when each panel's columns share every block's scale
                                   // (128x128 blocks): [NP][Kp/128]; else empty

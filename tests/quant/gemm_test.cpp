@@ -5,6 +5,7 @@
 #include <tbb/task_arena.h>
 
 #include <cfloat>
+#include <bit>
 #include <cmath>
 #include <cstdio>
 #include <fstream>
@@ -214,6 +215,41 @@ TEST(Gemm, Fp8NarrowKernelTakesEveryCodeBitExactly) {
                                                << (p == &pd ? " decoded form" : "");
         }
     }
+  }
+}
+
+// NaN codes (0x7f, 0xff: the quantizer never writes them, a loaded tensor may hold them) reach
+// every narrow path as NaN -- the shift decoder's patches, the tables, the decoded form -- and
+// only in their own column: every other output keeps the reference's bits.
+TEST(Gemm, Fp8NarrowKernelPropagatesNanCodesToTheirColumnOnly) {
+  if (!have(cpu_isa::avx512_bf16)) GTEST_SKIP() << "no AVX512_BF16: no narrow kernel";
+  const int64_t N = 70, K = 256;
+  auto Bf = randn(N * K, 61, 1.0f, 0.0f);
+  qtensor B = quantize(Bf.data(), N, K, qlayout::block_128x128, scale_mode::pow2, "B");
+  const int64_t nan_col[2] = {3, 40};
+  B.data[nan_col[0] * K + 5] = 0x7f;
+  B.data[nan_col[1] * K + 200] = 0xff;
+  gemm_pack_forms decoded{false, true, false};
+  decoded.decoded = true;
+  const gemm_packed_b pb = gemm_pack_fp8(B, {false, true, false}), pd = gemm_pack_fp8(B, decoded);
+  for (int64_t M : {1, 2, 8, 20}) {  // tables (M <= 2), shifts + patches, batched, decoded form
+    auto Af = randn(M * K, 62 + M, 2.0f);
+    qtensor A = quantize(Af.data(), M, K, qlayout::rowwise_1x128, scale_mode::pow2, "A");
+    std::vector<float> ref(M * N), fast(M * N);
+    gemm_fp8_ref(A, B, ref.data());
+    for (const gemm_packed_b* p : {&pb, &pd})
+      for (gemm_decode dec : kDecodes) {
+        std::fill(fast.begin(), fast.end(), -1.0f);
+        gemm_fp8(A, *p, fast.data(), force(cpu_isa::avx512_bf16, gemm_kernel::narrow, dec));
+        for (int64_t m = 0; m < M; ++m)
+          for (int64_t n = 0; n < N; ++n) {
+            const bool nan_here = n == nan_col[0] || n == nan_col[1];
+            ASSERT_EQ(std::isnan(ref[m * N + n]), nan_here) << "reference m=" << m << " n=" << n;
+            if (nan_here) ASSERT_TRUE(std::isnan(fast[m * N + n])) << "M=" << M << " m=" << m << " n=" << n;
+            else ASSERT_EQ(std::bit_cast<uint32_t>(fast[m * N + n]), std::bit_cast<uint32_t>(ref[m * N + n]))
+                << "M=" << M << " m=" << m << " n=" << n << (p == &pd ? " decoded form" : "");
+          }
+      }
   }
 }
 
