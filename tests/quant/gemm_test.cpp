@@ -32,6 +32,27 @@ const gemm_kernel kKernels[] = {gemm_kernel::wide, gemm_kernel::narrow};
 gemm_config force(cpu_isa isa, gemm_kernel k, gemm_decode dec = gemm_decode::automatic) { return {isa, 0, k, dec}; }
 // both ways the narrow FP8 kernel can decode for batched decode (8 < M <= 32)
 const gemm_decode kDecodes[] = {gemm_decode::once, gemm_decode::per_tile};
+
+// The narrow FP8 kernel on B's codes pack pb and decoded pack pd, for each M (A random with
+// seed + M, 1x128 tiles in `mode`) and each batched-decode mode: check(M, ref, fast, what) gets
+// the reference's and the kernel's outputs; the runs stop at the first fatal failure.
+template <class Check>
+void narrow_fp8_runs(const qtensor& B, const gemm_packed_b& pb, const gemm_packed_b& pd, std::initializer_list<int64_t> Ms,
+                     uint64_t seed, scale_mode mode, Check&& check) {
+  for (int64_t M : Ms) {
+    auto Af = randn(M * B.op_cols(), seed + M, 2.0f);
+    qtensor A = quantize(Af.data(), M, B.op_cols(), qlayout::rowwise_1x128, mode, "A");
+    std::vector<float> ref(M * B.op_rows()), fast(ref.size());
+    gemm_fp8_ref(A, B, ref.data());
+    for (const gemm_packed_b* p : {&pb, &pd})
+      for (gemm_decode dec : kDecodes) {
+        std::fill(fast.begin(), fast.end(), -1.0f);
+        gemm_fp8(A, *p, fast.data(), force(cpu_isa::avx512_bf16, gemm_kernel::narrow, dec));
+        check(M, ref, fast, "M=" + std::to_string(M) + " decode " + std::to_string(int(dec)) + (p == &pd ? " decoded form" : ""));
+        if (::testing::Test::HasFatalFailure()) return;
+      }
+  }
+}
 const char* kernel_name(gemm_kernel k) { return k == gemm_kernel::narrow ? "narrow" : "wide"; }
 const int64_t kShapes[][3] = {{1, 32, 128}, {1, 4096 / 8, 1024}, {3, 33, 129}, {8, 64, 256}, {9, 70, 300},
                               {17, 100, 127}, {64, 96, 384}, {130, 257, 250}, {5, 31, 1}};
@@ -202,19 +223,10 @@ TEST(Gemm, Fp8NarrowKernelTakesEveryCodeBitExactly) {
     ASSERT_LT(rare, int64_t(pb.fp8.size() / 64)) << "some steps must take the shift decoder";
     // 1: the table decode; 20: batched decode, each block decoded once for 3 row tiles, or (pd)
     // the decoded form
-    for (int64_t M : {1, 3, 8, 20, 40}) {
-      auto Af = randn(M * K, 42 + M, 2.0f);
-      qtensor A = quantize(Af.data(), M, K, qlayout::rowwise_1x128, mode, "A");
-      std::vector<float> ref(M * N), fast(M * N);
-      gemm_fp8_ref(A, B, ref.data());
-      for (const gemm_packed_b* p : {&pb, &pd})
-        for (gemm_decode dec : kDecodes) {
-          std::fill(fast.begin(), fast.end(), -1.0f);
-          gemm_fp8(A, *p, fast.data(), force(cpu_isa::avx512_bf16, gemm_kernel::narrow, dec));
-          ASSERT_EQ(first_diff(fast, ref), -1) << "M=" << M << " mode " << int(mode) << " decode " << int(dec)
-                                               << (p == &pd ? " decoded form" : "");
-        }
-    }
+    narrow_fp8_runs(B, pb, pd, {1, 3, 8, 20, 40}, 42, mode, [&](int64_t, const auto& ref, const auto& fast, const std::string& what) {
+      ASSERT_EQ(first_diff(fast, ref), -1) << what << " mode " << int(mode);
+    });
+    if (HasFatalFailure()) return;
   }
 }
 
@@ -232,25 +244,17 @@ TEST(Gemm, Fp8NarrowKernelPropagatesNanCodesToTheirColumnOnly) {
   gemm_pack_forms decoded{false, true, false};
   decoded.decoded = true;
   const gemm_packed_b pb = gemm_pack_fp8(B, {false, true, false}), pd = gemm_pack_fp8(B, decoded);
-  for (int64_t M : {1, 2, 8, 20}) {  // tables (M <= 2), shifts + patches, batched, decoded form
-    auto Af = randn(M * K, 62 + M, 2.0f);
-    qtensor A = quantize(Af.data(), M, K, qlayout::rowwise_1x128, scale_mode::pow2, "A");
-    std::vector<float> ref(M * N), fast(M * N);
-    gemm_fp8_ref(A, B, ref.data());
-    for (const gemm_packed_b* p : {&pb, &pd})
-      for (gemm_decode dec : kDecodes) {
-        std::fill(fast.begin(), fast.end(), -1.0f);
-        gemm_fp8(A, *p, fast.data(), force(cpu_isa::avx512_bf16, gemm_kernel::narrow, dec));
-        for (int64_t m = 0; m < M; ++m)
-          for (int64_t n = 0; n < N; ++n) {
-            const bool nan_here = n == nan_col[0] || n == nan_col[1];
-            ASSERT_EQ(std::isnan(ref[m * N + n]), nan_here) << "reference m=" << m << " n=" << n;
-            if (nan_here) ASSERT_TRUE(std::isnan(fast[m * N + n])) << "M=" << M << " m=" << m << " n=" << n;
-            else ASSERT_EQ(std::bit_cast<uint32_t>(fast[m * N + n]), std::bit_cast<uint32_t>(ref[m * N + n]))
-                << "M=" << M << " m=" << m << " n=" << n << (p == &pd ? " decoded form" : "");
-          }
+  // tables (M <= 2), shifts + patches, batched, decoded form
+  narrow_fp8_runs(B, pb, pd, {1, 2, 8, 20}, 62, scale_mode::pow2, [&](int64_t M, const auto& ref, const auto& fast, const std::string& what) {
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t n = 0; n < N; ++n) {
+        const bool nan_here = n == nan_col[0] || n == nan_col[1];
+        ASSERT_EQ(std::isnan(ref[m * N + n]), nan_here) << "reference m=" << m << " n=" << n;
+        if (nan_here) ASSERT_TRUE(std::isnan(fast[m * N + n])) << what << " m=" << m << " n=" << n;
+        else ASSERT_EQ(std::bit_cast<uint32_t>(fast[m * N + n]), std::bit_cast<uint32_t>(ref[m * N + n]))
+            << what << " m=" << m << " n=" << n;
       }
-  }
+  });
 }
 
 // Patches at their largest: pair steps whose every code is ±0 or subnormal (all 64 words of
@@ -279,18 +283,9 @@ TEST(Gemm, Fp8NarrowKernelPatchesStepsOfOnlyRareCodes) {
   const gemm_packed_b pd = gemm_pack_fp8(B, decoded);
   // 1, 2: the table decode; 32: batched decode (four full row tiles per decoded block), or (pd)
   // the decoded form, its patched words written at packing
-  for (int64_t M : {1, 2, 5, 32}) {
-    auto Af = randn(M * K, 52 + M, 2.0f);
-    qtensor A = quantize(Af.data(), M, K, qlayout::rowwise_1x128, scale_mode::pow2, "A");
-    std::vector<float> ref(M * N), fast(M * N);
-    gemm_fp8_ref(A, B, ref.data());
-    for (const gemm_packed_b* p : {&pb, &pd})
-      for (gemm_decode dec : kDecodes) {
-        std::fill(fast.begin(), fast.end(), -1.0f);
-        gemm_fp8(A, *p, fast.data(), force(cpu_isa::avx512_bf16, gemm_kernel::narrow, dec));
-        ASSERT_EQ(first_diff(fast, ref), -1) << "M=" << M << " decode " << int(dec) << (p == &pd ? " decoded form" : "");
-      }
-  }
+  narrow_fp8_runs(B, pb, pd, {1, 2, 5, 32}, 52, scale_mode::pow2, [&](int64_t, const auto& ref, const auto& fast, const std::string& what) {
+    ASSERT_EQ(first_diff(fast, ref), -1) << what;
+  });
 }
 
 // The register panel packer writes every code where fp8_stream_pos puts it (narrow) and its exact

@@ -125,8 +125,8 @@ struct decode_runner {
   }
 };
 
-// Weight bytes one decode step's op reads at `esize` bytes per FP8/BF16 layer weight (0: not a
-// GEMV); the lm_head stays BF16 under every policy.
+// Weight bytes one decode step's op reads at `esize` bytes per layer weight (0: not a GEMV);
+// the lm_head is BF16 under the FP8 and BF16 policies, FP32 under FP32.
 double op_weight_bytes(const model_config& c, forward_op op, double esize) {
   const double C = double(c.hidden_size), F = double(c.intermediate_size), L = double(c.num_hidden_layers),
                HD = double(c.num_attention_heads * c.head_dim), KD = double(c.num_key_value_heads * c.head_dim);
@@ -135,7 +135,7 @@ double op_weight_bytes(const model_config& c, forward_op op, double esize) {
     case forward_op::o_proj: return L * C * HD * esize;
     case forward_op::gate_up: return L * 2 * F * C * esize;
     case forward_op::down: return L * C * F * esize;
-    case forward_op::lm_head: return double(c.vocab_size) * C * 2;
+    case forward_op::lm_head: return double(c.vocab_size) * C * std::max(esize, 2.0);
     default: return 0;
   }
 }
@@ -214,10 +214,9 @@ int main(int argc, char** argv) {
       if (!bench_selected(a, tag)) continue;
       const precision_policy pol = bench_policy(wname, kvname);
       // bytes of weights a decode step reads (narrow forms: FP8 codes, BF16, or FP32 values)
-      // per layer: q [2048x2048], k,v [256x2048], o [2048x2048], gate/up/down [5632x2048]; lm_head [32000x2048]
-      const double layer_params = 2048.0 * (2048 + 2 * 256) + 2048.0 * 2048 + 3.0 * 2048 * 5632;
-      const double wbytes = (std::string(wname) == "fp8" ? 1.0 : std::string(wname) == "bf16" ? 2.0 : 4.0) * layer_params * layers +
-                            (std::string(wname) == "fp32" ? 4.0 : 2.0) * 32000.0 * 2048;
+      const double esize = std::string(wname) == "fp8" ? 1.0 : std::string(wname) == "bf16" ? 2.0 : 4.0;
+      double wbytes = 0;
+      for (size_t i = 0; i < forward_profile::kOps; ++i) wbytes += op_weight_bytes(cfg, static_cast<forward_op>(i), esize);
       const double kv_esize = pol.kv == kv_dtype::fp8 ? 1.0 : 2.0;
       const auto w = model_weights_build(*be, cfg, pol, {&params, nullptr, nullptr}, false, true);  // as generation
       for (int64_t batch : {int64_t{1}, int64_t{16}}) {
