@@ -28,7 +28,7 @@ cpu_isa detect() {
                 __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
   if (!avx512) return cpu_isa::portable;
   if (!__builtin_cpu_supports("avx512bf16") || !__builtin_cpu_supports("avx512vbmi") ||
-      !__builtin_cpu_supports("avx512vbmi2"))
+      !__builtin_cpu_supports("avx512vbmi2") || !__builtin_cpu_supports("gfni"))
     return cpu_isa::avx512;
   if (__builtin_cpu_supports("amx-tile") && __builtin_cpu_supports("amx-bf16") && amx_permitted()) return cpu_isa::amx;
   return cpu_isa::avx512_bf16;

@@ -64,30 +64,35 @@ const e4m3_bf16_tables& tables(bool codes_a = false) {
   return codes_a ? scaled : plain;
 }
 
-// The values times 2^-kCodesAExp: the narrow FP8 kernels' B operand (decode_shift's words).
+// The values times 2^-kCodesAExp: the narrow FP8 kernels' B operand (decode_affine's words).
 const e4m3_bf16_tables& codes_b_tables() {
   static const e4m3_bf16_tables t(-kCodesAExp);
   return t;
 }
 
 // Narrow FP8 pair steps (fp8_stream_pos): decoded word w of half 0 (1) comes from byte
-// fp8_step_byte(0 (1), w), which a byte unpack puts in the high byte of word w. A code c =
-// s|eeee|mmm there, shifted right arithmetically by 4, reads s|ssss|eeeemmm|0000; forcing bits
-// 14..11 to 0111 gives s|0111eeee|mmm0000, the BF16 of (1 + m/8) * 2^(e - 15) = E4M3(c) * 2^-8
-// for 1 <= e (NaN excepted). Steps holding a code outside that range (fp8_rare bit) patch those
-// words with values precomputed at packing (fp8_rare_patch, VPEXPANDW). The A operand carries its
-// values times 2^8 (kCodesAExp, exact in BF16), so every product, and so every partial sum, is
-// the §5.2 one exactly (nonzero ones >= 2^-18, far from FTZ): results are bit-identical without
-// rescaling the block sum. Byte unpacks run on twice the vector pipes of shifts on Zen 5 (4 vs 2
-// a cycle), so this order decodes with fewer contended ops than 16-bit shifts alone.
+// fp8_step_byte(0 (1), w), which a byte unpack (low byte, high byte) puts in word w. A code c =
+// s|eeee|mmm with 1 <= e (NaN excepted) has the BF16 word s|0111eeee|mmm0000 = (1 + m/8) *
+// 2^(e - 15) = E4M3(c) * 2^-8 (112 + e = 127 + (e - 15); E4M3's bias is 7). Each byte of that
+// word is an affine map of c's bits over GF(2), one VGF2P8AFFINEQB each: high byte s|0111|e3e2e1
+// (matrix rows s, 0, 0, 0, 0, e3, e2, e1 XOR 0x38), low byte e0|mmm|0000. Steps holding a code
+// outside that range (fp8_rare bit) patch those words with values precomputed at packing
+// (fp8_rare_patch, VPEXPANDW). The A operand carries its values times 2^8 (kCodesAExp, exact in
+// BF16), so every product, and so every partial sum, is the §5.2 one exactly (nonzero ones >=
+// 2^-18, far from FTZ): results are bit-identical without rescaling the block sum. On Zen 5 the
+// two affine maps + two unpacks (4 ops, 2 of them in the 2-a-cycle class of VDPBF16PS) decode a
+// step in fewer pipe slots than the tables (5 ops) or shifts (2 unpacks + 2 shifts + 2 ternlogs).
 
-// 0x3800 puts code exponent e at BF16 exponent 112 + e = 127 + (e - 15); E4M3's bias is 7.
-static_assert(kCodesAExp == 15 - 7, "the A operand's 2^kCodesAExp undoes decode_shift's 2^(7 - 15)");
-inline void decode_shift(__m512i raw, __m512i* lo, __m512i* hi) {
-  const __m512i set = _mm512_set1_epi16(0x3800), clear = _mm512_set1_epi16(0x400f), zero = _mm512_setzero_si512();
-  // (x | set) & ~clear
-  *lo = _mm512_ternarylogic_epi32(_mm512_srai_epi16(_mm512_unpacklo_epi8(zero, raw), 4), set, clear, 0x54);
-  *hi = _mm512_ternarylogic_epi32(_mm512_srai_epi16(_mm512_unpackhi_epi8(zero, raw), 4), set, clear, 0x54);
+// GF(2) matrices (VGF2P8AFFINEQB: result bit i = parity(matrix byte 7-i & c) ^ imm bit i)
+constexpr long long kAffineHi = 0x1020400000000080LL;  // bits 7, 2, 1, 0 <- c bits 7, 6, 5, 4
+constexpr int kAffineHiXor = 0x38;                     // bits 5..3 set: exponent 0111....
+constexpr long long kAffineLo = 0x0000000001020408LL;  // bits 7, 6, 5, 4 <- c bits 3, 2, 1, 0
+static_assert(kCodesAExp == 15 - 7, "the A operand's 2^kCodesAExp undoes decode_affine's 2^(7 - 15)");
+inline void decode_affine(__m512i raw, __m512i* w0, __m512i* w1) {
+  const __m512i h = _mm512_gf2p8affine_epi64_epi8(raw, _mm512_set1_epi64(kAffineHi), kAffineHiXor);
+  const __m512i l = _mm512_gf2p8affine_epi64_epi8(raw, _mm512_set1_epi64(kAffineLo), 0);
+  *w0 = _mm512_unpacklo_epi8(l, h);
+  *w1 = _mm512_unpackhi_epi8(l, h);
 }
 
 // The rare steps of one (panel, 128-K block): bit i of `bits` marks step i; their patches follow
@@ -111,7 +116,7 @@ inline void patch_rare(const uint16_t** r, __m512i* w0, __m512i* w1) {
 // Pair step i of a 128-K block of codes at q, decoded into w0/w1; bit i of rare_bits marks a
 // patched step, *rp its next patch (moved past the one applied).
 inline void decode_step(const uint8_t* q, int i, uint64_t rare_bits, const uint16_t** rp, __m512i* w0, __m512i* w1) {
-  decode_shift(_mm512_load_si512(q + i * 64), w0, w1);
+  decode_affine(_mm512_load_si512(q + i * 64), w0, w1);
   if (__builtin_expect((rare_bits >> i) & 1, 0)) patch_rare(rp, w0, w1);
 }
 
@@ -213,18 +218,19 @@ inline void dot_narrow(const uint16_t* A, int64_t lda, const void* const (&P)[PN
 }
 
 // How a narrow block's pair steps come to registers: BF16 pairs loaded; FP8 codes decoded by
-// shifts, with no rare step in the block (no check) or with rare steps patched (rare[p]); or
-// decoded by tables (no patch; 5 vector ops a step to the shifts' 6 plus a check). Where B
-// streams from memory (decode-sized tiles) the patched steps' mispredicts cost the GEMV ~4% on
-// Zen 5, so those tiles take the tables; compute-bound tiles take the shifts, whose checks their
-// rows amortize (the tables there measured the same at 2048^3 on Zen 5).
-enum class steps : uint8_t { pairs, shift, shift_rare, table };
+// affine maps, with no rare step in the block (no check) or with rare steps patched (rare[p]);
+// or decoded by tables (no patch; 5 vector ops a step to the affine maps' 4 plus a check). Where
+// B streams from memory (decode-sized tiles) the patched steps' mispredicts cost the GEMV ~4% on
+// Zen 5 (2026-12-05: affine + patches decode the in-cache GEMV in 9.3-9.8 cycles per 4-panel step
+// against the tables' 12.0, yet the DRAM GEMV ratio fell from 1.78-1.84x to 1.71-1.75x), so those
+// tiles take the tables; compute-bound tiles take the affine maps, whose checks their rows amortize.
+enum class steps : uint8_t { pairs, affine, affine_rare, table };
 
 template <int MR>
 constexpr bool codes_by_table = MR <= kPrefetchMaxRows;
 
 // One 128-K block (64 pairs) with a constant trip count: the compiler unrolls it and the
-// block boundary costs no loop-exit mispredict. shift: about half of 128x128 blocks of normal
+// block boundary costs no loop-exit mispredict. affine: about half of 128x128 blocks of normal
 // data on one panel have no rare step (the check and its mispredicts cost the 2048^3 GEMM ~2%).
 template <int MR, int PN, steps kSteps>
 inline void dot_narrow_block(const uint16_t* A, int64_t lda, const void* const (&P)[PN], int64_t i0,
@@ -250,8 +256,8 @@ inline void dot_narrow_block(const uint16_t* A, int64_t lda, const void* const (
         if constexpr (kSteps == steps::table) {
           tb.decode(raw, &w0, &w1);
         } else {
-          decode_shift(raw, &w0, &w1);
-          if constexpr (kSteps == steps::shift_rare)
+          decode_affine(raw, &w0, &w1);
+          if constexpr (kSteps == steps::affine_rare)
             if (__builtin_expect((rare[p].bits >> i) & 1, 0)) patch_rare(&rp[p], &w0, &w1);
         }
         b[2 * p] = (__m512bh)w0;
@@ -365,8 +371,8 @@ void tile(gemm_model model, const gemm_a_operand& A, int64_t m0, const gemm_pack
         } else if constexpr (kSrc == bsrc::codes) {
           uint64_t any_rare = 0;
           for (int p = 0; p < PN; ++p) any_rare |= rare[p].bits;
-          if (any_rare == 0) dot_narrow_block<MR, PN, steps::shift>(a, lda, pnw, i0, rare, tb, acc);
-          else dot_narrow_block<MR, PN, steps::shift_rare>(a, lda, pnw, i0, rare, tb, acc);
+          if (any_rare == 0) dot_narrow_block<MR, PN, steps::affine>(a, lda, pnw, i0, rare, tb, acc);
+          else dot_narrow_block<MR, PN, steps::affine_rare>(a, lda, pnw, i0, rare, tb, acc);
         } else {
           dot_narrow_block<MR, PN, steps::pairs>(a, lda, pnw, i0, rare, tb, acc);
         }

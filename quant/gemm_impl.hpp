@@ -13,7 +13,7 @@ inline int fp8_step_byte(int half, int w) { return (w / 8) * 16 + half * 8 + w %
 // half j / 16 (a decoded half holds 16 columns' BF16 pairs).
 inline int fp8_stream_pos(int j, int h) { return fp8_step_byte(j >= 16 ? 1 : 0, 2 * (j & 15) + h); }
 
-// Codes outside the shift decoder's range: exponent field zero (±0, subnormals) or NaN.
+// Codes outside the affine decoder's range: exponent field zero (±0, subnormals) or NaN.
 inline bool fp8_code_rare(uint8_t c) { return (c & 0x78) == 0 || (c & 0x7f) == 0x7f; }
 
 // The accumulation model of a kernel (quant/gemm.hpp): sequential FP32, BF16 pairs (odd element

@@ -40,10 +40,10 @@ void for_each_column(int64_t N, Fn&& fn) {
   });
 }
 
-// The narrow FP8 kernel decodes codes by shifts (quant/gemm_avx512.cpp); a pair step marked in
-// fp8_rare gets a patch here for the codes the shifts cannot take: which words of the decoder's
-// two outputs (word w of w0 / w1 from byte fp8_step_byte(0 / 1, w)) and their BF16 values
-// (E4M3 * 2^-8, the shift decoder's scale). A patch is ~12 bytes where the step's values were 128.
+// The narrow FP8 kernel decodes codes by affine bit maps (quant/gemm_avx512.cpp); a pair step
+// marked in fp8_rare gets a patch here for the codes those maps cannot take: which words of the
+// decoder's two outputs (word w of w0 / w1 from byte fp8_step_byte(0 / 1, w)) and their BF16
+// values (E4M3 * 2^-8, the affine decoder's scale). A patch is ~12 bytes where the step's values were 128.
 void pack_rare_steps(gemm_packed_b& p) {
   const int64_t KB = p.Kp / kBlock;
   const auto step_codes = [&](size_t b, int i) {

@@ -198,8 +198,8 @@ TEST(Gemm, Fp8RandomShapesEqualTheReference) {
   }
 }
 
-// The narrow FP8 kernel decodes codes by shifts and patches pair steps holding ±0, subnormal codes
-// (or NaN) with values precomputed at packing; both kinds of step, next to each other in one
+// The narrow FP8 kernel decodes codes by affine bit maps and patches pair steps holding ±0,
+// subnormal codes (or NaN) with values precomputed at packing; both kinds of step, next to each other in one
 // block, in every row of a panel, give the reference's bits. Every non-NaN code appears.
 TEST(Gemm, Fp8NarrowKernelTakesEveryCodeBitExactly) {
   if (!have(cpu_isa::avx512_bf16)) GTEST_SKIP() << "no AVX512_BF16: no narrow kernel";
@@ -231,7 +231,7 @@ TEST(Gemm, Fp8NarrowKernelTakesEveryCodeBitExactly) {
 }
 
 // NaN codes (0x7f, 0xff: the quantizer never writes them, a loaded tensor may hold them) reach
-// every narrow path as NaN -- the shift decoder's patches, the tables, the decoded form -- and
+// every narrow path as NaN -- the affine decoder's patches, the tables, the decoded form -- and
 // only in their own column: every other output keeps the reference's bits.
 TEST(Gemm, Fp8NarrowKernelPropagatesNanCodesToTheirColumnOnly) {
   if (!have(cpu_isa::avx512_bf16)) GTEST_SKIP() << "no AVX512_BF16: no narrow kernel";
@@ -244,7 +244,7 @@ TEST(Gemm, Fp8NarrowKernelPropagatesNanCodesToTheirColumnOnly) {
   gemm_pack_forms decoded{false, true, false};
   decoded.decoded = true;
   const gemm_packed_b pb = gemm_pack_fp8(B, {false, true, false}), pd = gemm_pack_fp8(B, decoded);
-  // tables (M <= 2), shifts + patches, batched, decoded form
+  // tables (M <= 2), affine maps + patches, batched, decoded form
   narrow_fp8_runs(B, pb, pd, {1, 2, 8, 20}, 62, scale_mode::pow2, [&](int64_t M, const auto& ref, const auto& fast, const std::string& what) {
     for (int64_t m = 0; m < M; ++m)
       for (int64_t n = 0; n < N; ++n) {
