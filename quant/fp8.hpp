@@ -1,6 +1,7 @@
 // quant/fp8.hpp -- scalar FP8 (OCP E4M3FN, E5M2) and BF16 codecs.
 // defines: e4m3_from_float, e4m3_to_float, e5m2_from_float, e5m2_to_float,
-//          bf16_from_float, bf16_to_float, float_bits, float_from_bits
+//          bf16_from_float, bf16_to_float, float_bits, float_from_bits, e4m3_to_float_arith,
+//          e4m3_encode_array, e4m3_decode_array, e4m3_decode_scale_cols, e4m3_decode_scale_rows
 //
 // Encoding is round-to-nearest-even with CUDA __NV_SATFINITE semantics
 // (fp8-numerics.md §2.1): finite overflow and ±Inf saturate to ±max normal,
@@ -25,6 +26,12 @@ void e4m3_encode_array(const float* x, int64_t n, uint8_t* out);
 // ... and decoder: out[i] = e4m3_to_float(in[i]), bit for bit (AVX-512 where BF16 is present:
 // 64 codes per table lookup; the decode-attention KV slabs use it).
 void e4m3_decode_array(const uint8_t* in, int64_t n, float* out);
+// out[r][c] = e4m3_to_float(in[r][c]) * scale[c] (row-major [rows][cols], one FP32 rounding), and
+// the same with scale[r]: codes widened with the scale they were written with (the FP8 KV cache's
+// K slabs [D][positions] and V rows [positions][D]). Bit for bit that expression; AVX-512 where
+// present (one pass, no decoded array).
+void e4m3_decode_scale_cols(const uint8_t* in, int64_t rows, int64_t cols, const float* scale, float* out);
+void e4m3_decode_scale_rows(const uint8_t* in, int64_t rows, int64_t cols, const float* scale, float* out);
 // x[n] -> BF16 bits, each exactly bf16_from_float (below); AVX-512 where present, oneTBB.
 void bf16_encode_array(const float* x, int64_t n, uint16_t* out);
 // out[cols][rows] = bf16_from_float(x[rows][cols]): the BF16 transpose in one pass.

@@ -8,15 +8,19 @@
 // bytes_per_token (decode) = (weight bytes read per step + KV bytes read) / batch; bw_fraction
 // compares the achieved bytes/s with a measured streaming-read bandwidth at the same threads.
 // A last line per thread count, phase "decode_side_by_side" (--only=side_by_side alone), times fp8
-// weights + fp8 KV against bf16 + bf16 at batch 1 in alternating steps: its "speedup" is the
-// median per-round ratio, the number to read on a shared machine (see run_decode_ratio); then one
-// line per op (phase "ops": ms per step of each, and the GEMVs' GB/s) from the same rounds.
+// weights + fp8 KV against bf16 + bf16 at batch 1 (--batch=N: N) in alternating steps: its
+// "speedup" is the median per-round ratio, the number to read on a shared machine (see
+// run_decode_ratio); then one line per op (phase "ops": ms per step of each, and the GEMVs' GB/s)
+// from the same rounds.
 // Options: --json --quick (2 layers) --reps=N --threads=1,2 --only=SUBSTR --layers=N --prefill=0|1
+//          --batch=N (side by side only)
 #include <tbb/parallel_for.h>
 #include <tbb/task_arena.h>
 
 #include <algorithm>
 #include <chrono>
+#include <cstdio>
+#include <cstdlib>
 #include <numeric>
 
 #include "models/cpu/cpu_backend.hpp"
@@ -159,15 +163,15 @@ void emit_op_profile(const bench_args& a, const model_config& cfg, int t, int ro
   }
 }
 
-// fp8 weights + fp8 KV against bf16 + bf16, batch 1, side by side: rounds alternate one step of
+// fp8 weights + fp8 KV against bf16 + bf16, `batch` sequences, side by side: rounds alternate one step of
 // each (a shared machine's bandwidth drifts over minutes; both models see the same moments), and
 // the line reports the median over rounds of the two step times' ratio.
 void run_decode_ratio(const bench_args& a, backend& be, const model_config& cfg, const model_params& params,
-                      int64_t ctx, int64_t steps, int t) {
+                      int64_t batch, int64_t ctx, int64_t steps, int t) {
   // long-lived (huge pages), as the generation engine keeps its weights (models/generate.cpp)
   const auto w8 = model_weights_build(be, cfg, bench_policy("fp8", "fp8"), {&params, nullptr, nullptr}, false, true);
   const auto w16 = model_weights_build(be, cfg, bench_policy("bf16", "bf16"), {&params, nullptr, nullptr}, false, true);
-  decode_runner fp8(be, *w8, 1, ctx, steps), bf16(be, *w16, 1, ctx, steps);
+  decode_runner fp8(be, *w8, batch, ctx, steps), bf16(be, *w16, batch, ctx, steps);
   tbb::task_arena arena(t);
   arena.execute([&] {
     fp8.fill();
@@ -187,9 +191,10 @@ void run_decode_ratio(const bench_args& a, backend& be, const model_config& cfg,
       ratio.push_back(tb.back() / tf.back());
     }
     bench_emit(a, {{"bench", jstr("decode")}, {"phase", jstr("decode_side_by_side")}, {"weights", jstr("fp8 vs bf16")},
-                   {"kv", jstr("fp8 vs bf16")}, {"batch", jnum(1)}, {"threads", jnum(t)}, {"context", jnum(double(ctx))},
-                   {"layers", jnum(double(cfg.num_hidden_layers))}, {"fp8_tokens_per_s", jnum(1.0 / bench_median_of(tf))},
-                   {"bf16_tokens_per_s", jnum(1.0 / bench_median_of(tb))}, {"speedup", jnum(bench_median_of(ratio))},
+                   {"kv", jstr("fp8 vs bf16")}, {"batch", jnum(double(batch))}, {"threads", jnum(t)},
+                   {"context", jnum(double(ctx))}, {"layers", jnum(double(cfg.num_hidden_layers))},
+                   {"fp8_tokens_per_s", jnum(double(batch) / bench_median_of(tf))},
+                   {"bf16_tokens_per_s", jnum(double(batch) / bench_median_of(tb))}, {"speedup", jnum(bench_median_of(ratio))},
                    {"runs", jnum(rounds)}});
     emit_op_profile(a, cfg, t, rounds, prof8, prof16);
   });
@@ -199,9 +204,15 @@ void run_decode_ratio(const bench_args& a, backend& be, const model_config& cfg,
 
 int main(int argc, char** argv) {
   bench_args a = bench_parse(argc, argv, {{"layers", "model layers (default 22, TinyLlama; 2 with --quick)"},
-                                          {"prefill", "0: decode only (default 1)"}});
+                                          {"prefill", "0: decode only (default 1)"},
+                                          {"batch", "sequences of the side-by-side steps (default 1)"}});
   const int64_t layers = a.extra.count("layers") ? std::stoll(a.extra["layers"]) : (a.quick ? 2 : 22);
   const bool do_prefill = !a.extra.count("prefill") || a.extra["prefill"] != "0";
+  const int64_t side_batch = a.extra.count("batch") ? std::atoll(a.extra["batch"].c_str()) : 1;
+  if (side_batch < 1) {
+    std::fprintf(stderr, "bench-decode: --batch=%s: expected a positive integer\n", a.extra["batch"].c_str());
+    return 2;
+  }
   const model_config cfg = tinyllama(layers);
   const int64_t ctx = 512, decode_steps = a.quick ? 4 : 8;
   const model_params params = random_params(cfg);
@@ -261,7 +272,7 @@ int main(int argc, char** argv) {
     }
   }
   if (bench_selected(a, "side_by_side"))
-    for (int t : a.threads) run_decode_ratio(a, *be, cfg, params, ctx, decode_steps, t);
+    for (int t : a.threads) run_decode_ratio(a, *be, cfg, params, side_batch, ctx, decode_steps, t);
   for (int t : a.threads)
     bench_emit(a, {{"bench", jstr("decode")}, {"phase", jstr("stream_read")}, {"threads", jnum(t)}, {"gbps", jnum(bw[t])}});
 }
