@@ -141,19 +141,36 @@ std::unique_ptr<kv_cache> cpu_kv_cache_create(int64_t slots, int64_t layers, int
   return c;
 }
 
+// Checks first (the first bad token, head and element in order, whatever the threads), then
+// writes each KV head's tokens in its own task: the heads' storage is disjoint, and a head's
+// tokens keep their order. A step's writes scatter over 16-32 lines per token and head (the K
+// slab's rows) that the weights streamed since have evicted; serial, they took ~1 us each
+// (batch 16: 1.3-2.8 ms of a ~90 ms step on Zen 5).
 int64_t cpu_kv_cache_write(kv_cache& cache, int64_t layer, const kv_step& st, const float* k, const float* v,
                            const float* k_scale, const float* v_scale) {
   auto& c = static_cast<cpu_kv_cache&>(cache);
   const int64_t KV = c.kv_heads, D = c.head_dim, M = c.max_ctx;
   if (c.dtype == kv_dtype::fp8 && (!k_scale || !v_scale))
     throw std::invalid_argument("kv_cache_write: FP8 cache needs K/V scales (the snapshot has none)");
-  int64_t saturated = 0;
-  std::vector<float> scaled(c.dtype == kv_dtype::fp8 ? static_cast<size_t>(2 * D) : 0);  // FP8: K then V / scale
-  std::vector<uint8_t> codes(scaled.size());
   for (int64_t t = 0; t < st.T; ++t) {
     const int64_t slot = st.slot[t], p = st.pos[t];
     if (slot < 0 || slot >= c.slots || p < 0 || p >= M) throw std::out_of_range("kv_cache_write: slot/pos outside the cache");
-    for (int64_t g = 0; g < KV; ++g) {
+    if (c.dtype != kv_dtype::fp8) continue;
+    for (int64_t g = 0; g < KV; ++g)
+      for (int64_t d = 0; d < 2 * D; ++d) {
+        const float x = d < D ? k[(t * KV + g) * D + d] : v[(t * KV + g) * D + d - D];
+        if (!std::isfinite(x))  // the encoder would store NaN as 0x7F, Inf as 448
+          throw std::invalid_argument("kv_cache_write: layer " + std::to_string(layer) + ", KV head " + std::to_string(g) +
+                                      ", position " + std::to_string(p) + ": " + (d < D ? "K" : "V") + "[" +
+                                      std::to_string(d % D) + "] is " + std::to_string(x) + " (not finite; FP8 K/V cache)");
+      }
+  }
+  std::vector<int64_t> saturated(static_cast<size_t>(KV), 0);
+  tbb::parallel_for(int64_t{0}, KV, [&](int64_t g) {
+    std::vector<float> scaled(c.dtype == kv_dtype::fp8 ? static_cast<size_t>(2 * D) : 0);  // FP8: K then V / scale
+    std::vector<uint8_t> codes(scaled.size());
+    for (int64_t t = 0; t < st.T; ++t) {
+      const int64_t slot = st.slot[t], p = st.pos[t];
       const float* kt = k + (t * KV + g) * D;
       const float* vt = v + (t * KV + g) * D;
       const int64_t b = c.base(slot, layer, g);
@@ -162,13 +179,7 @@ int64_t cpu_kv_cache_write(kv_cache& cache, int64_t layer, const kv_step& st, co
           scaled[d] = kt[d] / k_scale[g];
           scaled[D + d] = vt[d] / v_scale[g];
         }
-        for (int64_t d = 0; d < 2 * D; ++d)
-          if (!std::isfinite(d < D ? kt[d] : vt[d - D]))  // the encoder would store NaN as 0x7F, Inf as 448
-            throw std::invalid_argument("kv_cache_write: layer " + std::to_string(layer) + ", KV head " + std::to_string(g) +
-                                        ", position " + std::to_string(p) + ": " + (d < D ? "K" : "V") + "[" +
-                                        std::to_string(d % D) + "] is " + std::to_string(d < D ? kt[d] : vt[d - D]) +
-                                        " (not finite; FP8 K/V cache)");
-        for (float x : scaled) saturated += std::fabs(x) > 448.0f;
+        for (float x : scaled) saturated[g] += std::fabs(x) > 448.0f;
         quant::e4m3_encode_array(scaled.data(), 2 * D, codes.data());
         for (int64_t d = 0; d < D; ++d) {
           c.fp8[b + c.key_at(p, d)] = codes[d];
@@ -189,8 +200,10 @@ int64_t cpu_kv_cache_write(kv_cache& cache, int64_t layer, const kv_step& st, co
         }
       }
     }
-  }
-  return saturated;
+  });
+  int64_t total = 0;
+  for (int64_t n : saturated) total += n;
+  return total;
 }
 
 void cpu_attention_cached(const kv_cache& cache, int64_t layer, const kv_step& st, const float* q, int64_t H,
