@@ -144,6 +144,27 @@ void gemm_bf16(const gemm_desc& d, const uint16_t* A, const gemm_packed_b& B, fl
   run_wide(gemm_model::pairs, {d.M, lda, af, nullptr, nullptr}, B, C, isa);
 }
 
+void gemm_bf16_group(const uint16_t* A, int64_t M, int64_t K, std::span<const gemm_packed_b* const> Bs,
+                     std::span<float* const> Cs, const gemm_config& cfg) {
+  if (Bs.size() != Cs.size())
+    throw std::invalid_argument("gemm_bf16_group: " + std::to_string(Bs.size()) + " weights for " +
+                                std::to_string(Cs.size()) + " outputs");
+  if (Bs.empty()) return;
+  const cpu_isa isa = effective_isa(cfg);
+  bool together = M > 0;  // one region where every B takes the narrow kernel on A as given
+  for (const gemm_packed_b* B : Bs) {
+    check_packed({M, B->N, K}, *B, gemm_dtype::bf16, "gemm_bf16_group");
+    together = together && B->N > 0 && B->Kp == K && use_narrow(*B, !B->bf16.empty(), M, isa, cfg);
+  }
+  if (!together) {
+    for (size_t i = 0; i < Bs.size(); ++i) gemm_bf16({M, Bs[i]->N, K}, A, *Bs[i], Cs[i], cfg);
+    return;
+  }
+  std::vector<detail::gemm_out> outs;
+  for (size_t i = 0; i < Bs.size(); ++i) outs.push_back({Bs[i], Cs[i]});
+  detail::gemm_narrow_avx512(gemm_model::pairs, {M, K, nullptr, A, nullptr}, outs);
+}
+
 namespace {
 gemm_desc check_fp8(const qtensor& A, const gemm_packed_b& B, const char* fn) {
   if (A.layout == qlayout::block_128x128)
@@ -161,34 +182,82 @@ gemm_desc check_fp8(const qtensor& A, const gemm_packed_b& B, const char* fn) {
 // thread: a parallel_for per GEMV call cost the FP8 decode step ~2 us per call.
 constexpr int64_t kConvertInlineRows = 4;
 
+namespace {
+// For (m) rows of A, in parallel unless decode-sized.
+template <class Fn>
+void for_rows(int64_t M, Fn&& fn) {
+  if (M <= kConvertInlineRows) for (int64_t m = 0; m < M; ++m) fn(m);
+  else tbb::parallel_for(int64_t{0}, M, fn);
+}
+
+// A's scales [M][KB] as the kernels read them.
+avector<float> fp8_a_scales(const qtensor& A, int64_t M, int64_t KB) {
+  avector<float> sa(static_cast<size_t>(M * KB), 0.0f);
+  for_rows(M, [&](int64_t m) {
+    for (int64_t kb = 0; kb < KB; ++kb) sa[m * KB + kb] = A.scale_at(m, kb);
+  });
+  return sa;
+}
+
+// The narrow FP8 kernel over outs (each B read alike: codes, or decoded where read_decoded), A's
+// codes converted once: BF16 values [M][lda] (times 2^kCodesAExp), zero past K.
+void fp8_narrow(const qtensor& A, const gemm_desc& d, int64_t lda, std::span<const detail::gemm_out> outs,
+                bool decoded, const gemm_config& cfg) {
+  const avector<float> sa = fp8_a_scales(A, d.M, lda / kBlock);
+  scratch_lease values(static_cast<size_t>(d.M * lda) * sizeof(uint16_t));
+  uint16_t* ab = values.as<uint16_t>();
+  for_rows(d.M, [&](int64_t m) {
+    detail::e4m3_to_bf16_avx512(A.data.data() + m * d.K, d.K, ab + m * lda, true);
+    std::fill(ab + m * lda + d.K, ab + (m + 1) * lda, uint16_t{0});
+  });
+  detail::gemm_narrow_avx512(gemm_model::fp8, {d.M, lda, nullptr, ab, sa.data()}, outs, decode_once(cfg), decoded);
+}
+}  // namespace
+
 void gemm_fp8(const qtensor& A, const gemm_packed_b& B, float* C, const gemm_config& cfg) {
   const gemm_desc d = check_fp8(A, B, "gemm_fp8");
   if (d.M == 0 || d.N == 0) return;
   const cpu_isa isa = effective_isa(cfg);
-  const int64_t lda = B.Kp, KB = B.Kp / kBlock;
-  const bool narrow = use_narrow(B, !B.fp8.empty(), d.M, isa, cfg);
-  avector<float> sa(static_cast<size_t>(d.M * KB), 0.0f);
-  scratch_lease values(static_cast<size_t>(d.M * lda) * (narrow ? sizeof(uint16_t) : sizeof(float)));
-  uint16_t* ab = values.as<uint16_t>();  // narrow: BF16 values [M][lda]
-  float* af = values.as<float>();        // wide: FP32 values [M][lda]
+  const int64_t lda = B.Kp;
+  if (use_narrow(B, !B.fp8.empty(), d.M, isa, cfg)) {
+    const detail::gemm_out out{&B, C};
+    fp8_narrow(A, d, lda, {&out, 1}, read_decoded(B, d.M, cfg), cfg);
+    return;
+  }
+  const avector<float> sa = fp8_a_scales(A, d.M, lda / kBlock);
+  scratch_lease values(static_cast<size_t>(d.M * lda) * sizeof(float));
+  float* af = values.as<float>();  // FP32 values [M][lda]
   const float* lut = e4m3_table();
-  auto convert_row = [&](int64_t m) {
+  for_rows(d.M, [&](int64_t m) {
     const uint8_t* src = A.data.data() + m * d.K;
-    if (narrow) {
-      detail::e4m3_to_bf16_avx512(src, d.K, ab + m * lda, true);
-      std::fill(ab + m * lda + d.K, ab + (m + 1) * lda, uint16_t{0});
-    } else {
-      if (isa >= cpu_isa::avx512_bf16) detail::e4m3_to_f32_avx512(src, d.K, af + m * lda);
-      else for (int64_t k = 0; k < d.K; ++k) af[m * lda + k] = lut[src[k]];
-      std::fill(af + m * lda + d.K, af + (m + 1) * lda, 0.0f);
-    }
-    for (int64_t kb = 0; kb < KB; ++kb) sa[m * KB + kb] = A.scale_at(m, kb);
-  };
-  if (d.M <= kConvertInlineRows) for (int64_t m = 0; m < d.M; ++m) convert_row(m);
-  else tbb::parallel_for(int64_t{0}, d.M, convert_row);
-  if (narrow)
-    detail::gemm_narrow_avx512(gemm_model::fp8, {d.M, lda, nullptr, ab, sa.data()}, B, C, decode_once(cfg), read_decoded(B, d.M, cfg));
-  else run_wide(gemm_model::fp8, {d.M, lda, af, nullptr, sa.data()}, B, C, isa);
+    if (isa >= cpu_isa::avx512_bf16) detail::e4m3_to_f32_avx512(src, d.K, af + m * lda);
+    else for (int64_t k = 0; k < d.K; ++k) af[m * lda + k] = lut[src[k]];
+    std::fill(af + m * lda + d.K, af + (m + 1) * lda, 0.0f);
+  });
+  run_wide(gemm_model::fp8, {d.M, lda, af, nullptr, sa.data()}, B, C, isa);
+}
+
+void gemm_fp8_group(const qtensor& A, std::span<const gemm_packed_b* const> Bs, std::span<float* const> Cs,
+                    const gemm_config& cfg) {
+  if (Bs.size() != Cs.size())
+    throw std::invalid_argument("gemm_fp8_group: " + std::to_string(Bs.size()) + " weights for " +
+                                std::to_string(Cs.size()) + " outputs (A '" + A.name + "')");
+  if (Bs.empty()) return;
+  const cpu_isa isa = effective_isa(cfg);
+  const gemm_desc d0 = check_fp8(A, *Bs[0], "gemm_fp8_group");
+  bool together = d0.M > 0;  // one region where every B takes the narrow kernel the same way
+  for (const gemm_packed_b* B : Bs) {
+    const gemm_desc d = check_fp8(A, *B, "gemm_fp8_group");
+    together = together && d.N > 0 && B->Kp == Bs[0]->Kp && use_narrow(*B, !B->fp8.empty(), d.M, isa, cfg) &&
+               read_decoded(*B, d.M, cfg) == read_decoded(*Bs[0], d.M, cfg);
+  }
+  if (!together) {
+    for (size_t i = 0; i < Bs.size(); ++i) gemm_fp8(A, *Bs[i], Cs[i], cfg);
+    return;
+  }
+  std::vector<detail::gemm_out> outs;
+  for (size_t i = 0; i < Bs.size(); ++i) outs.push_back({Bs[i], Cs[i]});
+  fp8_narrow(A, d0, Bs[0]->Kp, outs, read_decoded(*Bs[0], d0.M, cfg), cfg);
 }
 
 bool gemm_narrow_preferred() {

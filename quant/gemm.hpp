@@ -1,6 +1,6 @@
 // quant/gemm.hpp -- CPU GEMMs C[M,N] = A[M,K] · B[N,K]^T (row-major; lda = ldb = K, ldc = N).
 // defines: gemm_desc, gemm_config, gemm_packed_b, gemm_pack_{f32,bf16,fp8},
-//          gemm_{f32,bf16,fp8}, gemm_{f32,bf16,fp8}_ref, gemm_fp8_exact_ref, gemm_tiles_available,
+//          gemm_{f32,bf16,fp8}, gemm_{bf16,fp8}_group, gemm_{f32,bf16,fp8}_ref, gemm_fp8_exact_ref, gemm_tiles_available,
 //          gemm_{bf16,fp8}_tiles
 //
 // Each precision has a scalar reference (`*_ref`, built with -ffp-contract=off) that defines
@@ -28,6 +28,7 @@
 // themselves, but they differ from the exact kernels in the last bits.
 #pragma once
 #include <cstdint>
+#include <span>
 #include <string>
 
 #include "quant/aligned.hpp"
@@ -199,6 +200,14 @@ void gemm_f32(const gemm_desc& d, const float* A, const gemm_packed_b& B, float*
 void gemm_bf16(const gemm_desc& d, const uint16_t* A, const gemm_packed_b& B, float* C,
                const gemm_config& cfg = {});
 void gemm_fp8(const qtensor& A, const gemm_packed_b& B, float* C, const gemm_config& cfg = {});
+// C_i = A · B_i^T for several B_i sharing A (a layer's q/k/v or gate/up at decode), bit for bit
+// one gemm_bf16 / gemm_fp8 per B_i. Where the narrow kernel takes every B_i alike, they run as one
+// parallel region: one thread-pool round trip, and a short B_i (k/v: 8 panels) streams as part of
+// one range instead of as its own call. Bs.size() != Cs.size() throws std::invalid_argument.
+void gemm_bf16_group(const uint16_t* A, int64_t M, int64_t K, std::span<const gemm_packed_b* const> Bs,
+                     std::span<float* const> Cs, const gemm_config& cfg = {});
+void gemm_fp8_group(const qtensor& A, std::span<const gemm_packed_b* const> Bs, std::span<float* const> Cs,
+                    const gemm_config& cfg = {});
 
 // Tile (AMX) paths; throw std::runtime_error without AMX or without B's tile form.
 bool gemm_tiles_available();  // cpu_isa_active() >= amx

@@ -16,6 +16,8 @@
 #include <chrono>
 #include <cmath>
 #include <cstring>
+#include <span>
+#include <vector>
 
 #include "quant/fp8.hpp"
 #include "quant/fp8_avx512.hpp"
@@ -484,24 +486,33 @@ void tile_codes_rows(const gemm_a_operand& A, int64_t m0, int64_t m1, const gemm
   for (int64_t m = m0; m < m1; ++m) store_panel_row(o[m - m0], B, m, pn, C);
 }
 
-// Runs every (row tile, panel group): blocks of kMTB micro-tiles keep A in L2 while panels
-// stream. Panels are grouped by 4 so short tiles can use several at once.
+// Runs every (row tile, panel group) of every output: blocks of kMTB micro-tiles keep A in L2
+// while panels stream. Panels are grouped by 4 so short tiles can use several at once; the groups
+// of several outputs (one A, B_i, C_i: a layer's q/k/v) are one range, so one parallel region
+// streams all their weights.
 template <bsrc kSrc>
-void run_tiles(gemm_model model, const gemm_a_operand& A, const gemm_packed_b& B, float* C, bool decode_once = false) {
-  const int64_t MT = (A.M + kMR - 1) / kMR, NP = B.panels(), NG = (NP + 3) / 4;
-  tbb::parallel_for(tbb::blocked_range2d<int64_t>(0, MT, 4, 0, NG, 1), [&](const auto& rg) {
+void run_tiles(gemm_model model, const gemm_a_operand& A, std::span<const gemm_out> outs, bool decode_once = false) {
+  const int64_t MT = (A.M + kMR - 1) / kMR;
+  std::vector<int64_t> first(outs.size() + 1, 0);  // output i's panel groups: [first[i], first[i + 1])
+  for (size_t i = 0; i < outs.size(); ++i) first[i + 1] = first[i] + (outs[i].B->panels() + 3) / 4;
+  tbb::parallel_for(tbb::blocked_range2d<int64_t>(0, MT, 4, 0, first.back(), 1), [&](const auto& rg) {
     const int64_t mb = rg.rows().begin() * kMR, me = std::min(A.M, rg.rows().end() * kMR);
-    if (kSrc == bsrc::codes && decode_once && A.M <= kMultiRows && me - mb > kMR) {  // batched decode: decode once
-      for (int64_t pn = rg.cols().begin() * 4; pn < std::min(NP, rg.cols().end() * 4); ++pn)
-        tile_codes_rows(A, mb, me, B, pn, C);
-      return;
-    }
+    const bool once = kSrc == bsrc::codes && decode_once && A.M <= kMultiRows && me - mb > kMR;  // batched decode
     // BF16 on FMA units follows VDPBF16PS's denormal rule: DAZ|FTZ for this task.
     const unsigned csr = _mm_getcsr();
     if (kSrc == bsrc::wide && model == gemm_model::pairs) _mm_setcsr(csr | 0x8040u);
     for (int64_t mt0 = rg.rows().begin(); mt0 < rg.rows().end(); mt0 += kMTB) {
       const int64_t mt1 = std::min(rg.rows().end(), mt0 + kMTB);
-      for (int64_t g = rg.cols().begin(); g < rg.cols().end(); ++g)
+      size_t i = 0;
+      for (int64_t gg = rg.cols().begin(); gg < rg.cols().end(); ++gg) {
+        while (gg >= first[i + 1]) ++i;
+        const gemm_packed_b& B = *outs[i].B;
+        float* C = outs[i].C;
+        const int64_t g = gg - first[i], NP = B.panels();
+        if (once) {
+          for (int64_t pn = g * 4; pn < std::min(NP, g * 4 + 4); ++pn) tile_codes_rows(A, mb, me, B, pn, C);
+          continue;
+        }
         for (int64_t mt = mt0; mt < mt1; ++mt) {
           const int64_t m0 = mt * kMR;
           const int rows = static_cast<int>(std::min<int64_t>(kMR, A.M - m0));
@@ -511,6 +522,8 @@ void run_tiles(gemm_model model, const gemm_a_operand& A, const gemm_packed_b& B
             pn += (npan >= 4 && rows <= 2) ? 4 : (npan >= 2 && rows <= 4) ? 2 : 1;
           }
         }
+      }
+      if (once) break;  // all its rows at once
     }
     _mm_setcsr(csr);
   });
@@ -519,13 +532,14 @@ void run_tiles(gemm_model model, const gemm_a_operand& A, const gemm_packed_b& B
 }  // namespace
 
 void gemm_wide_avx512(gemm_model model, const gemm_a_operand& A, const gemm_packed_b& B, float* C) {
-  run_tiles<bsrc::wide>(model, A, B, C);
+  const gemm_out out{&B, C};
+  run_tiles<bsrc::wide>(model, A, {&out, 1});
 }
 
-void gemm_narrow_avx512(gemm_model model, const gemm_a_operand& A, const gemm_packed_b& B, float* C,
-                        bool decode_once, bool decoded_b) {
-  if (model == gemm_model::fp8 && !decoded_b) run_tiles<bsrc::codes>(model, A, B, C, decode_once);
-  else run_tiles<bsrc::pairs>(model, A, B, C);
+void gemm_narrow_avx512(gemm_model model, const gemm_a_operand& A, std::span<const gemm_out> outs, bool decode_once,
+                        bool decoded_b) {
+  if (model == gemm_model::fp8 && !decoded_b) run_tiles<bsrc::codes>(model, A, outs, decode_once);
+  else run_tiles<bsrc::pairs>(model, A, outs);
 }
 
 void fp8_decode_pack_avx512(gemm_packed_b& B) {

@@ -1,6 +1,7 @@
 // quant/gemm_impl.hpp -- internal: kernels behind quant/gemm.hpp's dispatch.
 // Panel layouts are documented on gemm_packed_b. Kernels write C[M][N] (ldc = N).
 #pragma once
+#include <span>
 #include "quant/gemm.hpp"
 
 namespace fp8rl::quant::detail {
@@ -35,11 +36,21 @@ struct gemm_a_operand {
 };
 
 void gemm_wide_avx512(gemm_model model, const gemm_a_operand& A, const gemm_packed_b& B, float* C);
+// C_i = A B_i^T for each output (same K, same forms), in one parallel region.
 // fp8 model: reads B.fp8 (E4M3 codes, decoded in registers), or with decoded_b the decoded
 // form B.bf16; else B.bf16 (BF16 pairs). decode_once: FP8 codes at 8 < M <= 32 decoded once per
 // block for all row tiles (gemm_decode)
-void gemm_narrow_avx512(gemm_model model, const gemm_a_operand& A, const gemm_packed_b& B, float* C,
+struct gemm_out {
+  const gemm_packed_b* B;
+  float* C;
+};
+void gemm_narrow_avx512(gemm_model model, const gemm_a_operand& A, std::span<const gemm_out> outs,
                         bool decode_once = false, bool decoded_b = false);
+inline void gemm_narrow_avx512(gemm_model model, const gemm_a_operand& A, const gemm_packed_b& B, float* C,
+                               bool decode_once = false, bool decoded_b = false) {
+  const gemm_out out{&B, C};
+  gemm_narrow_avx512(model, A, {&out, 1}, decode_once, decoded_b);
+}
 // Fills B.bf16 (sized [NP][Kp/2][64]) with the decoded form of B.fp8: the words the codes
 // kernel decodes in registers, rare steps patched.
 void fp8_decode_pack_avx512(gemm_packed_b& B);

@@ -180,16 +180,36 @@ void cpu_linear_forward(const prepared_linear& w, const float* x, int64_t T, flo
   matmul(l.prec, l.mode, l.tiles, x, T, l.in, l.fwd, y, l.name + ".x");
 }
 
+// Layers reading one operand run as one grouped GEMM where their precision has one (BF16 and the
+// FP8 code operand: quant runs them in one parallel region where its narrow kernel takes them).
 void cpu_linear_forward_group(std::span<const prepared_linear* const> ws, const float* x, int64_t T,
                               std::span<float* const> ys) {
   act_operand a;
   bool have = false;
-  for (size_t i = 0; i < ws.size(); ++i) {
+  for (size_t i = 0; i < ws.size();) {
     const auto& l = static_cast<const cpu_linear&>(*ws[i]);
     if (l.in != ws[0]->in) throw std::logic_error("linear group: '" + l.name + "' reads another input width");
     if (!have || !act_serves(a, l.prec, l.mode, l.tiles)) act_prepare(a, l.prec, l.mode, l.tiles, x, T, l.in, l.name + ".x");
     have = true;
-    act_matmul(a, l.fwd, ys[i]);
+    size_t j = i + 1;  // layers i..j-1 share a
+    while (j < ws.size() && ws[j]->in == l.in) {
+      const auto& n = static_cast<const cpu_linear&>(*ws[j]);
+      if (!act_serves(a, n.prec, n.mode, n.tiles)) break;
+      ++j;
+    }
+    const bool grouped = j - i > 1 && !a.tiles &&
+                         (a.prec == precision::bf16 || (a.prec == precision::fp8 && a.fp8_wide.M == 0));
+    if (!grouped) {
+      act_matmul(a, l.fwd, ys[i]);
+      ++i;
+      continue;
+    }
+    std::vector<const gemm_packed_b*> Bs;
+    for (size_t k = i; k < j; ++k) Bs.push_back(&static_cast<const cpu_linear&>(*ws[k]).fwd);
+    const std::span<float* const> Cs = ys.subspan(i, j - i);
+    if (a.prec == precision::bf16) gemm_bf16_group(a.bf16.data(), a.M, a.K, Bs, Cs);
+    else gemm_fp8_group(a.fp8, Bs, Cs);
+    i = j;
   }
 }
 

@@ -482,6 +482,62 @@ TEST(Gemm, ResultsDoNotDependOnThreadCountOrBatch) {
   }
 }
 
+// A group of B sharing A (q/k/v-like: one long, two short; N not a multiple of 32) gives each
+// output the bits of its own call, for decode and batched-decode M, both batched-decode modes,
+// the codes and the decoded forms, 1 and 2 threads; a count mismatch is refused.
+TEST(Gemm, GroupEqualsOneCallPerWeight) {
+  const int64_t K = 384, Ns[] = {160, 40, 40};
+  std::vector<qtensor> Bq;
+  std::vector<gemm_packed_b> codes, decoded, bf;
+  for (int i = 0; i < 3; ++i) {
+    auto Bf = randn(Ns[i] * K, 31 + i);
+    Bq.push_back(quantize(Bf.data(), Ns[i], K, qlayout::block_128x128, scale_mode::pow2, "B" + std::to_string(i)));
+    gemm_pack_forms narrow{false, true, false}, with_decoded = narrow;
+    with_decoded.decoded = true;
+    codes.push_back(gemm_pack_fp8(Bq.back(), narrow));
+    decoded.push_back(gemm_pack_fp8(Bq.back(), with_decoded));
+    bf.push_back(gemm_pack_bf16(to_bf16(Bf).data(), Ns[i], K, "B" + std::to_string(i), gemm_pack_forms{false, true, false}));
+  }
+  for (int threads : {1, 2})
+    for (int64_t M : {1, 2, 16, 20})
+      for (gemm_decode dec : kDecodes)
+        for (bool use_decoded : {false, true}) {
+          auto Af = randn(M * K, 40 + M);
+          const qtensor A = quantize(Af.data(), M, K, qlayout::rowwise_1x128, scale_mode::pow2, "A");
+          const auto Ab = to_bf16(Af);
+          const gemm_config cfg{cpu_isa::amx, 16, gemm_kernel::automatic, dec};
+          const auto& packs = use_decoded ? decoded : codes;
+          std::vector<std::vector<float>> one(3), grouped(3), one16(3), grouped16(3);
+          std::vector<const gemm_packed_b*> Bs, Bb;
+          std::vector<float*> Cs, Cb;
+          for (int i = 0; i < 3; ++i) {
+            one[i].assign(M * Ns[i], -1.0f), grouped[i].assign(M * Ns[i], -2.0f);
+            one16[i].assign(M * Ns[i], -1.0f), grouped16[i].assign(M * Ns[i], -2.0f);
+            Bs.push_back(&packs[i]), Cs.push_back(grouped[i].data());
+            Bb.push_back(&bf[i]), Cb.push_back(grouped16[i].data());
+          }
+          tbb::task_arena(threads).execute([&] {
+            for (int i = 0; i < 3; ++i) {
+              gemm_fp8(A, packs[i], one[i].data(), cfg);
+              gemm_bf16({M, Ns[i], K}, Ab.data(), bf[i], one16[i].data(), cfg);
+            }
+            gemm_fp8_group(A, Bs, Cs, cfg);
+            gemm_bf16_group(Ab.data(), M, K, Bb, Cb, cfg);
+          });
+          for (int i = 0; i < 3; ++i) {
+            ASSERT_EQ(first_diff(grouped[i], one[i]), -1) << "fp8 B" << i << " M=" << M << " decode " << int(dec)
+                                                          << (use_decoded ? " decoded" : "") << " threads " << threads;
+            ASSERT_EQ(first_diff(grouped16[i], one16[i]), -1) << "bf16 B" << i << " M=" << M << " threads " << threads;
+          }
+        }
+  const auto Af = randn(K, 50);
+  const qtensor A = quantize(Af.data(), 1, K, qlayout::rowwise_1x128, scale_mode::pow2, "A");
+  std::vector<float> c(Ns[0]);
+  const gemm_packed_b* one_b[] = {&codes[0]};
+  float* two_c[] = {c.data(), c.data()};
+  EXPECT_THROW(gemm_fp8_group(A, one_b, two_c), std::invalid_argument);
+}
+
 // The forms packed for this CPU's automatic dispatch (wide or narrow for large M, plus narrow
 // for decode) serve every M, with the reference's bits.
 TEST(Gemm, FormsForThisCpuServeEveryM) {
