@@ -5,11 +5,14 @@
 // 16 codes sign-extended to 32 bits and shifted left by 20, masked to 0x87F00000, are FP32 bits
 // s|0000eeee|mmm0...: the code's value times 2^-120 exactly (exponent field e = 0 makes the FP32
 // denormal m * 2^-129 = m * 2^-9 * 2^-120). One multiply by scale * 2^120 (exact while scale <
-// 2^8) then rounds the same real product e4m3_to_float(code) * scale does: 5 vector ops per 16
+// 2^8 in magnitude) then rounds the same real product e4m3_to_float(code) * scale does: 5 vector ops per 16
 // values, where decoding to an array and scaling it in a second pass took about 3x the time.
-// Where that does not hold -- a NaN code (0x7F/0xFF would read 480), a scale >= 2^8 or not
-// finite, or MXCSR DAZ (denormal operands read as 0) -- the call takes the scalar expression.
+// Where that does not hold -- a NaN code (0x7F/0xFF would read 480), a scale of magnitude >= 2^8
+// or not finite, or MXCSR DAZ (denormal operands read as 0) -- the call takes the scalar
+// expression. Uses AVX-512 F/BW/VL only (the `avx512` level it is dispatched at).
 #include <immintrin.h>
+
+#include <cmath>
 
 #include "quant/fp8.hpp"
 #include "quant/quantize_impl.hpp"
@@ -18,7 +21,7 @@ namespace fp8rl::quant::detail {
 namespace {
 
 constexpr float kUp = 0x1p120f;      // undoes the 2^-120 of e4m3x16_down
-constexpr float kMaxScale = 0x1p8f;  // scale * 2^120 stays finite (and exact) below this
+constexpr float kMaxScale = 0x1p8f;  // |scale| * 2^120 stays finite (and exact) below this
 
 inline __mmask16 lanes(int64_t n) {
   return n >= 16 ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << n) - 1u);
@@ -34,7 +37,7 @@ inline __m512 e4m3x16_down(const uint8_t* p, __mmask16 m) {
 bool fused_exact(const uint8_t* in, int64_t n, const float* scale, int64_t ns) {
   if (_mm_getcsr() & 0x0040u) return false;  // DAZ
   for (int64_t i = 0; i < ns; ++i)
-    if (!(scale[i] < kMaxScale)) return false;  // also NaN
+    if (!(std::fabs(scale[i]) < kMaxScale)) return false;  // also NaN and +-inf
   const __m512i low7 = _mm512_set1_epi8(0x7f);
   __mmask64 nan = 0;
   for (int64_t i = 0; i < n; i += 64) {

@@ -203,7 +203,8 @@ void gemm_fp8(const qtensor& A, const gemm_packed_b& B, float* C, const gemm_con
 // C_i = A · B_i^T for several B_i sharing A (a layer's q/k/v or gate/up at decode), bit for bit
 // one gemm_bf16 / gemm_fp8 per B_i. Where the narrow kernel takes every B_i alike, they run as one
 // parallel region: one thread-pool round trip, and a short B_i (k/v: 8 panels) streams as part of
-// one range instead of as its own call. Bs.size() != Cs.size() throws std::invalid_argument.
+// one range instead of as its own call. The C_i must not overlap; Bs.size() != Cs.size() throws
+// std::invalid_argument.
 void gemm_bf16_group(const uint16_t* A, int64_t M, int64_t K, std::span<const gemm_packed_b* const> Bs,
                      std::span<float* const> Cs, const gemm_config& cfg = {});
 void gemm_fp8_group(const qtensor& A, std::span<const gemm_packed_b* const> Bs, std::span<float* const> Cs,

@@ -1,5 +1,7 @@
 // quant/gemm_avx512.cpp -- AVX-512 GEMM kernels (register-tiled, oneTBB over tiles).
-// Compiled with -mavx512f -mavx512bw -mavx512vl -mavx512dq -mavx512bf16 -mavx512vbmi -mavx512vbmi2.
+// Compiled with -mavx512f -mavx512bw -mavx512vl -mavx512dq -mavx512bf16 -mavx512vbmi -mavx512vbmi2
+// -mgfni; VBMI/VBMI2/BF16/GFNI instructions appear only in the narrow kernels (cpu_isa avx512_bf16;
+// checked in the objects GCC 12 makes: the wide kernels, run at `avx512`, use none).
 //
 // Micro-tile: MR rows of A x one 32-column panel of B (two zmm accumulators per row). Each
 // output element keeps one accumulator and sees K in the order of its model (quant/gemm.hpp):

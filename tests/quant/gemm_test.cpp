@@ -220,7 +220,7 @@ TEST(Gemm, Fp8NarrowKernelTakesEveryCodeBitExactly) {
     int64_t rare = 0;
     for (uint64_t bits : pb.fp8_rare) rare += __builtin_popcountll(bits);
     ASSERT_GT(rare, 0);
-    ASSERT_LT(rare, int64_t(pb.fp8.size() / 64)) << "some steps must take the shift decoder";
+    ASSERT_LT(rare, int64_t(pb.fp8.size() / 64)) << "some steps must take the affine decoder";
     // 1: the table decode; 20: batched decode, each block decoded once for 3 row tiles, or (pd)
     // the decoded form
     narrow_fp8_runs(B, pb, pd, {1, 3, 8, 20, 40}, 42, mode, [&](int64_t, const auto& ref, const auto& fast, const std::string& what) {
@@ -484,8 +484,10 @@ TEST(Gemm, ResultsDoNotDependOnThreadCountOrBatch) {
 
 // A group of B sharing A (q/k/v-like: one long, two short; N not a multiple of 32) gives each
 // output the bits of its own call, for decode and batched-decode M, both batched-decode modes,
-// the codes and the decoded forms, 1 and 2 threads; a count mismatch is refused.
+// the codes and the decoded forms, 1 and 2 threads, and where the forms would be read
+// differently (one call per weight); a count mismatch is refused.
 TEST(Gemm, GroupEqualsOneCallPerWeight) {
+  if (!have(cpu_isa::avx512_bf16)) GTEST_SKIP() << "no AVX512_BF16: a group is one call per weight";
   const int64_t K = 384, Ns[] = {160, 40, 40};
   std::vector<qtensor> Bq;
   std::vector<gemm_packed_b> codes, decoded, bf;
@@ -530,6 +532,21 @@ TEST(Gemm, GroupEqualsOneCallPerWeight) {
             ASSERT_EQ(first_diff(grouped16[i], one16[i]), -1) << "bf16 B" << i << " M=" << M << " threads " << threads;
           }
         }
+  {  // forms read differently (M = 20: the decoded form where present) run one call per weight
+    const int64_t M = 20;
+    auto Af = randn(M * K, 60);
+    const qtensor A = quantize(Af.data(), M, K, qlayout::rowwise_1x128, scale_mode::pow2, "A");
+    std::vector<std::vector<float>> one(3), grouped(3);
+    const gemm_packed_b* Bs[] = {&codes[0], &decoded[1], &codes[2]};
+    std::vector<float*> Cs;
+    for (int i = 0; i < 3; ++i) {
+      one[i].assign(M * Ns[i], -1.0f), grouped[i].assign(M * Ns[i], -2.0f);
+      gemm_fp8(A, *Bs[i], one[i].data());
+      Cs.push_back(grouped[i].data());
+    }
+    gemm_fp8_group(A, Bs, Cs);
+    for (int i = 0; i < 3; ++i) ASSERT_EQ(first_diff(grouped[i], one[i]), -1) << "mixed forms, B" << i;
+  }
   const auto Af = randn(K, 50);
   const qtensor A = quantize(Af.data(), 1, K, qlayout::rowwise_1x128, scale_mode::pow2, "A");
   std::vector<float> c(Ns[0]);
