@@ -14,7 +14,6 @@
 
 #include <cmath>
 
-#include "quant/fp8.hpp"
 #include "quant/quantize_impl.hpp"
 
 namespace fp8rl::quant::detail {
@@ -47,27 +46,21 @@ bool fused_exact(const uint8_t* in, int64_t n, const float* scale, int64_t ns) {
   return nan == 0;
 }
 
-template <class ScaleAt>
-void decode_scalar(const uint8_t* in, int64_t rows, int64_t cols, ScaleAt s, float* out) {
-  for (int64_t r = 0; r < rows; ++r)
-    for (int64_t c = 0; c < cols; ++c) out[r * cols + c] = e4m3_to_float_arith(in[r * cols + c]) * s(r, c);
-}
 }  // namespace
 
-void e4m3_decode_scale_cols_avx512(const uint8_t* in, int64_t rows, int64_t cols, const float* scale, float* out) {
-  if (!fused_exact(in, rows * cols, scale, cols))
-    return decode_scalar(in, rows, cols, [&](int64_t, int64_t c) { return scale[c]; }, out);
+bool e4m3_decode_scale_cols_avx512(const uint8_t* in, int64_t rows, int64_t cols, const float* scale, float* out) {
+  if (!fused_exact(in, rows * cols, scale, cols)) return false;
   for (int64_t c0 = 0; c0 < cols; c0 += 16) {
     const __mmask16 m = lanes(cols - c0);
     const __m512 s = _mm512_mul_ps(_mm512_maskz_loadu_ps(m, scale + c0), _mm512_set1_ps(kUp));
     for (int64_t r = 0; r < rows; ++r)
       _mm512_mask_storeu_ps(out + r * cols + c0, m, _mm512_mul_ps(e4m3x16_down(in + r * cols + c0, m), s));
   }
+  return true;
 }
 
-void e4m3_decode_scale_rows_avx512(const uint8_t* in, int64_t rows, int64_t cols, const float* scale, float* out) {
-  if (!fused_exact(in, rows * cols, scale, rows))
-    return decode_scalar(in, rows, cols, [&](int64_t r, int64_t) { return scale[r]; }, out);
+bool e4m3_decode_scale_rows_avx512(const uint8_t* in, int64_t rows, int64_t cols, const float* scale, float* out) {
+  if (!fused_exact(in, rows * cols, scale, rows)) return false;
   for (int64_t r = 0; r < rows; ++r) {
     const __m512 s = _mm512_set1_ps(scale[r] * kUp);
     for (int64_t c0 = 0; c0 < cols; c0 += 16) {
@@ -75,6 +68,7 @@ void e4m3_decode_scale_rows_avx512(const uint8_t* in, int64_t rows, int64_t cols
       _mm512_mask_storeu_ps(out + r * cols + c0, m, _mm512_mul_ps(e4m3x16_down(in + r * cols + c0, m), s));
     }
   }
+  return true;
 }
 
 }  // namespace fp8rl::quant::detail

@@ -144,12 +144,23 @@ void gemm_bf16(const gemm_desc& d, const uint16_t* A, const gemm_packed_b& B, fl
   run_wide(gemm_model::pairs, {d.M, lda, af, nullptr, nullptr}, B, C, isa);
 }
 
+namespace {
+// The (B_i, C_i) of a grouped GEMM; a count mismatch names the function.
+std::vector<detail::gemm_out> group_outs(std::span<const gemm_packed_b* const> Bs, std::span<float* const> Cs,
+                                         const char* fn) {
+  if (Bs.size() != Cs.size())
+    throw std::invalid_argument(std::string(fn) + ": " + std::to_string(Bs.size()) + " weights for " +
+                                std::to_string(Cs.size()) + " outputs");
+  std::vector<detail::gemm_out> outs;
+  for (size_t i = 0; i < Bs.size(); ++i) outs.push_back({Bs[i], Cs[i]});
+  return outs;
+}
+}  // namespace
+
 void gemm_bf16_group(const uint16_t* A, int64_t M, int64_t K, std::span<const gemm_packed_b* const> Bs,
                      std::span<float* const> Cs, const gemm_config& cfg) {
-  if (Bs.size() != Cs.size())
-    throw std::invalid_argument("gemm_bf16_group: " + std::to_string(Bs.size()) + " weights for " +
-                                std::to_string(Cs.size()) + " outputs");
-  if (Bs.empty()) return;
+  const std::vector<detail::gemm_out> outs = group_outs(Bs, Cs, "gemm_bf16_group");
+  if (outs.empty()) return;
   const cpu_isa isa = effective_isa(cfg);
   bool together = M > 0;  // one region where every B takes the narrow kernel on A as given
   for (const gemm_packed_b* B : Bs) {
@@ -157,11 +168,9 @@ void gemm_bf16_group(const uint16_t* A, int64_t M, int64_t K, std::span<const ge
     together = together && B->N > 0 && B->Kp == K && use_narrow(*B, !B->bf16.empty(), M, isa, cfg);
   }
   if (!together) {
-    for (size_t i = 0; i < Bs.size(); ++i) gemm_bf16({M, Bs[i]->N, K}, A, *Bs[i], Cs[i], cfg);
+    for (const auto& o : outs) gemm_bf16({M, o.B->N, K}, A, *o.B, o.C, cfg);
     return;
   }
-  std::vector<detail::gemm_out> outs;
-  for (size_t i = 0; i < Bs.size(); ++i) outs.push_back({Bs[i], Cs[i]});
   detail::gemm_narrow_avx512(gemm_model::pairs, {M, K, nullptr, A, nullptr}, outs);
 }
 
@@ -239,25 +248,22 @@ void gemm_fp8(const qtensor& A, const gemm_packed_b& B, float* C, const gemm_con
 
 void gemm_fp8_group(const qtensor& A, std::span<const gemm_packed_b* const> Bs, std::span<float* const> Cs,
                     const gemm_config& cfg) {
-  if (Bs.size() != Cs.size())
-    throw std::invalid_argument("gemm_fp8_group: " + std::to_string(Bs.size()) + " weights for " +
-                                std::to_string(Cs.size()) + " outputs (A '" + A.name + "')");
-  if (Bs.empty()) return;
+  const std::vector<detail::gemm_out> outs = group_outs(Bs, Cs, "gemm_fp8_group");
+  if (outs.empty()) return;
   const cpu_isa isa = effective_isa(cfg);
-  const gemm_desc d0 = check_fp8(A, *Bs[0], "gemm_fp8_group");
-  bool together = d0.M > 0;  // one region where every B takes the narrow kernel the same way
-  for (const gemm_packed_b* B : Bs) {
-    const gemm_desc d = check_fp8(A, *B, "gemm_fp8_group");
-    together = together && d.N > 0 && B->Kp == Bs[0]->Kp && use_narrow(*B, !B->fp8.empty(), d.M, isa, cfg) &&
-               read_decoded(*B, d.M, cfg) == read_decoded(*Bs[0], d.M, cfg);
+  const gemm_packed_b& B0 = *outs[0].B;
+  bool together = true;  // one region where every B takes the narrow kernel the same way
+  gemm_desc d{};  // M and K are A's: the same for every B
+  for (const auto& o : outs) {
+    d = check_fp8(A, *o.B, "gemm_fp8_group");
+    together = together && d.M > 0 && d.N > 0 && o.B->Kp == B0.Kp && use_narrow(*o.B, !o.B->fp8.empty(), d.M, isa, cfg) &&
+               read_decoded(*o.B, d.M, cfg) == read_decoded(B0, d.M, cfg);
   }
   if (!together) {
-    for (size_t i = 0; i < Bs.size(); ++i) gemm_fp8(A, *Bs[i], Cs[i], cfg);
+    for (const auto& o : outs) gemm_fp8(A, *o.B, o.C, cfg);
     return;
   }
-  std::vector<detail::gemm_out> outs;
-  for (size_t i = 0; i < Bs.size(); ++i) outs.push_back({Bs[i], Cs[i]});
-  fp8_narrow(A, d0, Bs[0]->Kp, outs, read_decoded(*Bs[0], d0.M, cfg), cfg);
+  fp8_narrow(A, d, B0.Kp, outs, read_decoded(B0, d.M, cfg), cfg);
 }
 
 bool gemm_narrow_preferred() {

@@ -135,13 +135,13 @@ void e4m3_decode_array(const uint8_t* in, int64_t n, float* out) {
 }
 
 void e4m3_decode_scale_cols(const uint8_t* in, int64_t rows, int64_t cols, const float* scale, float* out) {
-  if (cpu_isa_active() >= cpu_isa::avx512) return detail::e4m3_decode_scale_cols_avx512(in, rows, cols, scale, out);
+  if (cpu_isa_active() >= cpu_isa::avx512 && detail::e4m3_decode_scale_cols_avx512(in, rows, cols, scale, out)) return;
   for (int64_t r = 0; r < rows; ++r)
     for (int64_t c = 0; c < cols; ++c) out[r * cols + c] = e4m3_to_float_arith(in[r * cols + c]) * scale[c];
 }
 
 void e4m3_decode_scale_rows(const uint8_t* in, int64_t rows, int64_t cols, const float* scale, float* out) {
-  if (cpu_isa_active() >= cpu_isa::avx512) return detail::e4m3_decode_scale_rows_avx512(in, rows, cols, scale, out);
+  if (cpu_isa_active() >= cpu_isa::avx512 && detail::e4m3_decode_scale_rows_avx512(in, rows, cols, scale, out)) return;
   for (int64_t r = 0; r < rows; ++r)
     for (int64_t c = 0; c < cols; ++c) out[r * cols + c] = e4m3_to_float_arith(in[r * cols + c]) * scale[r];
 }
