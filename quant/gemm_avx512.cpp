@@ -278,32 +278,45 @@ inline void dot_narrow_block(const uint16_t* A, int64_t lda, const void* const (
 // ---- tile driver: MR rows x PN panels starting at panel pn ----
 enum class bsrc : uint8_t { wide, pairs, codes };  // which packed form of B the kernel reads
 
-// One 128-K block's FP8 promotion: o = fma(sa * sb, acc, o), the scale product rounded first
-// (§5.2). panel_scales: the codes form's one scale per (panel, block) where the pack has it (one
-// product per row then serves both halves of the panel), else null (32 per panel).
+// The FP8 promotion's scale products sa[m0 + r][kb] * sb[pn + p][kb] (§5.2: the product rounded
+// first) of blocks [kb0, kb0 + 16) (fewer at the end of K) for MR rows x PN panels whose columns share
+// each block's scale (panel_scales): sp[p][r][kb - kb0], 16 blocks per VMULPS.
+template <int MR, int PN>
+inline void scale_products(const gemm_a_operand& A, int64_t m0, int64_t KB, const float* panel_scales, int64_t pn,
+                           int64_t kb0, float (*sp)[MR][16]) {
+  const __mmask16 m = col_mask(KB - kb0);
+  for (int p = 0; p < PN; ++p) {
+    const __m512 sb = _mm512_maskz_loadu_ps(m, panel_scales + (pn + p) * KB + kb0);
+    for (int r = 0; r < MR; ++r)
+      _mm512_store_ps(sp[p][r], _mm512_mul_ps(_mm512_maskz_loadu_ps(m, A.scale_inv + (m0 + r) * KB + kb0), sb));
+  }
+}
+
+// One 128-K block's FP8 promotion into the tile's outputs (in memory: MR x 32 * PN floats):
+// o = fma(sa * sb, acc, o). sp: scale_products of the chunk holding kb, at index i; null where B has 32
+// column scales per panel (those products are made here). The outputs stay in memory: in registers
+// they took 16 of the 32 beside the 8-row tile's 16 accumulators, and GCC's spills of them cost more
+// than a load and a store per accumulator per block.
 template <int MR, int PN>
 inline void promote_block(const tile_acc<MR, PN>& acc, const gemm_a_operand& A, int64_t m0, const gemm_packed_b& B,
-                          int64_t pn, int64_t kb, const float* panel_scales, __m512 (&o)[MR][2 * PN]) {
+                          int64_t pn, int64_t kb, const float (*sp)[MR][16], int i, float (*o)[32 * PN]) {
   const int64_t KB = B.Kp / kBlock;
-  for (int p = 0; p < PN; ++p) {
-    const int64_t b = (pn + p) * KB + kb;
-    if (panel_scales) {
-      const __m512 sb = _mm512_set1_ps(panel_scales[b]);
-      for (int r = 0; r < MR; ++r) {
-        const __m512 s = _mm512_mul_ps(_mm512_set1_ps(A.scale_inv[(m0 + r) * KB + kb]), sb);
-        o[r][2 * p] = _mm512_fmadd_ps(s, acc.v[r][2 * p], o[r][2 * p]);
-        o[r][2 * p + 1] = _mm512_fmadd_ps(s, acc.v[r][2 * p + 1], o[r][2 * p + 1]);
-      }
-    } else {
-      const float* sb = B.scale_inv.data() + b * 32;
-      const __m512 s0 = _mm512_load_ps(sb), s1 = _mm512_load_ps(sb + 16);
-      for (int r = 0; r < MR; ++r) {
+  for (int p = 0; p < PN; ++p)
+    for (int r = 0; r < MR; ++r) {
+      __m512 s[2];
+      if (sp) {
+        s[0] = s[1] = _mm512_set1_ps(sp[p][r][i]);
+      } else {
+        const float* sb = B.scale_inv.data() + ((pn + p) * KB + kb) * 32;
         const __m512 a = _mm512_set1_ps(A.scale_inv[(m0 + r) * KB + kb]);
-        o[r][2 * p] = _mm512_fmadd_ps(_mm512_mul_ps(a, s0), acc.v[r][2 * p], o[r][2 * p]);
-        o[r][2 * p + 1] = _mm512_fmadd_ps(_mm512_mul_ps(a, s1), acc.v[r][2 * p + 1], o[r][2 * p + 1]);
+        s[0] = _mm512_mul_ps(a, _mm512_load_ps(sb));
+        s[1] = _mm512_mul_ps(a, _mm512_load_ps(sb + 16));
+      }
+      for (int h = 0; h < 2; ++h) {
+        float* q = o[r] + 32 * p + 16 * h;
+        _mm512_store_ps(q, _mm512_fmadd_ps(s[h], acc.v[r][2 * p + h], _mm512_load_ps(q)));
       }
     }
-  }
 }
 
 // Row m of panel pn's 32 outputs (o, 64-byte aligned) into C, masked at N.
@@ -345,12 +358,13 @@ void tile(gemm_model model, const gemm_a_operand& A, int64_t m0, const gemm_pack
     for (int r = 0; r < MR; ++r)
       for (int j = 0; j < 2 * PN; ++j) _mm512_store_ps(out[r] + 16 * j, acc.v[r][j]);
   } else {
-    __m512 o[MR][2 * PN];  // FP32 outputs, promoted once per 128-K block
     // the codes form's one scale per (panel, block), where the pack has it (else 32 per panel)
     const float* panel_scales = kSrc != bsrc::wide && !B.scale_panel.empty() ? B.scale_panel.data() : nullptr;
-    for (int r = 0; r < MR; ++r)
-      for (int j = 0; j < 2 * PN; ++j) o[r][j] = _mm512_setzero_ps();
+    alignas(64) float sp[PN][MR][16];
+    for (int r = 0; r < MR; ++r)  // FP32 outputs, promoted once per 128-K block
+      for (int j = 0; j < 2 * PN; ++j) _mm512_store_ps(out[r] + 16 * j, _mm512_setzero_ps());
     for (int64_t kb = 0; kb < KB; ++kb) {
+      if (panel_scales && kb % 16 == 0) scale_products<MR, PN>(A, m0, KB, panel_scales, pn, kb, sp);
       acc.zero();
       if constexpr (kWide) {
         dot(kb * kBlock, (kb + 1) * kBlock);
@@ -379,10 +393,8 @@ void tile(gemm_model model, const gemm_a_operand& A, int64_t m0, const gemm_pack
           dot_narrow_block<MR, PN, steps::pairs>(a, lda, pnw, i0, rare, tb, acc);
         }
       }
-      promote_block<MR, PN>(acc, A, m0, B, pn, kb, panel_scales, o);
+      promote_block<MR, PN>(acc, A, m0, B, pn, kb, panel_scales ? sp : nullptr, static_cast<int>(kb % 16), out);
     }
-    for (int r = 0; r < MR; ++r)
-      for (int j = 0; j < 2 * PN; ++j) _mm512_store_ps(out[r] + 16 * j, o[r][j]);
   }
   for (int p = 0; p < PN; ++p)
     for (int r = 0; r < MR; ++r) store_panel_row(out[r] + 32 * p, B, m0 + r, pn + p, C);
@@ -452,16 +464,9 @@ void rows_block(const gemm_a_operand& A, int64_t m0, const gemm_packed_b& B, int
   acc.zero();
   const void* const P[1] = {buf};
   dot_narrow<MR, 1>(A.bf16 + m0 * A.lda + kb * kBlock, A.lda, P, 0, kBlock / 2, acc);
-  __m512 v[MR][2];
-  for (int r = 0; r < MR; ++r) {
-    v[r][0] = _mm512_load_ps(o[r]);
-    v[r][1] = _mm512_load_ps(o[r] + 16);
-  }
-  promote_block<MR, 1>(acc, A, m0, B, pn, kb, panel_scales, v);
-  for (int r = 0; r < MR; ++r) {
-    _mm512_store_ps(o[r], v[r][0]);
-    _mm512_store_ps(o[r] + 16, v[r][1]);
-  }
+  alignas(64) float sp[1][MR][16];
+  if (panel_scales) scale_products<MR, 1>(A, m0, B.Kp / kBlock, panel_scales, pn, kb, sp);
+  promote_block<MR, 1>(acc, A, m0, B, pn, kb, panel_scales ? sp : nullptr, 0, o);
 }
 
 // Rows [m0, m1) (at most kMultiRows) x panel pn.

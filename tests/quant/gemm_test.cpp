@@ -54,8 +54,9 @@ void narrow_fp8_runs(const qtensor& B, const gemm_packed_b& pb, const gemm_packe
   }
 }
 const char* kernel_name(gemm_kernel k) { return k == gemm_kernel::narrow ? "narrow" : "wide"; }
+// {10, 40, 2200}: more than 16 K-blocks (the FP8 tiles make scale products 16 blocks at a time)
 const int64_t kShapes[][3] = {{1, 32, 128}, {1, 4096 / 8, 1024}, {3, 33, 129}, {8, 64, 256}, {9, 70, 300},
-                              {17, 100, 127}, {64, 96, 384}, {130, 257, 250}, {5, 31, 1}};
+                              {17, 100, 127}, {64, 96, 384}, {130, 257, 250}, {5, 31, 1}, {10, 40, 2200}};
 
 bool have(cpu_isa isa) { return cpu_isa_detected() >= isa; }
 
