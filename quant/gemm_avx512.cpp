@@ -240,6 +240,8 @@ inline void dot_narrow_block(const uint16_t* A, int64_t lda, const void* const (
                              const rare_steps (&rare)[PN], const e4m3_bf16_tables& tables_b,
                              tile_acc<MR, PN>& acc) {
   constexpr bool kCodes = kSteps != steps::pairs;
+  tile_acc<MR, PN> v = acc;  // in registers for the block (dot_wide): through the reference, the
+                             // 4-row tiles' patched steps stored all 16 accumulators every step
   const e4m3_bf16_tables tb = tables_b;  // in registers for the block
   const void* Q[PN];
   for (int p = 0; p < PN; ++p)
@@ -270,9 +272,10 @@ inline void dot_narrow_block(const uint16_t* A, int64_t lda, const void* const (
     }
     for (int r = 0; r < MR; ++r) {
       const __m512bh a = bcast_pair(a0 + r * lda + 2 * i);
-      for (int j = 0; j < 2 * PN; ++j) acc.v[r][j] = _mm512_dpbf16_ps(acc.v[r][j], a, b[j]);
+      for (int j = 0; j < 2 * PN; ++j) v.v[r][j] = _mm512_dpbf16_ps(v.v[r][j], a, b[j]);
     }
   }
+  acc = v;
 }
 
 // ---- tile driver: MR rows x PN panels starting at panel pn ----
