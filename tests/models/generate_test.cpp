@@ -3,7 +3,7 @@
 // request alone, adoption at step boundaries with version tags (recompute / keep), concurrent
 // adoption, refused bundles and K/V scales, K/V scales adopted mid-generation, FP8 KV-cache
 // mismatch measured; cached attention (all query rows of a KV head at once, slabs widened on the
-// fly) equals cpu_attn_query one row at a time. Sampling itself: tests/models/sampling_test.cpp.
+// fly) equals cpu_attn_query one row at a time, and the training forward's rows equal it. Sampling itself: tests/models/sampling_test.cpp.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -23,6 +23,7 @@
 #include "models/rl/loop.hpp"
 #include "quant/gemm.hpp"
 #include "tests/models/gen_util.hpp"
+#include "tests/test_util.hpp"
 
 using namespace fp8rl::models;
 using namespace fp8rl::models::test;
@@ -470,6 +471,33 @@ TEST(Generate, CachedAttentionEqualsOneQueryAtATime) {
             }
           }
         }
+}
+
+// The training forward's attention rows (attn_pv_rows: several query rows share each V row, the
+// group size depends on D) equal the cached attention of each token alone, bit for bit: FP32
+// operands on an FP32 cache, BF16 on a BF16 cache; D = 24 (generic loops), 32, 64 and 128.
+TEST(Generate, ForwardAttentionRowsEqualCachedAttention) {
+  auto be = make_cpu_backend();
+  const int64_t T = 37, H = 4, KV = 2;  // 37 rows: full row groups and tails
+  for (int64_t D : {24, 32, 64, 128})
+    for (kv_dtype dt : {kv_dtype::f32, kv_dtype::bf16}) {
+      const precision op = dt == kv_dtype::f32 ? precision::fp32 : precision::bf16;
+      const auto q = fp8rl::test::randn(T * H * D, 41), k = fp8rl::test::randn(T * KV * D, 42),
+                 v = fp8rl::test::randn(T * KV * D, 43);
+      const int32_t seq_start[2] = {0, static_cast<int32_t>(T)};
+      attn_params p;
+      p.T = T; p.H = H; p.KV = KV; p.D = D; p.seq_start = seq_start; p.S = 1; p.operand = op;
+      std::vector<float> out(q.size()), lse(static_cast<size_t>(T * H)), got(q.size());
+      be->attention_forward(p, q.data(), k.data(), v.data(), out.data(), lse.data());
+      auto cache = be->kv_cache_create(1, 1, KV, D, T, dt);
+      std::vector<int32_t> slot(static_cast<size_t>(T), 0), pos(static_cast<size_t>(T));
+      for (int64_t t = 0; t < T; ++t) pos[t] = static_cast<int32_t>(t);
+      be->kv_cache_write(*cache, 0, {T, slot.data(), pos.data()}, k.data(), v.data(), nullptr, nullptr);
+      be->attention_cached(*cache, 0, {T, slot.data(), pos.data()}, q.data(), H, op, nullptr, got.data());
+      for (int64_t t = 0; t < T; ++t)
+        ASSERT_EQ(std::memcmp(got.data() + t * H * D, out.data() + t * H * D, static_cast<size_t>(H * D) * 4), 0)
+            << "D " << D << " dtype " << int(dt) << " row " << t;
+    }
 }
 
 // The op profile of engine_forward: every op of every layer is counted, the op times add up to
