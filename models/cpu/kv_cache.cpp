@@ -146,6 +146,9 @@ std::unique_ptr<kv_cache> cpu_kv_cache_create(int64_t slots, int64_t layers, int
 // tokens keep their order. A step's writes scatter over 16-32 lines per token and head (the K
 // slab's rows) that the weights streamed since have evicted; serial, they took ~1 us each
 // (batch 16: 1.3-2.8 ms of a ~90 ms step on Zen 5).
+// Values (tokens x KV heads x D) from which cpu_kv_cache_write runs its heads in parallel.
+constexpr int64_t kKvWriteParallelMin = 2048;
+
 int64_t cpu_kv_cache_write(kv_cache& cache, int64_t layer, const kv_step& st, const float* k, const float* v,
                            const float* k_scale, const float* v_scale) {
   auto& c = static_cast<cpu_kv_cache&>(cache);
@@ -166,7 +169,7 @@ int64_t cpu_kv_cache_write(kv_cache& cache, int64_t layer, const kv_step& st, co
       }
   }
   std::vector<int64_t> saturated(static_cast<size_t>(KV), 0);
-  tbb::parallel_for(int64_t{0}, KV, [&](int64_t g) {
+  auto write_head = [&](int64_t g) {
     std::vector<float> scaled(c.dtype == kv_dtype::fp8 ? static_cast<size_t>(2 * D) : 0);  // FP8: K then V / scale
     std::vector<uint8_t> codes(scaled.size());
     for (int64_t t = 0; t < st.T; ++t) {
@@ -200,7 +203,11 @@ int64_t cpu_kv_cache_write(kv_cache& cache, int64_t layer, const kv_step& st, co
         }
       }
     }
-  });
+  };
+  // a task per KV head where there is work for it (batched steps); a decode step's few hundred
+  // values are written inline (the fork cost more than the write: 4-9 us per layer)
+  if (st.T * KV * D >= kKvWriteParallelMin) tbb::parallel_for(int64_t{0}, KV, write_head);
+  else for (int64_t g = 0; g < KV; ++g) write_head(g);
   int64_t total = 0;
   for (int64_t n : saturated) total += n;
   return total;
