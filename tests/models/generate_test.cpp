@@ -3,7 +3,8 @@
 // request alone, adoption at step boundaries with version tags (recompute / keep), concurrent
 // adoption, refused bundles and K/V scales, K/V scales adopted mid-generation, FP8 KV-cache
 // mismatch measured; cached attention (all query rows of a KV head at once, slabs widened on the
-// fly) equals cpu_attn_query one row at a time, and the training forward's rows equal it. Sampling itself: tests/models/sampling_test.cpp.
+// fly) equals cpu_attn_query one row at a time, and the training forward's rows equal it.
+// Sampling itself: tests/models/sampling_test.cpp.
 #include <gtest/gtest.h>
 
 #include <algorithm>
