@@ -24,7 +24,7 @@ float e5m2_to_float(uint8_t b);    // exact
 // Vectorized (AVX-512 when available) array encoder; byte-identical to e4m3_from_float.
 void e4m3_encode_array(const float* x, int64_t n, uint8_t* out);
 // ... and decoder: out[i] = e4m3_to_float(in[i]), bit for bit (AVX-512 where BF16 is present:
-// 64 codes per table lookup; the decode-attention KV slabs use it).
+// 64 codes per table lookup). The FP8 KV slabs widen with their scales: e4m3_decode_scale_*.
 void e4m3_decode_array(const uint8_t* in, int64_t n, float* out);
 // out[r][c] = e4m3_to_float(in[r][c]) * scale[c] (row-major [rows][cols], one FP32 rounding), and
 // the same with scale[r]: codes widened with the scale they were written with (the FP8 KV cache's

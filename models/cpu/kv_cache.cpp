@@ -170,9 +170,12 @@ int64_t cpu_kv_cache_write(kv_cache& cache, int64_t layer, const kv_step& st, co
       }
   }
   std::vector<int64_t> saturated(static_cast<size_t>(KV), 0);
+  const size_t per_head = c.dtype == kv_dtype::fp8 ? static_cast<size_t>(2 * D) : 0;
+  std::vector<float> scaled_all(per_head * static_cast<size_t>(KV));  // FP8: head g's K then V / scale
+  std::vector<uint8_t> codes_all(scaled_all.size());
   auto write_head = [&](int64_t g) {
-    std::vector<float> scaled(c.dtype == kv_dtype::fp8 ? static_cast<size_t>(2 * D) : 0);  // FP8: K then V / scale
-    std::vector<uint8_t> codes(scaled.size());
+    float* scaled = scaled_all.data() + g * per_head;
+    uint8_t* codes = codes_all.data() + g * per_head;
     for (int64_t t = 0; t < st.T; ++t) {
       const int64_t slot = st.slot[t], p = st.pos[t];
       const float* kt = k + (t * KV + g) * D;
@@ -183,8 +186,8 @@ int64_t cpu_kv_cache_write(kv_cache& cache, int64_t layer, const kv_step& st, co
           scaled[d] = kt[d] / k_scale[g];
           scaled[D + d] = vt[d] / v_scale[g];
         }
-        for (float x : scaled) saturated[g] += std::fabs(x) > 448.0f;
-        quant::e4m3_encode_array(scaled.data(), 2 * D, codes.data());
+        for (int64_t d = 0; d < 2 * D; ++d) saturated[g] += std::fabs(scaled[d]) > 448.0f;
+        quant::e4m3_encode_array(scaled, 2 * D, codes);
         for (int64_t d = 0; d < D; ++d) {
           c.fp8[b + c.key_at(p, d)] = codes[d];
           c.fp8[b + c.value_at(p, d)] = codes[D + d];
