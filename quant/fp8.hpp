@@ -1,7 +1,7 @@
 // quant/fp8.hpp -- scalar FP8 (OCP E4M3FN, E5M2) and BF16 codecs.
 // defines: e4m3_from_float, e4m3_to_float, e5m2_from_float, e5m2_to_float,
-//          bf16_from_float, bf16_to_float, float_bits, float_from_bits, e4m3_to_float_arith,
-//          e4m3_encode_array, e4m3_decode_array, e4m3_decode_scale_cols, e4m3_decode_scale_rows
+//          bf16_from_float, bf16_to_float, float_bits, float_from_bits,
+//          e4m3_encode_array, e4m3_decode_array
 //
 // Encoding is round-to-nearest-even with CUDA __NV_SATFINITE semantics
 // (fp8-numerics.md §2.1): finite overflow and ±Inf saturate to ±max normal,
@@ -24,14 +24,8 @@ float e5m2_to_float(uint8_t b);    // exact
 // Vectorized (AVX-512 when available) array encoder; byte-identical to e4m3_from_float.
 void e4m3_encode_array(const float* x, int64_t n, uint8_t* out);
 // ... and decoder: out[i] = e4m3_to_float(in[i]), bit for bit (AVX-512 where BF16 is present:
-// 64 codes per table lookup). The FP8 KV slabs widen with their scales: e4m3_decode_scale_*.
+// 64 codes per table lookup).
 void e4m3_decode_array(const uint8_t* in, int64_t n, float* out);
-// out[r][c] = e4m3_to_float(in[r][c]) * scale[c] (row-major [rows][cols], one FP32 rounding), and
-// the same with scale[r]: codes widened with the scale they were written with (the FP8 KV cache's
-// K slabs [D][positions] and V rows [positions][D]). Bit for bit that expression; AVX-512 where
-// present (one pass, no decoded array).
-void e4m3_decode_scale_cols(const uint8_t* in, int64_t rows, int64_t cols, const float* scale, float* out);
-void e4m3_decode_scale_rows(const uint8_t* in, int64_t rows, int64_t cols, const float* scale, float* out);
 // x[n] -> BF16 bits, each exactly bf16_from_float (below); AVX-512 where present, oneTBB.
 void bf16_encode_array(const float* x, int64_t n, uint16_t* out);
 // out[cols][rows] = bf16_from_float(x[rows][cols]): the BF16 transpose in one pass.
@@ -50,19 +44,6 @@ inline float float_from_bits(uint32_t u) {
   float x;
   std::memcpy(&x, &u, 4);
   return x;
-}
-
-// e4m3_to_float without the table, so that loops over it vectorize: a normal code's exponent is
-// rebiased by an integer add (7 -> 127); a subnormal code m is built as the normal (1 + m/8) 2^-6
-// minus 2^-6 (exact), so no denormal is ever an operand and the result does not depend on
-// MXCSR's DAZ/FTZ; 0x7F/0xFF give NaN. Selects, no branches. Bit-identical to e4m3_to_float
-// (test Fp8Codec.ArithmeticDecoderEqualsTheTable, with and without DAZ|FTZ).
-inline float e4m3_to_float_arith(uint8_t b) {
-  const uint32_t sign = (static_cast<uint32_t>(b) & 0x80u) << 24, mag = b & 0x7Fu;
-  const uint32_t is_sub = 0u - static_cast<uint32_t>(mag < 8u);  // all ones: exponent field 0
-  const float f = float_from_bits((mag << 20) + (120u << 23) + (is_sub & (1u << 23))) - float_from_bits(is_sub & 0x3C800000u);
-  const uint32_t is_nan = 0u - static_cast<uint32_t>(mag == 0x7Fu);
-  return float_from_bits(((float_bits(f) | sign) & ~is_nan) | ((sign | 0x7FC00000u) & is_nan));
 }
 
 // BF16 as raw uint16_t bits. bf16_from_float rounds to nearest even; NaN stays a quiet NaN.

@@ -134,18 +134,6 @@ void e4m3_decode_array(const uint8_t* in, int64_t n, float* out) {
   for (int64_t i = 0; i < n; ++i) out[i] = lut[in[i]];
 }
 
-void e4m3_decode_scale_cols(const uint8_t* in, int64_t rows, int64_t cols, const float* scale, float* out) {
-  if (cpu_isa_active() >= cpu_isa::avx512 && detail::e4m3_decode_scale_cols_avx512(in, rows, cols, scale, out)) return;
-  for (int64_t r = 0; r < rows; ++r)
-    for (int64_t c = 0; c < cols; ++c) out[r * cols + c] = e4m3_to_float_arith(in[r * cols + c]) * scale[c];
-}
-
-void e4m3_decode_scale_rows(const uint8_t* in, int64_t rows, int64_t cols, const float* scale, float* out) {
-  if (cpu_isa_active() >= cpu_isa::avx512 && detail::e4m3_decode_scale_rows_avx512(in, rows, cols, scale, out)) return;
-  for (int64_t r = 0; r < rows; ++r)
-    for (int64_t c = 0; c < cols; ++c) out[r * cols + c] = e4m3_to_float_arith(in[r * cols + c]) * scale[r];
-}
-
 void bf16_encode_array(const float* x, int64_t n, uint16_t* out) {
   if (cpu_isa_active() >= cpu_isa::avx512) return detail::bf16_from_float_avx512(x, n, out);
   tbb::parallel_for(tbb::blocked_range<int64_t>(0, n, 1 << 14), [&](const tbb::blocked_range<int64_t>& r) {

@@ -16,10 +16,6 @@ void qtensor_reset(qtensor& q, int64_t rows, int64_t cols, qlayout layout, scale
 qtensor quantize_scalar(const float* x, int64_t rows, int64_t cols, qlayout layout,
                         scale_mode mode, std::string name);
 void e4m3_encode_array_avx512(const float* x, int64_t n, uint8_t* out);
-// e4m3_decode_scale_cols / _rows (quant/fp8.hpp) on AVX-512 F/BW/VL (quant/fp8_scaled_avx512.cpp);
-// false (nothing written) where the fused form would not be exact: the caller's scalar loop then.
-bool e4m3_decode_scale_cols_avx512(const uint8_t* in, int64_t rows, int64_t cols, const float* scale, float* out);
-bool e4m3_decode_scale_rows_avx512(const uint8_t* in, int64_t rows, int64_t cols, const float* scale, float* out);
 // dst[C][R] = src[R][C] bytes, 16x16 register transposes, oneTBB over 64x64 tiles.
 void transpose_bytes_avx512(const uint8_t* src, int64_t R, int64_t C, uint8_t* dst);
 void bf16_from_float_avx512(const float* x, int64_t n, uint16_t* out);

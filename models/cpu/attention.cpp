@@ -1,12 +1,14 @@
 // models/cpu/attention.cpp -- causal grouped-query attention on packed sequences.
 // Forward keeps lse[T,H]; backward recomputes probabilities from it (no T x T cache).
 #include <tbb/parallel_for.h>
+#include <xmmintrin.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "models/cpu/cpu_backend.hpp"
@@ -160,92 +162,176 @@ constexpr int64_t kGroupRows = 8;  // most query rows per register block in cpu_
 
 int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
-// s[r][j0 + j] = sum_d qr[r][d] kt[d][j] for all R rows and j < kAttnSlab, each a sequential fma
-// over d from +0 (cpu_attn_query's order), in registers.
-//   qr: [R][D]; kt: [D][kAttnSlab]; s: row r at s + r * lds
-template <int R>
-[[gnu::always_inline]] inline void group_scores_slab(const float* qr, const float* kt, int64_t D, float* s, int64_t lds) {
+constexpr unsigned kMxcsrDaz = 0x0040u;  // MXCSR bit 6: denormal operands read as zero
+
+// 16 stored K/V elements widened to FP32, exactly: FP32 as is, BF16 by a shift, an E4M3 code by
+// the shift-and-mask form of the FP8 codec (its bits sign-extended, << 20, & 0x87F00000: the
+// value times 2^-120, a denormal for subnormal codes) times 2^120 -- exact with MXCSR DAZ clear
+// (cpu_attn_group clears it) for every code but NaN, which the FP8 cache never holds. Plain
+// loops over 16 lanes: one vector each in the x86-64-v4 clone.
+using f32x16 = float __attribute__((vector_size(64)));  // GCC vectors: one zmm in the v4 clone
+using u32x16 = uint32_t __attribute__((vector_size(64)));
+using i32x16 = int32_t __attribute__((vector_size(64)));
+using u32x8 = uint32_t __attribute__((vector_size(32)));
+using u32x4 = uint32_t __attribute__((vector_size(16)));
+// (GCC 12 lowers __builtin_convertvector from 8- or 16-bit lanes to 16 dwords one lane at a time;
+// a dword permute + per-lane shift is VPERMD + VPSLLVD.)
+[[gnu::always_inline]] inline void widen16(const float* p, float* out) { std::memcpy(out, p, 64); }
+[[gnu::always_inline]] inline void widen16(const uint16_t* p, float* out) {
+  u32x8 w;
+  std::memcpy(&w, p, sizeof w);
+  constexpr u32x16 sh = {16, 0, 16, 0, 16, 0, 16, 0, 16, 0, 16, 0, 16, 0, 16, 0};
+  const u32x16 u = (__builtin_shufflevector(w, w, 0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7) << sh) & 0xFFFF0000u;
+  std::memcpy(out, &u, 64);
+}
+[[gnu::always_inline]] inline void widen16(const uint8_t* p, float* out) {
+  u32x4 w;
+  std::memcpy(&w, p, sizeof w);
+  const u32x8 w8 = __builtin_shufflevector(w, w, 0, 1, 2, 3, 0, 1, 2, 3);
+  constexpr u32x16 sh = {24, 16, 8, 0, 24, 16, 8, 0, 24, 16, 8, 0, 24, 16, 8, 0};  // code j to the top byte
+  const u32x16 top = __builtin_shufflevector(w8, w8, 0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3) << sh;
+  const u32x16 u = reinterpret_cast<u32x16>(reinterpret_cast<i32x16>(top) >> 4) & 0x87F00000u;  // sign-extended << 20
+  const f32x16 f = reinterpret_cast<f32x16>(u) * 0x1p120f;
+  std::memcpy(out, &f, 64);
+}
+// The first n < 16 of them (lanes past n: +0): a value row's last chunk where D % 16 != 0.
+template <class T>
+[[gnu::always_inline]] inline void widen16_tail(const T* p, int64_t n, float* out) {
+  T e[16] = {};
+  for (int64_t j = 0; j < n; ++j) e[j] = p[j];
+  widen16(e, out);
+}
+
+template <class T>
+constexpr bool kScaled = std::is_same_v<T, uint8_t>;  // FP8: each position times its scale
+
+// The lines of n stored elements from p, for the cache hierarchy (the slab two ahead: the K/V of
+// earlier layers were evicted by the weights streamed since, and the hardware prefetcher starts late).
+template <class T>
+[[gnu::always_inline]] inline void prefetch_elems(const T* p, int64_t n) {
+  for (int64_t o = 0; o < n * static_cast<int64_t>(sizeof(T)); o += 64) __builtin_prefetch(reinterpret_cast<const char*>(p) + o);
+}
+
+// s[r][j] = sum_d qr[r][d] k[j][d] for all R rows and the slab's 16 keys, each a sequential fma
+// over d from +0 (cpu_attn_query's order), in registers; lanes of positions past n hold whatever
+// the slab holds there (finite) and are never read.
+//   qr: [R][D]; ks: the slab [D][kAttnSlab]; sc: FP8 scales of its 16 positions; s: row r at s + r * lds
+template <int R, class T>
+[[gnu::always_inline]] inline void group_scores_slab(const float* qr, const T* ks, const float* sc, int64_t D, float* s,
+                                                     int64_t lds) {
   float acc[R][kAttnSlab] = {};
-  for (int64_t d = 0; d < D; ++d)
+  for (int64_t d = 0; d < D; ++d) {
+    float k[kAttnSlab];
+    widen16(ks + d * kAttnSlab, k);
+    if constexpr (kScaled<T>)
+      for (int j = 0; j < kAttnSlab; ++j) k[j] *= sc[j];
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
       const float a = qr[r * D + d];
 #pragma GCC unroll 16
-      for (int j = 0; j < kAttnSlab; ++j) acc[r][j] = std::fma(a, kt[d * kAttnSlab + j], acc[r][j]);
+      for (int j = 0; j < kAttnSlab; ++j) acc[r][j] = std::fma(a, k[j], acc[r][j]);
     }
+  }
   for (int r = 0; r < R; ++r)
     for (int j = 0; j < kAttnSlab; ++j) s[r * lds + j] = acc[r][j];
 }
 
-// acc[r][d] = fma(p[r][j], v[j][d], acc[r][d]) for j < w in order, 16 components at a time in
-// registers (attn_pv's chain, continued across slabs).
-//   p: row r at p + r * ldp; v: [w][ldv]; acc: [R][ldv]
-template <int R>
-[[gnu::always_inline]] inline void group_pv_slab(const float* p, int64_t ldp, const float* v, int64_t w, int64_t ldv,
-                                                 float* acc) {
-  for (int64_t d0 = 0; d0 < ldv; d0 += 16) {
-    float a[R][16];
-    for (int r = 0; r < R; ++r)
-      for (int l = 0; l < 16; ++l) a[r][l] = acc[r * ldv + d0 + l];
-    for (int64_t j = 0; j < w; ++j)
+// acc[r][d0 .. d0 + 16) = fma(p[r][j], v[j][d], acc[r][d]) for j < w in order (attn_pv's chain,
+// continued across slabs), in registers; kFull: d0 + 16 <= D, else the lanes past D stay +0.
+//   p: row r at p + r * ldp; v: [w][D] stored; sc: FP8 scales of the w positions; acc: [R][ldacc]
+template <int R, bool kFull, class T>
+[[gnu::always_inline]] inline void group_pv_chunk(const float* p, int64_t ldp, const T* v, const float* sc, int64_t w,
+                                                  int64_t D, int64_t d0, float* acc, int64_t ldacc) {
+  float a[R][16];
+  for (int r = 0; r < R; ++r)
+    for (int l = 0; l < 16; ++l) a[r][l] = acc[r * ldacc + d0 + l];
+  for (int64_t j = 0; j < w; ++j) {
+    float x[16];
+    if constexpr (kFull) widen16(v + j * D + d0, x);
+    else widen16_tail(v + j * D + d0, D - d0, x);
+    if constexpr (kScaled<T>)
+      for (int l = 0; l < 16; ++l) x[l] *= sc[j];
 #pragma GCC unroll 8
-      for (int r = 0; r < R; ++r) {
-        const float pj = p[r * ldp + j];
+    for (int r = 0; r < R; ++r) {
+      const float pj = p[r * ldp + j];
 #pragma GCC unroll 16
-        for (int l = 0; l < 16; ++l) a[r][l] = std::fma(pj, v[j * ldv + d0 + l], a[r][l]);
-      }
-    for (int r = 0; r < R; ++r)
-      for (int l = 0; l < 16; ++l) acc[r * ldv + d0 + l] = a[r][l];
+      for (int l = 0; l < 16; ++l) a[r][l] = std::fma(pj, x[l], a[r][l]);
+    }
   }
+  for (int r = 0; r < R; ++r)
+    for (int l = 0; l < 16; ++l) acc[r * ldacc + d0 + l] = a[r][l];
 }
 
-// cpu_attn_group in blocks of R rows (rows of the last block past G are zero and not stored).
-template <int R>
+// cpu_attn_group in blocks of R rows (rows of the last block past G are zero and not stored), the
+// cache's elements of type T read in place.
+template <int R, class T>
 [[gnu::always_inline]] inline void attn_group_blocks(const float* q, int64_t ldq, const attn_rounding* rq, int64_t G,
                                                      const attn_kv_source& kv, int64_t n, int64_t D, precision p_operand,
                                                      float* out, int64_t ldo, float* scratch) {
-  const int64_t ns = round_up(n, kAttnSlab), Dp = round_up(D, 16);
-  float* qr = scratch;                // [R][D] rounded queries (zero rows past G)
-  float* s = qr + kGroupRows * D;     // [R][ns] scores, then probabilities
-  float* kt = s + kGroupRows * ns;    // [D][kAttnSlab] one key slab
-  float* vs = kt + D * kAttnSlab;     // [kAttnSlab][Dp] one value slab
-  float* acc = vs + kAttnSlab * Dp;   // [R][Dp] P.V accumulators
+  const int64_t ns = round_up(n, kAttnSlab), Dp = round_up(D, 16), slab = D * kAttnSlab;
+  const T* keys = static_cast<const T*>(kv.keys);
+  const T* values = static_cast<const T*>(kv.values);
+  float* qr = scratch;             // [R][D] rounded queries (zero rows past G)
+  float* s = qr + kGroupRows * D;  // [R][ns] scores, then probabilities
+  float* acc = s + kGroupRows * ns;  // [R][Dp] P.V accumulators
   for (int64_t r0 = 0; r0 < G; r0 += R) {
     const int64_t B = std::min<int64_t>(R, G - r0);
     for (int64_t r = 0; r < R; ++r)
       for (int64_t d = 0; d < D; ++d) qr[r * D + d] = r < B ? cpu_attn_round(q[(r0 + r) * ldq + d], rq[r0 + r]) : 0.0f;
     for (int64_t j0 = 0; j0 < n; j0 += kAttnSlab) {
-      kv.keys(kv.ctx, j0, std::min(kAttnSlab, n - j0), kt);
-      group_scores_slab<R>(qr, kt, D, s + j0, ns);
+      const T* ks = keys + j0 / kAttnSlab * slab;
+      if (j0 + 2 * kAttnSlab < n) prefetch_elems(ks + 2 * slab, slab);
+      group_scores_slab<R>(qr, ks, kv.kscale + j0, D, s + j0, ns);
     }
     for (int64_t r = 0; r < B; ++r) cpu_attn_softmax(s + r * ns, n, D, p_operand);
     for (int64_t i = B * ns; i < R * ns; ++i) s[i] = 0.0f;  // rows past G add +0 to unused accumulators
     for (int64_t i = 0; i < R * Dp; ++i) acc[i] = 0.0f;
     for (int64_t j0 = 0; j0 < n; j0 += kAttnSlab) {
       const int64_t w = std::min(kAttnSlab, n - j0);
-      kv.values(kv.ctx, j0, w, Dp, vs);
-      group_pv_slab<R>(s + j0, ns, vs, w, Dp, acc);
+      const T* v = values + j0 * D;
+      if (j0 + 2 * kAttnSlab < n) prefetch_elems(v + 2 * slab, slab);
+      const float* sc = kv.vscale + j0;
+      int64_t d0 = 0;
+      for (; d0 + 16 <= D; d0 += 16) group_pv_chunk<R, true>(s + j0, ns, v, sc, w, D, d0, acc, Dp);
+      if (d0 < D) group_pv_chunk<R, false>(s + j0, ns, v, sc, w, D, d0, acc, Dp);
     }
     for (int64_t r = 0; r < B; ++r)
       for (int64_t d = 0; d < D; ++d) out[(r0 + r) * ldo + d] = acc[r * Dp + d];
   }
 }
+
+template <class T>
+[[gnu::always_inline]] inline void attn_group_typed(const float* q, int64_t ldq, const attn_rounding* rq, int64_t G,
+                                                    const attn_kv_source& kv, int64_t n, int64_t D, precision p_operand,
+                                                    float* out, int64_t ldo, float* scratch) {
+  if (G >= 5) attn_group_blocks<8, T>(q, ldq, rq, G, kv, n, D, p_operand, out, ldo, scratch);
+  else if (G >= 3) attn_group_blocks<4, T>(q, ldq, rq, G, kv, n, D, p_operand, out, ldo, scratch);
+  else if (G == 2) attn_group_blocks<2, T>(q, ldq, rq, G, kv, n, D, p_operand, out, ldo, scratch);
+  else attn_group_blocks<1, T>(q, ldq, rq, G, kv, n, D, p_operand, out, ldo, scratch);
+}
 }  // namespace
 
 int64_t cpu_attn_group_scratch(int64_t n, int64_t D) {
-  const int64_t Dp = round_up(D, 16);
-  return kGroupRows * D + kGroupRows * round_up(n, kAttnSlab) + D * kAttnSlab + kAttnSlab * Dp + kGroupRows * Dp;
+  return kGroupRows * D + kGroupRows * round_up(n, kAttnSlab) + kGroupRows * round_up(D, 16);
 }
 
 // Row blocks of 8, or of the smallest power of two holding G below that (G = 2 would otherwise
-// pay for 8 rows of arithmetic).
+// pay for 8 rows of arithmetic). FP8 widening needs DAZ clear (denormal operands): cleared for the
+// call, restored after.
 FP8RL_VECTOR_CLONES void cpu_attn_group(const float* q, int64_t ldq, const attn_rounding* rq, int64_t G,
                                         const attn_kv_source& kv, int64_t n, int64_t D, precision p_operand, float* out,
                                         int64_t ldo, float* scratch) {
-  if (G >= 5) attn_group_blocks<8>(q, ldq, rq, G, kv, n, D, p_operand, out, ldo, scratch);
-  else if (G >= 3) attn_group_blocks<4>(q, ldq, rq, G, kv, n, D, p_operand, out, ldo, scratch);
-  else if (G == 2) attn_group_blocks<2>(q, ldq, rq, G, kv, n, D, p_operand, out, ldo, scratch);
-  else attn_group_blocks<1>(q, ldq, rq, G, kv, n, D, p_operand, out, ldo, scratch);
+  switch (kv.dtype) {
+    case kv_dtype::f32: attn_group_typed<float>(q, ldq, rq, G, kv, n, D, p_operand, out, ldo, scratch); break;
+    case kv_dtype::bf16: attn_group_typed<uint16_t>(q, ldq, rq, G, kv, n, D, p_operand, out, ldo, scratch); break;
+    case kv_dtype::fp8: {
+      const unsigned csr = _mm_getcsr();
+      if (csr & kMxcsrDaz) _mm_setcsr(csr & ~kMxcsrDaz);
+      attn_group_typed<uint8_t>(q, ldq, rq, G, kv, n, D, p_operand, out, ldo, scratch);
+      if (csr & kMxcsrDaz) _mm_setcsr(csr);
+      break;
+    }
+  }
 }
 
 namespace {

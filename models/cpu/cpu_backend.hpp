@@ -33,15 +33,18 @@ inline float cpu_attn_round(float x, const attn_rounding& r) {
 float cpu_attn_query(const float* q, const attn_rounding& rq, const float* kt, int64_t ldk, const float* v,
                      int64_t n, int64_t D, precision p_operand, float* out, float* scratch);
 
-// Keys and values of one KV head, widened to FP32 and rounded, a slab of kAttnSlab positions at
-// a time: the cache decodes its storage into L1-sized slabs, never a whole-context copy.
+// One KV head of the decode cache as cpu_attn_group reads it (models/cpu/kv_cache.cpp's layout),
+// elements of `dtype` stored already rounded (FP8: E4M3 codes times the scale each position was
+// written with; never a NaN code, since kv_cache_write refuses non-finite K/V and saturates):
+// keys in slabs of kAttnSlab positions, each [D][kAttnSlab] (one row of 16 keys per component),
+// values [positions][D]. The kernel widens them to FP32 in registers as it reads them.
 constexpr int64_t kAttnSlab = 16;
 struct attn_kv_source {
-  const void* ctx = nullptr;
-  // kt[d * kAttnSlab + j] = key j0 + j, component d, for d < D, j < w (w <= kAttnSlab); zero for j >= w
-  void (*keys)(const void* ctx, int64_t j0, int64_t w, float* kt) = nullptr;
-  // v[j * ldv + d] = value j0 + j, component d, for j < w, d < D; zero for D <= d < ldv
-  void (*values)(const void* ctx, int64_t j0, int64_t w, int64_t ldv, float* v) = nullptr;
+  kv_dtype dtype = kv_dtype::f32;
+  const void* keys = nullptr;      // slab s (positions 16 s ...): D * kAttnSlab elements from s * D * kAttnSlab
+  const void* values = nullptr;    // position j: D elements from j * D
+  const float* kscale = nullptr;   // FP8: kscale[j], vscale[j] = position j's scales, readable up to n
+  const float* vscale = nullptr;   //   rounded up to kAttnSlab (the rest of a slab is never used)
 };
 // G query rows that share one KV head (grouped-query attention at decode), each exactly
 // cpu_attn_query's computation (same roundings, same fma orders, the same softmax), with every

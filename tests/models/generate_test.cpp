@@ -2,8 +2,8 @@
 // bit for bit (every policy with its matching KV cache), continuous batching equals running each
 // request alone, adoption at step boundaries with version tags (recompute / keep), concurrent
 // adoption, refused bundles and K/V scales, K/V scales adopted mid-generation, FP8 KV-cache
-// mismatch measured; cached attention (all query rows of a KV head at once, slabs widened on the
-// fly) equals cpu_attn_query one row at a time, and the training forward's rows equal it.
+// mismatch measured; cached attention (all query rows of a KV head at once, K/V widened in
+// registers, FP8 for every code) equals cpu_attn_query one row at a time, and the training forward's rows equal it.
 // Sampling itself: tests/models/sampling_test.cpp.
 #include <gtest/gtest.h>
 
@@ -18,6 +18,7 @@
 
 #include <tbb/global_control.h>
 #include <tbb/task_arena.h>
+#include <xmmintrin.h>
 
 #include "models/cpu/cpu_backend.hpp"
 #include "models/generate.hpp"
@@ -403,7 +404,7 @@ TEST(Generate, CachedAttentionEqualsOneQueryAtATime) {
   auto rnd = [&] { seed = seed * 1664525u + 1013904223u; return static_cast<float>(seed >> 8) / 16777216.0f - 0.5f; };
   for (kv_dtype dt : {kv_dtype::f32, kv_dtype::bf16, kv_dtype::fp8})
     for (int64_t G : {1, 3, 8, 10})
-      for (int64_t D : {24, 64})
+      for (int64_t D : {24, 32, 64, 128})
         for (int64_t n0 : {1, 16, 17, 40}) {
           const int64_t KV = 2, H = KV * G, M = 50, S = 2, L = 2;
           const int64_t n_of[S] = {n0, std::min<int64_t>(M, n0 + 9)};  // token t reads slot t's positions < n_of[t]
@@ -472,6 +473,72 @@ TEST(Generate, CachedAttentionEqualsOneQueryAtATime) {
             }
           }
         }
+}
+
+// The FP8 cache's in-register widening (codes -> FP32 through a denormal, times 2^120, times the
+// position's scale) gives e4m3_to_float(code) * scale for every code the cache can hold (all but
+// the NaNs: +-0 and the subnormals among them), with MXCSR DAZ set on the calling thread or not.
+// Each code is made to decide output bits on its own: V codes under uniform probabilities (K all
+// zero: p = 1/16 exactly, one nonzero V row per component), K codes under one-hot queries (row h
+// scores component h only, FP32 operands: no rounding of P hides a score's last bits). Scales are
+// not powers of two (the product rounds).
+TEST(Generate, Fp8CacheWidensEveryCodeExactly) {
+  auto be = make_cpu_backend();
+  std::vector<uint8_t> codes;
+  for (int c = 0; c < 256; ++c)
+    if ((c & 0x7F) != 0x7F) codes.push_back(static_cast<uint8_t>(c));
+  const int64_t NC = static_cast<int64_t>(codes.size()), D = 64, KV = 4, G = 8, H = KV * G;
+  const std::vector<float> ks = {0.37f / 448, 0.52f / 448, 1.1f / 448, 2.9f / 448}, vs = {1.9f / 448, 0.7f / 448, 0.3f / 448, 3.3f / 448};
+  // code(g, j, d) of K or V -> the cache's contents and the reference's widened operands
+  auto check = [&](const char* what, int64_t n, auto k_code, auto v_code, const std::vector<float>& q) {
+    std::vector<float> k(static_cast<size_t>(n * KV * D)), v(k.size());
+    std::vector<std::vector<float>> kt(KV, std::vector<float>(static_cast<size_t>(D * n))), vv(kt);
+    for (int64_t g = 0; g < KV; ++g)
+      for (int64_t j = 0; j < n; ++j)
+        for (int64_t d = 0; d < D; ++d) {
+          const float kw = fp8rl::quant::e4m3_to_float(k_code(g, j, d)) * ks[g];
+          const float vw = fp8rl::quant::e4m3_to_float(v_code(g, j, d)) * vs[g];
+          k[(j * KV + g) * D + d] = kw;  // written as this value, it encodes back to the same code
+          v[(j * KV + g) * D + d] = vw;
+          kt[g][d * n + j] = kw;
+          vv[g][j * D + d] = vw;
+        }
+    auto cache = be->kv_cache_create(1, 1, KV, D, n, kv_dtype::fp8);
+    std::vector<int32_t> slot(static_cast<size_t>(n), 0), pos(static_cast<size_t>(n));
+    for (int64_t j = 0; j < n; ++j) pos[j] = static_cast<int32_t>(j);
+    be->kv_cache_write(*cache, 0, {n, slot.data(), pos.data()}, k.data(), v.data(), ks.data(), vs.data());  // (448 s / s may exceed 448: saturates to 448)
+    std::vector<float> want(static_cast<size_t>(H * D)), scratch(static_cast<size_t>(n + D));
+    for (int64_t h = 0; h < H; ++h)
+      cpu_attn_query(q.data() + h * D, {}, kt[h / G].data(), n, vv[h / G].data(), n, D, precision::fp32,
+                     want.data() + h * D, scratch.data());
+    const int32_t qslot = 0, qpos = static_cast<int32_t>(n - 1);
+    for (bool daz : {false, true}) {
+      std::vector<float> got(want.size());
+      const unsigned csr = _mm_getcsr();
+      if (daz) _mm_setcsr(csr | 0x0040u);
+      {  // one thread (this one) runs the heads; an arena made now captures this MXCSR for its tasks
+        tbb::task_arena one(1);
+        one.execute([&] {
+          be->attention_cached(*cache, 0, {1, &qslot, &qpos}, q.data(), H, precision::fp32, nullptr, got.data());
+        });
+      }
+      _mm_setcsr(csr);
+      for (size_t i = 0; i < want.size(); ++i)
+        ASSERT_EQ(std::bit_cast<uint32_t>(got[i]), std::bit_cast<uint32_t>(want[i]))
+            << what << ", DAZ " << daz << ", head " << i / D << ", d " << i % D;
+    }
+  };
+  const auto code = [&](int64_t i) { return codes[static_cast<size_t>(i % NC)]; };
+  // V: head g's component d holds code 64 g + d at position d % 16 only
+  std::vector<float> q(static_cast<size_t>(H * D));
+  for (float& x : q) x = 0.25f;
+  check("V", 16, [](int64_t, int64_t, int64_t) { return uint8_t{0}; },
+        [&](int64_t g, int64_t j, int64_t d) { return j == d % 16 ? code(64 * g + d) : uint8_t{0}; }, q);
+  // K: row h of head g scores component h % G only, whose 32 positions hold codes 32 (h % G) + j
+  std::fill(q.begin(), q.end(), 0.0f);
+  for (int64_t h = 0; h < H; ++h) q[h * D + h % G] = 1.0f + 0.125f * (h / G);
+  check("K", 32, [&](int64_t, int64_t j, int64_t d) { return d < G ? code(32 * d + j) : uint8_t{0x38}; },
+        [&](int64_t g, int64_t j, int64_t d) { return code(7 * j + 3 * d + g); }, q);
 }
 
 // The training forward's attention rows (attn_pv_rows: several query rows share each V row, the

@@ -9,8 +9,6 @@
 #include <limits>
 #include <vector>
 
-#include <xmmintrin.h>  // _mm_getcsr / _mm_setcsr: the decoder under DAZ|FTZ
-
 #include "quant/cpu_isa.hpp"
 #include "quant/fp8.hpp"
 #include "tests/test_util.hpp"
@@ -94,73 +92,6 @@ TEST(Fp8Codec, DecodeArrayEqualsTheScalarDecoder) {
             << cpu_isa_name(isa) << " n " << n << " i " << i << " code " << int(codes[i]);
       EXPECT_EQ(out[n], -7.0f) << "wrote past n = " << n;
     }
-  }
-}
-
-// Codes widened with a scale per column / per row (the FP8 KV cache's slabs): every code, at
-// every lane of a vector and in tails, times scales from denormal to just under 2^8 in magnitude,
-// signed zeros and negatives (the fused AVX-512 form) and at or past 2^8, infinite or NaN, NaN
-// codes, and under DAZ|FTZ (the forms that fall back to the scalar expression), on every ISA
-// level: e4m3_to_float(code) * scale, bit for bit (NaN for NaN).
-TEST(Fp8Codec, ScaledDecodeEqualsDecodeTimesScale) {
-  const float inf = std::numeric_limits<float>::infinity(), nan = std::numeric_limits<float>::quiet_NaN();
-  // set 0 takes the fused form; the others hold scales it cannot take (|scale| >= 2^8, not
-  // finite), set 2 only negative ones, so each call falls back to the scalar expression
-  const std::vector<float> kScales[] = {{0.01f, 1.0f, 3.0f, 1e-40f, 0x1p-126f, 255.99f, 0.0f, -0.0f, -2.5f},
-                                        {0.01f, -2.5f, 0x1p8f, 3e38f, -300.0f, -0x1p8f, inf, -inf, nan},
-                                        {0.01f, 1e-40f, -0.0f, -2.5f, -300.0f, -0x1p8f, -inf}};
-  const unsigned csr = _mm_getcsr();
-  for (cpu_isa isa : {cpu_isa::portable, cpu_isa_detected()}) {
-    fp8rl::test::isa_limit_scope limit(isa);
-    for (unsigned mode : {csr, csr | 0x8040u})
-      for (int64_t cols : {int64_t{1}, int64_t{16}, int64_t{37}, int64_t{64}})
-        for (int nan_codes = 0; nan_codes < 2; ++nan_codes)
-          for (int big = 0; big < 3; ++big) {  // scale set
-            const int64_t rows = (256 + cols - 1) / cols + 1, n = rows * cols;
-            std::vector<uint8_t> codes(static_cast<size_t>(n));
-            for (int64_t i = 0; i < n; ++i) {
-              const uint8_t c = static_cast<uint8_t>(i * 37 + i / 256);
-              codes[i] = nan_codes || (c & 0x7f) != 0x7f ? c : static_cast<uint8_t>(c ^ 1);
-            }
-            const int64_t nsc = std::max(rows, cols);
-            const std::vector<float>& set = kScales[big];
-            std::vector<float> scale(static_cast<size_t>(nsc));
-            for (int64_t i = 0; i < nsc; ++i) scale[i] = set[static_cast<size_t>(i) % set.size()];
-            for (int per_row = 0; per_row < 2; ++per_row) {
-              std::vector<float> out(static_cast<size_t>(n) + 1, -7.0f);
-              _mm_setcsr(mode);
-              if (per_row) e4m3_decode_scale_rows(codes.data(), rows, cols, scale.data(), out.data());
-              else e4m3_decode_scale_cols(codes.data(), rows, cols, scale.data(), out.data());
-              for (int64_t r = 0; r < rows; ++r)
-                for (int64_t c = 0; c < cols; ++c) {
-                  const float want = e4m3_to_float(codes[r * cols + c]) * scale[per_row ? r : c];
-                  if (std::isnan(out[r * cols + c]) && std::isnan(want)) continue;  // payloads may differ
-                  ASSERT_EQ(std::bit_cast<uint32_t>(out[r * cols + c]), std::bit_cast<uint32_t>(want))
-                      << cpu_isa_name(isa) << (per_row ? " rows" : " cols") << " mxcsr " << mode << " cols " << cols
-                      << " nan " << nan_codes << " big " << big << " at " << r << "," << c << " code "
-                      << int(codes[r * cols + c]) << " scale " << scale[per_row ? r : c];
-                }
-              _mm_setcsr(csr);
-              EXPECT_EQ(out[n], -7.0f) << "wrote past the end, cols " << cols;
-            }
-          }
-  }
-}
-
-// All 256 codes, bit for bit (NaNs too), with the default MXCSR and with DAZ|FTZ set (as a host
-// process may leave it): subnormal codes must not go through a denormal operand.
-TEST(Fp8Codec, ArithmeticDecoderEqualsTheTable) {
-  const unsigned csr = _mm_getcsr();
-  for (unsigned mode : {csr, csr | 0x8040u}) {
-    _mm_setcsr(mode);
-    for (int b = 0; b < 256; ++b) {
-      volatile uint8_t code = static_cast<uint8_t>(b);  // decoded at run time, not folded by the compiler
-      const uint32_t got = std::bit_cast<uint32_t>(e4m3_to_float_arith(code));
-      _mm_setcsr(csr);
-      EXPECT_EQ(got, std::bit_cast<uint32_t>(e4m3_to_float(static_cast<uint8_t>(b)))) << "code " << b << " mxcsr " << mode;
-      _mm_setcsr(mode);
-    }
-    _mm_setcsr(csr);
   }
 }
 
