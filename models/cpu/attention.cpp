@@ -214,7 +214,7 @@ template <class T>
 
 // s[r][j] = sum_d qr[r][d] k[j][d] for all R rows and the slab's 16 keys, each a sequential fma
 // over d from +0 (cpu_attn_query's order), in registers; lanes of positions past n hold whatever
-// the slab holds there (finite) and are never read.
+// the slab holds there (stale data, never read).
 //   qr: [R][D]; ks: the slab [D][kAttnSlab]; sc: FP8 scales of its 16 positions; s: row r at s + r * lds
 template <int R, class T>
 [[gnu::always_inline]] inline void group_scores_slab(const float* qr, const T* ks, const float* sc, int64_t D, float* s,
@@ -281,7 +281,7 @@ template <int R, class T>
     for (int64_t j0 = 0; j0 < n; j0 += kAttnSlab) {
       const T* ks = keys + j0 / kAttnSlab * slab;
       if (j0 + 2 * kAttnSlab < n) prefetch_elems(ks + 2 * slab, slab);
-      group_scores_slab<R>(qr, ks, kv.kscale + j0, D, s + j0, ns);
+      group_scores_slab<R>(qr, ks, kScaled<T> ? kv.kscale + j0 : nullptr, D, s + j0, ns);
     }
     for (int64_t r = 0; r < B; ++r) cpu_attn_softmax(s + r * ns, n, D, p_operand);
     for (int64_t i = B * ns; i < R * ns; ++i) s[i] = 0.0f;  // rows past G add +0 to unused accumulators
@@ -290,7 +290,7 @@ template <int R, class T>
       const int64_t w = std::min(kAttnSlab, n - j0);
       const T* v = values + j0 * D;
       if (j0 + 2 * kAttnSlab < n) prefetch_elems(v + 2 * slab, slab);
-      const float* sc = kv.vscale + j0;
+      const float* sc = kScaled<T> ? kv.vscale + j0 : nullptr;
       int64_t d0 = 0;
       for (; d0 + 16 <= D; d0 += 16) group_pv_chunk<R, true>(s + j0, ns, v, sc, w, D, d0, acc, Dp);
       if (d0 < D) group_pv_chunk<R, false>(s + j0, ns, v, sc, w, D, d0, acc, Dp);
@@ -317,7 +317,7 @@ int64_t cpu_attn_group_scratch(int64_t n, int64_t D) {
 
 // Row blocks of 8, or of the smallest power of two holding G below that (G = 2 would otherwise
 // pay for 8 rows of arithmetic). FP8 widening needs DAZ clear (denormal operands): cleared for the
-// call, restored after.
+// call, restored after -- an FP8 cache's attention computes in IEEE mode whatever the caller's MXCSR.
 FP8RL_VECTOR_CLONES void cpu_attn_group(const float* q, int64_t ldq, const attn_rounding* rq, int64_t G,
                                         const attn_kv_source& kv, int64_t n, int64_t D, precision p_operand, float* out,
                                         int64_t ldo, float* scratch) {

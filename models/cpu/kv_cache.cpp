@@ -4,7 +4,6 @@
 #include <algorithm>
 #include <cmath>
 #include <stdexcept>
-#include <type_traits>
 #include <vector>
 
 #include "models/cpu/cpu_backend.hpp"
@@ -21,7 +20,7 @@ struct cpu_kv_cache final : kv_cache {
   std::vector<float> f32;
   std::vector<uint16_t> bf16;
   std::vector<uint8_t> fp8;
-  std::vector<float> kscale, vscale;  // FP8: [slot][layer][kv][ctx_pad] scale each entry was written with (0 past it)
+  std::vector<float> kscale, vscale;  // FP8: [slot][layer][kv][ctx_pad] scale each entry was written with (0 where never written)
   int64_t esize() const { return dtype == kv_dtype::f32 ? 4 : dtype == kv_dtype::bf16 ? 2 : 1; }
   int64_t ctx_pad() const { return (max_ctx + kAttnSlab - 1) / kAttnSlab * kAttnSlab; }
   int64_t block() const { return head_dim * (ctx_pad() + max_ctx); }

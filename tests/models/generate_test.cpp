@@ -369,13 +369,6 @@ TEST(Generate, Fp8KvCacheMismatchIsMeasured) {
   EXPECT_GT(tmpe, 1.0);  // FP8 K/V differ from BF16: the error is real, and reported
 }
 
-// The decode kernel reads each KV head's keys and values once for its G query rows, widening the
-// cache slab by slab; each output row must equal cpu_attn_query on the stored values (decoded by
-// the table, scaled per position) bit for bit: every dtype, G across the 8-row block, n across
-// the 16-key slabs, D not a multiple of 16, a context not a multiple of 16, FP8 and BF16
-// operands. Two tokens of two slots in one call (different n: per-thread scratch reused); the
-// positions past each token's own hold stale large values and layer 0 other values, so a read
-// past n or of the wrong layer changes the result.
 // fp8-numerics §0.2: NaN/Inf reaching the FP8 K/V cache is an error naming layer, head and
 // position (the encoder stored NaN as code 0x7F and Inf as 448 * scale, counted as saturation).
 TEST(Generate, NonFiniteKvIsRefusedByTheFp8Cache) {
@@ -398,6 +391,13 @@ TEST(Generate, NonFiniteKvIsRefusedByTheFp8Cache) {
   EXPECT_EQ(be->kv_cache_write(*cache, 1, {1, &slot, &pos}, k.data(), k.data(), scale.data(), scale.data()), 0);
 }
 
+// The decode kernel reads each KV head's keys and values once for its G query rows, widening the
+// cache's elements in registers; each output row must equal cpu_attn_query on the stored values
+// (decoded by the table, scaled per position) bit for bit: every dtype, G across the 8-row block,
+// n across the 16-key slabs, D = 24 (not a multiple of 16), 32, 64, 128, a context not a multiple
+// of 16, FP8 and BF16 operands, FP8 scales changing mid-sequence. Two tokens of two slots in one
+// call (different n: per-thread scratch reused); the positions past each token's own hold stale
+// large values and layer 0 other values, so a read past n or of the wrong layer changes the result.
 TEST(Generate, CachedAttentionEqualsOneQueryAtATime) {
   auto be = make_cpu_backend();
   uint32_t seed = 12345;
@@ -478,10 +478,13 @@ TEST(Generate, CachedAttentionEqualsOneQueryAtATime) {
 // The FP8 cache's in-register widening (codes -> FP32 through a denormal, times 2^120, times the
 // position's scale) gives e4m3_to_float(code) * scale for every code the cache can hold (all but
 // the NaNs: +-0 and the subnormals among them), with MXCSR DAZ set on the calling thread or not.
-// Each code is made to decide output bits on its own: V codes under uniform probabilities (K all
-// zero: p = 1/16 exactly, one nonzero V row per component), K codes under one-hot queries (row h
-// scores component h only, FP32 operands: no rounding of P hides a score's last bits). Scales are
-// not powers of two (the product rounds).
+// V: under uniform probabilities (K all zero: p = 1/16 exactly) with one nonzero V row per
+// component, each output is one widened code / 16 -- every code's value, bit for bit (+-0 aside:
+// the chains start from +0). K: row h scores component h % G only (FP32 operands, one-hot
+// queries), so a code widened wrong at all (a subnormal flushed, a neighbour code's value) moves
+// the probabilities; a last-bit error of the K-only scale product can vanish in exp and the
+// division, and is left to the test above (its scales change mid-sequence). Scales are not
+// powers of two (the product rounds).
 TEST(Generate, Fp8CacheWidensEveryCodeExactly) {
   auto be = make_cpu_backend();
   std::vector<uint8_t> codes;

@@ -221,7 +221,7 @@ void run_gemv_dram(const bench_args& a, int t) {
     auto fp8_round = [&] { return bench_time_calls([&] { gemm_fp8(qa, cf[nf++ % cf.size()], C.data()); }, kCallsPerRound); };
     auto bf16_round = [&] { return bench_time_calls([&] { gemm_bf16(d, Ab.data(), cb[nb++ % cb.size()], C.data()); }, kCallsPerRound); };
     // warm-up: one call on every copy (threads and scratch pools started, each copy read once), so
-    // no round reads a copy for the first time since it was written: first passes ran 10-15% slower
+    // no round reads a copy for the first time since it was written: first passes ran 10-17% slower
     // (fresh pages; Zen 5, both formats), and the FP8 rounds, with ~2x the copies, took more of them
     for (size_t i = 0; i < cf.size(); ++i) gemm_fp8(qa, cf[nf++ % cf.size()], C.data());
     for (size_t i = 0; i < cb.size(); ++i) gemm_bf16(d, Ab.data(), cb[nb++ % cb.size()], C.data());
