@@ -546,25 +546,31 @@ TEST(Generate, Fp8CacheWidensEveryCodeExactly) {
 
 // The training forward's attention rows (attn_pv_rows: several query rows share each V row, the
 // group size depends on D) equal the cached attention of each token alone, bit for bit: FP32
-// operands on an FP32 cache, BF16 on a BF16 cache; D = 24 (generic loops), 32, 64 and 128.
+// operands on an FP32 cache, BF16 on a BF16 cache, FP8 attention (per-head Q/K/V scales, BF16 P)
+// on an FP8 cache -- the forward rounds a head's K and V (T x D values, in chunks) with the array
+// codecs, the cache encodes them at its writes; D = 24 (generic loops), 32, 64 and 128.
 TEST(Generate, ForwardAttentionRowsEqualCachedAttention) {
   auto be = make_cpu_backend();
   const int64_t T = 37, H = 4, KV = 2;  // 37 rows: full row groups and tails
+  const std::vector<float> qs = {0.011f, 0.013f, 0.009f, 0.012f}, ks = {0.01f, 0.012f}, vs = {0.008f, 0.01f};
   for (int64_t D : {24, 32, 64, 128})
-    for (kv_dtype dt : {kv_dtype::f32, kv_dtype::bf16}) {
+    for (kv_dtype dt : {kv_dtype::f32, kv_dtype::bf16, kv_dtype::fp8}) {
       const precision op = dt == kv_dtype::f32 ? precision::fp32 : precision::bf16;
+      const bool fp8 = dt == kv_dtype::fp8;
       const auto q = fp8rl::test::randn(T * H * D, 41), k = fp8rl::test::randn(T * KV * D, 42),
                  v = fp8rl::test::randn(T * KV * D, 43);
       const int32_t seq_start[2] = {0, static_cast<int32_t>(T)};
       attn_params p;
       p.T = T; p.H = H; p.KV = KV; p.D = D; p.seq_start = seq_start; p.S = 1; p.operand = op;
+      if (fp8) p.q_scale = qs.data(), p.k_scale = ks.data(), p.v_scale = vs.data();
       std::vector<float> out(q.size()), lse(static_cast<size_t>(T * H)), got(q.size());
       be->attention_forward(p, q.data(), k.data(), v.data(), out.data(), lse.data());
       auto cache = be->kv_cache_create(1, 1, KV, D, T, dt);
       std::vector<int32_t> slot(static_cast<size_t>(T), 0), pos(static_cast<size_t>(T));
       for (int64_t t = 0; t < T; ++t) pos[t] = static_cast<int32_t>(t);
-      be->kv_cache_write(*cache, 0, {T, slot.data(), pos.data()}, k.data(), v.data(), nullptr, nullptr);
-      be->attention_cached(*cache, 0, {T, slot.data(), pos.data()}, q.data(), H, op, nullptr, got.data());
+      be->kv_cache_write(*cache, 0, {T, slot.data(), pos.data()}, k.data(), v.data(), fp8 ? ks.data() : nullptr,
+                         fp8 ? vs.data() : nullptr);
+      be->attention_cached(*cache, 0, {T, slot.data(), pos.data()}, q.data(), H, op, fp8 ? qs.data() : nullptr, got.data());
       for (int64_t t = 0; t < T; ++t)
         ASSERT_EQ(std::memcmp(got.data() + t * H * D, out.data() + t * H * D, static_cast<size_t>(H * D) * 4), 0)
             << "D " << D << " dtype " << int(dt) << " row " << t;
