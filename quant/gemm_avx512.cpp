@@ -282,12 +282,12 @@ inline void dot_narrow_block(const uint16_t* A, int64_t lda, const void* const (
 enum class bsrc : uint8_t { wide, pairs, codes };  // which packed form of B the kernel reads
 
 // The FP8 promotion's scale products sa[m0 + r][kb] * sb[pn + p][kb] (§5.2: the product rounded
-// first) of blocks [kb0, kb0 + 16) (fewer at the end of K) for MR rows x PN panels whose columns share
-// each block's scale (panel_scales): sp[p][r][kb - kb0], 16 blocks per VMULPS.
+// first) of blocks [kb0, kb0 + nb) (nb <= 16; fewer at the end of K) for MR rows x PN panels whose
+// columns share each block's scale (panel_scales): sp[p][r][kb - kb0], up to 16 blocks per VMULPS.
 template <int MR, int PN>
 inline void scale_products(const gemm_a_operand& A, int64_t m0, int64_t KB, const float* panel_scales, int64_t pn,
-                           int64_t kb0, float (*sp)[MR][16]) {
-  const __mmask16 m = col_mask(KB - kb0);
+                           int64_t kb0, float (*sp)[MR][16], int64_t nb = 16) {
+  const __mmask16 m = col_mask(std::min(nb, KB - kb0));
   for (int p = 0; p < PN; ++p) {
     const __m512 sb = _mm512_maskz_loadu_ps(m, panel_scales + (pn + p) * KB + kb0);
     for (int r = 0; r < MR; ++r)
@@ -468,7 +468,7 @@ void rows_block(const gemm_a_operand& A, int64_t m0, const gemm_packed_b& B, int
   const void* const P[1] = {buf};
   dot_narrow<MR, 1>(A.bf16 + m0 * A.lda + kb * kBlock, A.lda, P, 0, kBlock / 2, acc);
   alignas(64) float sp[1][MR][16];
-  if (panel_scales) scale_products<MR, 1>(A, m0, B.Kp / kBlock, panel_scales, pn, kb, sp);
+  if (panel_scales) scale_products<MR, 1>(A, m0, B.Kp / kBlock, panel_scales, pn, kb, sp, 1);  // this block's only
   promote_block<MR, 1>(acc, A, m0, B, pn, kb, panel_scales ? sp : nullptr, 0, o);
 }
 

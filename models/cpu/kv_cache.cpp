@@ -137,12 +137,15 @@ void cpu_attention_cached(const kv_cache& cache, int64_t layer, const kv_step& s
     const int64_t b = c.base(slot, layer, g), sb = c.sbase(slot, layer, g);
     attn_kv_source kv;
     kv.dtype = c.dtype;
+    auto head = [&](const auto* storage) {  // the head's key slabs, then its values
+      kv.keys = storage + b;
+      kv.values = storage + b + c.value_at(0, 0);
+    };
     switch (c.dtype) {
-      case kv_dtype::f32: kv.keys = c.f32.data() + b; kv.values = c.f32.data() + b + c.value_at(0, 0); break;
-      case kv_dtype::bf16: kv.keys = c.bf16.data() + b; kv.values = c.bf16.data() + b + c.value_at(0, 0); break;
+      case kv_dtype::f32: head(c.f32.data()); break;
+      case kv_dtype::bf16: head(c.bf16.data()); break;
       case kv_dtype::fp8:
-        kv.keys = c.fp8.data() + b;
-        kv.values = c.fp8.data() + b + c.value_at(0, 0);
+        head(c.fp8.data());
         kv.kscale = c.kscale.data() + sb;
         kv.vscale = c.vscale.data() + sb;
         break;
