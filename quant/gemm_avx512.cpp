@@ -183,12 +183,17 @@ inline void dot_wide(const float* A, int64_t lda, const float* const (&P)[PN], i
   acc = v;
 }
 
-// Narrow tiles prefetch B 2 KiB ahead per panel (32 pair steps of FP8 codes, 16 of BF16 pairs):
-// decode-sized tiles stream it from memory with little work per byte (measured on the TinyLlama
-// decode); 8-row tiles too, whose first pass over a panel streams it while the hardware prefetcher
+// Narrow tiles prefetch B ahead per panel (_MM_HINT_T0). 8-row tiles 2 KiB (32 pair steps of FP8
+// codes, 16 of BF16 pairs): their first pass over a panel streams it while the hardware prefetcher
 // alone kept one stream per core short of the compute (Zen 5, M = 16 from DRAM: 411 -> 530 GF/s;
-// 2048^3 vs oneDNN +1-2%, the L2-resident passes pay one load slot a step).
-constexpr int kPrefetchBytes = 2048;
+// 2048^3 vs oneDNN +1-2%, the L2-resident passes pay one load slot a step). Decode-sized tiles
+// (MR <= 2) stream B from memory with little work per byte: FP8 codes 1.5 KiB ahead (24 steps),
+// BF16 pairs 1 KiB (8 steps). Zen 5, 2026-12-05, DRAM GEMVs at the TinyLlama shapes, 2 threads,
+// in-process A/B against 2 KiB: codes 1-5% faster in each of 10 runs (no prefetch 15% slower, 0.5
+// KiB 9%; an added T1 prefetch 3-6 KiB ahead 15-25% slower), pairs 1-7% faster in 6 of 7 (they
+// need it less: 2-5% slower without).
+template <int MR, bool kCodes>
+constexpr int kPrefetchBytes = MR > 2 ? 2048 : kCodes ? 1536 : 1024;
 
 // ---- narrow: VDPBF16PS on BF16 pairs i of panels P[p] (BF16 pairs or FP8 codes) ----
 inline __m512bh bcast_pair(const uint16_t* p) {
@@ -198,9 +203,10 @@ inline __m512bh bcast_pair(const uint16_t* p) {
 }
 
 // One BF16 pair step of a panel (32 columns x 2, 128 B) into b[0..1], prefetching ahead.
+template <int kAhead>
 inline void load_pairs(const uint16_t* q, __m512bh* b) {
-  _mm_prefetch(reinterpret_cast<const char*>(q) + kPrefetchBytes, _MM_HINT_T0);
-  _mm_prefetch(reinterpret_cast<const char*>(q) + kPrefetchBytes + 64, _MM_HINT_T0);
+  _mm_prefetch(reinterpret_cast<const char*>(q) + kAhead, _MM_HINT_T0);
+  _mm_prefetch(reinterpret_cast<const char*>(q) + kAhead + 64, _MM_HINT_T0);
   b[0] = (__m512bh)_mm512_load_si512(q);
   b[1] = (__m512bh)_mm512_load_si512(q + 32);
 }
@@ -211,7 +217,7 @@ inline void dot_narrow(const uint16_t* A, int64_t lda, const void* const (&P)[PN
   for (int64_t i = i0; i < i1; ++i) {
     __m512bh b[2 * PN];
     for (int p = 0; p < PN; ++p) {
-      load_pairs(static_cast<const uint16_t*>(P[p]) + i * 64, &b[2 * p]);
+      load_pairs<kPrefetchBytes<MR, false>>(static_cast<const uint16_t*>(P[p]) + i * 64, &b[2 * p]);
     }
     for (int r = 0; r < MR; ++r) {
       const __m512bh a = bcast_pair(A + r * lda + 2 * i);
@@ -255,7 +261,7 @@ inline void dot_narrow_block(const uint16_t* A, int64_t lda, const void* const (
     for (int p = 0; p < PN; ++p) {
       if constexpr (kCodes) {
         __m512i w0, w1;
-        _mm_prefetch(static_cast<const char*>(Q[p]) + i * 64 + kPrefetchBytes, _MM_HINT_T0);
+        _mm_prefetch(static_cast<const char*>(Q[p]) + i * 64 + kPrefetchBytes<MR, true>, _MM_HINT_T0);
         const __m512i raw = _mm512_load_si512(static_cast<const uint8_t*>(Q[p]) + i * 64);
         if constexpr (kSteps == steps::table) {
           tb.decode(raw, &w0, &w1);
@@ -267,7 +273,7 @@ inline void dot_narrow_block(const uint16_t* A, int64_t lda, const void* const (
         b[2 * p] = (__m512bh)w0;
         b[2 * p + 1] = (__m512bh)w1;
       } else {
-        load_pairs(static_cast<const uint16_t*>(Q[p]) + i * 64, &b[2 * p]);
+        load_pairs<kPrefetchBytes<MR, false>>(static_cast<const uint16_t*>(Q[p]) + i * 64, &b[2 * p]);
       }
     }
     for (int r = 0; r < MR; ++r) {
