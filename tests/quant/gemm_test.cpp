@@ -56,10 +56,12 @@ void narrow_fp8_runs(const qtensor& B, const gemm_packed_b& pb, const gemm_packe
 const char* kernel_name(gemm_kernel k) { return k == gemm_kernel::narrow ? "narrow" : "wide"; }
 // K = 2200: more than 16 K-blocks (the FP8 tiles make scale products 16 blocks at a time) in
 // 4-panel tiles (M = 2, N = 128), 8 + 2-row tiles (M = 10; batched decode may decode once per
-// block there) and per-tile rows past the batched-decode range (M = 40)
+// block there) and per-tile rows past the batched-decode range (M = 40); decode-sized M reads
+// panels g, g + Q, g + 2Q, g + 3Q at once (Q = panels / 4): with panels left over and a partial
+// last panel (M = 1, N = 300: 10 panels) and a partial last panel inside a group (M = 2, N = 230)
 const int64_t kShapes[][3] = {{1, 32, 128}, {1, 4096 / 8, 1024}, {3, 33, 129}, {8, 64, 256}, {9, 70, 300},
                               {17, 100, 127}, {64, 96, 384}, {130, 257, 250}, {5, 31, 1}, {10, 40, 2200},
-                              {2, 128, 2200}, {40, 64, 2200}};
+                              {2, 128, 2200}, {40, 64, 2200}, {1, 300, 260}, {2, 230, 384}};
 
 bool have(cpu_isa isa) { return cpu_isa_detected() >= isa; }
 
