@@ -284,7 +284,7 @@ inline void dot_narrow_block(const uint16_t* A, int64_t lda, const void* const (
   acc = v;
 }
 
-// ---- tile driver: MR rows x PN panels starting at panel pn ----
+// ---- tile driver: MR rows x PN panels pn, pn + ps, ..., pn + (PN - 1) * ps (ps = 1: consecutive) ----
 enum class bsrc : uint8_t { wide, pairs, codes };  // which packed form of B the kernel reads
 
 // The FP8 promotion's scale products sa[m0 + r][kb] * sb[pn + p * ps][kb] (§5.2: the product rounded
