@@ -409,14 +409,15 @@ void tile(gemm_model model, const gemm_a_operand& A, int64_t m0, const gemm_pack
     for (int r = 0; r < MR; ++r) store_panel_row(out[r] + 32 * p, B, m0 + r, pn + p * ps, C);
 }
 
-// Row count -> (MR, PN) instantiation: full tiles 8x1; short tiles take 2 or 4 panels.
+// Row count -> (MR, PN) instantiation: full tiles 8x1; short tiles take 2 or 4 panels (4-panel
+// tiles: pn, pn + ps, pn + 2ps, pn + 3ps). Returns the panels taken.
 template <bsrc kSrc>
-void tile_dispatch(int rows, int npan, gemm_model model, const gemm_a_operand& A, int64_t m0,
-                   const gemm_packed_b& B, int64_t pn, float* C) {
+int tile_dispatch(int rows, int npan, gemm_model model, const gemm_a_operand& A, int64_t m0,
+                  const gemm_packed_b& B, int64_t pn, float* C, int64_t ps = 1) {
   if (npan >= 4 && rows <= 2) {
-    if (rows == 2) tile<2, 4, kSrc>(model, A, m0, B, pn, C);
-    else tile<1, 4, kSrc>(model, A, m0, B, pn, C);
-    return;
+    if (rows == 2) tile<2, 4, kSrc>(model, A, m0, B, pn, C, ps);
+    else tile<1, 4, kSrc>(model, A, m0, B, pn, C, ps);
+    return 4;
   }
   if (npan >= 2 && rows <= 4) {
     switch (rows) {
@@ -425,7 +426,7 @@ void tile_dispatch(int rows, int npan, gemm_model model, const gemm_a_operand& A
       case 2: tile<2, 2, kSrc>(model, A, m0, B, pn, C); break;
       default: tile<1, 2, kSrc>(model, A, m0, B, pn, C); break;
     }
-    return;
+    return 2;
   }
   switch (rows) {
     case 8: tile<8, 1, kSrc>(model, A, m0, B, pn, C); break;
@@ -437,6 +438,7 @@ void tile_dispatch(int rows, int npan, gemm_model model, const gemm_a_operand& A
     case 2: tile<2, 1, kSrc>(model, A, m0, B, pn, C); break;
     default: tile<1, 1, kSrc>(model, A, m0, B, pn, C); break;
   }
+  return 1;
 }
 
 // ---- FP8 codes, several row tiles at once: one decode per (panel, 128-K block) ----
@@ -506,11 +508,8 @@ void tile_codes_rows(const gemm_a_operand& A, int64_t m0, int64_t m1, const gemm
 template <bsrc kSrc>
 void tile_panels(int rows, gemm_model model, const gemm_a_operand& A, int64_t m0, const gemm_packed_b& B, int64_t pn0,
                  int64_t pn1, float* C) {
-  for (int64_t pn = pn0; pn < pn1;) {
-    const int npan = static_cast<int>(std::min<int64_t>(4, pn1 - pn));
-    tile_dispatch<kSrc>(rows, npan, model, A, m0, B, pn, C);
-    pn += (npan >= 4 && rows <= 2) ? 4 : (npan >= 2 && rows <= 4) ? 2 : 1;
-  }
+  for (int64_t pn = pn0; pn < pn1;)
+    pn += tile_dispatch<kSrc>(rows, static_cast<int>(std::min<int64_t>(4, pn1 - pn)), model, A, m0, B, pn, C);
 }
 
 // Runs every (row tile, panel group) of every output: blocks of kMTB micro-tiles keep A in L2
@@ -556,11 +555,10 @@ void run_tiles(gemm_model model, const gemm_a_operand& A, std::span<const gemm_o
         for (int64_t mt = mt0; mt < mt1; ++mt) {
           const int64_t m0 = mt * kMR;
           const int rows = static_cast<int>(std::min<int64_t>(kMR, A.M - m0));
-          const int64_t Q = NP / 4;
+          const int64_t Q = NP / 4;  // strided: group g < Q is one 4-panel tile, group Q the rest
           if (!strided) tile_panels<kSrc>(rows, model, A, m0, B, g * 4, std::min(NP, g * 4 + 4), C);
           else if (g == Q) tile_panels<kSrc>(rows, model, A, m0, B, 4 * Q, NP, C);
-          else if (rows == 2) tile<2, 4, kSrc>(model, A, m0, B, g, C, Q);
-          else tile<1, 4, kSrc>(model, A, m0, B, g, C, Q);
+          else tile_dispatch<kSrc>(rows, 4, model, A, m0, B, g, C, Q);
         }
       }
       if (once) break;  // all its rows at once
