@@ -11,7 +11,8 @@
 // weights + fp8 KV against bf16 + bf16 at batch 1 (--batch=N: N) in alternating steps: its
 // "speedup" is the median per-round ratio, the number to read on a shared machine (see
 // run_decode_ratio); then one line per op (phase "ops": ms per step of each, and the GEMVs' GB/s)
-// from the same rounds.
+// from the same rounds, and their summary (phase "ops_summary": the speedup were the FP8 layer
+// GEMVs streaming at the BF16 ones' bytes/s).
 // Options: --json --quick (2 layers) --reps=N --threads=1,2 --only=SUBSTR --layers=N --prefill=0|1
 //          --batch=N (side by side only)
 #include <tbb/parallel_for.h>
@@ -176,6 +177,25 @@ void emit_op_profile(const bench_args& a, const model_config& cfg, int t, int ro
     }
     bench_emit(a, f);
   }
+  // The layers' GEMVs against the rest (lm_head, attention, norms: the same work in both steps):
+  // what the FP8 step would take, and the speedup it would give, were its layer GEMVs streaming at
+  // the BF16 ones' bytes/s -- how much of the gap to the bytes ratio is the FP8 kernels' and how
+  // much the shared work's.
+  double l8 = 0, l16 = 0, b8 = 0, b16 = 0, all8 = 0, all16 = 0;
+  for (size_t i = 0; i < forward_profile::kOps; ++i) {
+    const auto op = static_cast<forward_op>(i);
+    all8 += p8.seconds[i] / rounds, all16 += p16.seconds[i] / rounds;
+    if (op == forward_op::lm_head || op_weight_bytes(cfg, op, 1.0) == 0) continue;
+    l8 += p8.seconds[i] / rounds, l16 += p16.seconds[i] / rounds;
+    b8 += op_weight_bytes(cfg, op, 1.0), b16 += op_weight_bytes(cfg, op, 2.0);
+  }
+  if (l8 <= 0 || l16 <= 0) return;
+  const double other8 = all8 - l8, at_bf16_rate = other8 + b8 / (b16 / l16);
+  bench_emit(a, {{"bench", jstr("decode")}, {"phase", jstr("ops_summary")}, {"threads", jnum(t)},
+                 {"fp8_layer_gemv_gbps", jnum(b8 / l8 / 1e9)}, {"bf16_layer_gemv_gbps", jnum(b16 / l16 / 1e9)},
+                 {"fp8_over_bf16_gbps", jnum((b8 / l8) / (b16 / l16))}, {"fp8_other_ms", jnum(other8 * 1e3)},
+                 {"bf16_other_ms", jnum((all16 - l16) * 1e3)}, {"speedup_of_ops", jnum(all16 / all8)},
+                 {"speedup_at_bf16_gemv_gbps", jnum(all16 / at_bf16_rate)}});
 }
 
 // fp8 weights + fp8 KV against bf16 + bf16, `batch` sequences, side by side: rounds alternate one step of
