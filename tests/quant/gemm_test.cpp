@@ -2,6 +2,7 @@
 // bit (random and ragged shapes, every ISA level, thread counts), each path against FP64 with a
 // named tolerance, and exact-integer FP8 inputs give exact results (fp8-numerics.md §6).
 #include <gtest/gtest.h>
+#include <tbb/parallel_for.h>
 #include <tbb/task_arena.h>
 
 #include <cfloat>
@@ -486,6 +487,57 @@ TEST(Gemm, ResultsDoNotDependOnThreadCountOrBatch) {
     gemm_fp8(row, pb, c.data());
     for (int64_t n = 0; n < N; ++n) ASSERT_EQ(float_bits(c[n]), float_bits(c1[m * N + n])) << m;
   }
+}
+
+// Decode-sized GEMVs of a group (one A, three B: N 300, 40, 72, partial last panels) give the
+// reference's bits in arenas of 1, 3 and 5 threads (more than this machine's cores), called from
+// inside another parallel loop, over short panels (K = 260: strided groups), BF16 panels over 128
+// KiB (K = 2200) and FP8 ones (K = 4224: 132 KiB), at M = 1, 2 and 5 (one row tile).
+TEST(Gemm, DecodeGroupsGiveTheReferenceBitsAtAnyThreadCount) {
+  if (!have(cpu_isa::avx512_bf16)) GTEST_SKIP() << "no AVX512_BF16: no narrow kernels";
+  const int64_t Ns[] = {300, 40, 72};
+  const gemm_config cfg = force(cpu_isa::avx512_bf16, gemm_kernel::narrow);
+  for (int64_t K : {260, 2200, 4224})
+    for (int64_t M : {1, 2, 5}) {
+      const auto Af = randn(M * K, 70 + M);
+      const qtensor A = quantize(Af.data(), M, K, qlayout::rowwise_1x128, scale_mode::pow2, "A");
+      const auto Ab = to_bf16(Af);
+      std::vector<gemm_packed_b> p8, p16;
+      std::vector<std::vector<float>> ref8(3), ref16(3);
+      for (int i = 0; i < 3; ++i) {
+        const auto Bf = randn(Ns[i] * K, 80 + i);
+        const qtensor Bq = quantize(Bf.data(), Ns[i], K, qlayout::block_128x128, scale_mode::pow2, "B");
+        const auto Bb = to_bf16(Bf);
+        p8.push_back(gemm_pack_fp8(Bq, gemm_pack_forms{false, true, false}));
+        p16.push_back(gemm_pack_bf16(Bb.data(), Ns[i], K, "B", gemm_pack_forms{false, true, false}));
+        ref8[i].resize(M * Ns[i]), ref16[i].resize(M * Ns[i]);
+        gemm_fp8_ref(A, Bq, ref8[i].data());
+        gemm_bf16_ref({M, Ns[i], K}, Ab.data(), Bb.data(), ref16[i].data());
+      }
+      for (int threads : {1, 3, 5}) {
+        std::vector<std::vector<float>> c8(6), c16(6);  // [call j][output i] at 3 * j + i
+        tbb::task_arena(threads).execute([&] {
+          tbb::parallel_for(0, 2, [&](int j) {
+            std::vector<const gemm_packed_b*> B8, B16;
+            std::vector<float*> C8, C16;
+            for (int i = 0; i < 3; ++i) {
+              c8[3 * j + i].assign(M * Ns[i], -1.0f), c16[3 * j + i].assign(M * Ns[i], -1.0f);
+              B8.push_back(&p8[i]), B16.push_back(&p16[i]);
+              C8.push_back(c8[3 * j + i].data()), C16.push_back(c16[3 * j + i].data());
+            }
+            gemm_fp8_group(A, B8, C8, cfg);
+            gemm_bf16_group(Ab.data(), M, K, B16, C16, cfg);
+          });
+        });
+        for (int j = 0; j < 2; ++j)
+          for (int i = 0; i < 3; ++i) {
+            const std::string what = "M=" + std::to_string(M) + " K=" + std::to_string(K) + " B" + std::to_string(i) +
+                                     " threads " + std::to_string(threads) + " call " + std::to_string(j);
+            ASSERT_EQ(first_diff(c8[3 * j + i], ref8[i]), -1) << "fp8 " << what;
+            ASSERT_EQ(first_diff(c16[3 * j + i], ref16[i]), -1) << "bf16 " << what;
+          }
+      }
+    }
 }
 
 // A group of B sharing A (q/k/v-like: one long, two short; N not a multiple of 32) gives each
