@@ -11,8 +11,8 @@
 // weights + fp8 KV against bf16 + bf16 at batch 1 (--batch=N: N) in alternating steps: its
 // "speedup" is the median per-round ratio, the number to read on a shared machine (see
 // run_decode_ratio); then one line per op (phase "ops": ms per step of each, and the GEMVs' GB/s)
-// from the same rounds, and their summary (phase "ops_summary": the speedup were the FP8 layer
-// GEMVs streaming at the BF16 ones' bytes/s).
+// from the same rounds (medians), and their summary (phase "ops_summary": the speedup were the
+// FP8 layer GEMVs streaming at the BF16 ones' bytes/s).
 // Options: --json --quick (2 layers) --reps=N --threads=1,2 --only=SUBSTR --layers=N --prefill=0|1
 //          --batch=N (side by side only)
 #include <tbb/parallel_for.h>
@@ -160,13 +160,23 @@ double op_weight_bytes(const model_config& c, forward_op op, double esize) {
   }
 }
 
-// Per op of the side-by-side rounds (phase "ops"): ms per step of each, their ratio, and for the
-// GEMVs the bytes/s they streamed -- where the two steps' times differ and where they do not.
-void emit_op_profile(const bench_args& a, const model_config& cfg, int t, int rounds, const forward_profile& p8,
-                     const forward_profile& p16) {
+// Per op of the side-by-side rounds (phase "ops"): the median over rounds of each op's ms per
+// step, their ratio, and for the GEMVs the bytes/s they streamed -- where the two steps' times
+// differ and where they do not. Then (phase "ops_summary") the layers' GEMVs against the rest of
+// each step (lm_head, attention, norms: the same work in both): per round the FP8 layer GEMVs'
+// bytes/s over the BF16 ones', the rest's ms, and the speedup the round would show were its FP8
+// layer GEMVs streaming at the BF16 ones' bytes/s -- medians over rounds, as the speedup's.
+void emit_op_profile(const bench_args& a, const model_config& cfg, int t, const std::vector<forward_profile>& p8,
+                     const std::vector<forward_profile>& p16) {
+  auto median = [](const std::vector<forward_profile>& p, auto&& value) {
+    std::vector<double> v;
+    for (const auto& x : p) v.push_back(value(x));
+    return bench_median_of(v);
+  };
   for (size_t i = 0; i < forward_profile::kOps; ++i) {
     const auto op = static_cast<forward_op>(i);
-    const double s8 = p8.seconds[i] / rounds, s16 = p16.seconds[i] / rounds;
+    const auto sec = [i](const forward_profile& x) { return x.seconds[i]; };
+    const double s8 = median(p8, sec), s16 = median(p16, sec);
     std::vector<std::pair<std::string, std::string>> f = {
         {"bench", jstr("decode")}, {"phase", jstr("ops")}, {"op", jstr(forward_profile::name(op))},
         {"threads", jnum(t)}, {"fp8_ms_per_step", jnum(s8 * 1e3)}, {"bf16_ms_per_step", jnum(s16 * 1e3)},
@@ -177,25 +187,26 @@ void emit_op_profile(const bench_args& a, const model_config& cfg, int t, int ro
     }
     bench_emit(a, f);
   }
-  // The layers' GEMVs against the rest (lm_head, attention, norms: the same work in both steps):
-  // what the FP8 step would take, and the speedup it would give, were its layer GEMVs streaming at
-  // the BF16 ones' bytes/s -- how much of the gap to the bytes ratio is the FP8 kernels' and how
-  // much the shared work's.
-  double l8 = 0, l16 = 0, b8 = 0, b16 = 0, all8 = 0, all16 = 0;
-  for (size_t i = 0; i < forward_profile::kOps; ++i) {
-    const auto op = static_cast<forward_op>(i);
-    all8 += p8.seconds[i] / rounds, all16 += p16.seconds[i] / rounds;
-    if (op == forward_op::lm_head || op_weight_bytes(cfg, op, 1.0) == 0) continue;
-    l8 += p8.seconds[i] / rounds, l16 += p16.seconds[i] / rounds;
-    b8 += op_weight_bytes(cfg, op, 1.0), b16 += op_weight_bytes(cfg, op, 2.0);
+  auto layer_gemv = [&](const forward_profile& x) {  // seconds of the layers' GEMVs in a step
+    double sec = 0;
+    for (size_t i = 0; i < forward_profile::kOps; ++i)
+      if (const auto op = static_cast<forward_op>(i); op != forward_op::lm_head && op_weight_bytes(cfg, op, 1.0) > 0)
+        sec += x.seconds[i];
+    return sec;
+  };
+  auto total = [](const forward_profile& x) { return std::accumulate(x.seconds.begin(), x.seconds.end(), 0.0); };
+  std::vector<double> rate, rest8, rest16, at_bf16;
+  for (size_t r = 0; r < p8.size(); ++r) {
+    const double l8 = layer_gemv(p8[r]), l16 = layer_gemv(p16[r]);
+    if (l8 <= 0 || l16 <= 0) return;
+    rate.push_back(l16 / (2 * l8));  // FP8 bytes/s over BF16's: the BF16 layers are twice the bytes
+    rest8.push_back(total(p8[r]) - l8), rest16.push_back(total(p16[r]) - l16);
+    at_bf16.push_back(total(p16[r]) / (rest8.back() + l16 / 2));
   }
-  if (l8 <= 0 || l16 <= 0) return;
-  const double other8 = all8 - l8, at_bf16_rate = other8 + b8 / (b16 / l16);
   bench_emit(a, {{"bench", jstr("decode")}, {"phase", jstr("ops_summary")}, {"threads", jnum(t)},
-                 {"fp8_layer_gemv_gbps", jnum(b8 / l8 / 1e9)}, {"bf16_layer_gemv_gbps", jnum(b16 / l16 / 1e9)},
-                 {"fp8_over_bf16_gbps", jnum((b8 / l8) / (b16 / l16))}, {"fp8_other_ms", jnum(other8 * 1e3)},
-                 {"bf16_other_ms", jnum((all16 - l16) * 1e3)}, {"speedup_of_ops", jnum(all16 / all8)},
-                 {"speedup_at_bf16_gemv_gbps", jnum(all16 / at_bf16_rate)}});
+                 {"fp8_over_bf16_gemv_gbps", jnum(bench_median_of(rate))},
+                 {"fp8_other_ms", jnum(bench_median_of(rest8) * 1e3)}, {"bf16_other_ms", jnum(bench_median_of(rest16) * 1e3)},
+                 {"speedup_at_bf16_gemv_gbps", jnum(bench_median_of(at_bf16))}});
 }
 
 // fp8 weights + fp8 KV against bf16 + bf16, `batch` sequences, side by side: rounds alternate one step of
@@ -213,13 +224,14 @@ void run_decode_ratio(const bench_args& a, backend& be, const model_config& cfg,
     bf16.fill();
     for (int i = 0; i < 2; ++i) { fp8.step(); bf16.step(); }  // warm-up
     std::vector<double> tf, tb, ratio;
-    forward_profile prof8, prof16;  // a clock read per op: well under a microsecond of ~100 per layer
     const int rounds = std::max(5, a.reps * 3);
+    // per round; a clock read per op: well under a microsecond of ~100 per layer
+    std::vector<forward_profile> prof8(static_cast<size_t>(rounds)), prof16(prof8.size());
     for (int r = 0; r < rounds; ++r) {
       auto t0 = std::chrono::steady_clock::now();
-      fp8.step(&prof8);
+      fp8.step(&prof8[r]);
       auto t1 = std::chrono::steady_clock::now();
-      bf16.step(&prof16);
+      bf16.step(&prof16[r]);
       auto t2 = std::chrono::steady_clock::now();
       tf.push_back(std::chrono::duration<double>(t1 - t0).count());
       tb.push_back(std::chrono::duration<double>(t2 - t1).count());
@@ -231,7 +243,7 @@ void run_decode_ratio(const bench_args& a, backend& be, const model_config& cfg,
                    {"fp8_tokens_per_s", jnum(double(batch) / bench_median_of(tf))},
                    {"bf16_tokens_per_s", jnum(double(batch) / bench_median_of(tb))}, {"speedup", jnum(bench_median_of(ratio))},
                    {"runs", jnum(rounds)}});
-    emit_op_profile(a, cfg, t, rounds, prof8, prof16);
+    emit_op_profile(a, cfg, t, prof8, prof16);
   });
 }
 
