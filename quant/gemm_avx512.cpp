@@ -534,11 +534,9 @@ void run_tiles(gemm_model model, const gemm_a_operand& A, std::span<const gemm_o
   const int64_t MT = (A.M + kMR - 1) / kMR;
   const int64_t panel_bytes = outs.empty() ? 0 : outs[0].B->Kp * 32 * (kSrc == bsrc::codes ? 1 : 2);
   const bool strided = kSrc != bsrc::wide && A.M <= 2 && panel_bytes <= 128 * 1024;
-  std::vector<int64_t> first(outs.size() + 1, 0);  // output i's panel groups: [first[i], first[i + 1])
-  for (size_t i = 0; i < outs.size(); ++i) {
-    const int64_t NP = outs[i].B->panels();
-    first[i + 1] = first[i] + (strided ? NP / 4 + (NP % 4 != 0) : (NP + 3) / 4);
-  }
+  // output i's panel groups: [first[i], first[i + 1]), ceil(panels / 4) of them either way
+  std::vector<int64_t> first(outs.size() + 1, 0);
+  for (size_t i = 0; i < outs.size(); ++i) first[i + 1] = first[i] + (outs[i].B->panels() + 3) / 4;
   tbb::parallel_for(tbb::blocked_range2d<int64_t>(0, MT, 4, 0, first.back(), 1), [&](const auto& rg) {
     const int64_t mb = rg.rows().begin() * kMR, me = std::min(A.M, rg.rows().end() * kMR);
     const bool once = kSrc == bsrc::codes && decode_once && A.M <= kMultiRows && me - mb > kMR;  // batched decode
