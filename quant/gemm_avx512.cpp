@@ -306,6 +306,18 @@ inline void scale_products(const gemm_a_operand& A, int64_t m0, int64_t KB, cons
   }
 }
 
+// The lines scale_products<MR, PN>(..., kb0, ...) will read (a row's 16 floats may straddle two).
+template <int MR, int PN>
+inline void prefetch_scales(const gemm_a_operand& A, int64_t m0, int64_t KB, const float* panel_scales, int64_t pn,
+                            int64_t ps, int64_t kb0) {
+  auto fetch = [](const float* row) {
+    _mm_prefetch(reinterpret_cast<const char*>(row), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(row + 15), _MM_HINT_T0);
+  };
+  for (int p = 0; p < PN; ++p) fetch(panel_scales + (pn + p * ps) * KB + kb0);
+  for (int r = 0; r < MR; ++r) fetch(A.scale_inv + (m0 + r) * KB + kb0);
+}
+
 // One 128-K block's FP8 promotion into the tile's outputs (in memory: MR x 32 * PN floats):
 // o = fma(sa * sb, acc, o). sp: scale_products of the chunk holding kb, at index i; null where B has 32
 // column scales per panel (those products are made here). The outputs stay in memory: in registers
@@ -378,7 +390,9 @@ void tile(gemm_model model, const gemm_a_operand& A, int64_t m0, const gemm_pack
     for (int r = 0; r < MR; ++r)  // FP32 outputs, promoted once per 128-K block
       for (int j = 0; j < 2 * PN; ++j) _mm512_store_ps(out[r] + 16 * j, _mm512_setzero_ps());
     for (int64_t kb = 0; kb < KB; ++kb) {
-      if (panel_scales && kb % 16 == 0) scale_products<MR, PN>(A, m0, KB, panel_scales, pn, ps, kb, sp);
+      // the chunk's scales are first needed at this block's promotion: fetched now, used after the dot
+      // (a cold scale line loaded before the dot held the tile's first steps behind a DRAM miss)
+      if (panel_scales && kb % 16 == 0) prefetch_scales<MR, PN>(A, m0, KB, panel_scales, pn, ps, kb);
       acc.zero();
       if constexpr (kWide) {
         dot(kb * kBlock, (kb + 1) * kBlock);
@@ -407,6 +421,7 @@ void tile(gemm_model model, const gemm_a_operand& A, int64_t m0, const gemm_pack
           dot_narrow_block<MR, PN, steps::pairs>(a, lda, pnw, i0, rare, tb, acc);
         }
       }
+      if (panel_scales && kb % 16 == 0) scale_products<MR, PN>(A, m0, KB, panel_scales, pn, ps, kb, sp);
       promote_block<MR, PN>(acc, A, m0, B, pn, ps, kb, panel_scales ? sp : nullptr, static_cast<int>(kb % 16), out);
     }
   }
