@@ -306,13 +306,16 @@ inline void scale_products(const gemm_a_operand& A, int64_t m0, int64_t KB, cons
   }
 }
 
-// The lines scale_products<MR, PN>(..., kb0, ...) will read (a row's 16 floats may straddle two).
+// The lines scale_products<MR, PN>(..., kb0, ...) will read (a row's 16 floats may straddle two;
+// the second address is formed as an integer: past a row's end it must not be a pointer, and a
+// prefetch of it is harmless).
 template <int MR, int PN>
 inline void prefetch_scales(const gemm_a_operand& A, int64_t m0, int64_t KB, const float* panel_scales, int64_t pn,
                             int64_t ps, int64_t kb0) {
   auto fetch = [](const float* row) {
-    _mm_prefetch(reinterpret_cast<const char*>(row), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(row + 15), _MM_HINT_T0);
+    const uintptr_t at = reinterpret_cast<uintptr_t>(row);
+    _mm_prefetch(reinterpret_cast<const char*>(at), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(at + 15 * sizeof(float)), _MM_HINT_T0);
   };
   for (int p = 0; p < PN; ++p) fetch(panel_scales + (pn + p * ps) * KB + kb0);
   for (int r = 0; r < MR; ++r) fetch(A.scale_inv + (m0 + r) * KB + kb0);
