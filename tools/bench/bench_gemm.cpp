@@ -9,7 +9,7 @@
 // "threads":..,"gflops":..} (the instruction's measured peak) and {"bench":"gemm_dispatch",...}
 // (which large-M kernel the rate probe chose). Side by side (alternating rounds, median per-round
 // ratio): fp8_vs_onednn_bf16 and fp8_decoded_vs_onednn_bf16 (M >= 512; --only=side_by_side), gemv_dram_side_by_side
-// (--only=gemv_dram).
+// (--only=gemv_dram); gemv_call_cost_fp8/_bf16: a decode GEMV's fixed cost per call and streaming rate.
 // Usage: bench-gemm [--json] [--quick] [--threads=1,2] [--reps=N] [--only=IMPL]
 #include <cblas.h>
 #include <tbb/parallel_for.h>
@@ -234,6 +234,80 @@ void run_gemv_dram(const bench_args& a, int t) {
   });
 }
 
+// The least-squares line y = at0 + slope * x through (x[i], y[i]).
+struct line {
+  double at0 = 0, slope = 0;
+};
+line line_fit(const std::vector<double>& x, const std::vector<double>& y) {
+  double mx = 0, my = 0, sxy = 0, sxx = 0;
+  for (size_t i = 0; i < x.size(); ++i) mx += x[i] / double(x.size()), my += y[i] / double(x.size());
+  for (size_t i = 0; i < x.size(); ++i) sxy += (x[i] - mx) * (y[i] - my), sxx += (x[i] - mx) * (x[i] - mx);
+  return {my - sxy / sxx * mx, sxy / sxx};
+}
+
+// What a decode GEMV costs apart from its bytes: time per call at K = 2048 for N = 512 ... 8192, B
+// streamed from DRAM (128 MiB of copies per format and N, each read once in the warm-up), FP8 and
+// BF16 calls alternating (which goes first swaps every round); a least-squares line through each
+// format's per-N medians gives its fixed microseconds per call (fork/join, the threads' start and
+// uneven finish, the streams' ramp-up) and its streaming rate. At equal rates the fixed part is what
+// holds the decode step under its bytes ratio: it weighs twice against FP8's half-length calls.
+void run_gemv_call_cost(const bench_args& a, int t) {
+  constexpr int64_t K = 2048, kCopyBytes = int64_t{1} << 27;
+  constexpr int kCallsPerRound = 8;
+  const std::vector<int64_t> Ns{512, 1024, 2048, 4096, 8192};
+  const gemm_pack_forms narrow{false, true, false, true};  // the decode form only, on huge pages
+  auto Af = rnd(size_t(K), 1);
+  std::vector<uint16_t> Ab(Af.size());
+  for (size_t i = 0; i < Af.size(); ++i) Ab[i] = bf16_from_float(Af[i]);
+  std::vector<float> C(size_t(Ns.back()));
+  tbb::task_arena arena(t);
+  arena.execute([&] {
+    const qtensor qa = quantize(Af.data(), 1, K, qlayout::rowwise_1x128, scale_mode::pow2, "A");
+    struct copies {
+      std::vector<gemm_packed_b> c;
+      size_t next = 0;
+      const gemm_packed_b& take() { return c[next++ % c.size()]; }
+    };
+    std::vector<copies> f8(Ns.size()), f16(Ns.size());
+    for (size_t i = 0; i < Ns.size(); ++i) {
+      const auto Bf = rnd(size_t(Ns[i] * K), 2);
+      std::vector<uint16_t> Bb(Bf.size());
+      for (size_t j = 0; j < Bf.size(); ++j) Bb[j] = bf16_from_float(Bf[j]);
+      const auto pf = gemm_pack_fp8(quantize(Bf.data(), Ns[i], K, qlayout::block_128x128, scale_mode::pow2, "B"), narrow);
+      const auto pb = gemm_pack_bf16(Bb.data(), Ns[i], K, "B", narrow);
+      f8[i].c.assign(size_t(kCopyBytes / pf.bytes() + 1), pf);
+      f16[i].c.assign(size_t(kCopyBytes / pb.bytes() + 1), pb);
+      for (size_t j = 0; j < f8[i].c.size(); ++j) gemm_fp8(qa, f8[i].take(), C.data());
+      for (size_t j = 0; j < f16[i].c.size(); ++j) gemm_bf16({1, Ns[i], K}, Ab.data(), f16[i].take(), C.data());
+    }
+    const int rounds = 4 * std::max(a.reps, 1);
+    std::vector<std::vector<double>> t8(Ns.size()), t16(Ns.size());
+    for (int r = 0; r < rounds; ++r)
+      for (size_t i = 0; i < Ns.size(); ++i) {
+        auto fp8_calls = [&] { t8[i].push_back(bench_time_calls([&] { gemm_fp8(qa, f8[i].take(), C.data()); }, kCallsPerRound)); };
+        auto bf16_calls = [&] {
+          t16[i].push_back(bench_time_calls([&] { gemm_bf16({1, Ns[i], K}, Ab.data(), f16[i].take(), C.data()); }, kCallsPerRound));
+        };
+        if ((r + int(i)) % 2) fp8_calls(), bf16_calls();
+        else bf16_calls(), fp8_calls();
+      }
+    for (int f = 0; f < 2; ++f) {
+      std::vector<double> x, us;
+      std::string at;
+      for (size_t i = 0; i < Ns.size(); ++i) {
+        x.push_back(double(Ns[i]));
+        us.push_back(bench_median_of(f ? t16[i] : t8[i]) * 1e6);
+        at += (i ? " " : "") + std::to_string(Ns[i]) + ":" + jnum(us.back());
+      }
+      const line l = line_fit(x, us);  // us = l.at0 + l.slope * N
+      const double bytes_per_row = double(K) * (f ? 2 : 1);
+      bench_emit(a, {{"bench", jstr("gemm")}, {"impl", jstr(f ? "gemv_call_cost_bf16" : "gemv_call_cost_fp8")},
+                     {"K", jnum(double(K))}, {"threads", jnum(t)}, {"fixed_us", jnum(l.at0)},
+                     {"stream_gbps", jnum(bytes_per_row / l.slope / 1e3)}, {"us_at_N", jstr(at)}, {"runs", jnum(rounds)}});
+    }
+  });
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -272,6 +346,8 @@ int main(int argc, char** argv) {
     for (int t : a.threads) run_shape(a, s, t);
   if (!a.extra.count("onednn-isa") && !a.quick && bench_selected(a, "gemv_dram"))
     for (int t : a.threads) run_gemv_dram(a, t);
+  if (!a.extra.count("onednn-isa") && !a.quick && bench_selected(a, "gemv_call_cost"))
+    for (int t : a.threads) run_gemv_call_cost(a, t);
   // the oneDNN AVX512_CORE_BF16 baseline runs in a child process (set_max_cpu_isa is once per process)
   if (!a.extra.count("onednn-isa") && bench_selected(a, "onednn_bf16")) {
     std::string cmd = std::string(argv[0]) + " --onednn-isa=avx512_core_bf16";
