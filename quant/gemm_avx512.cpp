@@ -393,9 +393,10 @@ void tile(gemm_model model, const gemm_a_operand& A, int64_t m0, const gemm_pack
     for (int r = 0; r < MR; ++r)  // FP32 outputs, promoted once per 128-K block
       for (int j = 0; j < 2 * PN; ++j) _mm512_store_ps(out[r] + 16 * j, _mm512_setzero_ps());
     for (int64_t kb = 0; kb < KB; ++kb) {
-      // the chunk's scales are first needed at this block's promotion: fetched now, used after the dot
-      // (a cold scale line loaded before the dot held the tile's first steps behind a DRAM miss)
-      if (panel_scales && kb % 16 == 0) prefetch_scales<MR, PN>(A, m0, KB, panel_scales, pn, ps, kb);
+      // a chunk's scales are first needed at its first block's promotion: fetched now, used after the
+      // dot (a cold scale line loaded before the dot held the tile's first steps behind a DRAM miss)
+      const bool chunk_start = panel_scales && kb % 16 == 0;
+      if (chunk_start) prefetch_scales<MR, PN>(A, m0, KB, panel_scales, pn, ps, kb);
       acc.zero();
       if constexpr (kWide) {
         dot(kb * kBlock, (kb + 1) * kBlock);
@@ -424,7 +425,7 @@ void tile(gemm_model model, const gemm_a_operand& A, int64_t m0, const gemm_pack
           dot_narrow_block<MR, PN, steps::pairs>(a, lda, pnw, i0, rare, tb, acc);
         }
       }
-      if (panel_scales && kb % 16 == 0) scale_products<MR, PN>(A, m0, KB, panel_scales, pn, ps, kb, sp);
+      if (chunk_start) scale_products<MR, PN>(A, m0, KB, panel_scales, pn, ps, kb, sp);
       promote_block<MR, PN>(acc, A, m0, B, pn, ps, kb, panel_scales ? sp : nullptr, static_cast<int>(kb % 16), out);
     }
   }

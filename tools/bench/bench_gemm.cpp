@@ -196,38 +196,53 @@ void run_shape(const bench_args& a, const shape& s, int t) {
   if (!child && s.M >= 512 && bench_selected(a, "side_by_side")) run_fp8_vs_onednn(a, s, t, Af, Bf, Ab, Bb);
 }
 
-// GEMV with B streamed from DRAM: each call reads the next of enough copies of B (1.5 GiB per
-// format) that none is cached. FP8 and BF16 calls alternate (order swapped every round) so both
-// see the same memory traffic of a shared machine; each format's line is its median over the
-// rounds and "gemv_dram_side_by_side" the median of the per-round ratios bf16 time / fp8 time.
+// One decode GEMV (M = 1) with B streamed from DRAM, in both formats: copy_bytes of copies of B per
+// format (the decode form only, on huge pages, as generation keeps it), so that no call finds its B
+// cached. Built inside the arena that will time it; the constructor's warm-up calls every copy once
+// (threads and scratch pools started, each copy read once): first passes over fresh pages ran
+// 10-17% slower (Zen 5, both formats), and FP8, with ~2x the copies, would take more of them.
+struct dram_gemv {
+  int64_t N, K;
+  std::vector<uint16_t> Ab;
+  qtensor qa;
+  std::vector<float> C;
+  std::vector<gemm_packed_b> c8, c16;
+  size_t n8 = 0, n16 = 0;
+  dram_gemv(int64_t n, int64_t k, int64_t copy_bytes) : N(n), K(k), C(size_t(n)) {
+    const auto Af = rnd(size_t(K), 1), Bf = rnd(size_t(N * K), 2);
+    std::vector<uint16_t> Bb(Bf.size());
+    for (float x : Af) Ab.push_back(bf16_from_float(x));
+    for (size_t i = 0; i < Bf.size(); ++i) Bb[i] = bf16_from_float(Bf[i]);
+    qa = quantize(Af.data(), 1, K, qlayout::rowwise_1x128, scale_mode::pow2, "A");
+    const gemm_pack_forms narrow{false, true, false, true};
+    const auto pf = gemm_pack_fp8(quantize(Bf.data(), N, K, qlayout::block_128x128, scale_mode::pow2, "B"), narrow);
+    const auto pb = gemm_pack_bf16(Bb.data(), N, K, "B", narrow);
+    c8.assign(size_t(copy_bytes / pf.bytes() + 1), pf);
+    c16.assign(size_t(copy_bytes / pb.bytes() + 1), pb);
+    for (size_t i = 0; i < c8.size(); ++i) fp8_call();
+    for (size_t i = 0; i < c16.size(); ++i) bf16_call();
+  }
+  void fp8_call() { gemm_fp8(qa, c8[n8++ % c8.size()], C.data()); }
+  void bf16_call() { gemm_bf16({1, N, K}, Ab.data(), c16[n16++ % c16.size()], C.data()); }
+  double fp8_seconds(int calls) { return bench_time_calls([this] { fp8_call(); }, calls); }
+  double bf16_seconds(int calls) { return bench_time_calls([this] { bf16_call(); }, calls); }
+};
+
+// GEMV with B streamed from DRAM (1.5 GiB of copies per format). FP8 and BF16 calls alternate
+// (order swapped every round) so both see the same memory traffic of a shared machine; each
+// format's line is its median over the rounds and "gemv_dram_side_by_side" the median of the
+// per-round ratios bf16 time / fp8 time.
 void run_gemv_dram(const bench_args& a, int t) {
   constexpr int64_t kStreamBytes = int64_t{3} << 29;  // 1.5 GiB per format
   constexpr int kCallsPerRound = 16;                  // per round: 256 MiB of FP8 codes, 512 MiB of BF16
   const shape s{1, 4096, 4096};
-  auto Af = rnd(size_t(s.K), 1), Bf = rnd(size_t(s.N * s.K), 2);
-  std::vector<uint16_t> Ab(Af.size()), Bb(Bf.size());
-  for (size_t i = 0; i < Af.size(); ++i) Ab[i] = bf16_from_float(Af[i]);
-  for (size_t i = 0; i < Bf.size(); ++i) Bb[i] = bf16_from_float(Bf[i]);
-  std::vector<float> C(size_t(s.N));
-  const gemm_pack_forms narrow{false, true, false, true};  // the decode form only, as generation keeps it (huge pages)
-  const gemm_desc d{s.M, s.N, s.K};
   tbb::task_arena arena(t);
   arena.execute([&] {
-    const qtensor qa = quantize(Af.data(), s.M, s.K, qlayout::rowwise_1x128, scale_mode::pow2, "A");
-    const auto pf = gemm_pack_fp8(quantize(Bf.data(), s.N, s.K, qlayout::block_128x128, scale_mode::pow2, "B"), narrow);
-    const auto pb = gemm_pack_bf16(Bb.data(), s.N, s.K, "B", narrow);
-    const std::vector<gemm_packed_b> cf(size_t(kStreamBytes / pf.bytes() + 1), pf), cb(size_t(kStreamBytes / pb.bytes() + 1), pb);
-    size_t nf = 0, nb = 0;
-    auto fp8_round = [&] { return bench_time_calls([&] { gemm_fp8(qa, cf[nf++ % cf.size()], C.data()); }, kCallsPerRound); };
-    auto bf16_round = [&] { return bench_time_calls([&] { gemm_bf16(d, Ab.data(), cb[nb++ % cb.size()], C.data()); }, kCallsPerRound); };
-    // warm-up: one call on every copy (threads and scratch pools started, each copy read once), so
-    // no round reads a copy for the first time since it was written: first passes ran 10-17% slower
-    // (fresh pages; Zen 5, both formats), and the FP8 rounds, with ~2x the copies, took more of them
-    for (size_t i = 0; i < cf.size(); ++i) gemm_fp8(qa, cf[nf++ % cf.size()], C.data());
-    for (size_t i = 0; i < cb.size(); ++i) gemm_bf16(d, Ab.data(), cb[nb++ % cb.size()], C.data());
-    const auto side = bench_side_by_side(a.reps, fp8_round, bf16_round);
-    emit(a, "gemv_dram_fp8", s, t, bench_median_of(side.a), std::to_string(cf.size()) + " copies of B (huge pages)");
-    emit(a, "gemv_dram_bf16", s, t, bench_median_of(side.b), std::to_string(cb.size()) + " copies of B (huge pages)");
+    dram_gemv g(s.N, s.K, kStreamBytes);
+    const auto side = bench_side_by_side(a.reps, [&] { return g.fp8_seconds(kCallsPerRound); },
+                                         [&] { return g.bf16_seconds(kCallsPerRound); });
+    emit(a, "gemv_dram_fp8", s, t, bench_median_of(side.a), std::to_string(g.c8.size()) + " copies of B (huge pages)");
+    emit(a, "gemv_dram_bf16", s, t, bench_median_of(side.b), std::to_string(g.c16.size()) + " copies of B (huge pages)");
     bench_emit(a, {{"bench", jstr("gemm")}, {"impl", jstr("gemv_dram_side_by_side")}, {"M", jnum(double(s.M))},
                    {"N", jnum(double(s.N))}, {"K", jnum(double(s.K))}, {"threads", jnum(t)},
                    {"speedup", jnum(bench_median_of(side.ratio))}, {"runs", jnum(double(side.ratio.size()))}});
@@ -246,48 +261,25 @@ line line_fit(const std::vector<double>& x, const std::vector<double>& y) {
 }
 
 // What a decode GEMV costs apart from its bytes: time per call at K = 2048 for N = 512 ... 8192, B
-// streamed from DRAM (128 MiB of copies per format and N, each read once in the warm-up), FP8 and
-// BF16 calls alternating (which goes first swaps every round); a least-squares line through each
-// format's per-N medians gives its fixed microseconds per call (fork/join, the threads' start and
-// uneven finish, the streams' ramp-up) and its streaming rate. At equal rates the fixed part is what
-// holds the decode step under its bytes ratio: it weighs twice against FP8's half-length calls.
+// streamed from DRAM (128 MiB of copies per format and N), FP8 and BF16 calls alternating (which
+// goes first swaps every round); a least-squares line through each format's per-N medians gives
+// its fixed microseconds per call (fork/join, the threads' start and uneven finish, the streams'
+// ramp-up) and its streaming rate. At equal rates the fixed part is what holds the decode step
+// under its bytes ratio: it weighs twice against FP8's half-length calls.
 void run_gemv_call_cost(const bench_args& a, int t) {
   constexpr int64_t K = 2048, kCopyBytes = int64_t{1} << 27;
   constexpr int kCallsPerRound = 8;
   const std::vector<int64_t> Ns{512, 1024, 2048, 4096, 8192};
-  const gemm_pack_forms narrow{false, true, false, true};  // the decode form only, on huge pages
-  auto Af = rnd(size_t(K), 1);
-  std::vector<uint16_t> Ab(Af.size());
-  for (size_t i = 0; i < Af.size(); ++i) Ab[i] = bf16_from_float(Af[i]);
-  std::vector<float> C(size_t(Ns.back()));
   tbb::task_arena arena(t);
   arena.execute([&] {
-    const qtensor qa = quantize(Af.data(), 1, K, qlayout::rowwise_1x128, scale_mode::pow2, "A");
-    struct copies {
-      std::vector<gemm_packed_b> c;
-      size_t next = 0;
-      const gemm_packed_b& take() { return c[next++ % c.size()]; }
-    };
-    std::vector<copies> f8(Ns.size()), f16(Ns.size());
-    for (size_t i = 0; i < Ns.size(); ++i) {
-      const auto Bf = rnd(size_t(Ns[i] * K), 2);
-      std::vector<uint16_t> Bb(Bf.size());
-      for (size_t j = 0; j < Bf.size(); ++j) Bb[j] = bf16_from_float(Bf[j]);
-      const auto pf = gemm_pack_fp8(quantize(Bf.data(), Ns[i], K, qlayout::block_128x128, scale_mode::pow2, "B"), narrow);
-      const auto pb = gemm_pack_bf16(Bb.data(), Ns[i], K, "B", narrow);
-      f8[i].c.assign(size_t(kCopyBytes / pf.bytes() + 1), pf);
-      f16[i].c.assign(size_t(kCopyBytes / pb.bytes() + 1), pb);
-      for (size_t j = 0; j < f8[i].c.size(); ++j) gemm_fp8(qa, f8[i].take(), C.data());
-      for (size_t j = 0; j < f16[i].c.size(); ++j) gemm_bf16({1, Ns[i], K}, Ab.data(), f16[i].take(), C.data());
-    }
+    std::vector<std::unique_ptr<dram_gemv>> g;
+    for (int64_t N : Ns) g.push_back(std::make_unique<dram_gemv>(N, K, kCopyBytes));
     const int rounds = 4 * std::max(a.reps, 1);
     std::vector<std::vector<double>> t8(Ns.size()), t16(Ns.size());
     for (int r = 0; r < rounds; ++r)
       for (size_t i = 0; i < Ns.size(); ++i) {
-        auto fp8_calls = [&] { t8[i].push_back(bench_time_calls([&] { gemm_fp8(qa, f8[i].take(), C.data()); }, kCallsPerRound)); };
-        auto bf16_calls = [&] {
-          t16[i].push_back(bench_time_calls([&] { gemm_bf16({1, Ns[i], K}, Ab.data(), f16[i].take(), C.data()); }, kCallsPerRound));
-        };
+        auto fp8_calls = [&] { t8[i].push_back(g[i]->fp8_seconds(kCallsPerRound)); };
+        auto bf16_calls = [&] { t16[i].push_back(g[i]->bf16_seconds(kCallsPerRound)); };
         if ((r + int(i)) % 2) fp8_calls(), bf16_calls();
         else bf16_calls(), fp8_calls();
       }
