@@ -95,7 +95,8 @@ bundle_contents bundle_unpack(const quant::weight_bundle& b, const model_config&
                                 std::to_string(cfg.num_attention_heads) + " / " + std::to_string(cfg.num_key_value_heads));
   const param_layout layout = model_param_layout(cfg);
   std::map<std::string, const quant::bundle_tensor*> by_name;
-  for (const auto& t : b.tensors) by_name[t.name] = &t;
+  for (const auto& t : b.tensors)
+    if (!by_name.emplace(t.name, &t).second) throw std::invalid_argument(tag + "holds tensor '" + t.name + "' twice");
   bundle_contents out;
   for (const auto& info : layout.infos) {
     auto it = by_name.find(info.name);
@@ -130,7 +131,9 @@ bundle_contents bundle_unpack(const quant::weight_bundle& b, const model_config&
     }
     out.values.emplace(t.name, std::move(v));
   }
-  if (by_name.size() != layout.infos.size()) throw std::invalid_argument(tag + "holds tensors this config does not have");
+  for (const auto& info : layout.infos) by_name.erase(info.name);  // what is left has no place in the model
+  if (!by_name.empty())
+    throw std::invalid_argument(tag + "holds tensor '" + by_name.begin()->first + "', which this config does not have");
   if (b.snapshot.has_attention_scales()) out.attn = {b.snapshot.q_scale, b.snapshot.k_scale, b.snapshot.v_scale};
   return out;
 }

@@ -5,6 +5,7 @@
 #include <cmath>
 #include <limits>
 #include <stdexcept>
+#include <utility>
 
 #include <unistd.h>
 
@@ -52,11 +53,15 @@ generation_engine::generation_engine(backend& be, const model_config& cfg, engin
 
 generation_engine::~generation_engine() = default;
 
+// Refuses weights older, by (weight_version, scale_version), than the newest the engine holds:
+// the pending bundle if one waits for the next step (else a late older bundle would replace it,
+// and a caller told its newer one succeeded would see the weights go back), else the adopted one.
 std::string generation_engine::install(std::shared_ptr<const state> s) {
   std::lock_guard<std::mutex> g(adopt_mu_);
-  if (current_ && s->weight_version < current_->weight_version)
-    return "bundle v" + std::to_string(s->weight_version) + " is older than the adopted v" +
-           std::to_string(current_->weight_version);
+  const state* newest = pending_ ? pending_.get() : current_.get();
+  auto versions = [](const state& x) { return std::to_string(x.weight_version) + "/scales v" + std::to_string(x.scale_version); };
+  if (newest && std::pair(s->weight_version, s->scale_version) < std::pair(newest->weight_version, newest->scale_version))
+    return "bundle v" + versions(*s) + " is older than the " + (pending_ ? "pending" : "adopted") + " v" + versions(*newest);
   pending_ = std::move(s);
   return "";
 }
@@ -136,10 +141,13 @@ bool generation_engine::idle() const {
 }
 
 bool generation_engine::has_weights() const {
-  std::lock_guard<std::mutex> g(const_cast<std::mutex&>(adopt_mu_));
+  std::lock_guard<std::mutex> g(adopt_mu_);
   return current_ != nullptr || pending_ != nullptr;  // pending weights are adopted by the next step
 }
-uint64_t generation_engine::weight_version() const { return current_ ? current_->weight_version : 0; }
+uint64_t generation_engine::weight_version() const {
+  std::lock_guard<std::mutex> g(adopt_mu_);  // step() swaps current_ under it
+  return current_ ? current_->weight_version : 0;
+}
 
 std::vector<gen_request> generation_engine::drain() {
   std::vector<gen_request> out(waiting_.begin(), waiting_.end());
@@ -284,20 +292,23 @@ std::vector<gen_result> generation_engine::step() {
     slot& s = *sp;
     const float* lg = logits.data() + r * V;
     const size_t index = s.res.tokens.size();
+    double lse;
+    try {
+      lse = logits_process(lg, V, s.req.proc, z.data(), work);
+    } catch (const std::invalid_argument& e) {  // diverged: the step is lost, drain() gives the requests back
+      throw std::runtime_error("request " + std::to_string(s.req.id) + ", generated token " + std::to_string(index) + ": " +
+                               e.what());
+    }
     int32_t tok;
-    float lp;
     if (s.req.proc.temperature == 0.0f) {
       // greedy: the argmax of the raw logits (kept by any top-k/top-p); its logprob under the
       // request's processing at temperature 1, which is what the learner computes for it
-      const double lse = logits_process(lg, V, s.req.proc, z.data(), work);
       tok = argmax_logits(lg, V);
-      lp = static_cast<float>(z[tok] - lse);
     } else {
-      const double lse = logits_process(lg, V, s.req.proc, z.data(), work);
       rng g(s.req.seed * 0x9e3779b97f4a7c15ull ^ (s.req.id + 1) * 0xc2b2ae3d27d4eb4full ^ (index + 1) * 0x165667b19e3779f9ull);
       tok = sample_processed(z.data(), V, lse, g.uniform());
-      lp = static_cast<float>(z[tok] - lse);
     }
+    const float lp = static_cast<float>(z[tok] - lse);
     uint64_t oldest = std::numeric_limits<uint64_t>::max();
     for (int64_t p = 0; p < s.fed; ++p) oldest = std::min(oldest, s.pos_version[p]);
     s.res.tokens.push_back(tok);

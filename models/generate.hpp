@@ -117,11 +117,14 @@ class generation_engine {
                            const attn_fp8_scales* attn = nullptr);
 
   void submit(gen_request r);
-  std::vector<gen_result> step();               // one engine step; finished results
+  // One engine step; finished results. Throws std::runtime_error naming the request where its
+  // logits are not finite (diverged weights or activations): the step is lost, drain() returns
+  // the requests.
+  std::vector<gen_result> step();
   std::vector<gen_result> run_to_completion();  // steps until nothing is waiting or active
   bool idle() const;
   bool has_weights() const;
-  uint64_t weight_version() const;
+  uint64_t weight_version() const;  // of the adopted weights (0: none yet); thread-safe
   const engine_stats& stats() const { return stats_; }
   const engine_config& config() const { return ec_; }
   // Requests not finished (waiting + active, with what they generated so far discarded), e.g.
@@ -134,7 +137,7 @@ class generation_engine {
   backend& be_;
   model_config cfg_;
   engine_config ec_;
-  std::mutex adopt_mu_;
+  mutable std::mutex adopt_mu_;
   std::shared_ptr<const state> pending_;  // guarded by adopt_mu_
   std::shared_ptr<const state> current_;
   std::deque<gen_request> waiting_;

@@ -4,6 +4,8 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <stdexcept>
+#include <string>
 
 #include "models/clones.hpp"
 #include "models/cpu/fast_exp.hpp"
@@ -49,6 +51,28 @@ FP8RL_VECTOR_CLONES double sum_exp(const float* __restrict z, int64_t n, float m
   for (double x : lane) s += x;
   return s;
 }
+
+// Whether some z[v] is NaN or +inf (-inf, a dropped token, is not), in one pass that vectorizes.
+FP8RL_VECTOR_CLONES bool any_nan_or_pos_inf(const float* __restrict z, int64_t n) {
+  int bad = 0;
+  for (int64_t v = 0; v < n; ++v) bad |= !(z[v] <= std::numeric_limits<float>::max());
+  return bad != 0;
+}
+
+// Refuses logits no distribution comes from (a NaN or +inf logit or logit / T: diverged weights or
+// activations, or a temperature small enough to overflow FP32; or no finite logit at all): the
+// sampler would otherwise return the last token with a NaN logprob.
+void check_processed(const float* logits, const float* z, int64_t V, bool scaled, float temperature, float m) {
+  if (any_nan_or_pos_inf(z, V)) {
+    int64_t v = 0;
+    while (z[v] <= std::numeric_limits<float>::max()) ++v;
+    throw std::invalid_argument("logit of token " + std::to_string(v) + " is " + std::to_string(logits[v]) +
+                                (scaled ? " (" + std::to_string(z[v]) + " at temperature " + std::to_string(temperature) + ")"
+                                        : std::string()) +
+                                ": not a finite number to sample from");
+  }
+  if (m == -std::numeric_limits<float>::infinity()) throw std::invalid_argument("no token has a finite logit");
+}
 }  // namespace
 
 double logits_process(const float* logits, int64_t V, const logit_processing& p, float* z,
@@ -56,6 +80,7 @@ double logits_process(const float* logits, int64_t V, const logit_processing& p,
   const float ninf = -std::numeric_limits<float>::infinity();
   const bool scale = p.temperature != 1.0f && p.temperature != 0.0f;
   for (int64_t v = 0; v < V; ++v) z[v] = scale ? logits[v] / p.temperature : logits[v];
+  check_processed(logits, z, V, scale, p.temperature, max_of(z, V));
   if (p.top_k > 0 && p.top_k < V) {
     work.resize(static_cast<size_t>(V));
     for (int64_t v = 0; v < V; ++v) work[v] = static_cast<int32_t>(v);

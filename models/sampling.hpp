@@ -18,7 +18,9 @@ namespace fp8rl::models {
 // z[V] <- processed logits (-inf where dropped); returns log-sum-exp over kept entries:
 // m + log(sum of e^(z - m)), m the max, each term models/cpu/fast_exp.hpp's cpu_exp (FP32,
 // 2 ulp) summed in double in a fixed lane order.
-// work: scratch of at least V entries (indices) when top-k/top-p is on.
+// work: scratch of at least V entries (indices) when top-k/top-p is on. Throws
+// std::invalid_argument, naming the token, where a logit or logit / T is NaN or +inf (or none is
+// finite): no distribution to sample from or score under.
 double logits_process(const float* logits, int64_t V, const logit_processing& p, float* z,
                       std::vector<int32_t>& work);
 

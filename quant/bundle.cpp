@@ -2,6 +2,7 @@
 #include "quant/bundle.hpp"
 
 #include <cmath>
+#include <cstring>
 #include <stdexcept>
 
 #include "quant/qtensor.hpp"
@@ -33,7 +34,15 @@ void bundle_validate(const weight_bundle& b, bool needs_attention_scales) {
     if (static_cast<int64_t>(t.bytes.size()) != t.numel() * esize)
       throw std::invalid_argument(tag + "tensor '" + t.name + "' holds " + std::to_string(t.bytes.size()) +
                                   " bytes, its shape needs " + std::to_string(t.numel() * esize));
-    if (t.dtype != bundle_dtype::fp8) continue;
+    if (t.dtype != bundle_dtype::fp8) {  // never a weight from non-finite values (fp8-numerics §0.2)
+      for (int64_t i = 0; i < t.numel(); ++i) {
+        uint32_t u = 0;
+        std::memcpy(reinterpret_cast<char*>(&u) + (esize == 2 ? 2 : 0), t.bytes.data() + i * esize, static_cast<size_t>(esize));
+        if ((u & 0x7f800000u) == 0x7f800000u)
+          throw std::invalid_argument(tag + "tensor '" + t.name + "' element " + std::to_string(i) + " is not finite");
+      }
+      continue;
+    }
     if (t.shape.size() != 2) throw std::invalid_argument(tag + "FP8 tensor '" + t.name + "' is not a matrix");
     auto it = s.weight_scales.find(t.name);
     if (it == s.weight_scales.end()) throw std::invalid_argument(tag + "scale of FP8 tensor '" + t.name + "' is missing");

@@ -4,6 +4,8 @@
 
 #include <cmath>
 #include <limits>
+#include <stdexcept>
+#include <string>
 #include <vector>
 
 #include "models/clones.hpp"
@@ -28,6 +30,16 @@ FP8RL_VECTOR_CLONES void logprob_grad_row(const float* __restrict z, int64_t V, 
   const double pt = static_cast<double>(z[target] == ninf ? 0.0f : e);
   g[target] = static_cast<float>(dlogp * (1.0 - pt) * inv_temp);
 }
+
+// logits_process of row t, its errors naming the row's token position.
+double process_row(const float* logits, int64_t t, int64_t V, const logit_processing& proc, float* z,
+                   std::vector<int32_t>& work) {
+  try {
+    return logits_process(logits + t * V, V, proc, z, work);
+  } catch (const std::invalid_argument& e) {
+    throw std::invalid_argument("logprob of token position " + std::to_string(t) + ": " + e.what());
+  }
+}
 }  // namespace
 
 void cpu_logprob_forward(const float* logits, const int32_t* targets, int64_t T, int64_t V, const logit_processing& proc,
@@ -40,7 +52,7 @@ void cpu_logprob_forward(const float* logits, const int32_t* targets, int64_t T,
       if (entropy) entropy[t] = 0.0f;
       return;
     }
-    const double lse = logits_process(logits + t * V, V, proc, z.data(), work);
+    const double lse = process_row(logits, t, V, proc, z.data(), work);
     const float zt = z[targets[t]];
     logp[t] = std::isinf(zt) ? -std::numeric_limits<float>::infinity() : static_cast<float>(zt - lse);
     if (entropy) {
@@ -66,7 +78,7 @@ void cpu_logprob_backward(const float* logits, const int32_t* targets, int64_t T
     }
     std::vector<float> z(static_cast<size_t>(V));
     std::vector<int32_t> work;
-    const double lse = logits_process(logits + t * V, V, proc, z.data(), work);
+    const double lse = process_row(logits, t, V, proc, z.data(), work);
     logprob_grad_row(z.data(), V, lse, targets[t], dlogp[t], inv_temp, g);
   });
 }

@@ -206,8 +206,52 @@ TEST(Generate, RefusedBundlesKeepTheOldWeights) {
   EXPECT_NE(e.adopt(std::make_shared<fp8rl::quant::weight_bundle>(shape)), "");
   auto older = bundle_from_params(p, ec.policy, 2, 2, nullptr);
   EXPECT_NE(e.adopt(std::make_shared<fp8rl::quant::weight_bundle>(older)).find("older"), std::string::npos);
+  int non_fp8 = 0;
+  for (auto& t : good.tensors)  // a NaN in a BF16/F32 tensor (a norm, the lm_head) is refused too
+    if (t.dtype != fp8rl::quant::bundle_dtype::fp8) {
+      ++non_fp8;
+      auto nan = good;
+      auto& u = *std::find_if(nan.tensors.begin(), nan.tensors.end(), [&](const auto& x) { return x.name == t.name; });
+      const size_t es = u.dtype == fp8rl::quant::bundle_dtype::f32 ? 4 : 2;
+      u.bytes[3 * es - 1] = 0x7f, u.bytes[3 * es - 2] = 0xc0;  // element 2: a quiet NaN's top bytes
+      const std::string why = e.adopt(std::make_shared<fp8rl::quant::weight_bundle>(nan));
+      EXPECT_NE(why.find("'" + t.name + "' element 2 is not finite"), std::string::npos) << why;
+    }
+  EXPECT_GE(non_fp8, 3);  // embedding, norms, lm_head
+  auto twice = good;  // a tensor twice (the later copy won) or one the model has no place for
+  twice.tensors.push_back(twice.tensors[0]);
+  EXPECT_NE(e.adopt(std::make_shared<fp8rl::quant::weight_bundle>(twice)).find("'" + good.tensors[0].name + "' twice"),
+            std::string::npos);
+  auto extra = good;
+  extra.tensors.push_back(extra.tensors[0]);
+  extra.tensors.back().name = "model.layers.9.extra";
+  EXPECT_NE(e.adopt(std::make_shared<fp8rl::quant::weight_bundle>(extra)).find("'model.layers.9.extra', which"),
+            std::string::npos);
   auto res = e.run_to_completion();
   for (uint64_t v : res[0].weight_version) EXPECT_EQ(v, 3u);
+}
+
+// Versions only move forward, measured against the newest weights the engine holds: a bundle
+// still pending for the next step counts, so an older one arriving after it is refused (it would
+// otherwise replace it, and the weights would go back to a version its caller did not ask for);
+// a lower scale version of the same weights is older too.
+TEST(Generate, AnOlderBundleNeverReplacesAPendingNewerOne) {
+  const model_params p = model_params_init(cfg(), 9);
+  auto be = make_cpu_backend();
+  generation_engine e(*be, p.cfg, ecfg("fp8", 2));
+  ASSERT_EQ(e.adopt_params(p, 3, 3), "");
+  e.submit(requests(1, 1.0f)[0]);
+  e.step();
+  EXPECT_EQ(e.weight_version(), 3u);
+  ASSERT_EQ(e.adopt_params(p, 5, 5), "");  // pending until the next step
+  const std::string why = e.adopt_params(p, 4, 4);
+  EXPECT_NE(why.find("older than the pending v5"), std::string::npos) << why;
+  EXPECT_NE(e.adopt_params(p, 5, 4).find("older"), std::string::npos);
+  EXPECT_EQ(e.weight_version(), 3u);  // pending weights are not the adopted ones yet
+  e.step();
+  EXPECT_EQ(e.weight_version(), 5u);
+  EXPECT_NE(e.adopt_params(p, 4, 9).find("older than the adopted v5"), std::string::npos);
+  EXPECT_EQ(e.adopt_params(p, 5, 6), "");  // the same weights with newer scales
 }
 
 // An FP8 KV-cache engine refuses attention/KV scales that do not fit its model -- absent, for
@@ -336,6 +380,27 @@ TEST(Generate, CalibrationTakesThePercentileSampleAndRefusesNonFinite) {
     ADD_FAILURE() << "calibrated on NaN activations";
   } catch (const std::invalid_argument& e) {
     EXPECT_NE(std::string(e.what()).find("layer 0, Q head 0: amax is nan"), std::string::npos) << e.what();
+  }
+}
+
+// The largest sample (percentile 1) over passes that split the prompts is the amax of one pass
+// over them all, bit for bit, in every precision: `fp8rl generate --kv fp8` calibrates in bounded
+// passes on that ground (a token's activations do not depend on its batch).
+TEST(Generate, CalibrationPassesGiveTheOnePassAmax) {
+  const model_params p = model_params_init(cfg(), 11);
+  auto be = make_cpu_backend();
+  model_runner run(*be);
+  const auto reqs = requests(5, 1.0f);
+  for (const char* pol : {"fp32", "bf16", "fp8"}) {
+    auto w = model_weights_build(*be, p.cfg, precision_policy::named(pol), {&p, nullptr, nullptr}, false);
+    std::vector<token_batch> one(1), passes(3);
+    for (size_t r = 0; r < reqs.size(); ++r) {
+      one[0].add(reqs[r].prompt);
+      passes[r * 3 / reqs.size()].add(reqs[r].prompt);
+    }
+    const attn_fp8_scales a = calibrate_attention(run, *w, one, 1.0, 1.05f);
+    const attn_fp8_scales b = calibrate_attention(run, *w, passes, 1.0, 1.05f);
+    EXPECT_TRUE(same(a.q, b.q) && same(a.k, b.k) && same(a.v, b.v)) << pol;
   }
 }
 

@@ -12,6 +12,7 @@
 
 #include "models/sampling.hpp"
 #include "tests/models/gen_util.hpp"
+#include "tests/test_util.hpp"
 #include "tests/tolerances.hpp"
 
 using namespace fp8rl::models;
@@ -194,4 +195,35 @@ TEST(Sampling, ImpossibleSettingsAreRefusedByName) {
   } catch (const std::invalid_argument& x) {
     EXPECT_NE(std::string(x.what()).find("lower slots or max_context"), std::string::npos) << x.what();
   }
+}
+
+// Logits no distribution comes from -- a NaN or +inf logit, a logit / T that overflows FP32 at a
+// tiny temperature, none finite -- are refused naming the token (the sampler returned the last
+// token with a NaN logprob); -inf logits are dropped tokens, as top-k makes them. In the engine
+// the error names the request, and drain() gives the requests back.
+TEST(Sampling, NonFiniteLogitsAreRefusedNamingTheToken) {
+  const float inf = std::numeric_limits<float>::infinity();
+  std::vector<float> logits = {0.5f, -1.0f, 2.0f, -inf, 1.0f}, z(5);
+  std::vector<int32_t> work;
+  auto why = [&](const logit_processing& p) {
+    return fp8rl::test::thrown_text<std::invalid_argument>([&] { logits_process(logits.data(), 5, p, z.data(), work); });
+  };
+  EXPECT_EQ(why({1.0f, 0, 1.0f}), "");  // -inf: a dropped token
+  EXPECT_NE(why({5e-39f, 0, 1.0f}).find("logit of token 2 is 2.000000 (inf at temperature"), std::string::npos)
+      << why({5e-39f, 0, 1.0f});  // 2 / 5e-39 overflows, 1 / 5e-39 does not
+  logits[3] = std::nanf("");
+  EXPECT_NE(why({1.0f, 0, 1.0f}).find("logit of token 3 is nan"), std::string::npos) << why({1.0f, 0, 1.0f});
+  logits = {-inf, -inf, -inf, -inf, -inf};
+  EXPECT_NE(why({1.0f, 0, 0.9f}).find("no token has a finite logit"), std::string::npos);
+
+  model_params p = model_params_init(gen_cfg(), 23);
+  p.get("lm_head.weight")[5] = std::nanf("");  // a weight of token 0's lm_head row: its logit is NaN
+  auto be = make_cpu_backend();
+  generation_engine e(*be, p.cfg, ecfg("fp32", 2));
+  ASSERT_EQ(e.adopt_params(p, 1, 1), "");
+  for (auto& r : requests(2, 1.0f)) e.submit(r);
+  const std::string msg = fp8rl::test::thrown_text<std::runtime_error>([&] { e.step(); });
+  EXPECT_NE(msg.find("request " + std::to_string(requests(1, 1.0f)[0].id) + ", generated token 0: logit of token 0 is nan:"),
+            std::string::npos) << msg;
+  EXPECT_EQ(e.drain().size(), 2u);
 }

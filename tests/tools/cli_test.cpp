@@ -6,6 +6,8 @@
 
 #include <filesystem>
 #include <fstream>
+#include <nlohmann/json.hpp>
+#include <sstream>
 
 #include "models/params.hpp"
 #include "tests/test_util.hpp"
@@ -91,6 +93,67 @@ TEST_F(Cli, BadFilesAreRefusedByName) {
   fs::create_directories(broken / "model.safetensors");
   fs::copy_file(model / "config.json", broken / "config.json");
   refused("score --model " + broken.string() + " --input " + prompts.string(), "not a file");
+}
+
+namespace {
+// The JSON lines of a command's output (its log lines start otherwise).
+std::vector<nlohmann::json> json_lines(const std::string& out) {
+  std::vector<nlohmann::json> v;
+  std::stringstream ss(out);
+  for (std::string l; std::getline(ss, l);)
+    if (!l.empty() && l[0] == '{') v.push_back(nlohmann::json::parse(l));
+  return v;
+}
+}  // namespace
+
+// A generate prompt line may carry its own max_tokens and stop; any other key is refused by
+// name (a misspelt setting was silently ignored), as are such settings where they mean nothing
+// (score) and stop ids outside the vocabulary.
+TEST_F(Cli, GeneratePromptLinesCarryTheirOwnSettings) {
+  const fs::path own = write("own.jsonl", "{\"tokens\": [1, 2], \"max_tokens\": 2}\n{\"tokens\": [3], \"max_tokens\": 5}\n"
+                                          "{\"tokens\": [4]}\n");
+  const std::string greedy = "generate --temperature 0 --max-tokens 4 --log-level warn --prompts ";
+  const result r = run(greedy + own.string() + m());  // the model has no EOS: no stop
+  ASSERT_EQ(r.rc, 0) << r.out;
+  const auto out = json_lines(r.out);
+  ASSERT_EQ(out.size(), 3u) << r.out;
+  EXPECT_EQ(out[0]["tokens"].size(), 2u);
+  EXPECT_EQ(out[1]["tokens"].size(), 5u);
+  EXPECT_EQ(out[2]["tokens"].size(), 4u);  // --max-tokens
+  for (const auto& o : out) EXPECT_EQ(o["finish"], "length");
+  // the same prompt, told to stop at the token it generates first (greedy), stops there
+  const int first = out[1]["tokens"][0].get<int>();
+  const fs::path stop = write("stop.jsonl", "{\"tokens\": [3], \"max_tokens\": 5, \"stop\": [" + std::to_string(first) + "]}\n");
+  const auto stopped = json_lines(run(greedy + stop.string() + m()).out);
+  ASSERT_EQ(stopped.size(), 1u);
+  EXPECT_EQ(stopped[0]["tokens"], nlohmann::json::array({first}));
+  EXPECT_EQ(stopped[0]["finish"], "stop");
+  const std::string gen = "generate" + m() + " --prompts ";
+  refused(gen + write("typo.jsonl", "{\"tokens\": [1], \"max_token\": 2}\n").string(), "typo.jsonl:1: unknown key 'max_token'");
+  refused("score" + m() + " --input " + write("req.jsonl", "{\"tokens\": [1], \"stop\": [2]}\n").string(),
+          "req.jsonl:1: unknown key 'stop'");
+  refused(gen + write("far.jsonl", "{\"tokens\": [1]}\n{\"tokens\": [1], \"stop\": [2, 40]}\n").string(),
+          "far.jsonl:2: stop token 40 is outside the vocabulary");
+  refused(gen + write("zero.jsonl", "{\"tokens\": [1], \"max_tokens\": 0}\n").string(), "zero.jsonl:1: 'max_tokens' must be");
+}
+
+// With an FP8 KV cache the Q/K/V scales are calibrated on the prompts before generating: every
+// prompt is checked first (an unfit line is named, as without FP8), and the calibration runs in
+// bounded passes (it was one forward over every prompt: activations and logits of the whole file).
+TEST_F(Cli, Fp8KvGenerateChecksEveryPromptFirstAndCalibratesInPasses) {
+  std::string long_line = "{\"tokens\": [1";
+  for (int i = 0; i < 70; ++i) long_line += ", 2";
+  refused("generate --kv fp8 --prompts " + write("long.jsonl", "{\"tokens\": [1]}\n" + long_line + "]}\n").string() + m(),
+          "long.jsonl:2:");
+  std::string many;  // 40 prompts of 60 tokens: more than one calibration pass of 2048 tokens
+  for (int p = 0; p < 40; ++p) {
+    many += "{\"tokens\": [" + std::to_string(1 + p % 30);
+    for (int i = 1; i < 60; ++i) many += ", " + std::to_string((p * 7 + i) % 40);
+    many += "]}\n";
+  }
+  const result r = run("generate --kv fp8 --max-tokens 2 --log-level warn --prompts " + write("many.jsonl", many).string() + m());
+  ASSERT_EQ(r.rc, 0) << r.out;
+  EXPECT_EQ(json_lines(r.out).size(), 40u);
 }
 
 // Every program answers --help with its options and exit code 0 (the subcommands' help used to be

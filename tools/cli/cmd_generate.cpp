@@ -10,6 +10,7 @@
 #include "models/cpu/cpu_backend.hpp"
 #include "models/generate.hpp"
 #include "models/log.hpp"
+#include "models/rl/loop.hpp"
 #include "models/sampling.hpp"
 #include "tools/cli/commands.hpp"
 #include "tools/cli/common.hpp"
@@ -19,12 +20,14 @@ namespace {
 const char* const kUsage =
     "usage: fp8rl generate --model DIR --prompts FILE.jsonl [options]\n"
     "Batched generation with the rollout engine. Input lines {\"tokens\": [ids...]} or {\"text\": \"...\"}\n"
-    "(a model directory with a tokenizer); output one JSON line per prompt, in input order:\n"
+    "(a model directory with a tokenizer), each optionally with its own \"max_tokens\": N and \"stop\": [ids...]\n"
+    "(instead of --max-tokens / --stop); output one JSON line per prompt, in input order:\n"
     "  {\"tokens\": [...], \"logprobs\": [...], \"weight_version\": [...], \"scale_version\": [...],\n"
     "   \"finish\": \"stop\"|\"length\"}\n"
     "logprobs are log p(token) under the distribution sampled from (after temperature, top-k, top-p;\n"
     "greedy -- temperature 0 -- reports temperature-1 logprobs after top-k/top-p). With an FP8 KV\n"
-    "cache the Q/K/V scales are calibrated on the prompts (amax * 1.05 / 448), and the K/V elements\n"
+    "cache the Q/K/V scales are calibrated on the prompts (amax * 1.05 / 448; forward passes of at most\n"
+    "2048 tokens, so any number of prompts fits), and the K/V elements\n"
     "that saturated (|x / scale| > 448) are logged per layer at the end.\n"
     "  --model DIR              checkpoint or Hugging Face model directory\n"
     "  --prompts FILE.jsonl     prompts\n"
@@ -42,6 +45,25 @@ const char* const kUsage =
     "  --max-context N          tokens per slot (default: min(max_position_embeddings, 2048))\n"
     "  --threads N              oneTBB threads (default 0: all cores)\n"
     "  --log-level L            trace | debug | info (default) | warn | error | off\n";
+
+// FP8 KV cache: Q/K/V scales (per layer and head, amax * 1.05 / 448: calibrate_attention's
+// largest sample) from the prompts' training forward, in passes of at most kCalibTokens tokens (or
+// one prompt): amax is a max over tokens and a token's activations do not depend on its batch, so
+// the chunks give the scales one pass over every prompt would, with bounded activations and logits.
+constexpr size_t kCalibTokens = 2048;
+models::attn_fp8_scales calibrate_kv(models::backend& be, const models::model_params& params,
+                                     const models::precision_policy& policy, const std::vector<jsonl_item>& items) {
+  std::vector<models::token_batch> passes;
+  size_t n = 0;
+  for (const auto& it : items) {
+    if (passes.empty() || n + it.tokens.size() > kCalibTokens) passes.emplace_back(), n = 0;
+    passes.back().add(it.tokens);
+    n += it.tokens.size();
+  }
+  auto w = models::model_weights_build(be, params.cfg, policy.training(), {&params, nullptr, nullptr}, false);
+  models::model_runner run(be);
+  return models::calibrate_attention(run, *w, passes, 1.0, 1.05f);
+}
 }  // namespace
 
 int cmd_generate(int argc, char** argv) {
@@ -63,7 +85,7 @@ int cmd_generate(int argc, char** argv) {
   ec.slots = a.get_int("slots", 8, 1, 4096);
   ec.max_context = a.get_int("max-context", std::min<int64_t>(params.cfg.max_position_embeddings, 2048), 2,
                                 params.cfg.max_position_embeddings);
-  const auto items = read_token_jsonl(a.need("prompts"), params.cfg.vocab_size, tokenizer_of(a.need("model")).get());
+  const auto items = read_token_jsonl(a.need("prompts"), params.cfg.vocab_size, tokenizer_of(a.need("model")).get(), true);
   std::vector<int32_t> stops;
   if (a.has("stop")) {
     const std::string list = a.get("stop");
@@ -87,37 +109,29 @@ int cmd_generate(int argc, char** argv) {
   proc.top_p = static_cast<float>(a.get_num("top-p", 1.0));
   if (std::string why = models::logit_processing_problem(proc); !why.empty())
     throw std::invalid_argument("options --temperature/--top-k/--top-p: " + why);
+  const auto max_tokens = static_cast<int32_t>(a.get_int("max-tokens", 64, 1, INT32_MAX));
+  const auto seed = static_cast<uint64_t>(a.get_int("seed", 0, 0));
   with_threads(a, [&] {
     auto be = models::make_cpu_backend();
     models::generation_engine eng(*be, params.cfg, ec);
-    models::attn_fp8_scales sc;
-    if (ec.policy.kv == models::kv_dtype::fp8) {  // calibrate on the prompts
-      auto w = models::model_weights_build(*be, params.cfg, ec.policy.training(), {&params, nullptr, nullptr}, false);
-      models::model_runner run(*be);
-      models::token_batch b;
-      for (const auto& it : items) b.add(it.tokens);
-      models::qkv_stats st;
-      run.forward(*w, b, false, nullptr, &st);
-      for (float x : st.q) sc.q.push_back(std::max(x, 1e-6f) * 1.05f / 448.0f);
-      for (float x : st.k) sc.k.push_back(std::max(x, 1e-6f) * 1.05f / 448.0f);
-      for (float x : st.v) sc.v.push_back(std::max(x, 1e-6f) * 1.05f / 448.0f);
-    }
-    const std::string err = eng.adopt_params(params, 0, 0, ec.policy.kv == models::kv_dtype::fp8 ? &sc : nullptr);
-    if (!err.empty()) throw std::runtime_error(err);
-    for (size_t i = 0; i < items.size(); ++i) {
+    for (size_t i = 0; i < items.size(); ++i) {  // every prompt checked before any work
       models::gen_request r;
       r.id = i;
       r.prompt = items[i].tokens;
-      r.max_tokens = static_cast<int32_t>(a.get_int("max-tokens", 64, 1, INT32_MAX));
+      r.max_tokens = items[i].max_tokens > 0 ? items[i].max_tokens : max_tokens;
       r.proc = proc;
-      r.seed = static_cast<uint64_t>(a.get_int("seed", 0, 0));
-      r.stop_tokens = stops;
+      r.seed = seed;
+      r.stop_tokens = items[i].stop ? *items[i].stop : stops;
       try {
         eng.submit(std::move(r));
       } catch (const std::invalid_argument& e) {  // name the input line, not the request id
         throw std::invalid_argument(a.get("prompts") + ":" + std::to_string(items[i].line) + ": " + e.what());
       }
     }
+    const bool fp8_kv = ec.policy.kv == models::kv_dtype::fp8;
+    const models::attn_fp8_scales sc = fp8_kv ? calibrate_kv(*be, params, ec.policy, items) : models::attn_fp8_scales{};
+    const std::string err = eng.adopt_params(params, 0, 0, fp8_kv ? &sc : nullptr);
+    if (!err.empty()) throw std::runtime_error(err);
     for (const auto& r : eng.run_to_completion()) {
       nlohmann::json out = {{"tokens", r.tokens}, {"logprobs", r.logprobs}, {"weight_version", r.weight_version},
                             {"scale_version", r.scale_version}, {"finish", r.finish}};

@@ -23,7 +23,40 @@ void log_level_from_args(const args& a) {
   if (a.has("log-level")) log_set_level(a.get("log-level"));
 }
 
-std::vector<jsonl_item> read_token_jsonl(const std::string& path, int64_t vocab, const models::tokenizer* tok) {
+namespace {
+// A token id of JSON value t on line `where` (what: "token", "stop token"), in [0, vocab).
+int32_t token_id(const nlohmann::json& t, int64_t vocab, const std::string& where, const std::string& what) {
+  const std::string range = " is outside the vocabulary [0, " + std::to_string(vocab) + ")";
+  if (!t.is_number_integer()) throw std::invalid_argument(where + what + " " + t.dump() + " is not an integer");
+  if (t.is_number_unsigned() && t.get<uint64_t>() > uint64_t(INT64_MAX)) throw std::invalid_argument(where + what + " " + t.dump() + range);
+  const int64_t v = t.get<int64_t>();
+  if (v < 0 || v >= vocab) throw std::invalid_argument(where + what + " " + std::to_string(v) + range);
+  return static_cast<int32_t>(v);
+}
+
+// Line j's per-request settings (request_keys: generate's max_tokens and stop) into it; any other
+// key but tokens/text is refused (a misspelt or unsupported setting would otherwise be ignored).
+void read_request_keys(const nlohmann::json& j, bool request_keys, int64_t vocab, const std::string& where, jsonl_item& it) {
+  for (const auto& [k, v] : j.items())
+    if (k != "tokens" && k != "text" && !(request_keys && (k == "max_tokens" || k == "stop")))
+      throw std::invalid_argument(where + "unknown key '" + k + "' (a line holds 'tokens' or 'text'" +
+                                  (request_keys ? std::string(", and optionally 'max_tokens' and 'stop')") : std::string(")")));
+  if (j.contains("max_tokens")) {
+    const auto& m = j["max_tokens"];
+    if (!m.is_number_integer() || m.get<int64_t>() < 1 || m.get<int64_t>() > INT32_MAX)
+      throw std::invalid_argument(where + "'max_tokens' must be an integer in [1, " + std::to_string(INT32_MAX) + "], got " + m.dump());
+    it.max_tokens = static_cast<int32_t>(m.get<int64_t>());
+  }
+  if (j.contains("stop")) {
+    if (!j["stop"].is_array()) throw std::invalid_argument(where + "'stop' must be a list of token ids");
+    it.stop.emplace();
+    for (const auto& t : j["stop"]) it.stop->push_back(token_id(t, vocab, where, "stop token"));
+  }
+}
+}  // namespace
+
+std::vector<jsonl_item> read_token_jsonl(const std::string& path, int64_t vocab, const models::tokenizer* tok,
+                                         bool request_keys) {
   if (std::filesystem::is_directory(path)) throw std::invalid_argument(path + ": is a directory, not a JSONL file");
   std::ifstream f(path);
   if (!f) throw std::invalid_argument(path + ": cannot open");
@@ -51,22 +84,17 @@ std::vector<jsonl_item> read_token_jsonl(const std::string& path, int64_t vocab,
       } catch (const std::exception& e) {
         throw std::invalid_argument(where + e.what());
       }
-      out.push_back(std::move(it));
-      continue;
+      for (int32_t t : it.tokens)  // a tokenizer that does not belong to this model
+        if (t < 0 || t >= vocab)
+          throw std::invalid_argument(where + "the tokenizer gave token " + std::to_string(t) +
+                                      ", outside the model's vocabulary [0, " + std::to_string(vocab) + ")");
+    } else {
+      if (!j.is_object() || !j.contains("tokens") || !j["tokens"].is_array())
+        throw std::invalid_argument(where + "expected an object with a list 'tokens' (or a string 'text')");
+      for (const auto& t : j["tokens"]) it.tokens.push_back(token_id(t, vocab, where, "token"));
     }
-    if (!j.is_object() || !j.contains("tokens") || !j["tokens"].is_array())
-      throw std::invalid_argument(where + "expected an object with a list 'tokens' (or a string 'text')");
-    for (const auto& t : j["tokens"]) {
-      if (!t.is_number_integer()) throw std::invalid_argument(where + "'tokens' holds a non-integer");
-      if (t.is_number_unsigned() && t.get<uint64_t>() > uint64_t(INT64_MAX))
-        throw std::invalid_argument(where + "token " + t.dump() + " is outside the vocabulary [0, " + std::to_string(vocab) + ")");
-      const int64_t v = t.get<int64_t>();
-      if (v < 0 || v >= vocab)
-        throw std::invalid_argument(where + "token " + std::to_string(v) + " is outside the vocabulary [0, " +
-                                    std::to_string(vocab) + ")");
-      it.tokens.push_back(static_cast<int32_t>(v));
-    }
-    if (it.tokens.empty()) throw std::invalid_argument(where + "'tokens' is empty");
+    if (it.tokens.empty()) throw std::invalid_argument(where + (j.contains("text") ? "'text' encodes to no tokens" : "'tokens' is empty"));
+    read_request_keys(j, request_keys, vocab, where, it);
     out.push_back(std::move(it));
   }
   if (out.empty()) throw std::invalid_argument(path + ": holds no input lines");

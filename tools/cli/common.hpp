@@ -3,6 +3,7 @@
 #pragma once
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -13,12 +14,17 @@
 namespace fp8rl::cli {
 
 // Reads lines {"tokens": [ids...]} or {"text": "..."} (encoded with `tok`, BOS added, when the
-// model directory has a tokenizer). Errors name file:line and what is wrong.
+// model directory has a tokenizer); with request_keys (generate) a line may also hold its own
+// "max_tokens": N and "stop": [ids...]. Any other key, and ids outside [0, vocab), are refused:
+// errors name file:line and what is wrong.
 struct jsonl_item {
   std::vector<int32_t> tokens;
   int64_t line = 0;
+  int32_t max_tokens = 0;                       // 0: not given
+  std::optional<std::vector<int32_t>> stop;     // not given: the command's
 };
-std::vector<jsonl_item> read_token_jsonl(const std::string& path, int64_t vocab, const models::tokenizer* tok = nullptr);
+std::vector<jsonl_item> read_token_jsonl(const std::string& path, int64_t vocab, const models::tokenizer* tok = nullptr,
+                                         bool request_keys = false);
 // The tokenizer of a model directory, or null if it has none.
 std::unique_ptr<models::tokenizer> tokenizer_of(const std::string& model_dir);
 // --log-level LEVEL (every subcommand)
