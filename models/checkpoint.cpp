@@ -28,7 +28,10 @@ void checkpoint_save(const std::string& dir, const checkpoint& c) {
   }
   nlohmann::json s = nlohmann::json::parse(c.state_json);
   s["adam_step"] = c.opt.step;
-  std::ofstream(tmp / "state.json") << s.dump(2) << "\n";
+  std::ofstream state(tmp / "state.json");
+  state << s.dump(2) << "\n";
+  state.close();
+  if (!state) throw std::runtime_error((tmp / "state.json").string() + ": write failed (the previous " + dir + " is kept)");
   if (fs::exists(dir)) fs::remove_all(dir);
   fs::rename(tmp, dir);
 }

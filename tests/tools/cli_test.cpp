@@ -156,6 +156,31 @@ TEST_F(Cli, Fp8KvGenerateChecksEveryPromptFirstAndCalibratesInPasses) {
   EXPECT_EQ(json_lines(r.out).size(), 40u);
 }
 
+// sft writes --out by replacing the directory: it refuses where that would delete what is not an
+// earlier checkpoint of ours (any existing directory went, contents and all), and with
+// --overwrite it replaces a checkpoint, never the model it reads.
+TEST_F(Cli, SftNeverDeletesWhatIsNotItsCheckpoint) {
+  const fs::path mine = dir / "mine";
+  fs::create_directories(mine / "sub");
+  std::ofstream(mine / "notes.txt") << "keep me\n";
+  const std::string sft = "sft --steps 1 --batch 2 --out ";
+  refused(sft + mine.string(), "exists (--overwrite replaces");
+  refused(sft + mine.string() + " --overwrite", "not an fp8rl checkpoint");
+  EXPECT_TRUE(fs::exists(mine / "notes.txt"));
+  const fs::path ck = dir / "ck";
+  ASSERT_EQ(run(sft + ck.string()).rc, 0);
+  ASSERT_TRUE(fs::exists(ck / "state.json"));
+  refused(sft + ck.string() + " --overwrite --model " + ck.string(), "holds the --model this run reads");
+  EXPECT_EQ(run(sft + ck.string() + " --overwrite").rc, 0);
+  // a backslash in the task's path made state.json invalid JSON, after training
+  std::string demos;
+  for (int i = 0; i < 8; ++i) demos += "{\"prompt\": \"" + std::to_string(i) + "+1=\", \"answer\": \"" + std::to_string(i + 1) + "\"}\n";
+  const fs::path task = write("ta\\sk.jsonl", demos);
+  const result r = run(sft + (dir / "ck2").string() + " --model " + ck.string() + " --task '" + task.string() + "'");
+  EXPECT_EQ(r.rc, 0) << r.out;
+  EXPECT_TRUE(fs::exists(dir / "ck2" / "state.json")) << r.out;
+}
+
 // Every program answers --help with its options and exit code 0 (the subcommands' help used to be
 // "unknown option --help"); the subcommands' parsers refuse to run when their help text lacks an
 // option they accept (args_parse checks it), so a run of each also checks the text is complete.

@@ -2,6 +2,7 @@
 // `fp8rl eval` (validation accuracy); options: kSftUsage and kEvalUsage below, printed by --help.
 #include <cstdio>
 #include <filesystem>
+#include <nlohmann/json.hpp>
 
 #include "models/checkpoint.hpp"
 #include "models/cpu/cpu_backend.hpp"
@@ -17,7 +18,9 @@ const char* const kSftUsage =
     "from the seed (built-in character tokenizer for built-in tasks; --tokenizer PATH for your own).\n"
     "Writes a checkpoint directory (config.json, model.safetensors, optimizer state, the tokenizer)\n"
     "that score, generate, eval and train load.\n"
-    "  --out DIR                the checkpoint to write (refused if it exists and is not a directory)\n"
+    "  --out DIR                the checkpoint to write; refused if DIR exists (without --overwrite)\n"
+    "  --overwrite              replace DIR if it is an fp8rl checkpoint (it has state.json) and not\n"
+    "                           --model or --tokenizer\n"
     "  --task T                 builtin:add2 (default) | builtin:add1..add6, mul1..mul6 | FILE.jsonl ({\"prompt\", \"answer\"} lines)\n"
     "  --model DIR              start from this checkpoint instead of a fresh tiny model\n"
     "  --size S                 the fresh model's size: tiny (default) | small\n"
@@ -46,17 +49,35 @@ const char* const kEvalUsage =
     "  --seed S                 validation split and sampling seed (default 1)\n"
     "  --threads N              oneTBB threads (default 0: all cores)\n"
     "  --log-level L            trace | debug | info (default) | warn | error | off\n";
+
+// --out is written by replacing the directory (models/checkpoint.cpp): refused where that would
+// delete something that is not an earlier checkpoint of ours -- a file, any directory without
+// --overwrite, a directory without state.json, or the model or tokenizer this run reads.
+void out_check(const std::string& out, const args& a) {
+  namespace fs = std::filesystem;
+  if (!fs::exists(out)) return;
+  if (!fs::is_directory(out)) throw std::invalid_argument("option --out: " + out + " exists and is not a directory");
+  if (!a.flags.count("overwrite"))
+    throw std::invalid_argument("option --out: " + out + " exists (--overwrite replaces an fp8rl checkpoint)");
+  if (!fs::exists(fs::path(out) / "state.json"))
+    throw std::invalid_argument("option --out: " + out + " is not an fp8rl checkpoint (no state.json): not replaced");
+  const fs::path dir = fs::weakly_canonical(out);
+  for (const char* src : {"model", "tokenizer"})
+    if (a.has(src))
+      for (fs::path p = fs::weakly_canonical(a.get(src)); !p.empty() && p != p.root_path(); p = p.parent_path())
+        if (p == dir) throw std::invalid_argument("option --out: " + out + " holds the --" + src + " this run reads: not replaced");
+}
 }  // namespace
 
 int cmd_sft(int argc, char** argv) {
   const args a = args_parse(argc, argv, 2,
                             {"out", "task", "model", "tokenizer", "steps", "batch", "lr", "policy", "bf16-layers",
                              "scale-mode", "seed", "threads", "size", "log-level"},
-                            {}, kSftUsage);
+                            {"overwrite"}, kSftUsage);
   log_level_from_args(a);
-  const std::string out = a.need("out");  // checked before training, not after
-  if (std::filesystem::exists(out) && !std::filesystem::is_directory(out))
-    throw std::invalid_argument("option --out: " + out + " exists and is not a directory");
+  const std::string out = a.need("out");
+  out_check(out, a);  // before training, not after
+
   if (a.has("size") && a.has("model")) throw std::invalid_argument("options --size and --model: give one");
   const auto task = models::task_spec_parse(a.get("task", "builtin:add2"));
   const uint64_t seed = static_cast<uint64_t>(a.get_int("seed", 1, 0));
@@ -87,7 +108,7 @@ int cmd_sft(int argc, char** argv) {
       if (step % 50 == 0 || step + 1 == sc.steps) std::fprintf(stderr, "sft step %ld/%ld loss %.4f\n", long(step + 1), long(sc.steps), loss);
     });
   });
-  ck.state_json = "{\"phase\": \"sft\", \"task\": \"" + a.get("task", "builtin:add2") + "\"}";
+  ck.state_json = nlohmann::json{{"phase", "sft"}, {"task", a.get("task", "builtin:add2")}}.dump();
   models::checkpoint_save(out, ck);
   if (!alphabet.empty()) models::char_tokenizer_save(out, alphabet);
   else if (a.has("tokenizer") || a.has("model")) {
