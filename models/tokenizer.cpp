@@ -148,8 +148,7 @@ class bpe_tok final : public tokenizer {
     if (m.contains("byte_fallback") && m["byte_fallback"] == true) throw std::invalid_argument(where("model.byte_fallback is not supported"));
     if (!m.contains("vocab") || !m["vocab"].is_object()) throw std::invalid_argument(where("model.vocab missing"));
     for (auto it = m["vocab"].begin(); it != m["vocab"].end(); ++it) {
-      if (!it.value().is_number_integer()) throw std::invalid_argument(where("model.vocab['" + it.key() + "'] is not an id"));
-      add_token(it.key(), it.value().get<int32_t>());
+      add_token(it.key(), it.value(), where("model.vocab['" + it.key() + "']"));
     }
     ignore_merges_ = m.value("ignore_merges", false);
     if (!m.contains("merges") || !m["merges"].is_array()) throw std::invalid_argument(where("model.merges missing"));
@@ -173,10 +172,11 @@ class bpe_tok final : public tokenizer {
     // added tokens
     if (j.contains("added_tokens") && j["added_tokens"].is_array())
       for (const auto& t : j["added_tokens"]) {
-        const std::string c = t.value("content", "");
-        const int32_t id = t.value("id", -1);
-        if (c.empty() || id < 0) throw std::invalid_argument(where("added_tokens entry needs content and id"));
-        add_token(c, id);
+        if (!t.is_object() || !t.contains("content") || !t["content"].is_string() || t["content"].get<std::string>().empty() ||
+            !t.contains("id"))
+          throw std::invalid_argument(where("added_tokens entry needs content and id"));
+        const std::string c = t["content"].get<std::string>();
+        const int32_t id = add_token(c, t["id"], where("added_tokens '" + c + "'"));
         added_.emplace_back(c, id);
         if (t.value("special", false)) special_.insert({id, true});
       }
@@ -194,9 +194,14 @@ class bpe_tok final : public tokenizer {
       const json& p = j["post_processor"];
       const std::string t = p.value("type", "");
       if (t == "TemplateProcessing") {
+        if (!p.contains("single") || !p["single"].is_array())
+          throw std::invalid_argument(where("post_processor TemplateProcessing needs a list 'single'"));
         for (const auto& piece : p["single"]) {
           if (piece.contains("SpecialToken")) {
-            const std::string id = piece["SpecialToken"]["id"].get<std::string>();
+            const json& sp = piece["SpecialToken"];
+            if (!sp.is_object() || !sp.contains("id") || !sp["id"].is_string())
+              throw std::invalid_argument(where("post_processor SpecialToken needs a string 'id'"));
+            const std::string id = sp["id"].get<std::string>();
             const int32_t tid = token_id(id);
             if (tid < 0) throw std::invalid_argument(where("post_processor special token '" + id + "' is not in the vocabulary"));
             (template_seen_seq_ ? suffix_ : prefix_).push_back(tid);
@@ -276,10 +281,20 @@ class bpe_tok final : public tokenizer {
   std::vector<int32_t> prefix_, suffix_;
   bool template_seen_seq_ = false;
 
-  void add_token(const std::string& t, int32_t id) {
-    vocab_[t] = id;
+  // Token t with the id JSON value v (at `where`): an integer in [0, kMaxTokenId), and no other
+  // token's (a negative id wrote before the table, a huge one allocated it, a wide one wrapped).
+  static constexpr int64_t kMaxTokenId = int64_t{1} << 24;
+  int32_t add_token(const std::string& t, const json& v, const std::string& where) {
+    if (!v.is_number_integer() || (v.is_number_unsigned() && v.get<uint64_t>() >= uint64_t(kMaxTokenId)) ||
+        v.get<int64_t>() < 0 || v.get<int64_t>() >= kMaxTokenId)
+      throw std::invalid_argument(where + ": id " + v.dump() + " is not an integer in [0, " + std::to_string(kMaxTokenId) + ")");
+    const auto id = static_cast<int32_t>(v.get<int64_t>());
     if (static_cast<size_t>(id) >= by_id_.size()) by_id_.resize(static_cast<size_t>(id) + 1);
+    if (!by_id_[static_cast<size_t>(id)].empty() && by_id_[static_cast<size_t>(id)] != t)
+      throw std::invalid_argument(where + ": id " + std::to_string(id) + " is also '" + by_id_[static_cast<size_t>(id)] + "'");
+    vocab_[t] = id;
     by_id_[static_cast<size_t>(id)] = t;
+    return id;
   }
 
   void byte_tables() {  // GPT-2 bytes_to_unicode
@@ -396,7 +411,11 @@ std::unique_ptr<tokenizer> tokenizer_load(const std::string& path) {
       throw std::invalid_argument(file + ": " + e.what());  // non-ASCII or repeated characters
     }
   }
-  return std::make_unique<bpe_tok>(j, file);
+  try {
+    return std::make_unique<bpe_tok>(j, file);
+  } catch (const json::exception& e) {  // a field of the wrong type: name the file (the checks name the field)
+    throw std::invalid_argument(file + ": malformed (" + std::string(e.what()) + ")");
+  }
 }
 
 void char_tokenizer_save(const std::string& dir, const std::string& alphabet) {

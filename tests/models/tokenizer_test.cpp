@@ -53,6 +53,28 @@ TEST(Tokenizer, MalformedFilesNameTheKey) {
   EXPECT_NE(write_and_load(R"({"model": {"type": "BPE", "vocab": {}, "merges": []}, "pre_tokenizer": {"type": "Split", "behavior": "Isolated", "pattern": {"Regex": "(["}}})")
                 .find("regex does not compile"),
             std::string::npos);
+  // ids: -1 wrote before the table (a crash), 2e9 allocated it (bad_alloc), 2^32 + 5 wrapped to 5;
+  // two tokens on one id; fields of the wrong type gave the JSON library's message, no file
+  const std::string file = (dir / "tokenizer.json").string();
+  auto vocab = [](const std::string& v) { return R"({"model": {"type": "BPE", "vocab": )" + v + R"(, "merges": []}})"; };
+  for (const auto& [body, what] : std::vector<std::pair<std::string, std::string>>{
+           {vocab(R"({"a": -1})"), "model.vocab['a']: id -1 is not an integer in [0, 16777216)"},
+           {vocab(R"({"a": 2000000000})"), "model.vocab['a']: id 2000000000 is not an integer"},
+           {vocab(R"({"a": 4294967301})"), "model.vocab['a']: id 4294967301 is not an integer"},
+           {vocab(R"({"a": 0, "b": 0})"), "model.vocab['b']: id 0 is also 'a'"},
+           {R"({"model": {"type": "BPE", "vocab": {"a": 0}, "merges": []}, "added_tokens": [5]})", "added_tokens entry needs"},
+           {R"({"model": {"type": "BPE", "vocab": {"a": 0}, "merges": []}, "added_tokens": [{"content": "<s>", "id": -3}]})",
+            "added_tokens '<s>': id -3"},
+           {R"({"model": {"type": "BPE", "vocab": {}, "merges": []}, "normalizer": "NFC"})", ": malformed ("},
+           {R"({"model": {"type": 3, "vocab": {}, "merges": []}})", ": malformed ("},
+           {R"({"model": {"type": "BPE", "vocab": {}, "merges": []}, "post_processor": {"type": "TemplateProcessing"}})",
+            "needs a list 'single'"},
+           {R"({"model": {"type": "BPE", "vocab": {}, "merges": []}, "post_processor": {"type": "TemplateProcessing", "single": [{"SpecialToken": {}}]}})",
+            "SpecialToken needs a string 'id'"}}) {
+    const std::string err = write_and_load(body);
+    EXPECT_NE(err.find(file + ": "), std::string::npos) << err;
+    EXPECT_NE(err.find(what), std::string::npos) << err;
+  }
   // the character tokenizer's file: its errors name it too
   const auto chr = dir / "fp8rl-char-tokenizer.json";
   for (const auto& [alphabet, what] : std::vector<std::pair<std::string, std::string>>{
