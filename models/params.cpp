@@ -104,7 +104,8 @@ model_params model_params_from_tensors(const model_config& c, const st_tensors& 
   model_params p;
   p.cfg = c;
   p.layout = model_param_layout(c);
-  p.data.assign(static_cast<size_t>(p.layout.total), 0.0f);
+  // names and shapes first: the flat array is then no larger than the tensors read (a config's
+  // sizes alone can ask for TiBs, which ended in std::bad_alloc naming no file)
   for (const auto& info : p.layout.infos) {
     auto it = t.find(info.name);
     if (it == t.end()) throw std::invalid_argument(source + ": tensor '" + info.name + "' is missing");
@@ -115,7 +116,10 @@ model_params model_params_from_tensors(const model_config& c, const st_tensors& 
       throw std::invalid_argument(file(info.name) + ": tensor '" + info.name + "' has shape [" + got + "], config needs [" +
                                   want + "]");
     }
-    const auto& d = it->second.data;
+  }
+  p.data.assign(static_cast<size_t>(p.layout.total), 0.0f);
+  for (const auto& info : p.layout.infos) {
+    const auto& d = t.find(info.name)->second.data;
     const auto bad = std::find_if(d.begin(), d.end(), [](float x) { return !std::isfinite(x); });
     if (bad != d.end())  // caught here, the error names the weight; later it named a gradient's tile
       throw std::invalid_argument(file(info.name) + ": tensor '" + info.name + "' holds a non-finite value (" +

@@ -194,6 +194,15 @@ TEST(Safetensors, MissingAndMisshapenTensorsAreNamed) {
   auto no_q = t;
   no_q.erase("model.layers.1.self_attn.q_proj.weight");
   EXPECT_NE(error_of([&] { model_params_from_tensors(c, no_q, "ckpt"); }).find("model.layers.1.self_attn.q_proj.weight"), std::string::npos);
+  // a config whose sizes (each within its cap) ask for ~2 TiB of parameters, against no tensors:
+  // the missing tensor is named before anything that size is allocated (was std::bad_alloc)
+  model_config huge = c;
+  huge.vocab_size = int64_t{1} << 22;
+  huge.hidden_size = int64_t{1} << 16;
+  huge.num_attention_heads = 512;
+  huge.head_dim = 128;
+  EXPECT_NE(error_of([&] { model_params_from_tensors(huge, {}, "ckpt"); }).find("ckpt: tensor 'model.embed_tokens.weight' is missing"),
+            std::string::npos);
   auto bad = t;
   bad["model.norm.weight"].shape = {63};
   bad["model.norm.weight"].data.resize(63);
