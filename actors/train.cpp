@@ -12,6 +12,8 @@
 #include <future>
 #include <iterator>
 #include <optional>
+#include <set>
+#include <sstream>
 #include <nlohmann/json.hpp>
 #include <thread>
 #include <unistd.h>
@@ -319,6 +321,31 @@ std::string prepare_init(const run_config& cfg, const std::string& run_dir, bool
   return dir.string();
 }
 
+// --resume continues the run its recipe.conf records. What identifies the run's data and model
+// (task.*, model.*, run.seed, run.name) cannot change: the checkpoint's prompt cursor and weights
+// refer to them (a resume with another task trained on it from the old task's cursor). Other
+// changes (more steps, another learning rate or batch) are allowed and returned, one line each, to
+// be logged and recorded beside recipe.conf, which keeps the first part's settings.
+std::string resume_recipe_changes(const run_config& cfg, const std::string& run_dir) {
+  const fs::path stored = fs::path(run_dir) / "recipe.conf";
+  if (!fs::exists(stored)) return "";
+  run_config was;
+  recipe_load_file(was, stored.string());
+  std::stringstream a(recipe_dump(was)), b(recipe_dump(cfg));  // one template: the lines align
+  std::string la, lb, section, refused, changed;
+  while (std::getline(a, la) && std::getline(b, lb)) {
+    if (!la.empty() && la[0] == '[') section = la.substr(1, la.find(']') - 1);
+    if (la == lb || la.empty() || la[0] == ';' || la.find('=') == std::string::npos) continue;
+    const std::string key = section + "." + la.substr(0, la.find('='));
+    const std::string line = "\n  " + key + ": " + la.substr(la.find('=') + 1) + " -> " + lb.substr(lb.find('=') + 1);
+    (section == "task" || section == "model" || key == "run.seed" || key == "run.name" ? refused : changed) += line;
+  }
+  if (!refused.empty())
+    throw std::invalid_argument("--resume: " + stored.string() + " records another task, model or seed (give the run's own):" +
+                                refused);
+  return changed;
+}
+
 // Reads here, on the main thread, what the actors would otherwise fail on inside their
 // behaviors (an exception there is CAF's "unhandled exception", and a dataset error inside one
 // left the run hanging): the start checkpoint (weights, optimizer, state), the tokenizer against
@@ -326,6 +353,9 @@ std::string prepare_init(const run_config& cfg, const std::string& run_dir, bool
 // drops a partial last line a crash left, with a warning).
 void run_preflight(const actor_env& env, bool resume) {
   const auto start = models::checkpoint_load(env.init_dir);
+  if (env.cfg.max_context > env.model.max_position_embeddings)  // each rollout's engine refused it, and was restarted
+    throw std::invalid_argument("model.max_context = " + std::to_string(env.cfg.max_context) + " exceeds " + env.init_dir +
+                                "/config.json's max_position_embeddings " + std::to_string(env.model.max_position_embeddings));
   if (resume)
     for (const auto& seq : calibration_batch_load(env.init_dir))
       for (int32_t t : seq)
@@ -441,6 +471,7 @@ int train_main(int argc, char** argv) {
   std::optional<run_dir_stash> replaced;
   if (c.overwrite && !run_dir_outputs(run_dir).empty()) replaced.emplace(run_dir);
   run_start start;
+  const std::string resumed_with = c.resume ? resume_recipe_changes(cfg, run_dir) : "";
   const std::string init_dir = prepare_init(cfg, run_dir, c.resume, &start);
   const uint64_t start_version = start.version;
   if (start_version >= static_cast<uint64_t>(cfg.steps)) {
@@ -452,7 +483,13 @@ int train_main(int argc, char** argv) {
   auto env = env_make(cfg, node, run_dir, init_dir, start, run_id);
   run_preflight(*env, c.resume);  // every file the actors will read or write, before any of them starts
   if (replaced) replaced->drop();
-  std::ofstream(fs::path(run_dir) / "recipe.conf") << recipe_dump(cfg);  // only once the run can start
+  if (!c.resume || !fs::exists(fs::path(run_dir) / "recipe.conf")) {
+    std::ofstream(fs::path(run_dir) / "recipe.conf") << recipe_dump(cfg);  // only once the run can start
+  } else if (!resumed_with.empty()) {  // the first part's recipe.conf stays; the changes sit beside it
+    const fs::path f = fs::path(run_dir) / ("recipe.resume-step" + std::to_string(start_version) + ".conf");
+    std::ofstream(f) << recipe_dump(cfg);
+    log_get("train")->warn("resuming at step {} with other settings (recorded in {}):{}", start_version, f.string(), resumed_with);
+  }
   if (cfg.trace) trace_writer::process().open((fs::path(run_dir) / "traces" / (node + ".jsonl")).string(), node);
   int code = 1;
   {

@@ -100,6 +100,12 @@ TEST(E2E, EmbeddedDefaultRunsAndResumes) {
   EXPECT_EQ(m[4]["step"], 5);
   EXPECT_EQ(m[5]["step"], 6);
   EXPECT_EQ(cursor(6), 40);
+  {  // the first part's recipe.conf stays; the resumed part's other batch is recorded beside it
+    std::ifstream first(d / "recipe.conf"), second(d / "recipe.resume-step4.conf");
+    const std::string a((std::istreambuf_iterator<char>(first)), {}), b((std::istreambuf_iterator<char>(second)), {});
+    EXPECT_EQ(a.find("prompts_per_step=4\n"), std::string::npos) << a;
+    EXPECT_NE(b.find("prompts_per_step=4\n"), std::string::npos) << b;
+  }
   // bad input fails before any actor starts, naming the file, and changes nothing: a task file
   // with a broken line (it used to hang the run), a state.json that is not JSON or contradicts
   // its step directory
@@ -114,6 +120,11 @@ TEST(E2E, EmbeddedDefaultRunsAndResumes) {
   fails_naming("--run-dir " + (d / "other").string() + " --task.name=" + (d / "bad.jsonl").string() + " --model.init=" +
                    (d / "checkpoints" / "step_6").string() + kSmall,
                "bad.jsonl:2");
+  // a context the start checkpoint's positions do not cover: each rollout's engine refused it and
+  // was restarted until none was left
+  fails_naming("--run-dir " + (d / "other").string() + " --model.init=" + (d / "checkpoints" / "step_6").string() + kSmall +
+                   " --model.max_context=128",
+               "model.max_context = 128 exceeds");
   // --overwrite whose new run fails its preflight: the earlier run is moved back (it was deleted first)
   const fs::path init = d.string() + "-init";
   fs::copy(d / "checkpoints" / "step_6", init, fs::copy_options::recursive);
@@ -131,6 +142,10 @@ TEST(E2E, EmbeddedDefaultRunsAndResumes) {
   std::ofstream(state) << nlohmann::json{{"weight_version", 6}}.dump();
   fails_naming("--resume --run-dir " + d.string() + kSmall + " --run.steps=8", "state.json: key 'prompt_cursor'");
   fails_naming("--run-dir " + d.string() + kSmall, "holds an earlier run");  // a new run truncated metrics.jsonl
+  std::ofstream(state) << nlohmann::json{{"weight_version", 6}, {"prompt_cursor", 40}}.dump();
+  // another task on resume trained on it from the old task's prompt cursor, and rewrote recipe.conf
+  fails_naming("--resume --run-dir " + d.string() + kSmall + " --run.steps=8 --task.name=builtin:add1",
+               "records another task, model or seed (give the run's own):\n  task.name: \"builtin:add2\" -> \"builtin:add1\"");
   EXPECT_EQ(text_of(d / "recipe.conf"), recipe);  // a failed resume rewrote it with this invocation's recipe
   EXPECT_EQ(text_of(d / "metrics.jsonl"), before);
   fs::remove_all(d);
