@@ -259,12 +259,13 @@ void recipe_validate(const run_config& r) {
   positive("rollout.prompts_per_step", r.prompts_per_step);
   positive("rollout.group_size", r.group_size);
   positive("rollout.max_new_tokens", r.max_new_tokens);
+  if (r.max_new_tokens > INT32_MAX) fail("rollout.max_new_tokens", "is too large (2^32 + 1 became 1)");
   positive("rollout.slots", r.slots);
   positive("model.max_context", r.max_context);
   if (r.max_staleness < 0) fail("async.max_staleness", "must be >= 0");
   if (r.eval_every < 0) fail("run.eval_every", "must be >= 0");
   if (r.checkpoint_every < 0) fail("run.checkpoint_every", "must be >= 0");
-  if (r.eval_every > 0 && r.val_size <= 0) fail("task.val_size", "must be > 0 when run.eval_every > 0");
+  if (r.val_size <= 0) fail("task.val_size", "must be > 0 (the run ends with a validation)");
   if (r.train_size <= 0) fail("task.train_size", "must be > 0");
   positive("model.sft_batch", r.sft_batch);
   if (r.sft_steps < 0) fail("model.sft_steps", "must be >= 0");
@@ -288,12 +289,12 @@ void recipe_validate(const run_config& r) {
   if (!models::is_mode_parse(r.is_mode)) fail("grpo.is_mode", "must be none, tis, icepop or seq-mask-tis");
   if (!models::verifier_parse(r.verifier)) fail("task.verifier", "must be exact or numeric");
   if (!quant::scale_mode_parse(r.scale_mode)) fail("precision.scale_mode", "must be pow2 or fp32");
-  if (r.is_lo > r.is_hi) fail("grpo.is_lo", "must be <= grpo.is_hi");
+  if (!(r.is_lo <= r.is_hi)) fail("grpo.is_lo", "must be a number <= grpo.is_hi");  // NaN turned truncation off
   if (std::string why = models::logit_processing_problem({static_cast<float>(r.temperature), static_cast<int32_t>(r.top_k),
                                                          static_cast<float>(r.top_p)});
       !why.empty() || r.top_k > INT32_MAX)
     fail("rollout.temperature/top_k/top_p", why.empty() ? "top_k is too large" : why);
-  if (r.percentile <= 0 || r.percentile > 1) fail("calibration.percentile", "must be in (0, 1]");
+  if (!(r.percentile > 0 && r.percentile <= 1)) fail("calibration.percentile", "must be in (0, 1]");  // NaN indexed nowhere
   auto check = [&](const char* key, auto&& f) {
     try {
       f();

@@ -64,7 +64,12 @@ TEST(Recipe, MalformedFilesAndOutOfRangeValuesNameTheirKey) {
            {"--audit.every=-1", "audit.every"}, {"--calibration.margin=0.5", "calibration.margin"},
            {"--rollout.top_p=2", "rollout.temperature/top_k/top_p"}, {"--rollout.top_k=-1", "rollout.temperature/top_k/top_p"},
            {"--run.checkpoint_every=-1", "run.checkpoint_every"}, {"--precision.generation=fp9", "precision.generation"},
-           {"--task.name=builtin:add9", "task.name"}, {"--model.sft_batch=0", "model.sft_batch"}}) {
+           {"--task.name=builtin:add9", "task.name"}, {"--model.sft_batch=0", "model.sft_batch"},
+           // NaN passed comparisons written as "bad if x <= 0 || x > 1"; a wide length wrapped to int32;
+           // no validation set left the run's last validation reporting -nan
+           {"--calibration.percentile=nan", "calibration.percentile"}, {"--grpo.is_lo=nan", "grpo.is_lo"},
+           {"--grpo.is_hi=nan", "grpo.is_lo"}, {"--rollout.max_new_tokens=4294967297", "rollout.max_new_tokens"},
+           {"--task.val_size=0", "task.val_size"}}) {
     run_config x;
     recipe_apply_cli(x, arg);
     EXPECT_NE(error_of([&] { recipe_validate(x); }).find("'" + key + "'"), std::string::npos) << arg;
