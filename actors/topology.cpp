@@ -125,7 +125,12 @@ void topology_validate(const topology& t) {
       if (role_node.count(r)) throw std::invalid_argument(where + ": role '" + r + "' is already on node '" + role_node[r] + "'");
       role_node[r] = n.name;
     }
-    if (n.has("calibration") && n.learners.empty()) throw std::invalid_argument(where + ": calibration must run on a node with a learner");
+    // learner 0 (the first node's with learners) hands calibration the FP32 master weights in one
+    // message: in-process, since CAF 0.17 truncates frames past 4 GiB (a 1.07B-parameter model)
+    const bool first_learners = !n.learners.empty() && learners == 0;
+    if (n.has("calibration") && !first_learners)
+      throw std::invalid_argument(where + ": calibration must run on the node of learner 0 (the first node with learners): "
+                                          "learner 0 hands it the FP32 weights in one message, which must not cross processes");
     if (!n.has("controller") && n.port == 0) throw std::invalid_argument(where + ": a remote node needs a port");
     learners += static_cast<int64_t>(n.learners.size());
     rollouts += static_cast<int64_t>(n.rollouts.size());

@@ -171,9 +171,16 @@ TEST(Topology, BadFilesNameNodeAndKey) {
   EXPECT_NE(error_of([&] { topology_plan(topology_load(f4)); }).find("cuda:0 used twice"), std::string::npos);
   const auto f5 = write_tmp("t5.conf", "[cluster]\nnodes=[{name=\"a\", roles=[\"buffer\"], learners=[\"cpu:1\"], rollouts=[\"cpu:1\"]}]\n");
   EXPECT_NE(error_of([&] { topology_load(f5); }).find("no node has the role 'controller'"), std::string::npos);
+  // calibration beside learner 1 only: learner 0's one-message FP32 weights would cross processes
+  const auto f7 = write_tmp("t7.conf",
+                            "[cluster]\nnodes=[{name=\"a\", roles=[\"controller\", \"buffer\", \"reward\", \"weight_sync\"], "
+                            "learners=[\"cpu:1\"], rollouts=[\"cpu:1\"]},\n{name=\"b\", port=47301, roles=[\"calibration\"], "
+                            "learners=[\"cpu:1\"]}]\n");
+  EXPECT_NE(error_of([&] { topology_load(f7); }).find("node 'b': calibration must run on the node of learner 0"), std::string::npos)
+      << error_of([&] { topology_load(f7); });
   const auto f6 = write_tmp("t6.conf", "[cluster]\nnodes=[{name=\"a\", roles=[\"controller\"]}\n");  // never closed
   EXPECT_NE(error_of([&] { topology_load(f6); }).find("is never closed"), std::string::npos);
-  for (const auto& f : {f1, f2, f3, f4, f5, f6}) fs::remove(f);
+  for (const auto& f : {f1, f2, f3, f4, f5, f6, f7}) fs::remove(f);
 }
 
 TEST(RunDir, AnEarlierRunIsNeverOverwrittenUnasked) {
