@@ -8,6 +8,7 @@
 #include <chrono>
 #include <deque>
 #include <map>
+#include <optional>
 #include <set>
 
 #include "actors/actors.hpp"
@@ -22,6 +23,7 @@ double now_s() { return std::chrono::duration<double>(std::chrono::system_clock:
 struct calibration_state {
   std::shared_ptr<const actor_env> env;
   msg::peers_msg peers;
+  std::optional<msg::params_msg> early;  // weights that came before the first peers_msg (another sender)
   std::unique_ptr<tbb::task_arena> arena;
   models::rl_state st;  // kept between versions: the weights copy reuses its buffer
 };
@@ -60,33 +62,45 @@ msg::calibration_actor spawn_calibration(caf::actor_system& sys, std::shared_ptr
   return sys.spawn([dev](self_t self, std::shared_ptr<const actor_env> env) -> msg::calibration_actor::behavior_type {
     self->state.env = env;
     self->state.arena = std::make_unique<tbb::task_arena>(dev.index > 0 ? static_cast<int>(dev.index) : tbb::task_arena::automatic);
+    auto calibrate = [self](msg::params_msg& pm) {
+      log_get("calibration")->debug("calibrating v{}", pm.version);
+      auto& s = self->state;
+      const auto t0 = std::chrono::steady_clock::now();
+      std::shared_ptr<quant::weight_bundle> b;
+      try {
+        trace_span span("calibration", "calibrate", static_cast<int64_t>(pm.version));
+        auto& st = s.st;
+        st.params.cfg = s.env->model;
+        st.params.layout = models::model_param_layout(s.env->model);
+        st.params.data = *pm.params;  // same size every version: no reallocation
+        st.version = pm.version;
+        std::vector<models::token_batch> calib(1);
+        for (const auto& q : pm.calib) calib[0].add(q);
+        s.arena->execute([&] { b = models::make_bundle(st, s.env->rl, calib, pm.version); });
+      } catch (const std::exception& e) {
+        self->send(s.peers.controller, std::string("calibration"), std::string(e.what()));
+        return;
+      }
+      const double sec = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      self->send(s.peers.controller, msg::step_report{{}, pm.version, {{"calibration_s", sec}}});
+      msg::bundle_msg out{{}, std::move(b), now_s()};
+      trace_send("calibration", "bundle_msg", out.trace, static_cast<int64_t>(pm.version));
+      self->send(s.peers.weight_sync, std::move(out));
+    };
     return {
-        [self](msg::peers_msg& p) { self->state.peers = std::move(p); },
-        [self](msg::params_msg& pm) {
-          trace_recv("calibration", "params_msg", pm.trace, static_cast<int64_t>(pm.version));
-          log_get("calibration")->debug("calibrating v{}", pm.version);
-          auto& s = self->state;
-          const auto t0 = std::chrono::steady_clock::now();
-          std::shared_ptr<quant::weight_bundle> b;
-          try {
-            trace_span span("calibration", "calibrate", static_cast<int64_t>(pm.version));
-            auto& st = s.st;
-            st.params.cfg = s.env->model;
-            st.params.layout = models::model_param_layout(s.env->model);
-            st.params.data = *pm.params;  // same size every version: no reallocation
-            st.version = pm.version;
-            std::vector<models::token_batch> calib(1);
-            for (const auto& q : pm.calib) calib[0].add(q);
-            s.arena->execute([&] { b = models::make_bundle(st, s.env->rl, calib, pm.version); });
-          } catch (const std::exception& e) {
-            self->send(s.peers.controller, std::string("calibration"), std::string(e.what()));
-            return;
+        [self, calibrate](msg::peers_msg& p) {
+          self->state.peers = std::move(p);
+          if (auto pm = std::move(self->state.early)) {
+            self->state.early.reset();
+            calibrate(*pm);
           }
-          const double sec = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-          self->send(s.peers.controller, msg::step_report{{}, pm.version, {{"calibration_s", sec}}});
-          msg::bundle_msg out{{}, std::move(b), now_s()};
-          trace_send("calibration", "bundle_msg", out.trace, static_cast<int64_t>(pm.version));
-          self->send(s.peers.weight_sync, std::move(out));
+        },
+        [self, calibrate](msg::params_msg& pm) {
+          trace_recv("calibration", "params_msg", pm.trace, static_cast<int64_t>(pm.version));
+          // CAF orders messages per sender only: learner 0's weights can overtake the
+          // controller's peers_msg, and sends to its unset handles are dropped silently
+          if (!self->state.peers.controller) self->state.early = std::move(pm);
+          else calibrate(pm);
         },
     };
   }, env);  // env as a spawn argument: actors.hpp
@@ -174,16 +188,19 @@ msg::weight_sync_actor spawn_weight_sync(caf::actor_system& sys, std::shared_ptr
           auto& s = self->state;
           std::set<caf::actor_addr> known;
           for (const auto& r : s.peers.rollouts) known.insert(r.address());
-          const bool first = s.peers.rollouts.empty();
           s.peers = std::move(p);
-          // a rollout that joined (a restarted one) gets the newest bundle: it has no weights yet
-          if (!first && !s.versions.empty() && s.versions.rbegin()->second.bundle) {
+          // a rollout that joined gets the newest bundle: a restarted one has no weights yet, and
+          // a bundle can come before the first peers_msg (CAF orders per sender only), when it
+          // went to no rollout; the joiner holds up that version's report until it adopts it
+          if (!s.versions.empty() && s.versions.rbegin()->second.bundle) {
             auto& [v, sv] = *s.versions.rbegin();
             std::shared_ptr<const std::vector<char>> bytes;  // serialized once for every remote joiner
             for (size_t i = 0; i < s.peers.rollouts.size(); ++i) {
               const auto& r = s.peers.rollouts[i];
               if (known.count(r.address())) continue;
               log_get("weight_sync")->info("sending v{} to {} (joined)", v, s.peers.rollout_names[i]);
+              if (!sv.reported) sv.waiting.insert(s.peers.rollout_names[i]);
+              sv.cross |= r.node() != self->node();
               if (!send_bundle(r, s.peers.rollout_names[i], v, sv, bytes)) return;
             }
           }

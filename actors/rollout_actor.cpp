@@ -41,6 +41,7 @@ struct rollout_state {
   uint64_t chunk_version = 0;
   int64_t tokens = 0, groups = 0;
   std::vector<int64_t> sat_reported;                      // engine's per-layer K/V saturations already sent
+  std::vector<msg::adopted_msg> unsent;                   // adoptions before the first peers_msg
 };
 
 double now_s() { return std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count(); }
@@ -84,16 +85,30 @@ msg::rollout_actor spawn_rollout(caf::actor_system& sys, std::shared_ptr<const a
       std::string err;
       s.arena->execute([&] { err = s.eng->adopt(b); });
       if (!err.empty()) log->error("{}: refused bundle v{}: {}", s.name, b->weight_version, err);
-      self->send(s.peers.weight_sync, msg::adopted_msg{s.name, b->weight_version, b->snapshot.scale_version,
-                                                       now_s() - published_at, err});
+      msg::adopted_msg a{s.name, b->weight_version, b->snapshot.scale_version, now_s() - published_at, err};
+      // a restarted rollout can get its weights before its peers_msg (weight-sync hears of it
+      // first): a send to the unset handle would be dropped, and that version never reported
+      if (s.peers.weight_sync) self->send(s.peers.weight_sync, std::move(a));
+      else s.unsent.push_back(std::move(a));
       schedule();
     };
     return {
-        [self](msg::peers_msg& p) { self->state.peers = std::move(p); },
+        [self](msg::peers_msg& p) {
+          auto& s = self->state;
+          s.peers = std::move(p);
+          for (auto& a : s.unsent) self->send(s.peers.weight_sync, std::move(a));
+          s.unsent.clear();
+        },
         [self, schedule, fatal](msg::work_msg& w) {
           auto& s = self->state;
           if (fault_exit_now(s.name, w.step)) return self->quit(caf::make_error(caf::sec::runtime_error, "fault injection"));
           trace_recv(s.name, "work_msg", w.trace, static_cast<int64_t>(w.step));
+          // a re-issue (a stale drop) of a group this rollout is generating: submitting its
+          // requests again made a group with duplicate indices
+          if (s.work.count(w.prompt_id)) {
+            log_get("rollout")->debug("{}: prompt {} is already being generated", s.name, w.prompt_id);
+            return;
+          }
           try {
             const auto prompt = s.env->tok->encode(w.prompt, true);
             for (int32_t j = 0; j < w.group_size; ++j) {

@@ -278,6 +278,99 @@ TEST(Protocol, WeightSyncFansOutInProcessAndReportsFullAdoption) {
   ctl->send_exit(ws, caf::exit_reason::user_shutdown);
 }
 
+// CAF orders messages per sender only: a bundle (from calibration) can reach weight-sync before
+// the controller's first peers_msg. It went to no rollout and was reported synced at once (the
+// run then waited on rollouts without weights); now the rollouts it names get it, and the
+// version is reported once both adopted it.
+TEST(Protocol, WeightSyncSendsABundleThatCameBeforeItsPeers) {
+  test_config cfg;
+  caf::actor_system sys{cfg};
+  caf::scoped_actor ctl{sys}, r0{sys}, r1{sys};
+  auto ws = actors::spawn_weight_sync(sys, env_with(1, 2));
+  const auto params = models::model_load(init_dir());
+  auto b = std::make_shared<const quant::weight_bundle>(models::bundle_from_params(params, models::precision_policy::named("fp8"), 1, 1, nullptr));
+  ctl->send(ws, msg::bundle_msg{{}, b, 0.0});
+  msg::peers_msg p;
+  p.controller = caf::actor_cast<msg::controller_actor>(ctl);
+  p.rollouts = {caf::actor_cast<msg::rollout_actor>(r0), caf::actor_cast<msg::rollout_actor>(r1)};
+  p.rollout_names = {"rollout0", "rollout1"};
+  ctl->send(ws, p);
+  for (auto* r : {&r0, &r1})
+    (*r)->receive([&](msg::bundle_msg& m) { EXPECT_EQ(m.bundle.get(), b.get()); },
+                  caf::after(std::chrono::seconds(5)) >> [] { FAIL() << "no bundle"; });
+  ctl->send(ws, msg::adopted_msg{"rollout0", 1, 1, 0.01, ""});
+  ctl->receive([&](msg::sync_report&) { FAIL() << "reported before rollout1 adopted"; },
+               caf::after(std::chrono::milliseconds(200)) >> [] {});
+  ctl->send(ws, msg::adopted_msg{"rollout1", 1, 1, 0.02, ""});
+  ctl->receive([&](msg::sync_report& s) { EXPECT_EQ(s.version, 1u); },
+               caf::after(std::chrono::seconds(5)) >> [] { FAIL() << "no sync_report"; });
+  ctl->send_exit(ws, caf::exit_reason::user_shutdown);
+}
+
+// Learner 0's weights can reach calibration before the controller's first peers_msg: the bundle
+// and the step report went to unset handles (CAF drops those sends) and no weights ever existed;
+// now the weights wait for the peers.
+TEST(Protocol, CalibrationKeepsWeightsThatCameBeforeItsPeers) {
+  test_config cfg;
+  caf::actor_system sys{cfg};
+  caf::scoped_actor ctl{sys}, ws{sys};
+  auto cal = actors::spawn_calibration(sys, env_with(1, 2), actors::device_spec::parse("cpu:1", "test"));
+  const auto params = models::model_load(init_dir());
+  msg::params_msg pm;
+  pm.version = 1;
+  pm.params = std::make_shared<const std::vector<float>>(params.data);
+  pm.calib = {{1, 2, 3, 4}, {5, 6, 7}};
+  ctl->send(cal, pm);
+  msg::peers_msg p;
+  p.controller = caf::actor_cast<msg::controller_actor>(ctl);
+  p.weight_sync = caf::actor_cast<msg::weight_sync_actor>(ws);
+  ctl->send(cal, p);
+  ws->receive([&](msg::bundle_msg& m) { EXPECT_EQ(m.bundle->weight_version, 1u); },
+              caf::after(std::chrono::seconds(30)) >> [] { FAIL() << "no bundle"; });
+  ctl->receive([&](msg::step_report& r) { EXPECT_EQ(r.version, 1u); },
+               caf::after(std::chrono::seconds(5)) >> [] { FAIL() << "no step report"; });
+  ctl->send_exit(cal, caf::exit_reason::user_shutdown);
+}
+
+// The controller re-issues a stale-dropped group round-robin, possibly to the rollout already
+// generating it: the second work_msg submitted its requests again -- twice the generation, the
+// copies' completions kept forever, and, where lengths differ, a group with duplicate indices. The
+// rollout now ignores a prompt it is generating: one group, each index once, generated once.
+TEST(Protocol, RolloutIgnoresAGroupItIsAlreadyGenerating) {
+  test_config cfg;
+  caf::actor_system sys{cfg};
+  caf::scoped_actor ctl{sys}, ws{sys}, reward{sys};
+  const auto env = env_with(1, 2);
+  auto ro = actors::spawn_rollout(sys, env, "rollout0", actors::device_spec::parse("cpu:1", "test"));
+  msg::peers_msg p;
+  p.controller = caf::actor_cast<msg::controller_actor>(ctl);
+  p.weight_sync = caf::actor_cast<msg::weight_sync_actor>(ws);
+  p.reward = caf::actor_cast<msg::reward_actor>(reward);
+  ctl->send(ro, p);
+  msg::work_msg w;
+  w.step = 1;
+  w.prompt_id = 3;
+  w.prompt = "12+3=";
+  w.answer = "15";
+  w.group_size = static_cast<int32_t>(env->cfg.group_size);
+  ctl->send(ro, w);
+  ctl->send(ro, w);  // before any weights: both wait in the engine
+  const auto params = models::model_load(init_dir());
+  auto b = std::make_shared<const quant::weight_bundle>(models::bundle_from_params(params, env->rl.gen_policy, 1, 1, nullptr));
+  ws->send(ro, msg::bundle_msg{{}, b, 0.0});
+  double tokens = 0;
+  reward->receive([&](msg::group_msg& g) {
+    ASSERT_EQ(g.samples.size(), static_cast<size_t>(w.group_size));
+    for (int32_t i = 0; i < w.group_size; ++i) EXPECT_EQ(g.samples[static_cast<size_t>(i)].group_index, i);
+    for (const auto& smp : g.samples) tokens += static_cast<double>(smp.response.size());
+  }, caf::after(std::chrono::seconds(30)) >> [] { FAIL() << "no group"; });
+  reward->receive([&](msg::group_msg&) { FAIL() << "a second group"; }, caf::after(std::chrono::milliseconds(300)) >> [] {});
+  // nothing was generated twice (the copies' completions were generated, then never sent)
+  ctl->request(ro, std::chrono::seconds(5), msg::status_atom::value).receive(
+      [&](msg::metrics_t& m) { EXPECT_EQ(m.at("tokens"), tokens); }, [&](caf::error& e) { FAIL() << sys.render(e); });
+  ctl->send_exit(ro, caf::exit_reason::user_shutdown);
+}
+
 // An engine error in a rollout is the run's error, named: the rollout reports it to the
 // controller and stops (it was CAF's "unhandled exception"; the controller re-queued the same
 // prompt onto the other rollouts until none was left, the cause only on stderr).
