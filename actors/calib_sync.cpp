@@ -121,9 +121,14 @@ msg::weight_sync_actor spawn_weight_sync(caf::actor_system& sys, std::shared_ptr
       const uint32_t total = static_cast<uint32_t>(std::max<size_t>(1, (bytes->size() + kChunk - 1) / kChunk));
       struct progress { uint32_t sent = 0, acked = 0; bool failed = false; };
       auto pr = std::make_shared<progress>();
+      // the pending requests' handlers own send_one; it holds itself weakly (a strong self-capture
+      // kept the closure and the serialized bundle alive when weight-sync exited mid-transfer)
       auto send_one = std::make_shared<std::function<void()>>();
+      const std::weak_ptr<std::function<void()>> weak_send = send_one;
       const double t_start = now_s();
-      *send_one = [self, r, name, bytes, version, published_at, total, pr, send_one, log, t_start] {
+      *send_one = [self, r, name, bytes, version, published_at, total, pr, weak_send, log, t_start] {
+        auto send_one = weak_send.lock();
+        if (!send_one) return;
         msg::bundle_chunk c;
         c.version = version;
         c.seq = pr->sent++;
@@ -138,7 +143,7 @@ msg::weight_sync_actor spawn_weight_sync(caf::actor_system& sys, std::shared_ptr
               if (++pr->acked == total) {
                 auto it = self->state.versions.find(version);
                 if (it != self->state.versions.end()) it->second.transfer_s = std::max(it->second.transfer_s, now_s() - t_start);
-                *send_one = nullptr;  // break the cycle
+                *send_one = nullptr;  // done: the closure (and the bytes) go now
               } else if (pr->sent < total) {
                 (*send_one)();
               }

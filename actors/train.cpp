@@ -411,22 +411,24 @@ int run_remote_node(fp8rl_config& cfg, const topology& t, const std::string& nam
     std::lock_guard<std::mutex> g(g_mu);
     g_node_name = name;
   }
-  caf::actor_system sys{cfg};
-  auto port = sys.middleman().open(static_cast<uint16_t>(n->port), n->host.c_str(), true);
-  if (!port) {
-    std::fprintf(stderr, "fp8rl node %s: cannot open port %ld: %s\n", name.c_str(), long(n->port), sys.render(port.error()).c_str());
-    return 1;
-  }
-  std::fprintf(stdout, "fp8rl node %s ready on %s:%u\n", name.c_str(), n->host.c_str(), *port);
-  std::fflush(stdout);
-  std::unique_lock<std::mutex> lk(g_mu);
-  if (!g_cv.wait_for(lk, std::chrono::seconds(120), [] { return g_agent_started; })) {
-    std::fprintf(stderr, "fp8rl node %s: no controller connected within 120 s\n", name.c_str());
-    return 1;
-  }
-  g_cv.wait(lk, [] { return g_agent_done; });
-  const std::string failure = g_agent_failure;
-  lk.unlock();
+  std::string failure;
+  {
+    caf::actor_system sys{cfg};
+    auto port = sys.middleman().open(static_cast<uint16_t>(n->port), n->host.c_str(), true);
+    if (!port) {
+      std::fprintf(stderr, "fp8rl node %s: cannot open port %ld: %s\n", name.c_str(), long(n->port), sys.render(port.error()).c_str());
+      return 1;
+    }
+    std::fprintf(stdout, "fp8rl node %s ready on %s:%u\n", name.c_str(), n->host.c_str(), *port);
+    std::fflush(stdout);
+    std::unique_lock<std::mutex> lk(g_mu);
+    if (!g_cv.wait_for(lk, std::chrono::seconds(120), [] { return g_agent_started; })) {
+      std::fprintf(stderr, "fp8rl node %s: no controller connected within 120 s\n", name.c_str());
+      return 1;
+    }
+    g_cv.wait(lk, [] { return g_agent_done; });
+    failure = g_agent_failure;
+  }  // the actor system is gone: its actors (exited asynchronously) emit no more trace events
   trace_writer::process().close();
   if (!failure.empty()) {  // it exited 0 in silence
     std::fprintf(stderr, "fp8rl node %s: %s\n", name.c_str(), failure.c_str());
