@@ -154,7 +154,14 @@ void checkpoint(learner_state& s, uint64_t prompt_cursor, const std::vector<std:
   for (const char* f : {"fp8rl-char-tokenizer.json", "tokenizer.json"})
     if (fs::exists(fs::path(s.env->init_dir) / f))
       fs::copy_file(fs::path(s.env->init_dir) / f, dir / f, fs::copy_options::overwrite_existing);
-  std::ofstream(fs::path(s.env->run_dir) / "checkpoints" / "latest") << dir.filename().string() << "\n";
+  // latest is replaced atomically: rewritten in place, a crash or a full disk left it empty or
+  // cut, and --resume failed although every checkpoint was intact
+  const fs::path latest = fs::path(s.env->run_dir) / "checkpoints" / "latest", tmp = latest.string() + ".tmp";
+  std::ofstream out(tmp);
+  out << dir.filename().string() << "\n";
+  out.close();
+  if (!out) throw std::runtime_error(tmp.string() + ": write failed (" + latest.string() + " still names the previous checkpoint)");
+  fs::rename(tmp, latest);
 }
 
 // Re-scores sampled trajectories at their behaviour version in BF16 (q_t): log w = (c - q) + (q - g),

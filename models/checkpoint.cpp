@@ -1,6 +1,8 @@
 // models/checkpoint.cpp -- atomic checkpoint directories.
 #include "models/checkpoint.hpp"
 
+#include <algorithm>
+#include <cmath>
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
@@ -62,8 +64,13 @@ checkpoint checkpoint_load(const std::string& dir) {
         auto it = t.find(k + info.name);
         if (it == t.end() || it->second.numel() != info.numel)
           throw std::invalid_argument(op.string() + ": tensor '" + std::string(k) + info.name + "' missing or misshapen");
+        const auto& d = it->second.data;  // the next update would spread a NaN moment to the weights
+        const auto bad = std::find_if(d.begin(), d.end(), [&](float x) { return !std::isfinite(x) || (k[0] == 'v' && x < 0); });
+        if (bad != d.end())
+          throw std::invalid_argument(op.string() + ": tensor '" + std::string(k) + info.name + "' holds " + std::to_string(*bad) +
+                                      " at index " + std::to_string(bad - d.begin()) + (k[0] == 'v' ? " (finite, >= 0 expected)" : " (finite expected)"));
         auto& dst = k[0] == 'm' ? c.opt.m : c.opt.v;
-        std::copy(it->second.data.begin(), it->second.data.end(), dst.begin() + info.offset);
+        std::copy(d.begin(), d.end(), dst.begin() + info.offset);
       }
     }
   } else if (c.opt.step > 0) {

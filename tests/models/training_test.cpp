@@ -124,6 +124,24 @@ TEST(Training, SaveLoadContinueIsBitIdentical) {
     auto rest = train(c, 6, 5, /*skip=*/5);
     for (int i = 0; i < 5; ++i) EXPECT_EQ(std::memcmp(&full[5 + i], &rest[i], 8), 0) << pol << " step " << 5 + i;
   }
+  // optimizer moments are checked as the weights are: a NaN or a negative second moment would
+  // reach the weights at the next update
+  for (const char* moment : {"m.", "v."}) {
+    trainer b(task_config(), "fp32", 12);
+    train(b, 6, 1);
+    const std::string name = b.ck.params.layout.infos[1].name;
+    auto& vals = moment[0] == 'm' ? b.ck.opt.m : b.ck.opt.v;
+    vals[static_cast<size_t>(b.ck.params.layout.infos[1].offset) + 2] = moment[0] == 'm' ? std::nanf("") : -1.0f;
+    checkpoint_save(dir.string(), b.ck);
+    std::string err;
+    try {
+      checkpoint_load(dir.string());
+    } catch (const std::invalid_argument& e) {
+      err = e.what();
+    }
+    EXPECT_NE(err.find("optimizer.safetensors: tensor '" + std::string(moment) + name + "' holds "), std::string::npos) << err;
+    EXPECT_NE(err.find("at index 2"), std::string::npos) << err;
+  }
   std::filesystem::remove_all(dir);
 }
 
