@@ -422,6 +422,21 @@ TEST(E2E, CafRunStopsItsGroup) {
   ::close(busy);
   EXPECT_EQ(r.rc, 1);
   EXPECT_NE(r.out.find("node rollout1 failed (exit 1); the group was stopped"), std::string::npos) << r.out;
+  // a node without a host entry after one with it: refused before any node starts (the earlier
+  // node was started and left running); a slots value that is not all a number is refused
+  const fs::path three = d / "three.conf";
+  std::ofstream(three) << "[cluster]\nnodes=[{name=\"main\", host=\"127.0.0.1\", port=0, roles=[\"controller\", \"buffer\", "
+                          "\"reward\", \"weight_sync\", \"calibration\"], learners=[\"cpu:1\"], rollouts=[\"cpu:1\"]},\n"
+                          "{name=\"near\", host=\"127.0.0.1\", port=" << port << ", rollouts=[\"cpu:1\"]},\n"
+                          "{name=\"far\", host=\"192.0.2.7\", port=" << port + 1 << ", rollouts=[\"cpu:1\"]}]\n";
+  const std::string tail = " -- " + kBin + "/fp8rl train --run-dir " + (d / "run3").string();
+  const auto r3 = fp8rl::test::run_command(kBin + "/caf-run --hostfile " + (d / "hosts").string() + " --topology " + three.string() + tail);
+  EXPECT_NE(r3.out.find("no host entry for node 'far'"), std::string::npos) << r3.out;
+  EXPECT_EQ(r3.out.find("caf-run: started"), std::string::npos) << r3.out;
+  EXPECT_FALSE(fs::exists(d / "run3"));
+  std::ofstream(d / "hosts4x") << "127.0.0.1 slots=4x\n";
+  const auto r4 = fp8rl::test::run_command(kBin + "/caf-run --hostfile " + (d / "hosts4x").string() + " --topology " + topo + tail);
+  EXPECT_NE(r4.out.find("hosts4x:1: slots must be an integer in [1, 2^20], got '4x'"), std::string::npos) << r4.out;
   fs::remove_all(d);
 }
 

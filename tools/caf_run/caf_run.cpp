@@ -26,6 +26,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <charconv>
 #include <chrono>
 #include <cstdio>
 #include <cstring>
@@ -60,12 +61,12 @@ std::vector<host_entry> read_hostfile(const std::string& path) {
     std::string tok;
     while (is >> tok) {
       if (tok.rfind("slots=", 0) != 0) throw std::invalid_argument(path + ":" + std::to_string(n) + ": unknown field '" + tok + "'");
-      try {
-        h.slots = std::stoi(tok.substr(6));
-      } catch (const std::exception&) {
-        throw std::invalid_argument(path + ":" + std::to_string(n) + ": slots must be an integer");
-      }
-      if (h.slots <= 0) throw std::invalid_argument(path + ":" + std::to_string(n) + ": slots must be > 0");
+      const std::string v = tok.substr(6);
+      int slots = 0;
+      const auto [end, ec] = std::from_chars(v.data(), v.data() + v.size(), slots);
+      if (ec != std::errc{} || end != v.data() + v.size() || slots <= 0 || slots > (1 << 20))  // all of it: "4x" was 4
+        throw std::invalid_argument(path + ":" + std::to_string(n) + ": slots must be an integer in [1, 2^20], got '" + v + "'");
+      h.slots = slots;
     }
     hosts.push_back(h);
   }
@@ -172,11 +173,19 @@ int main(int argc, char** argv) {
     std::string controller_name = topo.controller_node().name;
     signal(SIGPIPE, SIG_IGN);
     for (int sig : {SIGINT, SIGTERM, SIGHUP}) signal(sig, on_signal);
+    // every node's host entry before the first fork: a node left out stopped caf-run with the
+    // earlier nodes started, in their own process groups, never stopped
+    std::vector<const host_entry*> entry;
     for (const auto* n : order) {
       const host_entry* h = nullptr;
       for (const auto& e : hosts)
         if (e.host == n->host || (is_local(e.host) && is_local(n->host))) h = &e;
       if (!h) throw std::invalid_argument(hostfile + ": no host entry for node '" + n->name + "' (host " + n->host + ")");
+      entry.push_back(h);
+    }
+    for (size_t i = 0; i < order.size(); ++i) {
+      const auto* n = order[i];
+      const host_entry* h = entry[i];
       std::vector<std::string> args = cmd;
       args.push_back("--topology");
       args.push_back(topofile);
