@@ -134,13 +134,29 @@ void config_file_precheck(const std::string& path) {
   if (!f) throw std::invalid_argument(path + ": cannot open");
   std::vector<std::pair<char, int>> open;  // unclosed '[' / '{' and their lines
   std::map<std::string, int> seen;         // "section.key" -> line
+  std::map<std::string, int> groups;       // "name { ... }" groups -> line
+  std::set<std::string> headers;           // [section] names
+  auto trim = [](std::string t) {
+    t.erase(0, t.find_first_not_of(" \t"));
+    t.erase(t.find_last_not_of(" \t") + 1);
+    return t;
+  };
+  // a section written both as [name] and as name { ... }, or as two groups: CAF merged them, the
+  // last value of a key silently winning (the key check below sees only [section] lines)
+  auto section_again = [&](const std::string& name, int n) {
+    if (groups.count(name))
+      throw std::invalid_argument(path + ":" + std::to_string(n) + ": section '" + name + "' given again (as '" + name +
+                                  " { ... }' on line " + std::to_string(groups[name]) + ")");
+  };
   std::string section, line;
   for (int n = 1; std::getline(f, line); ++n) {
     const size_t first = line.find_first_not_of(" \t\r");
     if (first == std::string::npos) continue;
     if (open.empty() && line[first] == '[' && line.find('=') == std::string::npos) {  // [section]
       const size_t close = line.find(']', first);
-      section = line.substr(first + 1, close == std::string::npos ? std::string::npos : close - first - 1);
+      section = trim(line.substr(first + 1, close == std::string::npos ? std::string::npos : close - first - 1));
+      section_again(section, n);
+      headers.insert(section);
       continue;
     }
     if (open.empty() && line[first] != ';' && line[first] != '#') {
@@ -165,6 +181,16 @@ void config_file_precheck(const std::string& path) {
       } else if (c == ';' || c == '#') {
         break;  // comment
       } else if (c == '[' || c == '{') {
+        if (c == '{' && open.empty()) {  // "name {" opens a group (after '=', a key's map value)
+          const std::string before = trim(line.substr(0, i));
+          if (!before.empty() && before.back() != '=' && before.find_first_of("= \t,") == std::string::npos) {
+            section_again(before, n);
+            if (headers.count(before))
+              throw std::invalid_argument(path + ":" + std::to_string(n) + ": section '" + before + "' given again (also as [" +
+                                          before + "])");
+            groups[before] = n;
+          }
+        }
         open.emplace_back(c, n);
       } else if (c == ']' || c == '}') {
         if (open.empty() || (open.back().first == '[') != (c == ']'))

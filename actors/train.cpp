@@ -239,10 +239,15 @@ cli parse_cli(int argc, char** argv) {
       return argv[++i];
     };
     auto is = [&](const std::string& flag) { return a == flag || a.rfind(flag + "=", 0) == 0; };
-    if (is("--recipe") || is("--config-file")) c.recipe = value(is("--recipe") ? "--recipe" : "--config-file");
-    else if (is("--topology")) c.topology = value("--topology");
-    else if (is("--node")) c.node = value("--node");
-    else if (is("--run-dir")) c.run_dir = value("--run-dir");
+    auto once = [&](std::string& dst, const std::string& flag) {  // a second one silently replaced the first
+      const std::string v = value(flag);
+      if (!dst.empty()) throw std::invalid_argument("option " + flag + " given twice ('" + dst + "', '" + v + "')");
+      dst = v;
+    };
+    if (is("--recipe") || is("--config-file")) once(c.recipe, is("--recipe") ? "--recipe" : "--config-file");
+    else if (is("--topology")) once(c.topology, "--topology");
+    else if (is("--node")) once(c.node, "--node");
+    else if (is("--run-dir")) once(c.run_dir, "--run-dir");
     else if (a == "--resume") c.resume = true;
     else if (a == "--overwrite") c.overwrite = true;
     else if (a == "--dump-config") c.dump = true;

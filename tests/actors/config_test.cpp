@@ -55,6 +55,13 @@ TEST(Recipe, MalformedFilesAndOutOfRangeValuesNameTheirKey) {
   const auto twice = write_tmp("twice.conf", "[run]\nsteps=1\nsteps=2\n");
   EXPECT_NE(error_of([&] { recipe_load_file(r, twice); }).find("key 'run.steps' set again"), std::string::npos);
   EXPECT_NE(error_of([&] { recipe_load_file(r, fs::temp_directory_path().string()); }).find("not a file"), std::string::npos);
+  // a section again under another spelling or form: CAF merged them, the last value winning
+  const auto spaced = write_tmp("spaced.conf", "[run]\nsteps=3\n[ run ]\nsteps=9\n");
+  EXPECT_NE(error_of([&] { recipe_load_file(r, spaced); }).find(spaced + ":4: key 'run.steps' set again (first on line 2)"),
+            std::string::npos) << error_of([&] { recipe_load_file(r, spaced); });
+  const auto braces = write_tmp("braces.conf", "run{steps=5}\n[run]\nsteps=9\n");
+  EXPECT_NE(error_of([&] { recipe_load_file(r, braces); }).find(braces + ":2: section 'run' given again"), std::string::npos)
+      << error_of([&] { recipe_load_file(r, braces); });
   const auto fine = write_tmp("fine.conf", "[run]\nsteps=3 ; a comment with [ and {\n[rollout]\nsteps_note=\"]\"\n");
   EXPECT_EQ(error_of([&] { config_file_precheck(fine); }), "");  // brackets in comments and strings do not count
   for (const auto& [arg, key] : std::vector<std::pair<std::string, std::string>>{
@@ -83,7 +90,7 @@ TEST(Recipe, MalformedFilesAndOutOfRangeValuesNameTheirKey) {
   EXPECT_NE(error_of([&] { recipe_load_file(r, escape); }).find(escape + ":3:10: illegal_escape_sequence"), std::string::npos);
   const auto unclosed = write_tmp("unclosed.conf", "[run]\nsteps=4\nname=\"abc");
   EXPECT_NE(error_of([&] { recipe_load_file(r, unclosed); }).find(unclosed + ":3: a string is never closed"), std::string::npos);
-  for (const auto& f : {open, twice, fine, empty_value, escape, unclosed}) fs::remove(f);
+  for (const auto& f : {open, twice, spaced, braces, fine, empty_value, escape, unclosed}) fs::remove(f);
 }
 
 TEST(Recipe, CliOverridesAndDumpRoundTrip) {

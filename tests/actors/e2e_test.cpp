@@ -221,7 +221,10 @@ TEST(E2E, BadRecipeKeyFailsWithItsName) {
            {"--logger.console-verbosity=loud", "--logger.console-verbosity=loud: must be one of quiet"},
            {"--scheduler.nope=1", "not_an_option"},
            // a prompt longer than the context: every rollout failed in turn, the cause on stderr
-           {"--model.max_context=6 --model.sft_steps=5", "builtin:add2 (train prompt 0): 7 tokens do not fit model.max_context 6"}}) {
+           {"--model.max_context=6 --model.sft_steps=5", "builtin:add2 (train prompt 0): 7 tokens do not fit model.max_context 6"},
+           // a second recipe or topology silently replaced the first
+           {"--recipe " + (d / "r.conf").string() + " --config-file " + (d / "r.conf").string(), "option --config-file given twice"},
+           {"--topology a.conf --topology=b.conf", "option --topology given twice ('a.conf', 'b.conf')"}}) {
     const auto c = fp8rl::test::run_command(kBin + "/fp8rl train --run-dir " + (d / "run").string() + " " + arg);
     EXPECT_NE(c.rc, 0) << arg;
     EXPECT_NE(c.out.find(what), std::string::npos) << arg << "\n" << c.out;
