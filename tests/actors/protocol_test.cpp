@@ -252,18 +252,29 @@ TEST(Protocol, BufferAdmitsDedupsShardsAndDropsStale) {
   self->send_exit(buf, caf::exit_reason::user_shutdown);
 }
 
+namespace {
+// peers naming the controller and two rollouts "rollout0", "rollout1" (scoped actors standing in)
+msg::peers_msg two_rollout_peers(caf::scoped_actor& ctl, caf::scoped_actor& r0, caf::scoped_actor& r1) {
+  msg::peers_msg p;
+  p.controller = caf::actor_cast<msg::controller_actor>(ctl);
+  p.rollouts = {caf::actor_cast<msg::rollout_actor>(r0), caf::actor_cast<msg::rollout_actor>(r1)};
+  p.rollout_names = {"rollout0", "rollout1"};
+  return p;
+}
+// the test model's fp8 bundle, weight and scale version 1
+std::shared_ptr<const quant::weight_bundle> fp8_bundle_v1() {
+  return std::make_shared<const quant::weight_bundle>(
+      models::bundle_from_params(models::model_load(init_dir()), models::precision_policy::named("fp8"), 1, 1, nullptr));
+}
+}  // namespace
+
 TEST(Protocol, WeightSyncFansOutInProcessAndReportsFullAdoption) {
   test_config cfg;
   caf::actor_system sys{cfg};
   caf::scoped_actor ctl{sys}, r0{sys}, r1{sys};
   auto ws = actors::spawn_weight_sync(sys, env_with(1, 2));
-  msg::peers_msg p;
-  p.controller = caf::actor_cast<msg::controller_actor>(ctl);
-  p.rollouts = {caf::actor_cast<msg::rollout_actor>(r0), caf::actor_cast<msg::rollout_actor>(r1)};
-  p.rollout_names = {"rollout0", "rollout1"};
-  ctl->send(ws, p);
-  const auto params = models::model_load(init_dir());
-  auto b = std::make_shared<const quant::weight_bundle>(models::bundle_from_params(params, models::precision_policy::named("fp8"), 1, 1, nullptr));
+  ctl->send(ws, two_rollout_peers(ctl, r0, r1));
+  auto b = fp8_bundle_v1();
   ctl->send(ws, msg::bundle_msg{{}, b, 0.0});
   for (auto* r : {&r0, &r1})
     (*r)->receive([&](msg::bundle_msg& m) { EXPECT_EQ(m.bundle.get(), b.get()); },  // zero copy: the same object
@@ -287,14 +298,9 @@ TEST(Protocol, WeightSyncSendsABundleThatCameBeforeItsPeers) {
   caf::actor_system sys{cfg};
   caf::scoped_actor ctl{sys}, r0{sys}, r1{sys};
   auto ws = actors::spawn_weight_sync(sys, env_with(1, 2));
-  const auto params = models::model_load(init_dir());
-  auto b = std::make_shared<const quant::weight_bundle>(models::bundle_from_params(params, models::precision_policy::named("fp8"), 1, 1, nullptr));
+  auto b = fp8_bundle_v1();
   ctl->send(ws, msg::bundle_msg{{}, b, 0.0});
-  msg::peers_msg p;
-  p.controller = caf::actor_cast<msg::controller_actor>(ctl);
-  p.rollouts = {caf::actor_cast<msg::rollout_actor>(r0), caf::actor_cast<msg::rollout_actor>(r1)};
-  p.rollout_names = {"rollout0", "rollout1"};
-  ctl->send(ws, p);
+  ctl->send(ws, two_rollout_peers(ctl, r0, r1));
   for (auto* r : {&r0, &r1})
     (*r)->receive([&](msg::bundle_msg& m) { EXPECT_EQ(m.bundle.get(), b.get()); },
                   caf::after(std::chrono::seconds(5)) >> [] { FAIL() << "no bundle"; });
