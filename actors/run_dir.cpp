@@ -40,7 +40,7 @@ std::string run_dir_default(const std::string& name, int k) {
 }  // namespace
 
 namespace {
-const char* const kRunOutputs[] = {"recipe.conf", "checkpoints", "metrics.jsonl", "traces", "plots", "gloo"};
+const char* const kRunOutputs[] = {"recipe.conf", "resumes", "checkpoints", "metrics.jsonl", "traces", "plots", "gloo"};
 const char* const kStash = ".replaced";
 }  // namespace
 

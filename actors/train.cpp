@@ -330,7 +330,7 @@ std::string prepare_init(const run_config& cfg, const std::string& run_dir, bool
 // (task.*, model.*, run.seed, run.name) cannot change: the checkpoint's prompt cursor and weights
 // refer to them (a resume with another task trained on it from the old task's cursor). Other
 // changes (more steps, another learning rate or batch) are allowed and returned, one line each, to
-// be logged and recorded beside recipe.conf, which keeps the first part's settings.
+// be logged and recorded in resumes/ beside recipe.conf, which keeps the first part's settings.
 std::string resume_recipe_changes(const run_config& cfg, const std::string& run_dir) {
   const fs::path stored = fs::path(run_dir) / "recipe.conf";
   if (!fs::exists(stored)) return "";
@@ -493,7 +493,8 @@ int train_main(int argc, char** argv) {
   if (!c.resume || !fs::exists(fs::path(run_dir) / "recipe.conf")) {
     std::ofstream(fs::path(run_dir) / "recipe.conf") << recipe_dump(cfg);  // only once the run can start
   } else if (!resumed_with.empty()) {  // the first part's recipe.conf stays; the changes sit beside it
-    const fs::path f = fs::path(run_dir) / ("recipe.resume-step" + std::to_string(start_version) + ".conf");
+    const fs::path f = fs::path(run_dir) / "resumes" / ("recipe-step" + std::to_string(start_version) + ".conf");
+    fs::create_directories(f.parent_path());
     std::ofstream(f) << recipe_dump(cfg);
     log_get("train")->warn("resuming at step {} with other settings (recorded in {}):{}", start_version, f.string(), resumed_with);
   }

@@ -101,7 +101,7 @@ TEST(E2E, EmbeddedDefaultRunsAndResumes) {
   EXPECT_EQ(m[5]["step"], 6);
   EXPECT_EQ(cursor(6), 40);
   {  // the first part's recipe.conf stays; the resumed part's other batch is recorded beside it
-    std::ifstream first(d / "recipe.conf"), second(d / "recipe.resume-step4.conf");
+    std::ifstream first(d / "recipe.conf"), second(d / "resumes" / "recipe-step4.conf");
     const std::string a((std::istreambuf_iterator<char>(first)), {}), b((std::istreambuf_iterator<char>(second)), {});
     EXPECT_EQ(a.find("prompts_per_step=4\n"), std::string::npos) << a;
     EXPECT_NE(b.find("prompts_per_step=4\n"), std::string::npos) << b;
