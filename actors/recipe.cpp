@@ -136,6 +136,7 @@ void config_file_precheck(const std::string& path) {
   std::map<std::string, int> seen;         // "section.key" -> line
   std::map<std::string, int> groups;       // "name { ... }" groups -> line
   std::set<std::string> headers;           // [section] names
+  std::vector<std::set<std::string>> brace_keys;  // keys seen in each open { ... }
   auto trim = [](std::string t) {
     t.erase(0, t.find_first_not_of(" \t"));
     t.erase(t.find_last_not_of(" \t") + 1);
@@ -171,6 +172,7 @@ void config_file_precheck(const std::string& path) {
       }
     }
     bool quoted = false;
+    size_t item = first;  // where the current "key = value" item of a { ... } starts on this line
     for (size_t i = first; i < line.size(); ++i) {
       const char c = line[i];
       if (quoted) {
@@ -180,6 +182,12 @@ void config_file_precheck(const std::string& path) {
         quoted = true;
       } else if (c == ';' || c == '#') {
         break;  // comment
+      } else if (c == ',') {
+        item = i + 1;
+      } else if (c == '=' && !open.empty() && open.back().first == '{') {  // a key inside braces (a topology node)
+        const std::string key = trim(line.substr(item, i - item));
+        if (!key.empty() && !brace_keys.back().insert(key).second)
+          throw std::invalid_argument(path + ":" + std::to_string(n) + ": key '" + key + "' given twice in one { ... }");
       } else if (c == '[' || c == '{') {
         if (c == '{' && open.empty()) {  // "name {" opens a group (after '=', a key's map value)
           const std::string before = trim(line.substr(0, i));
@@ -192,9 +200,12 @@ void config_file_precheck(const std::string& path) {
           }
         }
         open.emplace_back(c, n);
+        if (c == '{') brace_keys.emplace_back();
+        item = i + 1;
       } else if (c == ']' || c == '}') {
         if (open.empty() || (open.back().first == '[') != (c == ']'))
           throw std::invalid_argument(path + ":" + std::to_string(n) + ": unbalanced '" + std::string(1, c) + "'");
+        if (c == '}') brace_keys.pop_back();
         open.pop_back();
       }
     }

@@ -185,9 +185,13 @@ TEST(Topology, BadFilesNameNodeAndKey) {
                             "learners=[\"cpu:1\"]}]\n");
   EXPECT_NE(error_of([&] { topology_load(f7); }).find("node 'b': calibration must run on the node of learner 0"), std::string::npos)
       << error_of([&] { topology_load(f7); });
+  // a key twice in one node: CAF kept the last ("main" was planned as "other")
+  const auto f8 = write_tmp("t8.conf", "[cluster]\nnodes=[{name=\"main\", name=\"other\", roles=[\"controller\"]}]\n");
+  EXPECT_NE(error_of([&] { topology_load(f8); }).find("t8.conf:2: key 'name' given twice in one { ... }"), std::string::npos)
+      << error_of([&] { topology_load(f8); });
   const auto f6 = write_tmp("t6.conf", "[cluster]\nnodes=[{name=\"a\", roles=[\"controller\"]}\n");  // never closed
   EXPECT_NE(error_of([&] { topology_load(f6); }).find("is never closed"), std::string::npos);
-  for (const auto& f : {f1, f2, f3, f4, f5, f6, f7}) fs::remove(f);
+  for (const auto& f : {f1, f2, f3, f4, f5, f6, f7, f8}) fs::remove(f);
 }
 
 TEST(RunDir, AnEarlierRunIsNeverOverwrittenUnasked) {
