@@ -9,9 +9,12 @@
 
 namespace fp8rl::quant {
 
-int64_t bundle_tensor::numel() const {
+int64_t bundle_tensor::numel() const {  // -1 for a shape beyond any tensor (a product that could wrap)
   int64_t n = 1;
-  for (int64_t d : shape) n *= d;
+  for (int64_t d : shape) {
+    if (d < 0 || d > kMaxTensorDim || n * d > kMaxTensorElems) return -1;
+    n *= d;
+  }
   return n;
 }
 
@@ -30,12 +33,13 @@ void bundle_validate(const weight_bundle& b, bool needs_attention_scales) {
   if (s.weight_version != b.weight_version)
     throw std::invalid_argument(tag + "snapshot weight_version differs from the bundle's");
   for (const auto& t : b.tensors) {
+    if (t.numel() < 0) throw std::invalid_argument(tag + "tensor '" + t.name + "' has a shape beyond any tensor");
     const int64_t esize = t.dtype == bundle_dtype::f32 ? 4 : t.dtype == bundle_dtype::bf16 ? 2 : 1;
     if (static_cast<int64_t>(t.bytes.size()) != t.numel() * esize)
       throw std::invalid_argument(tag + "tensor '" + t.name + "' holds " + std::to_string(t.bytes.size()) +
                                   " bytes, its shape needs " + std::to_string(t.numel() * esize));
     if (t.dtype != bundle_dtype::fp8) {  // never a weight from non-finite values (fp8-numerics §0.2)
-      for (int64_t i = 0; i < t.numel(); ++i) {
+      for (int64_t i = 0, n = t.numel(); i < n; ++i) {
         uint32_t u = 0;
         std::memcpy(reinterpret_cast<char*>(&u) + (esize == 2 ? 2 : 0), t.bytes.data() + i * esize, static_cast<size_t>(esize));
         if ((u & 0x7f800000u) == 0x7f800000u)

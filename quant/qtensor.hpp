@@ -26,6 +26,9 @@ namespace fp8rl::quant {
 
 enum class qlayout : uint8_t { rowwise_1x128 = 0, colwise_1x128 = 1, block_128x128 = 2 };
 inline constexpr int64_t kBlock = 128;
+// Shapes a received tensor may claim (qtensor_validate, bundle_validate): per side and in all,
+// far past any model, and small enough that no size computed from them wraps.
+inline constexpr int64_t kMaxTensorDim = int64_t{1} << 31, kMaxTensorElems = int64_t{1} << 40;
 
 struct qtensor {
   std::string name;                 // tensor name, used in every error

@@ -112,7 +112,7 @@ qtensor quantize_ref(const float* x, int64_t rows, int64_t cols, qlayout layout,
 void quantize_into(const float* x, int64_t rows, int64_t cols, qlayout layout, scale_mode mode,
                    qtensor& out) {
   if (cpu_isa_active() >= cpu_isa::avx512) return detail::quantize_avx512(x, rows, cols, layout, mode, out);
-  out = detail::quantize_scalar(x, rows, cols, layout, mode, std::move(out.name));
+  out = detail::quantize_scalar(x, rows, cols, layout, mode, out.name);  // a copy: an error keeps the name
 }
 
 qtensor quantize(const float* x, int64_t rows, int64_t cols, qlayout layout, scale_mode mode,
@@ -185,6 +185,10 @@ void qtensor_validate(const qtensor& q) {
     throw std::invalid_argument("tensor '" + q.name + "': " + what);
   };
   if (q.rows < 0 || q.cols < 0) fail("negative shape");
+  // bounded first: rows * cols (and the scale count) of a received shape could wrap to the sizes
+  // held, pass, and the scale loop read past an empty array
+  if (q.rows > kMaxTensorDim || q.cols > kMaxTensorDim || q.rows * q.cols > kMaxTensorElems)
+    fail("shape " + std::to_string(q.rows) + " x " + std::to_string(q.cols) + " is beyond any tensor (at most 2^31 per side, 2^40 in all)");
   if (static_cast<int64_t>(q.data.size()) != q.rows * q.cols)
     fail("holds " + std::to_string(q.data.size()) + " bytes, shape needs " +
          std::to_string(q.rows * q.cols));

@@ -204,6 +204,8 @@ TEST(Generate, RefusedBundlesKeepTheOldWeights) {
   auto shape = good;
   shape.tensors[1].shape = {3};
   EXPECT_NE(e.adopt(std::make_shared<fp8rl::quant::weight_bundle>(shape)), "");
+  shape.tensors[1].shape = {int64_t{1} << 39, int64_t{1} << 39};  // its element count wrapped to 0
+  EXPECT_NE(e.adopt(std::make_shared<fp8rl::quant::weight_bundle>(shape)).find("has a shape beyond any tensor"), std::string::npos);
   auto older = bundle_from_params(p, ec.policy, 2, 2, nullptr);
   EXPECT_NE(e.adopt(std::make_shared<fp8rl::quant::weight_bundle>(older)).find("older"), std::string::npos);
   int non_fp8 = 0;

@@ -262,4 +262,13 @@ TEST(Quantize, ValidateRejectsMissingScaleAndNaNCodes) {
   qtensor short_data = q;
   short_data.data.pop_back();
   EXPECT_THROW(qtensor_validate(short_data), std::invalid_argument);
+  // a received shape of 2^36 x 2^36 with nothing in it: rows * cols and the scale count wrapped
+  // to 0, the sizes matched, and the scale loop read past the empty array
+  qtensor wrap;
+  wrap.name = "w";
+  wrap.rows = wrap.cols = int64_t{1} << 36;
+  try { qtensor_validate(wrap); FAIL(); } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("tensor 'w': shape 68719476736 x 68719476736 is beyond any tensor"), std::string::npos)
+        << e.what();
+  }
 }
