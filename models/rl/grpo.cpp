@@ -31,7 +31,11 @@ std::vector<float> grpo_advantages(const std::vector<float>& r, int64_t G, bool 
   std::vector<float> a(r.size());
   for (size_t g0 = 0; g0 < r.size(); g0 += static_cast<size_t>(G)) {
     double mean = 0, var = 0;
-    for (int64_t i = 0; i < G; ++i) mean += r[g0 + i];
+    for (int64_t i = 0; i < G; ++i) {
+      if (!std::isfinite(r[g0 + i]))  // its whole group's advantages would be NaN
+        throw std::invalid_argument("grpo_advantages: reward " + std::to_string(g0 + i) + " is " + std::to_string(r[g0 + i]));
+      mean += r[g0 + i];
+    }
     mean /= double(G);
     for (int64_t i = 0; i < G; ++i) var += (r[g0 + i] - mean) * (r[g0 + i] - mean);
     const double sd = G > 1 ? std::sqrt(var / double(G - 1)) : 0.0;  // unbiased, as torch.std
@@ -43,7 +47,26 @@ std::vector<float> grpo_advantages(const std::vector<float>& r, int64_t G, bool 
   return a;
 }
 
+namespace {
+// The batch's arrays agree, every token names a sequence of the batch, and the advantage of every
+// token in the loss is finite: a short array or a sequence index out of range was read (or written)
+// past its end, and a NaN advantage made the loss and every gradient NaN without a word.
+void batch_check(const token_batch_rl& b) {
+  const size_t n = b.c.size();
+  if (b.p.size() != n || b.g.size() != n || b.adv.size() != n || b.mask.size() != n || b.seq.size() != n)
+    throw std::invalid_argument("policy_loss: c, p, g, adv, mask, seq must have the same length");
+  for (size_t t = 0; t < n; ++t) {
+    if (b.seq[t] < 0 || b.seq[t] >= b.n_seqs)
+      throw std::invalid_argument("policy_loss: token " + std::to_string(t) + " names sequence " + std::to_string(b.seq[t]) +
+                                  " of " + std::to_string(b.n_seqs));
+    if (b.mask[t] > 0 && !std::isfinite(b.adv[t]))
+      throw std::invalid_argument("policy_loss: token " + std::to_string(t) + " has advantage " + std::to_string(b.adv[t]));
+  }
+}
+}  // namespace
+
 is_result is_weights(const token_batch_rl& b, const grpo_config& cfg) {
+  batch_check(b);
   const int64_t n = b.size();
   is_result out;
   out.w.assign(static_cast<size_t>(n), 0.0f);
@@ -109,8 +132,7 @@ is_result is_weights(const token_batch_rl& b, const grpo_config& cfg) {
 
 namespace {
 void policy_loss_check(const token_batch_rl& b, const grpo_config& cfg, double N) {
-  if (b.p.size() != b.c.size() || b.g.size() != b.c.size() || b.adv.size() != b.c.size() || b.mask.size() != b.c.size())
-    throw std::invalid_argument("policy_loss: c, p, g, adv, mask must have the same length");
+  batch_check(b);
   if (cfg.kl_beta > 0 && b.ref.size() != b.c.size()) throw std::invalid_argument("policy_loss: kl_beta > 0 needs ref logprobs");
   if (!(N > 0)) throw std::invalid_argument("policy_loss: N (global token count) must be > 0");
 }

@@ -3,6 +3,8 @@
 // against a hand-computed example, and the async variant's reduction to the on-policy loss.
 #include <gtest/gtest.h>
 
+#include <algorithm>
+
 #include <cmath>
 #include <filesystem>
 #include <fstream>
@@ -57,6 +59,35 @@ TEST(Grpo, AdvantagesAreGroupNormalized) {
   auto m = grpo_advantages({3, 1}, 2, false, 0.0f);
   EXPECT_FLOAT_EQ(m[0], 1.0f);
   EXPECT_THROW(grpo_advantages({1, 2, 3}, 2, true, 0.0f), std::invalid_argument);
+  EXPECT_THROW(grpo_advantages({1, std::nanf(""), 0, 1}, 2, true, 0.0f), std::invalid_argument);  // a NaN group
+}
+
+// A batch whose arrays disagree, whose tokens name sequences it does not have (read and written
+// past the per-sequence arrays), or whose loss tokens carry a non-finite advantage (the loss and
+// every gradient went NaN) is refused naming the token.
+TEST(Grpo, MalformedBatchesAreRefusedNamingTheToken) {
+  const grpo_config cfg;
+  auto why = [&](const token_batch_rl& b) {
+    try {
+      policy_loss(b, cfg, 10.0);
+    } catch (const std::invalid_argument& e) {
+      return std::string(e.what());
+    }
+    return std::string();
+  };
+  token_batch_rl ok = random_batch(5, 3, false);
+  EXPECT_EQ(why(ok), "");
+  auto far = ok;
+  far.seq.back() = 7;
+  EXPECT_NE(why(far).find("names sequence 7 of 3"), std::string::npos) << why(far);
+  auto short_seq = ok;
+  short_seq.seq.pop_back();
+  EXPECT_NE(why(short_seq).find("same length"), std::string::npos);
+  auto nan = ok;
+  const auto in_loss = std::find_if(nan.mask.begin(), nan.mask.end(), [](float m) { return m > 0; }) - nan.mask.begin();
+  nan.adv[static_cast<size_t>(in_loss)] = std::nanf("");
+  EXPECT_NE(why(nan).find("token " + std::to_string(in_loss) + " has advantage nan"), std::string::npos) << why(nan);
+  EXPECT_THROW(is_weights(far, cfg), std::invalid_argument);  // the learner's path calls it first
 }
 
 TEST(Grpo, LossGradientMatchesFiniteDifferencesForEveryIsMode) {
