@@ -74,6 +74,28 @@ TEST(Trace, VectorClocksFollowTheMessages) {
   const auto c = fp8rl::test::run_command(kBin + "/fp8rl-trace shiviz " + run.string());
   EXPECT_NE(c.out.find("C.jsonl:1: recv event without msg/lamport; skipped"), std::string::npos) << c.out;
   EXPECT_NE(fp8rl::test::run_command(kBin + "/fp8rl-trace shiviz " + (run / "nope").string()).rc, 0);
+  // a line missing ts, of a wrong type, of an unknown kind, or not an object is named by file and
+  // line (defaulted, a missing ts rebased the timeline to 0; a wrong type gave the JSON library's
+  // words only); a metrics line with a bin that is not a number names its key
+  for (const auto& [bad, what] : std::vector<std::pair<json, std::string>>{
+           {json{{"node", "C"}, {"actor", "x"}, {"kind", "span"}, {"name", "m"}}, "C.jsonl:1: 'ts' missing"},
+           {json{{"node", "C"}, {"actor", "x"}, {"kind", "span"}, {"name", "m"}, {"ts", "abc"}}, "C.jsonl:1: 'ts' is \"abc\", not an integer"},
+           {json{{"node", "C"}, {"actor", "x"}, {"kind", "bogus"}, {"name", "m"}, {"ts", 1}}, "C.jsonl:1: kind 'bogus' is not span"},
+           {json{{"node", "C"}, {"actor", "x"}, {"kind", "send"}, {"name", "m"}, {"ts", 1}, {"lamport", -1}, {"msg", 3}},
+            "C.jsonl:1: 'lamport' is -1, not an integer >= 0"},
+           {json::array({1, 2, 3}), "C.jsonl:1: not an event object"}}) {
+    std::ofstream(run / "traces" / "C.jsonl") << bad.dump() << "\n";
+    for (const char* cmd : {"merge", "summary", "shiviz"}) {
+      const auto b = fp8rl::test::run_command(kBin + "/fp8rl-trace " + cmd + " " + run.string());
+      EXPECT_NE(b.rc, 0) << cmd << " " << bad.dump();
+      EXPECT_NE(b.out.find(what), std::string::npos) << cmd << "\n" << b.out;
+    }
+  }
+  fs::remove(run / "traces" / "C.jsonl");
+  std::ofstream(run / "metrics.jsonl") << "{\"staleness_hist/0\": 3}\n{\"staleness_hist/x\": 3}\n";
+  const auto m = fp8rl::test::run_command(kBin + "/fp8rl-trace summary " + run.string());
+  EXPECT_NE(m.out.find("metrics.jsonl:2: key 'staleness_hist/x': the staleness bin is not an integer"), std::string::npos) << m.out;
+  fs::remove(run / "metrics.jsonl");
   // a resumed run appends to the same node file with its clocks starting again: each process
   // is its own host, so the two runs' events are not merged into one timeline of one actor
   fs::remove(run / "traces" / "C.jsonl");

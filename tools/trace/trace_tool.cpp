@@ -9,6 +9,7 @@
 //                                   histogram, weight-sync latency, calibration time, messages
 // Input: RUN_DIR/traces/*.jsonl (actors/trace.hpp) and RUN_DIR/metrics.jsonl.
 #include <algorithm>
+#include <charconv>
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
@@ -35,6 +36,44 @@ struct event {
   const std::string& who() const { return host; }
 };
 
+// One event line (what actors/trace.cpp writes): node, actor, name, kind (span | send | recv) and
+// ts always; dur, pid, bytes, wv, lamport, msg where they apply. A field missing or of
+// another type is an error naming `where` (file:line): defaulted, a missing ts rebased the whole
+// timeline to 0, and a wrong type stopped the tool with the JSON library's words only.
+event event_from(const json& j, const std::string& where) {
+  auto fail = [&](const std::string& what) { throw std::invalid_argument(where + what); };
+  if (!j.is_object()) fail("not an event object");
+  auto str = [&](const char* k) {
+    if (!j.contains(k) || !j[k].is_string()) fail(std::string(k).insert(0, 1, '\'') + "' missing or not a string");
+    return j[k].get<std::string>();
+  };
+  auto integer = [&](const char* k, bool required, int64_t lo, int64_t def) {
+    if (!j.contains(k)) {
+      if (required) fail(std::string(k).insert(0, 1, '\'') + "' missing");
+      return def;
+    }
+    if (!j[k].is_number_integer() || (j[k].is_number_unsigned() && j[k].get<uint64_t>() > uint64_t(INT64_MAX)) ||
+        j[k].get<int64_t>() < lo)
+      fail(std::string(k).insert(0, 1, '\'') + "' is " + j[k].dump() + ", not an integer >= " + std::to_string(lo));
+    return j[k].get<int64_t>();
+  };
+  event e;
+  e.node = str("node");
+  e.actor = str("actor");
+  e.name = str("name");
+  e.kind = str("kind");
+  if (e.kind != "span" && e.kind != "send" && e.kind != "recv") fail("kind '" + e.kind + "' is not span, send or recv");
+  e.ts = integer("ts", true, 0, 0);
+  e.dur = integer("dur", false, 0, 0);  // send/recv: instants
+  e.pid = integer("pid", false, 0, 0);  // traces written before pids were: one process per file
+  e.wv = integer("wv", false, -1, -1);
+  e.lamport = static_cast<uint64_t>(integer("lamport", false, 0, 0));
+  e.msg = static_cast<uint64_t>(integer("msg", false, 0, 0));
+  if (j.contains("bytes") && !j["bytes"].is_number()) fail("'bytes' is not a number");
+  e.bytes = j.value("bytes", 0.0);
+  return e;
+}
+
 std::vector<event> load_events(const fs::path& run) {
   std::vector<event> ev;
   const fs::path dir = run / "traces";
@@ -51,18 +90,7 @@ std::vector<event> load_events(const fs::path& run) {
         std::fprintf(stderr, "fp8rl-trace: %s:%ld: skipping unparsable line\n", f.path().c_str(), long(n));
         continue;
       }
-      event e;
-      e.node = j.value("node", "?");
-      e.actor = j.value("actor", "?");
-      e.name = j.value("name", "?");
-      e.kind = j.value("kind", "span");
-      e.ts = j.value("ts", int64_t{0});
-      e.dur = j.value("dur", int64_t{0});
-      e.bytes = j.value("bytes", 0.0);
-      e.wv = j.value("wv", int64_t{-1});
-      e.lamport = j.value("lamport", uint64_t{0});
-      e.msg = j.value("msg", uint64_t{0});
-      e.pid = j.value("pid", int64_t{0});
+      event e = event_from(j, f.path().string() + ":" + std::to_string(n) + ": ");
       if ((e.kind == "send" || e.kind == "recv") && (e.msg == 0 || e.lamport == 0)) {
         std::fprintf(stderr, "fp8rl-trace: %s:%ld: %s event without msg/lamport; skipped\n", f.path().c_str(), long(n), e.kind.c_str());
         continue;
@@ -224,7 +252,7 @@ int summary(const fs::path& run) {
   std::printf("run: %s   wall time covered by traces: %.2f s\n\n%-28s %10s %8s\n", run.c_str(), span, "actor", "busy s", "busy %");
   for (const auto& [a, iv] : busy) {
     const double b = double(covered(iv)) / 1e6;
-    std::printf("%-28s %10.3f %7.1f%%\n", a.c_str(), b, 100.0 * b / span);
+    std::printf("%-28s %10.3f %7.1f%%\n", a.c_str(), b, span > 0 ? 100.0 * b / span : 0.0);  // one instant: 0 s covered
   }
   const double g = double(covered(gen)) / 1e6, t = double(covered(train)) / 1e6, o = double(overlap(gen, train)) / 1e6;
   std::printf("\ngeneration busy %.3f s, training busy %.3f s, both at once %.3f s (%.1f%% of training overlapped)\n", g, t, o,
@@ -245,13 +273,24 @@ int summary(const fs::path& run) {
   // staleness and sync latency from the metrics
   std::map<int64_t, double> hist;
   std::vector<double> sync;
-  std::ifstream in(run / "metrics.jsonl");
+  const fs::path metrics = run / "metrics.jsonl";
+  std::ifstream in(metrics);
   std::string line;
-  while (std::getline(in, line)) {
+  for (int64_t n = 1; std::getline(in, line); ++n) {
+    const std::string where = metrics.string() + ":" + std::to_string(n) + ": ";
     auto j = json::parse(line, nullptr, false);
-    if (j.is_discarded()) continue;
+    if (j.is_discarded() || !j.is_object()) {  // a run killed mid-write leaves a torn last line
+      std::fprintf(stderr, "fp8rl-trace: %sskipping a line that is not a JSON object\n", where.c_str());
+      continue;
+    }
     for (auto it = j.begin(); it != j.end(); ++it) {
-      if (it.key().rfind("staleness_hist/", 0) == 0 && it.value().is_number()) hist[std::stoll(it.key().substr(15))] += it.value().get<double>();
+      if (it.key().rfind("staleness_hist/", 0) != 0 || !it.value().is_number()) continue;
+      const std::string bin = it.key().substr(15);
+      int64_t d = 0;
+      const auto [end, ec] = std::from_chars(bin.data(), bin.data() + bin.size(), d);
+      if (ec != std::errc{} || end != bin.data() + bin.size())
+        throw std::invalid_argument(where + "key '" + it.key() + "': the staleness bin is not an integer");
+      hist[d] += it.value().get<double>();
     }
     if (j.contains("sync_latency_s") && j["sync_latency_s"].is_number()) sync.push_back(j["sync_latency_s"].get<double>());
   }
