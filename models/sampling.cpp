@@ -80,7 +80,8 @@ double logits_process(const float* logits, int64_t V, const logit_processing& p,
   const float ninf = -std::numeric_limits<float>::infinity();
   const bool scale = p.temperature != 1.0f && p.temperature != 0.0f;
   for (int64_t v = 0; v < V; ++v) z[v] = scale ? logits[v] / p.temperature : logits[v];
-  check_processed(logits, z, V, scale, p.temperature, max_of(z, V));
+  const float m = max_of(z, V);  // top-k keeps every z >= its threshold, so the max too
+  check_processed(logits, z, V, scale, p.temperature, m);
   if (p.top_k > 0 && p.top_k < V) {
     work.resize(static_cast<size_t>(V));
     for (int64_t v = 0; v < V; ++v) work[v] = static_cast<int32_t>(v);
@@ -90,7 +91,6 @@ double logits_process(const float* logits, int64_t V, const logit_processing& p,
     for (int64_t v = 0; v < V; ++v)
       if (z[v] < thr) z[v] = ninf;
   }
-  const float m = max_of(z, V);
   double lse = m + std::log(sum_exp(z, V, m));
   if (p.top_p < 1.0f) {
     work.resize(static_cast<size_t>(V));
