@@ -7,6 +7,8 @@
 #include <tbb/parallel_for.h>
 
 #include <cmath>
+#include <stdexcept>
+#include <string>
 
 namespace fp8rl::models {
 
@@ -52,13 +54,30 @@ FP8RL_VECTOR_CLONES void adamw_range(const adamw_coefs& k, int64_t i0, int64_t i
 }
 }  // namespace
 
+namespace {
+// The first non-finite gradient element, named by tensor and index (a finite FP32 squared in FP64
+// cannot overflow, so a non-finite norm means such an element exists).
+[[noreturn]] void nonfinite_grad(const param_layout& layout, const float* grads) {
+  for (const auto& info : layout.infos)
+    for (int64_t i = 0; i < info.numel; ++i)
+      if (!std::isfinite(grads[info.offset + i]))
+        throw std::invalid_argument("adamw_step: the gradient of " + info.name + " is " +
+                                    std::to_string(grads[info.offset + i]) + " at element " + std::to_string(i) +
+                                    "; no parameter or moment was updated");
+  throw std::invalid_argument("adamw_step: the gradient norm is not finite; no parameter or moment was updated");
+}
+}  // namespace
+
 double adamw_step(const adamw_config& cfg, const param_layout& layout, float* params, float* grads, adamw_state& st) {
   const int64_t n = layout.total;
+  // a NaN/Inf gradient would clip every other one to 0 (Inf norm) or pass NaN into every parameter
+  // and both moments (NaN norm) without a word: refused before any state changes
+  const double norm = grad_global_norm(grads, n);
+  if (!std::isfinite(norm)) nonfinite_grad(layout, grads);
   if (st.m.size() != static_cast<size_t>(n)) {
     st.m.assign(static_cast<size_t>(n), 0.0f);
     st.v.assign(static_cast<size_t>(n), 0.0f);
   }
-  const double norm = grad_global_norm(grads, n);
   float clip = 1.0f;
   if (cfg.grad_clip > 0.0f) {
     const double coef = cfg.grad_clip / (norm + 1e-6);

@@ -25,7 +25,8 @@ struct adamw_state {
 
 // Global L2 norm of grads[n] (FP64 sum over fixed chunks).
 double grad_global_norm(const float* grads, int64_t n);
-// Clips grads in place, updates params; returns the pre-clip global norm.
+// Clips grads in place, updates params; returns the pre-clip global norm. A NaN/Inf gradient is
+// refused (std::invalid_argument naming the tensor and element) before any state changes.
 double adamw_step(const adamw_config& cfg, const param_layout& layout, float* params, float* grads, adamw_state& st);
 
 }  // namespace fp8rl::models

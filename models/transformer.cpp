@@ -280,10 +280,25 @@ void model_runner::forward(const model_weights& w, const token_batch& b, bool tr
   be_.linear_forward(*w.lm_head, a_.xnf.data(), T, a_.logits.data());  // [T, V]
 }
 
+namespace {
+// One target per token of the batch, each a vocabulary id or -1 (no target): a target >= V was
+// read past its logits row (and in backward written into another row), a -1 taken for padding.
+void targets_check(const std::vector<int32_t>& targets, int64_t T, int64_t V, const char* where) {
+  if (static_cast<int64_t>(targets.size()) != T)
+    throw std::invalid_argument(std::string(where) + ": " + std::to_string(targets.size()) + " targets for " +
+                                std::to_string(T) + " tokens");
+  for (size_t t = 0; t < targets.size(); ++t)
+    if (targets[t] < -1 || targets[t] >= V)
+      throw std::invalid_argument(std::string(where) + ": the target of token " + std::to_string(t) + " is " +
+                                  std::to_string(targets[t]) + ", not -1 or an id below the vocabulary size " +
+                                  std::to_string(V));
+}
+}  // namespace
+
 void model_runner::logprobs(const std::vector<int32_t>& targets, const logit_processing& proc, float* logp,
                             float* entropy) {
   if (!fwd_weights_) throw std::logic_error("logprobs: no forward pass");
-  if (static_cast<int64_t>(targets.size()) != batch_.T()) throw std::invalid_argument("logprobs: targets size != T");
+  targets_check(targets, batch_.T(), fwd_weights_->cfg.vocab_size, "logprobs");
   be_.logprob_forward(a_.logits.data(), targets.data(), batch_.T(), fwd_weights_->cfg.vocab_size, proc, logp, entropy);
 }
 
@@ -291,6 +306,7 @@ void model_runner::backward(const model_weights& w, const std::vector<int32_t>& 
                             const float* dlogp, float* grads) {
   if (fwd_weights_ != &w || !trained_forward_) throw std::logic_error("backward: needs a training forward with these weights");
   const model_config& c = w.cfg;
+  targets_check(targets, batch_.T(), c.vocab_size, "backward");
   const int64_t T = batch_.T(), C = c.hidden_size, F = c.intermediate_size, H = c.num_attention_heads,
                 KV = c.num_key_value_heads, D = c.head_dim, V = c.vocab_size, QD = c.q_dim(), KD = c.kv_dim();
   const param_layout layout = model_param_layout(c);

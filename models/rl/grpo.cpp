@@ -98,7 +98,7 @@ is_result is_weights(const token_batch_rl& b, const grpo_config& cfg) {
   std::vector<double> seq_sum(static_cast<size_t>(b.n_seqs), 0.0), seq_cnt(static_cast<size_t>(b.n_seqs), 0.0);
   for (int64_t t = 0; t < n; ++t) {
     double w = std::exp(static_cast<double>(b.p[t]) - b.g[t]);
-    if (!std::isfinite(w)) {  // exp overflow: out of the step, counted
+    if (!std::isfinite(static_cast<float>(w))) {  // NaN, or past FP32 (p - g > 88.7): out of the step, counted
       if (out.mask[t] > 0) ++out.nonfinite;
       out.mask[t] = 0.0f;
       w = 0.0;

@@ -102,10 +102,34 @@ std::vector<std::vector<int32_t>> rl_sequences(const std::vector<rl_sample>& sam
   return out;
 }
 
+void rl_sample_check(const rl_sample& s, size_t i, int64_t vocab) {
+  const std::string at = "sample " + std::to_string(i) + " (prompt " + std::to_string(s.prompt_id) + ", group index " +
+                         std::to_string(s.group_index) + ")";
+  const size_t n = s.response.size();
+  auto same = [&](size_t m, const char* what) {
+    if (m != n)
+      throw std::invalid_argument(at + ": " + what + " has " + std::to_string(m) + " entries for " + std::to_string(n) +
+                                  " response tokens");
+  };
+  same(s.gen_logprobs.size(), "gen_logprobs");
+  same(s.weight_version.size(), "weight_version");
+  same(s.scale_version.size(), "scale_version");
+  if (vocab <= 0) return;
+  auto ids = [&](const std::vector<int32_t>& v, const char* what) {
+    for (size_t j = 0; j < v.size(); ++j)
+      if (v[j] < 0 || v[j] >= vocab)
+        throw std::invalid_argument(at + ": " + what + " token " + std::to_string(j) + " is " + std::to_string(v[j]) +
+                                    ", not an id of the model's vocabulary of " + std::to_string(vocab));
+  };
+  ids(s.prompt, "prompt");
+  ids(s.response, "response");
+}
+
 token_batch_rl rl_tokens(const std::vector<rl_sample>& samples) {
   token_batch_rl rl;
   for (size_t i = 0; i < samples.size(); ++i) {
     const auto& s = samples[i];
+    rl_sample_check(s, i, 0);
     for (size_t j = 0; j < s.response.size(); ++j) {
       rl.g.push_back(s.gen_logprobs[j]);
       rl.adv.push_back(s.advantage);
@@ -166,6 +190,7 @@ learner_out learner_grpo(model_runner& run, const model_weights& w, const std::v
     if (cfg.seq_logprob_error_threshold > 0 && sum_over_learners) sum_over_learners(0.0);
     return out;
   }
+  for (size_t i = 0; i < samples.size(); ++i) rl_sample_check(samples[i], i, w.cfg.vocab_size);
   const learner_batch lb = learner_batch_build(samples, cfg.share_prompts);
   const token_batch& b = lb.b;
   const std::vector<int64_t>& at = lb.at;
@@ -248,6 +273,9 @@ std::vector<double> sft_train(model_params& params, adamw_state& opt, const data
     run.logprobs(targets, {}, lp.data());
     double n = 0, loss = 0;
     for (float m : mask) n += m;
+    if (n == 0)  // the loss would be -0/0: NaN into every gradient
+      throw std::invalid_argument("sft: step " + std::to_string(step) + "'s batch of " + std::to_string(cfg.batch) +
+                                  " examples has no answer token to learn (empty answers and no EOS token)");
     for (size_t t = 0; t < targets.size(); ++t) {
       loss -= mask[t] * lp[t] / n;
       dl[t] = static_cast<float>(-mask[t] / n);

@@ -1,7 +1,7 @@
 // models/rl/rl.hpp -- the RL loop's plain functions (no actors): rollout requests and samples,
 // rewards, the learner's GRPO gradient, SFT warm start and evaluation. The actors call exactly
 // these; the synchronous loop in tests calls them directly.
-// defines: rl_sample, rollout_requests, rollout_samples, learner_grpo, rl_batch_metrics,
+// defines: rl_sample, rl_sample_check, rollout_requests, rollout_samples, learner_grpo, rl_batch_metrics,
 //          sft_config, sft_train, eval_result, evaluate
 #pragma once
 #include <cstdint>
@@ -60,8 +60,14 @@ struct learner_out {
 };
 // prompt + response of each sample: what the calibration runs on (the batch just trained).
 std::vector<std::vector<int32_t>> rl_sequences(const std::vector<rl_sample>& samples);
+// Sample i's per-token arrays (gen_logprobs, weight_version, scale_version) have one entry per
+// response token and, with vocab > 0, its prompt and response are ids in [0, vocab); else
+// std::invalid_argument naming the sample, its prompt and the array or token. Samples come over
+// the wire: a short array was read past its end, a response token >= V read (in backward wrote)
+// past its logits row, and -1 passed as "no target" with logp 0.
+void rl_sample_check(const rl_sample& s, size_t i, int64_t vocab);
 // The response tokens of `samples` in order (sample i, token j): g, advantage, mask 1, sequence
-// index, behaviour version; c, p and ref are left to the caller.
+// index, behaviour version; c, p and ref are left to the caller. Checks each (rl_sample_check).
 token_batch_rl rl_tokens(const std::vector<rl_sample>& samples);
 // Every step metric of the learner on a token batch: policy_loss's (loss, KL, mismatch, clip
 // fraction) and per-version / per-staleness token_mult_prob_error and gen_kl_error. With several

@@ -307,6 +307,7 @@ TEST(SharedPrefix, LearnerStepKeepsLogprobsAndLoss) {
   off.share_prompts = false;
   std::vector<const char*> policies = {"fp32", "bf16", "fp8"};
   if (fp8rl::quant::gemm_tiles_available()) policies.push_back("fp8-tiles");
+  else std::printf("fp8-tiles not run: this CPU has no AMX tiles\n");  // said, not silently dropped
   for (const char* pol : policies) {
     auto w = model_weights_build(*be, c, precision_policy::named(pol), {&p, nullptr, nullptr}, true);
     const learner_out a = learner_grpo(run, *w, samples, on, 40.0, 5);
@@ -352,4 +353,47 @@ TEST(SharedPrefix, ModelGradientsOnSharedLayoutsMeetThePolicyBounds) {
     EXPECT_LE(eu, bound) << pol;
     EXPECT_LE(es, eu * fp8rl::tol::kSharedVsUnsharedErr) << pol << ": the shared layout loses accuracy";
   }
+}
+
+// Samples come over the wire: a response token past the vocabulary (read past its logits row in
+// the forward, written into another row in the backward), a -1 (taken for "no target": logp 0)
+// and per-token arrays shorter than the response (read past their ends) are refused naming the
+// sample; the runner's logprobs and backward refuse such targets themselves as well.
+TEST(SharedPrefix, LearnerRefusesSamplesItCannotRead) {
+  learner_fixture F;
+  auto& [c, p, be, run, samples] = F;
+  auto w = model_weights_build(*be, c, precision_policy::named("fp32"), {&p, nullptr, nullptr}, true);
+  using fp8rl::test::thrown_text;
+  auto refused = [&](std::vector<rl_sample> s) {
+    return thrown_text<std::invalid_argument>([&] { learner_grpo(run, *w, s, grpo_config{}, 40.0, 5); });
+  };
+  auto bad = samples;
+  bad[3].response.back() = static_cast<int32_t>(c.vocab_size) + 40;
+  EXPECT_NE(refused(bad).find("sample 3"), std::string::npos) << refused(bad);
+  EXPECT_NE(refused(bad).find("response token"), std::string::npos) << refused(bad);
+  bad = samples;
+  bad[2].response.back() = -1;
+  EXPECT_NE(refused(bad).find("sample 2"), std::string::npos) << refused(bad);
+  bad = samples;
+  bad[1].gen_logprobs.pop_back();
+  EXPECT_NE(refused(bad).find("gen_logprobs"), std::string::npos) << refused(bad);
+  EXPECT_NE(thrown_text<std::invalid_argument>([&] { rl_tokens(bad); }).find("sample 1"), std::string::npos);
+  bad = samples;
+  bad[0].weight_version.clear();
+  EXPECT_NE(refused(bad).find("weight_version"), std::string::npos) << refused(bad);
+  EXPECT_EQ(refused(samples), "");
+  // the runner itself: one target per token, each -1 or an id
+  const learner_batch lb = learner_batch_build(samples, true);
+  run.forward(*w, lb.b, true);
+  std::vector<float> lp(lb.targets.size());
+  auto targets = lb.targets;
+  targets[2] = static_cast<int32_t>(c.vocab_size);
+  EXPECT_NE(thrown_text<std::invalid_argument>([&] { run.logprobs(targets, {}, lp.data()); }).find("token 2"),
+            std::string::npos);
+  std::vector<float> dlogp(targets.size(), 0.0f), grads(static_cast<size_t>(p.layout.total), 0.0f);
+  EXPECT_NE(thrown_text<std::invalid_argument>([&] { run.backward(*w, targets, {}, dlogp.data(), grads.data()); })
+                .find("token 2"),
+            std::string::npos);
+  targets.pop_back();
+  EXPECT_THROW(run.backward(*w, targets, {}, dlogp.data(), grads.data()), std::invalid_argument);
 }

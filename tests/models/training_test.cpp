@@ -152,3 +152,33 @@ TEST(Training, LossesDoNotDependOnThreadCount) {
   ASSERT_EQ(one.size(), two.size());
   for (size_t i = 0; i < one.size(); ++i) EXPECT_EQ(std::memcmp(&one[i], &two[i], 8), 0) << i;
 }
+
+// A NaN or Inf gradient is refused naming the tensor, before any parameter, moment or the step
+// count changes (an Inf norm had clipped every other gradient to 0 and written NaN into that
+// element's moments; a NaN norm skipped clipping and put NaN into every parameter).
+TEST(Training, AdamwRefusesANonFiniteGradientBeforeAnyChange) {
+  trainer tr(task_config(), "fp32", 3);
+  rng g(4);
+  tr.step(make_batch(g, 4));  // moments exist
+  const auto& layout = tr.ck.params.layout;
+  const auto params = tr.ck.params.data;
+  const auto m = tr.ck.opt.m, v = tr.ck.opt.v;
+  const int64_t step = tr.ck.opt.step;
+  const auto& info = layout.infos[3];
+  for (float bad : {INFINITY, -INFINITY, NAN}) {
+    std::vector<float> grads(static_cast<size_t>(layout.total), 1e-3f);
+    grads[static_cast<size_t>(info.offset + 5)] = bad;
+    std::string what;
+    try {
+      adamw_step(tr.opt, layout, tr.ck.params.data.data(), grads.data(), tr.ck.opt);
+    } catch (const std::invalid_argument& e) {
+      what = e.what();
+    }
+    EXPECT_NE(what.find(info.name), std::string::npos) << what;
+    EXPECT_NE(what.find("element 5"), std::string::npos) << what;
+    EXPECT_EQ(tr.ck.params.data, params);
+    EXPECT_EQ(tr.ck.opt.m, m);
+    EXPECT_EQ(tr.ck.opt.v, v);
+    EXPECT_EQ(tr.ck.opt.step, step);
+  }
+}
