@@ -21,14 +21,18 @@ void gpu_fail(const char* lib, const char* stmt, const char* file, int line, lon
   throw gpu_error(os.str());
 }
 
-int device_count() {
+device_info device_query() {
   int n = 0;
-  if (cudaGetDeviceCount(&n) != cudaSuccess) {
+  const cudaError_t e = cudaGetDeviceCount(&n);
+  if (e != cudaSuccess) {
     cudaGetLastError();  // clear the sticky "no driver" error
-    return 0;
+    return {0, cuda_text(e)};
   }
-  return n;
+  if (n <= 0) return {0, "the CUDA runtime reports no device"};
+  return {n, ""};
 }
+
+int device_count() { return device_query().count; }
 
 bool has_device() { return device_count() > 0; }
 

@@ -1,5 +1,5 @@
 // gpu/device.hpp -- device discovery, RAII device memory, error texts.
-// defines: device_count, has_device, device_name, dbuf, cuda_text, cublas_text, nccl_text
+// defines: device_query, device_count, has_device, device_name, dbuf, cuda_text, cublas_text, nccl_text
 #pragma once
 #include <cublasLt.h>
 #include <cuda_runtime.h>
@@ -17,7 +17,14 @@ std::string cuda_text(cudaError_t e);
 std::string cublas_text(cublasStatus_t s);
 std::string nccl_text(ncclResult_t r);
 
-int device_count();  // 0 without a driver or device (never throws)
+// What the runtime says about devices: count > 0 with an empty reason, or count 0 with the CUDA
+// error that explains it ("no CUDA-capable device", a driver older than the runtime, ...). Never throws.
+struct device_info {
+  int count = 0;
+  std::string reason;  // empty when count > 0
+};
+device_info device_query();
+int device_count();  // device_query().count
 bool has_device();
 std::string device_name(int dev);
 

@@ -88,12 +88,21 @@ inline constexpr double kFiniteDiffLoss = 1e-4;
 // representation error ~1e-7, which exp() propagates at that scale.
 inline constexpr double kMetricFromFloatInputs = 1e-6;
 
-// Tensor-core FP8 GEMM (cuBLASLt, undocumented accumulation order, ~14-bit partial sums
-// promoted every 128 K) vs the §5.4 model: DeepGEMM's FP8 bound.
-inline constexpr double kGemmFp8TensorCoreVsRef = 1e-3;
-// GPU float kernels vs the CPU backend (different summation orders and libm): a few FP32 ulps
-// per element, amplified by exp/log in softmax; 1e-5 relative normwise.
+// Tensor-core FP8 GEMM (cuBLASLt, undocumented order) vs the §5.4 exact model on the SAME
+// quantized operands: only the accumulation differs -- partial sums of ~14 significant bits
+// (u = 2^-13) inside each 128-K block, promoted to FP32 per block. Worst case, every one of the
+// 128 partials of a random-sign N(0,s^2) block rounded the same way: u * sum_i sqrt(i) s over a
+// block sum ~sqrt(128) s = 85u ~ 1.0e-2 relative, calc_diff ~ rel^2 / 2 ~ 5e-5 (random-sign
+// rounding: ~5e-7). Not DeepGEMM's 1e-3, which also covers rounding the operands to E4M3.
+inline constexpr double kGemmFp8TensorCoreVsRef = 1e-4;
+// GPU float kernels vs the CPU backend on FP32 operands (different summation orders and libm): a
+// few FP32 ulps per element, amplified by exp/log in softmax; 1e-5 relative normwise.
 inline constexpr double kGpuFloatKernel = 1e-5;
+// GPU vs CPU attention with BF16 operands: q, k, v and P are rounded to BF16 on both sides, so an
+// FP32-level difference in a score or probability can flip one rounding by a whole BF16 ulp
+// (2^-7 relative to that one term); the few terms that flip among many keep the normwise error
+// under BF16's half ulp.
+inline constexpr double kGpuBf16OperandKernel = kBF16RelHalfUlp;
 
 // Tile (AMX) GEMMs vs the exact sum of the same (exact) products, per element: any summation
 // order with one rounding per addition errs by at most gamma_n * sum|a_k b_k| (Higham, Thm 3.1),

@@ -52,12 +52,12 @@ bool near_kink(const token_batch_rl& b, const grpo_config& cfg, int64_t t, doubl
 
 TEST(Grpo, AdvantagesAreGroupNormalized) {
   auto a = grpo_advantages({1, 0, 0, 1, 1, 1, 1, 1}, 4, true, 0.0f);
-  const float sd = std::sqrt(1.0f / 3.0f);  // unbiased std of {1,0,0,1}
-  EXPECT_FLOAT_EQ(a[0], 0.5f / sd);
-  EXPECT_FLOAT_EQ(a[1], -0.5f / sd);
+  const double sd = std::sqrt(1.0 / 3.0);  // unbiased std of {1,0,0,1}: (4 * 0.25 / 3)^0.5, exact steps
+  EXPECT_EQ(a[0], static_cast<float>(0.5 / sd));  // FP64, one rounding to FP32: the same bits
+  EXPECT_EQ(a[1], static_cast<float>(-0.5 / sd));
   for (int i = 4; i < 8; ++i) EXPECT_EQ(a[i], 0.0f);  // identical rewards: no signal
   auto m = grpo_advantages({3, 1}, 2, false, 0.0f);
-  EXPECT_FLOAT_EQ(m[0], 1.0f);
+  EXPECT_EQ(m[0], 1.0f);  // 3 - mean 2, exact
   EXPECT_THROW(grpo_advantages({1, 2, 3}, 2, true, 0.0f), std::invalid_argument);
   EXPECT_THROW(grpo_advantages({1, std::nanf(""), 0, 1}, 2, true, 0.0f), std::invalid_argument);  // a NaN group
 }
@@ -130,7 +130,7 @@ TEST(Grpo, LossGradientMatchesFiniteDifferencesForEveryIsMode) {
     }
 }
 
-TEST(Grpo, MetricsMatchHandComputedExample) {
+TEST(Grpo, MetricsMatchTheSpecFormulasOnAHandExample) {
   token_batch_rl b;
   b.g = {-1.0f, -0.5f, -2.0f};
   b.p = {-1.1f, -0.5f, -1.5f};
@@ -141,17 +141,35 @@ TEST(Grpo, MetricsMatchHandComputedExample) {
   b.n_seqs = 2;
   grpo_config cfg;  // tis, C = 2
   const loss_result r = policy_loss(b, cfg, 3.0);
-  // values computed by hand (python, double precision) from the formulas of rl-algorithm.md §6
+  // rl-algorithm.md §6's formulas, written out here in FP64 over the same FP32 inputs (N = 3 tokens;
+  // sequences {0, 1} and {2}; every weight exp(p - g) <= e^0.5 < C, so tis leaves it as it is)
+  const double N = 3.0;
+  double tmpe = 0, gkl = 0, pkl = 0, js = 0, sir = 0, ent = 0;
+  auto k3 = [](double x) { return std::exp(x) - x - 1.0; };
+  for (int t = 0; t < 3; ++t) {
+    const double g = b.g[t], p = b.p[t], c = b.c[t], l = std::log(0.5 * std::exp(p) + 0.5 * std::exp(g));
+    tmpe += std::exp(std::fabs(g - p)) / N;
+    gkl += k3(p - g) / N;
+    pkl += k3(g - p) / N;
+    js += 0.5 * (k3(p - l) + k3(g - l)) / N;
+    sir += std::exp(p - g) / N;
+    ent += -std::exp(c - g) * c / N;
+  }
+  const double e0 = (std::exp(std::fabs(double(b.g[0]) - b.p[0])) + std::exp(std::fabs(double(b.g[1]) - b.p[1]))) / 2,
+               e1 = std::exp(std::fabs(double(b.g[2]) - b.p[2]));
   const double tol = fp8rl::tol::kMetricFromFloatInputs;
-  EXPECT_NEAR(r.metrics.at("token_mult_prob_error"), 1.251297396258592, tol);
-  EXPECT_NEAR(r.metrics.at("gen_kl_error"), 0.05118622957869593, tol);
-  EXPECT_NEAR(r.metrics.at("policy_kl_error"), 0.03723385926276035, tol);
-  EXPECT_NEAR(r.metrics.at("js_divergence_error"), 0.010726427711262273, tol);
-  EXPECT_NEAR(r.metrics.at("sampling_importance_ratio"), 1.184519562912029, tol);
-  EXPECT_NEAR(r.metrics.at("approx_entropy"), 1.2763292944854305, tol);
-  EXPECT_NEAR(r.metrics.at("seq_mult_prob_error_max"), 1.6487212707001282, tol);
-  EXPECT_NEAR(r.metrics.at("seq_mult_prob_error_mean"), 1.350653364868976, tol);
-  EXPECT_NEAR(r.metrics.at("seq_mult_prob_error_min"), 1.0525854590378239, tol);
+  EXPECT_NEAR(r.metrics.at("token_mult_prob_error"), tmpe, tol);
+  EXPECT_NEAR(r.metrics.at("gen_kl_error"), gkl, tol);
+  EXPECT_NEAR(r.metrics.at("policy_kl_error"), pkl, tol);
+  EXPECT_NEAR(r.metrics.at("js_divergence_error"), js, tol);
+  EXPECT_NEAR(r.metrics.at("sampling_importance_ratio"), sir, tol);
+  EXPECT_NEAR(r.metrics.at("approx_entropy"), ent, tol);
+  EXPECT_NEAR(r.metrics.at("seq_mult_prob_error_max"), std::max(e0, e1), tol);
+  EXPECT_NEAR(r.metrics.at("seq_mult_prob_error_mean"), (e0 + e1) / 2, tol);
+  EXPECT_NEAR(r.metrics.at("seq_mult_prob_error_min"), std::min(e0, e1), tol);
+  // and two of the values by hand, so the loop above is checked too: exp|g - p| = e^0.1, 1, e^0.5
+  EXPECT_NEAR(tmpe, (std::exp(0.1) + 1 + std::exp(0.5)) / 3, tol);
+  EXPECT_NEAR(e1, std::exp(0.5), tol);
   EXPECT_EQ(r.metrics.at("is_oob_ratio"), 0.0);
   // one out-of-bounds token under tis with C = 1.2: w = exp(0.5) = 1.65 > 1.2
   cfg.is_hi = 1.2f;
@@ -266,6 +284,21 @@ TEST(Grpo, NonFiniteWeightsAreZeroedAndCounted) {
     EXPECT_EQ(r.metrics.at("nonfinite_is_weights"), 1.0);
     EXPECT_EQ(r.dc[1], 0.0f);
     EXPECT_NEAR(r.loss, -(1.0 + 1.0) / 3.0, fp8rl::tol::kFp64FewTerms) << is_mode_name(mode);  // tokens 0 and 2: w = r = 1, A = 1
+  }
+  // p - g = 99.9: exp is finite in FP64 but +Inf as the FP32 weight (was kept as inf under none and
+  // seq-mask-tis: loss and dL/dc NaN where A = 0, nothing counted)
+  for (is_mode mode : {is_mode::none, is_mode::tis, is_mode::icepop, is_mode::seq_mask_tis}) {
+    cfg.is = mode;
+    token_batch_rl k = b;
+    k.g = {-100.0f, -0.3f, -0.5f};
+    k.c = {-0.1f, -0.2f, -0.5f};
+    k.p = k.c;
+    k.adv = {0, 1, 1};
+    const loss_result r = policy_loss(k, cfg, 3.0);
+    EXPECT_TRUE(std::isfinite(r.loss)) << is_mode_name(mode);
+    for (float d : r.dc) EXPECT_TRUE(std::isfinite(d)) << is_mode_name(mode);
+    EXPECT_EQ(r.metrics.at("nonfinite_is_weights"), 1.0) << is_mode_name(mode);
+    EXPECT_TRUE(std::isfinite(r.metrics.at("sampling_importance_ratio"))) << is_mode_name(mode);
   }
 }
 

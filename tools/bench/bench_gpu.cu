@@ -72,8 +72,8 @@ gpu::dbuf<float> scales(size_t n) {
 
 int main(int argc, char** argv) {
   bench_args a = bench_parse(argc, argv);
-  if (!gpu::has_device()) {
-    std::fprintf(stderr, "bench-gpu: no CUDA device\n");
+  if (const auto dev = gpu::device_query(); dev.count == 0) {
+    std::fprintf(stderr, "bench-gpu: no CUDA device (%s)\n", dev.reason.c_str());
     return 2;
   }
   std::fprintf(stderr, "device: %s\n", gpu::device_name(0).c_str());

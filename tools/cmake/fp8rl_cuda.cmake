@@ -9,6 +9,11 @@ if(NOT FP8RL_CUDA STREQUAL "OFF")
   endif()
   check_language(CUDA)
   if(CMAKE_CUDA_COMPILER)
+    # sm_90 code + compute_90 PTX unless the user names others: set before enable_language, or
+    # it becomes nvcc's default (sm_75 with CUDA 13, sm_52 with 12) for every CUDA target
+    if(NOT DEFINED CMAKE_CUDA_ARCHITECTURES)
+      set(CMAKE_CUDA_ARCHITECTURES "90-real;90-virtual" CACHE STRING "CUDA architectures (fp8rl: sm_90 + PTX)")
+    endif()
     enable_language(CUDA)
     find_package(CUDAToolkit)
     set(FP8RL_CUDA_MISSING "cuBLASLt")
