@@ -34,10 +34,9 @@ int main(int argc, char** argv) {
   }
   const std::string cmd = argv[1];
   try {
-    if (cmd == "train" || cmd == "--dump-config") {
-      if (cmd == "--dump-config") { char* a[] = {argv[0], const_cast<char*>("--dump-config")}; return fp8rl::actors::train_main(2, a); }
-      return fp8rl::actors::train_main(argc - 1, argv + 1);
-    }
+    // `fp8rl --dump-config [options]` = `fp8rl train --dump-config [options]`: every option counts
+    if (cmd == "--dump-config") return fp8rl::actors::train_main(argc, argv);
+    if (cmd == "train") return fp8rl::actors::train_main(argc - 1, argv + 1);
     if (cmd == "score") return fp8rl::cli::cmd_score(argc, argv);
     if (cmd == "generate") return fp8rl::cli::cmd_generate(argc, argv);
     if (cmd == "sft") return fp8rl::cli::cmd_sft(argc, argv);

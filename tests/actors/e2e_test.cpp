@@ -440,6 +440,17 @@ TEST(E2E, CafRunStopsItsGroup) {
   std::ofstream(d / "hosts4x") << "127.0.0.1 slots=4x\n";
   const auto r4 = fp8rl::test::run_command(kBin + "/caf-run --hostfile " + (d / "hosts4x").string() + " --topology " + topo + tail);
   EXPECT_NE(r4.out.find("hosts4x:1: slots must be an integer in [1, 2^20], got '4x'"), std::string::npos) << r4.out;
+  // a --wdir that does not exist (each local node exited 126 without a word), an option given twice
+  // (the last won), and the --key=value form (refused as unknown)
+  const std::string hosts = " --hostfile " + (d / "hosts").string();
+  const auto r5 = fp8rl::test::run_command(kBin + "/caf-run --wdir " + (d / "nowhere").string() + hosts + " --topology " + topo + tail);
+  EXPECT_EQ(r5.rc, 2) << r5.out;
+  EXPECT_NE(r5.out.find("nowhere: not a directory"), std::string::npos) << r5.out;
+  const auto r6 = fp8rl::test::run_command(kBin + "/caf-run --hostfile /nonexistent" + hosts + " --topology " + topo + tail);
+  EXPECT_NE(r6.out.find("option --hostfile given twice"), std::string::npos) << r6.out;
+  const auto r7 = fp8rl::test::run_command(kBin + "/caf-run --grace=x" + hosts + " --topology " + topo + tail);
+  EXPECT_NE(r7.out.find("--grace 'x'"), std::string::npos) << r7.out;
+  EXPECT_FALSE(fs::exists(d / "run3"));
   fs::remove_all(d);
 }
 

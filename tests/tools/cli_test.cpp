@@ -71,8 +71,33 @@ TEST_F(Cli, OptionsOutOfRangeOrRepeatedAreRefusedByName) {
   refused(gen + " --stop=", "--stop");  // would have turned EOS off
   refused(gen + " --seed -1", "--seed");
   refused(gen + " --bf16-layers 1x,2", "--bf16-layers");
+  refused(gen + " --policy fp8 --bf16-layers 1", "expected FIRST,LAST");  // was taken as 1,0
+  refused(gen + " --policy fp32 --bf16-layers 1,1", "runs no layer in FP8");  // was ignored
   refused("score --input " + prompts.string() + " --input " + prompts.string() + m(), "given twice");
   refused("eval --n 0" + m(), "--n");  // printed -nan accuracies with rc 0
+  // an empty value: `sft --out=` trained every step, then failed to rename its .tmp into ""
+  refused("sft --out= --steps 1 --batch 2", "option --out has an empty value");
+  EXPECT_FALSE(fs::exists(".tmp"));
+  refused("sft --out " + (dir / "o").string() + " --lr 1e-13", "outside [1e-12, 10]");  // printed [0.000000, 10.000000]
+  // the benchmarks' numeric options: garbage, 0 and negatives are refused by name (a crash, a
+  // silent 5 for "5x", inf in the JSON for --reps=0 before)
+  for (const std::string bad : {"/bench-decode --layers=abc", "/bench-decode --batch=3abc", "/bench-quant --reps=0",
+                                "/bench-quant --threads=1,,2", "/bench-gemm --shapes=64x-128x128",
+                                "/bench-gemm --shapes=64x128x128abc", "/bench-gemm --shapes=64x128"}) {
+    const result r = fp8rl::test::run_command(kBin + bad);
+    EXPECT_EQ(r.rc, 2) << bad << "\n" << r.out;
+    EXPECT_NE(r.out.find("option --"), std::string::npos) << bad << "\n" << r.out;
+  }
+}
+
+// `fp8rl --dump-config` is `fp8rl train --dump-config` with every option (it printed the defaults,
+// dropping the rest without a word)
+TEST_F(Cli, TopLevelDumpConfigTakesEveryOption) {
+  const result top = run("--dump-config --rollout.group_size=3");
+  const result sub = run("train --dump-config --rollout.group_size=3");
+  EXPECT_EQ(top.rc, 0) << top.out;
+  EXPECT_EQ(top.out, sub.out);
+  EXPECT_NE(top.out, run("--dump-config").out);
 }
 
 TEST_F(Cli, BadFilesAreRefusedByName) {
@@ -87,7 +112,7 @@ TEST_F(Cli, BadFilesAreRefusedByName) {
   const fs::path too_long = write("long.jsonl", "{\"tokens\": [1]}\n" + long_line + "]}\n");
   refused(score + too_long.string(), "long.jsonl:2: 71 tokens");
   refused("generate --prompts " + too_long.string() + m(), "long.jsonl:2:");
-  refused(score + prompts.string() + " --bf16-layers 5,0", "bf16_first");  // the model has 2 layers
+  refused(score + prompts.string() + " --policy fp8 --bf16-layers 5,0", "bf16_first");  // the model has 2 layers
   // a model directory whose weights file is a directory
   const fs::path broken = dir / "broken";
   fs::create_directories(broken / "model.safetensors");

@@ -253,13 +253,9 @@ int main(int argc, char** argv) {
   bench_args a = bench_parse(argc, argv, {{"layers", "model layers (default 22, TinyLlama; 2 with --quick)"},
                                           {"prefill", "0: decode only (default 1)"},
                                           {"batch", "sequences of the side-by-side steps (default 1)"}});
-  const int64_t layers = a.extra.count("layers") ? std::stoll(a.extra["layers"]) : (a.quick ? 2 : 22);
+  const int64_t layers = a.extra.count("layers") ? bench_positive("--layers", a.extra["layers"], 1 << 10) : (a.quick ? 2 : 22);
   const bool do_prefill = !a.extra.count("prefill") || a.extra["prefill"] != "0";
-  const int64_t side_batch = a.extra.count("batch") ? std::atoll(a.extra["batch"].c_str()) : 1;
-  if (side_batch < 1) {
-    std::fprintf(stderr, "bench-decode: --batch=%s: expected a positive integer\n", a.extra["batch"].c_str());
-    return 2;
-  }
+  const int64_t side_batch = a.extra.count("batch") ? bench_positive("--batch", a.extra["batch"], 1 << 10) : 1;
   const model_config cfg = tinyllama(layers);
   const int64_t ctx = 512, decode_steps = a.quick ? 4 : 8;
   const model_params params = random_params(cfg);

@@ -321,9 +321,14 @@ int main(int argc, char** argv) {
     std::stringstream ss(a.extra["shapes"]);
     std::string item;
     while (std::getline(ss, item, ',')) {
-      shape s{};
-      if (std::sscanf(item.c_str(), "%ldx%ldx%ld", &s.M, &s.N, &s.K) != 3) { std::fprintf(stderr, "bad shape '%s'\n", item.c_str()); return 2; }
-      shapes.push_back(s);
+      std::vector<int64_t> d;  // M, N, K: positive integers joined by 'x'
+      for (size_t p = 0; p <= item.size();) {
+        const size_t q = std::min(item.find('x', p), item.size());
+        d.push_back(bench_positive("--shapes (" + item + ")", item.substr(p, q - p), 1 << 20));
+        p = q + 1;
+      }
+      if (d.size() != 3) { std::fprintf(stderr, "option --shapes: '%s' is not MxNxK\n", item.c_str()); return 2; }
+      shapes.push_back({d[0], d[1], d[2]});
     }
   }
   if (!a.extra.count("onednn-isa") && bench_selected(a, "peak"))

@@ -6,7 +6,10 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <cstdint>
+#include <cstdlib>
 #include <cstring>
+#include <exception>
 #include <functional>
 #include <map>
 #include <string>
@@ -23,6 +26,24 @@ struct bench_args {
   std::map<std::string, std::string> extra;  // --key=value options of the program
 };
 
+// The positive integer `text` of option `opt`, at most `hi`; anything else ("", "5x", "0", "-2", a
+// number past hi) ends the program with status 2 and a message naming the option.
+inline int64_t bench_positive(const std::string& opt, const std::string& text, int64_t hi = int64_t{1} << 40) {
+  size_t used = 0;
+  long long v = 0;
+  try {
+    v = std::stoll(text, &used);
+  } catch (const std::exception&) {
+    used = 0;
+  }
+  if (text.empty() || used != text.size() || v < 1 || v > hi) {
+    std::fprintf(stderr, "option %s: '%s' is not an integer in [1, %lld]\n", opt.c_str(), text.c_str(),
+                 static_cast<long long>(hi));
+    std::exit(2);
+  }
+  return v;
+}
+
 // Common options, plus the program's own `--key=value` options (`extra_opts`: key -> help line);
 // any other option is an error.
 inline bench_args bench_parse(int argc, char** argv, const std::map<std::string, std::string>& extra_opts = {}) {
@@ -31,7 +52,7 @@ inline bench_args bench_parse(int argc, char** argv, const std::map<std::string,
     std::string s = argv[i];
     if (s == "--json") a.json = true;
     else if (s == "--quick") { a.quick = true; a.reps = 3; }
-    else if (s.rfind("--reps=", 0) == 0) a.reps = std::stoi(s.substr(7));
+    else if (s.rfind("--reps=", 0) == 0) a.reps = static_cast<int>(bench_positive("--reps", s.substr(7), 1 << 20));
     else if (s.rfind("--only=", 0) == 0) a.only = s.substr(7);
     else if (s.rfind("--threads=", 0) == 0) {
       a.threads.clear();
@@ -39,7 +60,7 @@ inline bench_args bench_parse(int argc, char** argv, const std::map<std::string,
       for (size_t p = 0; p <= t.size();) {
         size_t q = t.find(',', p);
         if (q == std::string::npos) q = t.size();
-        a.threads.push_back(std::stoi(t.substr(p, q - p)));
+        a.threads.push_back(static_cast<int>(bench_positive("--threads", t.substr(p, q - p), 1 << 12)));
         p = q + 1;
       }
     } else if (s.rfind("--", 0) == 0 && s.find('=') != std::string::npos && extra_opts.count(s.substr(2, s.find('=') - 2))) {

@@ -30,8 +30,11 @@
 #include <chrono>
 #include <cstdio>
 #include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <map>
+#include <optional>
+#include <set>
 #include <sstream>
 #include <string>
 #include <thread>
@@ -136,14 +139,23 @@ int main(int argc, char** argv) {
   bool fail_fast = false;
   std::vector<std::string> cmd;
   try {
+    std::set<std::string> seen;  // an option given twice is an error, as in fp8rl (the last one won)
     for (int i = 1; i < argc; ++i) {
       std::string a = argv[i];
+      std::optional<std::string> inline_val;  // --key=value as well as --key value
+      if (const size_t eq = a.find('='); a.rfind("--", 0) == 0 && eq != std::string::npos) {
+        inline_val = a.substr(eq + 1);
+        a = a.substr(0, eq);
+      }
       auto val = [&] {
+        if (inline_val) return *inline_val;
         if (i + 1 >= argc) throw std::invalid_argument("option " + a + " needs a value");
         return std::string(argv[++i]);
       };
       if (a == "--") { for (++i; i < argc; ++i) cmd.push_back(argv[i]); break; }
       if (a == "--help" || a == "-h") { std::fputs(kUsage, stdout); return 0; }
+      if (!seen.insert(a).second) throw std::invalid_argument("option " + a + " given twice");
+      if (a == "--fail-fast" && inline_val) throw std::invalid_argument("option --fail-fast takes no value");
       if (a == "--hostfile") hostfile = val();
       else if (a == "--topology") topofile = val();
       else if (a == "--wdir") wdir = val();
@@ -165,6 +177,11 @@ int main(int argc, char** argv) {
       char b[4096];
       wdir = getcwd(b, sizeof b) ? b : ".";
     }
+    // the local nodes chdir there: a missing directory made each of them _exit(126) without a word
+    bool any_local = false;
+    for (const auto& n : topo.nodes) any_local = any_local || is_local(n.host);
+    if (any_local && !std::filesystem::is_directory(wdir))
+      throw std::invalid_argument("--wdir " + wdir + ": not a directory on this host");
     // order: remote-role nodes first, controller last
     std::vector<const fp8rl::actors::node_spec*> order;
     for (const auto& n : topo.nodes) if (!n.has("controller")) order.push_back(&n);
@@ -206,7 +223,10 @@ int main(int argc, char** argv) {
         dup2(pfd[1], 2);
         close(pfd[0]);
         close(pfd[1]);
-        if (is_local(n->host) && chdir(wdir.c_str()) != 0) _exit(126);
+        if (is_local(n->host) && chdir(wdir.c_str()) != 0) {
+          std::fprintf(stderr, "caf-run: cannot enter %s: %s\n", wdir.c_str(), std::strerror(errno));
+          _exit(126);
+        }
         std::vector<char*> av;
         for (auto& x : args) av.push_back(x.data());
         av.push_back(nullptr);

@@ -106,7 +106,13 @@ models::precision_policy policy_from_args(const args& a, const std::string& def)
   if (a.has("bf16-layers")) {
     const std::string s = a.get("bf16-layers");
     const auto comma = s.find(',');
-    const std::string first = s.substr(0, comma), last = comma == std::string::npos ? "0" : s.substr(comma + 1);
+    // both counts, as the usage says (a lone "1" was taken as 1,0); only where layers run FP8 (it
+    // was accepted and ignored under fp32/bf16 policies)
+    if (comma == std::string::npos)
+      throw std::invalid_argument("option --bf16-layers: expected FIRST,LAST (two layer counts >= 0), got '" + s + "'");
+    if (p.linear != models::precision::fp8)
+      throw std::invalid_argument("option --bf16-layers: policy " + p.name + " runs no layer in FP8");
+    const std::string first = s.substr(0, comma), last = s.substr(comma + 1);
     auto count = [&](const std::string& t) {
       const auto v = int_of(t);
       if (!v || *v < 0)
