@@ -100,7 +100,7 @@ TEST(Recipe, CliOverridesAndDumpRoundTrip) {
   recipe_apply_cli(r, "--precision.generation=fp8-kv");
   recipe_apply_cli(r, "--grpo.normalize_std=false");
   EXPECT_EQ(r.group_size, 4);
-  EXPECT_DOUBLE_EQ(r.clip_high, 0.28);
+  EXPECT_EQ(r.clip_high, 0.28);  // strtod is correctly rounded: the literal's double exactly
   const auto f = write_tmp("dump.conf", recipe_dump(r));
   run_config q;
   recipe_load_file(q, f);

@@ -283,7 +283,7 @@ TEST(Protocol, WeightSyncFansOutInProcessAndReportsFullAdoption) {
   ctl->send(ws, msg::adopted_msg{"rollout1", 1, 1, 0.02, ""});
   ctl->receive([&](msg::sync_report& s) {
     EXPECT_EQ(s.version, 1u);
-    EXPECT_DOUBLE_EQ(s.latency_s, 0.02);
+    EXPECT_EQ(s.latency_s, 0.02);  // the larger of the reported latencies, passed through as is
     EXPECT_FALSE(s.cross_process);
   }, caf::after(std::chrono::seconds(5)) >> [] { FAIL() << "no sync_report"; });
   ctl->send_exit(ws, caf::exit_reason::user_shutdown);

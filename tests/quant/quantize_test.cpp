@@ -40,15 +40,6 @@ TEST(Quantize, FastEqualsReferenceOnRaggedShapes) {
       }
 }
 
-TEST(Quantize, PortablePathEqualsReference) {
-  auto x = fp8rl::test::randn(200 * 300, 7, 2.0f);
-  qtensor a = [&] {
-    fp8rl::test::isa_limit_scope portable(cpu_isa::portable);
-    return quantize(x.data(), 200, 300, qlayout::block_128x128, scale_mode::pow2, "x");
-  }();
-  expect_same(a, quantize_ref(x.data(), 200, 300, qlayout::block_128x128, scale_mode::pow2, "x"), "portable");
-}
-
 TEST(Quantize, RoundTripErrorBoundsPerMode) {
   for (qlayout l : kLayouts)
     for (scale_mode m : kModes) {
