@@ -175,11 +175,16 @@ int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
 constexpr unsigned kMxcsrDaz = 0x0040u;  // MXCSR bit 6: denormal operands read as zero
 
-// 16 stored K/V elements widened to FP32, exactly: FP32 as is, BF16 by a shift, an E4M3 code by
-// the shift-and-mask form of the FP8 codec (its bits sign-extended, << 20, & 0x87F00000: the
-// value times 2^-120, a denormal for subnormal codes) times 2^120 -- exact with MXCSR DAZ clear
-// (cpu_attn_group clears it) for every code but NaN, which the FP8 cache never holds. Plain
-// loops over 16 lanes: one vector each in the x86-64-v4 clone.
+// 16 stored K/V elements widened to FP32, exactly: FP32 as is, BF16 by a shift, an E4M3 code
+// s|eeee|mmm (never NaN: the FP8 cache refuses non-finite K/V) without touching a denormal:
+// f = the FP32 with exponent e + 120 and mantissa mmm is the value (1 + m/8) 2^(e - 7) of a
+// normal code; for e = 0 it is 2^-7 + m 2^-10, and 2f - 2^-6 = m 2^-9 is the subnormal code's
+// value (exact: FMA of exact terms). min(f, 2f - 2^-6) picks the right one in every lane (f >=
+// 2^-6 exactly when e >= 1), then the sign bit. The former form, the code's bits << 20 as an FP32
+// denormal times 2^120, took a microcode assist per vector holding a subnormal code: decode
+// attention with 1 code in 16 subnormal ran 2.3x slower (Zen 5, 2026-12-06; on codes without one
+// it was ~16% faster: bench-decode --only=attention_codes). Plain loops over 16 lanes: one vector
+// each in the x86-64-v4 clone.
 using f32x16 = float __attribute__((vector_size(64)));  // GCC vectors: one zmm in the v4 clone
 using u32x16 = uint32_t __attribute__((vector_size(64)));
 using i32x16 = int32_t __attribute__((vector_size(64)));
@@ -201,9 +206,12 @@ using u32x4 = uint32_t __attribute__((vector_size(16)));
   const u32x8 w8 = __builtin_shufflevector(w, w, 0, 1, 2, 3, 0, 1, 2, 3);
   constexpr u32x16 sh = {24, 16, 8, 0, 24, 16, 8, 0, 24, 16, 8, 0, 24, 16, 8, 0};  // code j to the top byte
   const u32x16 top = __builtin_shufflevector(w8, w8, 0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3) << sh;
-  const u32x16 u = reinterpret_cast<u32x16>(reinterpret_cast<i32x16>(top) >> 4) & 0x87F00000u;  // sign-extended << 20
-  const f32x16 f = reinterpret_cast<f32x16>(u) * 0x1p120f;
-  std::memcpy(out, &f, 64);
+  const u32x16 u = reinterpret_cast<u32x16>(reinterpret_cast<i32x16>(top) >> 4);  // sign-extended << 20
+  const f32x16 f = reinterpret_cast<f32x16>((u & 0x07F00000u) + (120u << 23));
+  const f32x16 g = f * 2.0f - 0x1p-6f;
+  const f32x16 r = f < g ? f : g;
+  const u32x16 bits = reinterpret_cast<u32x16>(r) | (u & 0x80000000u);
+  std::memcpy(out, &bits, 64);
 }
 // The first n < 16 of them (lanes past n: +0): a value row's last chunk where D % 16 != 0.
 template <class T>
@@ -334,8 +342,9 @@ int64_t cpu_attn_group_scratch(int64_t n, int64_t D) {
 }
 
 // Row blocks of 8, or of the smallest power of two holding G below that (G = 2 would otherwise
-// pay for 8 rows of arithmetic). FP8 widening needs DAZ clear (denormal operands): cleared for the
-// call, restored after -- an FP8 cache's attention computes in IEEE mode whatever the caller's MXCSR.
+// pay for 8 rows of arithmetic). With an FP8 cache, DAZ is cleared for the call and restored
+// after: the scaled K/V and the products of tiny scales may be denormal, and the reference
+// (cpu_attn_query on e4m3_to_float(code) * scale) computes them in IEEE mode.
 FP8RL_VECTOR_CLONES void cpu_attn_group(const float* q, int64_t ldq, const attn_rounding* rq, int64_t G,
                                         const attn_kv_source& kv, int64_t n, int64_t D, precision p_operand, float* out,
                                         int64_t ldo, float* scratch) {

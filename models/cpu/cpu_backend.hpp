@@ -50,7 +50,7 @@ struct attn_kv_source {
 // cpu_attn_query's computation (same roundings, same fma orders, the same softmax), with every
 // key and value widened once per 8 rows (once for all of them at G <= 8), not once per row.
 // Rows are computed in register blocks of 8, or of 1, 2 or 4 where G is that small. With an FP8
-// cache the call runs with MXCSR DAZ clear (IEEE mode: its widening goes through denormals).
+// cache the call runs with MXCSR DAZ clear (IEEE mode, as the reference computes).
 //   q: row r at q + r * ldq (unrounded; rounded per rq[r]); out: row r at out + r * ldo
 //   scratch: >= cpu_attn_group_scratch(n, D) floats
 void cpu_attn_group(const float* q, int64_t ldq, const attn_rounding* rq, int64_t G, const attn_kv_source& kv,

@@ -542,8 +542,8 @@ TEST(Generate, CachedAttentionEqualsOneQueryAtATime) {
         }
 }
 
-// The FP8 cache's in-register widening (codes -> FP32 through a denormal, times 2^120, times the
-// position's scale) gives e4m3_to_float(code) * scale for every code the cache can hold (all but
+// The FP8 cache's in-register widening (codes -> FP32 by exponent re-bias, subnormal codes by
+// min(f, 2f - 2^-6), times the position's scale) gives e4m3_to_float(code) * scale for every code the cache can hold (all but
 // the NaNs: +-0 and the subnormals among them), with MXCSR DAZ set on the calling thread or not.
 // V: under uniform probabilities (K all zero: p = 1/16 exactly) with one nonzero V row per
 // component, each output is one widened code / 16 -- every code's value, bit for bit (+-0 aside:

@@ -13,6 +13,8 @@
 // run_decode_ratio); then one line per op (phase "ops": ms per step of each, and the GEMVs' GB/s)
 // from the same rounds (medians), and their summary (phase "ops_summary": the speedup were the
 // FP8 layer GEMVs streaming at the BF16 ones' bytes/s).
+// Phase "attention_codes" (--only=attention_codes alone): FP8-cache decode attention with and
+// without subnormal codes against a BF16 cache (run_attention_codes).
 // Options: --json --quick (2 layers) --reps=N --threads=1,2 --only=SUBSTR --layers=N --prefill=0|1
 //          --batch=N (side by side only)
 #include <tbb/parallel_for.h>
@@ -247,6 +249,48 @@ void run_decode_ratio(const bench_args& a, backend& be, const model_config& cfg,
   });
 }
 
+
+
+// FP8-cache decode attention with and without subnormal codes (phase "attention_codes"): one KV
+// head's G = 8 query rows over n = 512 cached positions (D = 64), K/V in L1/L2, one thread, against
+// the same call on a BF16 cache. Codes "normal": exponent field >= 1 (and +-0); "all": every finite
+// code, 1 in 16 subnormal. The widening must not slow down on subnormal codes (a denormal-operand
+// microcode assist per vector did: 2.3x on Zen 5).
+void run_attention_codes(const bench_args& a) {
+  const int64_t G = 8, n = 512, D = 64;
+  std::vector<float> q(G * D), out(G * D), scratch(static_cast<size_t>(cpu_attn_group_scratch(n, D)));
+  for (size_t i = 0; i < q.size(); ++i) q[i] = float((i * 37) % 17) / 17.0f - 0.5f;
+  std::vector<uint16_t> k16(n * D), v16(n * D);
+  for (size_t i = 0; i < k16.size(); ++i) {
+    k16[i] = quant::bf16_from_float(float((i * 13) % 29) / 29.0f - 0.5f);
+    v16[i] = quant::bf16_from_float(float((i * 7) % 31) / 31.0f - 0.5f);
+  }
+  const std::vector<float> ks(n + kAttnSlab, 0.01f), vs(n + kAttnSlab, 0.02f);
+  const std::vector<attn_rounding> rq8(G, attn_rounding{precision::bf16, 0.05f}), rq16(G, attn_rounding{precision::bf16, 0.0f});
+  const attn_kv_source a16{kv_dtype::bf16, k16.data(), v16.data(), nullptr, nullptr};
+  tbb::task_arena one(1);
+  for (const char* codes : {"normal", "all"}) {
+    std::vector<uint8_t> k8(n * D), v8(n * D);
+    for (size_t i = 0; i < k8.size(); ++i) {  // codes 0..255 but the NaNs (0x7F, 0xFF)
+      k8[i] = static_cast<uint8_t>((i * 131 + 7) % 256 & 0xF7);
+      v8[i] = static_cast<uint8_t>((i * 71 + 3) % 256 & 0xF7);
+      if (codes[0] == 'n') k8[i] |= 0x08, v8[i] |= 0x08;  // exponent field >= 1
+    }
+    const attn_kv_source a8{kv_dtype::fp8, k8.data(), v8.data(), ks.data(), vs.data()};
+    auto call = [&](const attn_kv_source& s, const attn_rounding* rq) {
+      return [&, rq] { cpu_attn_group(q.data(), D, rq, G, s, n, D, precision::bf16, out.data(), D, scratch.data()); };
+    };
+    double us8 = 0, us16 = 0;
+    one.execute([&] {
+      us8 = bench_median(a.reps, call(a8, rq8.data())) * 1e6;
+      us16 = bench_median(a.reps, call(a16, rq16.data())) * 1e6;
+    });
+    bench_emit(a, {{"bench", jstr("decode")}, {"phase", jstr("attention_codes")}, {"codes", jstr(codes)},
+                   {"threads", jnum(1)}, {"context", jnum(double(n))}, {"fp8_us_per_kv_head", jnum(us8)},
+                   {"bf16_us_per_kv_head", jnum(us16)}, {"fp8_over_bf16", jnum(us8 / us16)}});
+  }
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -256,6 +300,8 @@ int main(int argc, char** argv) {
   const int64_t layers = a.extra.count("layers") ? bench_positive("--layers", a.extra["layers"], 1 << 10) : (a.quick ? 2 : 22);
   const bool do_prefill = !a.extra.count("prefill") || a.extra["prefill"] != "0";
   const int64_t side_batch = a.extra.count("batch") ? bench_positive("--batch", a.extra["batch"], 1 << 10) : 1;
+  if (bench_selected(a, "attention_codes")) run_attention_codes(a);
+  if (a.only == "attention_codes") return 0;
   const model_config cfg = tinyllama(layers);
   const int64_t ctx = 512, decode_steps = a.quick ? 4 : 8;
   const model_params params = random_params(cfg);
