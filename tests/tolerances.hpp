@@ -12,8 +12,6 @@ namespace fp8rl::tol {
 inline constexpr double kE4M3RelHalfUlp = 1.0 / 16.0;
 // E4M3 subnormal spacing is 2^-9 of the scale; half a spacing is the absolute error bound.
 inline constexpr double kE4M3SubnormalHalfStep = 1.0 / 1024.0;
-// BF16 has 8 significant bits: RNE relative error <= 2^-8.
-inline constexpr double kBF16RelHalfUlp = 1.0 / 256.0;
 // FP32 GEMM vs FP64, normwise (calc_diff, which squares relative error): FP32 sums of K random-
 // sign terms err ~sqrt(K)*2^-24 relative, i.e. calc_diff ~ K*2^-48 << 1e-9 for K <= 4096.
 inline constexpr double kGemmF32VsF64Diff = 1e-9;
@@ -98,11 +96,13 @@ inline constexpr double kGemmFp8TensorCoreVsRef = 1e-4;
 // GPU float kernels vs the CPU backend on FP32 operands (different summation orders and libm): a
 // few FP32 ulps per element, amplified by exp/log in softmax; 1e-5 relative normwise.
 inline constexpr double kGpuFloatKernel = 1e-5;
-// GPU vs CPU attention with BF16 operands: q, k, v and P are rounded to BF16 on both sides, so an
-// FP32-level difference in a score or probability can flip one rounding by a whole BF16 ulp
-// (2^-7 relative to that one term); the few terms that flip among many keep the normwise error
-// under BF16's half ulp.
-inline constexpr double kGpuBf16OperandKernel = kBF16RelHalfUlp;
+// GPU vs CPU attention with BF16 operands: q, k, v (the same inputs) round the same on both
+// sides, but P is rounded to BF16 after exp() (CUDA expf vs cpu_exp, ~2 FP32 ulps apart), so a
+// P element can round one BF16 ulp (2^-7 of it) the other way: per element ~2^-14 likely, ~0.2
+// of the 2812 of GpuOps.FloatKernelsMatchTheCpuBackend expected to flip. One flip moves its output
+// row by 2^-7 p |v|, ~6e-5 of that test's output norm: FP32's 1e-5 fails on one flip; 1e-3 allows
+// ~16, and a wrong mask, head mapping or scale moves the output by O(1).
+inline constexpr double kGpuBf16OperandKernel = 1e-3;
 
 // Tile (AMX) GEMMs vs the exact sum of the same (exact) products, per element: any summation
 // order with one rounding per addition errs by at most gamma_n * sum|a_k b_k| (Higham, Thm 3.1),

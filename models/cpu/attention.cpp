@@ -179,12 +179,12 @@ constexpr unsigned kMxcsrDaz = 0x0040u;  // MXCSR bit 6: denormal operands read 
 // s|eeee|mmm (never NaN: the FP8 cache refuses non-finite K/V) without touching a denormal:
 // f = the FP32 with exponent e + 120 and mantissa mmm is the value (1 + m/8) 2^(e - 7) of a
 // normal code; for e = 0 it is 2^-7 + m 2^-10, and 2f - 2^-6 = m 2^-9 is the subnormal code's
-// value (exact: FMA of exact terms). min(f, 2f - 2^-6) picks the right one in every lane (f >=
-// 2^-6 exactly when e >= 1), then the sign bit. The former form, the code's bits << 20 as an FP32
-// denormal times 2^120, took a microcode assist per vector holding a subnormal code: decode
-// attention with 1 code in 16 subnormal ran 2.3x slower (Zen 5, 2026-12-06; on codes without one
-// it was ~16% faster: bench-decode --only=attention_codes). Plain loops over 16 lanes: one vector
-// each in the x86-64-v4 clone.
+// value (exact: 2f is exact and the difference representable). min(f, 2f - 2^-6) picks the right
+// one in every lane (f >= 2^-6 exactly when e >= 1), then the sign bit. The former form, the code's
+// bits << 20 as an FP32 denormal times 2^120, took a microcode assist per vector holding a
+// subnormal code: decode attention over every finite code (14 in 256 subnormal) took 2.0-2.2x
+// BF16's time, 1.06x without them; this form 1.23x either way (Zen 5, 2026-12-06, bench-decode
+// --only=attention_codes). Plain loops over 16 lanes: one vector each in the x86-64-v4 clone.
 using f32x16 = float __attribute__((vector_size(64)));  // GCC vectors: one zmm in the v4 clone
 using u32x16 = uint32_t __attribute__((vector_size(64)));
 using i32x16 = int32_t __attribute__((vector_size(64)));

@@ -267,15 +267,15 @@ std::vector<double> sft_train(model_params& params, adamw_state& opt, const data
         mask.push_back(t + 1 >= p.size() ? 1.0f : 0.0f);  // loss on the answer and EOS
       }
     }
-    auto w = model_weights_build(*be, params.cfg, cfg.policy.training(), {&params, nullptr, nullptr}, true);
-    run.forward(*w, b, true);
-    std::vector<float> lp(targets.size()), dl(targets.size());
-    run.logprobs(targets, {}, lp.data());
     double n = 0, loss = 0;
     for (float m : mask) n += m;
     if (n == 0)  // the loss would be -0/0: NaN into every gradient
       throw std::invalid_argument("sft: step " + std::to_string(step) + "'s batch of " + std::to_string(cfg.batch) +
                                   " examples has no answer token to learn (empty answers and no EOS token)");
+    auto w = model_weights_build(*be, params.cfg, cfg.policy.training(), {&params, nullptr, nullptr}, true);
+    run.forward(*w, b, true);
+    std::vector<float> lp(targets.size()), dl(targets.size());
+    run.logprobs(targets, {}, lp.data());
     for (size_t t = 0; t < targets.size(); ++t) {
       loss -= mask[t] * lp[t] / n;
       dl[t] = static_cast<float>(-mask[t] / n);

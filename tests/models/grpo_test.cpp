@@ -14,6 +14,7 @@
 #include "models/rl/grpo.hpp"
 #include "models/rl/rl.hpp"
 #include "models/rl/task.hpp"
+#include "tests/test_util.hpp"
 #include "tests/tolerances.hpp"
 
 using namespace fp8rl::models;
@@ -401,4 +402,26 @@ TEST(Tasks, MalformedDatasetLinesAreAllReported) {
     EXPECT_NE(w.find("2 malformed"), std::string::npos) << w;
   }
   std::filesystem::remove(path);
+}
+
+// SFT on a batch without one answer token (empty answers, a tokenizer without EOS) is refused
+// before any forward, naming the step; its loss was -0/0 and NaN reached every gradient.
+TEST(Grpo, SftRefusesABatchWithoutAnswerTokens) {
+  auto tok = char_tokenizer_make("0123456789+=");
+  tok->eos = -1;
+  dataset data;
+  data.items = {{"1+2=", ""}, {"3+4=", ""}};
+  model_config c;
+  c.hidden_size = 32; c.intermediate_size = 64; c.num_hidden_layers = 1; c.num_attention_heads = 2;
+  c.num_key_value_heads = 1; c.head_dim = 16; c.vocab_size = tok->vocab_size(); c.max_position_embeddings = 16;
+  model_params p = model_params_init(c, 1);
+  const auto before = p.data;
+  adamw_state opt;
+  sft_config sc;
+  sc.steps = 1;
+  sc.batch = 2;
+  const std::string what = fp8rl::test::thrown_text<std::invalid_argument>([&] { sft_train(p, opt, data, *tok, sc); });
+  EXPECT_NE(what.find("step 0's batch of 2 examples has no answer token"), std::string::npos) << what;
+  EXPECT_EQ(p.data, before);
+  EXPECT_EQ(opt.step, 0);
 }

@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <limits>
 
 #include "models/cpu/cpu_backend.hpp"
 #include "models/cpu/fast_exp.hpp"

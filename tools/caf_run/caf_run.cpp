@@ -143,9 +143,10 @@ int main(int argc, char** argv) {
     for (int i = 1; i < argc; ++i) {
       std::string a = argv[i];
       std::optional<std::string> inline_val;  // --key=value as well as --key value
-      if (const size_t eq = a.find('='); a.rfind("--", 0) == 0 && eq != std::string::npos) {
+      if (const size_t eq = a.find('='); a.rfind("--", 0) == 0 && eq != std::string::npos && eq > 2) {
         inline_val = a.substr(eq + 1);
         a = a.substr(0, eq);
+        if (inline_val->empty()) throw std::invalid_argument("option " + a + " has an empty value");
       }
       auto val = [&] {
         if (inline_val) return *inline_val;

@@ -1,9 +1,9 @@
 // tools/cli/args.cpp -- strict option parsing.
 #include "tools/cli/args.hpp"
 
-#include <cmath>
+#include <fmt/format.h>
+
 #include <cstdio>
-#include <cstdlib>
 
 namespace fp8rl::cli {
 
@@ -28,23 +28,6 @@ long long args::get_int(const std::string& k, long long def, long long lo, long 
   return v;
 }
 
-namespace {
-// x in as few digits as read back to the same double ("1e-12", "10", "inf"); std::to_string
-// printed 1e-13's bound as 0.000000 and +-DBL_MAX as 309 digits
-std::string shortest(double x) {
-  if (!std::isfinite(x)) return x > 0 ? "inf" : x < 0 ? "-inf" : "nan";
-  char buf[32];
-  if (x == std::trunc(x) && std::fabs(x) < 1e15) {  // "10", not "1e+01"
-    std::snprintf(buf, sizeof buf, "%.0f", x);
-    return buf;
-  }
-  for (int p = 1; p <= 17; ++p) {
-    std::snprintf(buf, sizeof buf, "%.*g", p, x);
-    if (std::strtod(buf, nullptr) == x) break;
-  }
-  return buf;
-}
-}  // namespace
 
 double args::get_num(const std::string& k, double def, double lo, double hi) const {
   if (!has(k)) return def;
@@ -57,8 +40,7 @@ double args::get_num(const std::string& k, double def, double lo, double hi) con
     throw std::invalid_argument("option --" + k + ": '" + kv.at(k) + "' is not a number");
   }
   if (!(v >= lo && v <= hi))  // NaN fails too
-    throw std::invalid_argument("option --" + k + ": " + kv.at(k) + " is outside [" + shortest(lo) + ", " + shortest(hi) +
-                                "]");
+    throw std::invalid_argument("option --" + k + ": " + kv.at(k) + " is outside [" + fmt::format("{}, {}", lo, hi) + "]");  // shortest round-trip: 1e-12, 10
   return v;
 }
 
