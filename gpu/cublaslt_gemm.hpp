@@ -7,6 +7,8 @@
 // D(N x M, col-major) = op(A=W)^T · B=X with A: K x N (ld K), B: K x M (ld K), D: N x M (ld N).
 #pragma once
 #include <cstdint>
+#include <map>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -44,13 +46,18 @@ class lt_gemm {
   lt_gemm(const lt_gemm&) = delete;
   lt_gemm& operator=(const lt_gemm&) = delete;
   // FP8: w/x are E4M3 codes with scale arrays in quant/'s cuBLASLt layouts; BF16: scales null.
-  // Throws gpu_error when cuBLASLt has no algorithm for the problem (names the shape).
+  // Throws gpu_error when cuBLASLt has no algorithm for the problem (names the shape). The
+  // descriptors and the heuristic's algorithm are made once per problem and kept (a decode step
+  // issues the same few shapes hundreds of times; the query cost more than an M = 8 GEMM).
   void run(const lt_gemm_desc& d, const void* w, const float* w_sinv, const void* x, const float* x_sinv, void* y);
 
  private:
+  struct plan;  // descriptors + algorithm of one problem (cublaslt_gemm.cpp)
+  plan& plan_for(const lt_gemm_desc& d);
   lt_gemm_config cfg_;
   void* handle_ = nullptr;
   void* workspace_ = nullptr;
+  std::map<std::string, std::unique_ptr<plan>> plans_;  // by lt_gemm_desc::str()
 };
 
 }  // namespace fp8rl::gpu

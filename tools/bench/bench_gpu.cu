@@ -1,8 +1,9 @@
 // tools/bench/bench_gpu.cu -- build/bin/bench-gpu (CUDA builds): the H200 table of tools/gpu-check.
 //  * cuBLASLt FP8 (VEC128 x BLK128x128 block scales) vs BF16 TFLOP/s, M = 4096, N,K in {4096, 14336}
 //  * 1x128 quantization of a 64 MiB FP32 activation vs a device-to-device memcpy (GB/s)
-//  * decode proxy: the TinyLlama-1.1B linear layers of one decode step (22 x q,k,v,o,gate,up,down
-//    + lm_head) at batch 8 with FP8 vs BF16 weights (tokens/s; attention and norms excluded)
+//  * decode proxy: the TinyLlama-1.1B linear layers of one decode step (22 x q,k,v,o,gate,up,down;
+//    no lm_head) at batch 8 with FP8 vs BF16 weights (tokens/s; attention and norms excluded).
+//    Operands are timing fill (byte patterns; BF16 outputs may be inf): speed only, no values.
 // Medians of repetitions timed with CUDA events; one JSON line per result with --json.
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -57,12 +58,14 @@ template <class T>
 gpu::dbuf<T> filled(size_t n) {
   gpu::dbuf<T> d(n);
   fill<<<static_cast<unsigned>((n * sizeof(T) + 255) / 256), 256>>>(reinterpret_cast<uint8_t*>(d.data()), n * sizeof(T));
+  FP8RL_CUDA_CHECK(cudaGetLastError());
   return d;
 }
 
 gpu::dbuf<float> scales(size_t n) {
   gpu::dbuf<float> d(n);
   fillf<<<static_cast<unsigned>((n + 255) / 256), 256>>>(d.data(), n, 0.0f);
+  FP8RL_CUDA_CHECK(cudaGetLastError());
   std::vector<float> one(n, 1.0f / 64.0f);
   FP8RL_CUDA_CHECK(cudaMemcpy(d.data(), one.data(), n * 4, cudaMemcpyHostToDevice));
   return d;
@@ -76,7 +79,8 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "bench-gpu: no CUDA device (%s)\n", dev.reason.c_str());
     return 2;
   }
-  std::fprintf(stderr, "device: %s\n", gpu::device_name(0).c_str());
+  std::fprintf(stderr, "device: %s, cuBLASLt %zu (built against %d)\n", gpu::device_name(0).c_str(), cublasLtGetVersion(),
+               CUBLAS_VERSION);
   gpu::lt_gemm lt;
   // 1. GEMMs
   for (int64_t N : {4096, 14336})
@@ -111,6 +115,7 @@ int main(int argc, char** argv) {
     const int64_t R = 8192, C = 2048;  // 64 MiB FP32
     gpu::dbuf<float> x(static_cast<size_t>(R * C)), x2(static_cast<size_t>(R * C));
     fillf<<<static_cast<unsigned>((R * C + 255) / 256), 256>>>(x.data(), static_cast<size_t>(R * C), 1e-3f);
+    FP8RL_CUDA_CHECK(cudaGetLastError());
     gpu::dbuf<uint8_t> q(static_cast<size_t>(R * C));
     quant::qtensor shape;
     shape.rows = R; shape.cols = C; shape.layout = quant::qlayout::rowwise_1x128;
