@@ -1,6 +1,6 @@
 // tests/gpu/gpu_test.cpp -- the cross-backend op test: every GPU op against the CPU backend on
-// random inputs (bit-exact for quantization, dequantization, the own GEMM and the FP8 KV-cache
-// codec; named tolerances for cuBLASLt and the float kernels; exact equality on the
+// random inputs (bit-exact for quantization, dequantization, the own GEMM, the FP8 KV-cache
+// codec, the embedding gather and AdamW; named tolerances for cuBLASLt and the float kernels; exact equality on the
 // exact-integer GEMM inputs of fp8-numerics.md §6), plus a one-rank NCCL smoke test (a round
 // trip between ranks needs two devices). GPU cases GTEST_SKIP without a device, naming the CUDA
 // error; with FP8RL_REQUIRE_GPU=1 (tools/gpu-check) a missing device FAILS them instead, so a
@@ -19,6 +19,7 @@
 #include "gpu/nccl_comm.hpp"
 #include "gpu/ops.hpp"
 #include "models/cpu/cpu_backend.hpp"
+#include "models/adamw.hpp"
 #include "models/params.hpp"
 #include "quant/fp8.hpp"
 #include "quant/gemm.hpp"
@@ -226,6 +227,61 @@ TEST(GpuOps, FloatKernelsMatchTheCpuBackend) {
   gpu::dbuf<float> dlp(T);
   gpu::gpu_logprob_forward(dl.data(), dt.data(), T, V, dlp.data());
   EXPECT_LT(tol::rel_norm_err(dv(dlp.to_host()), dv(lp)), tol::kGpuFloatKernel);
+}
+
+// The remaining elementwise kernels against the CPU backend: the embedding gather and AdamW (the
+// same IEEE operations in the same order: -fmad=false, IEEE sqrt and division; clip 1, no decay,
+// as adamw_step with grad_clip 0 and weight_decay 0) bit for bit; RoPE and SwiGLU (CUDA's
+// cosf/sinf/powf/expf vs libm and cpu_exp) under the FP32 kernel bound.
+TEST(GpuOps, EmbeddingRopeSwigluAndAdamwMatchTheCpuBackend) {
+  REQUIRE_GPU();
+  auto be = models::make_cpu_backend();
+  const int64_t T = 29, C = 64, V = 50, nh = 4, D = 16;
+  auto wte = randn(V * C, 11);
+  std::vector<int32_t> tok(T), pos(T);
+  for (int64_t t = 0; t < T; ++t) tok[t] = static_cast<int32_t>((t * 13) % V), pos[t] = static_cast<int32_t>(t * 37 % 1000);
+  std::vector<float> emb(T * C);
+  be->embedding_forward(wte.data(), tok.data(), T, C, emb.data());
+  auto dwte = gpu::dbuf<float>::from(wte);
+  auto dtok = gpu::dbuf<int32_t>::from(tok), dpos = gpu::dbuf<int32_t>::from(pos);
+  gpu::dbuf<float> demb(emb.size());
+  gpu::gpu_embedding_forward(dwte.data(), dtok.data(), T, C, demb.data());
+  EXPECT_EQ(fp8rl::test::first_diff(demb.to_host(), emb), -1);
+  for (bool inverse : {false, true}) {
+    auto x = randn(T * nh * D, 12);
+    auto dx = gpu::dbuf<float>::from(x);
+    be->rope(x.data(), pos.data(), T, nh, D, 10000.0, inverse);
+    gpu::gpu_rope(dx.data(), dpos.data(), T, nh, D, 10000.0, inverse);
+    EXPECT_LT(tol::rel_norm_err(dv(dx.to_host()), dv(x)), tol::kGpuFloatKernel) << "inverse " << inverse;
+  }
+  auto g = randn(T * C, 13, 3.0f), u = randn(T * C, 14);
+  std::vector<float> h(g.size());
+  be->swiglu_forward(g.data(), u.data(), T * C, h.data());
+  auto dg = gpu::dbuf<float>::from(g), du = gpu::dbuf<float>::from(u);
+  gpu::dbuf<float> dh(h.size());
+  gpu::gpu_swiglu_forward(dg.data(), du.data(), T * C, dh.data());
+  EXPECT_LT(tol::rel_norm_err(dv(dh.to_host()), dv(h)), tol::kGpuFloatKernel);
+  // AdamW: two steps on one vector tensor
+  const int64_t n = 5000;
+  models::param_layout layout;
+  layout.infos.push_back({"w", {n}, 0, n, false});
+  layout.index["w"] = 0;
+  layout.total = n;
+  models::adamw_config cfg;
+  cfg.grad_clip = 0.0f;
+  auto p = randn(n, 15);
+  const std::vector<float> zeros(static_cast<size_t>(n), 0.0f);
+  auto dp = gpu::dbuf<float>::from(p), dm = gpu::dbuf<float>::from(zeros), dvv = gpu::dbuf<float>::from(zeros);
+  models::adamw_state st;
+  for (int64_t step = 1; step <= 2; ++step) {
+    auto grad = randn(n, 16 + static_cast<uint64_t>(step));
+    auto dgrad = gpu::dbuf<float>::from(grad);
+    models::adamw_step(cfg, layout, p.data(), grad.data(), st);
+    gpu::gpu_adamw_step(dp.data(), dgrad.data(), dm.data(), dvv.data(), n, cfg.lr, cfg.beta1, cfg.beta2, cfg.eps, 1.0f, 1.0f, step);
+  }
+  EXPECT_EQ(fp8rl::test::first_diff(dp.to_host(), p), -1);
+  EXPECT_EQ(fp8rl::test::first_diff(dm.to_host(), st.m), -1);
+  EXPECT_EQ(fp8rl::test::first_diff(dvv.to_host(), st.v), -1);
 }
 
 TEST(GpuOps, Fp8KvCacheCodecIsBitExact) {
