@@ -305,8 +305,13 @@ TEST(Protocol, WeightSyncSendsABundleThatCameBeforeItsPeers) {
     (*r)->receive([&](msg::bundle_msg& m) { EXPECT_EQ(m.bundle.get(), b.get()); },
                   caf::after(std::chrono::seconds(5)) >> [] { FAIL() << "no bundle"; });
   ctl->send(ws, msg::adopted_msg{"rollout0", 1, 1, 0.01, ""});
+  // weight-sync handles its messages in order and CAF keeps one sender's messages in order: once
+  // it has answered a status request sent after the adoption, a report that adoption caused is
+  // already in ctl's mailbox (deterministic; a 200 ms wait could miss a slow one)
+  ctl->request(ws, std::chrono::seconds(5), msg::status_atom::value)
+      .receive([](msg::metrics_t&) {}, [&](caf::error& e) { FAIL() << sys.render(e); });
   ctl->receive([&](msg::sync_report&) { FAIL() << "reported before rollout1 adopted"; },
-               caf::after(std::chrono::milliseconds(200)) >> [] {});
+               caf::after(std::chrono::seconds(0)) >> [] {});
   ctl->send(ws, msg::adopted_msg{"rollout1", 1, 1, 0.02, ""});
   ctl->receive([&](msg::sync_report& s) { EXPECT_EQ(s.version, 1u); },
                caf::after(std::chrono::seconds(5)) >> [] { FAIL() << "no sync_report"; });
