@@ -1,7 +1,7 @@
 // quant/fp8.hpp -- scalar FP8 (OCP E4M3FN, E5M2) and BF16 codecs.
 // defines: e4m3_from_float, e4m3_to_float, e5m2_from_float, e5m2_to_float,
 //          bf16_from_float, bf16_to_float, float_bits, float_from_bits,
-//          e4m3_encode_array, e4m3_decode_array
+//          e4m3_encode_array, e4m3_decode_array, e4m3_is_subnormal, e4m3_any_subnormal
 //
 // Encoding is round-to-nearest-even with CUDA __NV_SATFINITE semantics
 // (fp8-numerics.md §2.1): finite overflow and ±Inf saturate to ±max normal,
@@ -30,6 +30,16 @@ void e4m3_decode_array(const uint8_t* in, int64_t n, float* out);
 void bf16_encode_array(const float* x, int64_t n, uint16_t* out);
 // out[cols][rows] = bf16_from_float(x[rows][cols]): the BF16 transpose in one pass.
 void bf16_encode_transposed(const float* x, int64_t rows, int64_t cols, uint16_t* out);
+
+// Whether an E4M3 code is subnormal (exponent field 0, mantissa non-zero: +-2^-9 .. +-7 * 2^-9),
+// and whether any of codes[0..n) is: a vector widened through FP32 denormals is slow on
+// x86 (a microcode assist), so the decode-attention cache flags where they occur.
+inline constexpr bool e4m3_is_subnormal(uint8_t c) { return (c & 0x78) == 0 && (c & 0x07) != 0; }
+inline bool e4m3_any_subnormal(const uint8_t* codes, int64_t n) {
+  bool any = false;
+  for (int64_t i = 0; i < n; ++i) any |= e4m3_is_subnormal(codes[i]);
+  return any;
+}
 
 // The 256-entry decode tables (the reference decoders).
 const float* e4m3_table();

@@ -183,8 +183,10 @@ constexpr unsigned kMxcsrDaz = 0x0040u;  // MXCSR bit 6: denormal operands read 
 // one in every lane (f >= 2^-6 exactly when e >= 1), then the sign bit. The former form, the code's
 // bits << 20 as an FP32 denormal times 2^120, took a microcode assist per vector holding a
 // subnormal code: decode attention over every finite code (14 in 256 subnormal) took 2.0-2.2x
-// BF16's time, 1.06x without them; this form 1.23x either way (Zen 5, 2026-12-06, bench-decode
-// --only=attention_codes). Plain loops over 16 lanes: one vector each in the x86-64-v4 clone.
+// BF16's time, 1.06x without them; this form 1.23x either way. Slabs the cache flags free of
+// subnormal codes keep the shorter form (widen16_clean, which then meets no denormal): 1.03x
+// (Zen 5, 2026-12-06, bench-decode --only=attention_codes). Plain loops over 16 lanes: one vector
+// each in the x86-64-v4 clone.
 using f32x16 = float __attribute__((vector_size(64)));  // GCC vectors: one zmm in the v4 clone
 using u32x16 = uint32_t __attribute__((vector_size(64)));
 using i32x16 = int32_t __attribute__((vector_size(64)));
@@ -213,6 +215,24 @@ using u32x4 = uint32_t __attribute__((vector_size(16)));
   const u32x16 bits = reinterpret_cast<u32x16>(r) | (u & 0x80000000u);
   std::memcpy(out, &bits, 64);
 }
+// The same for 16 codes known to hold no subnormal one (the cache's per-slab flags): the shorter
+// form -- the code's bits << 20 as an FP32, a normal number for every such code, times 2^120.
+[[gnu::always_inline]] inline void widen16_clean(const uint8_t* p, float* out) {
+  u32x4 w;
+  std::memcpy(&w, p, sizeof w);
+  const u32x8 w8 = __builtin_shufflevector(w, w, 0, 1, 2, 3, 0, 1, 2, 3);
+  constexpr u32x16 sh = {24, 16, 8, 0, 24, 16, 8, 0, 24, 16, 8, 0, 24, 16, 8, 0};
+  const u32x16 top = __builtin_shufflevector(w8, w8, 0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3) << sh;
+  const u32x16 u = reinterpret_cast<u32x16>(reinterpret_cast<i32x16>(top) >> 4) & 0x87F00000u;
+  const f32x16 f = reinterpret_cast<f32x16>(u) * 0x1p120f;
+  std::memcpy(out, &f, 64);
+}
+// widen16, or widen16_clean for FP8 codes where kClean
+template <bool kClean, class T>
+[[gnu::always_inline]] inline void widen16_as(const T* p, float* out) {
+  if constexpr (kClean && std::is_same_v<T, uint8_t>) widen16_clean(p, out);
+  else widen16(p, out);
+}
 // The first n < 16 of them (lanes past n: +0): a value row's last chunk where D % 16 != 0.
 template <class T>
 [[gnu::always_inline]] inline void widen16_tail(const T* p, int64_t n, float* out) {
@@ -235,13 +255,13 @@ template <class T>
 // over d from +0 (cpu_attn_query's order), in registers; lanes of positions past n hold whatever
 // the slab holds there (stale data, never read).
 //   qr: [R][D]; ks: the slab [D][kAttnSlab]; sc: FP8 scales of its 16 positions; s: row r at s + r * lds
-template <int R, class T>
+template <int R, bool kClean, class T>
 [[gnu::always_inline]] inline void group_scores_slab(const float* qr, const T* ks, const float* sc, int64_t D, float* s,
                                                      int64_t lds) {
   float acc[R][kAttnSlab] = {};
   for (int64_t d = 0; d < D; ++d) {
     float k[kAttnSlab];
-    widen16(ks + d * kAttnSlab, k);
+    widen16_as<kClean>(ks + d * kAttnSlab, k);
     if constexpr (kScaled<T>)
       for (int j = 0; j < kAttnSlab; ++j) k[j] *= sc[j];
 #pragma GCC unroll 8
@@ -258,7 +278,7 @@ template <int R, class T>
 // acc[r][d0 .. d0 + 16) = fma(p[r][j], v[j][d], acc[r][d]) for j < w in order (attn_pv's chain,
 // continued across slabs), in registers; kFull: d0 + 16 <= D, else the lanes past D stay +0.
 //   p: row r at p + r * ldp; v: [w][D] stored; sc: FP8 scales of the w positions; acc: [R][ldacc]
-template <int R, bool kFull, class T>
+template <int R, bool kFull, bool kClean, class T>
 [[gnu::always_inline]] inline void group_pv_chunk(const float* p, int64_t ldp, const T* v, const float* sc, int64_t w,
                                                   int64_t D, int64_t d0, float* acc, int64_t ldacc) {
   float a[R][16];
@@ -266,7 +286,7 @@ template <int R, bool kFull, class T>
     for (int l = 0; l < 16; ++l) a[r][l] = acc[r * ldacc + d0 + l];
   for (int64_t j = 0; j < w; ++j) {
     float x[16];
-    if constexpr (kFull) widen16(v + j * D + d0, x);
+    if constexpr (kFull) widen16_as<kClean>(v + j * D + d0, x);
     else widen16_tail(v + j * D + d0, D - d0, x);
     if constexpr (kScaled<T>)
       for (int l = 0; l < 16; ++l) x[l] *= sc[j];
@@ -290,6 +310,10 @@ template <int R, class T>
   const int64_t ns = round_up(n, kAttnSlab), Dp = round_up(D, 16), slab = D * kAttnSlab;
   const T* keys = static_cast<const T*>(kv.keys);
   const T* values = static_cast<const T*>(kv.values);
+  // FP8 slabs flagged free of subnormal codes take the shorter widen (never for other types)
+  auto clean = [&](int64_t j0, uint8_t bit) {
+    return kScaled<T> && kv.subnormal && !(kv.subnormal[j0 / kAttnSlab] & bit);
+  };
   float* qr = scratch;             // [R][D] rounded queries (zero rows past G)
   float* s = qr + kGroupRows * D;  // [R][ns] scores, then probabilities
   float* acc = s + kGroupRows * ns;  // [R][Dp] P.V accumulators
@@ -307,7 +331,8 @@ template <int R, class T>
     for (int64_t j0 = 0; j0 < n; j0 += kAttnSlab) {
       const T* ks = keys + j0 / kAttnSlab * slab;
       if (j0 + 2 * kAttnSlab < n) prefetch_elems(ks + 2 * slab, slab);
-      group_scores_slab<R>(qr, ks, kScaled<T> ? kv.kscale + j0 : nullptr, D, s + j0, ns);
+      if (clean(j0, kSubnormalK)) group_scores_slab<R, true>(qr, ks, kv.kscale + j0, D, s + j0, ns);
+      else group_scores_slab<R, false>(qr, ks, kScaled<T> ? kv.kscale + j0 : nullptr, D, s + j0, ns);
     }
     for (int64_t r = 0; r < B; ++r) cpu_attn_softmax(s + r * ns, n, D, p_operand);
     for (int64_t i = B * ns; i < R * ns; ++i) s[i] = 0.0f;  // rows past G add +0 to unused accumulators
@@ -318,8 +343,11 @@ template <int R, class T>
       if (j0 + 2 * kAttnSlab < n) prefetch_elems(v + 2 * slab, slab);
       const float* sc = kScaled<T> ? kv.vscale + j0 : nullptr;
       int64_t d0 = 0;
-      for (; d0 + 16 <= D; d0 += 16) group_pv_chunk<R, true>(s + j0, ns, v, sc, w, D, d0, acc, Dp);
-      if (d0 < D) group_pv_chunk<R, false>(s + j0, ns, v, sc, w, D, d0, acc, Dp);
+      if (clean(j0, kSubnormalV))
+        for (; d0 + 16 <= D; d0 += 16) group_pv_chunk<R, true, true>(s + j0, ns, v, sc, w, D, d0, acc, Dp);
+      else
+        for (; d0 + 16 <= D; d0 += 16) group_pv_chunk<R, true, false>(s + j0, ns, v, sc, w, D, d0, acc, Dp);
+      if (d0 < D) group_pv_chunk<R, false, false>(s + j0, ns, v, sc, w, D, d0, acc, Dp);
     }
     for (int64_t r = 0; r < B; ++r)
       for (int64_t d = 0; d < D; ++d) out[(r0 + r) * ldo + d] = acc[r * Dp + d];

@@ -45,7 +45,13 @@ struct attn_kv_source {
   const void* values = nullptr;    // position j: D elements from j * D
   const float* kscale = nullptr;   // FP8: kscale[j], vscale[j] = position j's scales, readable up to n
   const float* vscale = nullptr;   //   rounded up to kAttnSlab (the rest of a slab is never used)
+  // FP8, optional: per slab s, kSubnormalK set if any of its K codes (all 16 lanes, stale ones
+  // too) ever was a subnormal E4M3 code, kSubnormalV likewise for its positions' V codes. A slab
+  // with its bit clear is widened by the shorter form (no denormal arises); null: every slab may
+  // hold one. Only speed depends on it: both forms give the same bits.
+  const uint8_t* subnormal = nullptr;
 };
+constexpr uint8_t kSubnormalK = 1, kSubnormalV = 2;
 // G query rows that share one KV head (grouped-query attention at decode), each exactly
 // cpu_attn_query's computation (same roundings, same fma orders, the same softmax), with every
 // key and value widened once per 8 rows (once for all of them at G <= 8), not once per row.

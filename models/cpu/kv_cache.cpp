@@ -21,6 +21,7 @@ struct cpu_kv_cache final : kv_cache {
   std::vector<uint16_t> bf16;
   std::vector<uint8_t> fp8;
   std::vector<float> kscale, vscale;  // FP8: [slot][layer][kv][ctx_pad] scale each entry was written with (0 where never written)
+  std::vector<uint8_t> subnormal;     // FP8: [slot][layer][kv][ctx_pad / 16] attn_kv_source::subnormal flags (only ever set)
   int64_t esize() const { return dtype == kv_dtype::f32 ? 4 : dtype == kv_dtype::bf16 ? 2 : 1; }
   int64_t ctx_pad() const { return (max_ctx + kAttnSlab - 1) / kAttnSlab * kAttnSlab; }
   int64_t block() const { return head_dim * (ctx_pad() + max_ctx); }
@@ -29,7 +30,8 @@ struct cpu_kv_cache final : kv_cache {
   int64_t base(int64_t slot, int64_t layer, int64_t g) const { return ((slot * layers + layer) * kv_heads + g) * block(); }
   int64_t sbase(int64_t slot, int64_t layer, int64_t g) const { return ((slot * layers + layer) * kv_heads + g) * ctx_pad(); }
   int64_t bytes() const override {
-    return slots * layers * kv_heads * block() * esize() + static_cast<int64_t>((kscale.size() + vscale.size()) * 4);
+    return slots * layers * kv_heads * block() * esize() + static_cast<int64_t>((kscale.size() + vscale.size()) * 4) +
+           static_cast<int64_t>(subnormal.size());
   }
 };
 
@@ -46,6 +48,7 @@ std::unique_ptr<kv_cache> cpu_kv_cache_create(int64_t slots, int64_t layers, int
     c->fp8.assign(n, 0);
     c->kscale.assign(static_cast<size_t>(slots * layers * KV * c->ctx_pad()), 0.0f);
     c->vscale.assign(c->kscale.size(), 0.0f);
+    c->subnormal.assign(c->kscale.size() / kAttnSlab, 0);
   }
   return c;
 }
@@ -103,6 +106,9 @@ int64_t cpu_kv_cache_write(kv_cache& cache, int64_t layer, const kv_step& st, co
         }
         c.kscale[c.sbase(slot, layer, g) + p] = k_scale[g];
         c.vscale[c.sbase(slot, layer, g) + p] = v_scale[g];
+        const uint8_t flags = (quant::e4m3_any_subnormal(codes, D) ? kSubnormalK : 0) |
+                              (quant::e4m3_any_subnormal(codes + D, D) ? kSubnormalV : 0);
+        c.subnormal[(c.sbase(slot, layer, g) + p) / kAttnSlab] |= flags;
         continue;
       }
       for (int64_t d = 0; d < D; ++d) {
@@ -148,6 +154,7 @@ void cpu_attention_cached(const kv_cache& cache, int64_t layer, const kv_step& s
         head(c.fp8.data());
         kv.kscale = c.kscale.data() + sb;
         kv.vscale = c.vscale.data() + sb;
+        kv.subnormal = c.subnormal.data() + sb / kAttnSlab;
         break;
     }
     // per-thread scratch, grown not reallocated (a fresh vector per (token, head) costs a memset)

@@ -543,7 +543,8 @@ TEST(Generate, CachedAttentionEqualsOneQueryAtATime) {
 }
 
 // The FP8 cache's in-register widening (codes -> FP32 by exponent re-bias, subnormal codes by
-// min(f, 2f - 2^-6), times the position's scale) gives e4m3_to_float(code) * scale for every code the cache can hold (all but
+// min(f, 2f - 2^-6); in slabs flagged free of subnormal codes, bits << 20 times 2^120; then times
+// the position's scale; both flag states run here) gives e4m3_to_float(code) * scale for every code the cache can hold (all but
 // the NaNs: +-0 and the subnormals among them), with MXCSR DAZ set on the calling thread or not.
 // V: under uniform probabilities (K all zero: p = 1/16 exactly) with one nonzero V row per
 // component, each output is one widened code / 16 -- every code's value, bit for bit (+-0 aside:
@@ -553,10 +554,13 @@ TEST(Generate, CachedAttentionEqualsOneQueryAtATime) {
 // division, and is left to the test above (its scales change mid-sequence). Scales are not
 // powers of two (the product rounds).
 TEST(Generate, Fp8CacheWidensEveryCodeExactly) {
+  for (bool subnormals : {true, false}) {  // false: the slabs are flagged clean (the shorter widen)
+  SCOPED_TRACE(subnormals ? "every code" : "every code but the subnormal ones");
   auto be = make_cpu_backend();
   std::vector<uint8_t> codes;
   for (int c = 0; c < 256; ++c)
-    if ((c & 0x7F) != 0x7F) codes.push_back(static_cast<uint8_t>(c));
+    if ((c & 0x7F) != 0x7F && (subnormals || !fp8rl::quant::e4m3_is_subnormal(static_cast<uint8_t>(c))))
+      codes.push_back(static_cast<uint8_t>(c));
   const int64_t NC = static_cast<int64_t>(codes.size()), D = 64, KV = 4, G = 8, H = KV * G;
   const std::vector<float> ks = {0.37f / 448, 0.52f / 448, 1.1f / 448, 2.9f / 448}, vs = {1.9f / 448, 0.7f / 448, 0.3f / 448, 3.3f / 448};
   // code(g, j, d) of K or V -> the cache's contents and the reference's widened operands
@@ -609,6 +613,7 @@ TEST(Generate, Fp8CacheWidensEveryCodeExactly) {
   for (int64_t h = 0; h < H; ++h) q[h * D + h % G] = 1.0f + 0.125f * (h / G);
   check("K", 32, [&](int64_t, int64_t j, int64_t d) { return d < G ? code(32 * d + j) : uint8_t{0x38}; },
         [&](int64_t g, int64_t j, int64_t d) { return code(7 * j + 3 * d + g); }, q);
+  }
 }
 
 // The training forward's attention rows (attn_pv_rows: several query rows share each V row, the

@@ -115,3 +115,20 @@ TEST(Fp8Codec, OracleAgreesOnSampledPatterns) {
     ASSERT_EQ(std::signbit(e4m3_to_float(c4)), std::signbit(w4)) << std::hex << i;
   }
 }
+
+// e4m3_is_subnormal over every code: exactly the finite non-zero codes below the smallest normal
+// (2^-6); e4m3_any_subnormal finds one anywhere in an array and nothing in an array without one.
+TEST(Fp8Codec, SubnormalCodesAreExactlyThoseBelowTheSmallestNormal) {
+  std::vector<uint8_t> normal, all;
+  for (int c = 0; c < 256; ++c) {
+    const float v = e4m3_to_float(static_cast<uint8_t>(c));
+    const bool want = !std::isnan(v) && v != 0.0f && std::fabs(v) < 0x1p-6f;
+    EXPECT_EQ(e4m3_is_subnormal(static_cast<uint8_t>(c)), want) << "code " << c;
+    all.push_back(static_cast<uint8_t>(c));
+    if (!want) normal.push_back(static_cast<uint8_t>(c));
+  }
+  EXPECT_FALSE(e4m3_any_subnormal(normal.data(), static_cast<int64_t>(normal.size())));
+  EXPECT_TRUE(e4m3_any_subnormal(all.data(), static_cast<int64_t>(all.size())));
+  EXPECT_FALSE(e4m3_any_subnormal(all.data(), 1));  // code 0 alone
+  EXPECT_TRUE(e4m3_any_subnormal(all.data() + 135, 1));  // 0x87 = -7 * 2^-9
+}

@@ -254,8 +254,10 @@ void run_decode_ratio(const bench_args& a, backend& be, const model_config& cfg,
 // FP8-cache decode attention with and without subnormal codes (phase "attention_codes"): one KV
 // head's G = 8 query rows over n = 512 cached positions (D = 64), K/V in L1/L2, one thread, against
 // the same call on a BF16 cache. Codes "all": every finite code (16 in 256 with exponent field 0:
-// +-0 and 14 subnormals); "normal": those moved to exponent field 1. The widening must not slow
-// down on subnormal codes (a denormal-operand microcode assist per vector did: ~2x on Zen 5).
+// +-0 and 14 subnormals); "normal": those moved to exponent field 1. Flags "cache": the per-slab
+// subnormal flags the KV cache keeps (clean slabs take the shorter widen); "none": every slab
+// widened the way that never meets a denormal. The widening must not slow down on subnormal codes
+// (a denormal-operand microcode assist per vector did: ~2x on Zen 5).
 void run_attention_codes(const bench_args& a) {
   const int64_t G = 8, n = 512, D = 64;
   std::vector<float> q(G * D), out(G * D), scratch(static_cast<size_t>(cpu_attn_group_scratch(n, D)));
@@ -278,18 +280,32 @@ void run_attention_codes(const bench_args& a) {
       return c;
     };
     for (size_t i = 0; i < k8.size(); ++i) k8[i] = code(i, 131, 7), v8[i] = code(i, 71, 3);
-    const attn_kv_source a8{kv_dtype::fp8, k8.data(), v8.data(), ks.data(), vs.data()};
+    // the cache's per-slab flags, as kv_cache_write sets them; "unflagged": none given (every slab
+    // may hold a subnormal code: the widen that never meets a denormal)
+    std::vector<uint8_t> flags(static_cast<size_t>(n / kAttnSlab), 0);
+    for (int64_t j = 0; j < n; ++j) {
+      std::vector<uint8_t> kj(static_cast<size_t>(D));
+      for (int64_t d = 0; d < D; ++d) kj[d] = k8[(j / kAttnSlab * D + d) * kAttnSlab + j % kAttnSlab];
+      flags[j / kAttnSlab] |= (quant::e4m3_any_subnormal(kj.data(), D) ? kSubnormalK : 0) |
+                              (quant::e4m3_any_subnormal(v8.data() + j * D, D) ? kSubnormalV : 0);
+    }
     auto call = [&](const attn_kv_source& s, const attn_rounding* rq) {
-      return [&, rq] { cpu_attn_group(q.data(), D, rq, G, s, n, D, precision::bf16, out.data(), D, scratch.data()); };
+      return [&, s, rq] { cpu_attn_group(q.data(), D, rq, G, s, n, D, precision::bf16, out.data(), D, scratch.data()); };
     };
-    double us8 = 0, us16 = 0;
-    one.execute([&] {
-      us8 = bench_median(a.reps, call(a8, rq8.data())) * 1e6;
-      us16 = bench_median(a.reps, call(a16, rq16.data())) * 1e6;
-    });
-    bench_emit(a, {{"bench", jstr("decode")}, {"phase", jstr("attention_codes")}, {"codes", jstr(codes)},
-                   {"threads", jnum(1)}, {"context", jnum(double(n))}, {"fp8_us_per_kv_head", jnum(us8)},
-                   {"bf16_us_per_kv_head", jnum(us16)}, {"fp8_over_bf16", jnum(us8 / us16)}});
+    for (const bool flagged : {true, false}) {
+      const attn_kv_source a8{kv_dtype::fp8, k8.data(), v8.data(), ks.data(), vs.data(), flagged ? flags.data() : nullptr};
+      double us8 = 0, us16 = 0;
+      one.execute([&] {
+        us8 = bench_median(a.reps, call(a8, rq8.data())) * 1e6;
+        us16 = bench_median(a.reps, call(a16, rq16.data())) * 1e6;
+      });
+      int64_t clean = 0;
+      for (uint8_t f : flags) clean += flagged && f == 0;
+      bench_emit(a, {{"bench", jstr("decode")}, {"phase", jstr("attention_codes")}, {"codes", jstr(codes)},
+                     {"flags", jstr(flagged ? "cache" : "none")}, {"clean_slabs", jnum(double(clean))},
+                     {"slabs", jnum(double(flags.size()))}, {"threads", jnum(1)}, {"context", jnum(double(n))},
+                     {"fp8_us_per_kv_head", jnum(us8)}, {"bf16_us_per_kv_head", jnum(us16)}, {"fp8_over_bf16", jnum(us8 / us16)}});
+    }
   }
 }
 
