@@ -1,7 +1,7 @@
 // gpu/ops.hpp -- CUDA kernels behind launchers of the same name (device pointers, default stream).
 // defines: gpu_quantize, gpu_dequantize, gpu_gemm_fp8_own, gpu_rmsnorm_forward, gpu_rope,
 //          gpu_swiglu_forward, gpu_embedding_forward, gpu_logprob_forward, gpu_adamw_step,
-//          gpu_kv_write_fp8, gpu_kv_read_fp8, gpu_attention_forward, gpu_e4m3_encode
+//          gpu_kv_write_fp8, gpu_kv_read_fp8, gpu_attention_forward, gpu_e4m3_encode, gpu_e4m3_encoder_sweep
 //
 // Bit-exact with quant/ on the CPU: quantize/dequantize (same integer E4M3 encoder, pow2
 // exponent formula, IEEE __fdiv_rn/__fmul_rn for fp32 scales, never fast-math) and the own
@@ -24,6 +24,9 @@ void gpu_quantize_device(const float* x, int64_t rows, int64_t cols, quant::qlay
                          uint8_t* out, float* scale_inv, int* bad);
 // E4M3 codes of n floats (device in, device out), the SATFINITE encoder of quant/fp8.cpp.
 void gpu_e4m3_encode(const float* x, int64_t n, uint8_t* out);
+// fp8-numerics.md §10.1: all 2^32 FP32 patterns through that encoder and through the hardware's
+// cvt.rn.satfinite (cuda_fp8.h); returns how many disagree and, if any, the lowest such pattern.
+uint64_t gpu_e4m3_encoder_sweep(uint32_t* first_mismatch);
 void gpu_dequantize(const quant::qtensor& q, float* out /* device [rows, cols] */);
 // C[M,N] = A·B^T with the CPU reference's FMA order (A 1x128 tiles, B any layout); C device.
 void gpu_gemm_fp8_own(const quant::qtensor& A, const quant::qtensor& B, float* C);

@@ -119,6 +119,16 @@ TEST(GpuOps, EncoderMatchesCpuOnSampledFloatPatterns) {
   for (size_t i = 0; i < x.size(); ++i) ASSERT_EQ(q[i], quant::e4m3_from_float(x[i])) << std::hex << quant::float_bits(x[i]);
 }
 
+// fp8-numerics.md §10.1: the integer encoder (CPU and device alike, tested above) against the
+// hardware's own SATFINITE conversion over every FP32 pattern (a second on an H100/H200).
+TEST(GpuOps, EncoderMatchesTheHardwareConversionOnEveryFloat) {
+  REQUIRE_GPU();
+  uint32_t first = 0;
+  const uint64_t bad = gpu::gpu_e4m3_encoder_sweep(&first);
+  EXPECT_EQ(bad, 0u) << "lowest disagreeing pattern 0x" << std::hex << first << " ("
+                     << quant::float_from_bits(first) << "): hardware vs ours differ";
+}
+
 TEST(GpuOps, OwnFp8GemmIsBitExactWithTheCpuReference) {
   REQUIRE_GPU();
   const int64_t M = 70, N = 200, K = 384;
