@@ -202,13 +202,19 @@ using u32x4 = uint32_t __attribute__((vector_size(16)));
   const u32x16 u = (__builtin_shufflevector(w, w, 0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7) << sh) & 0xFFFF0000u;
   std::memcpy(out, &u, 64);
 }
-[[gnu::always_inline]] inline void widen16(const uint8_t* p, float* out) {
+// 16 E4M3 codes, each sign-extended and << 20 in its lane (s...s|s|eeee|mmm|0...0), into *u (an
+// out-parameter: a 64-byte vector return value changes the ABI outside the v4 clone).
+[[gnu::always_inline]] inline void e4m3_lanes(const uint8_t* p, u32x16* u) {
   u32x4 w;
   std::memcpy(&w, p, sizeof w);
   const u32x8 w8 = __builtin_shufflevector(w, w, 0, 1, 2, 3, 0, 1, 2, 3);
   constexpr u32x16 sh = {24, 16, 8, 0, 24, 16, 8, 0, 24, 16, 8, 0, 24, 16, 8, 0};  // code j to the top byte
   const u32x16 top = __builtin_shufflevector(w8, w8, 0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3) << sh;
-  const u32x16 u = reinterpret_cast<u32x16>(reinterpret_cast<i32x16>(top) >> 4);  // sign-extended << 20
+  *u = reinterpret_cast<u32x16>(reinterpret_cast<i32x16>(top) >> 4);
+}
+[[gnu::always_inline]] inline void widen16(const uint8_t* p, float* out) {
+  u32x16 u;
+  e4m3_lanes(p, &u);
   const f32x16 f = reinterpret_cast<f32x16>((u & 0x07F00000u) + (120u << 23));
   const f32x16 g = f * 2.0f - 0x1p-6f;
   const f32x16 r = f < g ? f : g;
@@ -218,13 +224,9 @@ using u32x4 = uint32_t __attribute__((vector_size(16)));
 // The same for 16 codes known to hold no subnormal one (the cache's per-slab flags): the shorter
 // form -- the code's bits << 20 as an FP32, a normal number for every such code, times 2^120.
 [[gnu::always_inline]] inline void widen16_clean(const uint8_t* p, float* out) {
-  u32x4 w;
-  std::memcpy(&w, p, sizeof w);
-  const u32x8 w8 = __builtin_shufflevector(w, w, 0, 1, 2, 3, 0, 1, 2, 3);
-  constexpr u32x16 sh = {24, 16, 8, 0, 24, 16, 8, 0, 24, 16, 8, 0, 24, 16, 8, 0};
-  const u32x16 top = __builtin_shufflevector(w8, w8, 0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3) << sh;
-  const u32x16 u = reinterpret_cast<u32x16>(reinterpret_cast<i32x16>(top) >> 4) & 0x87F00000u;
-  const f32x16 f = reinterpret_cast<f32x16>(u) * 0x1p120f;
+  u32x16 u;
+  e4m3_lanes(p, &u);
+  const f32x16 f = reinterpret_cast<f32x16>(u & 0x87F00000u) * 0x1p120f;
   std::memcpy(out, &f, 64);
 }
 // widen16, or widen16_clean for FP8 codes where kClean
