@@ -1,18 +1,43 @@
 // models/checkpoint.cpp -- atomic checkpoint directories.
 #include "models/checkpoint.hpp"
 
+#include <fcntl.h>
+
 #include <algorithm>
+#include <cerrno>
 #include <cmath>
+#include <cstdio>
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <sstream>
 #include <stdexcept>
+#include <system_error>
 
 namespace fp8rl::models {
 namespace fs = std::filesystem;
+namespace {
 
-void checkpoint_save(const std::string& dir, const checkpoint& c) {
+// The complete tmp takes dir's place (checkpoint.hpp). Deleting dir and then renaming lost both
+// checkpoints to a crash in between (dir gone, nothing ever recovered dir.tmp).
+void dir_replace(const fs::path& tmp, const fs::path& dir) {
+  if (!fs::exists(dir)) return fs::rename(tmp, dir);
+  if (::renameat2(AT_FDCWD, tmp.c_str(), AT_FDCWD, dir.c_str(), RENAME_EXCHANGE) == 0) {
+    fs::remove_all(tmp);  // the previous checkpoint, now at tmp
+    return;
+  }
+  if (errno != EINVAL && errno != ENOSYS)
+    throw std::system_error(errno, std::generic_category(), "checkpoint: exchanging " + tmp.string() + " with " + dir.string());
+  const fs::path old = dir.string() + ".old";  // no exchange here: two renames, dir.old between them
+  fs::remove_all(old);
+  fs::rename(dir, old);
+  fs::rename(tmp, dir);
+  fs::remove_all(old);
+}
+
+}  // namespace
+
+void checkpoint_save(const std::string& dir, const checkpoint& c, const std::function<void(const std::string&)>& extra) {
   const fs::path tmp = dir + ".tmp";
   fs::remove_all(tmp);
   model_save(tmp.string(), c.params);
@@ -34,8 +59,8 @@ void checkpoint_save(const std::string& dir, const checkpoint& c) {
   state << s.dump(2) << "\n";
   state.close();
   if (!state) throw std::runtime_error((tmp / "state.json").string() + ": write failed (the previous " + dir + " is kept)");
-  if (fs::exists(dir)) fs::remove_all(dir);
-  fs::rename(tmp, dir);
+  if (extra) extra(tmp.string());
+  dir_replace(tmp, dir);
 }
 
 checkpoint checkpoint_load(const std::string& dir) {
@@ -52,6 +77,9 @@ checkpoint checkpoint_load(const std::string& dir) {
   }
   if (!s.contains("adam_step") || !s["adam_step"].is_number_unsigned())
     throw std::invalid_argument(st.string() + ": key 'adam_step' missing or not an integer >= 0");
+  // 2^64 - 1 read as int64 was -1: AdamW's first bias correction 1 - beta^0 = 0 made every weight NaN
+  if (s["adam_step"].get<uint64_t>() >= (uint64_t{1} << 62))
+    throw std::invalid_argument(st.string() + ": key 'adam_step' = " + s["adam_step"].dump() + " is not a step count (>= 2^62)");
   c.opt.step = s["adam_step"].get<int64_t>();
   c.state_json = s.dump();
   const fs::path op = fs::path(dir) / "optimizer.safetensors";

@@ -5,8 +5,13 @@
 //   config.json, model.safetensors   the model, loadable by any HF-compatible tool
 //   optimizer.safetensors            AdamW moments as "m.<name>", "v.<name>" (F32)
 //   state.json                       {"step", "weight_version", "adam_step", ...run state}
-// Saving writes into DIR.tmp and renames, so a crash leaves the previous checkpoint intact.
+// Saving writes everything (also the caller's extra files: tokenizer, calibration batch) into
+// DIR.tmp, then exchanges it with DIR in one step (renameat2 RENAME_EXCHANGE), so DIR always
+// holds a whole checkpoint, the previous one until the exchange. Where the filesystem cannot
+// exchange, DIR moves aside to DIR.old for the moment between two renames; a load that finds
+// DIR missing and DIR.old there says so.
 #pragma once
+#include <functional>
 #include <string>
 
 #include "models/adamw.hpp"
@@ -20,7 +25,9 @@ struct checkpoint {
   std::string state_json = "{}";  // caller's run state (step, versions, rng, data cursor)
 };
 
-void checkpoint_save(const std::string& dir, const checkpoint& c);
+// extra(tmp) writes the caller's files into the temporary directory before it becomes dir.
+void checkpoint_save(const std::string& dir, const checkpoint& c,
+                     const std::function<void(const std::string& tmp)>& extra = {});
 checkpoint checkpoint_load(const std::string& dir);
 
 }  // namespace fp8rl::models

@@ -49,9 +49,13 @@ void model_config::validate() const {
   at_most("head_dim", head_dim, 1024);
   at_most("vocab_size", vocab_size, int64_t{1} << 22);
   at_most("max_position_embeddings", max_position_embeddings, int64_t{1} << 22);
-  for (const auto& [f, v] : {std::pair{"bos_token_id", bos_token_id}, std::pair{"eos_token_id", eos_token_id}})
-    if (v < -1 || v >= vocab_size)
+  auto token = [&](const std::string& f, int64_t v) {
+    if (v < 0 || v >= vocab_size)
       fail("model_config", f, std::to_string(v) + " is not a token of the vocabulary [0, " + std::to_string(vocab_size) + ")");
+  };
+  if (bos_token_id != -1) token("bos_token_id", bos_token_id);
+  for (size_t i = 0; i < eos_token_ids.size(); ++i)
+    token(eos_token_ids.size() > 1 ? "eos_token_id[" + std::to_string(i) + "]" : "eos_token_id", eos_token_ids[i]);
   if (num_attention_heads % num_key_value_heads)
     fail("model_config", "num_key_value_heads", "must divide num_attention_heads");
   if (head_dim % 2) fail("model_config", "head_dim", "must be even for RoPE");
@@ -89,6 +93,7 @@ model_config model_config_parse(const std::string& text, const std::string& sour
   get_int("num_key_value_heads", c.num_key_value_heads, false);
   get_int("vocab_size", c.vocab_size, true);
   get_int("max_position_embeddings", c.max_position_embeddings, false);
+  c.rms_norm_eps = 1e-6;  // absent: transformers' default for Llama, Qwen2 and Mistral (the struct's 1e-5 is ours)
   get_num("rms_norm_eps", c.rms_norm_eps);
   get_num("rope_theta", c.rope_theta);
   get_num("initializer_range", c.initializer_range);
@@ -101,15 +106,17 @@ model_config model_config_parse(const std::string& text, const std::string& sour
     if (!j["tie_word_embeddings"].is_boolean()) fail(source, "tie_word_embeddings", "must be true or false");
     c.tie_word_embeddings = j["tie_word_embeddings"].get<bool>();
   }
-  for (const char* f : {"bos_token_id", "eos_token_id"}) {
+  for (const char* f : {"bos_token_id", "eos_token_id"}) {  // an id, a list of ids (HF), or null
     if (!j.contains(f) || j[f].is_null()) continue;
-    int64_t& dst = std::string(f) == "bos_token_id" ? c.bos_token_id : c.eos_token_id;
-    if (j[f].is_number_integer()) {
-      dst = j[f].get<int64_t>();
-      if (dst < 0) fail(source, f, "must be a token id >= 0 (or null), got " + std::to_string(dst));
+    std::vector<int64_t> ids;
+    for (const auto& v : j[f].is_array() ? j[f] : nlohmann::json::array({j[f]})) {
+      if (!v.is_number_integer() || v.get<int64_t>() < 0) fail(source, f, "must be a token id >= 0, a list of them, or null; got " + j[f].dump());
+      ids.push_back(v.get<int64_t>());
     }
-    else if (j[f].is_array() && !j[f].empty() && j[f][0].is_number_integer()) dst = j[f][0].get<int64_t>();
-    else fail(source, f, "must be an integer or a list of integers");
+    if (ids.empty()) continue;
+    if (std::string(f) == "eos_token_id") c.eos_token_ids = ids;  // every one of them ends a sequence
+    else if (ids.size() == 1) c.bos_token_id = ids[0];
+    else fail(source, f, "one sequence start, got " + j[f].dump());
   }
   // unsupported values of known fields
   if (j.contains("rope_scaling") && !j["rope_scaling"].is_null())
@@ -193,7 +200,8 @@ std::string model_config_to_json(const model_config& c) {
             {"attention_bias", false},
             {"torch_dtype", "float32"}};
   if (c.bos_token_id >= 0) j["bos_token_id"] = c.bos_token_id;
-  if (c.eos_token_id >= 0) j["eos_token_id"] = c.eos_token_id;
+  if (c.eos_token_ids.size() == 1) j["eos_token_id"] = c.eos_token_ids[0];
+  if (c.eos_token_ids.size() > 1) j["eos_token_id"] = c.eos_token_ids;
   return j.dump(2);
 }
 

@@ -7,6 +7,7 @@
 #pragma once
 #include <cstdint>
 #include <string>
+#include <vector>
 
 namespace fp8rl::models {
 
@@ -23,7 +24,8 @@ struct model_config {
   int64_t max_position_embeddings = 2048;
   bool tie_word_embeddings = false;
   double initializer_range = 0.02;
-  int64_t bos_token_id = -1, eos_token_id = -1;
+  int64_t bos_token_id = -1;
+  std::vector<int64_t> eos_token_ids;  // HF's eos_token_id, an id or a list (Llama 3.1 Instruct: three)
 
   int64_t q_dim() const { return num_attention_heads * head_dim; }     // H*D
   int64_t kv_dim() const { return num_key_value_heads * head_dim; }    // KV*D

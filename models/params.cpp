@@ -153,6 +153,9 @@ st_tensors model_params_to_tensors(const model_params& p) {
 
 model_params model_load(const std::string& dir) {
   namespace fs = std::filesystem;
+  if (!fs::exists(dir) && fs::exists(dir + ".old"))  // checkpoint_save's two-rename path was cut between them
+    throw std::invalid_argument(dir + ": missing; a checkpoint save that was replacing it stopped midway and left the "
+                                "previous checkpoint at " + dir + ".old (rename it back)");
   const auto cfg = model_config_load((fs::path(dir) / "config.json").string());
   std::map<std::string, std::string> file_of;
   st_tensors t = safetensors_load_dir(dir, &file_of);

@@ -170,6 +170,8 @@ class bpe_tok final : public tokenizer {
       ranks_.emplace(a + '\x01' + b, rank++);
     }
     // added tokens
+    if (j.contains("added_tokens") && !j["added_tokens"].is_null() && !j["added_tokens"].is_array())
+      throw std::invalid_argument(where("added_tokens must be a list"));  // was ignored: its special tokens lost
     if (j.contains("added_tokens") && j["added_tokens"].is_array())
       for (const auto& t : j["added_tokens"]) {
         if (!t.is_object() || !t.contains("content") || !t["content"].is_string() || t["content"].get<std::string>().empty() ||
@@ -314,7 +316,9 @@ class bpe_tok final : public tokenizer {
 
   void add_pre(const json& p, const std::string& where) {
     const std::string t = p.value("type", "");
-    if (t == "Sequence") {
+    if (t == "Sequence") {  // (a const json's [] of a missing key reads past its map: no assert in Release)
+      if (!p.contains("pretokenizers") || !p["pretokenizers"].is_array())
+        throw std::invalid_argument(where + ": a Sequence needs a list 'pretokenizers'");
       for (const auto& q : p["pretokenizers"]) add_pre(q, where + ".pretokenizers");
     } else if (t == "Split") {
       if (p.value("behavior", "") != "Isolated" || p.value("invert", false))

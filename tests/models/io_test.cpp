@@ -46,6 +46,21 @@ TEST(Config, ParsesHuggingFaceFields) {
   EXPECT_EQ(c.num_key_value_heads, 2);
   model_config r = model_config_parse(model_config_to_json(c), "roundtrip");
   EXPECT_EQ(r.intermediate_size, c.intermediate_size);
+  EXPECT_EQ(r.rms_norm_eps, 1e-5);
+  std::string no_eps = kGoodConfig;  // absent, it is transformers' default (1e-6), not ours
+  no_eps.replace(no_eps.find("\"rms_norm_eps\": 1e-5,"), 21, "");
+  EXPECT_EQ(model_config_parse(no_eps, "config.json").rms_norm_eps, 1e-6);
+  // eos_token_id as a list (Llama 3.1 Instruct: [128001, 128008, 128009]) keeps every id, also
+  // through a save (the first alone was kept and written: generation ran past the others)
+  std::string listed = kGoodConfig;
+  listed.replace(listed.find("\"hidden_act\""), 0, "\"eos_token_id\": [2, 5, 7], \"bos_token_id\": 1, ");
+  const model_config l = model_config_parse(listed, "config.json");
+  EXPECT_EQ(l.eos_token_ids, (std::vector<int64_t>{2, 5, 7}));
+  EXPECT_EQ(l.bos_token_id, 1);
+  EXPECT_EQ(model_config_parse(model_config_to_json(l), "roundtrip").eos_token_ids, l.eos_token_ids);
+  listed.replace(listed.find("[2, 5, 7]"), 9, "[2, 50]");  // each id of the list is checked against the vocabulary
+  EXPECT_NE(error_of([&] { model_config_parse(listed, "config.json"); }).find("eos_token_id[1]"), std::string::npos)
+      << error_of([&] { model_config_parse(listed, "config.json"); });
 }
 
 TEST(Config, ErrorsNameTheField) {

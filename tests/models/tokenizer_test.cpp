@@ -70,7 +70,14 @@ TEST(Tokenizer, MalformedFilesNameTheKey) {
            {R"({"model": {"type": "BPE", "vocab": {}, "merges": []}, "post_processor": {"type": "TemplateProcessing"}})",
             "needs a list 'single'"},
            {R"({"model": {"type": "BPE", "vocab": {}, "merges": []}, "post_processor": {"type": "TemplateProcessing", "single": [{"SpecialToken": {}}]}})",
-            "SpecialToken needs a string 'id'"}}) {
+            "SpecialToken needs a string 'id'"},
+           // a Sequence without its list read past the JSON map (valgrind: invalid read); a map of
+           // added tokens was ignored, and with it every special token
+           {R"({"model": {"type": "BPE", "vocab": {}, "merges": []}, "pre_tokenizer": {"type": "Sequence"}})",
+            "pre_tokenizer: a Sequence needs a list 'pretokenizers'"},
+           {R"({"model": {"type": "BPE", "vocab": {}, "merges": []}, "pre_tokenizer": {"type": "Sequence", "pretokenizer": []}})",
+            "pre_tokenizer: a Sequence needs a list 'pretokenizers'"},
+           {R"({"model": {"type": "BPE", "vocab": {}, "merges": []}, "added_tokens": {"<s>": 1}})", "added_tokens must be a list"}}) {
     const std::string err = write_and_load(body);
     EXPECT_NE(err.find(file + ": "), std::string::npos) << err;
     EXPECT_NE(err.find(what), std::string::npos) << err;

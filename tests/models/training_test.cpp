@@ -7,6 +7,9 @@
 #include <cmath>
 #include <cstring>
 #include <filesystem>
+#include <fstream>
+#include <limits>
+#include <nlohmann/json.hpp>
 
 #include "models/checkpoint.hpp"
 #include "models/cpu/cpu_backend.hpp"
@@ -143,6 +146,50 @@ TEST(Training, SaveLoadContinueIsBitIdentical) {
     EXPECT_NE(err.find("at index 2"), std::string::npos) << err;
   }
   std::filesystem::remove_all(dir);
+}
+
+// Replacing a checkpoint never leaves its directory without a whole one: the new one (with the
+// caller's extra files) takes the old one's place in one exchange, nothing left beside it; a save
+// cut between the fallback's two renames is named with where the previous checkpoint is (it was
+// deleted first, and nothing recovered DIR.tmp). A step count past 2^62 in state.json is refused
+// (2^64 - 1 read as -1 turned every weight into NaN at the next update).
+TEST(Training, CheckpointReplacementKeepsAWholeCheckpoint) {
+  namespace fs = std::filesystem;
+  const fs::path dir = fs::temp_directory_path() / ("fp8rl_replace_" + std::to_string(::getpid()));
+  fs::remove_all(dir);
+  trainer a(task_config(), "fp32", 12);
+  checkpoint_save(dir.string(), a.ck, [](const std::string& tmp) { std::ofstream(fs::path(tmp) / "extra.txt") << "first\n"; });
+  trainer b(task_config(), "fp32", 13);
+  train(b, 6, 2);
+  checkpoint_save(dir.string(), b.ck, [](const std::string& tmp) { std::ofstream(fs::path(tmp) / "extra.txt") << "second\n"; });
+  const checkpoint c = checkpoint_load(dir.string());
+  EXPECT_EQ(c.opt.step, b.ck.opt.step);
+  EXPECT_EQ(c.params.data, b.ck.params.data);
+  std::ifstream extra(dir / "extra.txt");
+  std::string word;
+  extra >> word;
+  EXPECT_EQ(word, "second");
+  EXPECT_FALSE(fs::exists(dir.string() + ".tmp"));
+  EXPECT_FALSE(fs::exists(dir.string() + ".old"));
+  auto error_of = [&](const fs::path& d) {
+    try {
+      checkpoint_load(d.string());
+    } catch (const std::invalid_argument& e) {
+      return std::string(e.what());
+    }
+    return std::string();
+  };
+  {  // state.json's step count
+    nlohmann::json st = nlohmann::json::parse(std::ifstream(dir / "state.json"));
+    st["adam_step"] = std::numeric_limits<uint64_t>::max();
+    std::ofstream(dir / "state.json") << st.dump();
+    const std::string err = error_of(dir);
+    EXPECT_NE(err.find("state.json: key 'adam_step' = 18446744073709551615 is not a step count"), std::string::npos) << err;
+  }
+  fs::rename(dir, dir.string() + ".old");  // what a save cut between the fallback's renames leaves
+  const std::string err = error_of(dir);
+  EXPECT_NE(err.find("left the previous checkpoint at " + dir.string() + ".old"), std::string::npos) << err;
+  fs::remove_all(dir.string() + ".old");
 }
 
 TEST(Training, LossesDoNotDependOnThreadCount) {

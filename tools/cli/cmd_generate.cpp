@@ -40,7 +40,7 @@ const char* const kUsage =
     "  --top-k K                0 = off (default)\n"
     "  --top-p P                in (0, 1] (default 1)\n"
     "  --seed S                 sampling seed of every request (default 0)\n"
-    "  --stop ID,ID             stop tokens (default: the model's eos_token_id)\n"
+    "  --stop ID,ID             stop tokens (default: the model's eos_token_id, every id of a list)\n"
     "  --slots N                continuous-batching slots (default 8)\n"
     "  --max-context N          tokens per slot (default: min(max_position_embeddings, 2048))\n"
     "  --threads N              oneTBB threads (default 0: all cores)\n"
@@ -100,8 +100,8 @@ int cmd_generate(int argc, char** argv) {
                                     std::to_string(params.cfg.vocab_size) + ")");
       stops.push_back(static_cast<int32_t>(*v));
     }
-  } else if (params.cfg.eos_token_id >= 0) {
-    stops.push_back(static_cast<int32_t>(params.cfg.eos_token_id));
+  } else {
+    for (int64_t id : params.cfg.eos_token_ids) stops.push_back(static_cast<int32_t>(id));
   }
   models::logit_processing proc;
   proc.temperature = static_cast<float>(a.get_num("temperature", 1.0));

@@ -109,18 +109,19 @@ int cmd_sft(int argc, char** argv) {
     });
   });
   ck.state_json = nlohmann::json{{"phase", "sft"}, {"task", a.get("task", "builtin:add2")}}.dump();
-  models::checkpoint_save(out, ck);
-  if (!alphabet.empty()) models::char_tokenizer_save(out, alphabet);
-  else if (a.has("tokenizer") || a.has("model")) {
+  // the tokenizer goes into the checkpoint before it replaces `out` (which may be its source)
+  models::checkpoint_save(out, ck, [&](const std::string& tmp) {
+    namespace fs = std::filesystem;
+    if (!alphabet.empty()) return models::char_tokenizer_save(tmp, alphabet);
+    if (!a.has("tokenizer") && !a.has("model")) return;
     const std::string src = a.has("tokenizer") ? a.get("tokenizer") : a.get("model");
-    const auto from = std::filesystem::is_directory(src) ? std::filesystem::path(src) / "tokenizer.json" : std::filesystem::path(src);
-    if (std::filesystem::exists(from)) std::filesystem::copy_file(from, std::filesystem::path(out) / "tokenizer.json",
-                                                                  std::filesystem::copy_options::overwrite_existing);
-    else if (std::filesystem::exists(std::filesystem::path(src) / "fp8rl-char-tokenizer.json"))
-      std::filesystem::copy_file(std::filesystem::path(src) / "fp8rl-char-tokenizer.json",
-                                 std::filesystem::path(out) / "fp8rl-char-tokenizer.json",
-                                 std::filesystem::copy_options::overwrite_existing);
-  }
+    const auto from = fs::is_directory(src) ? fs::path(src) / "tokenizer.json" : fs::path(src);
+    if (fs::exists(from))
+      fs::copy_file(from, fs::path(tmp) / "tokenizer.json", fs::copy_options::overwrite_existing);
+    else if (fs::exists(fs::path(src) / "fp8rl-char-tokenizer.json"))
+      fs::copy_file(fs::path(src) / "fp8rl-char-tokenizer.json", fs::path(tmp) / "fp8rl-char-tokenizer.json",
+                    fs::copy_options::overwrite_existing);
+  });
   std::fprintf(stderr, "sft: wrote %s\n", out.c_str());
   return 0;
 }
