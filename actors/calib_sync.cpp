@@ -60,6 +60,7 @@ std::shared_ptr<const std::vector<char>> bundle_bytes(caf::actor_system& sys, co
 msg::calibration_actor spawn_calibration(caf::actor_system& sys, std::shared_ptr<const actor_env> env, device_spec dev) {
   using self_t = msg::calibration_actor::stateful_pointer<calibration_state>;
   return sys.spawn([dev](self_t self, std::shared_ptr<const actor_env> env) -> msg::calibration_actor::behavior_type {
+    actor_failures_named(self, "the calibration actor");
     self->state.env = env;
     self->state.arena = std::make_unique<tbb::task_arena>(dev.index > 0 ? static_cast<int>(dev.index) : tbb::task_arena::automatic);
     auto calibrate = [self](msg::params_msg& pm) {
@@ -109,6 +110,7 @@ msg::calibration_actor spawn_calibration(caf::actor_system& sys, std::shared_ptr
 msg::weight_sync_actor spawn_weight_sync(caf::actor_system& sys, std::shared_ptr<const actor_env> env) {
   using self_t = msg::weight_sync_actor::stateful_pointer<sync_state>;
   return sys.spawn([](self_t self, std::shared_ptr<const actor_env> env) -> msg::weight_sync_actor::behavior_type {
+    actor_failures_named(self, "the weight-sync actor");
     self->state.env = env;
     auto log = log_get("weight_sync");
     // Sends a bundle to one remote rollout as raw-byte chunks with a window of kWindow requests

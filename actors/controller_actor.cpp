@@ -13,8 +13,11 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <map>
 #include <set>
+#include <stdexcept>
+#include <string>
 
 #include "actors/actors.hpp"
 #include "actors/run_dir.hpp"
@@ -40,9 +43,20 @@ struct controller_state {
   int64_t reissued = 0, rollouts_lost = 0, rollouts_restarted = 0;
   std::map<std::string, int> restarts;  // per rollout name
   bool stopping = false;
+  bool shut_down = false;  // exits sent and on_done called: once, by finish or the exception handler
   std::chrono::steady_clock::time_point t0 = std::chrono::steady_clock::now();
   double tokens = 0;
 };
+
+// The staleness of a "staleness_hist/<versions>" metric; throws naming the key if it is not one.
+double staleness_bucket(const std::string& key) {
+  const std::string v = key.substr(key.find('/') + 1);
+  char* end = nullptr;
+  const double x = std::strtod(v.c_str(), &end);
+  if (v.empty() || *end != '\0' || !(x >= 0))
+    throw std::invalid_argument("step_report metric '" + key + "': not a staleness bucket (a version count)");
+  return x;
+}
 
 }  // namespace
 
@@ -70,7 +84,24 @@ msg::controller_actor spawn_controller(caf::actor_system& sys, std::shared_ptr<c
     st.metrics.open(env->run_dir, env->start_version > 0);
     auto log = log_get("controller");
     auto all_actors = [self] { return node_actors_all(self->state.peers); };
-    auto finish = [self, all_actors, log](int code, const std::string& why) {
+    auto shut_down = [self, all_actors](int code) {  // every actor and node agent stopped, the code reported
+      auto& s = self->state;
+      if (s.shut_down) return;
+      s.shut_down = true;
+      for (auto& a : all_actors()) self->send_exit(a, caf::exit_reason::user_shutdown);
+      for (auto& a : s.agents) self->send(caf::actor_cast<msg::node_agent_actor>(a), msg::stop_atom::value);
+      if (s.opts.on_done) s.opts.on_done(code);
+    };
+    // An exception in a handler fails the run, named, instead of leaving the process waiting on a
+    // controller that is gone (on_done was called only by finish, and the other actors ran on).
+    self->set_exception_handler([self, shut_down, log](caf::scheduled_actor*, std::exception_ptr& e) {
+      caf::error err = actor_exception_error("controller", e);
+      self->state.stopping = true;
+      log->error("run failed: {}", self->system().render(err));
+      shut_down(1);
+      return err;
+    });
+    auto finish = [self, shut_down, log](int code, const std::string& why) {
       auto& s = self->state;
       if (s.stopping) return;
       s.stopping = true;
@@ -82,9 +113,7 @@ msg::controller_actor spawn_controller(caf::actor_system& sys, std::shared_ptr<c
       } else {
         log->error("run failed: {}", why);
       }
-      for (auto& a : all_actors()) self->send_exit(a, caf::exit_reason::user_shutdown);
-      for (auto& a : s.agents) self->send(caf::actor_cast<msg::node_agent_actor>(a), msg::stop_atom::value);
-      if (s.opts.on_done) s.opts.on_done(code);
+      shut_down(code);
       self->quit();
     };
     auto issue = [self](msg::work_msg w) {
@@ -145,7 +174,8 @@ msg::controller_actor spawn_controller(caf::actor_system& sys, std::shared_ptr<c
           s.peers.rollouts.erase(s.peers.rollouts.begin() + static_cast<long>(i));
           s.peers.rollout_names.erase(s.peers.rollout_names.begin() + static_cast<long>(i));
         }
-        if (s.peers.rollouts.empty()) return finish(1, "every rollout actor is gone");
+        if (s.peers.rollouts.empty())
+          return finish(1, "every rollout actor is gone (the last, " + name + ": " + self->system().render(dm.reason) + ")");
         broadcast_peers();
         std::vector<msg::work_msg> redo;
         for (auto& [key, v] : s.in_flight) if (v.first == name) redo.push_back(v.second);
@@ -207,7 +237,7 @@ msg::controller_actor spawn_controller(caf::actor_system& sys, std::shared_ptr<c
           if (s.opts.print_progress) {
             double stale = 0, cnt = 0;
             for (const auto& [k, v] : r.metrics)
-              if (k.rfind("staleness_hist/", 0) == 0) { stale += std::stod(k.substr(15)) * v; cnt += v; }
+              if (k.rfind("staleness_hist/", 0) == 0) { stale += staleness_bucket(k) * v; cnt += v; }
             const double done = double(r.version - s.env->start_version), left = double(s.end - r.version);
             std::string val = r.metrics.count("val_accuracy") ? "  val_acc " + std::to_string(r.metrics["val_accuracy"]).substr(0, 5) : "";
             std::fprintf(stderr, "step %4lu/%lu  reward %.3f  acc %.3f%s  staleness %.2f  tmpe %.4f  tok/s %.0f  ETA %.0fs\n",

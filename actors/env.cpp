@@ -26,6 +26,16 @@ std::shared_ptr<const actor_env> env_make(const run_config& cfg, const std::stri
   return e;
 }
 
+caf::error actor_exception_error(const std::string& who, std::exception_ptr& e) {
+  try {
+    std::rethrow_exception(e);
+  } catch (const std::exception& x) {
+    return caf::make_error(caf::sec::runtime_error, who + ": " + x.what());
+  } catch (...) {
+    return caf::make_error(caf::sec::runtime_error, who + ": an exception that is not a std::exception");
+  }
+}
+
 std::string device_problem(const device_spec& d) {
   if (d.kind == "cpu") return "";
   return "device '" + d.str() + "': this build has no CUDA backend for actors (gpu/ is kernel-level only)";

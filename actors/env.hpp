@@ -1,7 +1,10 @@
 // actors/env.hpp -- what every actor of a process shares: the recipe, the run directory, the
 // policy model's config and tokenizer, and the initial checkpoint every learner starts from.
-// defines: run_start, actor_env, env_make, backend_for
+// defines: run_start, actor_env, env_make, backend_for, actor_exception_error, actor_failures_named
 #pragma once
+#include <caf/error.hpp>
+#include <caf/scheduled_actor.hpp>
+#include <exception>
 #include <memory>
 #include <string>
 
@@ -41,6 +44,16 @@ struct actor_env {
 // Loads the model config and tokenizer from init_dir; throws std::invalid_argument.
 std::shared_ptr<const actor_env> env_make(const run_config& cfg, const std::string& node, const std::string& run_dir,
                                           const std::string& init_dir, run_start start, const std::string& run_id = "");
+
+// An exception escaping an actor (its start or a handler) as its exit reason: runtime_error with
+// "who: what". CAF 0.17's default reason is a bare system_error(runtime_error), so down messages,
+// and the controller's report of a lost actor, said nothing of the cause.
+caf::error actor_exception_error(const std::string& who, std::exception_ptr& e);
+template <class Self>
+void actor_failures_named(Self self, std::string who) {
+  self->set_exception_handler(
+      [who](caf::scheduled_actor*, std::exception_ptr& e) { return actor_exception_error(who, e); });
+}
 
 // The compute backend for a device: "cpu:N" only (no actor runs on "cuda:K" yet: gpu/ has kernels,
 // not a models::backend).

@@ -51,6 +51,8 @@ struct learner_state {
 using clk = std::chrono::steady_clock;
 double secs(clk::time_point a) { return std::chrono::duration<double>(clk::now() - a).count(); }
 
+constexpr size_t kAllreducePiece = size_t{1} << 30;  // elements per Gloo all-reduce call
+
 template <class T>
 void allreduce(learner_state& s, std::vector<T>& g) {
   if (s.world == 1) return;
@@ -66,9 +68,13 @@ void allreduce(learner_state& s, std::vector<T>& g) {
     ctx->connectFullMesh(prefix, dev);
     s.gloo = ctx;
   }
-  std::vector<T*> ptrs{g.data()};
-  gloo::AllreduceRing<T> ar(s.gloo, ptrs, static_cast<int>(g.size()));
-  ar.run();
+  // Gloo counts elements in an int: past 2^31 parameters one call reduced a prefix only, or
+  // allocated a negative size; a run of pieces reduces every element
+  for (size_t at = 0; at < g.size(); at += kAllreducePiece) {
+    std::vector<T*> ptrs{g.data() + at};
+    gloo::AllreduceRing<T> ar(s.gloo, ptrs, static_cast<int>(std::min(kAllreducePiece, g.size() - at)));
+    ar.run();
+  }
 }
 
 // Several learners: each rank's c_t (and reference logprobs) go to their places in the step's
@@ -149,11 +155,12 @@ void checkpoint(learner_state& s, uint64_t prompt_cursor, const std::vector<std:
   const fs::path dir = fs::path(s.env->run_dir) / "checkpoints" / ("step_" + std::to_string(s.version));
   nlohmann::json j = {{"weight_version", s.version}, {"prompt_cursor", prompt_cursor}, {"run", s.env->cfg.name}};
   s.ck.state_json = j.dump();
-  models::checkpoint_save(dir.string(), s.ck);
-  calibration_batch_save(dir.string(), calib);
-  for (const char* f : {"fp8rl-char-tokenizer.json", "tokenizer.json"})
-    if (fs::exists(fs::path(s.env->init_dir) / f))
-      fs::copy_file(fs::path(s.env->init_dir) / f, dir / f, fs::copy_options::overwrite_existing);
+  models::checkpoint_save(dir.string(), s.ck, [&](const std::string& tmp) {  // they arrive with the checkpoint
+    calibration_batch_save(tmp, calib);
+    for (const char* f : {"fp8rl-char-tokenizer.json", "tokenizer.json"})
+      if (fs::exists(fs::path(s.env->init_dir) / f))
+        fs::copy_file(fs::path(s.env->init_dir) / f, fs::path(tmp) / f, fs::copy_options::overwrite_existing);
+  });
   // latest is replaced atomically: rewritten in place, a crash or a full disk left it empty or
   // cut, and --resume failed although every checkpoint was intact
   const fs::path latest = fs::path(s.env->run_dir) / "checkpoints" / "latest", tmp = latest.string() + ".tmp";
@@ -251,7 +258,11 @@ void audit_into(learner_state& s, const std::vector<models::rl_sample>& samples,
 msg::learner_actor spawn_learner(caf::actor_system& sys, std::shared_ptr<const actor_env> env, int32_t rank,
                                  int32_t world, device_spec dev) {
   using self_t = msg::learner_actor::stateful_pointer<learner_state>;
-  return sys.spawn([rank, world, dev](self_t self, std::shared_ptr<const actor_env> env) -> msg::learner_actor::behavior_type {
+  // detached: a thread of its own, since its handlers block in compute and in Gloo's collectives
+  // until every rank joins (on CAF's 8 shared workers, a ninth learner, or two with
+  // --scheduler.max-threads=1, never ran and froze the process until Gloo's store timed out)
+  return sys.spawn<caf::detached>([rank, world, dev](self_t self, std::shared_ptr<const actor_env> env) -> msg::learner_actor::behavior_type {
+    actor_failures_named(self, "learner" + std::to_string(rank));
     auto& st = self->state;
     st.env = env;
     st.rank = rank;

@@ -295,11 +295,15 @@ void recipe_validate(const run_config& r) {
   positive("run.steps", r.steps);
   positive("rollout.prompts_per_step", r.prompts_per_step);
   positive("rollout.group_size", r.group_size);
+  if (r.group_size > INT32_MAX) fail("rollout.group_size", "is too large (work carries it as int32: 2^32 + 2 became 2)");
   positive("rollout.max_new_tokens", r.max_new_tokens);
   if (r.max_new_tokens > INT32_MAX) fail("rollout.max_new_tokens", "is too large (2^32 + 1 became 1)");
   positive("rollout.slots", r.slots);
   positive("model.max_context", r.max_context);
   if (r.max_staleness < 0) fail("async.max_staleness", "must be >= 0");
+  // (the precision policy's own check named no recipe key, and ran after the SFT warm start)
+  if (r.bf16_first < 0) fail("precision.bf16_first", "must be >= 0");
+  if (r.bf16_last < 0) fail("precision.bf16_last", "must be >= 0");
   if (r.eval_every < 0) fail("run.eval_every", "must be >= 0");
   if (r.checkpoint_every < 0) fail("run.checkpoint_every", "must be >= 0");
   if (r.val_size <= 0) fail("task.val_size", "must be > 0 (the run ends with a validation)");

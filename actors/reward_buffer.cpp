@@ -44,6 +44,7 @@ uint64_t oldest_version(const msg::group_msg& g) {
 msg::reward_actor spawn_reward(caf::actor_system& sys, std::shared_ptr<const actor_env> env) {
   using self_t = msg::reward_actor::stateful_pointer<reward_state>;
   return sys.spawn([](self_t self, std::shared_ptr<const actor_env> env) -> msg::reward_actor::behavior_type {
+    actor_failures_named(self, "the reward actor");
     self->state.env = env;
     return {
         [self](msg::peers_msg& p) { self->state.peers = std::move(p); },
@@ -72,6 +73,7 @@ msg::reward_actor spawn_reward(caf::actor_system& sys, std::shared_ptr<const act
 msg::buffer_actor spawn_buffer(caf::actor_system& sys, std::shared_ptr<const actor_env> env) {
   using self_t = msg::buffer_actor::stateful_pointer<buffer_state>;
   return sys.spawn([](self_t self, std::shared_ptr<const actor_env> env) -> msg::buffer_actor::behavior_type {
+    actor_failures_named(self, "the trajectory buffer");
     self->state.env = env;
     auto log = log_get("buffer");
     // Delivers step `step` to its waiting learners once all its groups are in and fresh.
@@ -153,6 +155,20 @@ msg::buffer_actor spawn_buffer(caf::actor_system& sys, std::shared_ptr<const act
           auto& s = self->state;
           s.learner_version = std::max(s.learner_version, learner_version);
           auto rp = self->make_response_promise<msg::batch_msg>();
+          // a shard request the step cannot be cut into (world 0 divided by zero; a rank twice or
+          // outside the world delivered the step with one shard's samples nobody's) is refused
+          std::string bad;
+          if (world <= 0 || rank < 0 || rank >= world) bad = "rank " + std::to_string(rank) + " of world " + std::to_string(world);
+          if (auto it = s.waiting.find(step); it != s.waiting.end())
+            for (const auto& w : it->second)
+              if (bad.empty() && (w.world != world || w.rank == rank))
+                bad = "rank " + std::to_string(rank) + " of world " + std::to_string(world) + " after rank " +
+                      std::to_string(w.rank) + " of world " + std::to_string(w.world);
+          if (!bad.empty()) {
+            rp.deliver(caf::make_error(caf::sec::invalid_argument, "trajectory buffer: step " + std::to_string(step) +
+                                                                        " requested by " + bad));
+            return rp;
+          }
           s.waiting[step].push_back({rp, rank, world});
           try_deliver(step);
           return rp;

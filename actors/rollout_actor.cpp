@@ -51,7 +51,9 @@ double now_s() { return std::chrono::duration<double>(std::chrono::system_clock:
 msg::rollout_actor spawn_rollout(caf::actor_system& sys, std::shared_ptr<const actor_env> env, std::string name,
                                  device_spec dev) {
   using self_t = msg::rollout_actor::stateful_pointer<rollout_state>;
-  return sys.spawn([name, dev](self_t self, std::shared_ptr<const actor_env> env) -> msg::rollout_actor::behavior_type {
+  // detached, as learners are: its decode steps block while they compute
+  return sys.spawn<caf::detached>([name, dev](self_t self, std::shared_ptr<const actor_env> env) -> msg::rollout_actor::behavior_type {
+    actor_failures_named(self, name);
     auto& st = self->state;
     st.env = env;
     st.name = name;
@@ -109,6 +111,11 @@ msg::rollout_actor spawn_rollout(caf::actor_system& sys, std::shared_ptr<const a
             log_get("rollout")->debug("{}: prompt {} is already being generated", s.name, w.prompt_id);
             return;
           }
+          // completions find their prompt by id / the run's group size: work of another size would
+          // be filed under other prompts (and scored against their answers)
+          if (w.group_size != s.env->cfg.group_size)
+            return fatal("prompt " + std::to_string(w.prompt_id) + ": work for groups of " + std::to_string(w.group_size) +
+                         ", the run's rollout.group_size is " + std::to_string(s.env->cfg.group_size));
           try {
             const auto prompt = s.env->tok->encode(w.prompt, true);
             for (int32_t j = 0; j < w.group_size; ++j) {
@@ -134,9 +141,13 @@ msg::rollout_actor spawn_rollout(caf::actor_system& sys, std::shared_ptr<const a
         [self](msg::bundle_chunk& c) -> caf::result<msg::chunk_ack> {
           auto& s = self->state;
           trace_recv(s.name, "bundle_chunk", c.trace, static_cast<int64_t>(c.version), double(c.bytes.size()));
+          if (c.seq >= c.total)  // total 0 would never assemble; acked, weight sync would count it delivered
+            return caf::make_error(caf::sec::invalid_argument, s.name + ": bundle v" + std::to_string(c.version) + " chunk " +
+                                                                   std::to_string(c.seq) + " of " + std::to_string(c.total));
           if (c.seq == 0) {
             s.chunks = std::move(c.bytes);
-            s.chunks.reserve(s.chunks.size() * c.total);  // every chunk but the last is full-size
+            // every chunk but the last is full-size; a total off the wire is a hint, not an allocation size
+            s.chunks.reserve(std::min<size_t>(s.chunks.size() * c.total, size_t{1} << 30));
             s.chunk_version = c.version;
           } else if (c.version == s.chunk_version) {
             s.chunks.insert(s.chunks.end(), c.bytes.begin(), c.bytes.end());

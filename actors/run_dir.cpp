@@ -184,23 +184,59 @@ void metrics_writer::write(uint64_t step, const std::map<std::string, double>& m
   if (!out_) throw std::runtime_error(path_ + ": writing step " + std::to_string(step) + " failed (disk full?)");
 }
 
+int64_t metrics_trim_for_resume(const std::string& metrics_path, uint64_t version) {
+  std::ifstream in(metrics_path, std::ios::binary);
+  if (!in) throw std::runtime_error(metrics_path + ": cannot open");
+  std::string keep, drop, line;
+  int64_t moved = 0;
+  while (std::getline(in, line)) {
+    const bool whole = !in.eof();  // the last line without its newline: cut by an interrupted run
+    const auto j = nlohmann::json::parse(line, nullptr, false);
+    const bool later = j.is_object() && j.contains("step") && j["step"].is_number_unsigned() && j["step"].get<uint64_t>() > version;
+    if (whole && !later) {
+      keep += line + '\n';
+    } else {
+      drop += line + '\n';
+      ++moved;
+    }
+  }
+  if (moved == 0) return 0;
+  const std::string side = metrics_path + ".discarded";
+  std::ofstream out(side, std::ios::app | std::ios::binary);
+  out << drop;
+  out.close();
+  if (!out) throw std::runtime_error(side + ": cannot write (" + metrics_path + " left as it was)");
+  const std::string tmp = metrics_path + ".tmp";
+  std::ofstream t(tmp, std::ios::binary);
+  t << keep;
+  t.close();
+  if (!t) throw std::runtime_error(tmp + ": cannot write (" + metrics_path + " left as it was)");
+  fs::rename(tmp, metrics_path);
+  return moved;
+}
+
 std::string plots_write(const std::string& run_dir) {
-  const fs::path dir = fs::path(run_dir) / "plots";
-  fs::create_directories(dir);
-  std::ifstream in(fs::path(run_dir) / "metrics.jsonl");
+  const fs::path dir = fs::path(run_dir) / "plots", metrics = fs::path(run_dir) / "metrics.jsonl";
+  std::error_code ec;
+  fs::create_directories(dir, ec);
+  if (ec) return dir.string() + ": " + ec.message();
+  std::ifstream in(metrics);
+  if (!in) return metrics.string() + ": cannot open";
   std::ofstream dat(dir / "metrics.dat");
   dat << "# step reward_mean val_accuracy token_mult_prob_error gen_kl_error\n";
   std::string line;
   auto num = [](const nlohmann::json& j, const char* k) -> std::string {
     return j.contains(k) && j[k].is_number() ? std::to_string(j[k].get<double>()) : "NaN";
   };
-  while (std::getline(in, line)) {
+  for (int64_t n = 1; std::getline(in, line); ++n) {
     auto j = nlohmann::json::parse(line, nullptr, false);
-    if (j.is_discarded() || !j.contains("step")) continue;
+    if (j.is_discarded() || !j.is_object() || !j.contains("step") || !j["step"].is_number_integer())
+      return metrics.string() + ":" + std::to_string(n) + ": not a metrics row (an object with an integer \"step\")";
     dat << j["step"].get<int64_t>() << ' ' << num(j, "reward_mean") << ' ' << num(j, "val_accuracy") << ' '
         << num(j, "token_mult_prob_error") << ' ' << num(j, "gen_kl_error") << '\n';
   }
   dat.close();
+  if (!dat) return (dir / "metrics.dat").string() + ": writing failed";
   std::ofstream gp(dir / "plots.gp");
   gp << "set terminal pngcairo size 900,500\nset datafile missing 'NaN'\nset grid\nset xlabel 'step'\n"
      << "set output '" << (dir / "reward.png").string() << "'\nset title 'reward and validation accuracy'\n"
@@ -210,6 +246,7 @@ std::string plots_write(const std::string& run_dir) {
      << "set y2tics\nplot '" << (dir / "metrics.dat").string() << "' using 1:4 with lines title 'token_mult_prob_error', "
      << "'' using 1:5 axes x1y2 with lines title 'gen_kl_error (right)'\n";
   gp.close();
+  if (!gp) return (dir / "plots.gp").string() + ": writing failed";
   const std::string cmd = "gnuplot '" + (dir / "plots.gp").string() + "' 2>/dev/null";
   if (std::system(cmd.c_str()) != 0) return "gnuplot failed or is not installed (tools/setup installs gnuplot-nox)";
   return "";

@@ -1,5 +1,5 @@
 // actors/run_dir.hpp -- the run directory: metrics.jsonl, progress lines, gnuplot plots.
-// defines: metrics_writer, plots_write, run_dir_outputs, run_dir_choose, run_dir_stash,
+// defines: metrics_writer, metrics_trim_for_resume, plots_write, run_dir_outputs, run_dir_choose, run_dir_stash,
 //          run_dir_recover
 //
 //   RUN_DIR/metrics.jsonl      one JSON object per learner step: "step", every metric (spec names)
@@ -25,6 +25,11 @@ class metrics_writer {
   std::ofstream out_;
   std::string path_;
 };
+
+// --resume from the checkpoint of version K: metrics rows of steps after K (trained after that
+// checkpoint, then lost with the process; the resumed run writes them again) and a partial last
+// line move to metrics.jsonl.discarded (appended, nothing deleted). Returns how many lines moved.
+int64_t metrics_trim_for_resume(const std::string& metrics_path, uint64_t version);
 
 // Writes RUN_DIR/plots/{reward,mismatch}.png from metrics.jsonl with gnuplot; returns "" or why not.
 std::string plots_write(const std::string& run_dir);

@@ -14,6 +14,7 @@ namespace fp8rl::actors {
 
 namespace {
 const std::set<std::string> kRoles = {"controller", "buffer", "reward", "weight_sync", "calibration"};
+constexpr int64_t kMaxDeviceIndex = 65535;  // cpu:N threads or cuda:K ordinal
 }
 
 device_spec device_spec::parse(const std::string& s, const std::string& where) {
@@ -25,9 +26,11 @@ device_spec device_spec::parse(const std::string& s, const std::string& where) {
     try {
       size_t pos = 0;
       d.index = std::stoll(s.substr(colon + 1), &pos);
-      if (pos != s.size() - colon - 1 || d.index < 0) throw std::invalid_argument("");
+      // bounded: cpu:2147483648 became an arena of INT_MIN threads (TBB's automatic), 2^32 + 1 one thread
+      if (pos != s.size() - colon - 1 || d.index < 0 || d.index > kMaxDeviceIndex) throw std::invalid_argument("");
     } catch (const std::exception&) {
-      throw std::invalid_argument(where + ": device '" + s + "' has a bad index");
+      throw std::invalid_argument(where + ": device '" + s + "' has a bad index (an integer in [0, " +
+                                  std::to_string(kMaxDeviceIndex) + "])");
     }
   } else if (d.kind == "cuda") {
     throw std::invalid_argument(where + ": device '" + s + "' needs a GPU index (cuda:K)");

@@ -321,8 +321,8 @@ std::string prepare_init(const run_config& cfg, const std::string& run_dir, bool
   c.opt = models::adamw_state{};
   c.state_json = json{{"weight_version", 0}, {"phase", "sft"}}.dump();
   const fs::path dir = ck / "init";
-  models::checkpoint_save(dir.string(), c);
-  models::char_tokenizer_save(dir.string(), models::arithmetic_alphabet());
+  models::checkpoint_save(dir.string(), c,
+                          [](const std::string& tmp) { models::char_tokenizer_save(tmp, models::arithmetic_alphabet()); });
   return dir.string();
 }
 
@@ -396,16 +396,10 @@ void run_preflight(const actor_env& env, bool resume) {
     prompts_fit(models::task_load(task, true, env.cfg.val_size, static_cast<uint64_t>(env.cfg.seed)), "validation");
   const fs::path metrics = fs::path(env.run_dir) / "metrics.jsonl";
   if (fs::exists(metrics) && !fs::is_regular_file(metrics)) throw std::invalid_argument(metrics.string() + ": not a file");
-  if (resume && fs::exists(metrics)) {
-    std::ifstream in(metrics, std::ios::binary);
-    std::string text((std::istreambuf_iterator<char>(in)), {});
-    if (!text.empty() && text.back() != '\n') {
-      const size_t keep = text.rfind('\n') == std::string::npos ? 0 : text.rfind('\n') + 1;
-      log_get("train")->warn("{}: dropping a partial last line ({} bytes) left by an interrupted run", metrics.string(),
-                             text.size() - keep);
-      fs::resize_file(metrics, keep);
-    }
-  }
+  if (resume && fs::exists(metrics))
+    if (const int64_t moved = metrics_trim_for_resume(metrics.string(), env.start_version); moved > 0)
+      log_get("train")->warn("{}: {} line(s) after checkpoint v{} (or cut by an interrupted run) moved to {}.discarded",
+                             metrics.string(), moved, env.start_version, metrics.string());
   std::ofstream probe(metrics, std::ios::app);
   if (!probe) throw std::invalid_argument(metrics.string() + ": cannot open for writing");
 }

@@ -76,7 +76,8 @@ TEST(Recipe, MalformedFilesAndOutOfRangeValuesNameTheirKey) {
            // no validation set left the run's last validation reporting -nan
            {"--calibration.percentile=nan", "calibration.percentile"}, {"--grpo.is_lo=nan", "grpo.is_lo"},
            {"--grpo.is_hi=nan", "grpo.is_lo"}, {"--rollout.max_new_tokens=4294967297", "rollout.max_new_tokens"},
-           {"--task.val_size=0", "task.val_size"}}) {
+           {"--task.val_size=0", "task.val_size"}, {"--rollout.group_size=4294967298", "rollout.group_size"},
+           {"--precision.bf16_first=-1", "precision.bf16_first"}, {"--precision.bf16_last=-2", "precision.bf16_last"}}) {
     run_config x;
     recipe_apply_cli(x, arg);
     EXPECT_NE(error_of([&] { recipe_validate(x); }).find("'" + key + "'"), std::string::npos) << arg;
@@ -170,6 +171,11 @@ TEST(Topology, Llama8BOnEightGpusPlan) {
 TEST(Topology, BadFilesNameNodeAndKey) {
   const auto f1 = write_tmp("t1.conf", "[cluster]\nnodes=[{name=\"a\", roles=[\"controller\", \"buffer\", \"reward\", \"weight_sync\", \"calibration\"], learners=[\"cpu:1\"], rollouts=[\"tpu:0\"]}]\n");
   EXPECT_NE(error_of([&] { topology_load(f1); }).find("tpu:0"), std::string::npos);
+  for (const char* dev : {"cpu:2147483648", "cpu:4294967297", "cpu:-1", "cpu:2x"})  // INT_MIN threads, 1 thread
+    EXPECT_NE(error_of([&] { device_spec::parse(dev, "cluster.nodes[0].learners"); })
+                  .find(std::string("cluster.nodes[0].learners: device '") + dev + "' has a bad index"),
+              std::string::npos)
+        << dev;
   const auto f2 = write_tmp("t2.conf", "[cluster]\nnodes=[{name=\"a\", roles=[\"controller\", \"buffer\", \"reward\", \"weight_sync\"], learners=[\"cpu:1\"], rollouts=[\"cpu:1\"]}]\n");
   EXPECT_NE(error_of([&] { topology_load(f2); }).find("calibration"), std::string::npos);
   const auto f3 = write_tmp("t3.conf", "[cluster]\nnodes=[{name=\"a\", colour=\"red\"}]\n");
@@ -274,6 +280,44 @@ TEST(RunDir, AnEarlierRunIsNeverOverwrittenUnasked) {
             std::string::npos);
   fs::current_path(cwd);
   fs::remove_all(root);
+}
+
+// plots_write reports what it cannot do and never throws: a plots path that is a file threw out
+// of the controller at the end of a run (the process then waited forever), and a metrics row
+// whose step is not an integer threw nlohmann's type_error naming neither file nor line.
+TEST(RunDir, PlotsReportWhatTheyCannotWrite) {
+  const fs::path d = fs::temp_directory_path() / ("fp8rl_plots_" + std::to_string(::getpid()));
+  fs::remove_all(d);
+  fs::create_directories(d);
+  std::ofstream(d / "plots") << "a file\n";
+  std::ofstream(d / "metrics.jsonl") << "{\"step\":1}\n";
+  std::string err;
+  EXPECT_NO_THROW(err = plots_write(d.string()));
+  EXPECT_NE(err.find((d / "plots").string()), std::string::npos) << err;
+  fs::remove(d / "plots");
+  std::ofstream(d / "metrics.jsonl") << "{\"step\":1}\n{\"step\":\"oops\"}\n";
+  EXPECT_NO_THROW(err = plots_write(d.string()));
+  EXPECT_NE(err.find((d / "metrics.jsonl").string() + ":2: not a metrics row"), std::string::npos) << err;
+  fs::remove_all(d);
+}
+
+// --resume from the checkpoint of v2 after a crash that followed step 3's metrics row: the row
+// stayed and the resumed run wrote step 3 again (steps 1, 2, 3, 3 in the file and the plots).
+// Rows after the checkpoint and a partial last line move aside; nothing is deleted.
+TEST(RunDir, ResumeMovesRowsAfterTheCheckpointAside) {
+  const fs::path m = fs::temp_directory_path() / ("fp8rl_trim_" + std::to_string(::getpid()) + ".jsonl");
+  fs::remove(m.string() + ".discarded");
+  std::ofstream(m) << "{\"step\":1}\n{\"step\":2}\n{\"step\":3}\n{\"step\":4,\"lo";
+  EXPECT_EQ(metrics_trim_for_resume(m.string(), 2), 2);
+  auto text = [](const fs::path& p) {
+    std::ifstream in(p);
+    return std::string((std::istreambuf_iterator<char>(in)), {});
+  };
+  EXPECT_EQ(text(m), "{\"step\":1}\n{\"step\":2}\n");
+  EXPECT_EQ(text(m.string() + ".discarded"), "{\"step\":3}\n{\"step\":4,\"lo\n");
+  EXPECT_EQ(metrics_trim_for_resume(m.string(), 2), 0);  // nothing left to move
+  fs::remove(m);
+  fs::remove(m.string() + ".discarded");
 }
 
 TEST(Recipe, RunNameMustBeAPlainDirectoryName) {

@@ -531,8 +531,12 @@ TEST(E2E, TwoLearnersAllReduceAndAuditMode) {
   // the step metrics cover the whole step whatever the sharding: one learner and two, staleness 0,
   // agree exactly at step 1 (same rollouts from the same weights; rank 0 reported its own shard:
   // token_mult_prob_error ~0.5, half the staleness histogram)
+  // (on one CAF worker: learners run detached, so one blocked in Gloo's all-reduce no longer keeps
+  // the other from its turn; both waited out Gloo's 30 s store timeout)
   const std::string sync = kSmall + std::string(" --async.max_staleness=0 --run.steps=2 --run.eval_every=0");
-  ASSERT_EQ(run(kBin + "/fp8rl train --topology " + topo.string() + " --run-dir " + (d / "two").string() + sync), 0);
+  ASSERT_EQ(run(kBin + "/fp8rl train --topology " + topo.string() + " --run-dir " + (d / "two").string() + sync +
+                " --scheduler.max-threads=1"),
+            0);
   ASSERT_EQ(run(kBin + "/fp8rl train --run-dir " + (d / "one").string() + sync), 0);
   const auto two = metrics(d / "two"), one = metrics(d / "one");
   ASSERT_EQ(two.size(), 2u);

@@ -150,10 +150,11 @@ TEST(Messages, EveryWireTypeRoundTrips) {
     EXPECT_EQ(q2.data, q.data);
     EXPECT_EQ(q2.scale_inv, q.scale_inv);
   }
-  auto deserialize = [&](std::vector<char> buf) {
+  auto deserialize = [&](std::vector<char> buf) {  // "" if it deserializes (render says "none" then)
     quant::qtensor out;
     caf::binary_deserializer src(sys, buf);
-    return sys.render(src(out));
+    const caf::error err = src(out);
+    return err ? sys.render(err) : std::string();
   };
   quant::qtensor qw = quant::quantize(x.data(), 200, 300, quant::qlayout::block_128x128, quant::scale_mode::pow2, "w");
   std::vector<char> buf;
@@ -409,6 +410,89 @@ TEST(Protocol, RolloutReportsAnEngineErrorByName) {
 }
 
 
+// Work whose group size is not the run's is refused by name: completions find their prompt by
+// id / rollout.group_size, so groups of 3 under a run's 2 were filed under other prompts and
+// scored against their answers. A chunk numbered past its total (total 0 never assembled, yet
+// was acked) is answered with an error.
+TEST(Protocol, RolloutRefusesWorkAndChunksItCannotFile) {
+  test_config cfg;
+  caf::actor_system sys{cfg};
+  caf::scoped_actor ctl{sys};
+  auto ro = actors::spawn_rollout(sys, env_with(1, 2), "rollout0", actors::device_spec::parse("cpu:1", "test"));
+  ctl->monitor(ro);
+  msg::peers_msg p;
+  p.controller = caf::actor_cast<msg::controller_actor>(ctl);
+  ctl->send(ro, p);
+  msg::bundle_chunk c;
+  c.version = 4;
+  c.total = 0;
+  ctl->request(ro, std::chrono::seconds(5), c).receive(
+      [&](msg::chunk_ack&) { FAIL() << "a chunk 0 of 0 was acked"; },
+      [&](caf::error& e) { EXPECT_NE(sys.render(e).find("rollout0: bundle v4 chunk 0 of 0"), std::string::npos) << sys.render(e); });
+  msg::work_msg w;
+  w.prompt_id = 3;
+  w.prompt = "12+3=";
+  w.group_size = 3;  // the run's is 2
+  ctl->send(ro, w);
+  ctl->receive([&](std::string& who, std::string& what) {
+    EXPECT_EQ(who, "rollout0");
+    EXPECT_NE(what.find("prompt 3: work for groups of 3, the run's rollout.group_size is 2"), std::string::npos) << what;
+  }, caf::after(std::chrono::seconds(5)) >> [] { FAIL() << "no error report"; });
+  ctl->receive([&](caf::down_msg& d) { EXPECT_TRUE(d.reason); },
+               caf::after(std::chrono::seconds(5)) >> [] { FAIL() << "the rollout did not stop"; });
+}
+
+// An actor that throws (here a rollout whose engine refuses its KV cache at start) goes down with
+// its name and the exception's text as the reason, which the controller reports; CAF's default
+// reason was a bare system_error(runtime_error).
+TEST(Protocol, AnActorsExceptionIsItsNamedExitReason) {
+  test_config cfg;
+  caf::actor_system sys{cfg};
+  caf::scoped_actor ctl{sys};
+  actors::run_config r;
+  r.slots = 100000000;
+  r.log_level = "off";
+  auto ro = actors::spawn_rollout(sys, actors::env_make(r, "test", fs::temp_directory_path().string(), init_dir(), 0),
+                                  "rollout0", actors::device_spec::parse("cpu:1", "test"));
+  ctl->monitor(ro);
+  ctl->receive([&](caf::down_msg& d) {
+    const std::string why = sys.render(d.reason);
+    EXPECT_NE(why.find("rollout0: engine: a KV cache of 100000000 slots"), std::string::npos) << why;
+  }, caf::after(std::chrono::seconds(10)) >> [] { FAIL() << "the rollout did not go down"; });
+}
+
+// A shard request the step cannot be cut into is refused and the step stays whole: world 0 was a
+// division by zero (SIGFPE took the process); a rank outside its world, or one asked twice,
+// delivered the step with one shard's samples in nobody's batch.
+TEST(Protocol, BufferRefusesShardRequestsItCannotServe) {
+  test_config cfg;
+  caf::actor_system sys{cfg};
+  caf::scoped_actor self{sys};
+  auto buf = actors::spawn_buffer(sys, env_with(1, 2));
+  msg::peers_msg p;
+  p.controller = caf::actor_cast<msg::controller_actor>(self);
+  self->send(buf, p);
+  auto refused = [&](int32_t rank, int32_t world, const std::string& what) {
+    self->request(buf, std::chrono::seconds(5), msg::batch_atom::value, uint64_t{0}, rank, world, uint64_t{0}).receive(
+        [&](msg::batch_msg&) { ADD_FAILURE() << "served rank " << rank << " of world " << world; },
+        [&](caf::error& e) { EXPECT_NE(sys.render(e).find(what), std::string::npos) << sys.render(e); });
+  };
+  refused(0, 0, "trajectory buffer: step 0 requested by rank 0 of world 0");
+  refused(2, 2, "requested by rank 2 of world 2");
+  refused(-1, 2, "requested by rank -1 of world 2");
+  caf::scoped_actor l0{sys}, l1{sys};
+  l0->send(buf, msg::batch_atom::value, uint64_t{0}, int32_t{0}, int32_t{2}, uint64_t{0});  // waits for the groups
+  refused(0, 2, "requested by rank 0 of world 2 after rank 0 of world 2");
+  refused(1, 3, "requested by rank 1 of world 3 after rank 0 of world 2");
+  l1->send(buf, msg::batch_atom::value, uint64_t{0}, int32_t{1}, int32_t{2}, uint64_t{0});
+  self->send(buf, group(0, 0, 0));
+  self->send(buf, group(0, 1, 0));
+  for (auto* l : {&l0, &l1})
+    (*l)->receive([&](msg::batch_msg& b) { EXPECT_EQ(b.samples.size(), 2u); },
+                  caf::after(std::chrono::seconds(5)) >> [] { FAIL() << "no shard"; });
+  self->send_exit(buf, caf::exit_reason::user_shutdown);
+}
+
 // A live rollout in another process that cannot take its weights (a chunk answered with an
 // error) would wait for them forever: weight-sync reports the failure to the controller, naming
 // the version, the rollout and the cause. Two actor systems in this process, joined over
@@ -490,7 +574,7 @@ class ControllerOnTestCoordinator : public ::testing::Test {
   int done = -1;
 
   // A controller for B = 3 prompts per step, group size 2, max_staleness 1, from `start`.
-  void wire(actors::run_start start) {
+  void wire(actors::run_start start, bool progress = false) {
     fs::create_directories(run_dir);
     actors::run_config r;
     r.max_staleness = 1;
@@ -499,7 +583,7 @@ class ControllerOnTestCoordinator : public ::testing::Test {
     r.steps = 10;
     r.log_level = "off";
     actors::controller_options opts;
-    opts.print_progress = false;
+    opts.print_progress = progress;
     opts.on_done = [this](int code) { done = code; };
     ctrl = actors::spawn_controller(sys, actors::env_make(r, "test", run_dir.string(), init_dir(), start), opts);
     p.controller = ctrl;
@@ -599,4 +683,21 @@ TEST_F(ControllerOnTestCoordinator, ResumedRunIssuesFromTheCheckpointsPromptCurs
     EXPECT_EQ(work[i].w.prompt, want[i].prompt) << i;
     EXPECT_EQ(work[i].w.answer, want[i].answer) << i;
   }
+}
+
+// An exception in the controller fails the run, named, and stops every actor: it used to take the
+// controller down silently, on_done was never called and `fp8rl train` waited forever (a plots
+// directory that was a file did it at the end of a run). Here a step report whose staleness
+// histogram key is not a version count.
+TEST_F(ControllerOnTestCoordinator, AnExceptionFailsTheRunByName) {
+  wire(0, true);
+  sync(0);
+  self->monitor(ctrl);
+  self->send(ctrl, msg::step_report{{}, 1, {{"staleness_hist/x", 1.0}}});
+  sched.run();
+  EXPECT_EQ(done, 1);
+  self->receive([&](caf::down_msg& d) {
+    const std::string why = sys.render(d.reason);
+    EXPECT_NE(why.find("controller: step_report metric 'staleness_hist/x': not a staleness bucket"), std::string::npos) << why;
+  }, caf::after(std::chrono::seconds(5)) >> [] { FAIL() << "the controller did not stop"; });
 }

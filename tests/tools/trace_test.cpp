@@ -74,6 +74,16 @@ TEST(Trace, VectorClocksFollowTheMessages) {
   const auto c = fp8rl::test::run_command(kBin + "/fp8rl-trace shiviz " + run.string());
   EXPECT_NE(c.out.find("C.jsonl:1: recv event without msg/lamport; skipped"), std::string::npos) << c.out;
   EXPECT_NE(fp8rl::test::run_command(kBin + "/fp8rl-trace shiviz " + (run / "nope").string()).rc, 0);
+  // an output that cannot be written fails by name (it printed "wrote" and exited 0)
+  for (const char* cmd : {"merge", "shiviz"}) {
+    const fs::path out = run / (std::string(cmd) == "merge" ? "trace.json" : "trace.shiviz.log");
+    fs::remove_all(out);
+    fs::create_directories(out / "a-directory");
+    const auto w = fp8rl::test::run_command(kBin + "/fp8rl-trace " + cmd + " " + run.string());
+    EXPECT_EQ(w.rc, 2) << w.out;
+    EXPECT_NE(w.out.find(out.string() + ": cannot write"), std::string::npos) << w.out;
+    fs::remove_all(out);
+  }
   // a line missing ts, of a wrong type, of an unknown kind, or not an object is named by file and
   // line (defaulted, a missing ts rebased the timeline to 0; a wrong type gave the JSON library's
   // words only); a metrics line with a bin that is not a number names its key

@@ -17,6 +17,7 @@
 #include <map>
 #include <nlohmann/json.hpp>
 #include <set>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -171,6 +172,8 @@ int shiviz(const fs::path& run) {
     if (e.wv >= 0) out << " v" << e.wv;
     out << " msg=" << e.msg << " ts=" << e.ts << '\n';
   }
+  out.close();
+  if (!out) throw std::runtime_error(p.string() + ": cannot write");
   std::printf("wrote %s (%zu events, %zu messages matched, %zu receives without their send)\n", p.c_str(), order.size(),
               mp.pairs.size(), mp.unmatched_recv);
   return 0;
@@ -209,7 +212,10 @@ int merge(const fs::path& run) {
                    {"pid", pid[r.node]}, {"tid", tid[r.node + "/" + r.actor]}});
   }
   const fs::path p = run / "trace.json";
-  std::ofstream(p) << json{{"traceEvents", out}, {"displayTimeUnit", "ms"}}.dump();
+  std::ofstream f(p);
+  f << json{{"traceEvents", out}, {"displayTimeUnit", "ms"}}.dump();
+  f.close();
+  if (!f) throw std::runtime_error(p.string() + ": cannot write");  // it said "wrote" and exited 0
   std::printf("wrote %s (%zu events, %zu processes, %zu actors, %zu messages)\n", p.c_str(), ev.size(), pid.size(), tid.size(),
               mp.pairs.size());
   return 0;
