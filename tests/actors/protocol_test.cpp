@@ -189,14 +189,22 @@ TEST(Messages, EveryWireTypeRoundTrips) {
   EXPECT_EQ(round_trip(sys, msg::sync_report{3, 0.25, 100, true}).bytes, 100);
 }
 
+namespace {
+// A trajectory buffer (max_staleness 1, 2 prompts per step) whose controller is ctl.
+msg::buffer_actor buffer_for(caf::actor_system& sys, caf::scoped_actor& ctl) {
+  auto buf = actors::spawn_buffer(sys, env_with(1, 2));
+  msg::peers_msg p;
+  p.controller = caf::actor_cast<msg::controller_actor>(ctl);
+  ctl->send(buf, p);
+  return buf;
+}
+}  // namespace
+
 TEST(Protocol, BufferAdmitsDedupsShardsAndDropsStale) {
   test_config cfg;
   caf::actor_system sys{cfg};
   caf::scoped_actor self{sys};
-  auto buf = actors::spawn_buffer(sys, env_with(1, 2));
-  msg::peers_msg p;
-  p.controller = caf::actor_cast<msg::controller_actor>(self);
-  self->send(buf, p);
+  auto buf = buffer_for(sys, self);
   auto expect_admitted = [&](uint64_t step, uint64_t pid, bool dropped) {
     self->receive([&](msg::admitted_msg& a) {
       EXPECT_EQ(a.step, step);
@@ -383,78 +391,62 @@ TEST(Protocol, RolloutIgnoresAGroupItIsAlreadyGenerating) {
   ctl->send_exit(ro, caf::exit_reason::user_shutdown);
 }
 
-// An engine error in a rollout is the run's error, named: the rollout reports it to the
-// controller and stops (it was CAF's "unhandled exception"; the controller re-queued the same
-// prompt onto the other rollouts until none was left, the cause only on stderr).
-TEST(Protocol, RolloutReportsAnEngineErrorByName) {
-  test_config cfg;
-  caf::actor_system sys{cfg};
-  caf::scoped_actor ctl{sys};
+namespace {
+// A rollout (the run's group size 2) whose controller is ctl, monitored by it.
+msg::rollout_actor rollout_for(caf::actor_system& sys, caf::scoped_actor& ctl) {
   auto ro = actors::spawn_rollout(sys, env_with(1, 2), "rollout0", actors::device_spec::parse("cpu:1", "test"));
   ctl->monitor(ro);
   msg::peers_msg p;
   p.controller = caf::actor_cast<msg::controller_actor>(ctl);
   ctl->send(ro, p);
-  msg::work_msg w;
-  w.step = 0;
-  w.prompt_id = 7;
-  w.prompt = "12+3@=";  // '@' is not in the built-in alphabet
-  w.group_size = 2;
+  return ro;
+}
+// Sends w and expects the rollout's error report holding `what`, then its exit.
+void expect_work_refused(caf::scoped_actor& ctl, const msg::rollout_actor& ro, const msg::work_msg& w, const std::string& what) {
   ctl->send(ro, w);
-  ctl->receive([&](std::string& who, std::string& what) {
+  ctl->receive([&](std::string& who, std::string& why) {
     EXPECT_EQ(who, "rollout0");
-    EXPECT_NE(what.find("prompt 7: char tokenizer: character '@'"), std::string::npos) << what;
+    EXPECT_NE(why.find(what), std::string::npos) << why;
   }, caf::after(std::chrono::seconds(5)) >> [] { FAIL() << "no error report"; });
   ctl->receive([&](caf::down_msg& d) { EXPECT_TRUE(d.reason); },
                caf::after(std::chrono::seconds(5)) >> [] { FAIL() << "the rollout did not stop"; });
 }
+}  // namespace
 
-
-// Work whose group size is not the run's is refused by name: completions find their prompt by
-// id / rollout.group_size, so groups of 3 under a run's 2 were filed under other prompts and
-// scored against their answers. A chunk numbered past its total (total 0 never assembled, yet
-// was acked) is answered with an error.
-TEST(Protocol, RolloutRefusesWorkAndChunksItCannotFile) {
+// A rollout's failures are named. An engine error is the run's error: the rollout reports it to
+// the controller and stops (it was CAF's "unhandled exception"; the controller re-queued the
+// same prompt onto the other rollouts until none was left, the cause only on stderr). So is
+// work whose group size is not the run's: completions find their prompt by id /
+// rollout.group_size, so groups of 3 under a run's 2 were filed under other prompts and scored
+// against their answers. A chunk numbered past its total (total 0 never assembled, yet was
+// acked) is answered with an error. An exception (an engine refusing its KV cache at start) is
+// the actor's exit reason with its name and text, which the controller reports; CAF's default
+// reason was a bare system_error(runtime_error).
+TEST(Protocol, RolloutFailuresAreNamed) {
   test_config cfg;
   caf::actor_system sys{cfg};
   caf::scoped_actor ctl{sys};
-  auto ro = actors::spawn_rollout(sys, env_with(1, 2), "rollout0", actors::device_spec::parse("cpu:1", "test"));
-  ctl->monitor(ro);
-  msg::peers_msg p;
-  p.controller = caf::actor_cast<msg::controller_actor>(ctl);
-  ctl->send(ro, p);
+  msg::work_msg w;
+  w.prompt_id = 7;
+  w.prompt = "12+3@=";  // '@' is not in the built-in alphabet
+  w.group_size = 2;
+  expect_work_refused(ctl, rollout_for(sys, ctl), w, "prompt 7: char tokenizer: character '@'");
+  auto ro = rollout_for(sys, ctl);
   msg::bundle_chunk c;
   c.version = 4;
   c.total = 0;
   ctl->request(ro, std::chrono::seconds(5), c).receive(
       [&](msg::chunk_ack&) { FAIL() << "a chunk 0 of 0 was acked"; },
       [&](caf::error& e) { EXPECT_NE(sys.render(e).find("rollout0: bundle v4 chunk 0 of 0"), std::string::npos) << sys.render(e); });
-  msg::work_msg w;
   w.prompt_id = 3;
   w.prompt = "12+3=";
   w.group_size = 3;  // the run's is 2
-  ctl->send(ro, w);
-  ctl->receive([&](std::string& who, std::string& what) {
-    EXPECT_EQ(who, "rollout0");
-    EXPECT_NE(what.find("prompt 3: work for groups of 3, the run's rollout.group_size is 2"), std::string::npos) << what;
-  }, caf::after(std::chrono::seconds(5)) >> [] { FAIL() << "no error report"; });
-  ctl->receive([&](caf::down_msg& d) { EXPECT_TRUE(d.reason); },
-               caf::after(std::chrono::seconds(5)) >> [] { FAIL() << "the rollout did not stop"; });
-}
-
-// An actor that throws (here a rollout whose engine refuses its KV cache at start) goes down with
-// its name and the exception's text as the reason, which the controller reports; CAF's default
-// reason was a bare system_error(runtime_error).
-TEST(Protocol, AnActorsExceptionIsItsNamedExitReason) {
-  test_config cfg;
-  caf::actor_system sys{cfg};
-  caf::scoped_actor ctl{sys};
+  expect_work_refused(ctl, ro, w, "prompt 3: work for groups of 3, the run's rollout.group_size is 2");
   actors::run_config r;
   r.slots = 100000000;
   r.log_level = "off";
-  auto ro = actors::spawn_rollout(sys, actors::env_make(r, "test", fs::temp_directory_path().string(), init_dir(), 0),
-                                  "rollout0", actors::device_spec::parse("cpu:1", "test"));
-  ctl->monitor(ro);
+  ctl->monitor(actors::spawn_rollout(sys, actors::env_make(r, "test", fs::temp_directory_path().string(), init_dir(), 0),
+                                     "rollout0", actors::device_spec::parse("cpu:1", "test")));
   ctl->receive([&](caf::down_msg& d) {
     const std::string why = sys.render(d.reason);
     EXPECT_NE(why.find("rollout0: engine: a KV cache of 100000000 slots"), std::string::npos) << why;
@@ -468,10 +460,7 @@ TEST(Protocol, BufferRefusesShardRequestsItCannotServe) {
   test_config cfg;
   caf::actor_system sys{cfg};
   caf::scoped_actor self{sys};
-  auto buf = actors::spawn_buffer(sys, env_with(1, 2));
-  msg::peers_msg p;
-  p.controller = caf::actor_cast<msg::controller_actor>(self);
-  self->send(buf, p);
+  auto buf = buffer_for(sys, self);
   auto refused = [&](int32_t rank, int32_t world, const std::string& what) {
     self->request(buf, std::chrono::seconds(5), msg::batch_atom::value, uint64_t{0}, rank, world, uint64_t{0}).receive(
         [&](msg::batch_msg&) { ADD_FAILURE() << "served rank " << rank << " of world " << world; },
