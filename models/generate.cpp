@@ -262,12 +262,13 @@ std::vector<gen_result> generation_engine::step() {
     s->res.kv_policy = ec_.on_adopt;
   }
   std::vector<int32_t> tokens, slot_of, pos;
-  std::vector<int64_t> rows;
+  std::vector<int64_t> rows, fed_before;
   std::vector<size_t> active;
   for (size_t i = 0; i < slots_.size(); ++i) {
     slot* s = slots_[i].get();
     if (!s) continue;
     active.push_back(i);
+    fed_before.push_back(s->fed);
     const int64_t n = static_cast<int64_t>(s->ctx.size());
     for (int64_t p = s->fed; p < n; ++p) {
       tokens.push_back(s->ctx[p]);
@@ -279,40 +280,56 @@ std::vector<gen_result> generation_engine::step() {
     s->fed = n;
     rows.push_back(static_cast<int64_t>(tokens.size()) - 1);
   }
-  std::vector<gen_result> done;
-  if (active.empty()) return done;
-  std::vector<float> logits;
-  engine_forward(be_, *current_->weights, *cache_, current_->attn, tokens, slot_of, pos, rows, logits, &stats_.kv_saturated);
+  if (active.empty()) return {};
+  // The step either happens for every slot or for none: a throw (non-finite logits, a K/V write
+  // refused) used to leave slots fed past what the cache holds (the next step read row -1) and
+  // dropped results finished earlier in the same step. Sampling first, then the slots change.
+  struct sampled {
+    int32_t tok;
+    float lp;
+  };
+  std::vector<sampled> out(active.size());
+  try {
+    std::vector<float> logits;
+    engine_forward(be_, *current_->weights, *cache_, current_->attn, tokens, slot_of, pos, rows, logits, &stats_.kv_saturated);
+    const int64_t V = cfg_.vocab_size;
+    std::vector<float> z(static_cast<size_t>(V));
+    std::vector<int32_t> work;
+    for (size_t r = 0; r < active.size(); ++r) {
+      const slot& s = *slots_[active[r]];
+      const float* lg = logits.data() + r * V;
+      const size_t index = s.res.tokens.size();
+      double lse;
+      try {
+        lse = logits_process(lg, V, s.req.proc, z.data(), work);
+      } catch (const std::invalid_argument& e) {  // diverged: the step is lost, drain() gives the requests back
+        throw std::runtime_error("request " + std::to_string(s.req.id) + ", generated token " + std::to_string(index) + ": " +
+                                 e.what());
+      }
+      if (s.req.proc.temperature == 0.0f) {
+        // greedy: the argmax of the raw logits (kept by any top-k/top-p); its logprob under the
+        // request's processing at temperature 1, which is what the learner computes for it
+        out[r].tok = argmax_logits(lg, V);
+      } else {
+        rng g(s.req.seed * 0x9e3779b97f4a7c15ull ^ (s.req.id + 1) * 0xc2b2ae3d27d4eb4full ^ (index + 1) * 0x165667b19e3779f9ull);
+        out[r].tok = sample_processed(z.data(), V, lse, g.uniform());
+      }
+      out[r].lp = static_cast<float>(z[out[r].tok] - lse);
+    }
+  } catch (...) {
+    for (size_t r = 0; r < active.size(); ++r) slots_[active[r]]->fed = fed_before[r];  // fed again by a retry
+    throw;
+  }
   ++stats_.steps;
-  const int64_t V = cfg_.vocab_size;
-  std::vector<float> z(static_cast<size_t>(V));
-  std::vector<int32_t> work;
+  std::vector<gen_result> done;
   for (size_t r = 0; r < active.size(); ++r) {
     auto& sp = slots_[active[r]];
     slot& s = *sp;
-    const float* lg = logits.data() + r * V;
-    const size_t index = s.res.tokens.size();
-    double lse;
-    try {
-      lse = logits_process(lg, V, s.req.proc, z.data(), work);
-    } catch (const std::invalid_argument& e) {  // diverged: the step is lost, drain() gives the requests back
-      throw std::runtime_error("request " + std::to_string(s.req.id) + ", generated token " + std::to_string(index) + ": " +
-                               e.what());
-    }
-    int32_t tok;
-    if (s.req.proc.temperature == 0.0f) {
-      // greedy: the argmax of the raw logits (kept by any top-k/top-p); its logprob under the
-      // request's processing at temperature 1, which is what the learner computes for it
-      tok = argmax_logits(lg, V);
-    } else {
-      rng g(s.req.seed * 0x9e3779b97f4a7c15ull ^ (s.req.id + 1) * 0xc2b2ae3d27d4eb4full ^ (index + 1) * 0x165667b19e3779f9ull);
-      tok = sample_processed(z.data(), V, lse, g.uniform());
-    }
-    const float lp = static_cast<float>(z[tok] - lse);
+    const int32_t tok = out[r].tok;
     uint64_t oldest = std::numeric_limits<uint64_t>::max();
     for (int64_t p = 0; p < s.fed; ++p) oldest = std::min(oldest, s.pos_version[p]);
     s.res.tokens.push_back(tok);
-    s.res.logprobs.push_back(lp);
+    s.res.logprobs.push_back(out[r].lp);
     s.res.weight_version.push_back(current_->weight_version);
     s.res.scale_version.push_back(current_->scale_version);
     s.res.oldest_kv_version.push_back(oldest);

@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <limits>
 #include <stdexcept>
 #include <string>
@@ -66,9 +67,10 @@ void check_processed(const float* logits, const float* z, int64_t V, bool scaled
   if (any_nan_or_pos_inf(z, V)) {
     int64_t v = 0;
     while (z[v] <= std::numeric_limits<float>::max()) ++v;
+    char t[64];
+    std::snprintf(t, sizeof t, " (%g at temperature %g)", double(z[v]), double(temperature));
     throw std::invalid_argument("logit of token " + std::to_string(v) + " is " + std::to_string(logits[v]) +
-                                (scaled ? " (" + std::to_string(z[v]) + " at temperature " + std::to_string(temperature) + ")"
-                                        : std::string()) +
+                                (scaled ? std::string(t) : std::string()) +
                                 ": not a finite number to sample from");
   }
   if (m == -std::numeric_limits<float>::infinity()) throw std::invalid_argument("no token has a finite logit");
@@ -130,8 +132,13 @@ int32_t argmax_logits(const float* logits, int64_t V) {
 }
 
 std::string logit_processing_problem(const logit_processing& p) {
+  char t[32];
+  std::snprintf(t, sizeof t, "%g", double(p.temperature));  // (std::to_string printed 1e-40 as 0.000000)
   if (!std::isfinite(p.temperature) || p.temperature < 0.0f)
-    return "temperature " + std::to_string(p.temperature) + " is not a finite number >= 0";
+    return "temperature " + std::string(t) + " is not a finite number >= 0";
+  // below it, logit / T overflows FP32 for logits of a sane model (|logit| < 3e33): one such request
+  // failed every step of the batch it shared (vLLM samples greedily below the same 1e-5)
+  if (p.temperature > 0.0f && p.temperature < kMinTemperature) return "temperature " + std::string(t) + " is below 1e-05 (0: greedy)";
   if (p.top_k < 0) return "top_k " + std::to_string(p.top_k) + " is negative (0 keeps every token)";
   if (!(p.top_p > 0.0f && p.top_p <= 1.0f)) return "top_p " + std::to_string(p.top_p) + " is outside (0, 1]";
   return "";

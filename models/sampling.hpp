@@ -29,8 +29,10 @@ double logits_process(const float* logits, int64_t V, const logit_processing& p,
 int32_t sample_processed(const float* z, int64_t V, double lse, double u);
 int32_t argmax_logits(const float* logits, int64_t V);
 
-// Why p is not a processing this file defines (temperature finite and >= 0, top_k >= 0, top_p
-// in (0, 1]); empty when it is.
+// The smallest temperature above 0 (greedy); vLLM's sampling epsilon.
+constexpr float kMinTemperature = 1e-5f;
+// Why p is not a processing this file defines (temperature 0 or finite in [kMinTemperature, inf),
+// top_k >= 0, top_p in (0, 1]); empty when it is.
 std::string logit_processing_problem(const logit_processing& p);
 
 }  // namespace fp8rl::models

@@ -12,7 +12,7 @@ namespace fp8rl::quant {
 int64_t bundle_tensor::numel() const {  // -1 for a shape beyond any tensor (a product that could wrap)
   int64_t n = 1;
   for (int64_t d : shape) {
-    if (d < 0 || d > kMaxTensorDim || n * d > kMaxTensorElems) return -1;
+    if (d < 0 || d > kMaxTensorDim || (d > 0 && n > kMaxTensorElems / d)) return -1;  // n * d itself could wrap
     n *= d;
   }
   return n;

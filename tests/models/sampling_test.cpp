@@ -9,6 +9,7 @@
 #include <cmath>
 #include <limits>
 #include <random>
+#include <set>
 
 #include "models/sampling.hpp"
 #include "tests/models/gen_util.hpp"
@@ -181,6 +182,10 @@ TEST(Sampling, ImpossibleSettingsAreRefusedByName) {
   auto with = [&](auto f) { gen_request r = base; f(r); return refused(r); };
   EXPECT_NE(with([](gen_request& r) { r.proc.temperature = -1.0f; }).find("temperature"), std::string::npos);
   EXPECT_NE(with([](gen_request& r) { r.proc.temperature = std::nanf(""); }).find("temperature"), std::string::npos);
+  // so small that a sane logit / T overflows: admitted, it failed every step of its batch
+  EXPECT_NE(with([](gen_request& r) { r.proc.temperature = 1e-30f; }).find("temperature 1e-30 is below 1e-05 (0: greedy)"),
+            std::string::npos);
+  EXPECT_EQ(with([](gen_request& r) { r.proc.temperature = kMinTemperature; }), "");
   EXPECT_NE(with([](gen_request& r) { r.proc.top_k = -4; }).find("top_k"), std::string::npos);
   EXPECT_NE(with([](gen_request& r) { r.proc.top_p = 0.0f; }).find("top_p"), std::string::npos);
   EXPECT_NE(with([](gen_request& r) { r.proc.top_p = 1.5f; }).find("top_p"), std::string::npos);
@@ -226,4 +231,28 @@ TEST(Sampling, NonFiniteLogitsAreRefusedNamingTheToken) {
   EXPECT_NE(msg.find("request " + std::to_string(requests(1, 1.0f)[0].id) + ", generated token 0: logit of token 0 is nan:"),
             std::string::npos) << msg;
   EXPECT_EQ(e.drain().size(), 2u);
+}
+
+// A step that throws happens for no slot: a result finished earlier in the same step was dropped
+// (drain() gave back only the failing request), and the slots stayed fed past what the cache
+// held, so the next step read logits row -1. Logits ~1e34 (the final norm's weights scaled up)
+// are finite at T = 1 and overflow at T = 1e-5: request A (T = 1, one token) finishes in the
+// step where B (T = 1e-5) fails.
+TEST(Sampling, AFailedStepChangesNoSlot) {
+  model_params p = model_params_init(gen_cfg(), 23);
+  float* norm = p.get("model.norm.weight");
+  for (int64_t c = 0; c < p.cfg.hidden_size; ++c) norm[c] *= 1e34f;
+  auto be = make_cpu_backend();
+  generation_engine e(*be, p.cfg, ecfg("fp32", 2));
+  ASSERT_EQ(e.adopt_params(p, 1, 1), "");
+  auto rq = requests(2, 1.0f);
+  rq[0].max_tokens = 1;
+  rq[1].proc.temperature = kMinTemperature;
+  for (auto& r : rq) e.submit(r);
+  const std::string first = fp8rl::test::thrown_text<std::runtime_error>([&] { e.step(); });
+  EXPECT_NE(first.find("request " + std::to_string(rq[1].id) + ", generated token 0:"), std::string::npos) << first;
+  EXPECT_EQ(fp8rl::test::thrown_text<std::runtime_error>([&] { e.step(); }), first);  // the same step again
+  std::set<uint64_t> back;
+  for (const auto& r : e.drain()) back.insert(r.id);
+  EXPECT_EQ(back, (std::set<uint64_t>{rq[0].id, rq[1].id}));
 }

@@ -6,6 +6,7 @@
 #include <cmath>
 #include <limits>
 
+#include "quant/bundle.hpp"
 #include "quant/cpu_isa.hpp"
 #include "quant/fp8.hpp"
 #include "quant/qtensor.hpp"
@@ -262,4 +263,13 @@ TEST(Quantize, ValidateRejectsMissingScaleAndNaNCodes) {
     EXPECT_NE(std::string(e.what()).find("tensor 'w': shape 68719476736 x 68719476736 is beyond any tensor"), std::string::npos)
         << e.what();
   }
+  // a bundle tensor's element count: 2^31 x 512 x 2^31 overflowed inside the guard (n * d, UB) and
+  // came out 0, so a tensor of 2^71 elements with no bytes validated
+  bundle_tensor t;
+  t.shape = {int64_t{1} << 31, 512, int64_t{1} << 31};
+  EXPECT_EQ(t.numel(), -1);
+  t.shape = {int64_t{1} << 20, int64_t{1} << 20};
+  EXPECT_EQ(t.numel(), int64_t{1} << 40);  // the largest tensor
+  t.shape = {(int64_t{1} << 20) + 1, int64_t{1} << 20};
+  EXPECT_EQ(t.numel(), -1);
 }
