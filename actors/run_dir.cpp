@@ -1,8 +1,12 @@
 // actors/run_dir.cpp -- metrics.jsonl, plots, and which directory a run writes.
 #include "actors/run_dir.hpp"
 
+#include <signal.h>
+
+#include <csignal>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <filesystem>
 #include <stdexcept>
 #include <nlohmann/json.hpp>
@@ -98,6 +102,30 @@ std::string run_dir_choose(const std::string& given, const std::string& name, bo
 }
 
 
+namespace {
+constexpr int kStartSignals[] = {SIGINT, SIGTERM, SIGHUP};
+volatile std::sig_atomic_t g_start_signal = 0;  // the signal that came while a stash was held
+struct sigaction g_previous[std::size(kStartSignals)];
+extern "C" void start_signal_caught(int sig) { g_start_signal = sig; }
+void start_signals_catch() {
+  struct sigaction sa {};
+  sa.sa_handler = start_signal_caught;
+  sigemptyset(&sa.sa_mask);
+  for (size_t i = 0; i < std::size(kStartSignals); ++i) {
+    sigaction(kStartSignals[i], &sa, &g_previous[i]);
+    if (g_previous[i].sa_handler == SIG_IGN) sigaction(kStartSignals[i], &g_previous[i], nullptr);  // nohup: stays ignored
+  }
+}
+void start_signals_release() {
+  for (size_t i = 0; i < std::size(kStartSignals); ++i) sigaction(kStartSignals[i], &g_previous[i], nullptr);
+}
+}  // namespace
+
+void run_dir_stash::interruption_point() {
+  if (const int sig = g_start_signal)
+    throw std::runtime_error(std::string("interrupted (") + strsignal(sig) + "); the earlier run is moved back");
+}
+
 run_dir_stash::run_dir_stash(std::string dir) : dir_(std::move(dir)) {
   const fs::path d(dir_), st = d / kStash;
   if (fs::exists(st))  // run_dir_choose recovers an interrupted start's stash first
@@ -115,9 +143,13 @@ run_dir_stash::run_dir_stash(std::string dir) : dir_(std::move(dir)) {
     restore();
     throw;
   }
+  g_start_signal = 0;
+  start_signals_catch();
 }
 
 void run_dir_stash::drop() {
+  interruption_point();  // a signal since the last point: the start is undone, not the earlier run
+  start_signals_release();
   dropped_ = true;  // from here on the new run owns the directory, whatever the deletion does
   std::error_code ec;
   fs::remove_all(fs::path(dir_) / kStash, ec);
@@ -136,7 +168,10 @@ void run_dir_stash::restore() noexcept {
 }
 
 run_dir_stash::~run_dir_stash() {
-  if (!dropped_) restore();
+  if (dropped_) return;
+  restore();
+  start_signals_release();
+  if (const int sig = g_start_signal) raise(sig);  // the earlier run is back: the signal's own action now
 }
 
 void calibration_batch_save(const std::string& checkpoint_dir, const std::vector<std::vector<int32_t>>& seqs) {

@@ -304,7 +304,7 @@ std::string prepare_init(const run_config& cfg, const std::string& run_dir, bool
   auto tok = models::char_tokenizer_make(models::arithmetic_alphabet());
   models::checkpoint c;
   const models::model_config mc =
-      models::model_config_builtin(cfg.size, tok->vocab_size(), std::max<int64_t>(64, cfg.max_context));
+      models::model_config_builtin(cfg.size, tok->vocab_size(), std::max<int64_t>(64, cfg.max_context), tok->bos, tok->eos);
   c.params = models::model_params_init(mc, static_cast<uint64_t>(cfg.seed));
   models::sft_config sc;
   sc.steps = cfg.sft_steps;
@@ -316,6 +316,7 @@ std::string prepare_init(const run_config& cfg, const std::string& run_dir, bool
   auto log = log_get("train");
   log->info("SFT warm start: {} steps on {}", sc.steps, cfg.task);
   models::sft_train(c.params, c.opt, data, *tok, sc, [&](int64_t s, double l) {
+    run_dir_stash::interruption_point();  // Ctrl-C during an --overwrite start's warm start
     if ((s + 1) % 100 == 0 || s + 1 == sc.steps) log->info("sft step {}/{} loss {:.4f}", s + 1, sc.steps, l);
   });
   c.opt = models::adamw_state{};
@@ -385,10 +386,12 @@ void run_preflight(const actor_env& env, bool resume) {
       } catch (const std::exception& e) {
         throw std::invalid_argument(env.cfg.task + " (" + split + " prompt " + std::to_string(i) + "): " + e.what());
       }
-      if (static_cast<int64_t>(ids.size()) >= env.cfg.max_context)
+      // with its longest response (a prompt leaving room for one token trained on reward 0, silently)
+      if (static_cast<int64_t>(ids.size()) + env.cfg.max_new_tokens > env.cfg.max_context)
         throw std::invalid_argument(env.cfg.task + " (" + split + " prompt " + std::to_string(i) + "): " +
-                                    std::to_string(ids.size()) + " tokens do not fit model.max_context " +
-                                    std::to_string(env.cfg.max_context) + " (leave room for the response)");
+                                    std::to_string(ids.size()) + " tokens + rollout.max_new_tokens " +
+                                    std::to_string(env.cfg.max_new_tokens) + " do not fit model.max_context " +
+                                    std::to_string(env.cfg.max_context));
     }
   };
   prompts_fit(models::task_load(task, false, env.cfg.train_size, static_cast<uint64_t>(env.cfg.seed)), "train");
@@ -467,6 +470,15 @@ int train_main(int argc, char** argv) {
   const std::string run_dir = run_dir_choose(c.run_dir, cfg.name, c.resume, c.overwrite, cfg.init == "tiny" ? "" : cfg.init);
   if (c.run_dir.empty() && !c.resume && run_dir != "runs/" + cfg.name)
     log_get("train")->info("runs/{} holds an earlier run; this run writes {}", cfg.name, run_dir);
+  // a start refused before it wrote anything leaves no empty run directory behind
+  struct remove_if_left_empty {
+    fs::path dir;
+    bool armed;
+    ~remove_if_left_empty() {
+      std::error_code ec;
+      if (armed && fs::is_empty(dir, ec)) fs::remove(dir, ec);
+    }
+  } created{run_dir, !fs::exists(run_dir)};
   fs::create_directories(run_dir);
   // --overwrite: the earlier run is moved aside and deleted only once this one passes its preflight
   std::optional<run_dir_stash> replaced;
@@ -484,6 +496,7 @@ int train_main(int argc, char** argv) {
   auto env = env_make(cfg, node, run_dir, init_dir, start, run_id);
   run_preflight(*env, c.resume);  // every file the actors will read or write, before any of them starts
   if (replaced) replaced->drop();
+  created.armed = false;
   if (!c.resume || !fs::exists(fs::path(run_dir) / "recipe.conf")) {
     std::ofstream(fs::path(run_dir) / "recipe.conf") << recipe_dump(cfg);  // only once the run can start
   } else if (!resumed_with.empty()) {  // the first part's recipe.conf stays; the changes sit beside it

@@ -63,6 +63,18 @@ void checkpoint_save(const std::string& dir, const checkpoint& c, const std::fun
   dir_replace(tmp, dir);
 }
 
+uint64_t checkpoint_weight_version(const std::string& dir) {
+  const fs::path st = fs::path(dir) / "state.json";
+  if (!fs::exists(st)) return 0;
+  std::ifstream f(st);
+  const nlohmann::json s = nlohmann::json::parse(f, nullptr, false);
+  if (s.is_discarded() || !s.is_object()) throw std::invalid_argument(st.string() + ": not a JSON object");
+  if (!s.contains("weight_version")) return 0;
+  if (!s["weight_version"].is_number_unsigned())
+    throw std::invalid_argument(st.string() + ": key 'weight_version' is not an integer >= 0");
+  return s["weight_version"].get<uint64_t>();
+}
+
 checkpoint checkpoint_load(const std::string& dir) {
   checkpoint c;
   c.params = model_load(dir);

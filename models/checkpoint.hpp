@@ -1,5 +1,5 @@
 // models/checkpoint.hpp -- training checkpoints: model (HF layout) + optimizer state + run state.
-// defines: checkpoint, checkpoint_save, checkpoint_load
+// defines: checkpoint, checkpoint_save, checkpoint_load, checkpoint_weight_version
 //
 // Layout of a checkpoint directory:
 //   config.json, model.safetensors   the model, loadable by any HF-compatible tool
@@ -29,5 +29,8 @@ struct checkpoint {
 void checkpoint_save(const std::string& dir, const checkpoint& c,
                      const std::function<void(const std::string& tmp)>& extra = {});
 checkpoint checkpoint_load(const std::string& dir);
+// The weight version state.json records (a learner's checkpoint: the steps its weights have had);
+// 0 where the directory has no state.json or it has no "weight_version" (an SFT or HF model).
+uint64_t checkpoint_weight_version(const std::string& dir);
 
 }  // namespace fp8rl::models

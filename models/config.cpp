@@ -156,7 +156,7 @@ model_config model_config_parse(const std::string& text, const std::string& sour
   return c;
 }
 
-model_config model_config_builtin(const std::string& size, int64_t vocab, int64_t max_positions) {
+model_config model_config_builtin(const std::string& size, int64_t vocab, int64_t max_positions, int64_t bos, int64_t eos) {
   model_config c;
   if (size == "tiny") {
     c.hidden_size = 128; c.intermediate_size = 256; c.num_hidden_layers = 2; c.num_attention_heads = 4;
@@ -170,6 +170,8 @@ model_config model_config_builtin(const std::string& size, int64_t vocab, int64_
   c.vocab_size = vocab;
   c.max_position_embeddings = max_positions;
   c.initializer_range = 0.05;
+  c.bos_token_id = bos;
+  if (eos >= 0) c.eos_token_ids = {eos};
   return c;
 }
 

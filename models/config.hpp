@@ -37,7 +37,9 @@ struct model_config {
 // The built-in model sizes (random init / SFT warm start for the built-in tasks):
 // tiny = hidden 128, 2 layers, 4 heads (2 KV), intermediate 256; small = hidden 512, 8 layers,
 // 8 heads (2 KV), intermediate 1536 (the bench-train shape).
-model_config model_config_builtin(const std::string& size, int64_t vocab, int64_t max_positions);
+// Its tokenizer's bos/eos ids (-1: none) go into the config, so a saved checkpoint's config.json
+// names the end of sequence `fp8rl generate` stops on.
+model_config model_config_builtin(const std::string& size, int64_t vocab, int64_t max_positions, int64_t bos, int64_t eos);
 
 model_config model_config_parse(const std::string& json_text, const std::string& source);
 model_config model_config_load(const std::string& path);

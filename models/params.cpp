@@ -153,6 +153,8 @@ st_tensors model_params_to_tensors(const model_params& p) {
 
 model_params model_load(const std::string& dir) {
   namespace fs = std::filesystem;
+  if (fs::exists(dir) && !fs::is_directory(dir))  // e.g. checkpoints/latest, the file naming the newest
+    throw std::invalid_argument(dir + ": not a directory (a model directory holds config.json and *.safetensors)");
   if (!fs::exists(dir) && fs::exists(dir + ".old"))  // checkpoint_save's two-rename path was cut between them
     throw std::invalid_argument(dir + ": missing; a checkpoint save that was replacing it stopped midway and left the "
                                 "previous checkpoint at " + dir + ".old (rename it back)");

@@ -153,28 +153,33 @@ TEST(E2E, EmbeddedDefaultRunsAndResumes) {
 
 // --overwrite killed between moving the earlier run aside and passing its preflight (here: in
 // its warm start) runs no destructor: the earlier run sits in RUN_DIR/.replaced. The next run
-// that looks at the directory moves it back, so --resume continues it.
+// that looks at the directory moves it back, so --resume continues it. SIGINT/SIGTERM are caught
+// there and move it back at once.
 TEST(E2E, KilledOverwriteStartGivesTheEarlierRunBack) {
   const fs::path d = fresh_dir("killed_overwrite");
   ASSERT_EQ(run(kBin + "/fp8rl train --run-dir " + d.string() + kSmall), 0);
   auto text_of = [](const fs::path& f) { std::ifstream in(f); return std::string((std::istreambuf_iterator<char>(in)), {}); };
   const std::string before = text_of(d / "metrics.jsonl");
-  const std::string cmd = "exec " + kBin + "/fp8rl train --overwrite --run-dir " + d.string() + kSmall +
-                          " --model.sft_steps=1000000 > /dev/null 2>&1";
-  const pid_t pid = ::fork();
-  if (pid == 0) {
-    ::execl("/bin/sh", "sh", "-c", cmd.c_str(), static_cast<char*>(nullptr));
-    ::_exit(127);
-  }
-  ASSERT_GT(pid, 0);
-  // the stash moves recipe.conf, checkpoints, metrics.jsonl, traces, plots in that order; then the
-  // warm start runs its 10^6 steps: a kill after plots/ has moved lands between stash and preflight
-  for (int i = 0; i < 1200 && !fs::exists(d / ".replaced" / "plots"); ++i)
-    std::this_thread::sleep_for(std::chrono::milliseconds(50));
-  std::this_thread::sleep_for(std::chrono::milliseconds(100));
-  ::kill(pid, SIGKILL);
-  int st = 0;
-  ::waitpid(pid, &st, 0);
+  // an --overwrite start caught in its warm start by `sig`; returns its wait status
+  auto interrupted_start = [&](int sig) {
+    const std::string cmd = "exec " + kBin + "/fp8rl train --overwrite --run-dir " + d.string() + kSmall +
+                            " --model.sft_steps=1000000 > /dev/null 2>&1";
+    const pid_t pid = ::fork();
+    if (pid == 0) {
+      ::execl("/bin/sh", "sh", "-c", cmd.c_str(), static_cast<char*>(nullptr));
+      ::_exit(127);
+    }
+    // the stash moves recipe.conf, checkpoints, metrics.jsonl, traces, plots in that order; then the
+    // warm start runs its 10^6 steps: a signal after plots/ has moved lands between stash and preflight
+    for (int i = 0; i < 1200 && !fs::exists(d / ".replaced" / "plots"); ++i)
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    ::kill(pid, sig);
+    int st = 0;
+    ::waitpid(pid, &st, 0);
+    return st;
+  };
+  interrupted_start(SIGKILL);
   ASSERT_TRUE(fs::exists(d / ".replaced" / "metrics.jsonl")) << "the start was not caught between stash and preflight";
   EXPECT_FALSE(fs::exists(d / "metrics.jsonl"));
   ASSERT_EQ(run(kBin + "/fp8rl train --resume --run-dir " + d.string() + kSmall + " --run.steps=6"), 0);
@@ -182,6 +187,14 @@ TEST(E2E, KilledOverwriteStartGivesTheEarlierRunBack) {
   const std::string after = text_of(d / "metrics.jsonl");
   EXPECT_EQ(after.substr(0, before.size()), before);  // the earlier run's 4 steps, then 2 more
   EXPECT_EQ(metrics(d).size(), 6u);
+  // Ctrl-C or SIGTERM (caught) gives the earlier run back at once, then dies of that signal; it
+  // used to stay in .replaced/ until the next train there, eval and generate failing meanwhile
+  for (const int sig : {SIGTERM, SIGINT}) {
+    const int st = interrupted_start(sig);
+    EXPECT_TRUE(WIFSIGNALED(st) && WTERMSIG(st) == sig) << "wait status " << st;
+    EXPECT_FALSE(fs::exists(d / ".replaced")) << sig;
+    EXPECT_EQ(text_of(d / "metrics.jsonl"), after) << sig;
+  }
   fs::remove_all(d);
 }
 
@@ -220,8 +233,10 @@ TEST(E2E, BadRecipeKeyFailsWithItsName) {
            {"--scheduler.policy=shareing", "--scheduler.policy=shareing: must be one of stealing, sharing"},
            {"--logger.console-verbosity=loud", "--logger.console-verbosity=loud: must be one of quiet"},
            {"--scheduler.nope=1", "not_an_option"},
-           // a prompt longer than the context: every rollout failed in turn, the cause on stderr
-           {"--model.max_context=6 --model.sft_steps=5", "builtin:add2 (train prompt 0): 7 tokens do not fit model.max_context 6"},
+           // a prompt longer than the context: every rollout failed in turn, the cause on stderr; one
+           // leaving less room than the longest response: trained on reward 0, silently
+           {"--model.max_context=8 --model.sft_steps=5",
+            "builtin:add2 (train prompt 0): 7 tokens + rollout.max_new_tokens 5 do not fit model.max_context 8"},
            // a second recipe or topology silently replaced the first
            {"--recipe " + (d / "r.conf").string() + " --config-file " + (d / "r.conf").string(), "option --config-file given twice"},
            {"--topology a.conf --topology=b.conf", "option --topology given twice ('a.conf', 'b.conf')"}}) {
@@ -230,6 +245,11 @@ TEST(E2E, BadRecipeKeyFailsWithItsName) {
     EXPECT_NE(c.out.find(what), std::string::npos) << arg << "\n" << c.out;
   }
   EXPECT_FALSE(fs::exists(d / "run" / "recipe.conf"));  // refused before the run starts
+  // a start refused before it wrote anything leaves no empty run directory behind
+  const auto nothing = fp8rl::test::run_command(kBin + "/fp8rl train --run-dir " + (d / "never").string() +
+                                                " --task.name=" + (d / "no-such.jsonl").string());
+  EXPECT_NE(nothing.rc, 0) << nothing.out;
+  EXPECT_FALSE(fs::exists(d / "never")) << nothing.out;
   // a topology placing actors on GPUs is refused before anything is written (after the warm start, it was)
   const auto g = fp8rl::test::run_command(kBin + "/fp8rl train --topology configs/topologies/llama-8gpu.conf --run-dir " +
                                           (d / "gpu").string());

@@ -162,6 +162,29 @@ TEST_F(Cli, GeneratePromptLinesCarryTheirOwnSettings) {
   refused(gen + write("zero.jsonl", "{\"tokens\": [1], \"max_tokens\": 0}\n").string(), "zero.jsonl:1: 'max_tokens' must be");
 }
 
+// Without --stop, generate stops at every id of the config's eos_token_id list (it took none from
+// fp8rl's own checkpoints, whose config had no eos_token_id), and tags tokens with the weight
+// version the checkpoint's state.json records (they said 0 for a learner's step_200).
+TEST_F(Cli, GenerateStopsAtTheConfigsEosAndTagsTheCheckpointsVersion) {
+  const std::string greedy = "generate --temperature 0 --max-tokens 5 --log-level warn --prompts ";
+  const fs::path one = write("one.jsonl", "{\"tokens\": [3]}\n");
+  const auto free_run = json_lines(run(greedy + one.string() + m()).out);
+  ASSERT_EQ(free_run.size(), 1u);
+  const int first = free_run[0]["tokens"][0].get<int>();
+  auto cfg = fp8rl::models::model_load(model.string());
+  cfg.cfg.eos_token_ids = {39, first};
+  const fs::path ck = dir / "step_200";
+  fp8rl::models::model_save(ck.string(), cfg);
+  std::ofstream(ck / "state.json") << "{\"weight_version\": 200, \"adam_step\": 200}\n";
+  const auto out = json_lines(run(greedy + one.string() + " --model " + ck.string()).out);
+  ASSERT_EQ(out.size(), 1u);
+  EXPECT_EQ(out[0]["tokens"], nlohmann::json::array({first}));
+  EXPECT_EQ(out[0]["finish"], "stop");
+  EXPECT_EQ(out[0]["weight_version"], nlohmann::json::array({200}));
+  EXPECT_EQ(out[0]["scale_version"], nlohmann::json::array({200}));
+  refused(greedy + one.string() + " --model " + (dir / "p.jsonl").string(), "p.jsonl: not a directory");
+}
+
 // With an FP8 KV cache the Q/K/V scales are calibrated on the prompts before generating: every
 // prompt is checked first (an unfit line is named, as without FP8), and the calibration runs in
 // bounded passes (it was one forward over every prompt: activations and logits of the whole file).
@@ -195,6 +218,8 @@ TEST_F(Cli, SftNeverDeletesWhatIsNotItsCheckpoint) {
   const fs::path ck = dir / "ck";
   ASSERT_EQ(run(sft + ck.string()).rc, 0);
   ASSERT_TRUE(fs::exists(ck / "state.json"));
+  // the built-in model's config names its tokenizer's <eos> (2), which generate stops on by default
+  EXPECT_EQ(nlohmann::json::parse(std::ifstream(ck / "config.json")).value("eos_token_id", -1), 2);
   refused(sft + ck.string() + " --overwrite --model " + ck.string(), "holds the --model this run reads");
   EXPECT_EQ(run(sft + ck.string() + " --overwrite").rc, 0);
   // a backslash in the task's path made state.json invalid JSON, after training

@@ -119,3 +119,24 @@ TEST(Trace, VectorClocksFollowTheMessages) {
   EXPECT_NE(text.find("controller@A#0 {\"controller@A#0\":1} send work_msg"), std::string::npos) << text;
   fs::remove_all(run);
 }
+
+// A resumed run: the node's file holds two processes, 100 s apart. Wall time is while some process
+// was alive (2 s), not first to last event (101 s: every actor looked ~1% busy).
+TEST(Trace, SummaryWallTimeLeavesOutTheGapOfAResume) {
+  const fs::path run = fs::temp_directory_path() / ("fp8rl_trace_resume_" + std::to_string(::getpid()));
+  fs::remove_all(run);
+  fs::create_directories(run / "traces");
+  auto span = [](int64_t pid, int64_t ts, int64_t dur) {
+    return json{{"node", "A"}, {"actor", "learner0"}, {"kind", "span"}, {"name", "train_step"}, {"ts", ts}, {"dur", dur},
+                {"pid", pid}}.dump() + "\n";
+  };
+  std::ofstream(run / "traces" / "A.jsonl") << span(1, 0, 500000) << span(1, 999000, 1000) << span(2, 100000000, 500000)
+                                            << span(2, 100999000, 1000);
+  const auto s = fp8rl::test::run_command(kBin + "/fp8rl-trace summary " + run.string());
+  ASSERT_EQ(s.rc, 0) << s.out;
+  EXPECT_NE(s.out.find("wall time covered by traces: 2.00 s (2 processes)"), std::string::npos) << s.out;
+  EXPECT_NE(s.out.find("A/learner0                        1.002    50.1%"), std::string::npos) << s.out;
+  const auto none = fp8rl::test::run_command(kBin + "/fp8rl-trace summary " + (run / "nope").string());
+  EXPECT_NE(none.out.find((run / "nope").string() + ": no such run directory"), std::string::npos) << none.out;
+  fs::remove_all(run);
+}

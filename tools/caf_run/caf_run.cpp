@@ -216,8 +216,17 @@ int main(int argc, char** argv) {
       }
       int pfd[2];
       if (pipe(pfd) != 0) throw std::runtime_error("pipe failed");
+      // the stop signals wait across fork: between fork and exec the child ran caf-run's handler,
+      // which set a flag in its own copy, and the node ignored a SIGTERM; the child takes their
+      // default actions before anything can arrive, the parent's handler sees what came meanwhile
+      sigset_t stop, before;
+      sigemptyset(&stop);
+      for (int sig : {SIGINT, SIGTERM, SIGHUP}) sigaddset(&stop, sig);
+      sigprocmask(SIG_BLOCK, &stop, &before);
       const pid_t pid = fork();
       if (pid == 0) {
+        for (int sig : {SIGINT, SIGTERM, SIGHUP}) signal(sig, SIG_DFL);
+        sigprocmask(SIG_SETMASK, &before, nullptr);
         setpgid(0, 0);
         dup2(pfd[1], 1);
         dup2(pfd[1], 2);
@@ -234,6 +243,7 @@ int main(int argc, char** argv) {
         std::fprintf(stderr, "caf-run: cannot execute %s: %s\n", av[0], std::strerror(errno));
         _exit(127);
       }
+      sigprocmask(SIG_SETMASK, &before, nullptr);
       setpgid(pid, pid);  // also here: a signal before the child's own setpgid must still reach its group
       close(pfd[1]);
       fcntl(pfd[0], F_SETFL, O_NONBLOCK);

@@ -8,6 +8,7 @@
 #include <sstream>
 
 #include "models/cpu/cpu_backend.hpp"
+#include "models/checkpoint.hpp"
 #include "models/generate.hpp"
 #include "models/log.hpp"
 #include "models/rl/loop.hpp"
@@ -122,6 +123,9 @@ int cmd_generate(int argc, char** argv) {
       r.proc = proc;
       r.seed = seed;
       r.stop_tokens = items[i].stop ? *items[i].stop : stops;
+      if (const int64_t room = ec.max_context - static_cast<int64_t>(r.prompt.size()); room < r.max_tokens && room > 0)
+        log_get("generate")->warn("{}:{}: a prompt of {} tokens leaves room for {} of its {} tokens (max context {})",
+                                  a.get("prompts"), items[i].line, r.prompt.size(), room, r.max_tokens, ec.max_context);
       try {
         eng.submit(std::move(r));
       } catch (const std::invalid_argument& e) {  // name the input line, not the request id
@@ -130,7 +134,10 @@ int cmd_generate(int argc, char** argv) {
     }
     const bool fp8_kv = ec.policy.kv == models::kv_dtype::fp8;
     const models::attn_fp8_scales sc = fp8_kv ? calibrate_kv(*be, params, ec.policy, items) : models::attn_fp8_scales{};
-    const std::string err = eng.adopt_params(params, 0, 0, fp8_kv ? &sc : nullptr);
+    // tokens carry the checkpoint's weight version (0 for an SFT or HF model); the K/V scales
+    // are computed here from those weights, so they are of the same version
+    const uint64_t version = models::checkpoint_weight_version(a.get("model"));
+    const std::string err = eng.adopt_params(params, version, version, fp8_kv ? &sc : nullptr);
     if (!err.empty()) throw std::runtime_error(err);
     for (const auto& r : eng.run_to_completion()) {
       nlohmann::json out = {{"tokens", r.tokens}, {"logprobs", r.logprobs}, {"weight_version", r.weight_version},

@@ -91,7 +91,8 @@ int cmd_sft(int argc, char** argv) {
   if (a.has("model")) {
     ck.params = models::model_load(a.get("model"));
   } else {
-    ck.params = models::model_params_init(models::model_config_builtin(a.get("size", "tiny"), tok->vocab_size(), 64), seed);
+    ck.params = models::model_params_init(
+        models::model_config_builtin(a.get("size", "tiny"), tok->vocab_size(), 64, tok->bos, tok->eos), seed);
   }
   if (tok->vocab_size() > ck.params.cfg.vocab_size)
     throw std::invalid_argument("tokenizer has " + std::to_string(tok->vocab_size()) + " tokens, model vocab_size is " +

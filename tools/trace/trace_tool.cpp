@@ -78,6 +78,7 @@ event event_from(const json& j, const std::string& where) {
 std::vector<event> load_events(const fs::path& run) {
   std::vector<event> ev;
   const fs::path dir = run / "traces";
+  if (!fs::is_directory(run)) throw std::invalid_argument(run.string() + ": no such run directory");
   if (!fs::exists(dir)) throw std::invalid_argument(dir.string() + ": no traces (run with trace.enabled=true)");
   for (const auto& f : fs::directory_iterator(dir)) {
     if (f.path().extension() != ".jsonl") continue;
@@ -241,10 +242,16 @@ int64_t overlap(std::vector<std::pair<int64_t, int64_t>> a, std::vector<std::pai
 
 int summary(const fs::path& run) {
   const auto ev = load_events(run);
-  const int64_t t0 = ev.front().ts;
-  int64_t t1 = t0;
-  for (const auto& e : ev) t1 = std::max(t1, e.ts + e.dur);
-  const double span = double(t1 - t0) / 1e6;
+  // wall time: while some process of the run was alive (first to last event of each node process):
+  // a resumed run's gap between its parts counted as idle time of every actor
+  std::map<std::pair<std::string, int64_t>, std::pair<int64_t, int64_t>> life;
+  for (const auto& e : ev) {
+    auto [it, fresh] = life.try_emplace({e.node, e.pid}, e.ts, e.ts + e.dur);
+    if (!fresh) it->second = {std::min(it->second.first, e.ts), std::max(it->second.second, e.ts + e.dur)};
+  }
+  std::vector<std::pair<int64_t, int64_t>> alive;
+  for (const auto& [k, iv] : life) alive.push_back(iv);
+  const double span = double(covered(alive)) / 1e6;
   std::map<std::string, std::vector<std::pair<int64_t, int64_t>>> busy;
   std::vector<std::pair<int64_t, int64_t>> gen, train;
   std::vector<double> calib;
@@ -255,7 +262,8 @@ int summary(const fs::path& run) {
     if (e.name == "train_step") train.push_back({e.ts, e.ts + e.dur});
     if (e.name == "calibrate") calib.push_back(double(e.dur) / 1e6);
   }
-  std::printf("run: %s   wall time covered by traces: %.2f s\n\n%-28s %10s %8s\n", run.c_str(), span, "actor", "busy s", "busy %");
+  std::printf("run: %s   wall time covered by traces: %.2f s (%zu processes)\n\n%-28s %10s %8s\n", run.c_str(), span,
+              life.size(), "actor", "busy s", "busy %");
   for (const auto& [a, iv] : busy) {
     const double b = double(covered(iv)) / 1e6;
     std::printf("%-28s %10.3f %7.1f%%\n", a.c_str(), b, span > 0 ? 100.0 * b / span : 0.0);  // one instant: 0 s covered
