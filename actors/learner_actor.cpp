@@ -258,10 +258,7 @@ void audit_into(learner_state& s, const std::vector<models::rl_sample>& samples,
 msg::learner_actor spawn_learner(caf::actor_system& sys, std::shared_ptr<const actor_env> env, int32_t rank,
                                  int32_t world, device_spec dev) {
   using self_t = msg::learner_actor::stateful_pointer<learner_state>;
-  // detached: a thread of its own, since its handlers block in compute and in Gloo's collectives
-  // until every rank joins (on CAF's 8 shared workers, a ninth learner, or two with
-  // --scheduler.max-threads=1, never ran and froze the process until Gloo's store timed out)
-  return sys.spawn<caf::detached>([rank, world, dev](self_t self, std::shared_ptr<const actor_env> env) -> msg::learner_actor::behavior_type {
+  return sys.spawn([rank, world, dev](self_t self, std::shared_ptr<const actor_env> env) -> msg::learner_actor::behavior_type {
     actor_failures_named(self, "learner" + std::to_string(rank));
     auto& st = self->state;
     st.env = env;

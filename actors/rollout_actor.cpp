@@ -51,8 +51,7 @@ double now_s() { return std::chrono::duration<double>(std::chrono::system_clock:
 msg::rollout_actor spawn_rollout(caf::actor_system& sys, std::shared_ptr<const actor_env> env, std::string name,
                                  device_spec dev) {
   using self_t = msg::rollout_actor::stateful_pointer<rollout_state>;
-  // detached, as learners are: its decode steps block while they compute
-  return sys.spawn<caf::detached>([name, dev](self_t self, std::shared_ptr<const actor_env> env) -> msg::rollout_actor::behavior_type {
+  return sys.spawn([name, dev](self_t self, std::shared_ptr<const actor_env> env) -> msg::rollout_actor::behavior_type {
     actor_failures_named(self, name);
     auto& st = self->state;
     st.env = env;

@@ -551,12 +551,17 @@ TEST(E2E, TwoLearnersAllReduceAndAuditMode) {
   // the step metrics cover the whole step whatever the sharding: one learner and two, staleness 0,
   // agree exactly at step 1 (same rollouts from the same weights; rank 0 reported its own shard:
   // token_mult_prob_error ~0.5, half the staleness histogram)
-  // (on one CAF worker: learners run detached, so one blocked in Gloo's all-reduce no longer keeps
-  // the other from its turn; both waited out Gloo's 30 s store timeout)
   const std::string sync = kSmall + std::string(" --async.max_staleness=0 --run.steps=2 --run.eval_every=0");
-  ASSERT_EQ(run(kBin + "/fp8rl train --topology " + topo.string() + " --run-dir " + (d / "two").string() + sync +
-                " --scheduler.max-threads=1"),
-            0);
+  ASSERT_EQ(run(kBin + "/fp8rl train --topology " + topo.string() + " --run-dir " + (d / "two").string() + sync), 0);
+  // fewer CAF workers than the actors that block one while they compute: one learner waited in
+  // Gloo's all-reduce for a rank that never got a worker, until Gloo's store timed out (30 s)
+  const auto starved = fp8rl::test::run_command(kBin + "/fp8rl train --topology " + topo.string() + " --run-dir " +
+                                                (d / "starved").string() + sync + " --scheduler.max-threads=3");
+  EXPECT_EQ(starved.rc, 2) << starved.out;
+  EXPECT_NE(starved.out.find("--scheduler.max-threads=3: node 'main' runs 2 learner(s) and 1 rollout(s), each blocking a "
+                             "worker while it computes; give at least 5"),
+            std::string::npos)
+      << starved.out;
   ASSERT_EQ(run(kBin + "/fp8rl train --run-dir " + (d / "one").string() + sync), 0);
   const auto two = metrics(d / "two"), one = metrics(d / "one");
   ASSERT_EQ(two.size(), 2u);

@@ -15,8 +15,10 @@
 //    (it told them to stop), then SIGTERM, then after --grace more SIGKILL;
 //  - SIGINT/SIGTERM/SIGHUP to caf-run stop the whole group the same way (nodes run in their own
 //    process groups, so they would otherwise outlive it and keep training).
-// --scheduler.max-threads is max(8, slots): CAF's workers for a node's event-based actors
-// (learners and rollouts, whose handlers block while they compute, run detached, a thread each).
+// --scheduler.max-threads is max(8, slots): actor handlers block while they compute (the
+// compute itself runs in oneTBB arenas sized by the topology's devices), so CAF needs spare
+// workers for the controller, buffer and weight sync (fp8rl raises it further where a node's
+// learners and rollouts need more).
 // Exit codes: the controller's (or, with --fail-fast / at startup, the first failing node's)
 // code, 128+signal if caf-run was signalled; 2 for bad input.
 #include <fcntl.h>
