@@ -157,13 +157,14 @@ msg::buffer_actor spawn_buffer(caf::actor_system& sys, std::shared_ptr<const act
           auto rp = self->make_response_promise<msg::batch_msg>();
           // a shard request the step cannot be cut into (world 0 divided by zero; a rank twice or
           // outside the world delivered the step with one shard's samples nobody's) is refused
-          std::string bad;
-          if (world <= 0 || rank < 0 || rank >= world) bad = "rank " + std::to_string(rank) + " of world " + std::to_string(world);
-          if (auto it = s.waiting.find(step); it != s.waiting.end())
+          auto shard = [](int32_t r, int32_t w) { return "rank " + std::to_string(r) + " of world " + std::to_string(w); };
+          std::string bad = world <= 0 || rank < 0 || rank >= world ? shard(rank, world) : "";
+          if (auto it = s.waiting.find(step); bad.empty() && it != s.waiting.end())
             for (const auto& w : it->second)
-              if (bad.empty() && (w.world != world || w.rank == rank))
-                bad = "rank " + std::to_string(rank) + " of world " + std::to_string(world) + " after rank " +
-                      std::to_string(w.rank) + " of world " + std::to_string(w.world);
+              if (w.world != world || w.rank == rank) {
+                bad = shard(rank, world) + " after " + shard(w.rank, w.world);
+                break;
+              }
           if (!bad.empty()) {
             rp.deliver(caf::make_error(caf::sec::invalid_argument, "trajectory buffer: step " + std::to_string(step) +
                                                                         " requested by " + bad));

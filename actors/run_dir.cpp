@@ -8,6 +8,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
+#include <iterator>
 #include <stdexcept>
 #include <nlohmann/json.hpp>
 
@@ -171,7 +172,10 @@ run_dir_stash::~run_dir_stash() {
   if (dropped_) return;
   restore();
   start_signals_release();
-  if (const int sig = g_start_signal) raise(sig);  // the earlier run is back: the signal's own action now
+  if (const int sig = g_start_signal) {  // the earlier run is back: the signal's own action now
+    std::fprintf(stderr, "fp8rl: %s during the start; the earlier run in %s is back\n", strsignal(sig), dir_.c_str());
+    raise(sig);
+  }
 }
 
 void calibration_batch_save(const std::string& checkpoint_dir, const std::vector<std::vector<int32_t>>& seqs) {
