@@ -15,10 +15,9 @@
 //    (it told them to stop), then SIGTERM, then after --grace more SIGKILL;
 //  - SIGINT/SIGTERM/SIGHUP to caf-run stop the whole group the same way (nodes run in their own
 //    process groups, so they would otherwise outlive it and keep training).
-// --scheduler.max-threads is max(8, slots): actor handlers block while they compute (the
-// compute itself runs in oneTBB arenas sized by the topology's devices), so CAF needs spare
-// workers for the controller, buffer and weight sync (fp8rl raises it further where a node's
-// learners and rollouts need more).
+// --scheduler.max-threads=slots where a host's slots exceed fp8rl's default 8 CAF workers (fp8rl
+// itself raises its default to a worker per learner and rollout plus two; a value passed here
+// below that need is refused, so none is passed for slots <= 8).
 // Exit codes: the controller's (or, with --fail-fast / at startup, the first failing node's)
 // code, 128+signal if caf-run was signalled; 2 for bad input.
 #include <fcntl.h>
@@ -210,7 +209,7 @@ int main(int argc, char** argv) {
       args.push_back(topofile);
       args.push_back("--node");
       args.push_back(n->name);
-      if (h->slots > 0) args.push_back("--scheduler.max-threads=" + std::to_string(std::max(8, h->slots)));
+      if (h->slots > 8) args.push_back("--scheduler.max-threads=" + std::to_string(h->slots));
       if (!is_local(n->host)) {
         std::string remote = "cd " + shell_quote(wdir) + " && exec";
         for (const auto& x : args) remote += " " + shell_quote(x);
