@@ -13,7 +13,6 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
-#include <cstdlib>
 #include <map>
 #include <set>
 #include <stdexcept>
@@ -23,6 +22,7 @@
 #include "actors/run_dir.hpp"
 #include "actors/trace.hpp"
 #include "models/log.hpp"
+#include "models/rl/staleness_hist.hpp"
 
 namespace fp8rl::actors {
 namespace {
@@ -50,12 +50,9 @@ struct controller_state {
 
 // The staleness of a "staleness_hist/<versions>" metric; throws naming the key if it is not one.
 double staleness_bucket(const std::string& key) {
-  const std::string v = key.substr(key.find('/') + 1);
-  char* end = nullptr;
-  const double x = std::strtod(v.c_str(), &end);
-  if (v.empty() || *end != '\0' || !(x >= 0))
-    throw std::invalid_argument("step_report metric '" + key + "': not a staleness bucket (a version count)");
-  return x;
+  const auto d = models::staleness_hist_bin(key);
+  if (!d) throw std::invalid_argument("step_report metric '" + key + "': not a staleness bucket (a version count)");
+  return double(*d);
 }
 
 }  // namespace
@@ -237,7 +234,7 @@ msg::controller_actor spawn_controller(caf::actor_system& sys, std::shared_ptr<c
           if (s.opts.print_progress) {
             double stale = 0, cnt = 0;
             for (const auto& [k, v] : r.metrics)
-              if (k.rfind("staleness_hist/", 0) == 0) { stale += staleness_bucket(k) * v; cnt += v; }
+              if (k.rfind(models::kStalenessHistPrefix, 0) == 0) { stale += staleness_bucket(k) * v; cnt += v; }
             const double done = double(r.version - s.env->start_version), left = double(s.end - r.version);
             std::string val = r.metrics.count("val_accuracy") ? "  val_acc " + std::to_string(r.metrics["val_accuracy"]).substr(0, 5) : "";
             std::fprintf(stderr, "step %4lu/%lu  reward %.3f  acc %.3f%s  staleness %.2f  tmpe %.4f  tok/s %.0f  ETA %.0fs\n",

@@ -6,6 +6,7 @@
 #include <stdexcept>
 
 #include "models/cpu/cpu_backend.hpp"
+#include "models/rl/staleness_hist.hpp"
 
 namespace fp8rl::models {
 
@@ -240,7 +241,7 @@ void rl_batch_metrics(const std::vector<rl_sample>& s, uint64_t learner_version,
   out["reward_std"] = std::sqrt(std::max(0.0, sq / n - mean * mean));
   out["accuracy"] = acc / n;
   out["response_length"] = len / n;
-  for (const auto& [d, c] : hist) out["staleness_hist/" + std::to_string(d)] = c;
+  for (const auto& [d, c] : hist) out[std::string(kStalenessHistPrefix) + std::to_string(d)] = c;
 }
 
 std::vector<double> sft_train(model_params& params, adamw_state& opt, const dataset& data, const tokenizer& tok,

@@ -9,7 +9,6 @@
 //                                   histogram, weight-sync latency, calibration time, messages
 // Input: RUN_DIR/traces/*.jsonl (actors/trace.hpp) and RUN_DIR/metrics.jsonl.
 #include <algorithm>
-#include <charconv>
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
@@ -20,6 +19,8 @@
 #include <stdexcept>
 #include <string>
 #include <vector>
+
+#include "models/rl/staleness_hist.hpp"
 
 namespace fs = std::filesystem;
 using json = nlohmann::json;
@@ -298,13 +299,10 @@ int summary(const fs::path& run) {
       continue;
     }
     for (auto it = j.begin(); it != j.end(); ++it) {
-      if (it.key().rfind("staleness_hist/", 0) != 0 || !it.value().is_number()) continue;
-      const std::string bin = it.key().substr(15);
-      int64_t d = 0;
-      const auto [end, ec] = std::from_chars(bin.data(), bin.data() + bin.size(), d);
-      if (ec != std::errc{} || end != bin.data() + bin.size())
-        throw std::invalid_argument(where + "key '" + it.key() + "': the staleness bin is not an integer");
-      hist[d] += it.value().get<double>();
+      if (it.key().rfind(fp8rl::models::kStalenessHistPrefix, 0) != 0 || !it.value().is_number()) continue;
+      const auto d = fp8rl::models::staleness_hist_bin(it.key());
+      if (!d) throw std::invalid_argument(where + "key '" + it.key() + "': the staleness bin is not an integer");
+      hist[*d] += it.value().get<double>();
     }
     if (j.contains("sync_latency_s") && j["sync_latency_s"].is_number()) sync.push_back(j["sync_latency_s"].get<double>());
   }
