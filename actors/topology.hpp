@@ -1,6 +1,6 @@
 // actors/topology.hpp -- where actors run: nodes (processes), their roles and devices.
 // defines: device_spec, node_spec, topology, topology_load, topology_local, topology_validate,
-//          placement, topology_plan, rollout_name
+//          placement, topology_plan, rollout_name, node_scheduler_threads
 //
 // A topology file (CAF config syntax, read with CAF's parser, validated here key by key):
 //   [cluster]
@@ -11,6 +11,7 @@
 // actors on it yet -- env.hpp device_problem refuses it before a run starts). Exactly one node holds
 // each singleton role; calibration runs next to a learner.
 #pragma once
+#include <cstddef>
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -49,6 +50,12 @@ struct placement {
   std::string device;  // "cpu:1", "cuda:3", "" for singletons
 };
 std::vector<placement> topology_plan(const topology& t);
+
+// CAF scheduler workers node n needs: one per learner and rollout (each blocks its worker while it
+// computes, a learner also in the all-reduce until every rank joins) plus two for the others. Given
+// have workers: have where it fits; else the need, unless the user chose have (given), which is
+// refused naming --scheduler.max-threads (two learners on one worker froze until Gloo's timeout).
+size_t node_scheduler_threads(const node_spec& n, size_t have, bool given);
 
 // The name of the run's k-th rollout actor (numbered across nodes in topology order).
 inline std::string rollout_name(int64_t k) { return "rollout" + std::to_string(k); }

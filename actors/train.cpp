@@ -227,23 +227,6 @@ void caf_options_validate(const caf::actor_system_config& cfg) {
   }
 }
 
-// Learners and rollouts block a CAF worker while they compute, learners also in Gloo's all-reduce
-// until every rank has joined: with fewer workers than those actors plus two (calibration, the
-// event-driven rest), a learner never ran and the process froze until Gloo's store timed out
-// (30 s). The default is raised to fit; an explicit --scheduler.max-threads below it is refused.
-// (Detached actors, a thread each, need no count, but CAF 0.17's shutdown waits for them to be
-// destroyed while another node's proxies still hold them: a two-process run hung at its exit.)
-void scheduler_threads_fit(fp8rl_config& cfg, const node_spec& n, bool given) {
-  const size_t need = n.learners.size() + n.rollouts.size() + 2;
-  const size_t have = caf::get_or(cfg, "scheduler.max-threads", size_t{8});
-  if (have >= need) return;
-  if (given)
-    throw std::invalid_argument("--scheduler.max-threads=" + std::to_string(have) + ": node '" + n.name + "' runs " +
-                                std::to_string(n.learners.size()) + " learner(s) and " + std::to_string(n.rollouts.size()) +
-                                " rollout(s), each blocking a worker while it computes; give at least " + std::to_string(need));
-  cfg.set("scheduler.max-threads", need);
-}
-
 cli parse_cli(int argc, char** argv) {
   cli c;
   run_config probe;
@@ -482,9 +465,14 @@ int train_main(int argc, char** argv) {
   fp8rl_config ccfg;
   if (auto err = ccfg.parse(c.caf_args)) throw std::invalid_argument("CAF options: " + caf::actor_system_config::render(err));
   caf_options_validate(ccfg);
-  scheduler_threads_fit(ccfg, *topo.find(node), std::any_of(c.caf_args.begin(), c.caf_args.end(), [](const std::string& a) {
-                          return a.rfind("--scheduler.max-threads", 0) == 0;
-                        }));
+  // a worker per learner and rollout (topology.hpp). Detached actors, a thread each, would need no
+  // count, but CAF 0.17's shutdown waits for them to be destroyed while another node's proxies
+  // still hold them: a two-process run hung at its exit.
+  const bool workers_given = std::any_of(c.caf_args.begin(), c.caf_args.end(), [](const std::string& a) {
+    return a.rfind("--scheduler.max-threads", 0) == 0;
+  });
+  ccfg.set("scheduler.max-threads", node_scheduler_threads(*topo.find(node), caf::get_or(ccfg, "scheduler.max-threads", size_t{8}),
+                                                           workers_given));
   ccfg.load<caf::io::middleman>();
   if (!topo.find(node)->has("controller")) return run_remote_node(ccfg, topo, node);
 

@@ -16,26 +16,25 @@
 
 namespace fp8rl::models {
 namespace fs = std::filesystem;
-namespace {
 
-// The complete tmp takes dir's place (checkpoint.hpp). Deleting dir and then renaming lost both
-// checkpoints to a crash in between (dir gone, nothing ever recovered dir.tmp).
-void dir_replace(const fs::path& tmp, const fs::path& dir) {
+// Deleting dir and then renaming lost both checkpoints to a crash in between (dir gone, nothing
+// ever recovered dir.tmp): the exchange, or two renames with dir.old between them.
+void checkpoint_dir_replace(const std::string& tmp, const std::string& dir, bool exchange) {
   if (!fs::exists(dir)) return fs::rename(tmp, dir);
-  if (::renameat2(AT_FDCWD, tmp.c_str(), AT_FDCWD, dir.c_str(), RENAME_EXCHANGE) == 0) {
-    fs::remove_all(tmp);  // the previous checkpoint, now at tmp
-    return;
+  if (exchange) {
+    if (::renameat2(AT_FDCWD, tmp.c_str(), AT_FDCWD, dir.c_str(), RENAME_EXCHANGE) == 0) {
+      fs::remove_all(tmp);  // the previous checkpoint, now at tmp
+      return;
+    }
+    if (errno != EINVAL && errno != ENOSYS)
+      throw std::system_error(errno, std::generic_category(), "checkpoint: exchanging " + tmp + " with " + dir);
   }
-  if (errno != EINVAL && errno != ENOSYS)
-    throw std::system_error(errno, std::generic_category(), "checkpoint: exchanging " + tmp.string() + " with " + dir.string());
-  const fs::path old = dir.string() + ".old";  // no exchange here: two renames, dir.old between them
+  const fs::path old = dir + ".old";
   fs::remove_all(old);
   fs::rename(dir, old);
   fs::rename(tmp, dir);
   fs::remove_all(old);
 }
-
-}  // namespace
 
 void checkpoint_save(const std::string& dir, const checkpoint& c, const std::function<void(const std::string&)>& extra) {
   const fs::path tmp = dir + ".tmp";
@@ -60,7 +59,7 @@ void checkpoint_save(const std::string& dir, const checkpoint& c, const std::fun
   state.close();
   if (!state) throw std::runtime_error((tmp / "state.json").string() + ": write failed (the previous " + dir + " is kept)");
   if (extra) extra(tmp.string());
-  dir_replace(tmp, dir);
+  checkpoint_dir_replace(tmp.string(), dir);
 }
 
 uint64_t checkpoint_weight_version(const std::string& dir) {

@@ -1,5 +1,6 @@
 // models/checkpoint.hpp -- training checkpoints: model (HF layout) + optimizer state + run state.
-// defines: checkpoint, checkpoint_save, checkpoint_load, checkpoint_weight_version
+// defines: checkpoint, checkpoint_save, checkpoint_load, checkpoint_weight_version,
+//          checkpoint_dir_replace
 //
 // Layout of a checkpoint directory:
 //   config.json, model.safetensors   the model, loadable by any HF-compatible tool
@@ -32,5 +33,8 @@ checkpoint checkpoint_load(const std::string& dir);
 // The weight version state.json records (a learner's checkpoint: the steps its weights have had);
 // 0 where the directory has no state.json or it has no "weight_version" (an SFT or HF model).
 uint64_t checkpoint_weight_version(const std::string& dir);
+// The complete directory tmp takes dir's place: by RENAME_EXCHANGE, or -- where the filesystem
+// refuses it (EINVAL, ENOSYS) or exchange is false -- by two renames with dir.old between them.
+void checkpoint_dir_replace(const std::string& tmp, const std::string& dir, bool exchange = true);
 
 }  // namespace fp8rl::models

@@ -200,6 +200,26 @@ TEST(Topology, BadFilesNameNodeAndKey) {
   for (const auto& f : {f1, f2, f3, f4, f5, f6, f7, f8}) fs::remove(f);
 }
 
+// A node's CAF workers: the default grows to a worker per learner and rollout plus two; a value
+// the user gave below that is refused by name; enough is kept as given.
+TEST(Topology, SchedulerWorkersFitTheNodesComputingActors) {
+  node_spec n;
+  n.name = "big";
+  n.learners.assign(3, device_spec{});
+  n.rollouts.assign(5, device_spec{});
+  EXPECT_EQ(node_scheduler_threads(n, 8, false), 10u);
+  EXPECT_EQ(node_scheduler_threads(n, 12, true), 12u);
+  EXPECT_EQ(node_scheduler_threads(n, 10, true), 10u);
+  try {
+    node_scheduler_threads(n, 9, true);
+    ADD_FAILURE() << "9 workers for 8 computing actors accepted";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_STREQ(e.what(), "--scheduler.max-threads=9: node 'big' runs 3 learner(s) and 5 rollout(s), each blocking a "
+                           "worker while it computes; give at least 10");
+  }
+  EXPECT_EQ(node_scheduler_threads(topology_local(1, 1).nodes[0], 8, true), 8u);  // the embedded default
+}
+
 TEST(RunDir, AnEarlierRunIsNeverOverwrittenUnasked) {
   const fs::path root = fs::temp_directory_path() / ("fp8rl_rundir_" + std::to_string(::getpid()));
   fs::remove_all(root);

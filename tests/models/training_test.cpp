@@ -192,6 +192,27 @@ TEST(Training, CheckpointReplacementKeepsAWholeCheckpoint) {
   fs::remove_all(dir.string() + ".old");
 }
 
+// Filesystems without RENAME_EXCHANGE take the two-rename path: the same result, nothing left over.
+TEST(Training, CheckpointReplacementByRenamesKeepsNothingElse) {
+  namespace fs = std::filesystem;
+  const fs::path dir = fs::temp_directory_path() / ("fp8rl_ck_renames_" + std::to_string(::getpid()));
+  const std::string tmp = dir.string() + ".tmp";
+  fs::remove_all(dir), fs::remove_all(tmp);
+  for (const std::string word : {"first", "second"}) {
+    fs::create_directories(tmp);
+    std::ofstream(fs::path(tmp) / "state.json") << word << "\n";
+    if (word == "first") std::ofstream(fs::path(tmp) / "only_in_first.txt") << "x\n";
+    checkpoint_dir_replace(tmp, dir.string(), /*exchange=*/false);
+  }
+  std::string word;
+  std::ifstream(dir / "state.json") >> word;
+  EXPECT_EQ(word, "second");
+  EXPECT_FALSE(fs::exists(dir / "only_in_first.txt"));  // the directory was replaced, not merged
+  EXPECT_FALSE(fs::exists(tmp));
+  EXPECT_FALSE(fs::exists(dir.string() + ".old"));
+  fs::remove_all(dir);
+}
+
 TEST(Training, LossesDoNotDependOnThreadCount) {
   std::vector<double> one, two;
   tbb::task_arena(1).execute([&] { trainer t(task_config(), "fp8", 13); one = train(t, 7, 4); });
