@@ -190,7 +190,7 @@ void audit_into(learner_state& s, const std::vector<models::rl_sample>& samples,
     bf.linear = models::precision::bf16;
     bf.bf16_first = bf.bf16_last = 0;
   }
-  double stale_kl = 0, prec_kl = 0, prec_tmpe = 0, wq_kl = 0, kern_kl = 0, n = 0;
+  models::audit_sums sums;
   int64_t audited = 0;  // trajectories
   const int64_t want = s.env->cfg.audit_samples;
   auto wc = models::model_weights_build(*s.be, s.ck.params.cfg, s.env->rl.train_policy.training(), {&s.ck.params, nullptr, nullptr}, false);
@@ -226,31 +226,14 @@ void audit_into(learner_state& s, const std::vector<models::rl_sample>& samples,
       s.run->forward(*w8, b, false);
       s.run->logprobs(targets, s.env->rl.proc, q8.data());
     }
-    auto k3 = [](double d) { return std::exp(-d) + d - 1.0; };
     for (size_t j = 0; j < smp.response.size(); ++j) {
       const size_t t = smp.prompt.size() - 1 + j;
-      const double dq = double(c[t]) - q[t], dg = double(q[t]) - smp.gen_logprobs[j];
-      stale_kl += k3(dq);  // k3 of (q | c): staleness (+ learner FP8 error)
-      prec_kl += k3(dg);   // k3 of (g | q): rollout precision and kernels
-      prec_tmpe += std::exp(std::fabs(dg));
-      if (w8) {
-        wq_kl += k3(double(q[t]) - q8[t]);                   // (q8 | q): FP8 weight quantization
-        kern_kl += k3(double(q8[t]) - smp.gen_logprobs[j]);  // (g | q8): kernels, FP8 attention, KV cache
-      }
-      n += 1;
+      sums.add(c[t], q[t], w8 ? double(q8[t]) : std::nan(""), smp.gen_logprobs[j]);
     }
     ++audited;
   }
-  if (n == 0) return;
-  m["audit/staleness_kl"] = stale_kl / n;
-  m["audit/precision_kl"] = prec_kl / n;
-  m["audit/precision_token_mult_prob_error"] = prec_tmpe / n;
-  if (split_fp8) {
-    m["audit/weight_quant_kl"] = wq_kl / n;
-    m["audit/kernel_kv_kl"] = kern_kl / n;
-  }
-  m["audit/tokens"] = n;
-  m["audit/trajectories"] = double(audited);
+  sums.write(m);
+  if (sums.n + sums.nonfinite > 0) m["audit/trajectories"] = double(audited);
 }
 
 }  // namespace

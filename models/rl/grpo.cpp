@@ -150,25 +150,31 @@ loss_result policy_loss(const token_batch_rl& b, const grpo_config& cfg, double 
   out.dc.assign(static_cast<size_t>(n), 0.0f);
   double clipped = 0;
   for (int64_t t = 0; t < n; ++t) {
-    const double m = is.mask[t];
-    if (m == 0.0) continue;
-    const double A = b.adv[t], r = std::exp(static_cast<double>(b.c[t]) - b.p[t]);
-    const double rc = std::clamp(r, 1.0 - cfg.clip_low, 1.0 + cfg.clip_high);
-    const double u = -A * r, v = -A * rc;
-    double L, dL;  // dL/dc
-    if (u >= v) { L = u; dL = -A * r; }
-    else { L = v; dL = (r == rc) ? -A * r : 0.0; ++clipped; }
-    if (cfg.dual_clip > 1.0f && A < 0 && -cfg.dual_clip * A < L) { L = -cfg.dual_clip * A; dL = 0.0; }
-    const double w = is.w[t];
-    out.actor += m * w * L / N;
-    double g = m * w * dL / N;
-    if (cfg.kl_beta > 0) {
-      const double lr_raw = static_cast<double>(b.ref[t]) - b.c[t];
+    // the KL's mask: every token in N -- it is not importance-weighted, so a token whose weight
+    // was not finite keeps its KL term (c = -inf: the clamps make it 10 with no gradient)
+    const double mk = is.filtered.empty() || !is.filtered[t] ? b.mask[t] : 0.0;
+    if (mk == 0.0) continue;
+    const double m = is.mask[t];  // the actor's: 0 where the weight or a logprob was not finite
+    double g = 0.0;
+    if (m != 0.0) {
+      const double A = b.adv[t], r = std::exp(static_cast<double>(b.c[t]) - b.p[t]);
+      const double rc = std::clamp(r, 1.0 - cfg.clip_low, 1.0 + cfg.clip_high);
+      const double u = -A * r, v = -A * rc;
+      double L, dL;  // dL/dc
+      if (u >= v) { L = u; dL = -A * r; }
+      else { L = v; dL = (r == rc) ? -A * r : 0.0; ++clipped; }
+      if (cfg.dual_clip > 1.0f && A < 0 && -cfg.dual_clip * A < L) { L = -cfg.dual_clip * A; dL = 0.0; }
+      const double w = is.w[t];
+      out.actor += m * w * L / N;
+      g = m * w * dL / N;
+    }
+    const double lr_raw = cfg.kl_beta > 0 ? static_cast<double>(b.ref[t]) - b.c[t] : NAN;
+    if (!std::isnan(lr_raw)) {  // NaN: both logprobs -inf (or one NaN), no term
       const double lr = std::clamp(lr_raw, -20.0, 20.0);
       const double k3_raw = std::exp(lr) - lr - 1.0;
       const double k3 = std::clamp(k3_raw, -10.0, 10.0);
-      out.kl += cfg.kl_beta * m * k3 / N;
-      if (lr == lr_raw && k3 == k3_raw) g += cfg.kl_beta * m * (1.0 - std::exp(lr)) / N;
+      out.kl += cfg.kl_beta * mk * k3 / N;
+      if (lr == lr_raw && k3 == k3_raw) g += cfg.kl_beta * mk * (1.0 - std::exp(lr)) / N;
     }
     out.dc[t] = static_cast<float>(g);
   }
@@ -209,12 +215,18 @@ void mismatch_metrics(const token_batch_rl& b, const is_result& is, const grpo_c
     e[b.seq[t]] += std::exp(std::fabs(g - p));
     cnt[b.seq[t]] += 1;
   }
-  out[prefix + "token_mult_prob_error"] = tmpe / N;
-  out[prefix + "gen_kl_error"] = gkl / N;
-  out[prefix + "policy_kl_error"] = pkl / N;
-  out[prefix + "js_divergence_error"] = js / N;
-  out[prefix + "sampling_importance_ratio"] = sir / N;
-  out[prefix + "approx_entropy"] = ent / N;
+  // N counts the tokens whose logprob or weight was not finite (the loss keeps them, w~ = 0), but
+  // they have no mismatch term: over N they read a perfect match as 1 - their share.
+  double nonfinite_in_n = 0;
+  for (int64_t t = 0; t < n; ++t) nonfinite_in_n += b.mask[t] > 0 && is.mask[t] == 0 && !(is.filtered.size() && is.filtered[t]);
+  const double Nm = N - nonfinite_in_n;
+  auto per_token = [&](double sum) { return Nm > 0 ? sum / Nm : 0.0; };
+  out[prefix + "token_mult_prob_error"] = per_token(tmpe);
+  out[prefix + "gen_kl_error"] = per_token(gkl);
+  out[prefix + "policy_kl_error"] = per_token(pkl);
+  out[prefix + "js_divergence_error"] = per_token(js);
+  out[prefix + "sampling_importance_ratio"] = sir / N;  // w~ = 0 is their weight: over N, as the loss
+  out[prefix + "approx_entropy"] = per_token(ent);
   auto seq_stats = [&](const std::vector<double>& es_sum, const std::vector<double>& es_cnt, const std::string& suffix) {
     double emax = 0, emin = 0, esum = 0, nseq = 0;
     for (size_t s = 0; s < S; ++s) {

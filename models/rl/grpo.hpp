@@ -53,7 +53,7 @@ using metric_map = std::map<std::string, double>;
 // logprob-error filter. Non-finite raw weights become 0 and are counted in metrics.
 struct is_result {
   std::vector<float> w;     // w~ [n]
-  std::vector<float> mask;  // effective mask [n]: sequence filter applied, non-finite tokens removed
+  std::vector<float> mask;  // the actor term's mask [n]: sequence filter applied, non-finite tokens removed
   int64_t nonfinite = 0, oob = 0, oob_seqs = 0, masked_seqs = 0;
   std::vector<uint8_t> filtered;  // [n] 1: a token of a sequence the e_i filter dropped
   int64_t filtered_tokens = 0;    // masked-in tokens of those sequences: they leave N
@@ -68,13 +68,17 @@ struct loss_result {
 };
 // loss = sum_t m_t w~_t L_t / N + beta sum_t m_t k3_t / N, and its gradient w.r.t. c. N: the
 // step's masked-in tokens over all learners once the e_i filter has dropped its sequences
-// (is_result::filtered_tokens, summed over ranks); tokens with zeroed weights stay in N.
+// (is_result::filtered_tokens, summed over ranks); tokens with zeroed weights stay in N. The
+// actor term's m_t is is_result::mask; the KL's (not importance-weighted) is the token's mask
+// less the filtered sequences, so a token with a non-finite weight keeps its KL term.
 loss_result policy_loss(const token_batch_rl& b, const grpo_config& cfg, double N);
 // The same with is = is_weights(b, cfg) already computed (the learner needs it for N first).
 loss_result policy_loss(const token_batch_rl& b, const grpo_config& cfg, double N, const is_result& is);
 
 // The mismatch metrics of rl-algorithm.md §6 (token and sequence level), with `prefix` prepended
-// to each name. Uses g, p, c, w~ and the effective mask.
+// to each name. Uses g, p, c, w~ and the effective mask. Tokens left out for a non-finite logprob
+// or weight have no term: the token metrics divide by N less them (sampling_importance_ratio,
+// where their w~ = 0 is a term, by N).
 void mismatch_metrics(const token_batch_rl& b, const is_result& is, const grpo_config& cfg, double N,
                       const std::string& prefix, metric_map& out);
 

@@ -157,7 +157,7 @@ void version_metrics(const token_batch_rl& rl, const is_result& is, const grpo_c
     for (int64_t t : idx) {
       sub.c.push_back(rl.c[t]); sub.p.push_back(rl.p[t]); sub.g.push_back(rl.g[t]);
       sub.adv.push_back(rl.adv[t]); sub.mask.push_back(rl.mask[t]); sub.seq.push_back(rl.seq[t]);
-      sis.w.push_back(is.w[t]); sis.mask.push_back(is.mask[t]);
+      sis.w.push_back(is.w[t]); sis.mask.push_back(is.mask[t]); sis.filtered.push_back(is.filtered[t]);
     }
     double n = 0;  // the version's tokens left in the step
     for (int64_t t : idx) n += rl.mask[t] > 0 && !is.filtered[t];
@@ -187,11 +187,12 @@ learner_out learner_grpo(model_runner& run, const model_weights& w, const std::v
                          const logit_processing& proc, const std::function<double(double)>& sum_over_learners) {
   learner_out out;
   out.grads.assign(static_cast<size_t>(model_param_layout(w.cfg).total), 0.0f);
-  if (samples.empty()) {  // an empty shard still takes part in every collective the others run
-    if (cfg.seq_logprob_error_threshold > 0 && sum_over_learners) sum_over_learners(0.0);
-    return out;
-  }
   for (size_t i = 0; i < samples.size(); ++i) rl_sample_check(samples[i], i, w.cfg.vocab_size);
+  const bool no_tokens = std::all_of(samples.begin(), samples.end(), [](const rl_sample& x) { return x.response.empty(); });
+  if (no_tokens) {  // an empty shard still takes part in every collective the others run
+    if (cfg.seq_logprob_error_threshold > 0 && sum_over_learners) sum_over_learners(0.0);
+    return out;  // (a backward over no tokens packed a K = 0 wgrad operand and threw)
+  }
   const learner_batch lb = learner_batch_build(samples, cfg.share_prompts);
   const token_batch& b = lb.b;
   const std::vector<int64_t>& at = lb.at;
@@ -220,6 +221,35 @@ learner_out learner_grpo(model_runner& run, const model_weights& w, const std::v
   for (size_t k = 0; k < at.size(); ++k) dlogp[at[k]] = out.loss.dc[k];
   run.backward(w, targets, proc, dlogp.data(), out.grads.data());
   return out;
+}
+
+void audit_sums::add(double c, double q, double q8, double g) {
+  if (!(std::isfinite(c) && std::isfinite(q) && std::isfinite(g)) || std::isinf(q8)) {
+    nonfinite += 1;
+    return;
+  }
+  auto k3 = [](double d) { return std::exp(d) - d - 1.0; };
+  stale_kl += k3(c - q);
+  prec_kl += k3(q - g);
+  prec_tmpe += std::exp(std::fabs(q - g));
+  n += 1;
+  if (std::isnan(q8)) return;
+  wq_kl += k3(q - q8);
+  kern_kl += k3(q8 - g);
+  n8 += 1;
+}
+
+void audit_sums::write(metric_map& out) const {
+  if (n + nonfinite == 0) return;
+  out["audit/tokens"] = n;
+  out["audit/nonfinite_tokens"] = nonfinite;
+  if (n == 0) return;
+  out["audit/staleness_kl"] = stale_kl / n;
+  out["audit/precision_kl"] = prec_kl / n;
+  out["audit/precision_token_mult_prob_error"] = prec_tmpe / n;
+  if (n8 == 0) return;
+  out["audit/weight_quant_kl"] = wq_kl / n8;
+  out["audit/kernel_kv_kl"] = kern_kl / n8;
 }
 
 void rl_batch_metrics(const std::vector<rl_sample>& s, uint64_t learner_version, int64_t max_staleness, metric_map& out) {

@@ -84,6 +84,19 @@ learner_out learner_grpo(model_runner& run, const model_weights& w, const std::v
                          const model_weights* ref = nullptr, const logit_processing& proc = {},
                          const std::function<double(double)>& sum_over_learners = {});
 
+// Audit mode's sums (rl-algorithm.md §4): per token the learner's c, the behaviour version's BF16
+// re-score q, optionally its FP8-weight re-score q8 (NaN: not measured), and the rollout's g. Each
+// KL is the k3 estimate in gen_kl_error's form, exp(d) - d - 1 with d = (learner side) - (rollout
+// side): staleness d = c - q, precision d = q - g, weight quantization d = q - q8, kernels / FP8
+// attention / KV cache d = q8 - g -- so precision_kl at staleness 0 reads on gen_kl_error's scale
+// (§7: at or below BF16-vs-BF16 levels). A token with a non-finite logprob (top-k/top-p dropped it
+// on one side) has no term: counted apart (audit/nonfinite_tokens), as in the step's metrics.
+struct audit_sums {
+  double stale_kl = 0, prec_kl = 0, prec_tmpe = 0, wq_kl = 0, kern_kl = 0, n = 0, n8 = 0, nonfinite = 0;
+  void add(double c, double q, double q8, double g);
+  void write(metric_map& out) const;  // audit/* (nothing where no token was audited)
+};
+
 // Reward mean/std, accuracy (reward > 0.5), response length, and token counts by staleness
 // (staleness_hist/Δ, Δ = learner_version - weight_version; every bin 0..max_staleness, empty
 // ones too) and by scale-version lag (scale_lag_hist/Δ).

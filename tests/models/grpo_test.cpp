@@ -269,7 +269,7 @@ TEST(Grpo, NonFiniteWeightsAreZeroedAndCounted) {
   EXPECT_EQ(is.w[1], 0.0f);
   EXPECT_EQ(is.w[2], 0.0f);
   EXPECT_EQ(is.nonfinite, 2);
-  EXPECT_EQ(is.mask, (std::vector<float>{1, 0, 0}));  // out of the loss and the metrics
+  EXPECT_EQ(is.mask, (std::vector<float>{1, 0, 0}));  // out of the actor term and the metrics
   // the learner's top-k/top-p no longer keeping a token sampled under older weights: c = p = -inf
   // (the loss was NaN and every mismatch metric Inf/NaN, with nothing counted)
   for (is_mode mode : {is_mode::none, is_mode::tis, is_mode::icepop, is_mode::seq_mask_tis}) {
@@ -285,6 +285,16 @@ TEST(Grpo, NonFiniteWeightsAreZeroedAndCounted) {
     EXPECT_EQ(r.metrics.at("nonfinite_is_weights"), 1.0);
     EXPECT_EQ(r.dc[1], 0.0f);
     EXPECT_NEAR(r.loss, -(1.0 + 1.0) / 3.0, fp8rl::tol::kFp64FewTerms) << is_mode_name(mode);  // tokens 0 and 2: w = r = 1, A = 1
+    // tokens 0 and 2 match exactly: their metrics say so (over N = 3 they read 2/3 and an entropy
+    // of 0.5); the weight's mean keeps token 1's w~ = 0, as the loss does
+    EXPECT_EQ(r.metrics.at("token_mult_prob_error"), 1.0) << is_mode_name(mode);
+    EXPECT_EQ(r.metrics.at("gen_kl_error"), 0.0) << is_mode_name(mode);
+    EXPECT_NEAR(r.metrics.at("approx_entropy"), (1.0 + 0.5) / 2, fp8rl::tol::kFp64FewTerms) << is_mode_name(mode);
+    EXPECT_NEAR(r.metrics.at("sampling_importance_ratio"), 2.0 / 3, fp8rl::tol::kFp64FewTerms) << is_mode_name(mode);
+    k.weight_version = {4, 4, 4};
+    const metric_map m = learner_metrics(k, cfg, 3.0, 5);
+    EXPECT_EQ(m.at("by_version/4/token_mult_prob_error"), 1.0) << is_mode_name(mode);
+    EXPECT_EQ(m.at("by_staleness/1/token_mult_prob_error"), 1.0) << is_mode_name(mode);
   }
   // p - g = 99.9: exp is finite in FP64 but +Inf as the FP32 weight (was kept as inf under none and
   // seq-mask-tis: loss and dL/dc NaN where A = 0, nothing counted)
@@ -424,4 +434,55 @@ TEST(Grpo, SftRefusesABatchWithoutAnswerTokens) {
   EXPECT_NE(what.find("step 0's batch of 2 examples has no answer token"), std::string::npos) << what;
   EXPECT_EQ(p.data, before);
   EXPECT_EQ(opt.step, 0);
+}
+
+// Audit mode's KLs are k3 in gen_kl_error's form, d = learner side - rollout side (so precision_kl
+// at staleness 0 reads on gen_kl_error's scale); q - g = 0.5 gives e^0.5 - 1.5 = 0.1487 (the other
+// direction, e^-0.5 - 0.5, gave 0.1065). A token one side's top-k dropped has no term and is counted.
+TEST(Grpo, AuditKlsTakeGenKlErrorsFormAndCountNonFiniteTokens) {
+  audit_sums a;
+  a.add(/*c=*/-1.0, /*q=*/-1.0, /*q8=*/-1.25, /*g=*/-1.5);
+  a.add(-1.0, -1.0, std::nan(""), -1.5);     // q8 not measured: no weight/kernel split term
+  a.add(-INFINITY, -1.0, -1.0, -1.0);        // the learner's top-k no longer keeps it
+  a.add(-1.0, -1.0, -INFINITY, -1.0);
+  metric_map m;
+  a.write(m);
+  const double k3_half = std::exp(0.5) - 1.5, k3_quarter = std::exp(0.25) - 1.25;
+  EXPECT_EQ(m.at("audit/tokens"), 2.0);
+  EXPECT_EQ(m.at("audit/nonfinite_tokens"), 2.0);
+  EXPECT_EQ(m.at("audit/staleness_kl"), 0.0);
+  EXPECT_NEAR(m.at("audit/precision_kl"), k3_half, fp8rl::tol::kFp64FewTerms);
+  EXPECT_NEAR(m.at("audit/precision_token_mult_prob_error"), std::exp(0.5), fp8rl::tol::kFp64FewTerms);
+  EXPECT_NEAR(m.at("audit/weight_quant_kl"), k3_quarter, fp8rl::tol::kFp64FewTerms);  // over the one token with q8
+  EXPECT_NEAR(m.at("audit/kernel_kv_kl"), k3_quarter, fp8rl::tol::kFp64FewTerms);
+  metric_map none;
+  audit_sums().write(none);
+  EXPECT_TRUE(none.empty());
+}
+
+// The KL penalty is not importance-weighted (rl-algorithm.md §3): a token whose weight is not
+// finite leaves the actor term but keeps its KL term (it lost both: kl 0 and dL/dc 0 here).
+TEST(Grpo, ANonFiniteWeightKeepsTheTokensKlTerm) {
+  token_batch_rl b;
+  b.g = {-100.0f, -0.5f, -0.5f};  // token 0: w = e^99.9, +Inf in FP32
+  b.c = {-0.1f, -INFINITY, -INFINITY};  // tokens 1, 2: top-k drops them for the learner (2: and the reference)
+  b.p = b.c;
+  b.ref = {-2.0f, -1.0f, -INFINITY};
+  b.adv = {1, 1, 1};
+  b.mask = {1, 1, 1};
+  b.seq = {0, 0, 0};
+  b.n_seqs = 1;
+  grpo_config cfg;
+  cfg.kl_beta = 0.1f;
+  const double N = 2.0;
+  const loss_result r = policy_loss(b, cfg, N);
+  EXPECT_EQ(r.metrics.at("nonfinite_is_weights"), 3.0);
+  EXPECT_EQ(r.actor, 0.0);
+  const double lr = -2.0 - double(-0.1f), beta = double(0.1f);
+  const double k3_0 = std::exp(lr) - lr - 1.0;  // 1.0496
+  const double k3_1 = 10.0;                      // clamp(e^20 - 21): ref - c = +inf, clamped to 20
+  EXPECT_NEAR(r.kl, beta * (k3_0 + k3_1) / N, fp8rl::tol::kFp64FewTerms);  // token 2: -inf - -inf, no term
+  EXPECT_EQ(r.dc[0], static_cast<float>(beta * (1.0 - std::exp(lr)) / N));  // the same double, rounded once
+  EXPECT_EQ(r.dc[1], 0.0f);  // clamped: no gradient
+  EXPECT_EQ(r.dc[2], 0.0f);
 }

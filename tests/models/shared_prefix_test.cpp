@@ -397,3 +397,24 @@ TEST(SharedPrefix, LearnerRefusesSamplesItCannotRead) {
   targets.pop_back();
   EXPECT_THROW(run.backward(*w, targets, {}, dlogp.data(), grads.data()), std::invalid_argument);
 }
+
+// A shard whose samples carry no response token (only hand-built or wire samples: generation
+// refuses max_tokens <= 0) is an empty shard: zero gradients, and it still joins the filter's
+// all-reduce. Its backward over no tokens threw (a K = 0 wgrad operand had no FP32 form).
+TEST(SharedPrefix, ASampleWithoutResponseTokensIsAnEmptyShard) {
+  learner_fixture F;
+  auto& [c, p, be, run, samples] = F;
+  std::vector<rl_sample> empty(1, samples[0]);  // one sample: no shared prompt row either
+  for (auto& s : empty) s.response.clear(), s.gen_logprobs.clear(), s.weight_version.clear(), s.scale_version.clear(),
+                        s.oldest_kv_version.clear();
+  grpo_config cfg;
+  cfg.seq_logprob_error_threshold = 2.0f;
+  int joined = 0;
+  for (const char* policy : {"fp32", "fp8"}) {
+    auto w = model_weights_build(*be, c, precision_policy::named(policy), {&p, nullptr, nullptr}, true);
+    const learner_out o = learner_grpo(run, *w, empty, cfg, 40.0, 5, nullptr, {}, [&](double x) { ++joined; return x; });
+    EXPECT_EQ(o.grads, std::vector<float>(static_cast<size_t>(p.layout.total), 0.0f)) << policy;
+    EXPECT_EQ(o.tokens.size(), 0) << policy;
+  }
+  EXPECT_EQ(joined, 2);
+}
