@@ -9,7 +9,7 @@
 // Roles are the singleton actors; learners/rollouts list one device per actor: "cpu:N" (a
 // oneTBB arena of N cores; 0 = all) or "cuda:K" (GPU K: parsed and planned, but no build runs
 // actors on it yet -- env.hpp device_problem refuses it before a run starts). Exactly one node holds
-// each singleton role; calibration runs next to a learner.
+// each singleton role; calibration runs on the node of learner 0 (the first node with learners).
 #pragma once
 #include <cstddef>
 #include <cstdint>

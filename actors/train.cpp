@@ -396,8 +396,8 @@ void run_preflight(const actor_env& env, bool resume) {
     }
   };
   prompts_fit(models::task_load(task, false, env.cfg.train_size, static_cast<uint64_t>(env.cfg.seed)), "train");
-  if (env.cfg.eval_every > 0)
-    prompts_fit(models::task_load(task, true, env.cfg.val_size, static_cast<uint64_t>(env.cfg.seed)), "validation");
+  // every run ends with a validation, also with eval_every = 0
+  prompts_fit(models::task_load(task, true, env.cfg.val_size, static_cast<uint64_t>(env.cfg.seed)), "validation");
   const fs::path metrics = fs::path(env.run_dir) / "metrics.jsonl";
   if (fs::exists(metrics) && !fs::is_regular_file(metrics)) throw std::invalid_argument(metrics.string() + ": not a file");
   if (resume && fs::exists(metrics))

@@ -15,8 +15,8 @@
 #include "tools/cli/commands.hpp"
 
 namespace {
-void usage() {
-  std::fprintf(stderr,
+void usage(std::FILE* to) {
+  std::fprintf(to,
                "usage: fp8rl <command> [options]\n"
                "  train     asynchronous FP8 GRPO (actors); no arguments: the embedded default\n"
                "  score     per-token logprobs of sequences under a precision policy\n"
@@ -29,7 +29,7 @@ void usage() {
 
 int main(int argc, char** argv) {
   if (argc < 2 || !std::strcmp(argv[1], "--help") || !std::strcmp(argv[1], "-h")) {
-    usage();
+    usage(argc < 2 ? stderr : stdout);  // asked for: stdout, as every subcommand's --help
     return argc < 2 ? 2 : 0;
   }
   const std::string cmd = argv[1];
@@ -42,7 +42,7 @@ int main(int argc, char** argv) {
     if (cmd == "sft") return fp8rl::cli::cmd_sft(argc, argv);
     if (cmd == "eval") return fp8rl::cli::cmd_eval(argc, argv);
     std::fprintf(stderr, "fp8rl: unknown command '%s'\n", cmd.c_str());
-    usage();
+    usage(stderr);
     return 2;
   } catch (const fp8rl::cli::help_shown&) {
     return 0;

@@ -88,6 +88,13 @@ TEST_F(Cli, OptionsOutOfRangeOrRepeatedAreRefusedByName) {
     EXPECT_EQ(r.rc, 2) << bad << "\n" << r.out;
     EXPECT_NE(r.out.find("option --"), std::string::npos) << bad << "\n" << r.out;
   }
+  // options a benchmark does not read are refused, not ignored (bench-rl ran its default threads
+  // for --threads=1 and capped --reps=9 at 5 without a word)
+  for (const std::string bad : {"/bench-rl --threads=1", "/bench-rl --reps=9"}) {
+    const result r = fp8rl::test::run_command(kBin + bad);
+    EXPECT_EQ(r.rc, 2) << bad << "\n" << r.out;
+    EXPECT_NE(r.out.find(bad.substr(10, 6)), std::string::npos) << bad << "\n" << r.out;
+  }
 }
 
 // `fp8rl --dump-config` is `fp8rl train --dump-config` with every option (it printed the defaults,
@@ -202,6 +209,20 @@ TEST_F(Cli, Fp8KvGenerateChecksEveryPromptFirstAndCalibratesInPasses) {
   const result r = run("generate --kv fp8 --max-tokens 2 --log-level warn --prompts " + write("many.jsonl", many).string() + m());
   ASSERT_EQ(r.rc, 0) << r.out;
   EXPECT_EQ(json_lines(r.out).size(), 40u);
+}
+
+// fp8-kv (FP8 attention and KV cache) is a generation policy: eval calibrates its Q/K/V scales on
+// the validation prompts (it failed every time: no scales); sft and score, training forwards,
+// refuse it by name (they ran it as plain fp8 without a word).
+TEST_F(Cli, Fp8KvIsAGenerationPolicyOnly) {
+  const fs::path ck = dir / "ck";
+  ASSERT_EQ(run("sft --steps 1 --batch 2 --out " + ck.string()).rc, 0);
+  const result e = run("eval --n 8 --max-tokens 4 --policy fp8-kv --model " + ck.string());
+  ASSERT_EQ(e.rc, 0) << e.out;
+  EXPECT_EQ(json_lines(e.out).at(0).value("n", 0), 8) << e.out;
+  refused("sft --steps 1 --batch 2 --policy fp8-kv --out " + (dir / "ck3").string(), "--policy fp8-kv: FP8 attention");
+  EXPECT_FALSE(fs::exists(dir / "ck3"));
+  refused("score --policy fp8-kv --input " + prompts.string() + m(), "--policy fp8-kv: FP8 attention");
 }
 
 // sft writes --out by replacing the directory: it refuses where that would delete what is not an

@@ -66,7 +66,7 @@ double steady_samples_per_s(const std::vector<json>& m, size_t skip) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  bench_args a = bench_parse(argc, argv);
+  bench_args a = bench_parse(argc, argv, {}, {.threads = false, .max_reps = 5});  // a repetition: whole runs
   const fs::path bin = self_dir(), work = fs::temp_directory_path() / ("fp8rl_bench_rl_" + std::to_string(::getpid()));
   fs::create_directories(work);
   const fs::path src = bin.parent_path().parent_path();  // repository root (build/bin/..)
@@ -81,7 +81,7 @@ int main(int argc, char** argv) {
   // 1. samples/s vs staleness, repetitions alternating k = 0, 1, 2 so that each ratio compares
   //    runs minutes apart at most; medians over repetitions
   if (bench_selected(a, "staleness")) {
-    const int reps = a.quick ? 1 : std::clamp(a.reps, 1, 5);
+    const int reps = a.quick ? 1 : a.reps;
     std::map<int, std::vector<double>> sps, ratio, calib, train, whole;
     std::vector<double> bound;
     for (int r = 0; r < reps; ++r)
@@ -122,7 +122,7 @@ int main(int argc, char** argv) {
   }
   // 3. what tracing costs the asynchronous run (max_staleness 1): on/off alternated, medians
   if (bench_selected(a, "trace_cost")) {
-    const int reps = a.quick ? 1 : std::clamp(a.reps, 1, 5);
+    const int reps = a.quick ? 1 : a.reps;
     std::vector<double> on, off, ratio;
     for (int r = 0; r < reps; ++r) {
       for (bool tr : {false, true}) {

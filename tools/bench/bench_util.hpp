@@ -44,17 +44,26 @@ inline int64_t bench_positive(const std::string& opt, const std::string& text, i
   return v;
 }
 
+// Which common options a program reads: --threads=LIST where it runs at given thread counts, and
+// its most repetitions (each of bench-rl's is a whole training run).
+struct bench_common {
+  bool threads = true;
+  int max_reps = 1 << 20;
+};
+
 // Common options, plus the program's own `--key=value` options (`extra_opts`: key -> help line);
-// any other option is an error.
-inline bench_args bench_parse(int argc, char** argv, const std::map<std::string, std::string>& extra_opts = {}) {
+// any other option -- also a common one the program does not read -- is an error.
+inline bench_args bench_parse(int argc, char** argv, const std::map<std::string, std::string>& extra_opts = {},
+                              bench_common common = {}) {
   bench_args a;
+  a.reps = std::min(a.reps, common.max_reps);
   for (int i = 1; i < argc; ++i) {
     std::string s = argv[i];
     if (s == "--json") a.json = true;
-    else if (s == "--quick") { a.quick = true; a.reps = 3; }
-    else if (s.rfind("--reps=", 0) == 0) a.reps = static_cast<int>(bench_positive("--reps", s.substr(7), 1 << 20));
+    else if (s == "--quick") { a.quick = true; a.reps = std::min(3, common.max_reps); }
+    else if (s.rfind("--reps=", 0) == 0) a.reps = static_cast<int>(bench_positive("--reps", s.substr(7), common.max_reps));
     else if (s.rfind("--only=", 0) == 0) a.only = s.substr(7);
-    else if (s.rfind("--threads=", 0) == 0) {
+    else if (common.threads && s.rfind("--threads=", 0) == 0) {
       a.threads.clear();
       std::string t = s.substr(10);
       for (size_t p = 0; p <= t.size();) {
@@ -66,7 +75,8 @@ inline bench_args bench_parse(int argc, char** argv, const std::map<std::string,
     } else if (s.rfind("--", 0) == 0 && s.find('=') != std::string::npos && extra_opts.count(s.substr(2, s.find('=') - 2))) {
       a.extra[s.substr(2, s.find('=') - 2)] = s.substr(s.find('=') + 1);
     } else if (s == "--help" || s == "-h") {
-      std::printf("options: --json --quick --reps=N --threads=1,2 --only=IMPL (a substring of impl names)\n");
+      std::printf("options: --json --quick --reps=N (default %d, at most %d)%s --only=IMPL (a substring of impl names)\n",
+                  std::min(7, common.max_reps), common.max_reps, common.threads ? " --threads=1,2" : "");
       for (const auto& [k, help] : extra_opts) std::printf("  --%s=...  %s\n", k.c_str(), help.c_str());
       std::exit(0);
     } else {

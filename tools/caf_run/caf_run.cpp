@@ -13,8 +13,9 @@
 //    and the group continues; --fail-fast stops the group on any node's failure;
 //  - when the controller exits, the other nodes get --grace seconds to exit by themselves
 //    (it told them to stop), then SIGTERM, then after --grace more SIGKILL;
-//  - SIGINT/SIGTERM/SIGHUP to caf-run stop the whole group the same way (nodes run in their own
-//    process groups, so they would otherwise outlive it and keep training).
+//  - SIGINT/SIGTERM/SIGHUP to caf-run, or a node failing as above, stop the whole group: SIGTERM
+//    at once, SIGKILL --grace seconds later (nodes run in their own process groups, so they would
+//    otherwise outlive it and keep training).
 // --scheduler.max-threads=slots where a host's slots exceed fp8rl's default 8 CAF workers (fp8rl
 // itself raises its default to a worker per learner and rollout plus two; a value passed here
 // below that need is refused, so none is passed for slots <= 8).
@@ -125,8 +126,9 @@ const char* const kUsage =
     "  --hostfile FILE     lines \"<host> [slots=N]\"; a node runs on the host equal to its \"host\"\n"
     "  --topology FILE     the topology (configs/topologies/)\n"
     "  --wdir DIR          working directory of every process (default: the current one)\n"
-    "  --grace SECONDS     after the controller exits, or on a stop: wait, then SIGTERM, then\n"
-    "                      SIGKILL, SECONDS apart (default 5)\n"
+    "  --grace SECONDS     after the controller exits: wait SECONDS, SIGTERM, SECONDS, SIGKILL;\n"
+    "                      on a stop (a signal, a node failing): SIGTERM at once, SIGKILL\n"
+    "                      SECONDS later (default 5)\n"
     "  --fail-fast         any node's failure stops the group (default: only before the run is up,\n"
     "                      or the controller's; afterwards the controller decides)\n"
     "Exit code: the controller's (or the first failing node's), 128+signal when caf-run was\n"

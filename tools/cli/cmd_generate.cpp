@@ -47,24 +47,6 @@ const char* const kUsage =
     "  --threads N              oneTBB threads (default 0: all cores)\n"
     "  --log-level L            trace | debug | info (default) | warn | error | off\n";
 
-// FP8 KV cache: Q/K/V scales (per layer and head, amax * 1.05 / 448: calibrate_attention's
-// largest sample) from the prompts' training forward, in passes of at most kCalibTokens tokens (or
-// one prompt): amax is a max over tokens and a token's activations do not depend on its batch, so
-// the chunks give the scales one pass over every prompt would, with bounded activations and logits.
-constexpr size_t kCalibTokens = 2048;
-models::attn_fp8_scales calibrate_kv(models::backend& be, const models::model_params& params,
-                                     const models::precision_policy& policy, const std::vector<jsonl_item>& items) {
-  std::vector<models::token_batch> passes;
-  size_t n = 0;
-  for (const auto& it : items) {
-    if (passes.empty() || n + it.tokens.size() > kCalibTokens) passes.emplace_back(), n = 0;
-    passes.back().add(it.tokens);
-    n += it.tokens.size();
-  }
-  auto w = models::model_weights_build(be, params.cfg, policy.training(), {&params, nullptr, nullptr}, false);
-  models::model_runner run(be);
-  return models::calibrate_attention(run, *w, passes, 1.0, 1.05f);
-}
 }  // namespace
 
 int cmd_generate(int argc, char** argv) {
@@ -133,7 +115,10 @@ int cmd_generate(int argc, char** argv) {
       }
     }
     const bool fp8_kv = ec.policy.kv == models::kv_dtype::fp8;
-    const models::attn_fp8_scales sc = fp8_kv ? calibrate_kv(*be, params, ec.policy, items) : models::attn_fp8_scales{};
+    std::vector<std::vector<int32_t>> prompts;
+    if (fp8_kv)
+      for (const auto& it : items) prompts.push_back(it.tokens);
+    const models::attn_fp8_scales sc = fp8_kv ? calibrate_kv(*be, params, ec.policy, prompts) : models::attn_fp8_scales{};
     // tokens carry the checkpoint's weight version (0 for an SFT or HF model); the K/V scales
     // are computed here from those weights, so they are of the same version
     const uint64_t version = models::checkpoint_weight_version(a.get("model"));

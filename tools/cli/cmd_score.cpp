@@ -17,7 +17,7 @@ const char* const kUsage =
     "entries: log p(token i | tokens < i) for i = 1..n-1, under the chosen precision policy.\n"
     "  --model DIR              checkpoint or Hugging Face model directory\n"
     "  --input FILE.jsonl       sequences\n"
-    "  --policy P               fp32 (default) | bf16 | fp8 | fp8-kv, each also as P-tiles (AMX)\n"
+    "  --policy P               fp32 (default) | bf16 | fp8, each also as P-tiles (AMX)\n"
     "  --bf16-layers F,L        keep the first F and last L layers BF16 (fp8 policies)\n"
     "  --scale-mode M           pow2 (default) | fp32\n"
     "  --max-batch-tokens N     tokens per forward batch (default 4096)\n"
@@ -30,7 +30,7 @@ int cmd_score(int argc, char** argv) {
                                             "max-batch-tokens", "log-level"}, {}, kUsage);
   log_level_from_args(a);
   const auto params = models::model_load(a.need("model"));
-  const auto policy = policy_from_args(a).training();
+  const auto policy = training_policy_from_args(a).training();
   const auto items = read_token_jsonl(a.need("input"), params.cfg.vocab_size, tokenizer_of(a.need("model")).get());
   const int64_t max_tokens = a.get_int("max-batch-tokens", 4096, 1, INT32_MAX);
   for (const auto& it : items)

@@ -28,7 +28,7 @@ const char* const kSftUsage =
     "  --steps N                optimizer steps (default 450)\n"
     "  --batch N                sequences per step (default 64)\n"
     "  --lr X                   AdamW learning rate (default 2e-3)\n"
-    "  --policy P               training precision: fp8 (default) | fp32 | bf16 | fp8-kv, each also as P-tiles\n"
+    "  --policy P               training precision: fp8 (default) | fp32 | bf16, each also as P-tiles\n"
     "  --bf16-layers F,L        keep the first F and last L layers BF16 (fp8 policies)\n"
     "  --scale-mode M           pow2 (default) | fp32\n"
     "  --seed S                 initialization and data order (default 1)\n"
@@ -103,7 +103,7 @@ int cmd_sft(int argc, char** argv) {
   sc.batch = a.get_int("batch", 64, 1, 1 << 20);
   sc.opt.lr = static_cast<float>(a.get_num("lr", 2e-3, 1e-12, 10.0));
   sc.seed = seed;
-  sc.policy = policy_from_args(a, "fp8");
+  sc.policy = training_policy_from_args(a, "fp8");
   with_threads(a, [&] {
     models::sft_train(ck.params, ck.opt, data, *tok, sc, [&](int64_t step, double loss) {
       if (step % 50 == 0 || step + 1 == sc.steps) std::fprintf(stderr, "sft step %ld/%ld loss %.4f\n", long(step + 1), long(sc.steps), loss);
@@ -150,7 +150,13 @@ int cmd_eval(int argc, char** argv) {
     ec.max_context = params.cfg.max_position_embeddings;
     ec.policy = policy_from_args(a, "fp8");
     models::generation_engine eng(*be, params.cfg, ec);
-    const std::string err = eng.adopt_params(params, 0, 0);
+    // FP8 KV: Q/K/V scales from the validation prompts themselves (as generate calibrates on its own)
+    const bool fp8_kv = ec.policy.kv == models::kv_dtype::fp8;
+    std::vector<std::vector<int32_t>> prompts;
+    if (fp8_kv)
+      for (auto& q : models::rollout_requests(val.items, 0, *tok, 1, {}, max_tokens, seed)) prompts.push_back(std::move(q.prompt));
+    const models::attn_fp8_scales sc = fp8_kv ? calibrate_kv(*be, params, ec.policy, prompts) : models::attn_fp8_scales{};
+    const std::string err = eng.adopt_params(params, 0, 0, fp8_kv ? &sc : nullptr);
     if (!err.empty()) throw std::runtime_error(err);
     r = models::evaluate(eng, val, *tok, *vk, max_tokens, seed);
   });

@@ -8,6 +8,7 @@
 #include <fstream>
 
 #include "models/log.hpp"
+#include "models/rl/loop.hpp"
 #include <nlohmann/json.hpp>
 
 namespace fp8rl::cli {
@@ -131,10 +132,35 @@ models::precision_policy policy_from_args(const args& a, const std::string& def)
   return p;
 }
 
+models::precision_policy training_policy_from_args(const args& a, const std::string& def) {
+  const models::precision_policy p = policy_from_args(a, def);
+  if (p.fp8_attention || p.kv == models::kv_dtype::fp8)  // .training() dropped them: fp8-kv ran as fp8
+    throw std::invalid_argument("option --policy " + p.name +
+                                ": FP8 attention and the FP8 KV cache are generation-only; the training forward takes "
+                                "the linear layers' policy (fp8, fp8-tiles)");
+  return p;
+}
+
 void with_threads(const args& a, const std::function<void()>& fn) {
   const long long n = a.get_int("threads", 0, 0, 4096);  // 0: all cores
   tbb::task_arena arena(n > 0 ? static_cast<int>(n) : tbb::task_arena::automatic);
   arena.execute(fn);
+}
+
+constexpr size_t kCalibTokens = 2048;  // tokens per calibration pass (bounded activations and logits)
+
+models::attn_fp8_scales calibrate_kv(models::backend& be, const models::model_params& params,
+                                     const models::precision_policy& policy, const std::vector<std::vector<int32_t>>& prompts) {
+  std::vector<models::token_batch> passes;
+  size_t n = 0;
+  for (const auto& p : prompts) {
+    if (passes.empty() || n + p.size() > kCalibTokens) passes.emplace_back(), n = 0;
+    passes.back().add(p);
+    n += p.size();
+  }
+  auto w = models::model_weights_build(be, params.cfg, policy.training(), {&params, nullptr, nullptr}, false);
+  models::model_runner run(be);
+  return models::calibrate_attention(run, *w, passes, 1.0, 1.05f);
 }
 
 }  // namespace fp8rl::cli

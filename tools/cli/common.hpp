@@ -1,5 +1,5 @@
 // tools/cli/common.hpp -- helpers shared by the non-actor subcommands: JSONL token input with
-// line-numbered errors, precision-policy flags, thread arena.
+// line-numbered errors, precision-policy flags, FP8 KV calibration, thread arena.
 #pragma once
 #include <functional>
 #include <memory>
@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "models/precision.hpp"
+#include "models/transformer.hpp"
 #include "models/tokenizer.hpp"
 #include "tools/cli/args.hpp"
 
@@ -32,6 +33,16 @@ void log_level_from_args(const args& a);
 
 // --policy NAME [--bf16-layers FIRST,LAST] [--scale-mode pow2|fp32]
 models::precision_policy policy_from_args(const args& a, const std::string& def = "fp32");
+// The same for a training forward (sft, score): a generation-only policy (FP8 attention, FP8 KV
+// cache: fp8-kv) is refused naming the option.
+models::precision_policy training_policy_from_args(const args& a, const std::string& def = "fp32");
+
+// FP8 KV cache (policy kv fp8): Q/K/V scales per layer and head (amax * 1.05 / 448,
+// calibrate_attention's largest sample) from the training forward over these prompts, in passes of
+// at most 2048 tokens (or one prompt): amax is a max over tokens and a token's activations do not
+// depend on its batch, so the passes give the scales one pass over every prompt would.
+models::attn_fp8_scales calibrate_kv(models::backend& be, const models::model_params& params,
+                                     const models::precision_policy& policy, const std::vector<std::vector<int32_t>>& prompts);
 
 // Runs fn in a oneTBB arena of --threads N (default: all cores).
 void with_threads(const args& a, const std::function<void()>& fn);
