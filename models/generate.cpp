@@ -179,7 +179,8 @@ void engine_forward(backend& be_, const model_weights& w, kv_cache& cache, const
   const kv_step st{T, slot_of.data(), pos.data()};
   const bool fp8q = w.policy.fp8_attention, fp8kv = w.policy.kv == kv_dtype::fp8;
   if ((fp8q || fp8kv) && (a.q.size() != static_cast<size_t>(c.num_hidden_layers * H) ||
-                          a.k.size() != static_cast<size_t>(c.num_hidden_layers * KV)))
+                          a.k.size() != static_cast<size_t>(c.num_hidden_layers * KV) ||
+                          a.v.size() != static_cast<size_t>(c.num_hidden_layers * KV)))
     throw std::invalid_argument("engine forward: FP8 attention/KV scales missing");
   const float eps = static_cast<float>(c.rms_norm_eps);
   if (profile && !be_.host_memory())

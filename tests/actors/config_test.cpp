@@ -136,6 +136,8 @@ TEST(Recipe, ShippedRecipesAndTopologiesValidate) {
   for (const auto& e : fs::directory_iterator("configs/recipes")) {
     run_config r;
     EXPECT_NO_THROW(recipe_load_file(r, e.path().string())) << e.path();
+    // the 8-GPU recipe names a checkpoint under /models that no test machine has (validation
+    // opens it); its refusal before a run starts is E2E's and the README's
     if (e.path().filename() != "llama-3.1-8b-instruct.conf") { EXPECT_NO_THROW(recipe_validate(r)) << e.path(); }
   }
   run_config d;

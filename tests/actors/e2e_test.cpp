@@ -10,7 +10,9 @@
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
+#include <stdexcept>
 #include <thread>
+#include <vector>
 
 #include <arpa/inet.h>
 #include <netinet/in.h>
@@ -32,11 +34,41 @@ using json = nlohmann::json;
 namespace {
 const std::string kBin = FP8RL_BIN_DIR;
 
+// Every test's directory (and a sibling d-init) is removed after the test, also when an
+// assertion ended it early (each test case runs as its own process: the environment's TearDown).
+std::vector<fs::path>& dirs_made() {
+  static std::vector<fs::path> d;
+  return d;
+}
+struct remove_dirs_after : ::testing::Environment {
+  void TearDown() override {
+    for (const auto& d : dirs_made()) fs::remove_all(d), fs::remove_all(d.string() + "-init");
+  }
+};
+[[maybe_unused]] auto* const kRemoveDirs = ::testing::AddGlobalTestEnvironment(new remove_dirs_after);
+
 fs::path fresh_dir(const std::string& name) {
   const fs::path d = fs::temp_directory_path() / ("fp8rl_e2e_" + name + "_" + std::to_string(::getpid()));
   fs::remove_all(d);
   fs::create_directories(d);
+  dirs_made().push_back(d);
   return d;
+}
+
+// A loopback port free at the time of the call (the kernel's pick for port 0): fixed ports derived
+// from the pid collided between test processes running at once and with other listeners.
+int free_port() {
+  const int s = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_port = 0;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t len = sizeof a;
+  const bool ok = s >= 0 && ::bind(s, reinterpret_cast<sockaddr*>(&a), sizeof a) == 0 &&
+                  ::getsockname(s, reinterpret_cast<sockaddr*>(&a), &len) == 0;
+  if (s >= 0) ::close(s);
+  if (!ok) throw std::runtime_error("free_port: no loopback port");
+  return ntohs(a.sin_port);
 }
 
 int run(const std::string& cmd) {
@@ -50,6 +82,17 @@ std::vector<json> metrics(const fs::path& run_dir) {
   std::string line;
   while (std::getline(f, line)) out.push_back(json::parse(line));
   return out;
+}
+
+// Rows of a run still writing its metrics (a poll from a helper thread): a line being written is
+// not a row yet, and nothing throws there (an exception in a std::thread ends the test process
+// and leaves its nodes running).
+size_t metrics_rows_so_far(const fs::path& run_dir) {
+  std::ifstream f(run_dir / "metrics.jsonl");
+  std::string line;
+  size_t n = 0;
+  while (std::getline(f, line)) n += !json::parse(line, nullptr, false).is_discarded();
+  return n;
 }
 
 std::string two_process_topology(const fs::path& dir, int port) {
@@ -317,7 +360,7 @@ TEST(E2E, TilesRecipeRunsWithAmxAndIsRefusedWithout) {
     for (const auto& step : m) EXPECT_EQ(step["token_mult_prob_error"].get<double>(), 1.0);
   } else {
     EXPECT_NE(rc, 0);
-    EXPECT_NE(text.find("tiles"), std::string::npos) << text;
+    EXPECT_NE(text.find("has no AMX-BF16"), std::string::npos) << text;
   }
   fs::remove_all(d);
 }
@@ -326,7 +369,7 @@ TEST(E2E, TilesRecipeRunsWithAmxAndIsRefusedWithout) {
 // saturated K/V elements reaches the metrics from both processes' rollouts.
 TEST(E2E, TwoProcessesOnLoopbackViaCafRun) {
   const fs::path d = fresh_dir("two");
-  const std::string topo = two_process_topology(d, 21000 + ::getpid() % 9000);
+  const std::string topo = two_process_topology(d, free_port());
   ASSERT_EQ(run(kBin + "/caf-run --hostfile " + (d / "hosts").string() + " --topology " + topo + " -- " + kBin +
                 "/fp8rl train --run-dir " + (d / "run").string() + kSmall + " --precision.generation=fp8-kv"),
             0);
@@ -362,20 +405,26 @@ TEST(E2E, TwoProcessesOnLoopbackViaCafRun) {
 
 TEST(E2E, KillingTheRemoteRolloutMidRunIsSurvived) {
   const fs::path d = fresh_dir("kill");
-  const std::string topo = two_process_topology(d, 21000 + (::getpid() + 4500) % 9000);
-  const int steps = 30;
+  const std::string topo = two_process_topology(d, free_port());
+  const int steps = 60;  // the kill lands after step 3, with room to spare on a busy machine
+  int pkill_rc = -1;
+  size_t killed_after = 0;
   std::thread killer([&] {  // once a few steps are done, kill -9 the rollout process
-    for (int i = 0; i < 600; ++i) {
+    for (int i = 0; i < 600 && killed_after < 3; ++i) {
       std::this_thread::sleep_for(std::chrono::milliseconds(100));
-      if (fs::exists(d / "run" / "metrics.jsonl") && metrics(d / "run").size() >= 3) break;
+      killed_after = metrics_rows_so_far(d / "run");
     }
-    std::system(("pkill -9 -f -- '" + topo + " --node rollout1'").c_str());
+    // "[r]ollout1": the pattern must not match the shell running pkill (that was killed too)
+    const int st = std::system(("pkill -9 -f -- '" + topo + " --node [r]ollout1'").c_str());
+    pkill_rc = WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
   });
   const int rc = run(kBin + "/caf-run --hostfile " + (d / "hosts").string() + " --topology " + topo + " -- " + kBin +
                      "/fp8rl train --run-dir " + (d / "run").string() + " --run.steps=" + std::to_string(steps) +
                      " --run.eval_every=0 --run.checkpoint_every=0 --model.sft_steps=60 --rollout.prompts_per_step=8");
   killer.join();
   EXPECT_EQ(rc, 0);
+  ASSERT_EQ(pkill_rc, 0) << "no rollout1 process was killed";
+  ASSERT_LT(killed_after, static_cast<size_t>(steps)) << "the run ended before the kill";
   const auto m = metrics(d / "run");
   ASSERT_EQ(m.size(), static_cast<size_t>(steps));
   EXPECT_EQ(m.back()["rollouts_lost_total"], 1.0);
@@ -408,7 +457,7 @@ TEST(E2E, FailedRolloutIsRestartedAndItsWorkRequeued) {
 // is up stops the group at once (the controller retried its connection for 60 s).
 TEST(E2E, CafRunStopsItsGroup) {
   const fs::path d = fresh_dir("cafrun");
-  const int port = 21000 + (::getpid() + 6500) % 9000;
+  const int port = free_port();
   const std::string topo = two_process_topology(d, port);
   const std::string cafrun = kBin + "/caf-run --grace 2 --hostfile " + (d / "hosts").string() + " --topology " + topo +
                              " -- " + kBin + "/fp8rl train --run-dir " + (d / "run").string() +
@@ -417,9 +466,9 @@ TEST(E2E, CafRunStopsItsGroup) {
   pid_t pid = 0;
   std::ifstream(d / "pid") >> pid;
   ASSERT_GT(pid, 0);
-  for (int i = 0; i < 600 && !(fs::exists(d / "run" / "metrics.jsonl") && metrics(d / "run").size() >= 2); ++i)
+  for (int i = 0; i < 600 && metrics_rows_so_far(d / "run") < 2; ++i)
     std::this_thread::sleep_for(std::chrono::milliseconds(100));
-  const bool started = fs::exists(d / "run" / "metrics.jsonl") && metrics(d / "run").size() >= 2;
+  const bool started = metrics_rows_so_far(d / "run") >= 2;
   ::kill(pid, SIGTERM);  // also when the run did not start: nothing of this test may outlive it
   ASSERT_TRUE(started) << "the run did not start";
   for (int i = 0; i < 300 && ::kill(pid, 0) == 0; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(100));
@@ -427,10 +476,12 @@ TEST(E2E, CafRunStopsItsGroup) {
   std::ifstream log(d / "log");
   const std::string text((std::istreambuf_iterator<char>(log)), {});
   EXPECT_NE(text.find("caf-run: stopped by a signal; every node was stopped"), std::string::npos) << text;
-  for (size_t at = text.find("(pid "); at != std::string::npos; at = text.find("(pid ", at + 1)) {
+  int nodes_seen = 0;
+  for (size_t at = text.find("(pid "); at != std::string::npos; at = text.find("(pid ", at + 1), ++nodes_seen) {
     const pid_t node = static_cast<pid_t>(std::stol(text.substr(at + 5)));
     EXPECT_FALSE(fs::exists("/proc/" + std::to_string(node))) << "node pid " << node << " outlived caf-run";
   }
+  EXPECT_EQ(nodes_seen, 2) << text;  // caf-run's start lines name each node's pid
   // the rollout node cannot open its port: the group stops, naming it
   int busy = ::socket(AF_INET, SOCK_STREAM, 0), one = 1;
   ::setsockopt(busy, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);  // past the first run's TIME_WAIT
@@ -478,13 +529,13 @@ TEST(E2E, CafRunStopsItsGroup) {
 // silence).
 TEST(E2E, NodeSaysWhenItsControllerDisappears) {
   const fs::path d = fresh_dir("lostctl");
-  const std::string topo = two_process_topology(d, 21000 + (::getpid() + 7500) % 9000);
+  const std::string topo = two_process_topology(d, free_port());
   const std::string node = kBin + "/fp8rl train --topology " + topo + " --node rollout1";
   std::thread main_node([&] {  // the controller, killed -9 once the run is under way
     std::system((kBin + "/fp8rl train --topology " + topo + " --node main --run-dir " + (d / "run").string() +
                  " --run.steps=100000 --run.eval_every=0 --run.checkpoint_every=0 --model.sft_steps=20 > /dev/null 2>&1 &")
                     .c_str());
-    for (int i = 0; i < 600 && !(fs::exists(d / "run" / "metrics.jsonl") && metrics(d / "run").size() >= 2); ++i)
+    for (int i = 0; i < 600 && metrics_rows_so_far(d / "run") < 2; ++i)
       std::this_thread::sleep_for(std::chrono::milliseconds(100));
     std::system(("pkill -9 -f -- '" + topo + " --node main'").c_str());
   });
@@ -500,7 +551,7 @@ TEST(E2E, NodeSaysWhenItsControllerDisappears) {
 // startup (the node used to start whatever actors the controller asked for).
 TEST(E2E, NodeRefusesAControllerAskingForAnotherNode) {
   const fs::path d = fresh_dir("wrongnode");
-  const int port = 21000 + (::getpid() + 3000) % 9000;
+  const int port = free_port();
   const std::string topo = two_process_topology(d, port);
   const fs::path other = d / "other.conf";  // the same port, the node called rolloutX
   std::ofstream(other) << "[cluster]\nnodes=[{name=\"main\", host=\"127.0.0.1\", port=0, roles=[\"controller\", \"buffer\", "

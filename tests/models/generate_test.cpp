@@ -437,8 +437,9 @@ TEST(Generate, Fp8KvCacheMismatchIsMeasured) {
 }
 
 // fp8-numerics §0.2: NaN/Inf reaching the FP8 K/V cache is an error naming layer, head and
-// position (the encoder stored NaN as code 0x7F and Inf as 448 * scale, counted as saturation).
-TEST(Generate, NonFiniteKvIsRefusedByTheFp8Cache) {
+// position (the encoder stored NaN as code 0x7F and Inf as 448 * scale, counted as saturation);
+// FP8 queries the same, naming the head.
+TEST(Generate, NonFiniteKvAndFp8QueriesAreRefused) {
   auto be = make_cpu_backend();
   const int64_t KV = 2, D = 64;
   auto cache = be->kv_cache_create(1, 2, KV, D, 8, kv_dtype::fp8);
@@ -456,6 +457,23 @@ TEST(Generate, NonFiniteKvIsRefusedByTheFp8Cache) {
   }
   std::vector<float> k(static_cast<size_t>(KV * D), 0.5f);
   EXPECT_EQ(be->kv_cache_write(*cache, 1, {1, &slot, &pos}, k.data(), k.data(), scale.data(), scale.data()), 0);
+  // FP8 queries likewise (fp8-numerics.md §0.2: never encoded): +Inf was saturated to 448 * scale
+  const int64_t H = 4;
+  const std::vector<float> q_scale(static_cast<size_t>(H), 0.05f);
+  std::vector<float> out(static_cast<size_t>(H * D));
+  for (const float bad : {std::nanf(""), INFINITY}) {
+    std::vector<float> q(static_cast<size_t>(H * D), 0.25f);
+    q[static_cast<size_t>(2 * D + 7)] = bad;  // head 2, Q[7]
+    try {
+      be->attention_cached(*cache, 1, {1, &slot, &pos}, q.data(), H, precision::fp8, q_scale.data(), out.data());
+      ADD_FAILURE() << "accepted " << bad;
+    } catch (const std::invalid_argument& e) {
+      EXPECT_NE(std::string(e.what()).find("layer 1, position 3, head 2: Q[7]"), std::string::npos) << e.what();
+    }
+  }
+  const std::vector<float> q(static_cast<size_t>(H * D), 0.25f);
+  be->attention_cached(*cache, 1, {1, &slot, &pos}, q.data(), H, precision::fp8, q_scale.data(), out.data());
+  for (float o : out) EXPECT_TRUE(std::isfinite(o));
 }
 
 // The decode kernel reads each KV head's keys and values once for its G query rows, widening the

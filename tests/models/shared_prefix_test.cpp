@@ -300,30 +300,31 @@ TEST(SharedPrefix, LearnerBatchLogprobsEqualFullSequences) {
 
 // The learner's step with and without shared prompts: logprobs (hence loss, dL/dc and every
 // metric) bit for bit under each policy; FP32 gradients equal up to summation order.
-TEST(SharedPrefix, LearnerStepKeepsLogprobsAndLoss) {
+class LearnerStepSharing : public ::testing::TestWithParam<const char*> {};
+TEST_P(LearnerStepSharing, KeepsLogprobsAndLoss) {
+  if (std::string(GetParam()).find("tiles") != std::string::npos && !fp8rl::quant::gemm_tiles_available())
+    GTEST_SKIP() << "no AMX-BF16 here";
   learner_fixture F;
   auto& [c, p, be, run, samples] = F;
   grpo_config on, off;
   off.share_prompts = false;
-  std::vector<const char*> policies = {"fp32", "bf16", "fp8"};
-  if (fp8rl::quant::gemm_tiles_available()) policies.push_back("fp8-tiles");
-  else std::printf("fp8-tiles not run: this CPU has no AMX tiles\n");  // said, not silently dropped
-  for (const char* pol : policies) {
-    auto w = model_weights_build(*be, c, precision_policy::named(pol), {&p, nullptr, nullptr}, true);
-    const learner_out a = learner_grpo(run, *w, samples, on, 40.0, 5);
-    const learner_out b = learner_grpo(run, *w, samples, off, 40.0, 5);
-    EXPECT_EQ(a.loss.loss, b.loss.loss) << pol;
-    EXPECT_EQ(a.loss.dc, b.loss.dc) << pol;
-    EXPECT_EQ(a.loss.metrics, b.loss.metrics) << pol;
-    EXPECT_EQ(a.tokens.c, b.tokens.c) << pol;  // the learner logprobs themselves
-    EXPECT_FALSE(a.tokens.c.empty()) << pol;
-    const double e = fp8rl::tol::rel_norm_err(to_double(a.grads), to_double(b.grads));
-    std::printf("%s: shared vs unshared learner gradient rel err %.3g\n", pol, e);
-    if (std::string(pol) == "fp32") {
-      EXPECT_LE(e, fp8rl::tol::kFp32SumOrder);
-    }
+  const char* pol = GetParam();
+  auto w = model_weights_build(*be, c, precision_policy::named(pol), {&p, nullptr, nullptr}, true);
+  const learner_out a = learner_grpo(run, *w, samples, on, 40.0, 5);
+  const learner_out b = learner_grpo(run, *w, samples, off, 40.0, 5);
+  EXPECT_EQ(a.loss.loss, b.loss.loss) << pol;
+  EXPECT_EQ(a.loss.dc, b.loss.dc) << pol;
+  EXPECT_EQ(a.loss.metrics, b.loss.metrics) << pol;
+  EXPECT_EQ(a.tokens.c, b.tokens.c) << pol;  // the learner logprobs themselves
+  EXPECT_FALSE(a.tokens.c.empty()) << pol;
+  const double e = fp8rl::tol::rel_norm_err(to_double(a.grads), to_double(b.grads));
+  std::printf("%s: shared vs unshared learner gradient rel err %.3g\n", pol, e);
+  if (std::string(pol) == "fp32") {
+    EXPECT_LE(e, fp8rl::tol::kFp32SumOrder);
   }
 }
+INSTANTIATE_TEST_SUITE_P(Policies, LearnerStepSharing, ::testing::Values("fp32", "bf16", "fp8", "fp8-tiles"),
+                         [](const auto& info) { return std::string(info.param) == "fp8-tiles" ? std::string("fp8_tiles") : std::string(info.param); });
 
 // The model's gradient for one dlogp on the shared layout meets the bound its unshared layout
 // meets against FP32 (the Precision.ModelLogitsAndGradientsNearFp32 bounds): the FP8 wgrad then

@@ -206,9 +206,18 @@ TEST_F(Cli, Fp8KvGenerateChecksEveryPromptFirstAndCalibratesInPasses) {
     for (int i = 1; i < 60; ++i) many += ", " + std::to_string((p * 7 + i) % 40);
     many += "]}\n";
   }
-  const result r = run("generate --kv fp8 --max-tokens 2 --log-level warn --prompts " + write("many.jsonl", many).string() + m());
-  ASSERT_EQ(r.rc, 0) << r.out;
-  EXPECT_EQ(json_lines(r.out).size(), 40u);
+  const fs::path out = dir / "out.jsonl", log = dir / "calibration.log";  // apart: the log interleaved with the lines
+  const int rc = std::system((kBin + "/fp8rl generate --kv fp8 --max-tokens 2 --log-level info --prompts " +
+                              write("many.jsonl", many).string() + m() + " > " + out.string() + " 2> " + log.string()).c_str());
+  auto text_of = [](const fs::path& f) {
+    std::ifstream in(f);
+    return std::string((std::istreambuf_iterator<char>(in)), {});
+  };
+  const std::string text = text_of(log);
+  ASSERT_EQ(rc, 0) << text;
+  EXPECT_EQ(json_lines(text_of(out)).size(), 40u);
+  // 34 prompts fill the first pass (2040 tokens), 6 the second
+  EXPECT_NE(text.find("from 40 prompt(s) in 2 pass(es) of at most 2048 tokens"), std::string::npos) << text;
 }
 
 // fp8-kv (FP8 attention and KV cache) is a generation policy: eval calibrates its Q/K/V scales on

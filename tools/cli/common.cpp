@@ -160,6 +160,8 @@ models::attn_fp8_scales calibrate_kv(models::backend& be, const models::model_pa
   }
   auto w = models::model_weights_build(be, params.cfg, policy.training(), {&params, nullptr, nullptr}, false);
   models::model_runner run(be);
+  log_get("calibrate")->info("FP8 K/V scales from {} prompt(s) in {} pass(es) of at most {} tokens", prompts.size(),
+                             passes.size(), kCalibTokens);
   return models::calibrate_attention(run, *w, passes, 1.0, 1.05f);
 }
 
