@@ -164,10 +164,10 @@ std::vector<placement> topology_plan(const topology& t) {
   return plan;
 }
 
-size_t node_scheduler_threads(const node_spec& n, size_t have, bool given) {
+size_t node_scheduler_threads(const node_spec& n, size_t have, workers_from origin) {
   const size_t need = n.learners.size() + n.rollouts.size() + 2;
   if (have >= need) return have;
-  if (given)
+  if (origin == workers_from::user)
     throw std::invalid_argument("--scheduler.max-threads=" + std::to_string(have) + ": node '" + n.name + "' runs " +
                                 std::to_string(n.learners.size()) + " learner(s) and " + std::to_string(n.rollouts.size()) +
                                 " rollout(s), each blocking a worker while it computes; give at least " + std::to_string(need));

@@ -53,9 +53,10 @@ std::vector<placement> topology_plan(const topology& t);
 
 // CAF scheduler workers node n needs: one per learner and rollout (each blocks its worker while it
 // computes, a learner also in the all-reduce until every rank joins) plus two for the others. Given
-// have workers: have where it fits; else the need, unless the user chose have (given), which is
-// refused naming --scheduler.max-threads (two learners on one worker froze until Gloo's timeout).
-size_t node_scheduler_threads(const node_spec& n, size_t have, bool given);
+// have workers: have where it fits; else the need, unless the user chose have, which is refused
+// naming --scheduler.max-threads (two learners on one worker froze until Gloo's timeout).
+enum class workers_from { default_value, user };
+size_t node_scheduler_threads(const node_spec& n, size_t have, workers_from origin);
 
 // The name of the run's k-th rollout actor (numbered across nodes in topology order).
 inline std::string rollout_name(int64_t k) { return "rollout" + std::to_string(k); }

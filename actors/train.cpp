@@ -472,7 +472,7 @@ int train_main(int argc, char** argv) {
     return a.rfind("--scheduler.max-threads", 0) == 0;
   });
   ccfg.set("scheduler.max-threads", node_scheduler_threads(*topo.find(node), caf::get_or(ccfg, "scheduler.max-threads", size_t{8}),
-                                                           workers_given));
+                                                           workers_given ? workers_from::user : workers_from::default_value));
   ccfg.load<caf::io::middleman>();
   if (!topo.find(node)->has("controller")) return run_remote_node(ccfg, topo, node);
 

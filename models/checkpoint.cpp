@@ -19,9 +19,9 @@ namespace fs = std::filesystem;
 
 // Deleting dir and then renaming lost both checkpoints to a crash in between (dir gone, nothing
 // ever recovered dir.tmp): the exchange, or two renames with dir.old between them.
-void checkpoint_dir_replace(const std::string& tmp, const std::string& dir, bool exchange) {
+void checkpoint_dir_replace(const std::string& tmp, const std::string& dir, dir_swap how) {
   if (!fs::exists(dir)) return fs::rename(tmp, dir);
-  if (exchange) {
+  if (how == dir_swap::exchange) {
     if (::renameat2(AT_FDCWD, tmp.c_str(), AT_FDCWD, dir.c_str(), RENAME_EXCHANGE) == 0) {
       fs::remove_all(tmp);  // the previous checkpoint, now at tmp
       return;

@@ -5,8 +5,8 @@
 // Layout of a checkpoint directory:
 //   config.json, model.safetensors   the model, loadable by any HF-compatible tool
 //   optimizer.safetensors            AdamW moments as "m.<name>", "v.<name>" (F32)
-//   state.json                       {"adam_step", "weight_version", ...the caller's run state:
-//                                    "prompt_cursor", "run" (fp8rl train), "phase", "task" (sft)}
+//   state.json                       {"adam_step"} and the caller's run state: "weight_version",
+//                                    "prompt_cursor", "run" (fp8rl train); "phase", "task" (sft)
 // Saving writes everything (also the caller's extra files: tokenizer, calibration batch) into
 // DIR.tmp, then exchanges it with DIR in one step (renameat2 RENAME_EXCHANGE), so DIR always
 // holds a whole checkpoint, the previous one until the exchange. Where the filesystem cannot
@@ -35,7 +35,8 @@ checkpoint checkpoint_load(const std::string& dir);
 // 0 where the directory has no state.json or it has no "weight_version" (an SFT or HF model).
 uint64_t checkpoint_weight_version(const std::string& dir);
 // The complete directory tmp takes dir's place: by RENAME_EXCHANGE, or -- where the filesystem
-// refuses it (EINVAL, ENOSYS) or exchange is false -- by two renames with dir.old between them.
-void checkpoint_dir_replace(const std::string& tmp, const std::string& dir, bool exchange = true);
+// refuses it (EINVAL, ENOSYS), or asked -- by two renames with dir.old between them.
+enum class dir_swap { exchange, renames };
+void checkpoint_dir_replace(const std::string& tmp, const std::string& dir, dir_swap how = dir_swap::exchange);
 
 }  // namespace fp8rl::models

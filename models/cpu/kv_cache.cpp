@@ -139,9 +139,9 @@ void cpu_attention_cached(const kv_cache& cache, int64_t layer, const kv_step& s
   if (q_scale)  // FP8 queries: the encoder would saturate Inf to 448 and store NaN as 0x7F
     for (int64_t j = 0; j < st.T * H * D; ++j)
       if (!std::isfinite(q[j]))
-        throw std::invalid_argument("attention: layer " + std::to_string(layer) + ", position " + std::to_string(st.pos[j / (H * D)]) +
-                                    ", head " + std::to_string(j / D % H) + ": Q[" + std::to_string(j % D) + "] is " +
-                                    std::to_string(q[j]) + " (not finite; FP8 attention)");
+        throw std::invalid_argument("attention: layer " + std::to_string(layer) + ", head " + std::to_string(j / D % H) +
+                                    ", position " + std::to_string(st.pos[j / (H * D)]) + ": Q[" + std::to_string(j % D) +
+                                    "] is " + std::to_string(q[j]) + " (not finite; FP8 attention)");
   std::vector<attn_rounding> rq(static_cast<size_t>(H));
   for (int64_t h = 0; h < H; ++h) rq[h] = {operand, q_scale ? q_scale[h] : 0.0f};
   tbb::parallel_for(int64_t{0}, st.T * KV, [&](int64_t i) {

@@ -72,8 +72,9 @@ is_result is_weights(const token_batch_rl& b, const grpo_config& cfg) {
   out.w.assign(static_cast<size_t>(n), 0.0f);
   out.mask = b.mask;
   out.filtered.assign(static_cast<size_t>(n), 0);
-  // a non-finite logprob leaves the step, counted: c = p = -inf where the learner's top-k/top-p
-  // no longer keeps a token sampled under older weights (its true weight pi_train/pi_inf is 0)
+  // a non-finite logprob leaves the actor term and the mismatch metrics, counted (it stays in N and
+  // keeps its KL term): c = p = -inf where the learner's top-k/top-p no longer keeps a token
+  // sampled under older weights (its true weight pi_train/pi_inf is 0)
   for (int64_t t = 0; t < n; ++t)
     if (out.mask[t] > 0 && !(std::isfinite(b.c[t]) && std::isfinite(b.p[t]) && std::isfinite(b.g[t]))) {
       ++out.nonfinite;

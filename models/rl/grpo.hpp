@@ -78,7 +78,8 @@ loss_result policy_loss(const token_batch_rl& b, const grpo_config& cfg, double 
 // The mismatch metrics of rl-algorithm.md §6 (token and sequence level), with `prefix` prepended
 // to each name. Uses g, p, c, w~ and the effective mask. Tokens left out for a non-finite logprob
 // or weight have no term: the token metrics divide by N less them (sampling_importance_ratio,
-// where their w~ = 0 is a term, by N).
+// where their w~ = 0 is a term, by N); where no token has a term they read 0 (rl-algorithm.md §6
+// divides by N: fp8rl's departure, so that a perfect match reads 1 with such tokens present).
 void mismatch_metrics(const token_batch_rl& b, const is_result& is, const grpo_config& cfg, double N,
                       const std::string& prefix, metric_map& out);
 

@@ -163,7 +163,9 @@ void version_metrics(const token_batch_rl& rl, const is_result& is, const grpo_c
     for (int64_t t : idx) n += rl.mask[t] > 0 && !is.filtered[t];
     const uint64_t delta = learner_version >= v ? learner_version - v : 0;
     out["by_version/" + std::to_string(v) + "/tokens"] = n;
-    if (n == 0) continue;  // every sequence of this version was filtered out
+    // every sequence of this version filtered out, or no token with a finite term: no value (a
+    // mean over no term read 0, better than a perfect 1)
+    if (n == 0 || std::none_of(sis.mask.begin(), sis.mask.end(), [](float x) { return x > 0; })) continue;
     metric_map m;
     mismatch_metrics(sub, sis, cfg, n, "", m);
     out["by_version/" + std::to_string(v) + "/token_mult_prob_error"] = m["token_mult_prob_error"];
@@ -224,7 +226,7 @@ learner_out learner_grpo(model_runner& run, const model_weights& w, const std::v
 }
 
 void audit_sums::add(double c, double q, double q8, double g) {
-  if (!(std::isfinite(c) && std::isfinite(q) && std::isfinite(g)) || std::isinf(q8)) {
+  if (!(std::isfinite(c) && std::isfinite(q) && std::isfinite(g))) {
     nonfinite += 1;
     return;
   }
@@ -233,7 +235,11 @@ void audit_sums::add(double c, double q, double q8, double g) {
   prec_kl += k3(q - g);
   prec_tmpe += std::exp(std::fabs(q - g));
   n += 1;
-  if (std::isnan(q8)) return;
+  if (std::isnan(q8)) return;  // not measured
+  if (std::isinf(q8)) {        // the FP8 re-score's top-k dropped it: no split terms, counted
+    nonfinite8 += 1;
+    return;
+  }
   wq_kl += k3(q - q8);
   kern_kl += k3(q8 - g);
   n8 += 1;
@@ -243,6 +249,7 @@ void audit_sums::write(metric_map& out) const {
   if (n + nonfinite == 0) return;
   out["audit/tokens"] = n;
   out["audit/nonfinite_tokens"] = nonfinite;
+  if (n8 + nonfinite8 > 0) out["audit/nonfinite_fp8_tokens"] = nonfinite8;
   if (n == 0) return;
   out["audit/staleness_kl"] = stale_kl / n;
   out["audit/precision_kl"] = prec_kl / n;

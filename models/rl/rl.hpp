@@ -90,9 +90,10 @@ learner_out learner_grpo(model_runner& run, const model_weights& w, const std::v
 // side): staleness d = c - q, precision d = q - g, weight quantization d = q - q8, kernels / FP8
 // attention / KV cache d = q8 - g -- so precision_kl at staleness 0 reads on gen_kl_error's scale
 // (§7: at or below BF16-vs-BF16 levels). A token with a non-finite logprob (top-k/top-p dropped it
-// on one side) has no term: counted apart (audit/nonfinite_tokens), as in the step's metrics.
+// on one side) has no term: counted apart (audit/nonfinite_tokens), as in the step's metrics; one
+// only the FP8 re-score dropped keeps its staleness and precision terms (audit/nonfinite_fp8_tokens).
 struct audit_sums {
-  double stale_kl = 0, prec_kl = 0, prec_tmpe = 0, wq_kl = 0, kern_kl = 0, n = 0, n8 = 0, nonfinite = 0;
+  double stale_kl = 0, prec_kl = 0, prec_tmpe = 0, wq_kl = 0, kern_kl = 0, n = 0, n8 = 0, nonfinite = 0, nonfinite8 = 0;
   void add(double c, double q, double q8, double g);
   void write(metric_map& out) const;  // audit/* (nothing where no token was audited)
 };

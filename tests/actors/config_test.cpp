@@ -209,17 +209,17 @@ TEST(Topology, SchedulerWorkersFitTheNodesComputingActors) {
   n.name = "big";
   n.learners.assign(3, device_spec{});
   n.rollouts.assign(5, device_spec{});
-  EXPECT_EQ(node_scheduler_threads(n, 8, false), 10u);
-  EXPECT_EQ(node_scheduler_threads(n, 12, true), 12u);
-  EXPECT_EQ(node_scheduler_threads(n, 10, true), 10u);
+  EXPECT_EQ(node_scheduler_threads(n, 8, workers_from::default_value), 10u);
+  EXPECT_EQ(node_scheduler_threads(n, 12, workers_from::user), 12u);
+  EXPECT_EQ(node_scheduler_threads(n, 10, workers_from::user), 10u);
   try {
-    node_scheduler_threads(n, 9, true);
+    node_scheduler_threads(n, 9, workers_from::user);
     ADD_FAILURE() << "9 workers for 8 computing actors accepted";
   } catch (const std::invalid_argument& e) {
     EXPECT_STREQ(e.what(), "--scheduler.max-threads=9: node 'big' runs 3 learner(s) and 5 rollout(s), each blocking a "
                            "worker while it computes; give at least 10");
   }
-  EXPECT_EQ(node_scheduler_threads(topology_local(1, 1).nodes[0], 8, true), 8u);  // the embedded default
+  EXPECT_EQ(node_scheduler_threads(topology_local(1, 1).nodes[0], 8, workers_from::user), 8u);  // the embedded default
 }
 
 TEST(RunDir, AnEarlierRunIsNeverOverwrittenUnasked) {

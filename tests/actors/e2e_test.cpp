@@ -35,14 +35,18 @@ namespace {
 const std::string kBin = FP8RL_BIN_DIR;
 
 // Every test's directory (and a sibling d-init) is removed after the test, also when an
-// assertion ended it early (each test case runs as its own process: the environment's TearDown).
+// assertion ended it early (each test case runs as its own process: the environment's TearDown);
+// a failed test's are kept for a look, and named.
 std::vector<fs::path>& dirs_made() {
   static std::vector<fs::path> d;
   return d;
 }
 struct remove_dirs_after : ::testing::Environment {
   void TearDown() override {
-    for (const auto& d : dirs_made()) fs::remove_all(d), fs::remove_all(d.string() + "-init");
+    const bool passed = ::testing::UnitTest::GetInstance()->Passed();
+    for (const auto& d : dirs_made())
+      if (passed) fs::remove_all(d), fs::remove_all(d.string() + "-init");
+      else std::printf("kept for a look: %s\n", d.c_str());
   }
 };
 [[maybe_unused]] auto* const kRemoveDirs = ::testing::AddGlobalTestEnvironment(new remove_dirs_after);
@@ -56,7 +60,9 @@ fs::path fresh_dir(const std::string& name) {
 }
 
 // A loopback port free at the time of the call (the kernel's pick for port 0): fixed ports derived
-// from the pid collided between test processes running at once and with other listeners.
+// from the pid collided between test processes running at once and with other listeners. It is
+// free again until the node binds it, so another process could take it meanwhile (an ephemeral
+// port: rare); the node then fails to start, naming the port.
 int free_port() {
   const int s = ::socket(AF_INET, SOCK_STREAM, 0);
   sockaddr_in a{};
@@ -537,7 +543,7 @@ TEST(E2E, NodeSaysWhenItsControllerDisappears) {
                     .c_str());
     for (int i = 0; i < 600 && metrics_rows_so_far(d / "run") < 2; ++i)
       std::this_thread::sleep_for(std::chrono::milliseconds(100));
-    std::system(("pkill -9 -f -- '" + topo + " --node main'").c_str());
+    std::system(("pkill -9 -f -- '" + topo + " --node [m]ain'").c_str());  // [m]: not pkill's own shell
   });
   const auto r = fp8rl::test::run_command(node);
   main_node.join();
@@ -560,7 +566,7 @@ TEST(E2E, NodeRefusesAControllerAskingForAnotherNode) {
   std::system((kBin + "/fp8rl train --topology " + other.string() + " --node rolloutX > " + (d / "node.log").string() + " 2>&1 &").c_str());
   const auto r = fp8rl::test::run_command(kBin + "/fp8rl train --topology " + topo + " --node main --run-dir " +
                                           (d / "run").string() + kSmall);
-  std::system(("pkill -f -- '" + other.string() + " --node rolloutX'").c_str());
+  std::system(("pkill -f -- '" + other.string() + " --node [r]olloutX'").c_str());
   EXPECT_NE(r.rc, 0) << r.out;
   EXPECT_NE(r.out.find("this process runs node 'rolloutX', the controller asked for node 'rollout1'"), std::string::npos) << r.out;
   fs::remove_all(d);

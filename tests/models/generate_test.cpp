@@ -461,14 +461,16 @@ TEST(Generate, NonFiniteKvAndFp8QueriesAreRefused) {
   const int64_t H = 4;
   const std::vector<float> q_scale(static_cast<size_t>(H), 0.05f);
   std::vector<float> out(static_cast<size_t>(H * D));
+  const int32_t slots2[] = {0, 0}, pos2[] = {3, 4};
+  std::vector<float> out2(static_cast<size_t>(2 * H * D));
   for (const float bad : {std::nanf(""), INFINITY}) {
-    std::vector<float> q(static_cast<size_t>(H * D), 0.25f);
-    q[static_cast<size_t>(2 * D + 7)] = bad;  // head 2, Q[7]
+    std::vector<float> q(static_cast<size_t>(2 * H * D), 0.25f);
+    q[static_cast<size_t>((H + 2) * D + 7)] = bad;  // the second token (position 4), head 2, Q[7]
     try {
-      be->attention_cached(*cache, 1, {1, &slot, &pos}, q.data(), H, precision::fp8, q_scale.data(), out.data());
+      be->attention_cached(*cache, 1, {2, slots2, pos2}, q.data(), H, precision::fp8, q_scale.data(), out2.data());
       ADD_FAILURE() << "accepted " << bad;
     } catch (const std::invalid_argument& e) {
-      EXPECT_NE(std::string(e.what()).find("layer 1, position 3, head 2: Q[7]"), std::string::npos) << e.what();
+      EXPECT_NE(std::string(e.what()).find("layer 1, head 2, position 4: Q[7]"), std::string::npos) << e.what();
     }
   }
   const std::vector<float> q(static_cast<size_t>(H * D), 0.25f);

@@ -353,6 +353,19 @@ TEST(Grpo, FilteredSequencesLeaveTheTokenCount) {
   EXPECT_EQ(m.count("masked_correct_pct"), 0u);  // no rewards given
   b.reward = {0.0f, 1.0f};                        // the dropped sequence was correct
   EXPECT_EQ(learner_metrics(b, cfg, 5.0, 3).at("masked_correct_pct"), 100.0);
+  {  // the KL penalty leaves with the sequence too: over the two kept tokens, over N = 2
+    token_batch_rl k = b;
+    k.ref = {-1.5f, -2.5f, -9.0f, -9.0f, -9.0f};
+    grpo_config kc = cfg;
+    kc.kl_beta = 0.1f;
+    const loss_result r = policy_loss(k, kc, 2.0);
+    auto k3 = [](double lr) { return std::exp(lr) - lr - 1.0; };
+    const double lr0 = double(-1.5f) - double(-1.0f), lr1 = double(-2.5f) - double(-2.0f), beta = double(0.1f);
+    EXPECT_NEAR(r.kl, beta * (k3(lr0) + k3(lr1)) / 2.0, fp8rl::tol::kFp64FewTerms);
+    EXPECT_EQ(r.dc[2], 0.0f);
+    EXPECT_EQ(r.dc[3], 0.0f);
+    EXPECT_EQ(r.dc[4], 0.0f);
+  }
   // a non-finite token leaves alone: its sequence's e_i is taken over the finite ones (it was
   // infinite, and the whole sequence was dropped)
   b.c[0] = b.p[0] = -INFINITY;
@@ -446,20 +459,22 @@ TEST(Grpo, SftRefusesABatchWithoutAnswerTokens) {
 // direction, e^-0.5 - 0.5, gave 0.1065). A token one side's top-k dropped has no term and is counted.
 TEST(Grpo, AuditKlsTakeGenKlErrorsFormAndCountNonFiniteTokens) {
   audit_sums a;
-  a.add(/*c=*/-1.0, /*q=*/-1.0, /*q8=*/-1.25, /*g=*/-1.5);
-  a.add(-1.0, -1.0, std::nan(""), -1.5);     // q8 not measured: no weight/kernel split term
-  a.add(-INFINITY, -1.0, -1.0, -1.0);        // the learner's top-k no longer keeps it
-  a.add(-1.0, -1.0, -INFINITY, -1.0);
+  a.add(/*c=*/-0.9, /*q=*/-1.0, /*q8=*/-1.2, /*g=*/-1.5);  // d: staleness 0.1, precision 0.5, weights 0.2, kernels 0.3
+  a.add(-1.0, -1.0, std::nan(""), -1.5);  // q8 not measured: no weight/kernel split term
+  a.add(-1.0, -1.0, -INFINITY, -1.5);     // the FP8 re-score's top-k dropped it: the split only
+  a.add(-INFINITY, -1.0, -1.0, -1.0);     // the learner's top-k no longer keeps it: no term
   metric_map m;
   a.write(m);
-  const double k3_half = std::exp(0.5) - 1.5, k3_quarter = std::exp(0.25) - 1.25;
-  EXPECT_EQ(m.at("audit/tokens"), 2.0);
-  EXPECT_EQ(m.at("audit/nonfinite_tokens"), 2.0);
-  EXPECT_EQ(m.at("audit/staleness_kl"), 0.0);
-  EXPECT_NEAR(m.at("audit/precision_kl"), k3_half, fp8rl::tol::kFp64FewTerms);
-  EXPECT_NEAR(m.at("audit/precision_token_mult_prob_error"), std::exp(0.5), fp8rl::tol::kFp64FewTerms);
-  EXPECT_NEAR(m.at("audit/weight_quant_kl"), k3_quarter, fp8rl::tol::kFp64FewTerms);  // over the one token with q8
-  EXPECT_NEAR(m.at("audit/kernel_kv_kl"), k3_quarter, fp8rl::tol::kFp64FewTerms);
+  auto k3 = [](double d) { return std::exp(d) - d - 1.0; };
+  const double tol = fp8rl::tol::kFp64FewTerms;
+  EXPECT_EQ(m.at("audit/tokens"), 3.0);
+  EXPECT_EQ(m.at("audit/nonfinite_tokens"), 1.0);
+  EXPECT_EQ(m.at("audit/nonfinite_fp8_tokens"), 1.0);
+  EXPECT_NEAR(m.at("audit/staleness_kl"), k3(-0.9 + 1.0) / 3, tol);  // e^0.1 - 1.1 (the other form: e^-0.1 - 0.9)
+  EXPECT_NEAR(m.at("audit/precision_kl"), k3(0.5), tol);              // every token: q - g = 0.5
+  EXPECT_NEAR(m.at("audit/precision_token_mult_prob_error"), std::exp(0.5), tol);
+  EXPECT_NEAR(m.at("audit/weight_quant_kl"), k3(-1.0 + 1.2), tol);    // over the one token with q8
+  EXPECT_NEAR(m.at("audit/kernel_kv_kl"), k3(-1.2 + 1.5), tol);
   metric_map none;
   audit_sums().write(none);
   EXPECT_TRUE(none.empty());

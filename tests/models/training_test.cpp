@@ -204,7 +204,7 @@ TEST(Training, CheckpointReplacementByRenamesKeepsNothingElse) {
     fs::create_directories(tmp);
     std::ofstream(fs::path(tmp) / "state.json") << word << "\n";
     if (word == "first") std::ofstream(fs::path(tmp) / "only_in_first.txt") << "x\n";
-    checkpoint_dir_replace(tmp, dir.string(), /*exchange=*/false);
+    checkpoint_dir_replace(tmp, dir.string(), dir_swap::renames);
   }
   std::string word;
   std::ifstream(dir / "state.json") >> word;

@@ -226,9 +226,14 @@ TEST_F(Cli, Fp8KvGenerateChecksEveryPromptFirstAndCalibratesInPasses) {
 TEST_F(Cli, Fp8KvIsAGenerationPolicyOnly) {
   const fs::path ck = dir / "ck";
   ASSERT_EQ(run("sft --steps 1 --batch 2 --out " + ck.string()).rc, 0);
-  const result e = run("eval --n 8 --max-tokens 4 --policy fp8-kv --model " + ck.string());
+  const std::string eval = "eval --n 8 --max-tokens 4 --policy fp8-kv --log-level info --model " + ck.string();
+  const result e = run(eval);
   ASSERT_EQ(e.rc, 0) << e.out;
-  EXPECT_EQ(json_lines(e.out).at(0).value("n", 0), 8) << e.out;
+  EXPECT_NE(e.out.find("FP8 K/V scales from the validation prompts"), std::string::npos) << e.out;  // sft wrote no batch
+  std::ofstream(ck / "calibration.jsonl") << "{\"tokens\": [1, 5, 6, 7, 8]}\n";  // as fp8rl train's checkpoints hold
+  const result c = run(eval);
+  ASSERT_EQ(c.rc, 0) << c.out;
+  EXPECT_NE(c.out.find("FP8 K/V scales from the checkpoint's calibration batch"), std::string::npos) << c.out;
   refused("sft --steps 1 --batch 2 --policy fp8-kv --out " + (dir / "ck3").string(), "--policy fp8-kv: FP8 attention");
   EXPECT_FALSE(fs::exists(dir / "ck3"));
   refused("score --policy fp8-kv --input " + prompts.string() + m(), "--policy fp8-kv: FP8 attention");

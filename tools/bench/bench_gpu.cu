@@ -74,7 +74,9 @@ gpu::dbuf<float> scales(size_t n) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  bench_args a = bench_parse(argc, argv, {}, {.threads = false});
+  bench_common common;  // (C++17 here: no designated initializers)
+  common.threads = false;
+  bench_args a = bench_parse(argc, argv, {}, common);
   if (const auto dev = gpu::device_query(); dev.count == 0) {
     std::fprintf(stderr, "bench-gpu: no CUDA device (%s)\n", dev.reason.c_str());
     return 2;

@@ -76,7 +76,7 @@ inline bench_args bench_parse(int argc, char** argv, const std::map<std::string,
       a.extra[s.substr(2, s.find('=') - 2)] = s.substr(s.find('=') + 1);
     } else if (s == "--help" || s == "-h") {
       std::printf("options: --json --quick --reps=N (default %d, at most %d)%s --only=IMPL (a substring of impl names)\n",
-                  std::min(7, common.max_reps), common.max_reps, common.threads ? " --threads=1,2" : "");
+                  std::min(bench_args{}.reps, common.max_reps), common.max_reps, common.threads ? " --threads=1,2" : "");
       for (const auto& [k, help] : extra_opts) std::printf("  --%s=...  %s\n", k.c_str(), help.c_str());
       std::exit(0);
     } else {

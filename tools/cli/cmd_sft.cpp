@@ -4,8 +4,10 @@
 #include <filesystem>
 #include <nlohmann/json.hpp>
 
+#include "actors/run_dir.hpp"
 #include "models/checkpoint.hpp"
 #include "models/cpu/cpu_backend.hpp"
+#include "models/log.hpp"
 #include "models/rl/rl.hpp"
 #include "tools/cli/commands.hpp"
 #include "tools/cli/common.hpp"
@@ -43,7 +45,9 @@ const char* const kEvalUsage =
     "  --verifier V             numeric (default for built-in tasks) | exact (default for files)\n"
     "  --n N                    validation items (default 400)\n"
     "  --max-tokens N           per answer (default 16)\n"
-    "  --policy P               generation precision: fp8 (default) | fp32 | bf16 | fp8-kv, each also as P-tiles\n"
+    "  --policy P               generation precision: fp8 (default) | fp32 | bf16 | fp8-kv, each also as P-tiles;\n"
+    "                           fp8-kv's K/V scales: from the checkpoint's calibration batch (fp8rl train's\n"
+    "                           checkpoints), else from the validation prompts\n"
     "  --bf16-layers F,L        keep the first F and last L layers BF16 (fp8 policies)\n"
     "  --scale-mode M           pow2 (default) | fp32\n"
     "  --seed S                 validation split and sampling seed (default 1)\n"
@@ -150,12 +154,18 @@ int cmd_eval(int argc, char** argv) {
     ec.max_context = params.cfg.max_position_embeddings;
     ec.policy = policy_from_args(a, "fp8");
     models::generation_engine eng(*be, params.cfg, ec);
-    // FP8 KV: Q/K/V scales from the validation prompts themselves (as generate calibrates on its own)
+    // FP8 KV: Q/K/V scales from the batch the run calibrated this checkpoint on (a train
+    // checkpoint's calibration.jsonl: the scales its rollouts had); else from the validation prompts
     const bool fp8_kv = ec.policy.kv == models::kv_dtype::fp8;
-    std::vector<std::vector<int32_t>> prompts;
-    if (fp8_kv)
-      for (auto& q : models::rollout_requests(val.items, 0, *tok, 1, {}, max_tokens, seed)) prompts.push_back(std::move(q.prompt));
-    const models::attn_fp8_scales sc = fp8_kv ? calibrate_kv(*be, params, ec.policy, prompts) : models::attn_fp8_scales{};
+    std::vector<std::vector<int32_t>> calib;
+    if (fp8_kv) {
+      calib = actors::calibration_batch_load(a.get("model"));
+      const bool from_checkpoint = !calib.empty();
+      if (!from_checkpoint)
+        for (const auto& item : val.items) calib.push_back(tok->encode(item.prompt, true));
+      log_get("eval")->info("FP8 K/V scales from {}", from_checkpoint ? "the checkpoint's calibration batch" : "the validation prompts");
+    }
+    const models::attn_fp8_scales sc = fp8_kv ? calibrate_kv(*be, params, ec.policy, calib) : models::attn_fp8_scales{};
     const std::string err = eng.adopt_params(params, 0, 0, fp8_kv ? &sc : nullptr);
     if (!err.empty()) throw std::runtime_error(err);
     r = models::evaluate(eng, val, *tok, *vk, max_tokens, seed);
