@@ -30,8 +30,9 @@ struct calibration_state {
 
 struct sync_version {
   std::shared_ptr<const quant::weight_bundle> bundle;
-  double published_at = 0, max_latency = 0;
-  std::set<std::string> waiting;  // rollouts that have not acked
+  double published_at = 0, max_latency = 0;  // this actor's clock: publish -> the adoptions heard
+  std::set<std::string> waiting;  // rollouts that have not adopted it, nor taken a newer one first
+  int adopted = 0;
   bool cross = false, reported = false;
   double transfer_s = 0;          // slowest chunked transfer (cross-process)
 };
@@ -84,7 +85,7 @@ msg::calibration_actor spawn_calibration(caf::actor_system& sys, std::shared_ptr
       }
       const double sec = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
       self->send(s.peers.controller, msg::step_report{{}, pm.version, {{"calibration_s", sec}}});
-      msg::bundle_msg out{{}, std::move(b), now_s()};
+      msg::bundle_msg out{{}, std::move(b)};
       trace_send("calibration", "bundle_msg", out.trace, static_cast<int64_t>(pm.version));
       self->send(s.peers.weight_sync, std::move(out));
     };
@@ -113,11 +114,30 @@ msg::weight_sync_actor spawn_weight_sync(caf::actor_system& sys, std::shared_ptr
     actor_failures_named(self, "the weight-sync actor");
     self->state.env = env;
     auto log = log_get("weight_sync");
+    // Version v is reported once no live rollout is pending on it: with the latency of its last
+    // adoption; not at all where every rollout took a newer version first (there is no latency).
+    auto report_if_done = [self](uint64_t v, sync_version& sv) {
+      if (!sv.waiting.empty() || !sv.bundle || sv.reported) return;
+      sv.reported = true;
+      if (sv.adopted > 0)
+        self->send(self->state.peers.controller,
+                   msg::sync_report{v, sv.max_latency, static_cast<double>(sv.bundle->bytes()), sv.cross, sv.transfer_s});
+    };
+    // Rollout `name` is done with version v: adopted it, or (adopted false) took a newer one before
+    // v's chunks were all there.
+    auto heard = [self, report_if_done](const std::string& name, uint64_t v, bool adopted) {
+      auto it = self->state.versions.find(v);
+      if (it == self->state.versions.end()) return;
+      auto& sv = it->second;
+      sv.waiting.erase(name);
+      if (adopted) sv.adopted += 1, sv.max_latency = std::max(sv.max_latency, now_s() - sv.published_at);
+      report_if_done(v, sv);
+    };
     // Sends a bundle to one remote rollout as raw-byte chunks with a window of kWindow requests
     // in flight (the acks are the backpressure; CAF keeps per-sender order, so the rollout
     // appends chunks in sequence).
-    auto send_chunks = [self, log](msg::rollout_actor r, std::string name, std::shared_ptr<const std::vector<char>> bytes,
-                                   uint64_t version, double published_at) {
+    auto send_chunks = [self, log, heard](msg::rollout_actor r, std::string name, std::shared_ptr<const std::vector<char>> bytes,
+                                   uint64_t version) {
       constexpr size_t kChunk = size_t{4} << 20;  // 4 MiB, far below CAF's 4 GiB frame limit
       constexpr uint32_t kWindow = 4;
       const uint32_t total = static_cast<uint32_t>(std::max<size_t>(1, (bytes->size() + kChunk - 1) / kChunk));
@@ -128,20 +148,26 @@ msg::weight_sync_actor spawn_weight_sync(caf::actor_system& sys, std::shared_ptr
       auto send_one = std::make_shared<std::function<void()>>();
       const std::weak_ptr<std::function<void()>> weak_send = send_one;
       const double t_start = now_s();
-      *send_one = [self, r, name, bytes, version, published_at, total, pr, weak_send, log, t_start] {
+      *send_one = [self, r, name, bytes, version, total, pr, weak_send, log, t_start, heard] {
         auto send_one = weak_send.lock();
         if (!send_one) return;
         msg::bundle_chunk c;
         c.version = version;
         c.seq = pr->sent++;
         c.total = total;
-        c.published_at = published_at;
         const size_t b = size_t(c.seq) * kChunk, e = std::min(bytes->size(), b + kChunk);
         c.bytes.assign(bytes->begin() + static_cast<long>(b), bytes->begin() + static_cast<long>(e));
         trace_send("weight_sync", "bundle_chunk", c.trace, static_cast<int64_t>(version), double(c.bytes.size()));
         self->request(r, std::chrono::seconds(60), std::move(c)).then(
-            [self, pr, send_one, total, version, t_start](msg::chunk_ack&) {
+            [self, pr, send_one, total, version, t_start, name, log, heard](msg::chunk_ack& ack) {
               if (pr->failed) return;
+              if (ack.superseded) {  // the rollout took a newer version's chunks: stop sending this one
+                pr->failed = true;
+                *send_one = nullptr;
+                log->debug("bundle v{} to {}: superseded by a newer one", version, name);
+                heard(name, version, false);
+                return;
+              }
               if (++pr->acked == total) {
                 auto it = self->state.versions.find(version);
                 if (it != self->state.versions.end()) it->second.transfer_s = std::max(it->second.transfer_s, now_s() - t_start);
@@ -174,7 +200,7 @@ msg::weight_sync_actor spawn_weight_sync(caf::actor_system& sys, std::shared_ptr
     auto send_bundle = [self, send_chunks](const msg::rollout_actor& r, const std::string& name, uint64_t v,
                                            const sync_version& sv, std::shared_ptr<const std::vector<char>>& bytes) {
       if (r.node() == self->node()) {
-        msg::bundle_msg out{{}, sv.bundle, sv.published_at};
+        msg::bundle_msg out{{}, sv.bundle};
         trace_send("weight_sync", "bundle_msg", out.trace, static_cast<int64_t>(v));
         self->send(r, std::move(out));
         return true;
@@ -187,11 +213,11 @@ msg::weight_sync_actor spawn_weight_sync(caf::actor_system& sys, std::shared_ptr
           return false;
         }
       }
-      send_chunks(r, name, bytes, v, sv.published_at);
+      send_chunks(r, name, bytes, v);
       return true;
     };
     return {
-        [self, send_bundle](msg::peers_msg& p) {
+        [self, send_bundle, report_if_done](msg::peers_msg& p) {
           auto& s = self->state;
           std::set<caf::actor_addr> known;
           for (const auto& r : s.peers.rollouts) known.insert(r.address());
@@ -215,10 +241,7 @@ msg::weight_sync_actor spawn_weight_sync(caf::actor_system& sys, std::shared_ptr
           std::set<std::string> live(s.peers.rollout_names.begin(), s.peers.rollout_names.end());
           for (auto& [v, sv] : s.versions) {
             for (auto it = sv.waiting.begin(); it != sv.waiting.end();) it = live.count(*it) ? std::next(it) : sv.waiting.erase(it);
-            if (sv.waiting.empty() && sv.bundle && !sv.reported) {
-              sv.reported = true;
-              self->send(s.peers.controller, msg::sync_report{v, sv.max_latency, static_cast<double>(sv.bundle->bytes()), sv.cross, sv.transfer_s});
-            }
+            report_if_done(v, sv);
           }
         },
         [self, send_bundle](msg::bundle_msg& bm) {
@@ -239,7 +262,7 @@ msg::weight_sync_actor spawn_weight_sync(caf::actor_system& sys, std::shared_ptr
           }
           while (s.versions.size() > static_cast<size_t>(s.env->cfg.max_staleness + 1)) s.versions.erase(s.versions.begin());
         },
-        [self, log](msg::adopted_msg& a) {
+        [self, log, heard](msg::adopted_msg& a) {
           auto& s = self->state;
           if (!a.error.empty()) {
             ++s.refused;
@@ -247,16 +270,7 @@ msg::weight_sync_actor spawn_weight_sync(caf::actor_system& sys, std::shared_ptr
             self->send(s.peers.controller, std::string(a.rollout), "refused bundle v" + std::to_string(a.weight_version) + ": " + a.error);
             return;
           }
-          auto it = s.versions.find(a.weight_version);
-          if (it == s.versions.end()) return;
-          it->second.waiting.erase(a.rollout);
-          it->second.max_latency = std::max(it->second.max_latency, a.latency_s);
-          if (it->second.waiting.empty() && !it->second.reported) {
-            it->second.reported = true;
-            self->send(s.peers.controller, msg::sync_report{a.weight_version, it->second.max_latency,
-                                                             static_cast<double>(it->second.bundle->bytes()), it->second.cross,
-                                                             it->second.transfer_s});
-          }
+          heard(a.rollout, a.weight_version, true);
         },
         [self](msg::status_atom) -> msg::metrics_t {
           return {{"versions_held", double(self->state.versions.size())}, {"refused", double(self->state.refused)}};

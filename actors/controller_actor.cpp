@@ -39,7 +39,7 @@ struct controller_state {
   std::map<std::pair<uint64_t, uint64_t>, msg::work_msg> issued;  // until its step is trained
   size_t rr = 0;  // round-robin over live rollouts
   std::map<std::pair<uint64_t, uint64_t>, std::pair<std::string, msg::work_msg>> in_flight;
-  std::map<std::string, double> extras;  // latest calibration / sync metrics
+  std::map<std::string, double> extras;  // calibration / sync metrics not yet in a line
   int64_t reissued = 0, rollouts_lost = 0, rollouts_restarted = 0;
   std::map<std::string, int> restarts;  // per rollout name
   bool stopping = false;
@@ -211,12 +211,16 @@ msg::controller_actor spawn_controller(caf::actor_system& sys, std::shared_ptr<c
           trace_recv("controller", "step_report", r.trace, static_cast<int64_t>(r.version));
           if (r.metrics.size() == 1 && r.metrics.count("calibration_s")) {  // from the calibration actor
             s.extras["calibration_s"] = r.metrics["calibration_s"];
+            s.extras["calibration_version"] = double(r.version);
             return;
           }
           s.learner_version = std::max(s.learner_version, r.version);
           for (auto it = s.issued.begin(); it != s.issued.end();)  // trained steps need no re-issue
             it = it->first.first < s.learner_version ? s.issued.erase(it) : std::next(it);
+          // each calibration and sync report once, in the next line written, with the version it is
+          // of (kept until then, they were repeated in every later line as if that step's)
           for (const auto& [k, v] : s.extras) r.metrics.emplace(k, v);
+          s.extras.clear();
           r.metrics["in_flight_groups"] = double(s.in_flight.size());
           r.metrics["reissued_groups_total"] = double(s.reissued);
           r.metrics["rollouts_lost_total"] = double(s.rollouts_lost);
@@ -261,6 +265,7 @@ msg::controller_actor spawn_controller(caf::actor_system& sys, std::shared_ptr<c
           auto& s = self->state;
           s.synced_version = std::max<int64_t>(s.synced_version, static_cast<int64_t>(r.version));
           issue_ready();
+          s.extras["sync_version"] = double(r.version);
           s.extras["sync_latency_s"] = r.latency_s;
           s.extras["sync_bytes"] = r.bytes;
           s.extras["sync_cross_process"] = r.cross_process ? 1.0 : 0.0;

@@ -44,8 +44,6 @@ struct rollout_state {
   std::vector<msg::adopted_msg> unsent;                   // adoptions before the first peers_msg
 };
 
-double now_s() { return std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count(); }
-
 }  // namespace
 
 msg::rollout_actor spawn_rollout(caf::actor_system& sys, std::shared_ptr<const actor_env> env, std::string name,
@@ -79,18 +77,21 @@ msg::rollout_actor spawn_rollout(caf::actor_system& sys, std::shared_ptr<const a
       self->send(self->state.peers.controller, self->state.name, what);
       self->quit(caf::make_error(caf::sec::runtime_error, what));
     };
-    auto adopt = [self, schedule, log](std::shared_ptr<const quant::weight_bundle> b, double published_at) {
+    // A restarted rollout can get its weights before its peers_msg (weight-sync hears of it
+    // first): a send to the unset handle would be dropped, and that version never reported.
+    auto tell_weight_sync = [self](msg::adopted_msg a) {
+      auto& s = self->state;
+      if (s.peers.weight_sync) self->send(s.peers.weight_sync, std::move(a));
+      else s.unsent.push_back(std::move(a));
+    };
+    auto adopt = [self, schedule, log, tell_weight_sync](std::shared_ptr<const quant::weight_bundle> b) {
       auto& s = self->state;
       trace_span span(s.name, "adopt", static_cast<int64_t>(b->weight_version), static_cast<double>(b->bytes()));
       log->debug("{} adopting v{}", s.name, b->weight_version);
       std::string err;
       s.arena->execute([&] { err = s.eng->adopt(b); });
       if (!err.empty()) log->error("{}: refused bundle v{}: {}", s.name, b->weight_version, err);
-      msg::adopted_msg a{s.name, b->weight_version, b->snapshot.scale_version, now_s() - published_at, err};
-      // a restarted rollout can get its weights before its peers_msg (weight-sync hears of it
-      // first): a send to the unset handle would be dropped, and that version never reported
-      if (s.peers.weight_sync) self->send(s.peers.weight_sync, std::move(a));
-      else s.unsent.push_back(std::move(a));
+      tell_weight_sync(msg::adopted_msg{s.name, b->weight_version, b->snapshot.scale_version, err});
       schedule();
     };
     return {
@@ -135,41 +136,44 @@ msg::rollout_actor spawn_rollout(caf::actor_system& sys, std::shared_ptr<const a
         },
         [self, adopt](msg::bundle_msg& b) {
           trace_recv(self->state.name, "bundle_msg", b.trace, static_cast<int64_t>(b.bundle->weight_version));
-          adopt(b.bundle, b.published_at);
+          adopt(b.bundle);
         },
-        [self](msg::bundle_chunk& c) -> caf::result<msg::chunk_ack> {
+        [self, tell_weight_sync](msg::bundle_chunk& c) -> caf::result<msg::chunk_ack> {
           auto& s = self->state;
           trace_recv(s.name, "bundle_chunk", c.trace, static_cast<int64_t>(c.version), double(c.bytes.size()));
           if (c.seq >= c.total)  // total 0 would never assemble; acked, weight sync would count it delivered
             return caf::make_error(caf::sec::invalid_argument, s.name + ": bundle v" + std::to_string(c.version) + " chunk " +
                                                                    std::to_string(c.seq) + " of " + std::to_string(c.total));
-          if (c.seq == 0) {
+          if (c.seq == 0) {  // a newer version's first chunk supersedes a partly received older one
             s.chunks = std::move(c.bytes);
             // every chunk but the last is full-size; a total off the wire is a hint, not an allocation size
             s.chunks.reserve(std::min<size_t>(s.chunks.size() * c.total, size_t{1} << 30));
             s.chunk_version = c.version;
           } else if (c.version == s.chunk_version) {
             s.chunks.insert(s.chunks.end(), c.bytes.begin(), c.bytes.end());
+          } else {  // the rest of a superseded version: weight-sync stops sending it (it was acked
+                    // as received, then dropped, and the version never reported)
+            return msg::chunk_ack{c.version, c.seq, true};
           }
           auto rp = self->make_response_promise<msg::chunk_ack>();
-          rp.deliver(msg::chunk_ack{c.version, c.seq});  // acked on receipt: the ack means "bytes here"
+          rp.deliver(msg::chunk_ack{c.version, c.seq, false});  // acked on receipt: the ack means "bytes here"
           if (c.seq + 1 == c.total && c.version == s.chunk_version) {
             msg::bundle_wire w;
             caf::binary_deserializer src(self->system(), s.chunks);
             std::shared_ptr<quant::weight_bundle> b;
             if (auto err = src(w)) {
-              self->send(s.peers.weight_sync, msg::adopted_msg{s.name, c.version, 0, 0, "bundle does not deserialize: " + self->system().render(err)});
+              tell_weight_sync(msg::adopted_msg{s.name, c.version, 0, "bundle does not deserialize: " + self->system().render(err)});
             } else {
               try {
                 b = std::make_shared<quant::weight_bundle>(msg::bundle_from_wire(std::move(w)));
               } catch (const std::exception& e) {
-                self->send(s.peers.weight_sync, msg::adopted_msg{s.name, c.version, 0, 0, e.what()});
+                tell_weight_sync(msg::adopted_msg{s.name, c.version, 0, e.what()});
               }
             }
             s.chunks.clear();
             s.chunks.shrink_to_fit();
             // adopt in a message of its own: adoption happens between two engine steps
-            if (b) self->send(self, msg::bundle_msg{{}, std::move(b), c.published_at});
+            if (b) self->send(self, msg::bundle_msg{{}, std::move(b)});
           }
           return rp;
         },

@@ -108,7 +108,6 @@ struct params_msg {
 struct bundle_msg {
   trace_ctx trace;
   std::shared_ptr<const quant::weight_bundle> bundle;
-  double published_at = 0;  // seconds since epoch when weight-sync sent it (sync latency)
 };
 
 // One piece of a serialized bundle (weight-sync -> remote rollout), answered by chunk_ack.
@@ -116,32 +115,33 @@ struct bundle_chunk {
   trace_ctx trace;
   uint64_t version = 0;
   uint32_t seq = 0, total = 0;
-  double published_at = 0;
   std::vector<uint8_t> bytes;
 };
 struct chunk_ack {
   uint64_t version = 0;
   uint32_t seq = 0;
+  bool superseded = false;  // the rollout took a newer version's chunks: it will not assemble this one
 };
 template <class Inspector>
 typename Inspector::result_type inspect(Inspector& f, bundle_chunk& x) {
-  return f(caf::meta::type_name("bundle_chunk"), x.trace, x.version, x.seq, x.total, x.published_at, x.bytes);
+  return f(caf::meta::type_name("bundle_chunk"), x.trace, x.version, x.seq, x.total, x.bytes);
 }
 template <class Inspector>
 typename Inspector::result_type inspect(Inspector& f, chunk_ack& x) {
-  return f(caf::meta::type_name("chunk_ack"), x.version, x.seq);
+  return f(caf::meta::type_name("chunk_ack"), x.version, x.seq, x.superseded);
 }
 
 // A rollout adopted a bundle (rollout -> weight-sync).
+// Publish -> adoption is timed by weight-sync on its own clock (a rollout on another host has
+// another clock: the difference of two hosts' clocks put their skew into the latency).
 struct adopted_msg {
   std::string rollout;
   uint64_t weight_version = 0, scale_version = 0;
-  double latency_s = 0;  // publish -> adoption
-  std::string error;     // non-empty: refused (the rollout keeps its previous weights)
+  std::string error;  // non-empty: refused (the rollout keeps its previous weights)
 };
 template <class Inspector>
 typename Inspector::result_type inspect(Inspector& f, adopted_msg& x) {
-  return f(caf::meta::type_name("adopted_msg"), x.rollout, x.weight_version, x.scale_version, x.latency_s, x.error);
+  return f(caf::meta::type_name("adopted_msg"), x.rollout, x.weight_version, x.scale_version, x.error);
 }
 
 // Learner -> controller after each optimizer step.
@@ -238,7 +238,7 @@ template <class Inspector>
 typename std::enable_if<Inspector::reads_state, typename Inspector::result_type>::type inspect(Inspector& f, bundle_msg& x) {
   bundle_wire w;
   if (x.bundle) w = bundle_to_wire(*x.bundle);
-  return f(caf::meta::type_name("bundle_msg"), x.trace, x.published_at, w);
+  return f(caf::meta::type_name("bundle_msg"), x.trace, w);
 }
 template <class Inspector>
 typename std::enable_if<Inspector::writes_state, typename Inspector::result_type>::type inspect(Inspector& f, bundle_msg& x) {
@@ -251,7 +251,7 @@ typename std::enable_if<Inspector::writes_state, typename Inspector::result_type
     }
     return caf::none;
   });
-  return f(caf::meta::type_name("bundle_msg"), x.trace, x.published_at, w, fin);
+  return f(caf::meta::type_name("bundle_msg"), x.trace, w, fin);
 }
 
 template <class Inspector>

@@ -156,7 +156,7 @@ void gpu_swiglu_forward(const float* g, const float* u, int64_t n, float* h) {
   check();
 }
 void gpu_embedding_forward(const float* wte, const int32_t* tok, int64_t T, int64_t C, float* out) {
-  if (T * C) embedding_kernel<<<blocks(T * C), 256>>>(wte, tok, T, C, out);
+  if (T > 0 && C > 0) embedding_kernel<<<blocks(T * C), 256>>>(wte, tok, T, C, out);
   check();
 }
 void gpu_logprob_forward(const float* logits, const int32_t* targets, int64_t T, int64_t V, float* logp) {
@@ -182,12 +182,12 @@ void gpu_kv_write_fp8(const float* x, int64_t T, int64_t KV, int64_t D, const fl
                                 ": not finite (FP8 K/V cache)");
 }
 void gpu_kv_read_fp8(const uint8_t* codes, int64_t T, int64_t KV, int64_t D, const float* scale, float* x) {
-  if (T * KV * D) kv_read_kernel<<<blocks(T * KV * D), 256>>>(codes, T * KV * D, KV, D, scale, x);
+  if (T > 0 && KV > 0 && D > 0) kv_read_kernel<<<blocks(T * KV * D), 256>>>(codes, T * KV * D, KV, D, scale, x);
   check();
 }
 void gpu_attention_forward(const float* q, const float* k, const float* v, int64_t T, int64_t H, int64_t KV, int64_t D,
                            bool bf16, float* out) {
-  if (T * H) attention_kernel<<<blocks(T * H, 64), 64>>>(q, k, v, T, H, KV, D, bf16, out);
+  if (T > 0 && H > 0) attention_kernel<<<blocks(T * H, 64), 64>>>(q, k, v, T, H, KV, D, bf16, out);
   check();
 }
 

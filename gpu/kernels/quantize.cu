@@ -4,6 +4,8 @@
 #include <cuda_fp8.h>
 #include <cuda_runtime.h>
 
+#include <mutex>
+#include <set>
 #include <stdexcept>
 #include <vector>
 
@@ -118,11 +120,17 @@ __global__ void gemm_fp8_own_kernel2(const uint8_t* A, const uint8_t* B, const f
   C[m * N + n] = out;
 }
 
+// Constant memory is per device: the table goes to each device the first time a kernel there
+// needs it (one flag for the process left a second device reading zeros), under a lock.
 void upload_table() {
-  static bool done = false;
-  if (done) return;
+  static std::mutex m;
+  static std::set<int> done;
+  int dev = 0;
+  FP8RL_CUDA_CHECK(cudaGetDevice(&dev));
+  std::lock_guard<std::mutex> lock(m);
+  if (done.count(dev)) return;
   FP8RL_CUDA_CHECK(cudaMemcpyToSymbol(c_e4m3, quant::e4m3_table(), 256 * sizeof(float)));
-  done = true;
+  done.insert(dev);
 }
 
 }  // namespace

@@ -166,10 +166,10 @@ TEST(Messages, EveryWireTypeRoundTrips) {
   caf::binary_serializer short_sink(sys, short_buf);
   EXPECT_FALSE(short_sink(qw));
   EXPECT_NE(deserialize(short_buf).find("'w'"), std::string::npos);  // qtensor_validate names the tensor
-  msg::bundle_chunk c{{7, 8, 5}, 9, 1, 3, 1.5, {1, 2, 3}};
+  msg::bundle_chunk c{{7, 8, 5}, 9, 1, 3, {1, 2, 3}};
   EXPECT_EQ(round_trip(sys, c).bytes, c.bytes);
   EXPECT_EQ(round_trip(sys, c).trace.lamport, 5u);  // the trace context crosses processes
-  EXPECT_EQ(round_trip(sys, msg::adopted_msg{"rollout3", 4, 4, 0.1, "bad"}).error, "bad");
+  EXPECT_EQ(round_trip(sys, msg::adopted_msg{"rollout3", 4, 4, "bad"}).error, "bad");
   msg::node_start ns;  // the node protocol: typed fields, not a JSON string and positional handles
   ns.recipe_json = "{}";
   ns.node = "n1";
@@ -284,15 +284,16 @@ TEST(Protocol, WeightSyncFansOutInProcessAndReportsFullAdoption) {
   auto ws = actors::spawn_weight_sync(sys, env_with(1, 2));
   ctl->send(ws, two_rollout_peers(ctl, r0, r1));
   auto b = fp8_bundle_v1();
-  ctl->send(ws, msg::bundle_msg{{}, b, 0.0});
+  ctl->send(ws, msg::bundle_msg{{}, b});
   for (auto* r : {&r0, &r1})
     (*r)->receive([&](msg::bundle_msg& m) { EXPECT_EQ(m.bundle.get(), b.get()); },  // zero copy: the same object
                   caf::after(std::chrono::seconds(5)) >> [] { FAIL() << "no bundle"; });
-  ctl->send(ws, msg::adopted_msg{"rollout0", 1, 1, 0.01, ""});
-  ctl->send(ws, msg::adopted_msg{"rollout1", 1, 1, 0.02, ""});
+  ctl->send(ws, msg::adopted_msg{"rollout0", 1, 1, ""});
+  ctl->send(ws, msg::adopted_msg{"rollout1", 1, 1, ""});
   ctl->receive([&](msg::sync_report& s) {
     EXPECT_EQ(s.version, 1u);
-    EXPECT_EQ(s.latency_s, 0.02);  // the larger of the reported latencies, passed through as is
+    EXPECT_GE(s.latency_s, 0.0);  // publish -> the last adoption heard, on weight-sync's clock
+    EXPECT_LT(s.latency_s, 5.0);
     EXPECT_FALSE(s.cross_process);
   }, caf::after(std::chrono::seconds(5)) >> [] { FAIL() << "no sync_report"; });
   ctl->send_exit(ws, caf::exit_reason::user_shutdown);
@@ -308,12 +309,12 @@ TEST(Protocol, WeightSyncSendsABundleThatCameBeforeItsPeers) {
   caf::scoped_actor ctl{sys}, r0{sys}, r1{sys};
   auto ws = actors::spawn_weight_sync(sys, env_with(1, 2));
   auto b = fp8_bundle_v1();
-  ctl->send(ws, msg::bundle_msg{{}, b, 0.0});
+  ctl->send(ws, msg::bundle_msg{{}, b});
   ctl->send(ws, two_rollout_peers(ctl, r0, r1));
   for (auto* r : {&r0, &r1})
     (*r)->receive([&](msg::bundle_msg& m) { EXPECT_EQ(m.bundle.get(), b.get()); },
                   caf::after(std::chrono::seconds(5)) >> [] { FAIL() << "no bundle"; });
-  ctl->send(ws, msg::adopted_msg{"rollout0", 1, 1, 0.01, ""});
+  ctl->send(ws, msg::adopted_msg{"rollout0", 1, 1, ""});
   // weight-sync handles its messages in order and CAF keeps one sender's messages in order: once
   // it has answered a status request sent after the adoption, a report that adoption caused is
   // already in ctl's mailbox (deterministic; a 200 ms wait could miss a slow one)
@@ -321,7 +322,7 @@ TEST(Protocol, WeightSyncSendsABundleThatCameBeforeItsPeers) {
       .receive([](msg::metrics_t&) {}, [&](caf::error& e) { FAIL() << sys.render(e); });
   ctl->receive([&](msg::sync_report&) { FAIL() << "reported before rollout1 adopted"; },
                caf::after(std::chrono::seconds(0)) >> [] {});
-  ctl->send(ws, msg::adopted_msg{"rollout1", 1, 1, 0.02, ""});
+  ctl->send(ws, msg::adopted_msg{"rollout1", 1, 1, ""});
   ctl->receive([&](msg::sync_report& s) { EXPECT_EQ(s.version, 1u); },
                caf::after(std::chrono::seconds(5)) >> [] { FAIL() << "no sync_report"; });
   ctl->send_exit(ws, caf::exit_reason::user_shutdown);
@@ -377,7 +378,7 @@ TEST(Protocol, RolloutIgnoresAGroupItIsAlreadyGenerating) {
   ctl->send(ro, w);  // before any weights: both wait in the engine
   const auto params = models::model_load(init_dir());
   auto b = std::make_shared<const quant::weight_bundle>(models::bundle_from_params(params, env->rl.gen_policy, 1, 1, nullptr));
-  ws->send(ro, msg::bundle_msg{{}, b, 0.0});
+  ws->send(ro, msg::bundle_msg{{}, b});
   double tokens = 0;
   reward->receive([&](msg::group_msg& g) {
     ASSERT_EQ(g.samples.size(), static_cast<size_t>(w.group_size));
@@ -453,6 +454,32 @@ TEST(Protocol, RolloutFailuresAreNamed) {
   }, caf::after(std::chrono::seconds(10)) >> [] { FAIL() << "the rollout did not go down"; });
 }
 
+// Chunks of a version a newer one superseded (its chunk 0 came first: weight-sync starts v+1 while
+// v is in flight) are answered "superseded", so weight-sync stops sending them and waits no more
+// for v there; they were acked as received, dropped, and v never reported. The newer version's
+// chunks keep going to the same buffer.
+TEST(Protocol, RolloutAnswersChunksOfASupersededVersion) {
+  test_config cfg;
+  caf::actor_system sys{cfg};
+  caf::scoped_actor ctl{sys};
+  auto ro = rollout_for(sys, ctl);
+  auto chunk = [&](uint64_t v, uint32_t seq) {
+    msg::bundle_chunk c;
+    c.version = v, c.seq = seq, c.total = 3, c.bytes = {1, 2, 3};
+    msg::chunk_ack got;
+    ctl->request(ro, std::chrono::seconds(5), c).receive([&](msg::chunk_ack& a) { got = a; },
+                                                         [&](caf::error& e) { ADD_FAILURE() << sys.render(e); });
+    EXPECT_EQ(got.version, v);
+    EXPECT_EQ(got.seq, seq);
+    return got.superseded;
+  };
+  EXPECT_FALSE(chunk(1, 0));
+  EXPECT_FALSE(chunk(1, 1));
+  EXPECT_FALSE(chunk(2, 0));  // v2 supersedes the partly received v1
+  EXPECT_TRUE(chunk(1, 2));
+  EXPECT_FALSE(chunk(2, 1));
+}
+
 // A shard request the step cannot be cut into is refused and the step stays whole: world 0 was a
 // division by zero (SIGFPE took the process); a rank outside its world, or one asked twice,
 // delivered the step with one shard's samples in nobody's batch.
@@ -511,12 +538,51 @@ TEST(Protocol, WeightSyncReportsAFailedTransferToALiveRollout) {
   ctl->send(ws, p);
   const auto params = models::model_load(init_dir());
   auto b = std::make_shared<const quant::weight_bundle>(models::bundle_from_params(params, models::precision_policy::named("fp8"), 1, 1, nullptr));
-  ctl->send(ws, msg::bundle_msg{{}, b, 0.0});
+  ctl->send(ws, msg::bundle_msg{{}, b});
   ctl->receive([&](std::string& who, std::string& what) {
     EXPECT_EQ(who, "weight_sync");
     EXPECT_NE(what.find("bundle v1 to rollout0 failed"), std::string::npos) << what;
     EXPECT_NE(what.find("no space left for chunk 0"), std::string::npos) << what;
   }, caf::after(std::chrono::seconds(20)) >> [] { FAIL() << "the failed transfer was not reported"; });
+  ctl->send_exit(ws, caf::exit_reason::user_shutdown);
+  caf::anon_send_exit(fake, caf::exit_reason::user_shutdown);
+}
+
+// A version a remote rollout answers "superseded" (it took a newer one first) is neither a failure
+// nor waited for: weight-sync stops sending it, reports the version the rollout adopted, and no
+// report at all for the superseded one (no rollout adopted it: there is no latency to report).
+TEST(Protocol, WeightSyncStopsASupersededTransfer) {
+  test_config cfg1, cfg2;
+  cfg1.load<caf::io::middleman>();
+  cfg2.load<caf::io::middleman>();
+  caf::actor_system sys{cfg1}, remote{cfg2};
+  auto fake = remote.spawn([](caf::event_based_actor*, uint64_t superseded) -> caf::behavior {
+    return {[superseded](msg::bundle_chunk& c) { return msg::chunk_ack{c.version, c.seq, c.version == superseded}; }};
+  }, uint64_t{1});
+  auto port = remote.middleman().publish(fake, 0, "127.0.0.1");
+  ASSERT_TRUE(port) << remote.render(port.error());
+  auto proxy = sys.middleman().remote_actor("127.0.0.1", *port);
+  ASSERT_TRUE(proxy) << sys.render(proxy.error());
+  caf::scoped_actor ctl{sys};
+  auto ws = actors::spawn_weight_sync(sys, env_with(1, 2));
+  msg::peers_msg p;
+  p.controller = caf::actor_cast<msg::controller_actor>(ctl);
+  p.rollouts = {caf::actor_cast<msg::rollout_actor>(*proxy)};
+  p.rollout_names = {"rollout0"};
+  ctl->send(ws, p);
+  const auto params = models::model_load(init_dir());
+  for (uint64_t v : {1, 2})
+    ctl->send(ws, msg::bundle_msg{{}, std::make_shared<const quant::weight_bundle>(models::bundle_from_params(
+                                          params, models::precision_policy::named("fp8"), v, v, nullptr))});
+  ctl->send(ws, msg::adopted_msg{"rollout0", 2, 2, ""});
+  ctl->receive([&](msg::sync_report& r) { EXPECT_EQ(r.version, 2u); },
+               [&](std::string& who, std::string& what) { FAIL() << who << ": " << what; },
+               caf::after(std::chrono::seconds(20)) >> [] { FAIL() << "no sync_report for v2"; });
+  // v1's answers cross the loopback connection in their own time: a wrong report or error for it
+  // would follow within the second (a negative check, so a wait)
+  ctl->receive([&](msg::sync_report& r) { FAIL() << "a report for v" << r.version; },
+               [&](std::string& who, std::string& what) { FAIL() << who << ": " << what; },
+               caf::after(std::chrono::seconds(1)) >> [] {});
   ctl->send_exit(ws, caf::exit_reason::user_shutdown);
   caf::anon_send_exit(fake, caf::exit_reason::user_shutdown);
 }

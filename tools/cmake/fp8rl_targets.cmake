@@ -3,7 +3,8 @@ include(GoogleTest)
 
 add_library(fp8rl_options INTERFACE)
 target_compile_options(fp8rl_options INTERFACE
-  $<$<COMPILE_LANGUAGE:CXX>:-Wall -Wextra -Werror -ffp-contract=off>)
+  $<$<COMPILE_LANGUAGE:CXX>:-Wall -Wextra -Werror -ffp-contract=off>
+  $<$<COMPILE_LANGUAGE:CUDA>:-Werror=all-warnings -Xcompiler=-Wall,-Wextra,-Werror>)  # the host side of .cu files
 target_include_directories(fp8rl_options INTERFACE ${CMAKE_SOURCE_DIR})
 if(NOT FP8RL_SANITIZE STREQUAL "")
   target_compile_definitions(fp8rl_options INTERFACE FP8RL_NO_CLONES)
