@@ -193,13 +193,15 @@ TEST(GpuOps, CublasLtFp8GemmExactOnIntegersAndCloseOtherwise) {
 
 // fp8-numerics.md §6: exact integers agree with FAST_ACCUM 1 as well (never used for training;
 // TE asserts split accumulation with block scaling, so cuBLASLt may have no algorithm for it:
-// that is reported as what it is, apart from the main test).
+// then the test skips saying so; any other error fails it).
 TEST(GpuOps, CublasLtFp8GemmFastAccumOnIntegers) {
   REQUIRE_GPU();
   const lt_case exact(true);
   try {
     EXPECT_EQ(fp8rl::test::first_diff(exact.run({.fast_accum = true}), exact.ref), -1);
   } catch (const gpu::gpu_error& e) {
+    // the library offering no such algorithm is its limit, not a wrong result: said, as a skip
+    if (std::string(e.what()).find("has no algorithm") != std::string::npos) GTEST_SKIP() << "FAST_ACCUM 1 with block scaling: " << e.what();
     FAIL() << "FAST_ACCUM 1 with block scaling: " << e.what();
   }
 }
