@@ -11,6 +11,7 @@
 #include <cmath>
 #include <filesystem>
 #include <set>
+#include <stdexcept>
 
 #include "actors/actors.hpp"
 #include "models/checkpoint.hpp"
@@ -509,6 +510,26 @@ TEST(Protocol, BufferRefusesShardRequestsItCannotServe) {
   self->send_exit(buf, caf::exit_reason::user_shutdown);
 }
 
+namespace {
+// `fake`, spawned in `remote`, as a rollout of another node: published on a loopback port and
+// reached from `sys` through its middleman, so weight-sync sends it bundles as chunks.
+msg::rollout_actor remote_rollout(caf::actor_system& sys, caf::actor_system& remote, const caf::actor& fake) {
+  auto port = remote.middleman().publish(fake, 0, "127.0.0.1");
+  if (!port) throw std::runtime_error(remote.render(port.error()));
+  auto proxy = sys.middleman().remote_actor("127.0.0.1", *port);
+  if (!proxy) throw std::runtime_error(sys.render(proxy.error()));
+  return caf::actor_cast<msg::rollout_actor>(*proxy);
+}
+// Peers of weight-sync: the controller ctl and one rollout, "rollout0".
+msg::peers_msg one_rollout_peers(caf::scoped_actor& ctl, const msg::rollout_actor& r) {
+  msg::peers_msg p;
+  p.controller = caf::actor_cast<msg::controller_actor>(ctl);
+  p.rollouts = {r};
+  p.rollout_names = {"rollout0"};
+  return p;
+}
+}  // namespace
+
 // A live rollout in another process that cannot take its weights (a chunk answered with an
 // error) would wait for them forever: weight-sync reports the failure to the controller, naming
 // the version, the rollout and the cause. Two actor systems in this process, joined over
@@ -524,18 +545,11 @@ TEST(Protocol, WeightSyncReportsAFailedTransferToALiveRollout) {
       return caf::make_error(caf::sec::runtime_error, why + std::to_string(c.seq));
     }};
   }, std::string("no space left for chunk "));
-  auto port = remote.middleman().publish(fake, 0, "127.0.0.1");
-  ASSERT_TRUE(port) << remote.render(port.error());
-  auto proxy = sys.middleman().remote_actor("127.0.0.1", *port);
-  ASSERT_TRUE(proxy) << sys.render(proxy.error());
-  ASSERT_NE(proxy->node(), sys.node());
+  const msg::rollout_actor ro = remote_rollout(sys, remote, fake);
+  ASSERT_NE(ro.node(), sys.node());
   caf::scoped_actor ctl{sys};
   auto ws = actors::spawn_weight_sync(sys, env_with(1, 2));
-  msg::peers_msg p;
-  p.controller = caf::actor_cast<msg::controller_actor>(ctl);
-  p.rollouts = {caf::actor_cast<msg::rollout_actor>(*proxy)};
-  p.rollout_names = {"rollout0"};
-  ctl->send(ws, p);
+  ctl->send(ws, one_rollout_peers(ctl, ro));
   const auto params = models::model_load(init_dir());
   auto b = std::make_shared<const quant::weight_bundle>(models::bundle_from_params(params, models::precision_policy::named("fp8"), 1, 1, nullptr));
   ctl->send(ws, msg::bundle_msg{{}, b});
@@ -559,17 +573,9 @@ TEST(Protocol, WeightSyncStopsASupersededTransfer) {
   auto fake = remote.spawn([](caf::event_based_actor*, uint64_t superseded) -> caf::behavior {
     return {[superseded](msg::bundle_chunk& c) { return msg::chunk_ack{c.version, c.seq, c.version == superseded}; }};
   }, uint64_t{1});
-  auto port = remote.middleman().publish(fake, 0, "127.0.0.1");
-  ASSERT_TRUE(port) << remote.render(port.error());
-  auto proxy = sys.middleman().remote_actor("127.0.0.1", *port);
-  ASSERT_TRUE(proxy) << sys.render(proxy.error());
   caf::scoped_actor ctl{sys};
   auto ws = actors::spawn_weight_sync(sys, env_with(1, 2));
-  msg::peers_msg p;
-  p.controller = caf::actor_cast<msg::controller_actor>(ctl);
-  p.rollouts = {caf::actor_cast<msg::rollout_actor>(*proxy)};
-  p.rollout_names = {"rollout0"};
-  ctl->send(ws, p);
+  ctl->send(ws, one_rollout_peers(ctl, remote_rollout(sys, remote, fake)));
   const auto params = models::model_load(init_dir());
   for (uint64_t v : {1, 2})
     ctl->send(ws, msg::bundle_msg{{}, std::make_shared<const quant::weight_bundle>(models::bundle_from_params(
