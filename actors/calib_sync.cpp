@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <deque>
 #include <map>
 #include <optional>
@@ -114,14 +115,15 @@ msg::weight_sync_actor spawn_weight_sync(caf::actor_system& sys, std::shared_ptr
     actor_failures_named(self, "the weight-sync actor");
     self->state.env = env;
     auto log = log_get("weight_sync");
-    // Version v is reported once no live rollout is pending on it: with the latency of its last
-    // adoption; not at all where every rollout took a newer version first (there is no latency).
+    // Version v is reported once no live rollout is pending on it (the controller's staleness gate
+    // waits for it), with the latency of its last adoption -- NaN (null in metrics.jsonl) where no
+    // rollout adopted it: every one took a newer version first, or left.
     auto report_if_done = [self](uint64_t v, sync_version& sv) {
       if (!sv.waiting.empty() || !sv.bundle || sv.reported) return;
       sv.reported = true;
-      if (sv.adopted > 0)
-        self->send(self->state.peers.controller,
-                   msg::sync_report{v, sv.max_latency, static_cast<double>(sv.bundle->bytes()), sv.cross, sv.transfer_s});
+      const double latency = sv.adopted > 0 ? sv.max_latency : std::nan("");
+      self->send(self->state.peers.controller,
+                 msg::sync_report{v, latency, static_cast<double>(sv.bundle->bytes()), sv.cross, sv.transfer_s});
     };
     // Rollout `name` is done with version v: adopted it, or (adopted false) took a newer one before
     // v's chunks were all there.
