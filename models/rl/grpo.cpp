@@ -172,10 +172,9 @@ loss_result policy_loss(const token_batch_rl& b, const grpo_config& cfg, double 
     const double lr_raw = cfg.kl_beta > 0 ? static_cast<double>(b.ref[t]) - b.c[t] : NAN;
     if (!std::isnan(lr_raw)) {  // NaN: both logprobs -inf (or one NaN), no term
       const double lr = std::clamp(lr_raw, -20.0, 20.0);
-      const double k3_raw = std::exp(lr) - lr - 1.0;
-      const double k3 = std::clamp(k3_raw, -10.0, 10.0);
-      out.kl += cfg.kl_beta * mk * k3 / N;
-      if (lr == lr_raw && k3 == k3_raw) g += cfg.kl_beta * mk * (1.0 - std::exp(lr)) / N;
+      const double k3_raw = k3(lr), k3_clamped = std::clamp(k3_raw, -10.0, 10.0);
+      out.kl += cfg.kl_beta * mk * k3_clamped / N;
+      if (lr == lr_raw && k3_clamped == k3_raw) g += cfg.kl_beta * mk * (1.0 - std::exp(lr)) / N;
     }
     out.dc[t] = static_cast<float>(g);
   }
@@ -193,6 +192,9 @@ void mismatch_metrics(const token_batch_rl& b, const is_result& is, const grpo_c
                       const std::string& prefix, metric_map& out) {
   const int64_t n = b.size();
   double tmpe = 0, gkl = 0, pkl = 0, js = 0, sir = 0, ent = 0, ntok = 0;
+  // N counts the tokens whose logprob or weight was not finite (the loss keeps them, w~ = 0), but
+  // they have no mismatch term: over N they read a perfect match as 1 - their share.
+  double nonfinite_in_n = 0;
   // e_i over each sequence's finite tokens before the filter, and over those left after it
   const size_t S = static_cast<size_t>(b.n_seqs);
   std::vector<double> e(S, 0.0), cnt(S, 0.0), e_all(S, 0.0), cnt_all(S, 0.0);
@@ -203,23 +205,22 @@ void mismatch_metrics(const token_batch_rl& b, const is_result& is, const grpo_c
     }
   for (int64_t t = 0; t < n; ++t) {
     const double m = is.mask[t];
-    if (m == 0.0) continue;
+    if (m == 0.0) {  // out of the metrics: filtered (out of N too), or not finite (in N)
+      nonfinite_in_n += b.mask[t] > 0 && !(is.filtered.size() && is.filtered[t]);
+      continue;
+    }
     const double g = b.g[t], p = b.p[t], d = p - g;
     tmpe += m * std::exp(std::fabs(g - p));
-    gkl += m * (std::exp(d) - d - 1.0);
-    pkl += m * (std::exp(-d) - (-d) - 1.0);
+    gkl += m * k3(d);
+    pkl += m * k3(-d);
     const double l = std::log(0.5 * std::exp(p) + 0.5 * std::exp(g));
-    js += m * 0.5 * ((std::exp(p - l) - (p - l) - 1.0) + (std::exp(g - l) - (g - l) - 1.0));
+    js += m * 0.5 * (k3(p - l) + k3(g - l));
     sir += m * is.w[t];
     ent += -m * std::exp(static_cast<double>(b.c[t]) - g) * b.c[t];
     ntok += m;
     e[b.seq[t]] += std::exp(std::fabs(g - p));
     cnt[b.seq[t]] += 1;
   }
-  // N counts the tokens whose logprob or weight was not finite (the loss keeps them, w~ = 0), but
-  // they have no mismatch term: over N they read a perfect match as 1 - their share.
-  double nonfinite_in_n = 0;
-  for (int64_t t = 0; t < n; ++t) nonfinite_in_n += b.mask[t] > 0 && is.mask[t] == 0 && !(is.filtered.size() && is.filtered[t]);
   const double Nm = N - nonfinite_in_n;
   auto per_token = [&](double sum) { return Nm > 0 ? sum / Nm : 0.0; };
   out[prefix + "token_mult_prob_error"] = per_token(tmpe);

@@ -7,6 +7,7 @@
 // the update; p_t := c_t detached in async mode), current c_t (learner, with gradient), ref_t
 // (reference policy, only for KL). N = sum m_t over the global batch, given by the caller.
 #pragma once
+#include <cmath>
 #include <cstdint>
 #include <map>
 #include <optional>
@@ -48,6 +49,10 @@ struct token_batch_rl {
 };
 
 using metric_map = std::map<std::string, double>;
+
+// The k3 estimator's term e^d - d - 1 (>= 0) of a log-ratio d: the KL penalty's, the mismatch
+// KLs' (gen_kl_error: d = p - g) and audit mode's.
+inline double k3(double d) { return std::exp(d) - d - 1.0; }
 
 // Truncated IS weights w~ (no gradient) and the masks after seq-mask-tis / the sequence
 // logprob-error filter. Non-finite raw weights become 0 and are counted in metrics.

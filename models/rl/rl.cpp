@@ -230,7 +230,6 @@ void audit_sums::add(double c, double q, double q8, double g) {
     nonfinite += 1;
     return;
   }
-  auto k3 = [](double d) { return std::exp(d) - d - 1.0; };
   stale_kl += k3(c - q);
   prec_kl += k3(q - g);
   prec_tmpe += std::exp(std::fabs(q - g));
