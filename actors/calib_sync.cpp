@@ -85,13 +85,17 @@ msg::calibration_actor spawn_calibration(caf::actor_system& sys, std::shared_ptr
         return;
       }
       const double sec = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-      self->send(s.peers.controller, msg::step_report{{}, pm.version, {{"calibration_s", sec}}});
+      msg::step_report rep{{}, pm.version, {{"calibration_s", sec}}};
+      trace_send("calibration", "step_report", rep.trace, static_cast<int64_t>(pm.version));
+      self->send(s.peers.controller, std::move(rep));
       msg::bundle_msg out{{}, std::move(b)};
-      trace_send("calibration", "bundle_msg", out.trace, static_cast<int64_t>(pm.version));
+      trace_send("calibration", "bundle_msg", out.trace, static_cast<int64_t>(pm.version), 0,
+                 static_cast<int64_t>(out.bundle->snapshot.scale_version));
       self->send(s.peers.weight_sync, std::move(out));
     };
     return {
         [self, calibrate](msg::peers_msg& p) {
+          trace_recv("calibration", "peers_msg", p.trace);
           self->state.peers = std::move(p);
           if (auto pm = std::move(self->state.early)) {
             self->state.early.reset();
@@ -122,8 +126,9 @@ msg::weight_sync_actor spawn_weight_sync(caf::actor_system& sys, std::shared_ptr
       if (!sv.waiting.empty() || !sv.bundle || sv.reported) return;
       sv.reported = true;
       const double latency = sv.adopted > 0 ? sv.max_latency : std::nan("");
-      self->send(self->state.peers.controller,
-                 msg::sync_report{v, latency, static_cast<double>(sv.bundle->bytes()), sv.cross, sv.transfer_s});
+      msg::sync_report r{{}, v, latency, static_cast<double>(sv.bundle->bytes()), sv.cross, sv.transfer_s};
+      trace_send("weight_sync", "sync_report", r.trace, static_cast<int64_t>(v));
+      self->send(self->state.peers.controller, std::move(r));
     };
     // Rollout `name` is done with version v: adopted it, or (adopted false) took a newer one before
     // v's chunks were all there.
@@ -162,6 +167,7 @@ msg::weight_sync_actor spawn_weight_sync(caf::actor_system& sys, std::shared_ptr
         trace_send("weight_sync", "bundle_chunk", c.trace, static_cast<int64_t>(version), double(c.bytes.size()));
         self->request(r, std::chrono::seconds(60), std::move(c)).then(
             [self, pr, send_one, total, version, t_start, name, log, heard](msg::chunk_ack& ack) {
+              trace_recv("weight_sync", "chunk_ack", ack.trace, static_cast<int64_t>(version));
               if (pr->failed) return;
               if (ack.superseded) {  // the rollout took a newer version's chunks: stop sending this one
                 pr->failed = true;
@@ -203,7 +209,8 @@ msg::weight_sync_actor spawn_weight_sync(caf::actor_system& sys, std::shared_ptr
                                            const sync_version& sv, std::shared_ptr<const std::vector<char>>& bytes) {
       if (r.node() == self->node()) {
         msg::bundle_msg out{{}, sv.bundle};
-        trace_send("weight_sync", "bundle_msg", out.trace, static_cast<int64_t>(v));
+        trace_send("weight_sync", "bundle_msg", out.trace, static_cast<int64_t>(v), 0,
+                   static_cast<int64_t>(sv.bundle->snapshot.scale_version));
         self->send(r, std::move(out));
         return true;
       }
@@ -221,6 +228,7 @@ msg::weight_sync_actor spawn_weight_sync(caf::actor_system& sys, std::shared_ptr
     return {
         [self, send_bundle, report_if_done](msg::peers_msg& p) {
           auto& s = self->state;
+          trace_recv("weight_sync", "peers_msg", p.trace);
           std::set<caf::actor_addr> known;
           for (const auto& r : s.peers.rollouts) known.insert(r.address());
           s.peers = std::move(p);
@@ -249,9 +257,10 @@ msg::weight_sync_actor spawn_weight_sync(caf::actor_system& sys, std::shared_ptr
         [self, send_bundle](msg::bundle_msg& bm) {
           auto& s = self->state;
           const uint64_t v = bm.bundle->weight_version;
-          trace_recv("weight_sync", "bundle_msg", bm.trace, static_cast<int64_t>(v));
+          const auto scale_v = static_cast<int64_t>(bm.bundle->snapshot.scale_version);
+          trace_recv("weight_sync", "bundle_msg", bm.trace, static_cast<int64_t>(v), 0, scale_v);
           log_get("weight_sync")->debug("publishing v{} to {} rollouts", v, s.peers.rollouts.size());
-          trace_span span("weight_sync", "publish", static_cast<int64_t>(v), static_cast<double>(bm.bundle->bytes()));
+          trace_span span("weight_sync", "publish", static_cast<int64_t>(v), static_cast<double>(bm.bundle->bytes()), scale_v);
           auto& sv = s.versions[v];
           sv.bundle = bm.bundle;
           sv.published_at = now_s();
@@ -266,6 +275,8 @@ msg::weight_sync_actor spawn_weight_sync(caf::actor_system& sys, std::shared_ptr
         },
         [self, log, heard](msg::adopted_msg& a) {
           auto& s = self->state;
+          trace_recv("weight_sync", "adopted_msg", a.trace, static_cast<int64_t>(a.weight_version), 0,
+                     static_cast<int64_t>(a.scale_version));
           if (!a.error.empty()) {
             ++s.refused;
             log->error("{} refused bundle v{}: {}", a.rollout, a.weight_version, a.error);

@@ -143,13 +143,18 @@ msg::controller_actor spawn_controller(caf::actor_system& sys, std::shared_ptr<c
       }
     };
     auto broadcast_peers = [self] {
-      auto& p = self->state.peers;
-      self->send(p.buffer, p);
-      self->send(p.reward, p);
-      self->send(p.weight_sync, p);
-      self->send(p.calibration, p);
-      for (auto& l : p.learners) self->send(l, p);
-      for (auto& r : p.rollouts) self->send(r, p);
+      const auto& p = self->state.peers;
+      auto tell = [self, &p](const auto& to) {  // a copy per recipient: each send is one traced message
+        msg::peers_msg m = p;
+        trace_send("controller", "peers_msg", m.trace);
+        self->send(to, std::move(m));
+      };
+      tell(p.buffer);
+      tell(p.reward);
+      tell(p.weight_sync);
+      tell(p.calibration);
+      for (const auto& l : p.learners) tell(l);
+      for (const auto& r : p.rollouts) tell(r);
     };
     self->set_down_handler([self, finish, issue, broadcast_peers, log](caf::down_msg& dm) {
       auto& s = self->state;
@@ -197,6 +202,7 @@ msg::controller_actor spawn_controller(caf::actor_system& sys, std::shared_ptr<c
     return {
         [self, all_actors, issue_ready, broadcast_peers](msg::peers_msg& p, std::vector<caf::actor>& agents) {
           auto& s = self->state;
+          trace_recv("controller", "peers_msg", p.trace);
           s.peers = std::move(p);
           s.agents = std::move(agents);
           log_get("controller")->debug("wired: {} learners, {} rollouts", s.peers.learners.size(), s.peers.rollouts.size());
@@ -251,6 +257,7 @@ msg::controller_actor spawn_controller(caf::actor_system& sys, std::shared_ptr<c
         },
         [self, issue](msg::admitted_msg& a) {
           auto& s = self->state;
+          trace_recv("controller", "admitted_msg", a.trace, static_cast<int64_t>(a.step));
           const auto key = std::make_pair(a.step, a.prompt_id);
           if (a.dropped && a.reason.rfind("stale", 0) == 0) {  // regenerate with newer weights
             auto it = s.issued.find(key);
@@ -263,6 +270,7 @@ msg::controller_actor spawn_controller(caf::actor_system& sys, std::shared_ptr<c
         },
         [self, issue_ready](msg::sync_report& r) {
           auto& s = self->state;
+          trace_recv("controller", "sync_report", r.trace, static_cast<int64_t>(r.version));
           s.synced_version = std::max<int64_t>(s.synced_version, static_cast<int64_t>(r.version));
           issue_ready();
           s.extras["sync_version"] = double(r.version);

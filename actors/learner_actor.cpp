@@ -350,7 +350,10 @@ msg::learner_actor spawn_learner(caf::actor_system& sys, std::shared_ptr<const a
               [fail](caf::error& err) { fail("batch request failed: " + caf::to_string(err)); });
     };
     return {
-        [self](msg::peers_msg& p) { self->state.peers = std::move(p); },
+        [self](msg::peers_msg& p) {
+          trace_recv("learner" + std::to_string(self->state.rank), "peers_msg", p.trace);
+          self->state.peers = std::move(p);
+        },
         [self, request_batch, fail](msg::start_atom, uint64_t) {
           log_get("learner")->debug("learner{} start at v{}", self->state.rank, self->state.version);
           auto& s = self->state;

@@ -47,7 +47,10 @@ msg::reward_actor spawn_reward(caf::actor_system& sys, std::shared_ptr<const act
     actor_failures_named(self, "the reward actor");
     self->state.env = env;
     return {
-        [self](msg::peers_msg& p) { self->state.peers = std::move(p); },
+        [self](msg::peers_msg& p) {
+          trace_recv("reward", "peers_msg", p.trace);
+          self->state.peers = std::move(p);
+        },
         [self](msg::group_msg& g) {
           auto& s = self->state;
           trace_recv("reward", "group_msg", g.trace, static_cast<int64_t>(g.step));
@@ -76,8 +79,12 @@ msg::buffer_actor spawn_buffer(caf::actor_system& sys, std::shared_ptr<const act
     actor_failures_named(self, "the trajectory buffer");
     self->state.env = env;
     auto log = log_get("buffer");
+    auto tell_controller = [self](msg::admitted_msg a) {
+      trace_send("buffer", "admitted_msg", a.trace, static_cast<int64_t>(a.step));
+      self->send(self->state.peers.controller, std::move(a));
+    };
     // Delivers step `step` to its waiting learners once all its groups are in and fresh.
-    auto try_deliver = [self, log](uint64_t step) {
+    auto try_deliver = [self, log, tell_controller](uint64_t step) {
       auto& s = self->state;
       auto wt = s.waiting.find(step);
       // every learner rank takes its shard of the same batch: wait until all of them asked
@@ -89,7 +96,7 @@ msg::buffer_actor spawn_buffer(caf::actor_system& sys, std::shared_ptr<const act
         const uint64_t v = oldest_version(it->second);
         if (s.learner_version > v && s.learner_version - v > static_cast<uint64_t>(s.env->cfg.max_staleness)) {
           ++s.dropped_stale;
-          self->send(s.peers.controller, msg::admitted_msg{step, it->first, true, "stale: weight_version " + std::to_string(v)});
+          tell_controller(msg::admitted_msg{{}, step, it->first, true, "stale: weight_version " + std::to_string(v)});
           it = groups.erase(it);
         } else {
           ++it;
@@ -133,8 +140,11 @@ msg::buffer_actor spawn_buffer(caf::actor_system& sys, std::shared_ptr<const act
       s.steps.erase(step);
     };
     return {
-        [self](msg::peers_msg& p) { self->state.peers = std::move(p); },
-        [self, try_deliver](msg::group_msg& g) {
+        [self](msg::peers_msg& p) {
+          trace_recv("buffer", "peers_msg", p.trace);
+          self->state.peers = std::move(p);
+        },
+        [self, try_deliver, tell_controller](msg::group_msg& g) {
           auto& s = self->state;
           trace_recv("buffer", "group_msg", g.trace, static_cast<int64_t>(g.step));
           if (s.kv_saturated.size() < g.kv_saturated.size()) s.kv_saturated.resize(g.kv_saturated.size(), 0);
@@ -142,13 +152,13 @@ msg::buffer_actor spawn_buffer(caf::actor_system& sys, std::shared_ptr<const act
           const auto key = std::make_pair(g.step, g.prompt_id);
           if (s.delivered.count(key) || s.steps[g.step].count(g.prompt_id)) {  // re-issued work finished twice
             ++s.dropped_dup;
-            self->send(s.peers.controller, msg::admitted_msg{g.step, g.prompt_id, true, "duplicate"});
+            tell_controller(msg::admitted_msg{{}, g.step, g.prompt_id, true, "duplicate"});
             return;
           }
           ++s.admitted;
           const uint64_t step = g.step, pid = g.prompt_id;
           s.steps[step].emplace(pid, std::move(g));
-          self->send(s.peers.controller, msg::admitted_msg{step, pid, false, ""});
+          tell_controller(msg::admitted_msg{{}, step, pid, false, ""});
           try_deliver(step);
         },
         [self, try_deliver](msg::batch_atom, uint64_t step, int32_t rank, int32_t world, uint64_t learner_version) {

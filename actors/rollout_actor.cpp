@@ -79,26 +79,32 @@ msg::rollout_actor spawn_rollout(caf::actor_system& sys, std::shared_ptr<const a
     };
     // A restarted rollout can get its weights before its peers_msg (weight-sync hears of it
     // first): a send to the unset handle would be dropped, and that version never reported.
-    auto tell_weight_sync = [self](msg::adopted_msg a) {
+    auto send_adopted = [self](msg::adopted_msg a) {
       auto& s = self->state;
-      if (s.peers.weight_sync) self->send(s.peers.weight_sync, std::move(a));
-      else s.unsent.push_back(std::move(a));
+      trace_send(s.name, "adopted_msg", a.trace, static_cast<int64_t>(a.weight_version), 0, static_cast<int64_t>(a.scale_version));
+      self->send(s.peers.weight_sync, std::move(a));
+    };
+    auto tell_weight_sync = [self, send_adopted](msg::adopted_msg a) {
+      if (self->state.peers.weight_sync) send_adopted(std::move(a));
+      else self->state.unsent.push_back(std::move(a));
     };
     auto adopt = [self, schedule, log, tell_weight_sync](std::shared_ptr<const quant::weight_bundle> b) {
       auto& s = self->state;
-      trace_span span(s.name, "adopt", static_cast<int64_t>(b->weight_version), static_cast<double>(b->bytes()));
+      trace_span span(s.name, "adopt", static_cast<int64_t>(b->weight_version), static_cast<double>(b->bytes()),
+                      static_cast<int64_t>(b->snapshot.scale_version));
       log->debug("{} adopting v{}", s.name, b->weight_version);
       std::string err;
       s.arena->execute([&] { err = s.eng->adopt(b); });
       if (!err.empty()) log->error("{}: refused bundle v{}: {}", s.name, b->weight_version, err);
-      tell_weight_sync(msg::adopted_msg{s.name, b->weight_version, b->snapshot.scale_version, err});
+      tell_weight_sync(msg::adopted_msg{{}, s.name, b->weight_version, b->snapshot.scale_version, err});
       schedule();
     };
     return {
-        [self](msg::peers_msg& p) {
+        [self, send_adopted](msg::peers_msg& p) {
           auto& s = self->state;
+          trace_recv(s.name, "peers_msg", p.trace);
           s.peers = std::move(p);
-          for (auto& a : s.unsent) self->send(s.peers.weight_sync, std::move(a));
+          for (auto& a : s.unsent) send_adopted(std::move(a));
           s.unsent.clear();
         },
         [self, schedule, fatal](msg::work_msg& w) {
@@ -135,7 +141,8 @@ msg::rollout_actor spawn_rollout(caf::actor_system& sys, std::shared_ptr<const a
           schedule();
         },
         [self, adopt](msg::bundle_msg& b) {
-          trace_recv(self->state.name, "bundle_msg", b.trace, static_cast<int64_t>(b.bundle->weight_version));
+          trace_recv(self->state.name, "bundle_msg", b.trace, static_cast<int64_t>(b.bundle->weight_version), 0,
+                     static_cast<int64_t>(b.bundle->snapshot.scale_version));
           adopt(b.bundle);
         },
         [self, tell_weight_sync](msg::bundle_chunk& c) -> caf::result<msg::chunk_ack> {
@@ -153,27 +160,37 @@ msg::rollout_actor spawn_rollout(caf::actor_system& sys, std::shared_ptr<const a
             s.chunks.insert(s.chunks.end(), c.bytes.begin(), c.bytes.end());
           } else {  // the rest of a superseded version: weight-sync stops sending it (it was acked
                     // as received, then dropped, and the version never reported)
-            return msg::chunk_ack{c.version, c.seq, true};
+            msg::chunk_ack ack{{}, c.version, c.seq, true};
+            trace_send(s.name, "chunk_ack", ack.trace, static_cast<int64_t>(c.version));
+            return ack;
           }
           auto rp = self->make_response_promise<msg::chunk_ack>();
-          rp.deliver(msg::chunk_ack{c.version, c.seq, false});  // acked on receipt: the ack means "bytes here"
+          msg::chunk_ack ack{{}, c.version, c.seq, false};
+          trace_send(s.name, "chunk_ack", ack.trace, static_cast<int64_t>(c.version));
+          rp.deliver(std::move(ack));  // acked on receipt: the ack means "bytes here"
           if (c.seq + 1 == c.total && c.version == s.chunk_version) {
             msg::bundle_wire w;
             caf::binary_deserializer src(self->system(), s.chunks);
             std::shared_ptr<quant::weight_bundle> b;
             if (auto err = src(w)) {
-              tell_weight_sync(msg::adopted_msg{s.name, c.version, 0, "bundle does not deserialize: " + self->system().render(err)});
+              tell_weight_sync(msg::adopted_msg{{}, s.name, c.version, 0, "bundle does not deserialize: " + self->system().render(err)});
             } else {
               try {
                 b = std::make_shared<quant::weight_bundle>(msg::bundle_from_wire(std::move(w)));
               } catch (const std::exception& e) {
-                tell_weight_sync(msg::adopted_msg{s.name, c.version, 0, e.what()});
+                tell_weight_sync(msg::adopted_msg{{}, s.name, c.version, 0, e.what()});
               }
             }
             s.chunks.clear();
             s.chunks.shrink_to_fit();
-            // adopt in a message of its own: adoption happens between two engine steps
-            if (b) self->send(self, msg::bundle_msg{{}, std::move(b)});
+            // adopt in a message of its own: adoption happens between two engine steps (traced:
+            // the timeline links the last chunk to the adoption)
+            if (b) {
+              msg::bundle_msg m{{}, std::move(b)};
+              trace_send(s.name, "bundle_msg", m.trace, static_cast<int64_t>(m.bundle->weight_version), 0,
+                         static_cast<int64_t>(m.bundle->snapshot.scale_version));
+              self->send(self, std::move(m));
+            }
           }
           return rp;
         },
@@ -183,8 +200,10 @@ msg::rollout_actor spawn_rollout(caf::actor_system& sys, std::shared_ptr<const a
           if (!s.eng->has_weights() || s.eng->idle()) return;
           std::vector<models::gen_result> fin;
           try {
-            trace_span span(s.name, "decode_step", static_cast<int64_t>(s.eng->weight_version()));
+            trace_span span(s.name, "decode_step");
             s.arena->execute([&] { fin = s.eng->step(); });
+            // the versions the step ran under (it switches to a staged bundle before its forward)
+            span.set_versions(static_cast<int64_t>(s.eng->weight_version()), static_cast<int64_t>(s.eng->scale_version()));
           } catch (const std::exception& e) {
             return fatal(std::string("decode step: ") + e.what());
           }

@@ -66,20 +66,21 @@ uint64_t trace_writer::next_message_id() {
   return id_salt_ + ++id_next_;
 }
 
-void trace_send(const std::string& actor, const char* type, msg::trace_ctx& ctx, int64_t wv, double bytes) {
+void trace_send(const std::string& actor, const char* type, msg::trace_ctx& ctx, int64_t wv, double bytes, int64_t sv) {
   auto& w = trace_writer::process();
   if (!w.enabled()) return;
   ctx.span_id = w.next_message_id();
   if (ctx.trace_id == 0) ctx.trace_id = ctx.span_id;
   ctx.lamport = w.lamport_tick(actor);
-  w.event(actor, type, "send", trace_now_us(), 0, bytes, wv, -1, ctx.lamport, ctx.span_id);
+  w.event(actor, type, "send", trace_now_us(), 0, bytes, wv, sv, ctx.lamport, ctx.span_id);
 }
 
-void trace_recv(const std::string& actor, const char* type, const msg::trace_ctx& ctx, int64_t wv, double bytes) {
+void trace_recv(const std::string& actor, const char* type, const msg::trace_ctx& ctx, int64_t wv, double bytes,
+                int64_t sv) {
   auto& w = trace_writer::process();
   if (!w.enabled() || ctx.span_id == 0) return;  // an untraced sender (or tracing off there)
   const uint64_t clock = w.lamport_tick(actor, ctx.lamport);
-  w.event(actor, type, "recv", trace_now_us(), 0, bytes, wv, -1, clock, ctx.span_id);
+  w.event(actor, type, "recv", trace_now_us(), 0, bytes, wv, sv, clock, ctx.span_id);
 }
 
 

@@ -2,7 +2,7 @@
 // defines: trace_writer, trace_span, trace_now_us, trace_send, trace_recv
 //
 // One line per event: {"node", "actor", "name", "ts" (µs since epoch), "dur" (µs), "bytes",
-// "wv" (weight version), "sv" (scale version), "lamport", "msg" (message id, send/recv),
+// "wv" (weight version), "sv" (scale version of a bundle, an adoption, a decode step), "lamport", "msg" (message id, send/recv),
 // "pid", "kind": "span"|"send"|"recv"}. Spans time what an actor does; send/recv pairs (one "msg" id,
 // the sender's Lamport clock carried in the message's trace_ctx) give the causal order across
 // processes, from which fp8rl-trace computes vector clocks (caf-0.17.md §7).
@@ -48,24 +48,26 @@ class trace_writer {
 
 // Message events: trace_send stamps ctx (a fresh id, the sender's clock) and records the send;
 // trace_recv records the receive of a message stamped so. No-ops while tracing is off.
-void trace_send(const std::string& actor, const char* type, msg::trace_ctx& ctx, int64_t wv = -1, double bytes = 0);
-void trace_recv(const std::string& actor, const char* type, const msg::trace_ctx& ctx, int64_t wv = -1, double bytes = 0);
+// wv / sv: the weight / scale version the message is of (-1: none).
+void trace_send(const std::string& actor, const char* type, msg::trace_ctx& ctx, int64_t wv = -1, double bytes = 0,
+                int64_t sv = -1);
+void trace_recv(const std::string& actor, const char* type, const msg::trace_ctx& ctx, int64_t wv = -1, double bytes = 0,
+                int64_t sv = -1);
 
 // RAII span: records [construction, destruction) as one event.
 class trace_span {
  public:
-  trace_span(std::string actor, std::string name, int64_t wv = -1, double bytes = 0)
-      : actor_(std::move(actor)), name_(std::move(name)), wv_(wv), bytes_(bytes), t0_(trace_now_us()) {}
+  trace_span(std::string actor, std::string name, int64_t wv = -1, double bytes = 0, int64_t sv = -1)
+      : actor_(std::move(actor)), name_(std::move(name)), wv_(wv), sv_(sv), bytes_(bytes), t0_(trace_now_us()) {}
   ~trace_span() {
     auto& w = trace_writer::process();
-    if (w.enabled()) w.event(actor_, name_, "span", t0_, trace_now_us() - t0_, bytes_, wv_);
+    if (w.enabled()) w.event(actor_, name_, "span", t0_, trace_now_us() - t0_, bytes_, wv_, sv_);
   }
-  void set_version(int64_t wv) { wv_ = wv; }
-  void set_bytes(double b) { bytes_ = b; }
+  void set_versions(int64_t wv, int64_t sv) { wv_ = wv, sv_ = sv; }
 
  private:
   std::string actor_, name_;
-  int64_t wv_;
+  int64_t wv_, sv_;
   double bytes_;
   int64_t t0_;
 };

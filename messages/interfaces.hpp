@@ -16,17 +16,19 @@ struct peers_msg;
 
 // A group reached the buffer (accounting: the controller stops tracking it as in flight).
 struct admitted_msg {
+  trace_ctx trace;
   uint64_t step = 0, prompt_id = 0;
   bool dropped = false;  // too stale or duplicate
   std::string reason;
 };
 template <class Inspector>
 typename Inspector::result_type inspect(Inspector& f, admitted_msg& x) {
-  return f(caf::meta::type_name("admitted_msg"), x.step, x.prompt_id, x.dropped, x.reason);
+  return f(caf::meta::type_name("admitted_msg"), x.trace, x.step, x.prompt_id, x.dropped, x.reason);
 }
 
 // A bundle was adopted by every live rollout (weight-sync -> controller), for timing.
 struct sync_report {
+  trace_ctx trace;
   uint64_t version = 0;
   double latency_s = 0, bytes = 0;  // publish -> adopted by every live rollout; payload bytes
   bool cross_process = false;
@@ -34,7 +36,7 @@ struct sync_report {
 };
 template <class Inspector>
 typename Inspector::result_type inspect(Inspector& f, sync_report& x) {
-  return f(caf::meta::type_name("sync_report"), x.version, x.latency_s, x.bytes, x.cross_process, x.transfer_s);
+  return f(caf::meta::type_name("sync_report"), x.trace, x.version, x.latency_s, x.bytes, x.cross_process, x.transfer_s);
 }
 
 using metrics_t = std::map<std::string, double>;
@@ -112,10 +114,11 @@ using node_agent_actor = caf::typed_actor<
 // Every actor of the run (all nodes' actors merged) and the controller: the wiring message.
 struct peers_msg : node_actors {
   controller_actor controller;
+  trace_ctx trace;  // stamped per recipient
 };
 template <class Inspector>
 typename Inspector::result_type inspect(Inspector& f, peers_msg& x) {
-  return f(caf::meta::type_name("peers_msg"), x.controller, static_cast<node_actors&>(x));
+  return f(caf::meta::type_name("peers_msg"), x.trace, x.controller, static_cast<node_actors&>(x));
 }
 
 // The one registration point: every process calls it on its config.

@@ -118,6 +118,7 @@ struct bundle_chunk {
   std::vector<uint8_t> bytes;
 };
 struct chunk_ack {
+  trace_ctx trace;
   uint64_t version = 0;
   uint32_t seq = 0;
   bool superseded = false;  // the rollout took a newer version's chunks: it will not assemble this one
@@ -128,20 +129,21 @@ typename Inspector::result_type inspect(Inspector& f, bundle_chunk& x) {
 }
 template <class Inspector>
 typename Inspector::result_type inspect(Inspector& f, chunk_ack& x) {
-  return f(caf::meta::type_name("chunk_ack"), x.version, x.seq, x.superseded);
+  return f(caf::meta::type_name("chunk_ack"), x.trace, x.version, x.seq, x.superseded);
 }
 
 // A rollout adopted a bundle (rollout -> weight-sync).
 // Publish -> adoption is timed by weight-sync on its own clock (a rollout on another host has
 // another clock: the difference of two hosts' clocks put their skew into the latency).
 struct adopted_msg {
+  trace_ctx trace;
   std::string rollout;
   uint64_t weight_version = 0, scale_version = 0;
   std::string error;  // non-empty: refused (the rollout keeps its previous weights)
 };
 template <class Inspector>
 typename Inspector::result_type inspect(Inspector& f, adopted_msg& x) {
-  return f(caf::meta::type_name("adopted_msg"), x.rollout, x.weight_version, x.scale_version, x.error);
+  return f(caf::meta::type_name("adopted_msg"), x.trace, x.rollout, x.weight_version, x.scale_version, x.error);
 }
 
 // Learner -> controller after each optimizer step.

@@ -149,6 +149,11 @@ uint64_t generation_engine::weight_version() const {
   return current_ ? current_->weight_version : 0;
 }
 
+uint64_t generation_engine::scale_version() const {
+  std::lock_guard<std::mutex> g(adopt_mu_);
+  return current_ ? current_->scale_version : 0;
+}
+
 std::vector<gen_request> generation_engine::drain() {
   std::vector<gen_request> out(waiting_.begin(), waiting_.end());
   waiting_.clear();

@@ -125,6 +125,7 @@ class generation_engine {
   bool idle() const;
   bool has_weights() const;
   uint64_t weight_version() const;  // of the adopted weights (0: none yet); thread-safe
+  uint64_t scale_version() const;   // of their scale snapshot (0: none yet); thread-safe
   const engine_stats& stats() const { return stats_; }
   const engine_config& config() const { return ec_; }
   // Requests not finished (waiting + active, with what they generated so far discarded), e.g.

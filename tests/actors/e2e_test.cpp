@@ -5,11 +5,13 @@
 // local rollout restarted, caf-run's supervision; the AMX tiles recipe.
 #include <gtest/gtest.h>
 
+#include <array>
 #include <chrono>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
+#include <regex>
 #include <set>
 #include <stdexcept>
 #include <thread>
@@ -398,22 +400,35 @@ TEST(E2E, TwoProcessesOnLoopbackViaCafRun) {
     per_layer += m.back()["kv_saturated_total/layer" + std::to_string(l)].get<double>();
   }
   EXPECT_EQ(m.back()["kv_saturated_total"], per_layer);
-  // one timeline of both processes: every receive has its send, bundle chunks and work cross
-  // the process boundary, and the vector clocks order them (fp8rl-trace, caf-0.17.md §7)
+  // one timeline of both processes: every receive has its send, every message type that
+  // crosses the process boundary does so in the trace, and the vector clocks order them
+  // (fp8rl-trace, caf-0.17.md §7); adoptions carry the scale version
   const auto sv = fp8rl::test::run_command(kBin + "/fp8rl-trace shiviz " + (d / "run").string());
   ASSERT_EQ(sv.rc, 0) << sv.out;
   EXPECT_NE(sv.out.find(" 0 receives without their send"), std::string::npos) << sv.out;
   std::ifstream log(d / "run" / "trace.shiviz.log");
   std::string l;
-  bool chunk_across = false, work_across = false;
+  // (receiver, message, sender whose clock the receive must hold)
+  const std::vector<std::array<std::string, 3>> across = {
+      {"rollout1@rollout1", "recv bundle_chunk", "weight_sync@main"}, {"rollout1@rollout1", "recv work_msg", "controller@main"},
+      {"rollout1@rollout1", "recv peers_msg", "controller@main"},     {"weight_sync@main", "recv chunk_ack", "rollout1@rollout1"},
+      {"weight_sync@main", "recv adopted_msg", "rollout1@rollout1"},  {"reward@main", "recv group_msg", "rollout1@rollout1"}};
+  std::set<size_t> seen;
+  bool adopted_versions = false, sync_reported = false, calibration_reported = false;
   while (std::getline(log, l)) {
-    chunk_across |= l.rfind("rollout1@rollout1 ", 0) == 0 && l.find("recv bundle_chunk") != std::string::npos &&
-                    l.find("\"weight_sync@main\"") != std::string::npos;
-    work_across |= l.rfind("rollout1@rollout1 ", 0) == 0 && l.find("recv work_msg") != std::string::npos &&
-                   l.find("\"controller@main\"") != std::string::npos;
+    for (size_t i = 0; i < across.size(); ++i)
+      if (l.rfind(across[i][0] + " ", 0) == 0 && l.find(across[i][1] + " ") != std::string::npos &&
+          l.find("\"" + across[i][2] + "\"") != std::string::npos)
+        seen.insert(i);
+    adopted_versions |= std::regex_search(l, std::regex("^weight_sync@main .* recv adopted_msg v[0-9]+ s[0-9]+ "));
+    sync_reported |= l.rfind("controller@main ", 0) == 0 && l.find("recv sync_report") != std::string::npos;
+    calibration_reported |= l.rfind("controller@main ", 0) == 0 && l.find("recv step_report") != std::string::npos &&
+                            l.find("\"calibration@main\"") != std::string::npos;
   }
-  EXPECT_TRUE(chunk_across);
-  EXPECT_TRUE(work_across);
+  for (size_t i = 0; i < across.size(); ++i) EXPECT_TRUE(seen.count(i)) << across[i][0] << " " << across[i][1];
+  EXPECT_TRUE(adopted_versions);
+  EXPECT_TRUE(sync_reported);
+  EXPECT_TRUE(calibration_reported);
   fs::remove_all(d);
 }
 

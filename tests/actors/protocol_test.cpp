@@ -171,7 +171,7 @@ TEST(Messages, EveryWireTypeRoundTrips) {
   msg::bundle_chunk c{{7, 8, 5}, 9, 1, 3, {1, 2, 3}};
   EXPECT_EQ(round_trip(sys, c).bytes, c.bytes);
   EXPECT_EQ(round_trip(sys, c).trace.lamport, 5u);  // the trace context crosses processes
-  EXPECT_EQ(round_trip(sys, msg::adopted_msg{"rollout3", 4, 4, "bad"}).error, "bad");
+  EXPECT_EQ(round_trip(sys, msg::adopted_msg{{}, "rollout3", 4, 4, "bad"}).error, "bad");
   msg::node_start ns;  // the node protocol: typed fields, not a JSON string and positional handles
   ns.recipe_json = "{}";
   ns.node = "n1";
@@ -187,8 +187,8 @@ TEST(Messages, EveryWireTypeRoundTrips) {
   EXPECT_FALSE(na2.buffer);
   msg::step_report sr{{}, 4, {{"reward_mean", 0.5}}};
   EXPECT_EQ(round_trip(sys, sr).metrics, sr.metrics);
-  EXPECT_EQ(round_trip(sys, msg::admitted_msg{1, 2, true, "stale"}).reason, "stale");
-  EXPECT_EQ(round_trip(sys, msg::sync_report{3, 0.25, 100, true}).bytes, 100);
+  EXPECT_EQ(round_trip(sys, msg::admitted_msg{{}, 1, 2, true, "stale"}).reason, "stale");
+  EXPECT_EQ(round_trip(sys, msg::sync_report{{}, 3, 0.25, 100, true}).bytes, 100);
 }
 
 namespace {
@@ -290,8 +290,8 @@ TEST(Protocol, WeightSyncFansOutInProcessAndReportsFullAdoption) {
   for (auto* r : {&r0, &r1})
     (*r)->receive([&](msg::bundle_msg& m) { EXPECT_EQ(m.bundle.get(), b.get()); },  // zero copy: the same object
                   caf::after(std::chrono::seconds(5)) >> [] { FAIL() << "no bundle"; });
-  ctl->send(ws, msg::adopted_msg{"rollout0", 1, 1, ""});
-  ctl->send(ws, msg::adopted_msg{"rollout1", 1, 1, ""});
+  ctl->send(ws, msg::adopted_msg{{}, "rollout0", 1, 1, ""});
+  ctl->send(ws, msg::adopted_msg{{}, "rollout1", 1, 1, ""});
   ctl->receive([&](msg::sync_report& s) {
     EXPECT_EQ(s.version, 1u);
     EXPECT_GE(s.latency_s, 0.0);  // publish -> the last adoption heard, on weight-sync's clock
@@ -316,7 +316,7 @@ TEST(Protocol, WeightSyncSendsABundleThatCameBeforeItsPeers) {
   for (auto* r : {&r0, &r1})
     (*r)->receive([&](msg::bundle_msg& m) { EXPECT_EQ(m.bundle.get(), b.get()); },
                   caf::after(std::chrono::seconds(5)) >> [] { FAIL() << "no bundle"; });
-  ctl->send(ws, msg::adopted_msg{"rollout0", 1, 1, ""});
+  ctl->send(ws, msg::adopted_msg{{}, "rollout0", 1, 1, ""});
   // weight-sync handles its messages in order and CAF keeps one sender's messages in order: once
   // it has answered a status request sent after the adoption, a report that adoption caused is
   // already in ctl's mailbox (deterministic; a 200 ms wait could miss a slow one)
@@ -324,7 +324,7 @@ TEST(Protocol, WeightSyncSendsABundleThatCameBeforeItsPeers) {
       .receive([](msg::metrics_t&) {}, [&](caf::error& e) { FAIL() << sys.render(e); });
   ctl->receive([&](msg::sync_report&) { FAIL() << "reported before rollout1 adopted"; },
                caf::after(std::chrono::seconds(0)) >> [] {});
-  ctl->send(ws, msg::adopted_msg{"rollout1", 1, 1, ""});
+  ctl->send(ws, msg::adopted_msg{{}, "rollout1", 1, 1, ""});
   ctl->receive([&](msg::sync_report& s) { EXPECT_EQ(s.version, 1u); },
                caf::after(std::chrono::seconds(5)) >> [] { FAIL() << "no sync_report"; });
   ctl->send_exit(ws, caf::exit_reason::user_shutdown);
@@ -572,7 +572,7 @@ TEST(Protocol, WeightSyncStopsASupersededTransfer) {
   cfg2.load<caf::io::middleman>();
   caf::actor_system sys{cfg1}, remote{cfg2};
   auto fake = remote.spawn([](caf::event_based_actor*, uint64_t superseded) -> caf::behavior {
-    return {[superseded](msg::bundle_chunk& c) { return msg::chunk_ack{c.version, c.seq, c.version == superseded}; }};
+    return {[superseded](msg::bundle_chunk& c) { return msg::chunk_ack{{}, c.version, c.seq, c.version == superseded}; }};
   }, uint64_t{1});
   caf::scoped_actor ctl{sys};
   auto ws = actors::spawn_weight_sync(sys, env_with(1, 2));
@@ -581,7 +581,7 @@ TEST(Protocol, WeightSyncStopsASupersededTransfer) {
   for (uint64_t v : {1, 2})
     ctl->send(ws, msg::bundle_msg{{}, std::make_shared<const quant::weight_bundle>(models::bundle_from_params(
                                           params, models::precision_policy::named("fp8"), v, v, nullptr))});
-  ctl->send(ws, msg::adopted_msg{"rollout0", 2, 2, ""});
+  ctl->send(ws, msg::adopted_msg{{}, "rollout0", 2, 2, ""});
   std::map<uint64_t, double> latency;  // the reports, in either order (v1's answers cross loopback)
   for (int i = 0; i < 2; ++i)
     ctl->receive([&](msg::sync_report& r) { EXPECT_TRUE(latency.emplace(r.version, r.latency_s).second) << r.version; },
@@ -663,7 +663,7 @@ class ControllerOnTestCoordinator : public ::testing::Test {
     sched.run();
   }
   void sync(uint64_t v) {  // every rollout has adopted version v
-    self->send(ctrl, msg::sync_report{v, 0.0, 0.0, false, 0.0});
+    self->send(ctrl, msg::sync_report{{}, v, 0.0, 0.0, false, 0.0});
     sched.run();
   }
   // The steps of the work issued since entry `from`, which is sorted into prompt order.
@@ -706,16 +706,16 @@ TEST_F(ControllerOnTestCoordinator, IssuesWithinTheStalenessWindow) {
   ASSERT_EQ(steps_of(6), (std::vector<uint64_t>{2, 2, 2}));
   EXPECT_EQ(work[6].w.prompt_id, 6u);
   // the buffer drops a step-2 group as stale: it is issued again, once
-  self->send(ctrl, msg::admitted_msg{2, 7, true, "stale (test)"});
+  self->send(ctrl, msg::admitted_msg{{}, 2, 7, true, "stale (test)"});
   sched.run();
   ASSERT_EQ(steps_of(9), (std::vector<uint64_t>{2}));
   EXPECT_EQ(work[9].w.prompt_id, 7u);
   // a step-0 group dropped as stale after step 0 was trained is not re-issued (nothing to redo)
-  self->send(ctrl, msg::admitted_msg{0, 0, true, "stale (test)"});
+  self->send(ctrl, msg::admitted_msg{{}, 0, 0, true, "stale (test)"});
   sched.run();
   EXPECT_EQ(work.size(), 10u);
   // rollout0 goes down: its groups in flight (not yet admitted) go to rollout1
-  for (uint64_t pid : {0, 1, 2, 3, 5}) self->send(ctrl, msg::admitted_msg{pid / 3, pid, false, ""});  // admitted ones
+  for (uint64_t pid : {0, 1, 2, 3, 5}) self->send(ctrl, msg::admitted_msg{{}, pid / 3, pid, false, ""});  // admitted ones
   sched.run();
   std::set<uint64_t> r0_open;  // rollout0 had the even prompt ids (round robin): 4, 6, 8 are open
   for (const auto& iw : work)

@@ -93,6 +93,8 @@ TEST(Trace, VectorClocksFollowTheMessages) {
            {json{{"node", "C"}, {"actor", "x"}, {"kind", "bogus"}, {"name", "m"}, {"ts", 1}}, "C.jsonl:1: kind 'bogus' is not span"},
            {json{{"node", "C"}, {"actor", "x"}, {"kind", "send"}, {"name", "m"}, {"ts", 1}, {"lamport", -1}, {"msg", 3}},
             "C.jsonl:1: 'lamport' is -1, not an integer >= 0"},
+           {json{{"node", "C"}, {"actor", "x"}, {"kind", "span"}, {"name", "m"}, {"ts", 1}, {"sv", "2"}},
+            "C.jsonl:1: 'sv' is \"2\", not an integer >= -1"},
            {json::array({1, 2, 3}), "C.jsonl:1: not an event object"}}) {
     std::ofstream(run / "traces" / "C.jsonl") << bad.dump() << "\n";
     for (const char* cmd : {"merge", "summary", "shiviz"}) {
@@ -117,6 +119,35 @@ TEST(Trace, VectorClocksFollowTheMessages) {
   const std::string text((std::istreambuf_iterator<char>(in2)), {});
   EXPECT_NE(text.find("controller@A#777 {\"controller@A#777\":1} send work_msg"), std::string::npos) << text;
   EXPECT_NE(text.find("controller@A#0 {\"controller@A#0\":1} send work_msg"), std::string::npos) << text;
+  fs::remove_all(run);
+}
+
+// The weight and scale versions an event carries reach the ShiViz log (v<wv> s<sv>) and the
+// timeline's arguments; an event without them shows neither.
+TEST(Trace, WeightAndScaleVersionsReachTheTimeline) {
+  const fs::path run = fs::temp_directory_path() / ("fp8rl_trace_versions_" + std::to_string(::getpid()));
+  fs::remove_all(run);
+  fs::create_directories(run / "traces");
+  json send = json::parse(line("A", "weight_sync", "send", "bundle_msg", 100, 1, 5)), recv = json::parse(line("A", "rollout0", "recv", "bundle_msg", 110, 2, 5));
+  send["wv"] = recv["wv"] = 3;
+  send["sv"] = recv["sv"] = 2;
+  std::ofstream(run / "traces" / "A.jsonl") << send.dump() << "\n" << recv.dump() << "\n" << line("A", "controller", "send", "peers_msg", 120, 1, 6);
+  ASSERT_EQ(fp8rl::test::run_command(kBin + "/fp8rl-trace shiviz " + run.string()).rc, 0);
+  std::ifstream in(run / "trace.shiviz.log");
+  const std::string text((std::istreambuf_iterator<char>(in)), {});
+  EXPECT_NE(text.find("send bundle_msg v3 s2 msg=5"), std::string::npos) << text;
+  EXPECT_NE(text.find("recv bundle_msg v3 s2 msg=5"), std::string::npos) << text;
+  EXPECT_NE(text.find("send peers_msg msg=6"), std::string::npos) << text;
+  ASSERT_EQ(fp8rl::test::run_command(kBin + "/fp8rl-trace merge " + run.string()).rc, 0);
+  const json t = json::parse(std::ifstream(run / "trace.json"));
+  int versioned = 0, bare = 0;
+  for (const auto& e : t["traceEvents"]) {
+    if (e["ph"] != "X") continue;
+    if (e["name"] == "bundle_msg") versioned += e["args"] == json{{"weight_version", 3}, {"scale_version", 2}};
+    if (e["name"] == "peers_msg") bare += e["args"] == json::object();
+  }
+  EXPECT_EQ(versioned, 2);
+  EXPECT_EQ(bare, 1);
   fs::remove_all(run);
 }
 

@@ -31,7 +31,7 @@ struct event {
   std::string node, actor, name, kind;
   int64_t ts = 0, dur = 0;
   double bytes = 0;
-  int64_t wv = -1;
+  int64_t wv = -1, sv = -1;  // weight / scale version (-1: none)
   uint64_t lamport = 0, msg = 0;  // send/recv: Lamport clock, message id
   int64_t pid = 0;
   std::string host;  // actor@node, plus #pid where a node's file holds several processes (a resumed run)
@@ -39,7 +39,7 @@ struct event {
 };
 
 // One event line (what actors/trace.cpp writes): node, actor, name, kind (span | send | recv) and
-// ts always; dur, pid, bytes, wv, lamport, msg where they apply. A field missing or of
+// ts always; dur, pid, bytes, wv, sv, lamport, msg where they apply. A field missing or of
 // another type is an error naming `where` (file:line): defaulted, a missing ts rebased the whole
 // timeline to 0, and a wrong type stopped the tool with the JSON library's words only.
 event event_from(const json& j, const std::string& where) {
@@ -69,6 +69,7 @@ event event_from(const json& j, const std::string& where) {
   e.dur = integer("dur", false, 0, 0);  // send/recv: instants
   e.pid = integer("pid", false, 0, 0);  // traces written before pids were: one process per file
   e.wv = integer("wv", false, -1, -1);
+  e.sv = integer("sv", false, -1, -1);
   e.lamport = static_cast<uint64_t>(integer("lamport", false, 0, 0));
   e.msg = static_cast<uint64_t>(integer("msg", false, 0, 0));
   if (j.contains("bytes") && !j["bytes"].is_number()) fail("'bytes' is not a number");
@@ -172,6 +173,7 @@ int shiviz(const fs::path& run) {
     const event& e = ev[i];
     out << e.who() << ' ' << json(vc.at(i)).dump() << ' ' << e.kind << ' ' << e.name;
     if (e.wv >= 0) out << " v" << e.wv;
+    if (e.sv >= 0) out << " s" << e.sv;
     out << " msg=" << e.msg << " ts=" << e.ts << '\n';
   }
   out.close();
@@ -197,6 +199,7 @@ int merge(const fs::path& run) {
     }
     json args = json::object();
     if (e.wv >= 0) args["weight_version"] = e.wv;
+    if (e.sv >= 0) args["scale_version"] = e.sv;
     if (e.bytes > 0) args["bytes"] = e.bytes;
     out.push_back({{"name", e.name}, {"ph", "X"}, {"ts", e.ts - ev.front().ts}, {"dur", std::max<int64_t>(e.dur, 1)},
                    {"pid", pid[e.node]}, {"tid", tid[key]}, {"args", args}});
