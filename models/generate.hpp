@@ -128,6 +128,7 @@ class generation_engine {
   uint64_t scale_version() const;   // of their scale snapshot (0: none yet); thread-safe
   const engine_stats& stats() const { return stats_; }
   const engine_config& config() const { return ec_; }
+  const model_config& model() const { return cfg_; }
   // Requests not finished (waiting + active, with what they generated so far discarded), e.g.
   // to re-queue elsewhere when this engine is stopped.
   std::vector<gen_request> drain();

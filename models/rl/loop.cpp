@@ -75,13 +75,14 @@ metric_map rl_sync_step(rl_state& st, generation_engine& eng, const dataset& tra
     for (const auto& q : st.last_trained) calib.add(q);
   const std::string err = eng.adopt(make_bundle(st, cfg, {calib}, st.version));
   if (!err.empty()) throw std::runtime_error("rl_sync_step: adoption refused: " + err);
-  for (auto& r : rollout_requests(prompts, st.prompt_cursor, tok, cfg.grpo.group_size, cfg.proc, cfg.max_new_tokens,
+  const auto stops = stop_ids(st.params.cfg, tok);
+  for (auto& r : rollout_requests(prompts, st.prompt_cursor, tok, stops, cfg.grpo.group_size, cfg.proc, cfg.max_new_tokens,
                                   cfg.seed + st.version))
     eng.submit(std::move(r));
   const auto results = eng.run_to_completion();
   std::map<uint64_t, std::string> answers;
   for (size_t i = 0; i < prompts.size(); ++i) answers[st.prompt_cursor + i] = prompts[i].answer;
-  const auto samples = rollout_samples(results, answers, tok, cfg.verifier, cfg.grpo);
+  const auto samples = rollout_samples(results, answers, tok, stops, cfg.verifier, cfg.grpo);
   const auto t1 = clk::now();
   double N = 0;
   for (const auto& s : samples) N += double(s.response.size());

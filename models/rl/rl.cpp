@@ -10,8 +10,21 @@
 
 namespace fp8rl::models {
 
+std::vector<int32_t> stop_ids(const model_config& cfg, const tokenizer& tok) {
+  std::vector<int32_t> s;
+  for (int64_t id : cfg.eos_token_ids) s.push_back(static_cast<int32_t>(id));
+  if (tok.eos >= 0 && std::find(s.begin(), s.end(), tok.eos) == s.end()) s.push_back(tok.eos);
+  return s;
+}
+
+std::vector<int32_t> response_body(std::vector<int32_t> tokens, const std::vector<int32_t>& stops) {
+  if (!tokens.empty() && std::find(stops.begin(), stops.end(), tokens.back()) != stops.end()) tokens.pop_back();
+  return tokens;
+}
+
 std::vector<gen_request> rollout_requests(const std::vector<task_example>& prompts, uint64_t first_prompt_id,
-                                          const tokenizer& tok, int64_t G, const logit_processing& proc,
+                                          const tokenizer& tok, const std::vector<int32_t>& stops, int64_t G,
+                                          const logit_processing& proc,
                                           int32_t max_tokens, uint64_t seed) {
   std::vector<gen_request> out;
   for (size_t i = 0; i < prompts.size(); ++i) {
@@ -23,7 +36,7 @@ std::vector<gen_request> rollout_requests(const std::vector<task_example>& promp
       r.max_tokens = max_tokens;
       r.proc = proc;
       r.seed = seed;
-      if (tok.eos >= 0) r.stop_tokens = {tok.eos};
+      r.stop_tokens = stops;
       out.push_back(std::move(r));
     }
   }
@@ -31,7 +44,8 @@ std::vector<gen_request> rollout_requests(const std::vector<task_example>& promp
 }
 
 std::vector<rl_sample> rollout_samples(const std::vector<gen_result>& results, const std::map<uint64_t, std::string>& answers,
-                                       const tokenizer& tok, verifier_kind vk, const grpo_config& cfg) {
+                                       const tokenizer& tok, const std::vector<int32_t>& stops, verifier_kind vk,
+                                       const grpo_config& cfg) {
   const int64_t G = cfg.group_size;
   std::vector<rl_sample> s;
   for (const auto& r : results) {
@@ -44,11 +58,9 @@ std::vector<rl_sample> rollout_samples(const std::vector<gen_result>& results, c
     x.weight_version = r.weight_version;
     x.scale_version = r.scale_version;
     x.oldest_kv_version = r.oldest_kv_version;
-    std::vector<int32_t> body = r.tokens;
-    if (!body.empty() && body.back() == tok.eos) body.pop_back();
     auto it = answers.find(x.prompt_id);
     if (it == answers.end()) throw std::invalid_argument("rollout_samples: no answer for prompt " + std::to_string(x.prompt_id));
-    x.reward = verify(vk, tok.decode(body, true), it->second);
+    x.reward = verify(vk, tok.decode(response_body(r.tokens, stops), true), it->second);
     s.push_back(std::move(x));
   }
   std::sort(s.begin(), s.end(), [](const rl_sample& a, const rl_sample& b) {
@@ -330,15 +342,13 @@ eval_result evaluate(generation_engine& eng, const dataset& data, const tokenize
                      int32_t max_tokens, uint64_t seed) {
   eval_result r;
   r.n = static_cast<int64_t>(data.items.size());
+  const auto stops = stop_ids(eng.model(), tok);
   for (float temp : {0.0f, 1.0f}) {
-    auto reqs = rollout_requests(data.items, 0, tok, 1, {temp, 0, 1.0f}, max_tokens, seed);
+    auto reqs = rollout_requests(data.items, 0, tok, stops, 1, {temp, 0, 1.0f}, max_tokens, seed);
     for (auto& q : reqs) eng.submit(std::move(q));
     double correct = 0;
-    for (const auto& res : eng.run_to_completion()) {
-      std::vector<int32_t> body = res.tokens;
-      if (!body.empty() && body.back() == tok.eos) body.pop_back();
-      correct += verify(vk, tok.decode(body, true), data.items[res.id].answer);
-    }
+    for (const auto& res : eng.run_to_completion())
+      correct += verify(vk, tok.decode(response_body(res.tokens, stops), true), data.items[res.id].answer);
     (temp == 0.0f ? r.greedy_accuracy : r.sampled_accuracy) = correct / double(r.n);
   }
   return r;

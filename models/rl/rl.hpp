@@ -29,14 +29,23 @@ struct rl_sample {
   float advantage = 0.0f;
 };
 
-// G requests per prompt: prompt = BOS + tokens(prompt text); ids = prompt_id * G + j.
+// The ids that end a response: every id of the model's eos_token_id (Llama 3.1 Instruct ends a
+// turn with <|eot_id|>, Qwen2.5 Instruct with <|im_end|>, not the tokenizer's end-of-text), then
+// the tokenizer's EOS if the model does not list it.
+std::vector<int32_t> stop_ids(const model_config& cfg, const tokenizer& tok);
+// A response without its final stop token: the text the verifier reads.
+std::vector<int32_t> response_body(std::vector<int32_t> tokens, const std::vector<int32_t>& stops);
+
+// G requests per prompt: prompt = BOS + tokens(prompt text); ids = prompt_id * G + j; each stops
+// at any of `stops` (stop_ids).
 std::vector<gen_request> rollout_requests(const std::vector<task_example>& prompts, uint64_t first_prompt_id,
-                                          const tokenizer& tok, int64_t G, const logit_processing& proc,
-                                          int32_t max_tokens, uint64_t seed);
-// Scores results (EOS stripped before decoding) and fills advantages group-wise. Results must
-// hold complete groups; `answers` maps prompt_id -> answer text.
+                                          const tokenizer& tok, const std::vector<int32_t>& stops, int64_t G,
+                                          const logit_processing& proc, int32_t max_tokens, uint64_t seed);
+// Scores results (their stop token stripped before decoding) and fills advantages group-wise.
+// Results must hold complete groups; `answers` maps prompt_id -> answer text.
 std::vector<rl_sample> rollout_samples(const std::vector<gen_result>& results, const std::map<uint64_t, std::string>& answers,
-                                       const tokenizer& tok, verifier_kind vk, const grpo_config& cfg);
+                                       const tokenizer& tok, const std::vector<int32_t>& stops, verifier_kind vk,
+                                       const grpo_config& cfg);
 
 // The learner's token batch: sample i is prompt + response without its last token (a row whose
 // output no loss reads: causal attention shows it to itself alone). With share_prompts,

@@ -454,6 +454,37 @@ TEST(Grpo, SftRefusesABatchWithoutAnswerTokens) {
   EXPECT_EQ(opt.step, 0);
 }
 
+// A response ends at any id of the model's eos_token_id (Llama 3.1 Instruct: <|eot_id|> among
+// three), not only at the tokenizer's end-of-text: rollouts ran past the answer to max tokens and
+// that text was rewarded. The verifier reads the response without whichever stop ended it.
+TEST(Grpo, ResponsesStopAtEveryModelEosIdAndTheVerifierSkipsIt) {
+  auto tok = char_tokenizer_make("0123456789+=");
+  model_config c;
+  c.eos_token_ids = {5, tok->eos, 7};
+  EXPECT_EQ(stop_ids(c, *tok), (std::vector<int32_t>{5, tok->eos, 7}));
+  c.eos_token_ids = {5, 7};
+  const auto stops = stop_ids(c, *tok);
+  EXPECT_EQ(stops, (std::vector<int32_t>{5, 7, tok->eos}));
+  c.eos_token_ids = {};
+  EXPECT_EQ(stop_ids(c, *tok), (std::vector<int32_t>{tok->eos}));
+  const auto reqs = rollout_requests({{"1+2=", "3"}}, 4, *tok, stops, 2, {}, 8, 9);
+  ASSERT_EQ(reqs.size(), 2u);
+  EXPECT_EQ(reqs[1].id, 9u);
+  EXPECT_EQ(reqs[1].stop_tokens, stops);
+  const auto three = tok->encode("3", false);
+  EXPECT_EQ(response_body({three[0], 7}, stops), three);
+  EXPECT_EQ(response_body({three[0], 6}, stops), (std::vector<int32_t>{three[0], 6}));
+  gen_result a, b;
+  a.id = 8, a.tokens = {three[0], 7};  // "3" then the model's second end id: correct
+  b.id = 9, b.tokens = {three[0], 6};  // "3" then a digit: not the answer
+  grpo_config g;
+  g.group_size = 2;
+  const auto smp = rollout_samples({a, b}, {{4, "3"}}, *tok, stops, verifier_kind::numeric, g);
+  ASSERT_EQ(smp.size(), 2u);
+  EXPECT_EQ(smp[0].reward, 1.0f);
+  EXPECT_EQ(smp[1].reward, 0.0f);
+}
+
 // Audit mode's KLs are k3 in gen_kl_error's form, d = learner side - rollout side (so precision_kl
 // at staleness 0 reads on gen_kl_error's scale); q - g = 0.5 gives e^0.5 - 1.5 = 0.1487 (the other
 // direction, e^-0.5 - 0.5, gave 0.1065). A token one side's top-k dropped has no term and is counted.
