@@ -250,10 +250,10 @@ msg::learner_actor spawn_learner(caf::actor_system& sys, std::shared_ptr<const a
     st.be = backend_for(dev);
     st.arena = std::make_unique<tbb::task_arena>(dev.index > 0 ? static_cast<int>(dev.index) : tbb::task_arena::automatic);
     st.run = std::make_unique<models::model_runner>(*st.be);
-    st.ck = models::checkpoint_load(env->init_dir);
+    st.ck = models::checkpoint_load(env->init_dir, models::checkpoint_kind::model_ok);  // run_preflight checked which kind
     st.version = env->start_version;
     if (env->cfg.kl_beta > 0) {
-      st.ref = models::checkpoint_load(env->ref_dir).params;
+      st.ref = models::checkpoint_load(env->ref_dir, models::checkpoint_kind::model_ok).params;
       st.ref_w = models::model_weights_build(*st.be, st.ref.cfg, env->rl.train_policy.training(), {&st.ref, nullptr, nullptr}, false);
     }
     st.end_version = static_cast<uint64_t>(env->cfg.steps);

@@ -335,7 +335,10 @@ std::string prepare_init(const run_config& cfg, const std::string& run_dir, bool
 // be logged and recorded in resumes/ beside recipe.conf, which keeps the first part's settings.
 std::string resume_recipe_changes(const run_config& cfg, const std::string& run_dir) {
   const fs::path stored = fs::path(run_dir) / "recipe.conf";
-  if (!fs::exists(stored)) return "";
+  // without it nothing says which task, model and seed the checkpoint's cursor and weights refer to
+  if (!fs::exists(stored))
+    throw std::invalid_argument("--resume: " + stored.string() + " is missing: the run's task, model and seed cannot be checked "
+                                "(restore it, or start a new run with --model.init=<a checkpoint of this run>)");
   run_config was;
   recipe_load_file(was, stored.string());
   std::stringstream a(recipe_dump(was)), b(recipe_dump(cfg));  // one template: the lines align
@@ -359,7 +362,9 @@ std::string resume_recipe_changes(const run_config& cfg, const std::string& run_
 // the model's vocabulary, both task splits, and metrics.jsonl for appending (a resumed run
 // drops a partial last line a crash left, with a warning).
 void run_preflight(const actor_env& env, bool resume) {
-  const auto start = models::checkpoint_load(env.init_dir);
+  // a run starts from a training checkpoint or a model directory (a Hugging Face download); a
+  // resumed one from its own checkpoint
+  const auto start = models::checkpoint_load(env.init_dir, resume ? models::checkpoint_kind::training : models::checkpoint_kind::model_ok);
   if (env.cfg.max_context > env.model.max_position_embeddings)  // each rollout's engine refused it, and was restarted
     throw std::invalid_argument("model.max_context = " + std::to_string(env.cfg.max_context) + " exceeds " + env.init_dir +
                                 "/config.json's max_position_embeddings " + std::to_string(env.model.max_position_embeddings));
@@ -370,7 +375,7 @@ void run_preflight(const actor_env& env, bool resume) {
           throw std::invalid_argument(env.init_dir + "/calibration.jsonl: token id " + std::to_string(t) +
                                       " is outside the vocabulary (" + std::to_string(env.model.vocab_size) + ")");
   if (env.cfg.kl_beta > 0 && env.ref_dir != env.init_dir) {
-    const auto ref = models::checkpoint_load(env.ref_dir);
+    const auto ref = models::checkpoint_load(env.ref_dir, models::checkpoint_kind::model_ok);
     if (ref.params.data.size() != start.params.data.size())
       throw std::invalid_argument(env.ref_dir + ": the KL reference (grpo.kl_beta > 0) does not have the shape of " + env.init_dir);
   }

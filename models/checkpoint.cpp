@@ -17,6 +17,19 @@
 namespace fp8rl::models {
 namespace fs = std::filesystem;
 
+namespace {
+// A save marks its DIR.tmp while writing it: the next save removes only a marked one (what a
+// crash left), never a directory of the same name the user keeps there.
+constexpr const char* kUnfinished = ".fp8rl-unfinished-checkpoint";
+
+// Removes `p` if absent or `ours`, else refuses naming it (what a save would have deleted).
+void remove_if_ours(const fs::path& p, bool ours, const char* why) {
+  if (!fs::exists(p)) return;
+  if (!ours) throw std::invalid_argument(p.string() + ": exists and is not " + why + " (move it away; the checkpoint was not saved)");
+  fs::remove_all(p);
+}
+}  // namespace
+
 // Deleting dir and then renaming lost both checkpoints to a crash in between (dir gone, nothing
 // ever recovered dir.tmp): the exchange, or two renames with dir.old between them.
 void checkpoint_dir_replace(const std::string& tmp, const std::string& dir, dir_swap how) {
@@ -30,7 +43,8 @@ void checkpoint_dir_replace(const std::string& tmp, const std::string& dir, dir_
       throw std::system_error(errno, std::generic_category(), "checkpoint: exchanging " + tmp + " with " + dir);
   }
   const fs::path old = dir + ".old";
-  fs::remove_all(old);
+  // a previous checkpoint a save cut after its second rename left (a whole one: config.json)
+  remove_if_ours(old, fs::exists(old / "config.json"), "a previous checkpoint");
   fs::rename(dir, old);
   fs::rename(tmp, dir);
   fs::remove_all(old);
@@ -38,7 +52,9 @@ void checkpoint_dir_replace(const std::string& tmp, const std::string& dir, dir_
 
 void checkpoint_save(const std::string& dir, const checkpoint& c, const std::function<void(const std::string&)>& extra) {
   const fs::path tmp = dir + ".tmp";
-  fs::remove_all(tmp);
+  remove_if_ours(tmp, fs::exists(tmp / kUnfinished), "an unfinished checkpoint save");
+  fs::create_directories(tmp);
+  std::ofstream(tmp / kUnfinished) << "fp8rl writes this checkpoint; it becomes " << dir << " when complete\n";
   model_save(tmp.string(), c.params);
   if (!c.opt.m.empty()) {
     st_tensors t;
@@ -59,6 +75,7 @@ void checkpoint_save(const std::string& dir, const checkpoint& c, const std::fun
   state.close();
   if (!state) throw std::runtime_error((tmp / "state.json").string() + ": write failed (the previous " + dir + " is kept)");
   if (extra) extra(tmp.string());
+  fs::remove(tmp / kUnfinished);
   checkpoint_dir_replace(tmp.string(), dir);
 }
 
@@ -74,11 +91,16 @@ uint64_t checkpoint_weight_version(const std::string& dir) {
   return s["weight_version"].get<uint64_t>();
 }
 
-checkpoint checkpoint_load(const std::string& dir) {
+checkpoint checkpoint_load(const std::string& dir, checkpoint_kind what) {
   checkpoint c;
   c.params = model_load(dir);
   const fs::path st = fs::path(dir) / "state.json";
-  if (!fs::exists(st)) throw std::invalid_argument(st.string() + ": missing (not a training checkpoint)");
+  const fs::path op = fs::path(dir) / "optimizer.safetensors";
+  if (!fs::exists(st) && what == checkpoint_kind::model_ok && !fs::exists(op)) return c;  // a model: a fresh start
+  if (!fs::exists(st))
+    throw std::invalid_argument(st.string() + ": missing (not a training checkpoint" +
+                                (fs::exists(op) ? std::string(", yet optimizer.safetensors is there)") : std::string(")")));
+  if (!fs::is_regular_file(st)) throw std::invalid_argument(st.string() + ": not a file");
   nlohmann::json s;
   try {
     std::ifstream f(st);
@@ -93,7 +115,6 @@ checkpoint checkpoint_load(const std::string& dir) {
     throw std::invalid_argument(st.string() + ": key 'adam_step' = " + s["adam_step"].dump() + " is not a step count (>= 2^62)");
   c.opt.step = s["adam_step"].get<int64_t>();
   c.state_json = s.dump();
-  const fs::path op = fs::path(dir) / "optimizer.safetensors";
   if (fs::exists(op)) {
     auto t = safetensors_read(op.string());
     c.opt.m.assign(static_cast<size_t>(c.params.layout.total), 0.0f);

@@ -30,7 +30,11 @@ struct checkpoint {
 // extra(tmp) writes the caller's files into the temporary directory before it becomes dir.
 void checkpoint_save(const std::string& dir, const checkpoint& c,
                      const std::function<void(const std::string& tmp)>& extra = {});
-checkpoint checkpoint_load(const std::string& dir);
+// what: a training checkpoint (state.json required), or also a model directory (a Hugging Face
+// download: config.json + weights + tokenizer, no state.json), which loads as a fresh start
+// (adam_step 0, no optimizer moments, state "{}").
+enum class checkpoint_kind { training, model_ok };
+checkpoint checkpoint_load(const std::string& dir, checkpoint_kind what = checkpoint_kind::training);
 // The weight version state.json records (a learner's checkpoint: the steps its weights have had);
 // 0 where the directory has no state.json or it has no "weight_version" (an SFT or HF model).
 uint64_t checkpoint_weight_version(const std::string& dir);

@@ -200,6 +200,27 @@ TEST(E2E, EmbeddedDefaultRunsAndResumes) {
                "records another task, model or seed (give the run's own):\n  task.name: \"builtin:add2\" -> \"builtin:add1\"");
   EXPECT_EQ(text_of(d / "recipe.conf"), recipe);  // a failed resume rewrote it with this invocation's recipe
   EXPECT_EQ(text_of(d / "metrics.jsonl"), before);
+  // without recipe.conf nothing checks the task, model and seed: the resume trained another task
+  // from this one's cursor and recorded it as the run's recipe
+  fs::rename(d / "recipe.conf", d / "recipe.conf.away");
+  fails_naming("--resume --run-dir " + d.string() + kSmall + " --run.steps=8 --task.name=builtin:add1",
+               "recipe.conf is missing: the run's task, model and seed cannot be checked");
+  EXPECT_FALSE(fs::exists(d / "recipe.conf"));
+  EXPECT_EQ(text_of(d / "metrics.jsonl"), before);
+  // a model directory (a Hugging Face download: no state.json, no optimizer) starts a run; one
+  // with optimizer moments but no state.json is refused, naming it (the run said "not a training
+  // checkpoint" for both)
+  const fs::path hf = d / "hf";
+  fs::copy(d / "checkpoints" / "step_6", hf, fs::copy_options::recursive);
+  fs::remove(hf / "state.json");
+  fails_naming("--run-dir " + (d / "hf-run").string() + " --model.init=" + hf.string() + kSmall,
+               (hf / "state.json").string() + ": missing (not a training checkpoint, yet optimizer.safetensors is there)");
+  fs::remove(hf / "optimizer.safetensors");
+  fs::remove(hf / "calibration.jsonl");
+  ASSERT_EQ(run(kBin + "/fp8rl train --run-dir " + (d / "hf-run").string() + " --model.init=" + hf.string() + kSmall +
+                " --run.steps=2"), 0);
+  EXPECT_EQ(metrics(d / "hf-run").size(), 2u);
+  EXPECT_TRUE(fs::exists(d / "hf-run" / "checkpoints" / "step_2" / "optimizer.safetensors"));
   fs::remove_all(d);
 }
 

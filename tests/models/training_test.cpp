@@ -15,6 +15,7 @@
 #include "models/cpu/cpu_backend.hpp"
 #include "models/transformer.hpp"
 #include "quant/gemm.hpp"
+#include "tests/test_util.hpp"
 
 using namespace fp8rl::models;
 
@@ -192,6 +193,24 @@ TEST(Training, CheckpointReplacementKeepsAWholeCheckpoint) {
   const std::string err = error_of(dir);
   EXPECT_NE(err.find("left the previous checkpoint at " + dir.string() + ".old"), std::string::npos) << err;
   fs::remove_all(dir.string() + ".old");
+  // DIR.tmp: a save cut short leaves it marked, and the next save replaces it; one the user keeps
+  // there (unmarked) is refused by name and kept (a save deleted it with whatever it held)
+  const fs::path tmp = dir.string() + ".tmp";
+  fs::create_directories(tmp);
+  std::ofstream(tmp / "notes.txt") << "precious\n";
+  const std::string refused = fp8rl::test::thrown_text<std::invalid_argument>([&] { checkpoint_save(dir.string(), a.ck); });
+  EXPECT_NE(refused.find(tmp.string() + ": exists and is not an unfinished checkpoint save"), std::string::npos) << refused;
+  EXPECT_TRUE(fs::exists(tmp / "notes.txt"));
+  EXPECT_FALSE(fs::exists(dir));
+  fs::remove_all(tmp);
+  struct cut {};
+  EXPECT_THROW(checkpoint_save(dir.string(), a.ck, [](const std::string&) { throw cut{}; }), cut);  // a save cut short
+  ASSERT_TRUE(fs::exists(tmp));
+  checkpoint_save(dir.string(), a.ck);
+  EXPECT_FALSE(fs::exists(tmp));
+  EXPECT_EQ(checkpoint_load(dir.string()).params.data, a.ck.params.data);
+  for (const auto& f : fs::directory_iterator(dir)) EXPECT_EQ(f.path().filename().string().find(".fp8rl"), std::string::npos) << f.path();
+  fs::remove_all(dir);
 }
 
 // Filesystems without RENAME_EXCHANGE take the two-rename path: the same result, nothing left over.
@@ -212,6 +231,15 @@ TEST(Training, CheckpointReplacementByRenamesKeepsNothingElse) {
   EXPECT_FALSE(fs::exists(dir / "only_in_first.txt"));  // the directory was replaced, not merged
   EXPECT_FALSE(fs::exists(tmp));
   EXPECT_FALSE(fs::exists(dir.string() + ".old"));
+  // a DIR.old that is no checkpoint (no config.json) is refused by name and kept, not deleted
+  const fs::path old = dir.string() + ".old";
+  fs::create_directories(old), fs::create_directories(tmp);
+  std::ofstream(old / "notes.txt") << "precious\n";
+  const std::string err = fp8rl::test::thrown_text<std::invalid_argument>([&] { checkpoint_dir_replace(tmp, dir.string(), dir_swap::renames); });
+  EXPECT_NE(err.find(old.string() + ": exists and is not a previous checkpoint"), std::string::npos) << err;
+  EXPECT_TRUE(fs::exists(old / "notes.txt"));
+  EXPECT_TRUE(fs::exists(dir / "state.json"));
+  fs::remove_all(old), fs::remove_all(tmp);
   fs::remove_all(dir);
 }
 
