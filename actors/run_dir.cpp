@@ -1,8 +1,13 @@
 // actors/run_dir.cpp -- metrics.jsonl, plots, and which directory a run writes.
 #include "actors/run_dir.hpp"
 
+#include <fcntl.h>
 #include <signal.h>
+#include <spawn.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
+#include <cerrno>
 #include <csignal>
 #include <cstdio>
 #include <cstdlib>
@@ -254,6 +259,28 @@ int64_t metrics_trim_for_resume(const std::string& metrics_path, uint64_t versio
   return moved;
 }
 
+namespace {
+// `gnuplot plots.gp` in dir, spawned without a shell; its output goes to dir/gnuplot.log.
+std::string plots_run_gnuplot(const fs::path& dir) {
+  posix_spawn_file_actions_t fa;
+  posix_spawn_file_actions_init(&fa);
+  posix_spawn_file_actions_addchdir_np(&fa, dir.c_str());
+  posix_spawn_file_actions_addopen(&fa, 1, "gnuplot.log", O_WRONLY | O_CREAT | O_TRUNC, 0644);
+  posix_spawn_file_actions_adddup2(&fa, 1, 2);
+  char arg0[] = "gnuplot", arg1[] = "plots.gp";
+  char* argv[] = {arg0, arg1, nullptr};
+  pid_t pid = 0;
+  const int rc = posix_spawnp(&pid, "gnuplot", &fa, nullptr, argv, environ);
+  posix_spawn_file_actions_destroy(&fa);
+  if (rc != 0) return std::string("cannot run gnuplot: ") + std::strerror(rc) + " (tools/setup installs gnuplot-nox)";
+  int status = 0;
+  while (::waitpid(pid, &status, 0) < 0 && errno == EINTR) {}
+  if (WIFEXITED(status) && WEXITSTATUS(status) == 127) return "gnuplot is not installed (tools/setup installs gnuplot-nox)";
+  if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) return "gnuplot failed: see " + (dir / "gnuplot.log").string();
+  return "";
+}
+}  // namespace
+
 std::string plots_write(const std::string& run_dir) {
   const fs::path dir = fs::path(run_dir) / "plots", metrics = fs::path(run_dir) / "metrics.jsonl";
   std::error_code ec;
@@ -276,19 +303,18 @@ std::string plots_write(const std::string& run_dir) {
   }
   dat.close();
   if (!dat) return (dir / "metrics.dat").string() + ": writing failed";
+  // names without a path: gnuplot runs in the plots directory (a run directory with a quote in its
+  // name broke the script, and a shell command line built from it ran what followed the quote)
   std::ofstream gp(dir / "plots.gp");
   gp << "set terminal pngcairo size 900,500\nset datafile missing 'NaN'\nset grid\nset xlabel 'step'\n"
-     << "set output '" << (dir / "reward.png").string() << "'\nset title 'reward and validation accuracy'\n"
-     << "plot '" << (dir / "metrics.dat").string() << "' using 1:2 with lines title 'reward mean', "
-     << "'' using 1:3 with linespoints title 'val accuracy'\n"
-     << "set output '" << (dir / "mismatch.png").string() << "'\nset title 'generation vs training mismatch'\n"
-     << "set y2tics\nplot '" << (dir / "metrics.dat").string() << "' using 1:4 with lines title 'token_mult_prob_error', "
+     << "set output 'reward.png'\nset title 'reward and validation accuracy'\n"
+     << "plot 'metrics.dat' using 1:2 with lines title 'reward mean', '' using 1:3 with linespoints title 'val accuracy'\n"
+     << "set output 'mismatch.png'\nset title 'generation vs training mismatch'\n"
+     << "set y2tics\nplot 'metrics.dat' using 1:4 with lines title 'token_mult_prob_error', "
      << "'' using 1:5 axes x1y2 with lines title 'gen_kl_error (right)'\n";
   gp.close();
   if (!gp) return (dir / "plots.gp").string() + ": writing failed";
-  const std::string cmd = "gnuplot '" + (dir / "plots.gp").string() + "' 2>/dev/null";
-  if (std::system(cmd.c_str()) != 0) return "gnuplot failed or is not installed (tools/setup installs gnuplot-nox)";
-  return "";
+  return plots_run_gnuplot(dir);
 }
 
 }  // namespace fp8rl::actors

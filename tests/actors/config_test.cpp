@@ -5,6 +5,7 @@
 
 #include <filesystem>
 #include <fstream>
+#include <nlohmann/json.hpp>
 
 #include "actors/recipe.hpp"
 #include "actors/run_dir.hpp"
@@ -321,6 +322,23 @@ TEST(RunDir, PlotsReportWhatTheyCannotWrite) {
   EXPECT_NO_THROW(err = plots_write(d.string()));
   EXPECT_NE(err.find((d / "metrics.jsonl").string() + ":2: not a metrics row"), std::string::npos) << err;
   fs::remove_all(d);
+  // a run directory whose name holds a quote and a command: the plots are drawn, nothing is run
+  // (the path went into a shell command line and the script between quotes)
+  const fs::path q = fs::temp_directory_path() / ("fp8rl_plots_q'$(touch " + (d.string() + "_pwned") + ")'_" + std::to_string(::getpid()));
+  fs::remove_all(q);
+  fs::create_directories(q);
+  for (int step : {1, 2})
+    std::ofstream(q / "metrics.jsonl", std::ios::app) << nlohmann::json{{"step", step}, {"reward_mean", 0.5}, {"val_accuracy", 0.25},
+                                                                         {"token_mult_prob_error", 0.01}, {"gen_kl_error", 1e-4}}.dump() << "\n";
+  err = plots_write(q.string());
+  EXPECT_FALSE(fs::exists(d.string() + "_pwned"));
+  if (err.find("not installed") == std::string::npos) {  // the suite runs where tools/setup installed gnuplot
+    EXPECT_EQ(err, "");
+    EXPECT_TRUE(fs::exists(q / "plots" / "reward.png"));
+    EXPECT_TRUE(fs::exists(q / "plots" / "mismatch.png"));
+  }
+  fs::remove_all(q);
+  fs::remove(d.string() + "_pwned");
 }
 
 // --resume from the checkpoint of v2 after a crash that followed step 3's metrics row: the row

@@ -396,12 +396,17 @@ TEST(E2E, TilesRecipeRunsWithAmxAndIsRefusedWithout) {
 }
 
 // With the FP8 KV cache: its Q/K/V scales travel in the bundles, and every layer's count of
-// saturated K/V elements reaches the metrics from both processes' rollouts.
+// saturated K/V elements reaches the metrics from both processes' rollouts. The topology is given
+// relative to caf-run's directory and the nodes run in another (--wdir) holding a file of the same
+// name: they read the one caf-run checked (they were given the relative name).
 TEST(E2E, TwoProcessesOnLoopbackViaCafRun) {
   const fs::path d = fresh_dir("two");
-  const std::string topo = two_process_topology(d, free_port());
-  ASSERT_EQ(run(kBin + "/caf-run --hostfile " + (d / "hosts").string() + " --topology " + topo + " -- " + kBin +
-                "/fp8rl train --run-dir " + (d / "run").string() + kSmall + " --precision.generation=fp8-kv"),
+  two_process_topology(d, free_port());
+  fs::create_directories(d / "wd");
+  std::ofstream(d / "wd" / "two-process.conf") << "[cluster]\nnodes=[]\n";
+  ASSERT_EQ(run("cd " + d.string() + " && " + kBin + "/caf-run --hostfile hosts --topology two-process.conf --wdir " +
+                (d / "wd").string() + " -- " + kBin + "/fp8rl train --run-dir " + (d / "run").string() + kSmall +
+                " --precision.generation=fp8-kv"),
             0);
   const auto m = metrics(d / "run");
   ASSERT_EQ(m.size(), 4u);

@@ -124,8 +124,9 @@ const char* const kUsage =
     "with its output prefixed by the node's name. CMD is the fp8rl program as every host sees it\n"
     "(a path: caf-run does not search the build directory), e.g. $PWD/build/bin/fp8rl train ...\n"
     "  --hostfile FILE     lines \"<host> [slots=N]\"; a node runs on the host equal to its \"host\"\n"
-    "  --topology FILE     the topology (configs/topologies/)\n"
-    "  --wdir DIR          working directory of every process (default: the current one)\n"
+    "  --topology FILE     the topology (configs/topologies/); the nodes get its absolute path\n"
+    "  --wdir DIR          working directory of every process (default: the current one): CMD's\n"
+    "                      relative paths are relative to it\n"
     "  --grace SECONDS     after the controller exits: wait SECONDS, SIGTERM, SECONDS, SIGKILL;\n"
     "                      on a stop (a signal, a node failing): SIGTERM at once, SIGKILL\n"
     "                      SECONDS later (default 5)\n"
@@ -208,7 +209,7 @@ int main(int argc, char** argv) {
       const host_entry* h = entry[i];
       std::vector<std::string> args = cmd;
       args.push_back("--topology");
-      args.push_back(topofile);
+      args.push_back(std::filesystem::absolute(topofile).string());  // the file checked here, also from --wdir
       args.push_back("--node");
       args.push_back(n->name);
       if (h->slots > 8) args.push_back("--scheduler.max-threads=" + std::to_string(h->slots));
