@@ -293,6 +293,17 @@ void recipe_validate(const run_config& r) {
       r.name.find_first_not_of("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._-") != std::string::npos)
     fail("run.name", "'" + r.name + "' must be letters, digits, '.', '_' or '-', not starting with '.' (it names runs/NAME)");
   positive("run.steps", r.steps);
+  if (r.init.empty()) fail("model.init", "is empty (tiny, or a model directory)");  // it read ./config.json
+  // sizes whose vectors are allocated up front: a typo (1e12) grew memory until bad_alloc, which
+  // named no key, after the run's directory was written
+  auto at_most = [&](const char* key, int64_t v, int64_t hi) {
+    if (v > hi) fail(key, std::to_string(v) + " is beyond " + std::to_string(hi));
+  };
+  at_most("task.train_size", r.train_size, int64_t{1} << 26);
+  at_most("task.val_size", r.val_size, int64_t{1} << 24);
+  at_most("rollout.prompts_per_step", r.prompts_per_step, int64_t{1} << 20);
+  at_most("rollout.slots", r.slots, int64_t{1} << 16);
+  at_most("model.max_context", r.max_context, int64_t{1} << 20);
   positive("rollout.prompts_per_step", r.prompts_per_step);
   positive("rollout.group_size", r.group_size);
   if (r.group_size > INT32_MAX) fail("rollout.group_size", "is too large (work carries it as int32: 2^32 + 2 became 2)");
@@ -331,10 +342,11 @@ void recipe_validate(const run_config& r) {
   if (!models::verifier_parse(r.verifier)) fail("task.verifier", "must be exact or numeric");
   if (!quant::scale_mode_parse(r.scale_mode)) fail("precision.scale_mode", "must be pow2 or fp32");
   if (!(r.is_lo <= r.is_hi)) fail("grpo.is_lo", "must be a number <= grpo.is_hi");  // NaN turned truncation off
+  if (r.top_k > INT32_MAX) fail("rollout.top_k", std::to_string(r.top_k) + " is too large");  // cast first: "-1294967296 is negative"
   if (std::string why = models::logit_processing_problem({static_cast<float>(r.temperature), static_cast<int32_t>(r.top_k),
                                                          static_cast<float>(r.top_p)});
-      !why.empty() || r.top_k > INT32_MAX)
-    fail("rollout.temperature/top_k/top_p", why.empty() ? "top_k is too large" : why);
+      !why.empty())
+    fail("rollout.temperature/top_k/top_p", why);
   if (!(r.percentile > 0 && r.percentile <= 1)) fail("calibration.percentile", "must be in (0, 1]");  // NaN indexed nowhere
   auto check = [&](const char* key, auto&& f) {
     try {

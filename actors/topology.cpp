@@ -121,6 +121,11 @@ void topology_validate(const topology& t) {
     throw std::invalid_argument(t.source + ": no node has the role 'controller'");
   for (const auto& n : t.nodes) {
     const std::string where = t.source + ": node '" + n.name + "'";
+    // the name becomes a file name (traces/NAME.jsonl): "../../x" wrote outside the run directory
+    if (n.name.empty() || n.name[0] == '.' ||
+        n.name.find_first_not_of("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._-") != std::string::npos)
+      throw std::invalid_argument(where + ": the name must be letters, digits, '.', '_' or '-', not starting with '.'");
+    if (n.host.empty()) throw std::invalid_argument(where + ": key 'host' is empty");
     if (!names.insert(n.name).second) throw std::invalid_argument(where + ": duplicate name");
     if (n.port && !ports.insert({n.host, n.port}).second) throw std::invalid_argument(where + ": port reused on host " + n.host);
     for (const auto& r : n.roles) {

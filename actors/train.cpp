@@ -253,7 +253,7 @@ cli parse_cli(int argc, char** argv) {
     else if (a == "--overwrite") c.overwrite = true;
     else if (a == "--dump-config") c.dump = true;
     else if (a.rfind("--", 0) == 0 && sections.count(a.substr(2, a.find('.') == std::string::npos ? 0 : a.find('.') - 2)))
-      c.overrides.push_back(a);
+      c.overrides.push_back(a);  // applied in order: a key given again overrides (common flags, then changes)
     else if (a.rfind("--scheduler.", 0) == 0 || a.rfind("--middleman.", 0) == 0 || a.rfind("--logger.", 0) == 0 ||
              a.rfind("--caf#", 0) == 0)
       c.caf_args.push_back(a);
@@ -266,6 +266,7 @@ cli parse_cli(int argc, char** argv) {
                   "run; --resume continues the newest of them (or --run-dir); --overwrite replaces an earlier run's outputs\n"
                   "(moved to RUN_DIR/.replaced/ and deleted once the new run passed its preflight; a failed or killed start\n"
                   "gets them back).\n"
+                  "--section.key=value overrides the recipe, in order (a key given again: the last value counts).\n"
                   "Every recipe key with its default: fp8rl train --dump-config (documented in configs/default.conf).\n");
       std::exit(0);
     } else {

@@ -1,5 +1,6 @@
 // models/checkpoint.cpp -- atomic checkpoint directories.
 #include "models/checkpoint.hpp"
+#include "models/json_io.hpp"
 
 #include <fcntl.h>
 
@@ -82,9 +83,8 @@ void checkpoint_save(const std::string& dir, const checkpoint& c, const std::fun
 uint64_t checkpoint_weight_version(const std::string& dir) {
   const fs::path st = fs::path(dir) / "state.json";
   if (!fs::exists(st)) return 0;
-  std::ifstream f(st);
-  const nlohmann::json s = nlohmann::json::parse(f, nullptr, false);
-  if (s.is_discarded() || !s.is_object()) throw std::invalid_argument(st.string() + ": not a JSON object");
+  const nlohmann::json s = json_file_read(st.string());
+  if (!s.is_object()) throw std::invalid_argument(st.string() + ": not a JSON object");
   if (!s.contains("weight_version")) return 0;
   if (!s["weight_version"].is_number_unsigned())
     throw std::invalid_argument(st.string() + ": key 'weight_version' is not an integer >= 0");
@@ -100,14 +100,8 @@ checkpoint checkpoint_load(const std::string& dir, checkpoint_kind what) {
   if (!fs::exists(st))
     throw std::invalid_argument(st.string() + ": missing (not a training checkpoint" +
                                 (fs::exists(op) ? std::string(", yet optimizer.safetensors is there)") : std::string(")")));
-  if (!fs::is_regular_file(st)) throw std::invalid_argument(st.string() + ": not a file");
-  nlohmann::json s;
-  try {
-    std::ifstream f(st);
-    s = nlohmann::json::parse(f);
-  } catch (const nlohmann::json::exception& e) {
-    throw std::invalid_argument(st.string() + ": not valid JSON: " + e.what());
-  }
+  const nlohmann::json s = json_file_read(st.string());
+  if (!s.is_object()) throw std::invalid_argument(st.string() + ": not a JSON object");
   if (!s.contains("adam_step") || !s["adam_step"].is_number_unsigned())
     throw std::invalid_argument(st.string() + ": key 'adam_step' missing or not an integer >= 0");
   // 2^64 - 1 read as int64 was -1: AdamW's first bias correction 1 - beta^0 = 0 made every weight NaN

@@ -1,11 +1,14 @@
 // models/config.cpp -- strict config.json reader/writer (nlohmann::json).
 #include "models/config.hpp"
 
+#include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <set>
 #include <sstream>
 #include <stdexcept>
+
+#include "models/json_io.hpp"
 
 namespace fp8rl::models {
 namespace {
@@ -22,7 +25,7 @@ const std::set<std::string> kIgnored = {
     "use_cache", "pad_token_id", "pretraining_tp", "attention_dropout", "mlp_bias",
     "attention_bias", "hidden_act", "rope_scaling", "bos_token_id", "eos_token_id",
     "initializer_range", "tie_word_embeddings", "head_dim", "dtype", "use_sliding_window",
-    "sliding_window", "max_window_layers"};
+    "sliding_window", "max_window_layers", "is_llama_config", "rope_interleaved"};  // the last two: SmolLM2
 
 }  // namespace
 
@@ -64,12 +67,7 @@ void model_config::validate() const {
 }
 
 model_config model_config_parse(const std::string& text, const std::string& source) {
-  json j;
-  try {
-    j = json::parse(text);
-  } catch (const json::exception& e) {
-    throw std::invalid_argument(source + ": not valid JSON: " + e.what());
-  }
+  const json j = json_parse_strict(text, source);
   if (!j.is_object()) throw std::invalid_argument(source + ": top level must be a JSON object");
   model_config c;
   auto get_int = [&](const char* f, int64_t& out, bool required) {
@@ -126,6 +124,8 @@ model_config model_config_parse(const std::string& text, const std::string& sour
   if (j.contains("hidden_act") && j["hidden_act"] != "silu")
     fail(source, "hidden_act", "only 'silu' (SwiGLU) is supported, got " + j["hidden_act"].dump());
   if (j.contains("pretraining_tp") && j["pretraining_tp"] != 1) fail(source, "pretraining_tp", "must be 1");
+  if (j.contains("rope_interleaved") && j["rope_interleaved"] != false)
+    fail(source, "rope_interleaved", "interleaved RoPE is not supported (false: rotate halves, as HF Llama), got " + j["rope_interleaved"].dump());
   if (j.contains("use_sliding_window") && j["use_sliding_window"] == true)
     fail(source, "use_sliding_window", "sliding-window attention is not supported");
   // Mistral applies sliding_window without a switch (Qwen2 only with use_sliding_window true)
@@ -176,6 +176,8 @@ model_config model_config_builtin(const std::string& size, int64_t vocab, int64_
 }
 
 model_config model_config_load(const std::string& path) {
+  if (!std::filesystem::is_regular_file(path))  // a directory read as an empty file: "unexpected end of input"
+    throw std::invalid_argument(path + (std::filesystem::exists(path) ? ": not a file" : ": cannot open"));
   std::ifstream f(path);
   if (!f) throw std::invalid_argument(path + ": cannot open");
   std::stringstream ss;

@@ -9,6 +9,7 @@
 #include <tuple>
 #include <nlohmann/json.hpp>
 
+#include "models/json_io.hpp"
 #include "quant/fp8.hpp"
 
 namespace fp8rl::models {
@@ -56,9 +57,9 @@ st_tensors safetensors_parse(const std::vector<uint8_t>& bytes, const std::strin
   if (hlen > bytes.size() - 8) fail(source, "header length " + std::to_string(hlen) + " exceeds the file");
   json h;
   try {
-    h = json::parse(bytes.begin() + 8, bytes.begin() + 8 + static_cast<std::ptrdiff_t>(hlen));
-  } catch (const json::exception& e) {
-    fail(source, std::string("header is not valid JSON: ") + e.what());
+    h = json_parse_strict(std::string_view(reinterpret_cast<const char*>(bytes.data()) + 8, hlen), "header");
+  } catch (const std::invalid_argument& e) {
+    fail(source, e.what());
   }
   if (!h.is_object()) fail(source, "header is not a JSON object");
   const uint64_t data_size = bytes.size() - 8 - hlen;
@@ -184,10 +185,9 @@ st_tensors safetensors_load_dir(const std::string& dir, std::map<std::string, st
   if (!fs::exists(index)) throw st_error(dir + ": neither model.safetensors nor model.safetensors.index.json exists");
   json j;
   try {
-    std::ifstream f(index);
-    j = json::parse(f);
-  } catch (const json::exception& e) {
-    throw st_error(index.string() + ": not valid JSON: " + e.what());
+    j = json_file_read(index.string());
+  } catch (const std::invalid_argument& e) {
+    throw st_error(e.what());
   }
   if (!j.contains("weight_map") || !j["weight_map"].is_object())
     throw st_error(index.string() + ": missing object 'weight_map'");

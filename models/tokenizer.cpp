@@ -10,6 +10,8 @@
 #include <stdexcept>
 #include <unordered_map>
 
+#include "models/json_io.hpp"
+
 namespace fp8rl::models {
 namespace {
 
@@ -146,6 +148,10 @@ class bpe_tok final : public tokenizer {
     const json& m = j["model"];
     if (m.value("type", "") != "BPE") throw std::invalid_argument(where("model.type '" + m.value("type", "?") + "' is not supported (BPE only)"));
     if (m.contains("byte_fallback") && m["byte_fallback"] == true) throw std::invalid_argument(where("model.byte_fallback is not supported"));
+    // settings that change how text splits: refused unless off (they were ignored)
+    for (const char* k : {"dropout", "continuing_subword_prefix", "end_of_word_suffix"})
+      if (m.contains(k) && !m[k].is_null() && m[k] != "" && m[k] != 0)
+        throw std::invalid_argument(where(std::string("model.") + k + " = " + m[k].dump() + " is not supported (null)"));
     if (!m.contains("vocab") || !m["vocab"].is_object()) throw std::invalid_argument(where("model.vocab missing"));
     for (auto it = m["vocab"].begin(); it != m["vocab"].end(); ++it) {
       add_token(it.key(), it.value(), where("model.vocab['" + it.key() + "']"));
@@ -158,7 +164,8 @@ class bpe_tok final : public tokenizer {
       if (e.is_string()) {
         const std::string s = e.get<std::string>();
         const auto sp = s.find(' ');
-        if (sp == std::string::npos) throw std::invalid_argument(where("model.merges[" + std::to_string(rank) + "] has no space"));
+        if (sp == std::string::npos || s.find(' ', sp + 1) != std::string::npos)
+          throw std::invalid_argument(where("model.merges[" + std::to_string(rank) + "] '" + s + "' is not two symbols and a space"));
         a = s.substr(0, sp);
         b = s.substr(sp + 1);
       } else if (e.is_array() && e.size() == 2 && e[0].is_string() && e[1].is_string()) {
@@ -192,29 +199,7 @@ class bpe_tok final : public tokenizer {
     // pre-tokenizer
     if (j.contains("pre_tokenizer") && !j["pre_tokenizer"].is_null()) add_pre(j["pre_tokenizer"], where("pre_tokenizer"));
     // post-processor
-    if (j.contains("post_processor") && !j["post_processor"].is_null()) {
-      const json& p = j["post_processor"];
-      const std::string t = p.value("type", "");
-      if (t == "TemplateProcessing") {
-        if (!p.contains("single") || !p["single"].is_array())
-          throw std::invalid_argument(where("post_processor TemplateProcessing needs a list 'single'"));
-        for (const auto& piece : p["single"]) {
-          if (piece.contains("SpecialToken")) {
-            const json& sp = piece["SpecialToken"];
-            if (!sp.is_object() || !sp.contains("id") || !sp["id"].is_string())
-              throw std::invalid_argument(where("post_processor SpecialToken needs a string 'id'"));
-            const std::string id = sp["id"].get<std::string>();
-            const int32_t tid = token_id(id);
-            if (tid < 0) throw std::invalid_argument(where("post_processor special token '" + id + "' is not in the vocabulary"));
-            (template_seen_seq_ ? suffix_ : prefix_).push_back(tid);
-          } else if (piece.contains("Sequence")) {
-            template_seen_seq_ = true;
-          }
-        }
-      } else if (t != "ByteLevel") {
-        throw std::invalid_argument(where("post_processor type '" + t + "' is not supported"));
-      }
-    }
+    if (j.contains("post_processor") && !j["post_processor"].is_null()) add_post(j["post_processor"], where("post_processor"));
     if (j.contains("decoder") && !j["decoder"].is_null() && j["decoder"].value("type", "") != "ByteLevel")
       throw std::invalid_argument(where("decoder type '" + j["decoder"].value("type", "") + "' is not supported (ByteLevel)"));
     for (const char* n : {"<|begin_of_text|>", "<s>", "<|im_start|>"}) if (bos < 0) bos = token_id(n);
@@ -281,7 +266,6 @@ class bpe_tok final : public tokenizer {
   bool byte_level_ = false, byte_level_regex_ = false, prefix_space_ = false, ignore_merges_ = false, nfc_ = false;
   std::unique_ptr<regex> gpt2_;
   std::vector<int32_t> prefix_, suffix_;
-  bool template_seen_seq_ = false;
 
   // Token t with the id JSON value v (at `where`): an integer in [0, kMaxTokenId), and no other
   // token's (a negative id wrote before the table, a huge one allocated it, a wide one wrapped).
@@ -311,6 +295,38 @@ class bpe_tok final : public tokenizer {
     for (size_t i = 0; i < bs.size(); ++i) {
       byte_char_[bs[i]] = utf8(static_cast<uint32_t>(cs[i]));
       unbyte_[byte_char_[bs[i]]] = static_cast<uint8_t>(bs[i]);
+    }
+  }
+
+  // TemplateProcessing (the special tokens around a single sequence), ByteLevel (offsets only), or
+  // a Sequence of them (Llama 3's tokenizer.json: [ByteLevel, TemplateProcessing]).
+  void add_post(const json& p, const std::string& where) {
+    const std::string t = p.is_object() ? p.value("type", "") : "";
+    if (t == "Sequence") {
+      if (!p.contains("processors") || !p["processors"].is_array())
+        throw std::invalid_argument(where + ": a Sequence needs a list 'processors'");
+      for (const auto& q : p["processors"]) add_post(q, where + ".processors");
+    } else if (t == "TemplateProcessing") {
+      if (!p.contains("single") || !p["single"].is_array())
+        throw std::invalid_argument(where + ": TemplateProcessing needs a list 'single'");
+      bool seen_seq = false;
+      for (const auto& piece : p["single"]) {
+        if (piece.contains("SpecialToken")) {
+          const json& sp = piece["SpecialToken"];
+          if (!sp.is_object() || !sp.contains("id") || !sp["id"].is_string())
+            throw std::invalid_argument(where + ": SpecialToken needs a string 'id'");
+          const std::string id = sp["id"].get<std::string>();
+          const int32_t tid = token_id(id);
+          if (tid < 0) throw std::invalid_argument(where + ": special token '" + id + "' is not in the vocabulary");
+          (seen_seq ? suffix_ : prefix_).push_back(tid);
+        } else if (piece.contains("Sequence")) {
+          seen_seq = true;
+        } else {
+          throw std::invalid_argument(where + ": TemplateProcessing piece " + piece.dump() + " is neither SpecialToken nor Sequence");
+        }
+      }
+    } else if (t != "ByteLevel") {
+      throw std::invalid_argument(where + ": type '" + t + "' is not supported (TemplateProcessing, ByteLevel, Sequence)");
     }
   }
 
@@ -399,14 +415,7 @@ std::unique_ptr<tokenizer> tokenizer_load(const std::string& path) {
     if (!std::filesystem::exists(file))
       throw std::invalid_argument(path + ": no tokenizer (neither tokenizer.json nor fp8rl-char-tokenizer.json)");
   }
-  std::ifstream f(file);
-  if (!f) throw std::invalid_argument(file + ": cannot open");
-  json j;
-  try {
-    j = json::parse(f);
-  } catch (const json::exception& e) {
-    throw std::invalid_argument(file + ": not valid JSON: " + e.what());
-  }
+  const json j = json_file_read(file);
   if (j.is_object() && j.value("type", "") == "fp8rl-char") {
     if (!j.contains("alphabet") || !j["alphabet"].is_string()) throw std::invalid_argument(file + ": 'alphabet' missing");
     try {

@@ -3,16 +3,19 @@
 
 #include <cctype>
 #include <cmath>
+#include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <sstream>
 #include <stdexcept>
 
+#include "models/json_io.hpp"
 #include "models/params.hpp"
 
 namespace fp8rl::models {
 
 dataset dataset_load_jsonl(const std::string& path) {
+  if (std::filesystem::is_directory(path)) throw std::invalid_argument(path + ": is a directory, not a JSONL file");
   std::ifstream f(path);
   if (!f) throw std::invalid_argument(path + ": cannot open");
   dataset d;
@@ -27,9 +30,9 @@ dataset dataset_load_jsonl(const std::string& path) {
     };
     nlohmann::json j;
     try {
-      j = nlohmann::json::parse(line);
-    } catch (const nlohmann::json::exception&) {
-      bad("not valid JSON");
+      j = json_parse_strict(line, "");
+    } catch (const std::invalid_argument& e) {
+      bad(e.what());
       continue;
     }
     if (!j.is_object()) { bad("not a JSON object"); continue; }
@@ -41,7 +44,9 @@ dataset dataset_load_jsonl(const std::string& path) {
     task_example e;
     e.prompt = j["prompt"].get<std::string>();
     e.answer = j["answer"].is_string() ? j["answer"].get<std::string>() : j["answer"].dump();
-    if (e.prompt.empty()) { bad("'prompt' is empty"); continue; }
+    if (e.prompt.find_first_not_of(" \t\r\n") == std::string::npos) { bad("'prompt' is empty or blank"); continue; }
+    // an answer with nothing to compare (after normalization) rewards a completion that says nothing
+    if (answer_normalize(e.answer).empty()) { bad("'answer' " + j["answer"].dump() + " is empty once normalized"); continue; }
     d.items.push_back(std::move(e));
   }
   if (nerr) throw std::invalid_argument(path + ": " + std::to_string(nerr) + " malformed line(s):" + errors);

@@ -78,7 +78,13 @@ TEST(Recipe, MalformedFilesAndOutOfRangeValuesNameTheirKey) {
            {"--calibration.percentile=nan", "calibration.percentile"}, {"--grpo.is_lo=nan", "grpo.is_lo"},
            {"--grpo.is_hi=nan", "grpo.is_lo"}, {"--rollout.max_new_tokens=4294967297", "rollout.max_new_tokens"},
            {"--task.val_size=0", "task.val_size"}, {"--rollout.group_size=4294967298", "rollout.group_size"},
-           {"--precision.bf16_first=-1", "precision.bf16_first"}, {"--precision.bf16_last=-2", "precision.bf16_last"}}) {
+           {"--precision.bf16_first=-1", "precision.bf16_first"}, {"--precision.bf16_last=-2", "precision.bf16_last"},
+           // sizes allocated up front grew memory to bad_alloc, naming no key; an empty init read
+           // ./config.json; a top_k past int32 was "-1294967296 is negative"
+           {"--task.train_size=1000000000000", "task.train_size"}, {"--task.val_size=1000000000000", "task.val_size"},
+           {"--rollout.prompts_per_step=1000000000000", "rollout.prompts_per_step"},
+           {"--rollout.slots=100000000000", "rollout.slots"}, {"--model.max_context=1000000000000", "model.max_context"},
+           {"--model.init=", "model.init"}, {"--rollout.top_k=3000000000", "rollout.top_k"}}) {
     run_config x;
     recipe_apply_cli(x, arg);
     EXPECT_NE(error_of([&] { recipe_validate(x); }).find("'" + key + "'"), std::string::npos) << arg;
@@ -200,7 +206,17 @@ TEST(Topology, BadFilesNameNodeAndKey) {
       << error_of([&] { topology_load(f8); });
   const auto f6 = write_tmp("t6.conf", "[cluster]\nnodes=[{name=\"a\", roles=[\"controller\"]}\n");  // never closed
   EXPECT_NE(error_of([&] { topology_load(f6); }).find("is never closed"), std::string::npos);
-  for (const auto& f : {f1, f2, f3, f4, f5, f6, f7, f8}) fs::remove(f);
+  // a node's name becomes traces/NAME.jsonl ("../../evil" wrote outside the run directory); an
+  // empty host was accepted
+  const auto f9 = write_tmp("t9.conf", "[cluster]\nnodes=[{name=\"../../evil\", roles=[\"controller\", \"buffer\", \"reward\", "
+                                        "\"weight_sync\", \"calibration\"], learners=[\"cpu:1\"], rollouts=[\"cpu:1\"]}]\n");
+  EXPECT_NE(error_of([&] { topology_load(f9); }).find("node '../../evil': the name must be letters, digits"), std::string::npos)
+      << error_of([&] { topology_load(f9); });
+  const auto f10 = write_tmp("t10.conf", "[cluster]\nnodes=[{name=\"a\", host=\"\", roles=[\"controller\", \"buffer\", \"reward\", "
+                                          "\"weight_sync\", \"calibration\"], learners=[\"cpu:1\"], rollouts=[\"cpu:1\"]}]\n");
+  EXPECT_NE(error_of([&] { topology_load(f10); }).find("node 'a': key 'host' is empty"), std::string::npos)
+      << error_of([&] { topology_load(f10); });
+  for (const auto& f : {f1, f2, f3, f4, f5, f6, f7, f8, f9, f10}) fs::remove(f);
 }
 
 // A node's CAF workers: the default grows to a worker per learner and rollout plus two; a value

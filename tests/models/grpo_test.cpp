@@ -419,7 +419,11 @@ TEST(Tasks, VerifiersAndDatasets) {
 
 TEST(Tasks, MalformedDatasetLinesAreAllReported) {
   const auto path = std::filesystem::temp_directory_path() / ("fp8rl_ds_" + std::to_string(::getpid()) + ".jsonl");
-  std::ofstream(path) << "{\"prompt\": \"1+1=\", \"answer\": 2}\n\n{\"prompt\": 3}\nnot json\n{\"prompt\": \"x\", \"answer\": \"y\"}\n";
+  // also: a blank prompt, an answer empty once normalized (a completion saying nothing scored 1
+  // under the exact verifier), a key twice (the last one won)
+  std::ofstream(path) << "{\"prompt\": \"1+1=\", \"answer\": 2}\n\n{\"prompt\": 3}\nnot json\n{\"prompt\": \"x\", \"answer\": \"y\"}\n"
+                         "{\"prompt\": \" \\t\", \"answer\": \"1\"}\n{\"prompt\": \"2+2=\", \"answer\": \".\"}\n"
+                         "{\"prompt\": \"2+2=\", \"answer\": \"4\", \"answer\": \"5\"}\n";
   try {
     dataset_load_jsonl(path.string());
     FAIL();
@@ -427,9 +431,14 @@ TEST(Tasks, MalformedDatasetLinesAreAllReported) {
     const std::string w = e.what();
     EXPECT_NE(w.find(":3: 'prompt' missing or not a string"), std::string::npos) << w;
     EXPECT_NE(w.find(":4: not valid JSON"), std::string::npos) << w;
-    EXPECT_NE(w.find("2 malformed"), std::string::npos) << w;
+    EXPECT_NE(w.find(":6: 'prompt' is empty or blank"), std::string::npos) << w;
+    EXPECT_NE(w.find(":7: 'answer' \".\" is empty once normalized"), std::string::npos) << w;
+    EXPECT_NE(w.find(":8: key 'answer' appears twice in one object"), std::string::npos) << w;
+    EXPECT_NE(w.find("5 malformed"), std::string::npos) << w;
   }
   std::filesystem::remove(path);
+  const std::string dir = fp8rl::test::thrown_text<std::invalid_argument>([] { dataset_load_jsonl(std::filesystem::temp_directory_path().string()); });
+  EXPECT_NE(dir.find("is a directory, not a JSONL file"), std::string::npos) << dir;
 }
 
 // SFT on a batch without one answer token (empty answers, a tokenizer without EOS) is refused

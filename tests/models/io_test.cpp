@@ -9,7 +9,10 @@
 #include <nlohmann/json.hpp>
 #include <random>
 
+#include "models/checkpoint.hpp"
+#include "models/json_io.hpp"
 #include "models/params.hpp"
+#include "models/tokenizer.hpp"
 #include "quant/fp8.hpp"
 
 using namespace fp8rl::models;
@@ -63,6 +66,25 @@ TEST(Config, ParsesHuggingFaceFields) {
       << error_of([&] { model_config_parse(listed, "config.json"); });
 }
 
+// SmolLM2-135M's published config.json (the docs' example model) carries two fields of its own
+// (nanotron's export): they were "unknown field"; rope_interleaved true would change the math.
+TEST(Config, AcceptsSmolLM2sPublishedFields) {
+  const std::string smol = R"({"architectures": ["LlamaForCausalLM"], "attention_bias": false, "attention_dropout": 0.0,
+    "bos_token_id": 0, "eos_token_id": 0, "hidden_act": "silu", "hidden_size": 576, "initializer_range": 0.041666666666666664,
+    "intermediate_size": 1536, "is_llama_config": true, "max_position_embeddings": 8192, "model_type": "llama",
+    "num_attention_heads": 9, "num_hidden_layers": 30, "num_key_value_heads": 3, "pretraining_tp": 1, "rms_norm_eps": 1e-05,
+    "rope_interleaved": false, "rope_scaling": null, "rope_theta": 100000, "tie_word_embeddings": true,
+    "torch_dtype": "bfloat16", "transformers_version": "4.40.1", "use_cache": true, "vocab_size": 49152})";
+  const model_config c = model_config_parse(smol, "config.json");
+  EXPECT_EQ(c.head_dim, 64);
+  EXPECT_EQ(c.num_key_value_heads, 3);
+  EXPECT_TRUE(c.tie_word_embeddings);
+  std::string interleaved = smol;
+  interleaved.replace(interleaved.find("\"rope_interleaved\": false"), 25, "\"rope_interleaved\": true");
+  EXPECT_NE(error_of([&] { model_config_parse(interleaved, "config.json"); }).find("field 'rope_interleaved': interleaved RoPE"),
+            std::string::npos);
+}
+
 TEST(Config, ErrorsNameTheField) {
   auto with = [](const std::string& key, const std::string& val) {
     std::string s = kGoodConfig;
@@ -100,6 +122,53 @@ TEST(Config, ErrorsNameTheField) {
   std::string huge = kGoodConfig;
   huge.replace(huge.find("\"vocab_size\": 50"), 16, "\"vocab_size\": 1099511627776");
   EXPECT_NE(error_of([&] { model_config_parse(huge, "c.json"); }).find("vocab_size"), std::string::npos);
+}
+
+// A key twice in one object is refused by name (nlohmann keeps the last silently: a duplicated
+// rope_theta changed the model, a second safetensors entry replaced a tensor); the same key in
+// sibling or nested objects is fine. A directory where a JSON file belongs is named as such (it
+// read as "basic_filebuf::underflow", or as an empty file).
+TEST(Json, DuplicateKeysAndDirectoriesAreRefusedByName) {
+  EXPECT_EQ(json_parse_strict(R"([{"a": 1}, {"a": 2, "b": {"a": 3}}])", "x")[1]["b"]["a"], 3);
+  EXPECT_EQ(error_of([] { json_parse_strict(R"({"a": {"b": 1, "c": 2, "b": 3}})", "x.json"); }),
+            "x.json: key 'b' appears twice in one object");
+  EXPECT_EQ(error_of([] { json_parse_strict(R"({"a": 1})", ""); }), "");
+  EXPECT_NE(error_of([] { json_parse_strict("{", "x.json"); }).find("x.json: not valid JSON"), std::string::npos);
+  std::string twice = kGoodConfig;
+  twice.insert(1, "\"rope_theta\": 500000.0, ");
+  EXPECT_EQ(error_of([&] { model_config_parse(twice, "c.json"); }), "c.json: key 'rope_theta' appears twice in one object");
+  // a safetensors header naming a tensor twice
+  const fs::path d = tmpdir("dup");
+  model_params p = model_params_init(model_config_parse(kGoodConfig, "c"), 3);
+  model_save(d.string(), p);
+  std::ifstream in(d / "model.safetensors", std::ios::binary);
+  std::vector<uint8_t> bytes((std::istreambuf_iterator<char>(in)), {});
+  uint64_t hlen = 0;
+  for (int i = 7; i >= 0; --i) hlen = (hlen << 8) | bytes[size_t(i)];
+  std::string header(bytes.begin() + 8, bytes.begin() + 8 + long(hlen));
+  const size_t at = header.find("\"model.norm.weight\"");
+  ASSERT_NE(at, std::string::npos);
+  const std::string entry = header.substr(at, header.find('}', at) + 1 - at);
+  header.insert(1, entry + ",");
+  std::string image;
+  for (int i = 0; i < 8; ++i) image += char(uint8_t(header.size() >> (8 * i)));
+  image += header;
+  image.append(bytes.begin() + 8 + long(hlen), bytes.end());
+  const std::vector<uint8_t> dup(image.begin(), image.end());
+  EXPECT_NE(error_of([&] { safetensors_parse(dup, "m.safetensors"); }).find("m.safetensors: header: key 'model.norm.weight' appears twice"),
+            std::string::npos)
+      << error_of([&] { safetensors_parse(dup, "m.safetensors"); });
+  // directories where the files belong
+  fs::rename(d / "config.json", d / "config.away");
+  fs::create_directories(d / "config.json");
+  EXPECT_EQ(error_of([&] { model_load(d.string()); }), (d / "config.json").string() + ": not a file");
+  fs::remove_all(d / "config.json");
+  fs::rename(d / "config.away", d / "config.json");
+  fs::create_directories(d / "state.json");
+  EXPECT_EQ(error_of([&] { checkpoint_load(d.string()); }), (d / "state.json").string() + ": not a file");
+  fs::create_directories(d / "tokenizer.json");
+  EXPECT_EQ(error_of([&] { tokenizer_load(d.string()); }), (d / "tokenizer.json").string() + ": not a file");
+  fs::remove_all(d);
 }
 
 TEST(Safetensors, RoundTripF32AndBf16) {

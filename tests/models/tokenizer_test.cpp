@@ -26,6 +26,24 @@ TEST(Tokenizer, ByteLevelBpeMatchesHuggingFaceReference) {
   EXPECT_EQ(tok->eos, tok->token_id("<|end_of_text|>"));
 }
 
+// Llama 3's published tokenizer.json wraps its post-processor in a Sequence [ByteLevel,
+// TemplateProcessing]: refused as "not supported", it kept every Llama 3 model out; the same
+// tokenizer so wrapped encodes exactly as the reference.
+TEST(Tokenizer, ASequencePostProcessorAsLlama3Ships) {
+  nlohmann::json j = nlohmann::json::parse(std::ifstream("tests/models/golden-tokenizer/tokenizer.json"));
+  j["post_processor"] = {{"type", "Sequence"},
+                         {"processors", {{{"type", "ByteLevel"}, {"add_prefix_space", true}, {"trim_offsets", false}, {"use_regex", true}},
+                                         j["post_processor"]}}};
+  const auto dir = std::filesystem::temp_directory_path() / ("fp8rl_tok_seq_" + std::to_string(::getpid()));
+  std::filesystem::create_directories(dir);
+  std::ofstream(dir / "tokenizer.json") << j.dump();
+  auto tok = tokenizer_load(dir.string());
+  const auto cases = nlohmann::json::parse(std::ifstream("tests/models/golden-tokenizer/expected.json"))["cases"];
+  for (const auto& c : cases) EXPECT_EQ(tok->encode(c["text"].get<std::string>(), true), c["ids_with_bos"].get<std::vector<int32_t>>());
+  EXPECT_EQ(tok->bos, tok->token_id("<|begin_of_text|>"));
+  std::filesystem::remove_all(dir);
+}
+
 TEST(Tokenizer, CharacterTokenizer) {
   auto t = char_tokenizer_make("0123456789+*=");
   EXPECT_EQ(t->vocab_size(), 16);
@@ -77,7 +95,16 @@ TEST(Tokenizer, MalformedFilesNameTheKey) {
             "pre_tokenizer: a Sequence needs a list 'pretokenizers'"},
            {R"({"model": {"type": "BPE", "vocab": {}, "merges": []}, "pre_tokenizer": {"type": "Sequence", "pretokenizer": []}})",
             "pre_tokenizer: a Sequence needs a list 'pretokenizers'"},
-           {R"({"model": {"type": "BPE", "vocab": {}, "merges": []}, "added_tokens": {"<s>": 1}})", "added_tokens must be a list"}}) {
+           {R"({"model": {"type": "BPE", "vocab": {}, "merges": []}, "added_tokens": {"<s>": 1}})", "added_tokens must be a list"},
+           // settings that change the split were ignored; "1 2 3" was read as ("1", "2 3")
+           {R"({"model": {"type": "BPE", "vocab": {}, "merges": [], "dropout": 0.1}})", "model.dropout = 0.1 is not supported"},
+           {R"({"model": {"type": "BPE", "vocab": {}, "merges": [], "continuing_subword_prefix": "##"}})",
+            "model.continuing_subword_prefix = \"##\" is not supported"},
+           {R"({"model": {"type": "BPE", "vocab": {}, "merges": ["1 2 3"]}})", "model.merges[0] '1 2 3' is not two symbols"},
+           {R"({"model": {"type": "BPE", "vocab": {}, "merges": []}, "post_processor": {"type": "Sequence"}})",
+            "post_processor: a Sequence needs a list 'processors'"},
+           {R"({"model": {"type": "BPE", "vocab": {}, "merges": []}, "post_processor": {"type": "Sequence", "processors": [{"type": "RobertaProcessing"}]}})",
+            "post_processor.processors: type 'RobertaProcessing' is not supported"}}) {
     const std::string err = write_and_load(body);
     EXPECT_NE(err.find(file + ": "), std::string::npos) << err;
     EXPECT_NE(err.find(what), std::string::npos) << err;

@@ -7,6 +7,7 @@
 #include <filesystem>
 #include <fstream>
 
+#include "models/json_io.hpp"
 #include "models/log.hpp"
 #include "models/rl/loop.hpp"
 #include <nlohmann/json.hpp>
@@ -68,12 +69,7 @@ std::vector<jsonl_item> read_token_jsonl(const std::string& path, int64_t vocab,
     ++n;
     if (line.find_first_not_of(" \t\r") == std::string::npos) continue;
     const std::string where = path + ":" + std::to_string(n) + ": ";
-    nlohmann::json j;
-    try {
-      j = nlohmann::json::parse(line);
-    } catch (const nlohmann::json::exception& e) {
-      throw std::invalid_argument(where + "not valid JSON (" + e.what() + ")");
-    }
+    const nlohmann::json j = models::json_parse_strict(line, where.substr(0, where.size() - 2));
     jsonl_item it;
     it.line = n;
     if (j.is_object() && j.contains("text") && j.contains("tokens"))

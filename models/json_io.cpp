@@ -1,0 +1,44 @@
+// models/json_io.cpp -- strict JSON parsing (duplicate keys refused) and file reading.
+#include "models/json_io.hpp"
+
+#include <filesystem>
+#include <fstream>
+#include <set>
+#include <iterator>
+#include <stdexcept>
+#include <vector>
+
+namespace fp8rl::models {
+
+nlohmann::json json_parse_strict(std::string_view text, const std::string& where) {
+  const std::string at = where.empty() ? "" : where + ": ";
+  std::vector<std::set<std::string>> keys;  // one set per object being parsed
+  std::string twice;
+  auto note = [&](int, nlohmann::json::parse_event_t ev, nlohmann::json& v) {
+    using ev_t = nlohmann::json::parse_event_t;
+    if (ev == ev_t::object_start) keys.emplace_back();
+    else if (ev == ev_t::object_end) keys.pop_back();
+    else if (ev == ev_t::key && !keys.back().insert(v.get<std::string>()).second && twice.empty()) twice = v.get<std::string>();
+    return true;
+  };
+  nlohmann::json j;
+  try {
+    j = nlohmann::json::parse(text.begin(), text.end(), note);
+  } catch (const nlohmann::json::exception& e) {
+    throw std::invalid_argument(at + "not valid JSON: " + e.what());
+  }
+  if (!twice.empty()) throw std::invalid_argument(at + "key '" + twice + "' appears twice in one object");
+  return j;
+}
+
+nlohmann::json json_file_read(const std::string& path) {
+  if (!std::filesystem::is_regular_file(path))
+    throw std::invalid_argument(path + (std::filesystem::exists(path) ? ": not a file" : ": missing"));
+  std::ifstream f(path, std::ios::binary);
+  if (!f) throw std::invalid_argument(path + ": cannot open");
+  const std::string text((std::istreambuf_iterator<char>(f)), {});
+  if (f.bad()) throw std::invalid_argument(path + ": cannot read");
+  return json_parse_strict(text, path);
+}
+
+}  // namespace fp8rl::models
