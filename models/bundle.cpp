@@ -102,11 +102,18 @@ bundle_contents bundle_unpack(const quant::weight_bundle& b, const model_config&
     auto it = by_name.find(info.name);
     if (it == by_name.end()) throw std::invalid_argument(tag + "tensor '" + info.name + "' is missing");
     const quant::bundle_tensor& t = *it->second;
-    if (t.shape != info.shape) throw std::invalid_argument(tag + "tensor '" + info.name + "' has the wrong shape");
+    auto dims = [](const std::vector<int64_t>& s) {
+      std::string o = "[";
+      for (size_t i = 0; i < s.size(); ++i) o += (i ? ", " : "") + std::to_string(s[i]);
+      return o + "]";
+    };
+    if (t.shape != info.shape)
+      throw std::invalid_argument(tag + "tensor '" + info.name + "' has shape " + dims(t.shape) + ", the model's is " + dims(info.shape));
     const bundle_dtype want = dtype_for(cfg, policy, info);
+    auto dtype_name = [](bundle_dtype d) { return d == bundle_dtype::fp8 ? "fp8" : d == bundle_dtype::bf16 ? "bf16" : "f32"; };
     if (t.dtype != want)
-      throw std::invalid_argument(tag + "tensor '" + info.name + "' has dtype " + std::to_string(int(t.dtype)) +
-                                  ", the policy needs " + std::to_string(int(want)));
+      throw std::invalid_argument(tag + "tensor '" + info.name + "' is " + dtype_name(t.dtype) + ", the precision policy needs " +
+                                  dtype_name(want));
     if (t.dtype == bundle_dtype::fp8) {
       quant::qtensor q;
       q.name = t.name;

@@ -31,7 +31,9 @@ generation_engine::generation_engine(backend& be, const model_config& cfg, engin
     : be_(be), cfg_(cfg), ec_(std::move(ec)) {
   cfg_.validate();
   ec_.policy.validate();
-  if (ec_.slots <= 0 || ec_.max_context <= 1) throw std::invalid_argument("engine: slots and max_context must be positive");
+  if (ec_.slots <= 0 || ec_.max_context <= 1)
+    throw std::invalid_argument("engine: slots must be > 0 and max_context > 1 (a prompt token and one generated), got " +
+                                std::to_string(ec_.slots) + " and " + std::to_string(ec_.max_context));
   if (ec_.max_context > cfg_.max_position_embeddings)
     throw std::invalid_argument("engine: max_context exceeds max_position_embeddings");
   // The KV cache is allocated up front: refuse what this machine cannot hold, naming the knobs
@@ -133,6 +135,8 @@ void generation_engine::submit(gen_request r) {
     if (t < 0 || t >= cfg_.vocab_size)
       throw std::invalid_argument("request " + std::to_string(r.id) + ": stop token " + std::to_string(t) +
                                   " outside the vocabulary");
+  if (!live_ids_.insert(r.id).second)
+    throw std::invalid_argument("request " + std::to_string(r.id) + ": an unfinished request has this id (each id draws its own random stream)");
   waiting_.push_back(std::move(r));
 }
 
@@ -157,6 +161,7 @@ uint64_t generation_engine::scale_version() const {
 std::vector<gen_request> generation_engine::drain() {
   std::vector<gen_request> out(waiting_.begin(), waiting_.end());
   waiting_.clear();
+  live_ids_.clear();
   for (auto& s : slots_)
     if (s) {
       out.push_back(s->req);
@@ -345,6 +350,7 @@ std::vector<gen_result> generation_engine::step() {
                       static_cast<int64_t>(s.ctx.size()) >= ec_.max_context;
     if (stop || full) {
       s.res.finish = stop ? "stop" : "length";
+      live_ids_.erase(s.res.id);
       done.push_back(std::move(s.res));
       sp.reset();
     }

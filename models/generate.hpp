@@ -18,6 +18,7 @@
 #include <deque>
 #include <memory>
 #include <mutex>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -116,6 +117,8 @@ class generation_engine {
   std::string adopt_params(const model_params& p, uint64_t weight_version, uint64_t scale_version,
                            const attn_fp8_scales* attn = nullptr);
 
+  // Throws std::invalid_argument naming the request: an empty or unfit prompt, a token outside
+  // the vocabulary, max_tokens <= 0, bad sampling settings, an id already waiting or active.
   void submit(gen_request r);
   // One engine step; finished results. Throws std::runtime_error naming the request where its
   // logits are not finite (diverged weights or activations): the step is lost, drain() returns
@@ -143,6 +146,7 @@ class generation_engine {
   std::shared_ptr<const state> pending_;  // guarded by adopt_mu_
   std::shared_ptr<const state> current_;
   std::deque<gen_request> waiting_;
+  std::set<uint64_t> live_ids_;  // waiting or active: an id twice drew the same random stream
   std::vector<std::unique_ptr<slot>> slots_;
   std::unique_ptr<kv_cache> cache_;
   engine_stats stats_;

@@ -4,6 +4,7 @@
 #include <cmath>
 #include <cstring>
 #include <stdexcept>
+#include <tuple>
 
 #include "quant/qtensor.hpp"
 
@@ -69,9 +70,11 @@ void bundle_validate(const weight_bundle& b, bool needs_attention_scales) {
   }
   if (!needs_attention_scales) return;
   const size_t L = static_cast<size_t>(s.layers);
-  if (s.layers <= 0 || s.q_scale.size() != L * s.heads || s.k_scale.size() != L * s.kv_heads ||
-      s.v_scale.size() != L * s.kv_heads)
-    throw std::invalid_argument(tag + "FP8 attention/KV-cache scales are missing or have the wrong size");
+  if (s.layers <= 0) throw std::invalid_argument(tag + "FP8 attention/KV-cache scales are missing (layers " + std::to_string(s.layers) + ")");
+  for (const auto& [v, what, per] : {std::tuple{&s.q_scale, "Q", s.heads}, {&s.k_scale, "K", s.kv_heads}, {&s.v_scale, "V", s.kv_heads}})
+    if (v->size() != L * static_cast<size_t>(per))
+      throw std::invalid_argument(tag + "FP8 attention/KV-cache " + what + " scales: " + std::to_string(v->size()) + ", expected " +
+                                  std::to_string(s.layers) + " layers x " + std::to_string(per) + " heads");
   auto check = [&](const std::vector<float>& v, const char* what, int32_t per) {
     for (size_t i = 0; i < v.size(); ++i)
       if (!(v[i] > 0.0f) || !std::isfinite(v[i]))

@@ -204,6 +204,19 @@ TEST(Generate, RefusedBundlesKeepTheOldWeights) {
   auto shape = good;
   shape.tensors[1].shape = {3};
   EXPECT_NE(e.adopt(std::make_shared<fp8rl::quant::weight_bundle>(shape)), "");
+  {  // a transposed matrix (the bytes fit): both shapes named (it said "the wrong shape")
+    auto transposed = good;
+    auto t = std::find_if(transposed.tensors.begin(), transposed.tensors.end(),
+                          [](const auto& x) { return x.shape.size() == 2 && x.shape[0] != x.shape[1]; });
+    ASSERT_NE(t, transposed.tensors.end());
+    const auto want = t->shape;
+    std::swap(t->shape[0], t->shape[1]);
+    const std::string why = e.adopt(std::make_shared<fp8rl::quant::weight_bundle>(transposed));
+    EXPECT_NE(why.find("'" + t->name + "' has shape [" + std::to_string(want[1]) + ", " + std::to_string(want[0]) +
+                       "], the model's is [" + std::to_string(want[0]) + ", " + std::to_string(want[1]) + "]"),
+              std::string::npos)
+        << why;
+  }
   shape.tensors[1].shape = {int64_t{1} << 39, int64_t{1} << 39};  // its element count wrapped to 0
   EXPECT_NE(e.adopt(std::make_shared<fp8rl::quant::weight_bundle>(shape)).find("has a shape beyond any tensor"), std::string::npos);
   auto older = bundle_from_params(p, ec.policy, 2, 2, nullptr);
@@ -285,6 +298,11 @@ TEST(Generate, RefusedKvScalesKeepTheOldWeights) {
   heads.snapshot.k_scale.resize(L, 0.03f);
   heads.snapshot.v_scale.resize(L, 0.02f);
   EXPECT_NE(refused(heads).find("8 heads"), std::string::npos);
+  auto short_v = good;  // which list and its size (it said "missing or have the wrong size")
+  short_v.snapshot.v_scale.pop_back();
+  const std::string why_v = refused(short_v);
+  EXPECT_NE(why_v.find("V scales: " + std::to_string(L * KV - 1) + ", expected " + std::to_string(L) + " layers x " +
+                       std::to_string(KV) + " heads"), std::string::npos) << why_v;
   auto negative = good;
   negative.snapshot.v_scale[1] = -0.02f;
   EXPECT_NE(refused(negative).find("V scale of layer 0 head 1"), std::string::npos);

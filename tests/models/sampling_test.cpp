@@ -185,13 +185,29 @@ TEST(Sampling, ImpossibleSettingsAreRefusedByName) {
   // so small that a sane logit / T overflows: admitted, it failed every step of its batch
   EXPECT_NE(with([](gen_request& r) { r.proc.temperature = 1e-30f; }).find("temperature 1e-30 is below 1e-05 (0: greedy)"),
             std::string::npos);
-  EXPECT_EQ(with([](gen_request& r) { r.proc.temperature = kMinTemperature; }), "");
+  EXPECT_EQ(with([](gen_request& r) { r.proc.temperature = kMinTemperature, r.id += 100; }), "");
   EXPECT_NE(with([](gen_request& r) { r.proc.top_k = -4; }).find("top_k"), std::string::npos);
   EXPECT_NE(with([](gen_request& r) { r.proc.top_p = 0.0f; }).find("top_p"), std::string::npos);
   EXPECT_NE(with([](gen_request& r) { r.proc.top_p = 1.5f; }).find("top_p"), std::string::npos);
   EXPECT_NE(with([](gen_request& r) { r.stop_tokens = {3, 61}; }).find("stop token 61"), std::string::npos);
   EXPECT_EQ(refused(base), "");
   EXPECT_FALSE(e.idle());
+  // an id already waiting or generating: both drew one random stream, and results sorted by id
+  // came in either order
+  EXPECT_NE(refused(base).find("request " + std::to_string(base.id) + ": an unfinished request has this id"), std::string::npos);
+  e.run_to_completion();
+  EXPECT_EQ(refused(base), "");  // finished: the id is free again
+  e.drain();
+  EXPECT_EQ(refused(base), "");  // drained: free again
+  // max_context 1 leaves no room for a generated token; the values are named
+  engine_config one = ecfg("fp32", 1);
+  one.max_context = 1;
+  try {
+    generation_engine g(*be, p.cfg, one);
+    ADD_FAILURE() << "max_context 1 was accepted";
+  } catch (const std::invalid_argument& x) {
+    EXPECT_NE(std::string(x.what()).find("max_context > 1 (a prompt token and one generated), got 1 and 1"), std::string::npos) << x.what();
+  }
   // a KV cache beyond the machine's memory is refused before it is allocated, naming the knobs
   engine_config huge = ecfg("fp32", int64_t{1} << 22);  // 4M slots x 64 positions x 2 KiB: 512 GiB
   try {

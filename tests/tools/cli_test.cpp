@@ -217,7 +217,28 @@ TEST_F(Cli, Fp8KvGenerateChecksEveryPromptFirstAndCalibratesInPasses) {
   ASSERT_EQ(rc, 0) << text;
   EXPECT_EQ(json_lines(text_of(out)).size(), 40u);
   // 34 prompts fill the first pass (2040 tokens), 6 the second
-  EXPECT_NE(text.find("from 40 prompt(s) in 2 pass(es) of at most 2048 tokens"), std::string::npos) << text;
+  EXPECT_NE(text.find("FP8 K/V scales from the prompts: 40 prompt(s) in 2 pass(es) of at most 2048 tokens"), std::string::npos)
+      << text;
+  EXPECT_NE(text.find("each prompt's tokens depend on the others in"), std::string::npos) << text;
+  // scales from --calibration: a prompt's tokens no longer depend on the other prompts in the file
+  // (calibrated on the whole file, the first five prompts' tokens changed when five more followed)
+  const fs::path calib = write("calib.jsonl", "{\"tokens\": [1, 5, 6, 7, 8, 9, 10]}\n{\"tokens\": [1, 20, 21, 22]}\n");
+  std::string first5, all10;
+  for (int p = 0; p < 10; ++p) (p < 5 ? first5 : all10) += "{\"tokens\": [1, " + std::to_string(3 + p) + ", 9, 12]}\n";
+  all10.insert(0, first5);
+  auto generated = [&](const std::string& name, const std::string& body) {
+    const fs::path o = dir / (name + ".out");
+    const int r = std::system((kBin + "/fp8rl generate --kv fp8 --max-tokens 6 --seed 5 --calibration " + calib.string() + " --prompts " +
+                               write(name + ".jsonl", body).string() + m() + " > " + o.string() + " 2>/dev/null").c_str());
+    EXPECT_EQ(r, 0) << name;
+    return json_lines(text_of(o));
+  };
+  const auto five = generated("five", first5), ten = generated("ten", all10);
+  ASSERT_EQ(five.size(), 5u);
+  ASSERT_EQ(ten.size(), 10u);
+  for (size_t i = 0; i < 5; ++i) EXPECT_EQ(five[i], ten[i]) << i;
+  refused("generate --calibration " + calib.string() + " --prompts " + write("one.jsonl", "{\"tokens\": [1]}\n").string() + m(),
+          "option --calibration: only with an FP8 KV cache");
 }
 
 // fp8-kv (FP8 attention and KV cache) is a generation policy: eval calibrates its Q/K/V scales on

@@ -27,15 +27,17 @@ const char* const kUsage =
     "   \"finish\": \"stop\"|\"length\"}\n"
     "logprobs are log p(token) under the distribution sampled from (after temperature, top-k, top-p;\n"
     "greedy -- temperature 0 -- reports temperature-1 logprobs after top-k/top-p). With an FP8 KV\n"
-    "cache the Q/K/V scales are calibrated on the prompts (amax * 1.05 / 448; forward passes of at most\n"
-    "2048 tokens, so any number of prompts fits), and the K/V elements\n"
-    "that saturated (|x / scale| > 448) are logged per layer at the end.\n"
+    "cache the Q/K/V scales (amax * 1.05 / 448; forward passes of at most 2048 tokens) come from\n"
+    "--calibration, else the checkpoint's calibration.jsonl (fp8rl train's), else the prompts -- then a\n"
+    "prompt's tokens depend on the other prompts in the file; the K/V elements that saturated\n"
+    "(|x / scale| > 448) are logged per layer at the end.\n"
     "  --model DIR              checkpoint or Hugging Face model directory\n"
     "  --prompts FILE.jsonl     prompts\n"
     "  --policy P               fp32 (default) | bf16 | fp8 | fp8-kv, each also as P-tiles (AMX)\n"
     "  --bf16-layers F,L        keep the first F and last L layers BF16 (fp8 policies)\n"
     "  --scale-mode M           pow2 (default) | fp32\n"
     "  --kv K                   KV cache f32 | bf16 | fp8 (default: the policy's; fp8 adds FP8 attention)\n"
+    "  --calibration FILE.jsonl prompts ({\"tokens\"} or {\"text\"} lines) for the FP8 KV cache's scales\n"
     "  --max-tokens N           per prompt (default 64)\n"
     "  --temperature T          0 = greedy (default 1)\n"
     "  --top-k K                0 = off (default)\n"
@@ -52,7 +54,7 @@ const char* const kUsage =
 int cmd_generate(int argc, char** argv) {
   const args a = args_parse(argc, argv, 2,
                             {"model", "prompts", "policy", "bf16-layers", "scale-mode", "kv", "max-tokens",
-                             "temperature", "top-k", "top-p", "seed", "slots", "max-context", "stop", "threads", "log-level"},
+                             "temperature", "top-k", "top-p", "seed", "slots", "max-context", "stop", "threads", "log-level", "calibration"},
                             {}, kUsage);
   log_level_from_args(a);
   const auto params = models::model_load(a.need("model"));
@@ -115,10 +117,23 @@ int cmd_generate(int argc, char** argv) {
       }
     }
     const bool fp8_kv = ec.policy.kv == models::kv_dtype::fp8;
-    std::vector<std::vector<int32_t>> prompts;
-    if (fp8_kv)
-      for (const auto& it : items) prompts.push_back(it.tokens);
-    const models::attn_fp8_scales sc = fp8_kv ? calibrate_kv(*be, params, ec.policy, prompts) : models::attn_fp8_scales{};
+    if (a.has("calibration") && !fp8_kv) throw std::invalid_argument("option --calibration: only with an FP8 KV cache (--kv fp8, --policy fp8-kv)");
+    models::attn_fp8_scales sc;
+    if (fp8_kv) {
+      std::vector<std::vector<int32_t>> calib;
+      std::string source = a.get("calibration");
+      if (a.has("calibration")) {
+        for (const auto& it : read_token_jsonl(source, params.cfg.vocab_size, tokenizer_of(a.need("model")).get())) calib.push_back(it.tokens);
+      } else {
+        std::vector<std::vector<int32_t>> prompts;
+        for (const auto& it : items) prompts.push_back(it.tokens);
+        calib = kv_calibration_prompts(a.get("model"), std::move(prompts), "the prompts", &source);
+        if (source == "the prompts")
+          log_get("generate")->warn("FP8 K/V scales from the prompts: each prompt's tokens depend on the others in {} "
+                                    "(--calibration FILE gives scales of their own)", a.get("prompts"));
+      }
+      sc = calibrate_kv(*be, params, ec.policy, calib, source);
+    }
     // tokens carry the checkpoint's weight version (0 for an SFT or HF model); the K/V scales
     // are computed here from those weights, so they are of the same version
     const uint64_t version = models::checkpoint_weight_version(a.get("model"));

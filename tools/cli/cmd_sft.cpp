@@ -157,15 +157,14 @@ int cmd_eval(int argc, char** argv) {
     // FP8 KV: Q/K/V scales from the batch the run calibrated this checkpoint on (a train
     // checkpoint's calibration.jsonl: the scales its rollouts had); else from the validation prompts
     const bool fp8_kv = ec.policy.kv == models::kv_dtype::fp8;
-    std::vector<std::vector<int32_t>> calib;
+    models::attn_fp8_scales sc;
     if (fp8_kv) {
-      calib = actors::calibration_batch_load(a.get("model"));
-      const bool from_checkpoint = !calib.empty();
-      if (!from_checkpoint)
-        for (const auto& item : val.items) calib.push_back(tok->encode(item.prompt, true));
-      log_get("eval")->info("FP8 K/V scales from {}", from_checkpoint ? "the checkpoint's calibration batch" : "the validation prompts");
+      std::vector<std::vector<int32_t>> val_prompts;
+      for (const auto& item : val.items) val_prompts.push_back(tok->encode(item.prompt, true));
+      std::string source;
+      const auto calib = kv_calibration_prompts(a.get("model"), std::move(val_prompts), "the validation prompts", &source);
+      sc = calibrate_kv(*be, params, ec.policy, calib, source);
     }
-    const models::attn_fp8_scales sc = fp8_kv ? calibrate_kv(*be, params, ec.policy, calib) : models::attn_fp8_scales{};
     const std::string err = eng.adopt_params(params, 0, 0, fp8_kv ? &sc : nullptr);
     if (!err.empty()) throw std::runtime_error(err);
     r = models::evaluate(eng, val, *tok, *vk, max_tokens, seed);

@@ -6,11 +6,12 @@
 #include <climits>
 #include <filesystem>
 #include <fstream>
+#include <nlohmann/json.hpp>
 
+#include "actors/run_dir.hpp"
 #include "models/json_io.hpp"
 #include "models/log.hpp"
 #include "models/rl/loop.hpp"
-#include <nlohmann/json.hpp>
 
 namespace fp8rl::cli {
 
@@ -145,8 +146,21 @@ void with_threads(const args& a, const std::function<void()>& fn) {
 
 constexpr size_t kCalibTokens = 2048;  // tokens per calibration pass (bounded activations and logits)
 
+std::vector<std::vector<int32_t>> kv_calibration_prompts(const std::string& model_dir,
+                                                         std::vector<std::vector<int32_t>> fallback,
+                                                         const std::string& fallback_name, std::string* source) {
+  auto batch = actors::calibration_batch_load(model_dir);
+  if (!batch.empty()) {
+    *source = "the checkpoint's calibration batch";
+    return batch;
+  }
+  *source = fallback_name;
+  return fallback;
+}
+
 models::attn_fp8_scales calibrate_kv(models::backend& be, const models::model_params& params,
-                                     const models::precision_policy& policy, const std::vector<std::vector<int32_t>>& prompts) {
+                                     const models::precision_policy& policy, const std::vector<std::vector<int32_t>>& prompts,
+                                     const std::string& source) {
   std::vector<models::token_batch> passes;
   size_t n = 0;
   for (const auto& p : prompts) {
@@ -156,7 +170,7 @@ models::attn_fp8_scales calibrate_kv(models::backend& be, const models::model_pa
   }
   auto w = models::model_weights_build(be, params.cfg, policy.training(), {&params, nullptr, nullptr}, false);
   models::model_runner run(be);
-  log_get("calibrate")->info("FP8 K/V scales from {} prompt(s) in {} pass(es) of at most {} tokens", prompts.size(),
+  log_get("calibrate")->info("FP8 K/V scales from {}: {} prompt(s) in {} pass(es) of at most {} tokens", source, prompts.size(),
                              passes.size(), kCalibTokens);
   return models::calibrate_attention(run, *w, passes, 1.0, 1.05f);
 }

@@ -40,9 +40,17 @@ models::precision_policy training_policy_from_args(const args& a, const std::str
 // FP8 KV cache (policy kv fp8): Q/K/V scales per layer and head (amax * 1.05 / 448,
 // calibrate_attention's largest sample) from the training forward over these prompts, in passes of
 // at most 2048 tokens (or one prompt): amax is a max over tokens and a token's activations do not
-// depend on its batch, so the passes give the scales one pass over every prompt would.
+// depend on its batch, so the passes give the scales one pass over every prompt would. `source`
+// names the prompts in the one log line.
 models::attn_fp8_scales calibrate_kv(models::backend& be, const models::model_params& params,
-                                     const models::precision_policy& policy, const std::vector<std::vector<int32_t>>& prompts);
+                                     const models::precision_policy& policy, const std::vector<std::vector<int32_t>>& prompts,
+                                     const std::string& source);
+// The prompts an FP8 KV cache's scales come from for the checkpoint in model_dir: its
+// calibration.jsonl (fp8rl train's checkpoints: the batch its rollouts' scales came from) if it has
+// one, else `fallback` (named fallback_name); *source says which.
+std::vector<std::vector<int32_t>> kv_calibration_prompts(const std::string& model_dir,
+                                                         std::vector<std::vector<int32_t>> fallback,
+                                                         const std::string& fallback_name, std::string* source);
 
 // Runs fn in a oneTBB arena of --threads N (default: all cores).
 void with_threads(const args& a, const std::function<void()>& fn);
