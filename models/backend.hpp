@@ -151,7 +151,7 @@ class backend {
                                                     int64_t max_ctx, kv_dtype dtype) = 0;
   // Writes k, v [T,KV,D] (post-RoPE) of `layer` at (slot[t], pos[t]). BF16 rounds to nearest
   // even; FP8 stores e4m3(x / scale) with saturation, k_scale/v_scale [KV]. Returns how many
-  // elements saturated (|x / scale| > 448).
+  // elements the saturation clipped (|x / scale| > 464: up to 464 rounds to 448 anyway).
   virtual int64_t kv_cache_write(kv_cache& c, int64_t layer, const kv_step& st, const float* k, const float* v,
                                  const float* k_scale, const float* v_scale) = 0;
   // out[T,H,D]: token t's query q[t] attends to its slot's positions 0..pos[t] (the same

@@ -300,9 +300,16 @@ std::vector<gen_result> generation_engine::step() {
     float lp;
   };
   std::vector<sampled> out(active.size());
+  std::vector<int64_t> saturated(stats_.kv_saturated.size(), 0);  // counted once the step holds (a retry wrote them again)
   try {
     std::vector<float> logits;
-    engine_forward(be_, *current_->weights, *cache_, current_->attn, tokens, slot_of, pos, rows, logits, &stats_.kv_saturated);
+    try {
+      engine_forward(be_, *current_->weights, *cache_, current_->attn, tokens, slot_of, pos, rows, logits, &saturated);
+    } catch (const std::invalid_argument& e) {  // a K/V or query refused names its slot: say whose it is
+      std::string whose;
+      for (size_t i : active) whose += (whose.empty() ? "" : ", ") + std::to_string(i) + " = request " + std::to_string(slots_[i]->req.id);
+      throw std::runtime_error(std::string(e.what()) + " (slots: " + whose + ")");
+    }
     const int64_t V = cfg_.vocab_size;
     std::vector<float> z(static_cast<size_t>(V));
     std::vector<int32_t> work;
@@ -332,6 +339,7 @@ std::vector<gen_result> generation_engine::step() {
     throw;
   }
   ++stats_.steps;
+  for (size_t l = 0; l < saturated.size(); ++l) stats_.kv_saturated[l] += saturated[l];
   std::vector<gen_result> done;
   for (size_t r = 0; r < active.size(); ++r) {
     auto& sp = slots_[active[r]];

@@ -77,7 +77,7 @@ int64_t cpu_kv_cache_write(kv_cache& cache, int64_t layer, const kv_step& st, co
         const float x = d < D ? k[(t * KV + g) * D + d] : v[(t * KV + g) * D + d - D];
         if (!std::isfinite(x))  // the encoder would store NaN as 0x7F, Inf as 448
           throw std::invalid_argument("kv_cache_write: layer " + std::to_string(layer) + ", KV head " + std::to_string(g) +
-                                      ", position " + std::to_string(p) + ": " + (d < D ? "K" : "V") + "[" +
+                                      ", slot " + std::to_string(slot) + ", position " + std::to_string(p) + ": " + (d < D ? "K" : "V") + "[" +
                                       std::to_string(d % D) + "] is " + std::to_string(x) + " (not finite; FP8 K/V cache)");
       }
   }
@@ -98,7 +98,9 @@ int64_t cpu_kv_cache_write(kv_cache& cache, int64_t layer, const kv_step& st, co
           scaled[d] = kt[d] / k_scale[g];
           scaled[D + d] = vt[d] / v_scale[g];
         }
-        for (int64_t d = 0; d < 2 * D; ++d) saturated[g] += std::fabs(scaled[d]) > 448.0f;
+        // clipped by the saturation: beyond 464 (448 < |x| <= 464 rounds to 448 in any mode; OCP's
+        // non-saturating encoders give NaN above it, fp8-numerics.md §2.1)
+        for (int64_t d = 0; d < 2 * D; ++d) saturated[g] += std::fabs(scaled[d]) > 464.0f;
         quant::e4m3_encode_array(scaled, 2 * D, codes);
         for (int64_t d = 0; d < D; ++d) {
           c.fp8[b + c.key_at(p, d)] = codes[d];
@@ -140,7 +142,8 @@ void cpu_attention_cached(const kv_cache& cache, int64_t layer, const kv_step& s
     for (int64_t j = 0; j < st.T * H * D; ++j)
       if (!std::isfinite(q[j]))
         throw std::invalid_argument("attention: layer " + std::to_string(layer) + ", head " + std::to_string(j / D % H) +
-                                    ", position " + std::to_string(st.pos[j / (H * D)]) + ": Q[" + std::to_string(j % D) +
+                                    ", slot " + std::to_string(st.slot[j / (H * D)]) + ", position " +
+                                    std::to_string(st.pos[j / (H * D)]) + ": Q[" + std::to_string(j % D) +
                                     "] is " + std::to_string(q[j]) + " (not finite; FP8 attention)");
   std::vector<attn_rounding> rq(static_cast<size_t>(H));
   for (int64_t h = 0; h < H; ++h) rq[h] = {operand, q_scale ? q_scale[h] : 0.0f};

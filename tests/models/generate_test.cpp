@@ -470,11 +470,17 @@ TEST(Generate, NonFiniteKvAndFp8QueriesAreRefused) {
       be->kv_cache_write(*cache, 1, {1, &slot, &pos}, k.data(), v.data(), scale.data(), scale.data());
       ADD_FAILURE() << "accepted " << bad;
     } catch (const std::invalid_argument& e) {
-      EXPECT_NE(std::string(e.what()).find("layer 1, KV head 1, position 3: V[5]"), std::string::npos) << e.what();
+      EXPECT_NE(std::string(e.what()).find("layer 1, KV head 1, slot 0, position 3: V[5]"), std::string::npos) << e.what();
     }
   }
   std::vector<float> k(static_cast<size_t>(KV * D), 0.5f);
   EXPECT_EQ(be->kv_cache_write(*cache, 1, {1, &slot, &pos}, k.data(), k.data(), scale.data(), scale.data()), 0);
+  // saturation counts what it clipped: 448 < |x / scale| <= 464 rounds to 448 in any mode
+  k[7] = 460.0f / 64, k[8] = -464.0f / 64;
+  EXPECT_EQ(be->kv_cache_write(*cache, 1, {1, &slot, &pos}, k.data(), k.data(), scale.data(), scale.data()), 0);
+  k[9] = 470.0f / 64;
+  EXPECT_EQ(be->kv_cache_write(*cache, 1, {1, &slot, &pos}, k.data(), k.data(), scale.data(), scale.data()), 2);  // as K and as V
+  k[7] = k[8] = k[9] = 0.5f;
   // FP8 queries likewise (fp8-numerics.md §0.2: never encoded): +Inf was saturated to 448 * scale
   const int64_t H = 4;
   const std::vector<float> q_scale(static_cast<size_t>(H), 0.05f);
@@ -488,12 +494,27 @@ TEST(Generate, NonFiniteKvAndFp8QueriesAreRefused) {
       be->attention_cached(*cache, 1, {2, slots2, pos2}, q.data(), H, precision::fp8, q_scale.data(), out2.data());
       ADD_FAILURE() << "accepted " << bad;
     } catch (const std::invalid_argument& e) {
-      EXPECT_NE(std::string(e.what()).find("layer 1, head 2, position 4: Q[7]"), std::string::npos) << e.what();
+      EXPECT_NE(std::string(e.what()).find("layer 1, head 2, slot 0, position 4: Q[7]"), std::string::npos) << e.what();
     }
   }
   const std::vector<float> q(static_cast<size_t>(H * D), 0.25f);
   be->attention_cached(*cache, 1, {1, &slot, &pos}, q.data(), H, precision::fp8, q_scale.data(), out.data());
   for (float o : out) EXPECT_TRUE(std::isfinite(o));
+  // in the engine the error says whose slot it is (a slot alone named no request): layer 0's K
+  // overflows (its input norm scaled by 1e38)
+  model_params p = model_params_init(cfg(), 9);
+  float* n0 = p.get("model.layers.0.input_layernorm.weight");
+  for (int64_t c = 0; c < p.cfg.hidden_size; ++c) n0[c] *= 1e38f;
+  const int64_t L = p.cfg.num_hidden_layers, Hm = p.cfg.num_attention_heads, KVm = p.cfg.num_key_value_heads;
+  const attn_fp8_scales sc{std::vector<float>(L * Hm, 0.02f), std::vector<float>(L * KVm, 0.03f), std::vector<float>(L * KVm, 0.02f)};
+  generation_engine e(*be, p.cfg, ecfg("fp8-kv", 2));
+  ASSERT_EQ(e.adopt_params(p, 1, 1, &sc), "");
+  auto rq = requests(1, 1.0f)[0];
+  rq.id = 77;
+  e.submit(rq);
+  const std::string why = fp8rl::test::thrown_text<std::runtime_error>([&] { e.step(); });
+  EXPECT_NE(why.find("slot 0, position 0"), std::string::npos) << why;
+  EXPECT_NE(why.find("(slots: 0 = request 77)"), std::string::npos) << why;
 }
 
 // The decode kernel reads each KV head's keys and values once for its G query rows, widening the

@@ -30,7 +30,7 @@ const char* const kUsage =
     "cache the Q/K/V scales (amax * 1.05 / 448; forward passes of at most 2048 tokens) come from\n"
     "--calibration, else the checkpoint's calibration.jsonl (fp8rl train's), else the prompts -- then a\n"
     "prompt's tokens depend on the other prompts in the file; the K/V elements that saturated\n"
-    "(|x / scale| > 448) are logged per layer at the end.\n"
+    "(|x / scale| > 464, where 448 is the largest code) are logged per layer at the end.\n"
     "  --model DIR              checkpoint or Hugging Face model directory\n"
     "  --prompts FILE.jsonl     prompts\n"
     "  --policy P               fp32 (default) | bf16 | fp8 | fp8-kv, each also as P-tiles (AMX)\n"
