@@ -31,6 +31,8 @@ generation_engine::generation_engine(backend& be, const model_config& cfg, engin
     : be_(be), cfg_(cfg), ec_(std::move(ec)) {
   cfg_.validate();
   ec_.policy.validate();
+  if (ec_.max_step_tokens <= 0)
+    throw std::invalid_argument("engine: max_step_tokens must be > 0, got " + std::to_string(ec_.max_step_tokens));
   if (ec_.slots <= 0 || ec_.max_context <= 1)
     throw std::invalid_argument("engine: slots must be > 0 and max_context > 1 (a prompt token and one generated), got " +
                                 std::to_string(ec_.slots) + " and " + std::to_string(ec_.max_context));
@@ -151,6 +153,31 @@ bool generation_engine::has_weights() const {
 uint64_t generation_engine::weight_version() const {
   std::lock_guard<std::mutex> g(adopt_mu_);  // step() swaps current_ under it
   return current_ ? current_->weight_version : 0;
+}
+
+// Whole slots per forward, at most max_step_tokens new tokens each (a slot with more goes alone);
+// rows are the slots' last tokens, in order, and logits come back [slots, V] as from one forward.
+void generation_engine::forward_chunked(const std::vector<int32_t>& tokens, const std::vector<int32_t>& slot_of,
+                                        const std::vector<int32_t>& pos, const std::vector<int64_t>& rows,
+                                        std::vector<float>& logits, std::vector<int64_t>& saturated) {
+  if (static_cast<int64_t>(tokens.size()) <= ec_.max_step_tokens) {
+    engine_forward(be_, *current_->weights, *cache_, current_->attn, tokens, slot_of, pos, rows, logits, &saturated);
+    return;
+  }
+  logits.clear();
+  std::vector<float> part;
+  for (size_t first = 0; first < rows.size();) {
+    const int64_t b = first == 0 ? 0 : rows[first - 1] + 1;  // the group's first token
+    size_t last = first;
+    while (last + 1 < rows.size() && rows[last + 1] + 1 - b <= ec_.max_step_tokens) ++last;
+    const int64_t e = rows[last] + 1;
+    auto cut = [&](const std::vector<int32_t>& v) { return std::vector<int32_t>(v.begin() + b, v.begin() + e); };
+    std::vector<int64_t> r(rows.begin() + static_cast<long>(first), rows.begin() + static_cast<long>(last) + 1);
+    for (auto& x : r) x -= b;
+    engine_forward(be_, *current_->weights, *cache_, current_->attn, cut(tokens), cut(slot_of), cut(pos), r, part, &saturated);
+    logits.insert(logits.end(), part.begin(), part.end());
+    first = last + 1;
+  }
 }
 
 uint64_t generation_engine::scale_version() const {
@@ -304,7 +331,7 @@ std::vector<gen_result> generation_engine::step() {
   try {
     std::vector<float> logits;
     try {
-      engine_forward(be_, *current_->weights, *cache_, current_->attn, tokens, slot_of, pos, rows, logits, &saturated);
+      forward_chunked(tokens, slot_of, pos, rows, logits, saturated);
     } catch (const std::invalid_argument& e) {  // a K/V or query refused names its slot: say whose it is
       std::string whose;
       for (size_t i : active) whose += (whose.empty() ? "" : ", ") + std::to_string(i) + " = request " + std::to_string(slots_[i]->req.id);

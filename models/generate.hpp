@@ -55,6 +55,10 @@ struct engine_config {
   int64_t max_context = 512;
   kv_adopt_policy on_adopt = kv_adopt_policy::recompute;
   precision_policy policy;                  // generation policy (FP8 KV / attention allowed)
+  // New tokens per forward pass: a step whose slots bring more (fresh prompts, a recompute
+  // adoption re-reading every context) runs several forwards of whole slots, so its activations
+  // stay bounded (one slot's tokens always go together). The results do not depend on it.
+  int64_t max_step_tokens = 4096;
 };
 
 struct engine_stats {
@@ -151,6 +155,8 @@ class generation_engine {
   std::unique_ptr<kv_cache> cache_;
   engine_stats stats_;
   std::string install(std::shared_ptr<const state> s);
+  void forward_chunked(const std::vector<int32_t>& tokens, const std::vector<int32_t>& slot_of, const std::vector<int32_t>& pos,
+                       const std::vector<int64_t>& rows, std::vector<float>& logits, std::vector<int64_t>& saturated);
 };
 
 }  // namespace fp8rl::models

@@ -77,6 +77,43 @@ TEST(Generate, ContinuousBatchingEqualsRunningAlone) {
   }
 }
 
+// A step whose slots bring more than max_step_tokens new tokens (fresh prompts; a recompute
+// adoption re-reading every context) runs several forwards of whole slots: the same tokens and
+// logprobs, bit for bit, as one forward (it was one forward of every context at once: activations
+// scaling with slots x context).
+TEST(Generate, ChunkedStepsEqualOneForward) {
+  const model_params p1 = model_params_init(cfg(), 4), p2 = model_params_init(cfg(), 5);
+  auto be = make_cpu_backend();
+  for (const char* policy : {"fp32", "fp8", "fp8-kv"}) {
+    auto run = [&](int64_t max_step_tokens) {
+      engine_config ec = ecfg(policy, 3);
+      ec.max_step_tokens = max_step_tokens;
+      const int64_t L = p1.cfg.num_hidden_layers, H = p1.cfg.num_attention_heads, KV = p1.cfg.num_key_value_heads;
+      const attn_fp8_scales sc{std::vector<float>(L * H, 0.02f), std::vector<float>(L * KV, 0.03f), std::vector<float>(L * KV, 0.02f)};
+      const bool kv8 = std::string(policy) == "fp8-kv";
+      generation_engine e(*be, p1.cfg, ec);
+      EXPECT_EQ(e.adopt_params(p1, 1, 1, kv8 ? &sc : nullptr), "");
+      for (auto& r : requests(5, 0.9f)) e.submit(r);
+      std::vector<gen_result> out;
+      for (int i = 0; i < 3; ++i)
+        for (auto& r : e.step()) out.push_back(std::move(r));
+      EXPECT_EQ(e.adopt_params(p2, 2, 2, kv8 ? &sc : nullptr), "");  // recompute: every context again
+      for (auto& r : e.run_to_completion()) out.push_back(std::move(r));
+      std::sort(out.begin(), out.end(), [](const auto& a, const auto& b) { return a.id < b.id; });
+      return std::make_pair(out, e.stats());
+    };
+    const auto [one, one_stats] = run(1 << 20);
+    const auto [chunked, chunked_stats] = run(5);  // under one prompt plus its generated tokens
+    ASSERT_EQ(one.size(), chunked.size()) << policy;
+    EXPECT_GT(one_stats.recomputed_tokens, 0) << policy;
+    for (size_t i = 0; i < one.size(); ++i) {
+      EXPECT_EQ(one[i].tokens, chunked[i].tokens) << policy << " " << i;
+      EXPECT_TRUE(same(one[i].logprobs, chunked[i].logprobs)) << policy << " " << i;
+    }
+    EXPECT_EQ(one_stats.kv_saturated, chunked_stats.kv_saturated) << policy;
+  }
+}
+
 TEST(Generate, SeededSamplingIsReproducible) {
   const model_params p = model_params_init(cfg(), 5);
   auto be = make_cpu_backend();
