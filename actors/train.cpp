@@ -284,7 +284,12 @@ std::string prepare_init(const run_config& cfg, const std::string& run_dir, bool
     std::ifstream f(ck / "latest");
     std::string name;
     if (!(f >> name)) throw std::invalid_argument(run_dir + ": --resume but no checkpoints/latest");
+    // a checkpoint of this run: a path there ("../../other/step_1") resumed another run's weights
+    if (name.find('/') != std::string::npos || name == "." || name == "..")
+      throw std::invalid_argument((ck / "latest").string() + " names '" + name + "', not a checkpoint directory of this run");
     const fs::path dir = ck / name;
+    if (!fs::is_directory(dir))
+      throw std::invalid_argument((ck / "latest").string() + " names '" + name + "', which is not in " + ck.string());
     const std::string sp = (dir / "state.json").string();
     auto state = json::parse(std::ifstream(sp), nullptr, false);
     if (state.is_discarded() || !state.is_object()) throw std::invalid_argument(sp + ": not a valid JSON object");

@@ -186,6 +186,12 @@ TEST(E2E, EmbeddedDefaultRunsAndResumes) {
   EXPECT_TRUE(fs::exists(d / "checkpoints" / "step_4" / "model.safetensors"));
   EXPECT_FALSE(fs::exists(d / ".replaced"));
   fs::remove_all(init);
+  // checkpoints/latest naming a path out of the run, or a checkpoint that is not there
+  std::ofstream(d / "checkpoints" / "latest") << "../../elsewhere/step_1\n";
+  fails_naming("--resume --run-dir " + d.string() + kSmall + " --run.steps=8", "latest names '../../elsewhere/step_1', not a checkpoint");
+  std::ofstream(d / "checkpoints" / "latest") << "step_9\n";
+  fails_naming("--resume --run-dir " + d.string() + kSmall + " --run.steps=8", "latest names 'step_9', which is not in");
+  std::ofstream(d / "checkpoints" / "latest") << "step_6\n";
   const fs::path state = d / "checkpoints" / "step_6" / "state.json";
   std::ofstream(state) << "{bad";
   fails_naming("--resume --run-dir " + d.string() + kSmall + " --run.steps=8", "state.json: not a valid JSON object");

@@ -255,6 +255,12 @@ TEST_F(Cli, Fp8KvIsAGenerationPolicyOnly) {
   const result c = run(eval);
   ASSERT_EQ(c.rc, 0) << c.out;
   EXPECT_NE(c.out.find("FP8 K/V scales from the checkpoint's calibration batch"), std::string::npos) << c.out;
+  // --n on a file task evaluates its first N lines (all of them were evaluated)
+  const fs::path task = write("task.jsonl", "{\"prompt\": \"1+1=\", \"answer\": 2}\n{\"prompt\": \"2+2=\", \"answer\": 4}\n"
+                                            "{\"prompt\": \"3+3=\", \"answer\": 6}\n");
+  const result n2 = run("eval --n 2 --max-tokens 2 --task " + task.string() + " --model " + ck.string());
+  ASSERT_EQ(n2.rc, 0) << n2.out;
+  EXPECT_NE(n2.out.find("\"n\": 2}"), std::string::npos) << n2.out;
   refused("sft --steps 1 --batch 2 --policy fp8-kv --out " + (dir / "ck3").string(), "--policy fp8-kv: FP8 attention");
   EXPECT_FALSE(fs::exists(dir / "ck3"));
   refused("score --policy fp8-kv --input " + prompts.string() + m(), "--policy fp8-kv: FP8 attention");

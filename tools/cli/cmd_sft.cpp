@@ -43,7 +43,7 @@ const char* const kEvalUsage =
     "  --model DIR              checkpoint with a tokenizer\n"
     "  --task T                 builtin:add2 (default) | builtin:add1..add6, mul1..mul6 | FILE.jsonl\n"
     "  --verifier V             numeric (default for built-in tasks) | exact (default for files)\n"
-    "  --n N                    validation items (default 400)\n"
+    "  --n N                    validation items (default 400; a file task: its first N lines, default all)\n"
     "  --max-tokens N           per answer (default 16)\n"
     "  --policy P               generation precision: fp8 (default) | fp32 | bf16 | fp8-kv, each also as P-tiles;\n"
     "                           fp8-kv's K/V scales: from the checkpoint's calibration batch (fp8rl train's\n"
@@ -143,7 +143,8 @@ int cmd_eval(int argc, char** argv) {
   const auto params = models::model_load(a.need("model"));
   const auto tok = models::tokenizer_load(a.need("model"));
   const auto task = models::task_spec_parse(a.get("task", "builtin:add2"));
-  const models::dataset val = models::task_load(task, true, n, seed);
+  models::dataset val = models::task_load(task, true, n, seed);
+  if (!task.builtin && a.has("n") && static_cast<int64_t>(val.items.size()) > n) val.items.resize(static_cast<size_t>(n));  // it read all
   const auto vk = models::verifier_parse(a.get("verifier", task.builtin ? "numeric" : "exact"));
   if (!vk) throw std::invalid_argument("option --verifier: expected exact or numeric");
   models::eval_result r;
