@@ -101,9 +101,11 @@ class backend {
   // dx[T,C] += ..., dw[C] += ...
   virtual void rmsnorm_backward(const float* dout, const float* x, const float* w, const float* rstd, int64_t T,
                                 int64_t C, float* dx, float* dw) = 0;
-  // x[T, nh, D] rotated in place by positions pos[T] (HF rotate_half convention); inverse=true
-  // applies the transpose rotation (backward).
-  virtual void rope(float* x, const int32_t* pos, int64_t T, int64_t nh, int64_t D, double theta, bool inverse) = 0;
+  // x[T, nh, D] rotated in place by positions pos[T] (HF rotate_half convention), angles
+  // pos * inv_freq[i] (inv_freq [D/2]: model_config::rope_inv_freq); inverse=true applies the
+  // transpose rotation (backward).
+  virtual void rope(float* x, const int32_t* pos, int64_t T, int64_t nh, int64_t D, const std::vector<float>& inv_freq,
+                    bool inverse) = 0;
   // h[T,F] = silu(gate) * up
   virtual void swiglu_forward(const float* gate, const float* up, int64_t n, float* h) = 0;
   virtual void swiglu_backward(const float* dh, const float* gate, const float* up, int64_t n, float* dgate, float* dup) = 0;

@@ -1,6 +1,7 @@
 // models/config.cpp -- strict config.json reader/writer (nlohmann::json).
 #include "models/config.hpp"
 
+#include <cmath>
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
@@ -27,7 +28,54 @@ const std::set<std::string> kIgnored = {
     "initializer_range", "tie_word_embeddings", "head_dim", "dtype", "use_sliding_window",
     "sliding_window", "max_window_layers", "is_llama_config", "rope_interleaved"};  // the last two: SmolLM2
 
+// Llama 3's rope_scaling; any other kind (linear, dynamic, yarn, longrope) is refused by name.
+rope_llama3 rope_scaling_parse(const json& r, const std::string& source) {
+  const std::string kind = r.is_object() ? r.value("rope_type", r.value("type", "")) : "";
+  if (kind != "llama3") fail(source, "rope_scaling", "RoPE scaling " + r.dump() + " is not implemented (llama3 only)");
+  rope_llama3 s;
+  auto num = [&](const char* k, double& out) {
+    if (!r.contains(k) || !r[k].is_number() || !(r[k].get<double>() > 0))
+      fail(source, std::string("rope_scaling.") + k, "must be a number > 0, got " + (r.contains(k) ? r[k].dump() : "nothing"));
+    out = r[k].get<double>();
+  };
+  num("factor", s.factor);
+  num("low_freq_factor", s.low_freq_factor);
+  num("high_freq_factor", s.high_freq_factor);
+  if (!(s.high_freq_factor > s.low_freq_factor))
+    fail(source, "rope_scaling.high_freq_factor", "must exceed low_freq_factor (the smoothing divides by their difference)");
+  if (!r.contains("original_max_position_embeddings") || !r["original_max_position_embeddings"].is_number_integer() ||
+      r["original_max_position_embeddings"].get<int64_t>() <= 0)
+    fail(source, "rope_scaling.original_max_position_embeddings", "must be an integer > 0");
+  s.original_max_position_embeddings = r["original_max_position_embeddings"].get<int64_t>();
+  for (auto it = r.begin(); it != r.end(); ++it)
+    if (it.key() != "rope_type" && it.key() != "type" && it.key() != "factor" && it.key() != "low_freq_factor" &&
+        it.key() != "high_freq_factor" && it.key() != "original_max_position_embeddings")
+      fail(source, "rope_scaling." + it.key(), "unknown field");
+  return s;
+}
+
 }  // namespace
+
+std::vector<float> rope_inv_freq(double theta, int64_t D, const rope_llama3& s) {
+  const int64_t half = D / 2;
+  std::vector<float> f(static_cast<size_t>(half));
+  for (int64_t i = 0; i < half; ++i)  // FP32 throughout, as transformers' torch code
+    f[i] = 1.0f / std::pow(static_cast<float>(theta), static_cast<float>(2 * i) / static_cast<float>(D));
+  if (s.factor <= 0) return f;
+  const float factor = static_cast<float>(s.factor), lo = static_cast<float>(s.low_freq_factor),
+              hi = static_cast<float>(s.high_freq_factor), old = static_cast<float>(s.original_max_position_embeddings);
+  const float lo_wavelen = old / lo, hi_wavelen = old / hi;
+  for (auto& x : f) {
+    const float wavelen = 2.0f * static_cast<float>(M_PI) / x;
+    if (wavelen < hi_wavelen) continue;                 // high frequencies: kept
+    if (wavelen > lo_wavelen) { x /= factor; continue; }  // low frequencies: divided by factor
+    const float smooth = (old / wavelen - lo) / (hi - lo);  // in transformers' order of operations
+    x = (1.0f - smooth) * x / factor + smooth * x;
+  }
+  return f;
+}
+
+std::vector<float> model_config::rope_inv_freq() const { return models::rope_inv_freq(rope_theta, head_dim, rope_scaling); }
 
 void model_config::validate() const {
   auto pos = [&](const char* f, int64_t v) {
@@ -116,9 +164,8 @@ model_config model_config_parse(const std::string& text, const std::string& sour
     else if (ids.size() == 1) c.bos_token_id = ids[0];
     else fail(source, f, "one sequence start, got " + j[f].dump());
   }
+  if (j.contains("rope_scaling") && !j["rope_scaling"].is_null()) c.rope_scaling = rope_scaling_parse(j["rope_scaling"], source);
   // unsupported values of known fields
-  if (j.contains("rope_scaling") && !j["rope_scaling"].is_null())
-    fail(source, "rope_scaling", "RoPE scaling (" + j["rope_scaling"].dump() + ") is not implemented");
   for (const char* f : {"attention_bias", "mlp_bias"})
     if (j.contains(f) && !(j[f].is_boolean() && !j[f].get<bool>())) fail(source, f, "biases are not supported");
   if (j.contains("hidden_act") && j["hidden_act"] != "silu")
@@ -206,6 +253,10 @@ std::string model_config_to_json(const model_config& c) {
   if (c.bos_token_id >= 0) j["bos_token_id"] = c.bos_token_id;
   if (c.eos_token_ids.size() == 1) j["eos_token_id"] = c.eos_token_ids[0];
   if (c.eos_token_ids.size() > 1) j["eos_token_id"] = c.eos_token_ids;
+  if (c.rope_scaling.factor > 0)
+    j["rope_scaling"] = {{"rope_type", "llama3"}, {"factor", c.rope_scaling.factor},
+                         {"low_freq_factor", c.rope_scaling.low_freq_factor}, {"high_freq_factor", c.rope_scaling.high_freq_factor},
+                         {"original_max_position_embeddings", c.rope_scaling.original_max_position_embeddings}};
   return j.dump(2);
 }
 

@@ -11,6 +11,19 @@
 
 namespace fp8rl::models {
 
+// Llama 3's rope_scaling {"rope_type": "llama3", "factor", "low_freq_factor", "high_freq_factor",
+// "original_max_position_embeddings"} (Llama 3.1/3.2/3.3); factor 0: no scaling.
+struct rope_llama3 {
+  double factor = 0, low_freq_factor = 1, high_freq_factor = 4;
+  int64_t original_max_position_embeddings = 0;
+};
+
+// RoPE's inverse frequencies [D/2] in FP32, as HF computes them: 1 / theta^(2i/D) (the default
+// rope), then with Llama 3 scaling (transformers' _compute_llama3_parameters): wavelengths
+// 2 pi / f above original / low_freq_factor divided by factor, below original / high_freq_factor
+// kept, in between s * f + (1 - s) * f / factor with s = (original / wavelength - low) / (high - low).
+std::vector<float> rope_inv_freq(double theta, int64_t D, const rope_llama3& scaling = {});
+
 struct model_config {
   int64_t hidden_size = 0;              // C
   int64_t intermediate_size = 0;        // F
@@ -21,6 +34,7 @@ struct model_config {
   int64_t vocab_size = 0;               // V
   double rms_norm_eps = 1e-5;
   double rope_theta = 10000.0;
+  rope_llama3 rope_scaling;             // Llama 3.1's rope_scaling; factor 0: none
   int64_t max_position_embeddings = 2048;
   bool tie_word_embeddings = false;
   double initializer_range = 0.02;
@@ -28,6 +42,7 @@ struct model_config {
   std::vector<int64_t> eos_token_ids;  // HF's eos_token_id, an id or a list (Llama 3.1 Instruct: three)
 
   int64_t q_dim() const { return num_attention_heads * head_dim; }     // H*D
+  std::vector<float> rope_inv_freq() const;                           // [D/2], see rope_inv_freq below
   int64_t kv_dim() const { return num_key_value_heads * head_dim; }    // KV*D
   void validate() const;  // throws std::invalid_argument naming the field
 };

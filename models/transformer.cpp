@@ -224,6 +224,7 @@ void head_amax(backend& be, const float* x, int64_t T, int64_t nh, int64_t D, fl
 void model_runner::forward(const model_weights& w, const token_batch& b, bool train, const attn_fp8_scales* fp8_scales,
                            qkv_stats* stats) {
   const model_config& c = w.cfg;
+  const std::vector<float> inv_freq = c.rope_inv_freq();  // [D/2]
   b.validate(c.vocab_size, c.max_position_embeddings);
   if (fp8_scales) {
     if (!w.policy.fp8_attention) throw std::invalid_argument("forward: FP8 attention scales given, policy has fp8_attention off");
@@ -254,8 +255,8 @@ void model_runner::forward(const model_weights& w, const token_batch& b, bool tr
     const prepared_linear* qkv[] = {lw.q.get(), lw.k.get(), lw.v.get()};
     float* qkv_out[] = {l.q.data(), l.k.data(), l.v.data()};  // [T, H*D], [T, KV*D], [T, KV*D]
     be_.linear_forward_group(qkv, l.xn1.data(), T, qkv_out);
-    be_.rope(l.q.data(), pos_.data(), T, H, D, c.rope_theta, false);
-    be_.rope(l.k.data(), pos_.data(), T, KV, D, c.rope_theta, false);
+    be_.rope(l.q.data(), pos_.data(), T, H, D, inv_freq, false);
+    be_.rope(l.k.data(), pos_.data(), T, KV, D, inv_freq, false);
     if (stats) {
       head_amax(be_, l.q.data(), T, H, D, stats->q.data() + i * H);
       head_amax(be_, l.k.data(), T, KV, D, stats->k.data() + i * KV);
@@ -306,6 +307,7 @@ void model_runner::backward(const model_weights& w, const std::vector<int32_t>& 
                             const float* dlogp, float* grads) {
   if (fwd_weights_ != &w || !trained_forward_) throw std::logic_error("backward: needs a training forward with these weights");
   const model_config& c = w.cfg;
+  const std::vector<float> inv_freq = c.rope_inv_freq();  // [D/2]
   targets_check(targets, batch_.T(), c.vocab_size, "backward");
   const int64_t T = batch_.T(), C = c.hidden_size, F = c.intermediate_size, H = c.num_attention_heads,
                 KV = c.num_key_value_heads, D = c.head_dim, V = c.vocab_size, QD = c.q_dim(), KD = c.kv_dim();
@@ -347,8 +349,8 @@ void model_runner::backward(const model_weights& w, const std::vector<int32_t>& 
     be_.linear_backward(*lw.o, l.att.data(), g_.dres.data(), T, g_.datt.data(), gp + o.wo);
     be_.attention_backward(attn(w, i), l.q.data(), l.k.data(), l.v.data(), l.att.data(), l.lse.data(), g_.datt.data(),
                            g_.dq.data(), g_.dk.data(), g_.dv.data());
-    be_.rope(g_.dq.data(), pos_.data(), T, H, D, c.rope_theta, true);
-    be_.rope(g_.dk.data(), pos_.data(), T, KV, D, c.rope_theta, true);
+    be_.rope(g_.dq.data(), pos_.data(), T, H, D, inv_freq, true);
+    be_.rope(g_.dk.data(), pos_.data(), T, KV, D, inv_freq, true);
     const prepared_linear* qkv[] = {lw.q.get(), lw.k.get(), lw.v.get()};
     const float* d_qkv[] = {g_.dq.data(), g_.dk.data(), g_.dv.data()};
     float* dw_qkv[] = {gp + o.wq, gp + o.wk, gp + o.wv};

@@ -38,8 +38,9 @@ class cpu_backend final : public backend {
                         float* dx, float* dw) override {
     cpu_rmsnorm_backward(dout, x, w, rstd, T, C, dx, dw);
   }
-  void rope(float* x, const int32_t* pos, int64_t T, int64_t nh, int64_t D, double theta, bool inverse) override {
-    cpu_rope(x, pos, T, nh, D, theta, inverse);
+  void rope(float* x, const int32_t* pos, int64_t T, int64_t nh, int64_t D, const std::vector<float>& inv_freq,
+            bool inverse) override {
+    cpu_rope(x, pos, T, nh, D, inv_freq, inverse);
   }
   void swiglu_forward(const float* g, const float* u, int64_t n, float* h) override { cpu_swiglu_forward(g, u, n, h); }
   void swiglu_backward(const float* dh, const float* g, const float* u, int64_t n, float* dg, float* du) override {

@@ -11,7 +11,7 @@ void cpu_embedding_backward(const float* dout, const int32_t* tokens, int64_t T,
 void cpu_rmsnorm_forward(const float* x, const float* w, int64_t T, int64_t C, float eps, float* out, float* rstd);
 void cpu_rmsnorm_backward(const float* dout, const float* x, const float* w, const float* rstd, int64_t T, int64_t C,
                           float* dx, float* dw);
-void cpu_rope(float* x, const int32_t* pos, int64_t T, int64_t nh, int64_t D, double theta, bool inverse);
+void cpu_rope(float* x, const int32_t* pos, int64_t T, int64_t nh, int64_t D, const std::vector<float>& inv_freq, bool inverse);
 void cpu_add_inplace(float* y, const float* x, int64_t n);  // y[n] += x[n]
 void cpu_swiglu_forward(const float* gate, const float* up, int64_t n, float* h);
 void cpu_swiglu_backward(const float* dh, const float* gate, const float* up, int64_t n, float* dgate, float* dup);

@@ -85,26 +85,23 @@ void cpu_rmsnorm_backward(const float* dout, const float* x, const float* w, con
 }
 
 namespace {
-// cos/sin of pos * inv_freq[i] for positions [0, npos) and i < D/2, computed once per (theta, D)
+// cos/sin of pos * inv_freq[i] for positions [0, npos) and i < D/2, computed once per inv_freq
 // and grown on demand: the same FP32 values the per-call computation gave (std::cos/std::sin of
 // the same float angle), without 2 libm calls per position, pair and call.
 //   cs, sn: [npos][D/2]
 struct rope_table {
-  double theta = 0;
-  int64_t D = 0, npos = 0;
+  std::vector<float> inv_freq;
+  int64_t npos = 0;
   std::vector<float> cs, sn;
 };
 
-std::shared_ptr<const rope_table> rope_table_build(double theta, int64_t D, int64_t npos) {
+std::shared_ptr<const rope_table> rope_table_build(const std::vector<float>& inv_freq, int64_t npos) {
   auto t = std::make_shared<rope_table>();
-  const int64_t half = D / 2;
-  t->theta = theta, t->D = D, t->npos = npos;
+  const int64_t half = static_cast<int64_t>(inv_freq.size());
+  t->inv_freq = inv_freq, t->npos = npos;
   t->cs.resize(static_cast<size_t>(npos * half));
   t->sn.resize(static_cast<size_t>(npos * half));
-  // HF Llama: inv_freq[i] = 1 / theta^(2i/D) in FP32, angle = pos * inv_freq (FP32)
-  std::vector<float> inv_freq(static_cast<size_t>(half));
-  for (int64_t i = 0; i < half; ++i)
-    inv_freq[i] = 1.0f / std::pow(static_cast<float>(theta), static_cast<float>(2 * i) / static_cast<float>(D));
+  // HF Llama: angle = pos * inv_freq (FP32)
   tbb::parallel_for(int64_t{0}, npos, [&](int64_t p) {
     for (int64_t i = 0; i < half; ++i) {
       const float a = static_cast<float>(p) * inv_freq[i];
@@ -115,17 +112,17 @@ std::shared_ptr<const rope_table> rope_table_build(double theta, int64_t D, int6
   return t;
 }
 
-// The table for (theta, D) covering positions [0, npos); a few live (theta, D) pairs per process.
-std::shared_ptr<const rope_table> rope_table_get(double theta, int64_t D, int64_t npos) {
+// The table for inv_freq covering positions [0, npos); a few live frequency sets per process.
+std::shared_ptr<const rope_table> rope_table_get(const std::vector<float>& inv_freq, int64_t npos) {
   static std::mutex mu;
   static std::vector<std::shared_ptr<const rope_table>> tables;
   std::lock_guard lock(mu);
   for (auto& t : tables)
-    if (t->theta == theta && t->D == D) {
-      if (t->npos < npos) t = rope_table_build(theta, D, std::max(npos, 2 * t->npos));
+    if (t->inv_freq == inv_freq) {
+      if (t->npos < npos) t = rope_table_build(inv_freq, std::max(npos, 2 * t->npos));
       return t;
     }
-  tables.push_back(rope_table_build(theta, D, std::max<int64_t>(npos, 256)));
+  tables.push_back(rope_table_build(inv_freq, std::max<int64_t>(npos, 256)));
   return tables.back();
 }
 
@@ -143,15 +140,17 @@ FP8RL_VECTOR_CLONES void rope_token(float* __restrict x, const float* __restrict
 }
 }  // namespace
 
-void cpu_rope(float* x, const int32_t* pos, int64_t T, int64_t nh, int64_t D, double theta, bool inverse) {
+void cpu_rope(float* x, const int32_t* pos, int64_t T, int64_t nh, int64_t D, const std::vector<float>& inv_freq, bool inverse) {
   const int64_t half = D / 2;
+  if (static_cast<int64_t>(inv_freq.size()) != half)
+    throw std::invalid_argument("rope: " + std::to_string(inv_freq.size()) + " frequencies for head_dim " + std::to_string(D));
   int64_t npos = 0;
   for (int64_t t = 0; t < T; ++t) {
     if (pos[t] < 0) throw std::invalid_argument("rope: negative position " + std::to_string(pos[t]));
     npos = std::max<int64_t>(npos, int64_t{pos[t]} + 1);
   }
   if (T == 0) return;
-  const auto tab = rope_table_get(theta, D, npos);
+  const auto tab = rope_table_get(inv_freq, npos);
   tbb::parallel_for(int64_t{0}, T, [&](int64_t t) {
     const int64_t p = pos[t];
     rope_token(x + t * nh * D, tab->cs.data() + p * half, tab->sn.data() + p * half, nh, half, inverse);

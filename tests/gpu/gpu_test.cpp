@@ -262,7 +262,7 @@ TEST(GpuOps, EmbeddingRopeSwigluAndAdamwMatchTheCpuBackend) {
   for (bool inverse : {false, true}) {
     auto x = randn(T * nh * D, 12);
     auto dx = gpu::dbuf<float>::from(x);
-    be->rope(x.data(), pos.data(), T, nh, D, 10000.0, inverse);
+    be->rope(x.data(), pos.data(), T, nh, D, models::rope_inv_freq(10000.0, D), inverse);
     gpu::gpu_rope(dx.data(), dpos.data(), T, nh, D, 10000.0, inverse);
     EXPECT_LT(tol::rel_norm_err(dv(dx.to_host()), dv(x)), tol::kGpuFloatKernel) << "inverse " << inverse;
   }

@@ -64,9 +64,9 @@ TEST(GradCheck, RopeIsOrthogonal) {
   const int64_t T = 6, nh = 3, D = 8;
   auto x = randn(T * nh * D, 4), r = randn(T * nh * D, 5);
   std::vector<int32_t> pos = {0, 1, 2, 7, 100, 3};
-  auto f = [&] { auto y = x; F.be->rope(y.data(), pos.data(), T, nh, D, 10000.0, false); return dot(r, y); };
+  auto f = [&] { auto y = x; F.be->rope(y.data(), pos.data(), T, nh, D, rope_inv_freq(10000.0, D), false); return dot(r, y); };
   auto g = r;
-  F.be->rope(g.data(), pos.data(), T, nh, D, 10000.0, true);  // backward = inverse rotation of dout
+  F.be->rope(g.data(), pos.data(), T, nh, D, rope_inv_freq(10000.0, D), true);  // backward = inverse rotation of dout
   expect_grad("rope dx", x, g, f);
 }
 
@@ -81,7 +81,7 @@ TEST(GradCheck, RopeEqualsTheHfFormulaAcrossTableGrowth) {
       const auto x = randn(T * nh * D, 11);
       for (bool inverse : {false, true}) {
         auto y = x;
-        F.be->rope(y.data(), pos.data(), T, nh, D, theta, inverse);
+        F.be->rope(y.data(), pos.data(), T, nh, D, rope_inv_freq(theta, D), inverse);
         for (int64_t t = 0; t < T; ++t)
           for (int64_t h = 0; h < nh; ++h)
             for (int64_t i = 0; i < half; ++i) {
@@ -95,7 +95,7 @@ TEST(GradCheck, RopeEqualsTheHfFormulaAcrossTableGrowth) {
     }
   std::vector<int32_t> bad = {-1};
   auto y = randn(nh * D, 12);
-  EXPECT_THROW(F.be->rope(y.data(), bad.data(), 1, nh, D, 10000.0, false), std::invalid_argument);
+  EXPECT_THROW(F.be->rope(y.data(), bad.data(), 1, nh, D, rope_inv_freq(10000.0, D), false), std::invalid_argument);
 }
 
 TEST(GradCheck, SwiGLU) {

@@ -85,6 +85,53 @@ TEST(Config, AcceptsSmolLM2sPublishedFields) {
             std::string::npos);
 }
 
+// Llama 3.1's rope_scaling (the shipped Llama-3.1-8B recipe's model): parsed, written back, and
+// applied to RoPE's frequencies as transformers' _compute_llama3_parameters -- high frequencies
+// kept bit for bit, low ones divided by the factor exactly, the band between them smoothly (checked
+// against the formula in double within 2 FP32 ulp). Other scalings are still refused by name.
+TEST(Config, Llama3RopeScaling) {
+  std::string llama = kGoodConfig;
+  llama.insert(1, R"("rope_scaling": {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192, "rope_type": "llama3"}, )");
+  const model_config c = model_config_parse(llama, "config.json");
+  EXPECT_EQ(c.rope_scaling.factor, 8.0);
+  EXPECT_EQ(c.rope_scaling.original_max_position_embeddings, 8192);
+  EXPECT_EQ(model_config_parse(model_config_to_json(c), "again").rope_scaling.factor, 8.0);
+  rope_llama3 s;
+  s.factor = 8, s.low_freq_factor = 1, s.high_freq_factor = 4, s.original_max_position_embeddings = 8192;
+  const int64_t D = 128;
+  const auto plain = rope_inv_freq(500000.0, D), scaled = rope_inv_freq(500000.0, D, s);
+  ASSERT_EQ(scaled.size(), 64u);
+  int kept = 0, divided = 0, smoothed = 0;
+  for (size_t i = 0; i < scaled.size(); ++i) {
+    const double wavelen = 2 * M_PI / plain[i];
+    if (wavelen < 8192.0 / 4) {
+      ++kept;
+      EXPECT_EQ(scaled[i], plain[i]) << i;
+    } else if (wavelen > 8192.0 / 1) {
+      ++divided;
+      EXPECT_EQ(scaled[i], plain[i] / 8) << i;
+    } else {
+      ++smoothed;
+      const double sm = (8192.0 / wavelen - 1) / (4 - 1), want = (1 - sm) * plain[i] / 8 + sm * plain[i];
+      EXPECT_NEAR(scaled[i], want, 2 * std::ldexp(1.0, std::ilogb(want) - 23)) << i;  // 2 FP32 ulp: FP32 ops vs double
+    }
+    if (i > 0) {
+      EXPECT_LE(scaled[i], scaled[i - 1]) << i;
+    }
+  }
+  EXPECT_GT(kept, 0);
+  EXPECT_GT(divided, 0);
+  EXPECT_GT(smoothed, 0);
+  EXPECT_EQ(c.rope_inv_freq(), rope_inv_freq(c.rope_theta, c.head_dim, c.rope_scaling));
+  std::string yarn = kGoodConfig;
+  yarn.insert(1, R"("rope_scaling": {"type": "yarn", "factor": 4.0}, )");
+  EXPECT_NE(error_of([&] { model_config_parse(yarn, "c.json"); }).find("rope_scaling"), std::string::npos);
+  std::string equal = llama;
+  equal.replace(equal.find("\"high_freq_factor\": 4.0"), 23, "\"high_freq_factor\": 1.0");
+  EXPECT_NE(error_of([&] { model_config_parse(equal, "c.json"); }).find("rope_scaling.high_freq_factor"), std::string::npos);
+}
+
 TEST(Config, ErrorsNameTheField) {
   auto with = [](const std::string& key, const std::string& val) {
     std::string s = kGoodConfig;
