@@ -14,8 +14,10 @@
 #include <cstring>
 #include <filesystem>
 #include <iterator>
-#include <stdexcept>
 #include <nlohmann/json.hpp>
+#include <stdexcept>
+
+#include "models/json_io.hpp"
 
 namespace fp8rl::actors {
 namespace fs = std::filesystem;
@@ -197,8 +199,8 @@ std::vector<std::vector<int32_t>> calibration_batch_load(const std::string& chec
   std::ifstream in(p);
   std::string line;
   for (int n = 1; std::getline(in, line); ++n) {
-    const auto j = nlohmann::json::parse(line, nullptr, false);
-    if (j.is_discarded() || !j.is_object() || !j.contains("tokens") || !j["tokens"].is_array() || j["tokens"].empty())
+    const auto j = models::json_parse_strict(line, p.string() + ":" + std::to_string(n));
+    if (!j.is_object() || !j.contains("tokens") || !j["tokens"].is_array() || j["tokens"].empty())
       throw std::invalid_argument(p.string() + ":" + std::to_string(n) + ": expected {\"tokens\": [ids...]}");
     std::vector<int32_t> s;
     for (const auto& t : j["tokens"]) {
@@ -272,10 +274,11 @@ std::string plots_run_gnuplot(const fs::path& dir) {
   pid_t pid = 0;
   const int rc = posix_spawnp(&pid, "gnuplot", &fa, nullptr, argv, environ);
   posix_spawn_file_actions_destroy(&fa);
-  if (rc != 0) return std::string("cannot run gnuplot: ") + std::strerror(rc) + " (tools/setup installs gnuplot-nox)";
+  // glibc reports a failed exec (and a failed file action) as the return value, not as status 127
+  if (rc == ENOENT && fs::is_directory(dir)) return "gnuplot is not installed (tools/setup installs gnuplot-nox)";
+  if (rc != 0) return "cannot run gnuplot in " + dir.string() + ": " + std::strerror(rc);
   int status = 0;
   while (::waitpid(pid, &status, 0) < 0 && errno == EINTR) {}
-  if (WIFEXITED(status) && WEXITSTATUS(status) == 127) return "gnuplot is not installed (tools/setup installs gnuplot-nox)";
   if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) return "gnuplot failed: see " + (dir / "gnuplot.log").string();
   return "";
 }

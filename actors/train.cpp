@@ -23,6 +23,7 @@
 #include "actors/run_dir.hpp"
 #include "actors/trace.hpp"
 #include "models/checkpoint.hpp"
+#include "models/json_io.hpp"
 #include "models/log.hpp"
 
 namespace fp8rl::actors {
@@ -289,10 +290,11 @@ std::string prepare_init(const run_config& cfg, const std::string& run_dir, bool
       throw std::invalid_argument((ck / "latest").string() + " names '" + name + "', not a checkpoint directory of this run");
     const fs::path dir = ck / name;
     if (!fs::is_directory(dir))
-      throw std::invalid_argument((ck / "latest").string() + " names '" + name + "', which is not in " + ck.string());
+      throw std::invalid_argument((ck / "latest").string() + " names '" + name + "', which is not a checkpoint directory in " +
+                                  ck.string());
     const std::string sp = (dir / "state.json").string();
-    auto state = json::parse(std::ifstream(sp), nullptr, false);
-    if (state.is_discarded() || !state.is_object()) throw std::invalid_argument(sp + ": not a valid JSON object");
+    const json state = models::json_file_read(sp);
+    if (!state.is_object()) throw std::invalid_argument(sp + ": not a JSON object");
     auto unsigned_key = [&](const char* key, const char* what) {
       if (!state.contains(key) || !state[key].is_number_unsigned())
         throw std::invalid_argument(sp + ": key '" + key + "' must be " + what + " >= 0");
@@ -517,7 +519,7 @@ int train_main(int argc, char** argv) {
   run_preflight(*env, c.resume);  // every file the actors will read or write, before any of them starts
   if (replaced) replaced->drop();
   created.armed = false;
-  if (!c.resume || !fs::exists(fs::path(run_dir) / "recipe.conf")) {
+  if (!c.resume) {  // a resume has one (resume_recipe_changes refuses it otherwise)
     std::ofstream(fs::path(run_dir) / "recipe.conf") << recipe_dump(cfg);  // only once the run can start
   } else if (!resumed_with.empty()) {  // the first part's recipe.conf stays; the changes sit beside it
     const fs::path f = fs::path(run_dir) / "resumes" / ("recipe-step" + std::to_string(start_version) + ".conf");

@@ -11,12 +11,20 @@
 #include <cstdint>
 #include <memory>
 #include <span>
+#include <stdexcept>
 #include <string>
 
 #include "models/precision.hpp"
 #include "quant/qtensor.hpp"
 
 namespace fp8rl::models {
+
+// A value one slot's K/V write or FP8 query refused (not finite): carries the slot, so the engine
+// can name the request it holds.
+struct slot_error : std::invalid_argument {
+  int64_t slot;
+  slot_error(const std::string& what, int64_t s) : std::invalid_argument(what), slot(s) {}
+};
 
 // The compute form of one linear weight W [out, in], from which a backend prepares its own.
 struct linear_source {

@@ -19,14 +19,24 @@ namespace fp8rl::models {
 namespace fs = std::filesystem;
 
 namespace {
-// A save marks its DIR.tmp while writing it: the next save removes only a marked one (what a
-// crash left), never a directory of the same name the user keeps there.
+// DIR.tmp and DIR.old are a save's own: the next save removes what a crash left there -- a marked
+// directory (a save marks DIR.tmp while writing it, and whatever it is about to delete) or a whole
+// checkpoint (config.json) -- never a directory of the same name the user keeps there.
 constexpr const char* kUnfinished = ".fp8rl-unfinished-checkpoint";
 
-// Removes `p` if absent or `ours`, else refuses naming it (what a save would have deleted).
-void remove_if_ours(const fs::path& p, bool ours, const char* why) {
+void mark_ours(const fs::path& p) { std::ofstream(p / kUnfinished) << "fp8rl's checkpoint save: safe to delete\n"; }
+
+// Removes `p` if absent or ours, else refuses naming it (what a save would have deleted).
+void remove_if_ours(const fs::path& p) {
   if (!fs::exists(p)) return;
-  if (!ours) throw std::invalid_argument(p.string() + ": exists and is not " + why + " (move it away; the checkpoint was not saved)");
+  if (!fs::exists(p / kUnfinished) && !fs::exists(p / "config.json"))
+    throw std::invalid_argument(p.string() + ": exists and is not a checkpoint save's own (move it away; the checkpoint was not saved)");
+  fs::remove_all(p);
+}
+
+// Deletes a directory of ours, marked first: cut short, the next save still knows it as ours.
+void remove_ours(const fs::path& p) {
+  mark_ours(p);
   fs::remove_all(p);
 }
 }  // namespace
@@ -37,25 +47,24 @@ void checkpoint_dir_replace(const std::string& tmp, const std::string& dir, dir_
   if (!fs::exists(dir)) return fs::rename(tmp, dir);
   if (how == dir_swap::exchange) {
     if (::renameat2(AT_FDCWD, tmp.c_str(), AT_FDCWD, dir.c_str(), RENAME_EXCHANGE) == 0) {
-      fs::remove_all(tmp);  // the previous checkpoint, now at tmp
+      remove_ours(tmp);  // the previous checkpoint, now at tmp
       return;
     }
     if (errno != EINVAL && errno != ENOSYS)
       throw std::system_error(errno, std::generic_category(), "checkpoint: exchanging " + tmp + " with " + dir);
   }
   const fs::path old = dir + ".old";
-  // a previous checkpoint a save cut after its second rename left (a whole one: config.json)
-  remove_if_ours(old, fs::exists(old / "config.json"), "a previous checkpoint");
+  remove_if_ours(old);  // a previous checkpoint a save cut after its second rename left
   fs::rename(dir, old);
   fs::rename(tmp, dir);
-  fs::remove_all(old);
+  remove_ours(old);
 }
 
 void checkpoint_save(const std::string& dir, const checkpoint& c, const std::function<void(const std::string&)>& extra) {
   const fs::path tmp = dir + ".tmp";
-  remove_if_ours(tmp, fs::exists(tmp / kUnfinished), "an unfinished checkpoint save");
+  remove_if_ours(tmp);
   fs::create_directories(tmp);
-  std::ofstream(tmp / kUnfinished) << "fp8rl writes this checkpoint; it becomes " << dir << " when complete\n";
+  mark_ours(tmp);
   model_save(tmp.string(), c.params);
   if (!c.opt.m.empty()) {
     st_tensors t;

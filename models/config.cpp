@@ -114,8 +114,18 @@ void model_config::validate() const {
   if (!(rope_theta > 0)) fail("model_config", "rope_theta", "must be > 0");
 }
 
+namespace {
+model_config model_config_from_json(const json& j, const std::string& source);
+}  // namespace
+
 model_config model_config_parse(const std::string& text, const std::string& source) {
-  const json j = json_parse_strict(text, source);
+  return model_config_from_json(json_parse_strict(text, source), source);
+}
+
+model_config model_config_load(const std::string& path) { return model_config_from_json(json_file_read(path), path); }
+
+namespace {
+model_config model_config_from_json(const json& j, const std::string& source) {
   if (!j.is_object()) throw std::invalid_argument(source + ": top level must be a JSON object");
   model_config c;
   auto get_int = [&](const char* f, int64_t& out, bool required) {
@@ -202,6 +212,7 @@ model_config model_config_parse(const std::string& text, const std::string& sour
   }
   return c;
 }
+}  // namespace
 
 model_config model_config_builtin(const std::string& size, int64_t vocab, int64_t max_positions, int64_t bos, int64_t eos) {
   model_config c;
@@ -222,15 +233,6 @@ model_config model_config_builtin(const std::string& size, int64_t vocab, int64_
   return c;
 }
 
-model_config model_config_load(const std::string& path) {
-  if (!std::filesystem::is_regular_file(path))  // a directory read as an empty file: "unexpected end of input"
-    throw std::invalid_argument(path + (std::filesystem::exists(path) ? ": not a file" : ": cannot open"));
-  std::ifstream f(path);
-  if (!f) throw std::invalid_argument(path + ": cannot open");
-  std::stringstream ss;
-  ss << f.rdbuf();
-  return model_config_parse(ss.str(), path);
-}
 
 std::string model_config_to_json(const model_config& c) {
   json j = {{"architectures", {"LlamaForCausalLM"}},

@@ -333,10 +333,9 @@ std::vector<gen_result> generation_engine::step() {
     std::vector<float> logits;
     try {
       forward_chunked(tokens, slot_of, pos, rows, logits, saturated);
-    } catch (const std::invalid_argument& e) {  // a K/V or query refused names its slot: say whose it is
-      std::string whose;
-      for (size_t i : active) whose += (whose.empty() ? "" : ", ") + std::to_string(i) + " = request " + std::to_string(slots_[i]->req.id);
-      throw std::runtime_error(std::string(e.what()) + " (slots: " + whose + ")");
+    } catch (const slot_error& e) {  // a K/V or query refused names its slot: say whose request it holds
+      const auto& s = slots_.at(static_cast<size_t>(e.slot));
+      throw std::runtime_error(std::string(e.what()) + (s ? " (request " + std::to_string(s->req.id) + ")" : std::string()));
     }
     const int64_t V = cfg_.vocab_size;
     std::vector<float> z(static_cast<size_t>(V));

@@ -76,9 +76,10 @@ int64_t cpu_kv_cache_write(kv_cache& cache, int64_t layer, const kv_step& st, co
       for (int64_t d = 0; d < 2 * D; ++d) {
         const float x = d < D ? k[(t * KV + g) * D + d] : v[(t * KV + g) * D + d - D];
         if (!std::isfinite(x))  // the encoder would store NaN as 0x7F, Inf as 448
-          throw std::invalid_argument("kv_cache_write: layer " + std::to_string(layer) + ", KV head " + std::to_string(g) +
-                                      ", slot " + std::to_string(slot) + ", position " + std::to_string(p) + ": " + (d < D ? "K" : "V") + "[" +
-                                      std::to_string(d % D) + "] is " + std::to_string(x) + " (not finite; FP8 K/V cache)");
+          throw slot_error("kv_cache_write: layer " + std::to_string(layer) + ", KV head " + std::to_string(g) + ", slot " +
+                               std::to_string(slot) + ", position " + std::to_string(p) + ": " + (d < D ? "K" : "V") + "[" +
+                               std::to_string(d % D) + "] is " + std::to_string(x) + " (not finite; FP8 K/V cache)",
+                           slot);
       }
   }
   std::vector<int64_t> saturated(static_cast<size_t>(KV), 0);
@@ -141,10 +142,9 @@ void cpu_attention_cached(const kv_cache& cache, int64_t layer, const kv_step& s
   if (q_scale)  // FP8 queries: the encoder would saturate Inf to 448 and store NaN as 0x7F
     for (int64_t j = 0; j < st.T * H * D; ++j)
       if (!std::isfinite(q[j]))
-        throw std::invalid_argument("attention: layer " + std::to_string(layer) + ", head " + std::to_string(j / D % H) +
-                                    ", slot " + std::to_string(st.slot[j / (H * D)]) + ", position " +
-                                    std::to_string(st.pos[j / (H * D)]) + ": Q[" + std::to_string(j % D) +
-                                    "] is " + std::to_string(q[j]) + " (not finite; FP8 attention)");
+        throw slot_error("attention: layer " + std::to_string(layer) + ", head " + std::to_string(j / D % H) +
+                             ", slot " + std::to_string(st.slot[j / (H * D)]) + ", position " +
+                             std::to_string(st.pos[j / (H * D)]) + ": Q[" + std::to_string(j % D) + "] is " + std::to_string(q[j]) + " (not finite; FP8 attention)", st.slot[j / (H * D)]);
   std::vector<attn_rounding> rq(static_cast<size_t>(H));
   for (int64_t h = 0; h < H; ++h) rq[h] = {operand, q_scale ? q_scale[h] : 0.0f};
   tbb::parallel_for(int64_t{0}, st.T * KV, [&](int64_t i) {

@@ -340,21 +340,31 @@ TEST(RunDir, PlotsReportWhatTheyCannotWrite) {
   fs::remove_all(d);
   // a run directory whose name holds a quote and a command: the plots are drawn, nothing is run
   // (the path went into a shell command line and the script between quotes)
-  const fs::path q = fs::temp_directory_path() / ("fp8rl_plots_q'$(touch " + (d.string() + "_pwned") + ")'_" + std::to_string(::getpid()));
+  const std::string pwned = "fp8rl_plots_pwned_" + std::to_string(::getpid());  // in the shell's directory: ours
+  const fs::path q = fs::temp_directory_path() / ("fp8rl_plots_q'$(touch " + pwned + ")'_" + std::to_string(::getpid()));
   fs::remove_all(q);
   fs::create_directories(q);
   for (int step : {1, 2})
     std::ofstream(q / "metrics.jsonl", std::ios::app) << nlohmann::json{{"step", step}, {"reward_mean", 0.5}, {"val_accuracy", 0.25},
                                                                          {"token_mult_prob_error", 0.01}, {"gen_kl_error", 1e-4}}.dump() << "\n";
   err = plots_write(q.string());
-  EXPECT_FALSE(fs::exists(d.string() + "_pwned"));
+  EXPECT_FALSE(fs::exists(pwned));
   if (err.find("not installed") == std::string::npos) {  // the suite runs where tools/setup installed gnuplot
     EXPECT_EQ(err, "");
     EXPECT_TRUE(fs::exists(q / "plots" / "reward.png"));
     EXPECT_TRUE(fs::exists(q / "plots" / "mismatch.png"));
   }
   fs::remove_all(q);
-  fs::remove(d.string() + "_pwned");
+  fs::remove(pwned);
+  // without gnuplot on PATH: said so (glibc gives ENOENT for the exec; status 127 never came)
+  const std::string path = std::getenv("PATH") ? std::getenv("PATH") : "";
+  ::setenv("PATH", "/nonexistent", 1);
+  fs::create_directories(q);
+  std::ofstream(q / "metrics.jsonl") << "{\"step\":1}\n";
+  err = plots_write(q.string());
+  ::setenv("PATH", path.c_str(), 1);
+  EXPECT_EQ(err, "gnuplot is not installed (tools/setup installs gnuplot-nox)");
+  fs::remove_all(q);
 }
 
 // --resume from the checkpoint of v2 after a crash that followed step 3's metrics row: the row

@@ -190,11 +190,11 @@ TEST(E2E, EmbeddedDefaultRunsAndResumes) {
   std::ofstream(d / "checkpoints" / "latest") << "../../elsewhere/step_1\n";
   fails_naming("--resume --run-dir " + d.string() + kSmall + " --run.steps=8", "latest names '../../elsewhere/step_1', not a checkpoint");
   std::ofstream(d / "checkpoints" / "latest") << "step_9\n";
-  fails_naming("--resume --run-dir " + d.string() + kSmall + " --run.steps=8", "latest names 'step_9', which is not in");
+  fails_naming("--resume --run-dir " + d.string() + kSmall + " --run.steps=8", "latest names 'step_9', which is not a checkpoint directory in");
   std::ofstream(d / "checkpoints" / "latest") << "step_6\n";
   const fs::path state = d / "checkpoints" / "step_6" / "state.json";
   std::ofstream(state) << "{bad";
-  fails_naming("--resume --run-dir " + d.string() + kSmall + " --run.steps=8", "state.json: not a valid JSON object");
+  fails_naming("--resume --run-dir " + d.string() + kSmall + " --run.steps=8", "state.json: not valid JSON");
   std::ofstream(state) << nlohmann::json{{"weight_version", 5}}.dump();
   fails_naming("--resume --run-dir " + d.string() + kSmall + " --run.steps=8", "contradicts its directory step_6");
   std::ofstream(state) << nlohmann::json{{"weight_version", 6}}.dump();

@@ -551,7 +551,7 @@ TEST(Generate, NonFiniteKvAndFp8QueriesAreRefused) {
   e.submit(rq);
   const std::string why = fp8rl::test::thrown_text<std::runtime_error>([&] { e.step(); });
   EXPECT_NE(why.find("slot 0, position 0"), std::string::npos) << why;
-  EXPECT_NE(why.find("(slots: 0 = request 77)"), std::string::npos) << why;
+  EXPECT_NE(why.find("(request 77)"), std::string::npos) << why;
 }
 
 // The decode kernel reads each KV head's keys and values once for its G query rows, widening the

@@ -199,7 +199,7 @@ TEST(Training, CheckpointReplacementKeepsAWholeCheckpoint) {
   fs::create_directories(tmp);
   std::ofstream(tmp / "notes.txt") << "precious\n";
   const std::string refused = fp8rl::test::thrown_text<std::invalid_argument>([&] { checkpoint_save(dir.string(), a.ck); });
-  EXPECT_NE(refused.find(tmp.string() + ": exists and is not an unfinished checkpoint save"), std::string::npos) << refused;
+  EXPECT_NE(refused.find(tmp.string() + ": exists and is not a checkpoint save's own"), std::string::npos) << refused;
   EXPECT_TRUE(fs::exists(tmp / "notes.txt"));
   EXPECT_FALSE(fs::exists(dir));
   fs::remove_all(tmp);
@@ -209,6 +209,15 @@ TEST(Training, CheckpointReplacementKeepsAWholeCheckpoint) {
   checkpoint_save(dir.string(), a.ck);
   EXPECT_FALSE(fs::exists(tmp));
   EXPECT_EQ(checkpoint_load(dir.string()).params.data, a.ck.params.data);
+  // a save cut after its exchange, while deleting the previous checkpoint (now at DIR.tmp, marked
+  // before the delete) or after the exchange left it whole: the next save still takes it as its own
+  fs::create_directories(tmp);
+  std::ofstream(tmp / ".fp8rl-unfinished-checkpoint") << "";
+  std::ofstream(tmp / "model.safetensors") << "half deleted";
+  checkpoint_save(dir.string(), a.ck);
+  fs::copy(dir, tmp, fs::copy_options::recursive);  // a whole previous checkpoint, unmarked
+  checkpoint_save(dir.string(), a.ck);
+  EXPECT_FALSE(fs::exists(tmp));
   for (const auto& f : fs::directory_iterator(dir)) EXPECT_EQ(f.path().filename().string().find(".fp8rl"), std::string::npos) << f.path();
   fs::remove_all(dir);
 }
@@ -236,7 +245,7 @@ TEST(Training, CheckpointReplacementByRenamesKeepsNothingElse) {
   fs::create_directories(old), fs::create_directories(tmp);
   std::ofstream(old / "notes.txt") << "precious\n";
   const std::string err = fp8rl::test::thrown_text<std::invalid_argument>([&] { checkpoint_dir_replace(tmp, dir.string(), dir_swap::renames); });
-  EXPECT_NE(err.find(old.string() + ": exists and is not a previous checkpoint"), std::string::npos) << err;
+  EXPECT_NE(err.find(old.string() + ": exists and is not a checkpoint save's own"), std::string::npos) << err;
   EXPECT_TRUE(fs::exists(old / "notes.txt"));
   EXPECT_TRUE(fs::exists(dir / "state.json"));
   fs::remove_all(old), fs::remove_all(tmp);

@@ -43,7 +43,8 @@ const char* const kUsage =
     "  --top-k K                0 = off (default)\n"
     "  --top-p P                in (0, 1] (default 1)\n"
     "  --seed S                 sampling seed of every request (default 0)\n"
-    "  --stop ID,ID             stop tokens (default: the model's eos_token_id, every id of a list)\n"
+    "  --stop ID,ID             stop tokens (default: every id of the model's eos_token_id, and the\n"
+    "                           tokenizer's end-of-text: what ends an fp8rl train rollout)\n"
     "  --slots N                continuous-batching slots (default 8)\n"
     "  --max-context N          tokens per slot (default: min(max_position_embeddings, 2048))\n"
     "  --threads N              oneTBB threads (default 0: all cores)\n"
@@ -54,7 +55,8 @@ const char* const kUsage =
 int cmd_generate(int argc, char** argv) {
   const args a = args_parse(argc, argv, 2,
                             {"model", "prompts", "policy", "bf16-layers", "scale-mode", "kv", "max-tokens",
-                             "temperature", "top-k", "top-p", "seed", "slots", "max-context", "stop", "threads", "log-level", "calibration"},
+                             "temperature", "top-k", "top-p", "seed", "slots", "max-context", "stop", "threads", "log-level",
+                             "calibration"},
                             {}, kUsage);
   log_level_from_args(a);
   const auto params = models::model_load(a.need("model"));
@@ -67,10 +69,14 @@ int cmd_generate(int argc, char** argv) {
     ec.policy.fp8_attention = *k == models::kv_dtype::fp8;
   }
   ec.policy.validate();
+  const bool fp8_kv = ec.policy.kv == models::kv_dtype::fp8;
+  if (a.has("calibration") && !fp8_kv)
+    throw std::invalid_argument("option --calibration: only with an FP8 KV cache (--kv fp8, --policy fp8-kv)");
   ec.slots = a.get_int("slots", 8, 1, 4096);
   ec.max_context = a.get_int("max-context", std::min<int64_t>(params.cfg.max_position_embeddings, 2048), 2,
                                 params.cfg.max_position_embeddings);
-  const auto items = read_token_jsonl(a.need("prompts"), params.cfg.vocab_size, tokenizer_of(a.need("model")).get(), true);
+  const auto tok = tokenizer_of(a.need("model"));  // null: the model directory has none
+  const auto items = read_token_jsonl(a.need("prompts"), params.cfg.vocab_size, tok.get(), true);
   std::vector<int32_t> stops;
   if (a.has("stop")) {
     const std::string list = a.get("stop");
@@ -85,6 +91,8 @@ int cmd_generate(int argc, char** argv) {
                                     std::to_string(params.cfg.vocab_size) + ")");
       stops.push_back(static_cast<int32_t>(*v));
     }
+  } else if (tok) {
+    stops = models::stop_ids(params.cfg, *tok);  // what ends a rollout's response too
   } else {
     for (int64_t id : params.cfg.eos_token_ids) stops.push_back(static_cast<int32_t>(id));
   }
@@ -116,23 +124,20 @@ int cmd_generate(int argc, char** argv) {
         throw std::invalid_argument(a.get("prompts") + ":" + std::to_string(items[i].line) + ": " + e.what());
       }
     }
-    const bool fp8_kv = ec.policy.kv == models::kv_dtype::fp8;
-    if (a.has("calibration") && !fp8_kv) throw std::invalid_argument("option --calibration: only with an FP8 KV cache (--kv fp8, --policy fp8-kv)");
     models::attn_fp8_scales sc;
     if (fp8_kv) {
-      std::vector<std::vector<int32_t>> calib;
-      std::string source = a.get("calibration");
+      kv_calibration calib{{}, a.get("calibration"), false};
       if (a.has("calibration")) {
-        for (const auto& it : read_token_jsonl(source, params.cfg.vocab_size, tokenizer_of(a.need("model")).get())) calib.push_back(it.tokens);
+        for (const auto& it : read_token_jsonl(calib.source, params.cfg.vocab_size, tok.get())) calib.prompts.push_back(it.tokens);
       } else {
         std::vector<std::vector<int32_t>> prompts;
         for (const auto& it : items) prompts.push_back(it.tokens);
-        calib = kv_calibration_prompts(a.get("model"), std::move(prompts), "the prompts", &source);
-        if (source == "the prompts")
+        calib = kv_calibration_prompts(a.get("model"), std::move(prompts), "the prompts");
+        if (!calib.from_checkpoint)
           log_get("generate")->warn("FP8 K/V scales from the prompts: each prompt's tokens depend on the others in {} "
                                     "(--calibration FILE gives scales of their own)", a.get("prompts"));
       }
-      sc = calibrate_kv(*be, params, ec.policy, calib, source);
+      sc = calibrate_kv(*be, params, ec.policy, calib.prompts, calib.source);
     }
     // tokens carry the checkpoint's weight version (0 for an SFT or HF model); the K/V scales
     // are computed here from those weights, so they are of the same version

@@ -146,16 +146,11 @@ void with_threads(const args& a, const std::function<void()>& fn) {
 
 constexpr size_t kCalibTokens = 2048;  // tokens per calibration pass (bounded activations and logits)
 
-std::vector<std::vector<int32_t>> kv_calibration_prompts(const std::string& model_dir,
-                                                         std::vector<std::vector<int32_t>> fallback,
-                                                         const std::string& fallback_name, std::string* source) {
+kv_calibration kv_calibration_prompts(const std::string& model_dir, std::vector<std::vector<int32_t>> fallback,
+                                      const std::string& fallback_name) {
   auto batch = actors::calibration_batch_load(model_dir);
-  if (!batch.empty()) {
-    *source = "the checkpoint's calibration batch";
-    return batch;
-  }
-  *source = fallback_name;
-  return fallback;
+  if (!batch.empty()) return {std::move(batch), "the checkpoint's calibration batch", true};
+  return {std::move(fallback), fallback_name, false};
 }
 
 models::attn_fp8_scales calibrate_kv(models::backend& be, const models::model_params& params,

@@ -47,10 +47,14 @@ models::attn_fp8_scales calibrate_kv(models::backend& be, const models::model_pa
                                      const std::string& source);
 // The prompts an FP8 KV cache's scales come from for the checkpoint in model_dir: its
 // calibration.jsonl (fp8rl train's checkpoints: the batch its rollouts' scales came from) if it has
-// one, else `fallback` (named fallback_name); *source says which.
-std::vector<std::vector<int32_t>> kv_calibration_prompts(const std::string& model_dir,
-                                                         std::vector<std::vector<int32_t>> fallback,
-                                                         const std::string& fallback_name, std::string* source);
+// one, else `fallback` (named fallback_name).
+struct kv_calibration {
+  std::vector<std::vector<int32_t>> prompts;
+  std::string source;  // what they are, for the log
+  bool from_checkpoint = false;
+};
+kv_calibration kv_calibration_prompts(const std::string& model_dir, std::vector<std::vector<int32_t>> fallback,
+                                      const std::string& fallback_name);
 
 // Runs fn in a oneTBB arena of --threads N (default: all cores).
 void with_threads(const args& a, const std::function<void()>& fn);
