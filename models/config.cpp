@@ -2,6 +2,7 @@
 #include "models/config.hpp"
 
 #include <cmath>
+#include <cstdint>
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
@@ -133,7 +134,9 @@ model_config model_config_from_json(const json& j, const std::string& source) {
       if (required) fail(source, f, "missing");
       return;
     }
-    if (!j[f].is_number_integer()) fail(source, f, "must be an integer");
+    // 1e30 said "must be an integer" only; 2^63 wrapped to a negative "must be > 0, got -9223372036854775808"
+    if (!j[f].is_number_integer() || (j[f].is_number_unsigned() && j[f].get<uint64_t>() > uint64_t(INT64_MAX)))
+      fail(source, f, "must be an integer in int64's range, got " + j[f].dump());
     out = j[f].get<int64_t>();
   };
   auto get_num = [&](const char* f, double& out) {

@@ -572,6 +572,13 @@ TEST(E2E, CafRunStopsItsGroup) {
   std::ofstream(d / "hosts4x") << "127.0.0.1 slots=4x\n";
   const auto r4 = fp8rl::test::run_command(kBin + "/caf-run --hostfile " + (d / "hosts4x").string() + " --topology " + topo + tail);
   EXPECT_NE(r4.out.find("hosts4x:1: slots must be an integer in [1, 2^20], got '4x'"), std::string::npos) << r4.out;
+  // a host listed twice, or slots given twice, took the last value silently
+  std::ofstream(d / "hosts2") << "127.0.0.1 slots=2\n# comment\n127.0.0.1 slots=8\n";
+  const auto r8 = fp8rl::test::run_command(kBin + "/caf-run --hostfile " + (d / "hosts2").string() + " --topology " + topo + tail);
+  EXPECT_NE(r8.out.find("hosts2:3: host '127.0.0.1' is already on line 1"), std::string::npos) << r8.out;
+  std::ofstream(d / "hosts2") << "127.0.0.1 slots=2 slots=8\n";
+  const auto r9 = fp8rl::test::run_command(kBin + "/caf-run --hostfile " + (d / "hosts2").string() + " --topology " + topo + tail);
+  EXPECT_NE(r9.out.find("hosts2:1: slots given twice"), std::string::npos) << r9.out;
   // a --wdir that does not exist (each local node exited 126 without a word), an option given twice
   // (the last won), and the --key=value form (refused as unknown)
   const std::string hosts = " --hostfile " + (d / "hosts").string();

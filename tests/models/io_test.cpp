@@ -138,6 +138,15 @@ TEST(Config, ErrorsNameTheField) {
     s.insert(1, "\"" + key + "\": " + val + ", ");
     return s;
   };
+  // a value beyond int64 wrapped to a negative number, a huge float said "must be an integer" only
+  std::string big = kGoodConfig;
+  big.replace(big.find("\"vocab_size\": 50"), 16, "\"vocab_size\": 9223372036854775808");
+  EXPECT_NE(error_of([&] { model_config_parse(big, "c.json"); }).find("'vocab_size': must be an integer in int64's range, got 9223372036854775808"),
+            std::string::npos) << error_of([&] { model_config_parse(big, "c.json"); });
+  std::string fl = kGoodConfig;
+  fl.replace(fl.find("\"intermediate_size\": 96"), 23, "\"intermediate_size\": 1e30");
+  EXPECT_NE(error_of([&] { model_config_parse(fl, "c.json"); }).find("'intermediate_size': must be an integer in int64's range, got 1e+30"),
+            std::string::npos) << error_of([&] { model_config_parse(fl, "c.json"); });
   EXPECT_NE(error_of([&] { model_config_parse(with("rope_scaling", R"({"type": "yarn"})"), "c.json"); }).find("rope_scaling"), std::string::npos);
   EXPECT_NE(error_of([&] { model_config_parse(with("attention_bias", "true"), "c.json"); }).find("attention_bias"), std::string::npos);
   EXPECT_NE(error_of([&] { model_config_parse(with("frobnicate", "1"), "c.json"); }).find("frobnicate"), std::string::npos);

@@ -39,6 +39,7 @@
 #include <sstream>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "actors/topology.hpp"
@@ -51,9 +52,11 @@ struct host_entry {
 };
 
 std::vector<host_entry> read_hostfile(const std::string& path) {
+  if (std::filesystem::is_directory(path)) throw std::invalid_argument(path + ": is a directory, not a hostfile");
   std::ifstream f(path);
   if (!f) throw std::invalid_argument(path + ": cannot open");
   std::vector<host_entry> hosts;
+  std::map<std::string, int> line_of;  // a host listed again took the last entry's slots, silently
   std::string line;
   int n = 0;
   while (std::getline(f, line)) {
@@ -63,8 +66,12 @@ std::vector<host_entry> read_hostfile(const std::string& path) {
     host_entry h;
     if (!(is >> h.host)) continue;
     std::string tok;
+    if (const auto [it, fresh] = line_of.emplace(h.host, n); !fresh)
+      throw std::invalid_argument(path + ":" + std::to_string(n) + ": host '" + h.host + "' is already on line " + std::to_string(it->second));
+    bool slots_given = false;
     while (is >> tok) {
       if (tok.rfind("slots=", 0) != 0) throw std::invalid_argument(path + ":" + std::to_string(n) + ": unknown field '" + tok + "'");
+      if (std::exchange(slots_given, true)) throw std::invalid_argument(path + ":" + std::to_string(n) + ": slots given twice");
       const std::string v = tok.substr(6);
       int slots = 0;
       const auto [end, ec] = std::from_chars(v.data(), v.data() + v.size(), slots);
