@@ -134,8 +134,11 @@ checkpoint checkpoint_load(const std::string& dir, checkpoint_kind what) {
                                       " at index " + std::to_string(bad - d.begin()) + (k[0] == 'v' ? " (finite, >= 0 expected)" : " (finite expected)"));
         auto& dst = k[0] == 'm' ? c.opt.m : c.opt.v;
         std::copy(d.begin(), d.end(), dst.begin() + info.offset);
+        t.erase(it);
       }
     }
+    if (!t.empty())  // moments of another model's tensors: ignored, they said the file fit this one
+      throw std::invalid_argument(op.string() + ": tensor '" + t.begin()->first + "' is no moment of this model's parameters");
   } else if (c.opt.step > 0) {
     throw std::invalid_argument(op.string() + ": missing, but state.json says adam_step = " + std::to_string(c.opt.step));
   }

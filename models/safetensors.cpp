@@ -68,7 +68,10 @@ st_tensors safetensors_parse(const std::vector<uint8_t>& bytes, const std::strin
   std::vector<std::tuple<uint64_t, uint64_t, std::string>> ranges;  // data byte range, tensor
   for (auto it = h.begin(); it != h.end(); ++it) {
     const std::string& name = it.key();
-    if (name == "__metadata__") continue;
+    if (name == "__metadata__") {  // str -> str by the format; anything else is not a safetensors header
+      if (!it.value().is_object()) fail(source, "__metadata__ is " + it.value().dump() + ", not an object");
+      continue;
+    }
     const std::string where = "tensor '" + name + "': ";
     const json& t = it.value();
     if (!t.is_object() || !t.contains("dtype") || !t.contains("shape") || !t.contains("data_offsets"))

@@ -17,8 +17,8 @@ namespace fp8rl::models {
 
 enum class st_dtype : uint8_t { f32, bf16, f16 };
 
-struct st_error : std::runtime_error {
-  using std::runtime_error::runtime_error;
+struct st_error : std::invalid_argument {  // bad input: `fp8rl` exits 2 on it, as on every other
+  using std::invalid_argument::invalid_argument;
 };
 
 struct st_tensor {

@@ -389,6 +389,14 @@ TEST(Safetensors, CorruptFilesAreErrors) {
   img2[0] = static_cast<uint8_t>(ov.size());
   std::copy(ov.begin(), ov.end(), img2.begin() + 8);
   EXPECT_NE(error_of([&] { safetensors_parse(img2, "x"); }).find("overlap"), std::string::npos);
+  // __metadata__ is a str -> str object by the format (a number was accepted)
+  std::string md = R"({"__metadata__": 5, "a": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}})";
+  std::vector<uint8_t> img3(8 + md.size() + 4, 0);
+  img3[0] = static_cast<uint8_t>(md.size());
+  std::copy(md.begin(), md.end(), img3.begin() + 8);
+  EXPECT_NE(error_of([&] { safetensors_parse(img3, "x"); }).find("__metadata__ is 5, not an object"), std::string::npos);
+  // a corrupt file is bad input: fp8rl exits 2 on it, as on a missing tensor (it exited 1)
+  EXPECT_THROW(safetensors_parse({1, 2, 3}, "x"), std::invalid_argument);
   fs::remove_all(d);
 }
 

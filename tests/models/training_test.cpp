@@ -13,6 +13,7 @@
 
 #include "models/checkpoint.hpp"
 #include "models/cpu/cpu_backend.hpp"
+#include "models/safetensors.hpp"
 #include "models/transformer.hpp"
 #include "quant/gemm.hpp"
 #include "tests/test_util.hpp"
@@ -182,6 +183,16 @@ TEST(Training, CheckpointReplacementKeepsAWholeCheckpoint) {
     }
     return std::string();
   };
+  {  // moments of tensors this model does not have: refused by name (ignored, the file passed as this model's)
+    const fs::path op = dir / "optimizer.safetensors";
+    auto t = safetensors_read(op.string());
+    t["m.model.layers.99.extra"] = {{1}, {0.0f}};
+    safetensors_write(op.string(), t);
+    const std::string err = error_of(dir);
+    EXPECT_NE(err.find("tensor 'm.model.layers.99.extra' is no moment of this model's parameters"), std::string::npos) << err;
+    t.erase("m.model.layers.99.extra");
+    safetensors_write(op.string(), t);
+  }
   {  // state.json's step count
     nlohmann::json st = nlohmann::json::parse(std::ifstream(dir / "state.json"));
     st["adam_step"] = std::numeric_limits<uint64_t>::max();
