@@ -89,8 +89,7 @@ msg::calibration_actor spawn_calibration(caf::actor_system& sys, std::shared_ptr
       trace_send("calibration", "step_report", rep.trace, static_cast<int64_t>(pm.version));
       self->send(s.peers.controller, std::move(rep));
       msg::bundle_msg out{{}, std::move(b)};
-      trace_send("calibration", "bundle_msg", out.trace, static_cast<int64_t>(pm.version), 0,
-                 static_cast<int64_t>(out.bundle->snapshot.scale_version));
+      trace_send_bundle("calibration", out);
       self->send(s.peers.weight_sync, std::move(out));
     };
     return {
@@ -209,8 +208,7 @@ msg::weight_sync_actor spawn_weight_sync(caf::actor_system& sys, std::shared_ptr
                                            const sync_version& sv, std::shared_ptr<const std::vector<char>>& bytes) {
       if (r.node() == self->node()) {
         msg::bundle_msg out{{}, sv.bundle};
-        trace_send("weight_sync", "bundle_msg", out.trace, static_cast<int64_t>(v), 0,
-                   static_cast<int64_t>(sv.bundle->snapshot.scale_version));
+        trace_send_bundle("weight_sync", out);
         self->send(r, std::move(out));
         return true;
       }
@@ -257,10 +255,10 @@ msg::weight_sync_actor spawn_weight_sync(caf::actor_system& sys, std::shared_ptr
         [self, send_bundle](msg::bundle_msg& bm) {
           auto& s = self->state;
           const uint64_t v = bm.bundle->weight_version;
-          const auto scale_v = static_cast<int64_t>(bm.bundle->snapshot.scale_version);
-          trace_recv("weight_sync", "bundle_msg", bm.trace, static_cast<int64_t>(v), 0, scale_v);
+          trace_recv_bundle("weight_sync", bm);
           log_get("weight_sync")->debug("publishing v{} to {} rollouts", v, s.peers.rollouts.size());
-          trace_span span("weight_sync", "publish", static_cast<int64_t>(v), static_cast<double>(bm.bundle->bytes()), scale_v);
+          trace_span span("weight_sync", "publish", static_cast<int64_t>(v), static_cast<double>(bm.bundle->bytes()),
+                          static_cast<int64_t>(bm.bundle->snapshot.scale_version));
           auto& sv = s.versions[v];
           sv.bundle = bm.bundle;
           sv.published_at = now_s();

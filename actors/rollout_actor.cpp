@@ -142,8 +142,7 @@ msg::rollout_actor spawn_rollout(caf::actor_system& sys, std::shared_ptr<const a
           schedule();
         },
         [self, adopt](msg::bundle_msg& b) {
-          trace_recv(self->state.name, "bundle_msg", b.trace, static_cast<int64_t>(b.bundle->weight_version), 0,
-                     static_cast<int64_t>(b.bundle->snapshot.scale_version));
+          trace_recv_bundle(self->state.name, b);
           adopt(b.bundle);
         },
         [self, tell_weight_sync](msg::bundle_chunk& c) -> caf::result<msg::chunk_ack> {
@@ -188,8 +187,7 @@ msg::rollout_actor spawn_rollout(caf::actor_system& sys, std::shared_ptr<const a
             // the timeline links the last chunk to the adoption)
             if (b) {
               msg::bundle_msg m{{}, std::move(b)};
-              trace_send(s.name, "bundle_msg", m.trace, static_cast<int64_t>(m.bundle->weight_version), 0,
-                         static_cast<int64_t>(m.bundle->snapshot.scale_version));
+              trace_send_bundle(s.name, m);
               self->send(self, std::move(m));
             }
           }

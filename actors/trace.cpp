@@ -84,6 +84,16 @@ void trace_recv(const std::string& actor, const char* type, const msg::trace_ctx
 }
 
 
+void trace_send_bundle(const std::string& actor, msg::bundle_msg& m) {
+  trace_send(actor, "bundle_msg", m.trace, static_cast<int64_t>(m.bundle->weight_version), 0,
+             static_cast<int64_t>(m.bundle->snapshot.scale_version));
+}
+
+void trace_recv_bundle(const std::string& actor, const msg::bundle_msg& m) {
+  trace_recv(actor, "bundle_msg", m.trace, static_cast<int64_t>(m.bundle->weight_version), 0,
+             static_cast<int64_t>(m.bundle->snapshot.scale_version));
+}
+
 // Formatted by hand, not through nlohmann::json: ~300 events per step of the default run, and
 // building a json object per event took ~5% off the asynchronous run's samples/s.
 void trace_writer::event(const std::string& actor, const std::string& name, const char* kind, int64_t ts_us,

@@ -1,5 +1,5 @@
 // actors/trace.hpp -- cheap per-process trace events (JSONL), merged offline by fp8rl-trace.
-// defines: trace_writer, trace_span, trace_now_us, trace_send, trace_recv
+// defines: trace_writer, trace_span, trace_now_us, trace_send, trace_recv, trace_send_bundle, trace_recv_bundle
 //
 // One line per event: {"node", "actor", "name", "ts" (µs since epoch), "dur" (µs), "bytes",
 // "wv" (weight version), "sv" (scale version of a bundle, an adoption, a decode step), "lamport", "msg" (message id, send/recv),
@@ -53,6 +53,10 @@ void trace_send(const std::string& actor, const char* type, msg::trace_ctx& ctx,
                 int64_t sv = -1);
 void trace_recv(const std::string& actor, const char* type, const msg::trace_ctx& ctx, int64_t wv = -1, double bytes = 0,
                 int64_t sv = -1);
+
+// A bundle_msg's events, with the bundle's weight and scale versions.
+void trace_send_bundle(const std::string& actor, msg::bundle_msg& m);
+void trace_recv_bundle(const std::string& actor, const msg::bundle_msg& m);
 
 // RAII span: records [construction, destruction) as one event.
 class trace_span {
