@@ -6,6 +6,7 @@
 
 #include "models/cpu/cpu_backend.hpp"
 #include "models/params.hpp"
+#include "models/rl/rl.hpp"
 
 namespace fp8rl::actors {
 
@@ -23,6 +24,7 @@ std::shared_ptr<const actor_env> env_make(const run_config& cfg, const std::stri
   e->run_id = run_id;
   e->model = models::model_config_load((std::filesystem::path(init_dir) / "config.json").string());
   e->tok = models::tokenizer_load(init_dir);
+  e->stops = models::stop_ids(e->model, *e->tok);
   return e;
 }
 

@@ -4,9 +4,11 @@
 #pragma once
 #include <caf/error.hpp>
 #include <caf/scheduled_actor.hpp>
+#include <cstdint>
 #include <exception>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "actors/recipe.hpp"
 #include "actors/topology.hpp"
@@ -33,6 +35,7 @@ struct actor_env {
   std::string run_id;                   // unique per launch (rendezvous keys, e.g. Gloo)
   models::model_config model;
   std::shared_ptr<const models::tokenizer> tok;
+  std::vector<int32_t> stops;  // what ends a response: models::stop_ids(model, *tok)
 
   // The first training prompt of `step` (>= start_version): a resumed run continues the prompt
   // sequence where its checkpoint stopped, also when it runs with another prompts_per_step.

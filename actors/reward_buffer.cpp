@@ -56,10 +56,9 @@ msg::reward_actor spawn_reward(caf::actor_system& sys, std::shared_ptr<const act
           trace_recv("reward", "group_msg", g.trace, static_cast<int64_t>(g.step));
           trace_span span("reward", "score", -1, double(g.samples.size()));
           const auto& tok = *s.env->tok;
-          const auto stops = models::stop_ids(s.env->model, tok);
           std::vector<float> rewards;
           for (auto& x : g.samples) {
-            x.reward = models::verify(s.env->rl.verifier, tok.decode(models::response_body(x.response, stops), true), g.answer);
+            x.reward = models::verify(s.env->rl.verifier, tok.decode(models::response_body(x.response, s.env->stops), true), g.answer);
             rewards.push_back(x.reward);
           }
           const auto adv = models::grpo_advantages(rewards, static_cast<int64_t>(rewards.size()), s.env->rl.grpo.normalize_std,

@@ -124,7 +124,6 @@ msg::rollout_actor spawn_rollout(caf::actor_system& sys, std::shared_ptr<const a
                          ", the run's rollout.group_size is " + std::to_string(s.env->cfg.group_size));
           try {
             const auto prompt = s.env->tok->encode(w.prompt, true);
-            const auto stops = models::stop_ids(s.env->model, *s.env->tok);
             for (int32_t j = 0; j < w.group_size; ++j) {
               models::gen_request r;
               r.id = w.prompt_id * static_cast<uint64_t>(w.group_size) + static_cast<uint64_t>(j);
@@ -132,7 +131,7 @@ msg::rollout_actor spawn_rollout(caf::actor_system& sys, std::shared_ptr<const a
               r.max_tokens = s.env->rl.max_new_tokens;
               r.proc = s.env->rl.proc;
               r.seed = w.seed;
-              r.stop_tokens = stops;
+              r.stop_tokens = s.env->stops;
               s.eng->submit(std::move(r));
             }
           } catch (const std::exception& e) {

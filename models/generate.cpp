@@ -208,7 +208,7 @@ void engine_forward(backend& be_, const model_weights& w, kv_cache& cache, const
                     const std::vector<int32_t>& pos, const std::vector<int64_t>& rows, std::vector<float>& logits,
                     std::vector<int64_t>* kv_saturated, forward_profile* profile) {
   const model_config& c = w.cfg;
-  const std::vector<float> inv_freq = c.rope_inv_freq();  // [D/2]
+  const std::vector<float>& inv_freq = w.rope_inv_freq;  // [D/2]
   const int64_t T = static_cast<int64_t>(tokens.size()), C = c.hidden_size, F = c.intermediate_size,
                 H = c.num_attention_heads, KV = c.num_key_value_heads, D = c.head_dim, R = static_cast<int64_t>(rows.size());
   buffer<float> x(be_, T * C), xn(be_, T * C), q(be_, T * H * D), k(be_, T * KV * D), v(be_, T * KV * D),

@@ -116,6 +116,7 @@ std::unique_ptr<model_weights> model_weights_build(backend& be, const model_conf
   auto w = std::make_unique<model_weights>();
   w->cfg = cfg;
   w->policy = policy;
+  w->rope_inv_freq = cfg.rope_inv_freq();
   const precision hp = policy.head;
   const int64_t C = cfg.hidden_size, F = cfg.intermediate_size;
   std::vector<float> wte = values_of(src, cfg, "model.embed_tokens.weight", hp);
@@ -224,7 +225,7 @@ void head_amax(backend& be, const float* x, int64_t T, int64_t nh, int64_t D, fl
 void model_runner::forward(const model_weights& w, const token_batch& b, bool train, const attn_fp8_scales* fp8_scales,
                            qkv_stats* stats) {
   const model_config& c = w.cfg;
-  const std::vector<float> inv_freq = c.rope_inv_freq();  // [D/2]
+  const std::vector<float>& inv_freq = w.rope_inv_freq;  // [D/2]
   b.validate(c.vocab_size, c.max_position_embeddings);
   if (fp8_scales) {
     if (!w.policy.fp8_attention) throw std::invalid_argument("forward: FP8 attention scales given, policy has fp8_attention off");
@@ -307,7 +308,7 @@ void model_runner::backward(const model_weights& w, const std::vector<int32_t>& 
                             const float* dlogp, float* grads) {
   if (fwd_weights_ != &w || !trained_forward_) throw std::logic_error("backward: needs a training forward with these weights");
   const model_config& c = w.cfg;
-  const std::vector<float> inv_freq = c.rope_inv_freq();  // [D/2]
+  const std::vector<float>& inv_freq = w.rope_inv_freq;  // [D/2]
   targets_check(targets, batch_.T(), c.vocab_size, "backward");
   const int64_t T = batch_.T(), C = c.hidden_size, F = c.intermediate_size, H = c.num_attention_heads,
                 KV = c.num_key_value_heads, D = c.head_dim, V = c.vocab_size, QD = c.q_dim(), KD = c.kv_dim();

@@ -42,6 +42,7 @@ struct token_batch {
 struct model_weights {
   model_config cfg;
   precision_policy policy;
+  std::vector<float> rope_inv_freq;  // [D/2] cfg.rope_inv_freq(), computed once
   buffer<float> wte;         // [V,C]   (BF16-rounded values when policy.head == bf16)
   buffer<float> final_norm;  // [C]
   struct layer {
