@@ -281,7 +281,8 @@ msg::weight_sync_actor spawn_weight_sync(caf::actor_system& sys, std::shared_ptr
             self->send(s.peers.controller, std::string(a.rollout), "refused bundle v" + std::to_string(a.weight_version) + ": " + a.error);
             return;
           }
-          heard(a.rollout, a.weight_version, true);
+          if (a.superseded) log->debug("{}: bundle v{} superseded before a step ran under it", a.rollout, a.weight_version);
+          heard(a.rollout, a.weight_version, !a.superseded);
         },
         [self](msg::status_atom) -> msg::metrics_t {
           return {{"versions_held", double(self->state.versions.size())}, {"refused", double(self->state.refused)}};

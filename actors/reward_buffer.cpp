@@ -29,7 +29,24 @@ struct buffer_state {
   std::set<std::pair<uint64_t, uint64_t>> delivered;             // (step, prompt_id) handed to learners
   int64_t admitted = 0, dropped_stale = 0, dropped_dup = 0;
   std::vector<int64_t> kv_saturated;  // per layer, over every group received (FP8 KV caches)
+  std::vector<int64_t> q_saturated;   // per layer, likewise (FP8 queries)
 };
+
+// total[l] += add[l], growing total to add's layers.
+void add_per_layer(std::vector<int64_t>& total, const std::vector<int64_t>& add) {
+  if (total.size() < add.size()) total.resize(add.size(), 0);
+  for (size_t l = 0; l < add.size(); ++l) total[l] += add[l];
+}
+// metrics[name/layer<l>] and metrics[name] (their sum), where there are counts.
+void metrics_per_layer(std::map<std::string, double>& m, const std::string& name, const std::vector<int64_t>& v) {
+  if (v.empty()) return;
+  int64_t all = 0;
+  for (size_t l = 0; l < v.size(); ++l) {
+    m[name + "/layer" + std::to_string(l)] = double(v[l]);
+    all += v[l];
+  }
+  m[name] = double(all);
+}
 
 // Oldest weight version any token of the group was sampled under.
 uint64_t oldest_version(const msg::group_msg& g) {
@@ -122,14 +139,8 @@ msg::buffer_actor spawn_buffer(caf::actor_system& sys, std::shared_ptr<const act
         }
         b.buffer_metrics = {{"buffer/admitted_total", double(s.admitted)}, {"buffer/dropped_stale_total", double(s.dropped_stale)},
                             {"buffer/dropped_duplicate_total", double(s.dropped_dup)}};
-        if (!s.kv_saturated.empty()) {  // rl-algorithm.md: per-layer K/V saturation counts
-          int64_t all = 0;
-          for (size_t l = 0; l < s.kv_saturated.size(); ++l) {
-            b.buffer_metrics["kv_saturated_total/layer" + std::to_string(l)] = double(s.kv_saturated[l]);
-            all += s.kv_saturated[l];
-          }
-          b.buffer_metrics["kv_saturated_total"] = double(all);
-        }
+        metrics_per_layer(b.buffer_metrics, "kv_saturated_total", s.kv_saturated);  // rl-algorithm.md: per-layer K/V saturation counts
+        metrics_per_layer(b.buffer_metrics, "q_saturated_total", s.q_saturated);
         trace_send("buffer", "batch_msg", b.trace, static_cast<int64_t>(step));
         pb.rp.deliver(std::move(b));
       }
@@ -145,8 +156,8 @@ msg::buffer_actor spawn_buffer(caf::actor_system& sys, std::shared_ptr<const act
         [self, try_deliver, tell_controller](msg::group_msg& g) {
           auto& s = self->state;
           trace_recv("buffer", "group_msg", g.trace, static_cast<int64_t>(g.step));
-          if (s.kv_saturated.size() < g.kv_saturated.size()) s.kv_saturated.resize(g.kv_saturated.size(), 0);
-          for (size_t l = 0; l < g.kv_saturated.size(); ++l) s.kv_saturated[l] += g.kv_saturated[l];  // duplicates too: work done
+          add_per_layer(s.kv_saturated, g.kv_saturated);  // duplicates too: work done
+          add_per_layer(s.q_saturated, g.q_saturated);
           const auto key = std::make_pair(g.step, g.prompt_id);
           if (s.delivered.count(key) || s.steps[g.step].count(g.prompt_id)) {  // re-issued work finished twice
             ++s.dropped_dup;

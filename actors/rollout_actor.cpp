@@ -10,6 +10,7 @@
 #include <deque>
 #include <map>
 #include <numeric>
+#include <optional>
 
 #include "actors/actors.hpp"
 #include "actors/trace.hpp"
@@ -27,6 +28,15 @@ bool fault_exit_now(const std::string& name, uint64_t step) {
   return !fired.exchange(true);
 }
 
+// Per-layer counts grown since `sent` (then `sent` = total).
+std::vector<int64_t> since_sent(const std::vector<int64_t>& total, std::vector<int64_t>& sent) {
+  std::vector<int64_t> d(total.size());
+  sent.resize(total.size(), 0);
+  for (size_t l = 0; l < total.size(); ++l) d[l] = total[l] - sent[l];
+  sent = total;
+  return d;
+}
+
 struct rollout_state {
   std::shared_ptr<const actor_env> env;
   std::string name;
@@ -40,8 +50,9 @@ struct rollout_state {
   std::vector<uint8_t> chunks;                            // cross-process bundle being received
   uint64_t chunk_version = 0;
   int64_t tokens = 0, groups = 0;
-  std::vector<int64_t> sat_reported;                      // engine's per-layer K/V saturations already sent
+  std::vector<int64_t> kv_sat_sent, q_sat_sent;           // engine's per-layer FP8 saturations already sent
   std::vector<msg::adopted_msg> unsent;                   // adoptions before the first peers_msg
+  std::optional<msg::adopted_msg> staged;                 // in the engine, no step has run under it yet
 };
 
 }  // namespace
@@ -88,15 +99,36 @@ msg::rollout_actor spawn_rollout(caf::actor_system& sys, std::shared_ptr<const a
       if (self->state.peers.weight_sync) send_adopted(std::move(a));
       else self->state.unsent.push_back(std::move(a));
     };
-    auto adopt = [self, schedule, log, tell_weight_sync](std::shared_ptr<const quant::weight_bundle> b) {
+    // The staged bundle is reported adopted once the engine runs under it (after the step that
+    // took it); reporting at staging counted a bundle replaced before the next step as adopted,
+    // and timed the adoption without the step in flight or a `recompute` re-prefill.
+    auto report_taken = [self, tell_weight_sync] {
+      auto& s = self->state;
+      if (s.staged && s.eng->weight_version() == s.staged->weight_version && s.eng->scale_version() == s.staged->scale_version) {
+        tell_weight_sync(std::move(*s.staged));
+        s.staged.reset();
+      }
+    };
+    auto adopt = [self, schedule, log, tell_weight_sync, report_taken](std::shared_ptr<const quant::weight_bundle> b) {
       auto& s = self->state;
       trace_span span(s.name, "adopt", static_cast<int64_t>(b->weight_version), static_cast<double>(b->bytes()),
                       static_cast<int64_t>(b->snapshot.scale_version));
       log->debug("{} adopting v{}", s.name, b->weight_version);
       std::string err;
       s.arena->execute([&] { err = s.eng->adopt(b); });
-      if (!err.empty()) log->error("{}: refused bundle v{}: {}", s.name, b->weight_version, err);
-      tell_weight_sync(msg::adopted_msg{{}, s.name, b->weight_version, b->snapshot.scale_version, err});
+      if (!err.empty()) {
+        log->error("{}: refused bundle v{}: {}", s.name, b->weight_version, err);
+        return tell_weight_sync(msg::adopted_msg{{}, s.name, b->weight_version, b->snapshot.scale_version, err});
+      }
+      if (s.staged) {  // replaced before any step ran under it
+        s.staged->superseded = true;
+        tell_weight_sync(std::move(*s.staged));
+      }
+      s.staged = msg::adopted_msg{{}, s.name, b->weight_version, b->snapshot.scale_version, ""};
+      if (s.eng->idle()) {  // no sequence to finish a step for: the engine takes it now (a step over no slots)
+        s.arena->execute([&] { s.eng->step(); });
+        report_taken();
+      }
       schedule();
     };
     return {
@@ -192,7 +224,7 @@ msg::rollout_actor spawn_rollout(caf::actor_system& sys, std::shared_ptr<const a
           }
           return rp;
         },
-        [self, schedule, fatal](msg::step_atom) {
+        [self, schedule, fatal, report_taken](msg::step_atom) {
           auto& s = self->state;
           s.step_scheduled = false;
           if (!s.eng->has_weights() || s.eng->idle()) return;
@@ -205,6 +237,7 @@ msg::rollout_actor spawn_rollout(caf::actor_system& sys, std::shared_ptr<const a
           } catch (const std::exception& e) {
             return fatal(std::string("decode step: ") + e.what());
           }
+          report_taken();
           for (auto& r : fin) {
             const uint64_t pid = r.id / static_cast<uint64_t>(s.env->cfg.group_size);
             s.tokens += static_cast<int64_t>(r.tokens.size());
@@ -217,13 +250,9 @@ msg::rollout_actor spawn_rollout(caf::actor_system& sys, std::shared_ptr<const a
             g.prompt_id = pid;
             g.answer = it->second.answer;
             g.rollout = s.name;
-            if (s.eng->config().policy.kv == models::kv_dtype::fp8) {  // K/V saturated since this rollout's last group
-              const auto& sat = s.eng->stats().kv_saturated;
-              g.kv_saturated.resize(sat.size());
-              s.sat_reported.resize(sat.size(), 0);
-              for (size_t l = 0; l < sat.size(); ++l) g.kv_saturated[l] = sat[l] - s.sat_reported[l];
-              s.sat_reported = sat;
-            }
+            const auto& pol = s.eng->config().policy;  // FP8 K/V (and queries) saturated since this rollout's last group
+            if (pol.kv == models::kv_dtype::fp8) g.kv_saturated = since_sent(s.eng->stats().kv_saturated, s.kv_sat_sent);
+            if (pol.fp8_attention) g.q_saturated = since_sent(s.eng->stats().q_saturated, s.q_sat_sent);
             for (auto& x : d) {
               models::rl_sample smp;
               smp.prompt_id = pid;
@@ -234,6 +263,7 @@ msg::rollout_actor spawn_rollout(caf::actor_system& sys, std::shared_ptr<const a
               smp.weight_version = std::move(x.weight_version);
               smp.scale_version = std::move(x.scale_version);
               smp.oldest_kv_version = std::move(x.oldest_kv_version);
+              smp.oldest_kv_scale_version = std::move(x.oldest_kv_scale_version);
               g.samples.push_back(std::move(smp));
             }
             std::sort(g.samples.begin(), g.samples.end(), [](const auto& a, const auto& b) { return a.group_index < b.group_index; });
@@ -250,7 +280,8 @@ msg::rollout_actor spawn_rollout(caf::actor_system& sys, std::shared_ptr<const a
           const auto& es = s.eng->stats();
           return {{"tokens", double(s.tokens)}, {"groups", double(s.groups)}, {"weight_version", double(s.eng->weight_version())},
                   {"adoptions", double(es.adoptions)}, {"recomputed_tokens", double(es.recomputed_tokens)},
-                  {"kv_saturated", double(std::accumulate(es.kv_saturated.begin(), es.kv_saturated.end(), int64_t{0}))}};
+                  {"kv_saturated", double(std::accumulate(es.kv_saturated.begin(), es.kv_saturated.end(), int64_t{0}))},
+                  {"q_saturated", double(std::accumulate(es.q_saturated.begin(), es.q_saturated.end(), int64_t{0}))}};
         },
     };
   }, env);  // env as a spawn argument: actors.hpp

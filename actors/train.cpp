@@ -394,15 +394,10 @@ void run_preflight(const actor_env& env, bool resume) {
   // every prompt encodes and fits the context (a rollout failing on one lost every rollout)
   auto prompts_fit = [&](const models::dataset& d, const char* split) {
     for (size_t i = 0; i < d.items.size(); ++i) {
-      std::vector<int32_t> ids;
-      try {
-        ids = env.tok->encode(d.items[i].prompt, true);
-      } catch (const std::exception& e) {
-        throw std::invalid_argument(env.cfg.task + " (" + split + " prompt " + std::to_string(i) + "): " + e.what());
-      }
+      const std::vector<int32_t> ids = models::example_encode(d, i, *env.tok, false);
       // with its longest response (a prompt leaving room for one token trained on reward 0, silently)
       if (static_cast<int64_t>(ids.size()) + env.cfg.max_new_tokens > env.cfg.max_context)
-        throw std::invalid_argument(env.cfg.task + " (" + split + " prompt " + std::to_string(i) + "): " +
+        throw std::invalid_argument(models::example_where(d, i) + " (" + split + " prompt): " +
                                     std::to_string(ids.size()) + " tokens + rollout.max_new_tokens " +
                                     std::to_string(env.cfg.max_new_tokens) + " do not fit model.max_context " +
                                     std::to_string(env.cfg.max_context));

@@ -80,6 +80,7 @@ struct group_msg {
   std::string rollout;  // which rollout actor produced it (for accounting)
   std::vector<models::rl_sample> samples;
   std::vector<int64_t> kv_saturated;  // per layer: FP8 K/V elements the rollout saturated since its previous group
+  std::vector<int64_t> q_saturated;   // per layer: FP8 query elements likewise (FP8 attention)
 };
 
 // A learner's shard of one step's batch (buffer -> learner).
@@ -132,7 +133,10 @@ typename Inspector::result_type inspect(Inspector& f, chunk_ack& x) {
   return f(caf::meta::type_name("chunk_ack"), x.trace, x.version, x.seq, x.superseded);
 }
 
-// A rollout adopted a bundle (rollout -> weight-sync).
+// A rollout adopted a bundle (rollout -> weight-sync): sent when a step first runs under it (the
+// engine takes a staged bundle at its next step boundary; an idle rollout's at once), so the
+// latency includes the step in flight and a `recompute` re-prefill. A bundle a newer one replaced
+// before any step ran under it comes back with `superseded` (not adopted, not an error).
 // Publish -> adoption is timed by weight-sync on its own clock (a rollout on another host has
 // another clock: the difference of two hosts' clocks put their skew into the latency).
 struct adopted_msg {
@@ -140,10 +144,12 @@ struct adopted_msg {
   std::string rollout;
   uint64_t weight_version = 0, scale_version = 0;
   std::string error;  // non-empty: refused (the rollout keeps its previous weights)
+  bool superseded = false;
 };
 template <class Inspector>
 typename Inspector::result_type inspect(Inspector& f, adopted_msg& x) {
-  return f(caf::meta::type_name("adopted_msg"), x.trace, x.rollout, x.weight_version, x.scale_version, x.error);
+  return f(caf::meta::type_name("adopted_msg"), x.trace, x.rollout, x.weight_version, x.scale_version, x.error,
+           x.superseded);
 }
 
 // Learner -> controller after each optimizer step.
@@ -161,7 +167,7 @@ typename Inspector::result_type inspect(Inspector& f, step_report& x) {
 template <class Inspector>
 typename Inspector::result_type inspect_sample(Inspector& f, models::rl_sample& x) {
   return f(caf::meta::type_name("rl_sample"), x.prompt_id, x.group_index, x.prompt, x.response, x.gen_logprobs,
-           x.weight_version, x.scale_version, x.oldest_kv_version, x.reward, x.advantage);
+           x.weight_version, x.scale_version, x.oldest_kv_version, x.oldest_kv_scale_version, x.reward, x.advantage);
 }
 
 }  // namespace fp8rl::msg
@@ -206,7 +212,7 @@ namespace fp8rl::msg {
 template <class Inspector>
 typename Inspector::result_type inspect(Inspector& f, group_msg& x) {
   return f(caf::meta::type_name("group_msg"), x.trace, x.step, x.prompt_id, x.answer, x.rollout, x.samples,
-           x.kv_saturated);
+           x.kv_saturated, x.q_saturated);
 }
 template <class Inspector>
 typename Inspector::result_type inspect(Inspector& f, batch_msg& x) {

@@ -165,8 +165,9 @@ class backend {
   virtual int64_t kv_cache_write(kv_cache& c, int64_t layer, const kv_step& st, const float* k, const float* v,
                                  const float* k_scale, const float* v_scale) = 0;
   // out[T,H,D]: token t's query q[t] attends to its slot's positions 0..pos[t] (the same
-  // per-query arithmetic as attention_forward). q_scale [H] enables FP8 queries.
-  virtual void attention_cached(const kv_cache& c, int64_t layer, const kv_step& st, const float* q, int64_t H,
+  // per-query arithmetic as attention_forward). q_scale [H] enables FP8 queries; returns how many
+  // query elements their saturation clipped (|q / q_scale| > 464, as kv_cache_write; 0 without).
+  virtual int64_t attention_cached(const kv_cache& c, int64_t layer, const kv_step& st, const float* q, int64_t H,
                                 precision operand, const float* q_scale, float* out) = 0;
 
   // ---- output head ----

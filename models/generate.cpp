@@ -23,7 +23,9 @@ struct generation_engine::slot {
   gen_request req;
   std::vector<int32_t> ctx;            // prompt + generated tokens
   int64_t fed = 0;                     // ctx[0, fed) have K/V in the cache
-  std::vector<uint64_t> pos_version;   // weight version that wrote each cached position
+  // (weight, scale) versions that wrote each cached position: nondecreasing in write order (the
+  // engine refuses older pairs), so the smallest pair is the oldest of both
+  std::vector<std::pair<uint64_t, uint64_t>> pos_version;
   gen_result res;
 };
 
@@ -53,6 +55,7 @@ generation_engine::generation_engine(backend& be, const model_config& cfg, engin
   cache_ = be_.kv_cache_create(ec_.slots, cfg_.num_hidden_layers, cfg_.num_key_value_heads, cfg_.head_dim,
                                ec_.max_context, ec_.policy.kv);
   stats_.kv_saturated.assign(static_cast<size_t>(cfg_.num_hidden_layers), 0);
+  stats_.q_saturated = stats_.kv_saturated;
 }
 
 generation_engine::~generation_engine() = default;
@@ -159,7 +162,7 @@ uint64_t generation_engine::weight_version() const {
 // rows are the slots' last tokens, in order, and logits come back [slots, V] as from one forward.
 void generation_engine::forward_chunked(const std::vector<int32_t>& tokens, const std::vector<int32_t>& slot_of,
                                         const std::vector<int32_t>& pos, const std::vector<int64_t>& rows,
-                                        std::vector<float>& logits, std::vector<int64_t>& saturated) {
+                                        std::vector<float>& logits, fp8_saturation& saturated) {
   if (static_cast<int64_t>(tokens.size()) <= ec_.max_step_tokens) {
     engine_forward(be_, *current_->weights, *cache_, current_->attn, tokens, slot_of, pos, rows, logits, &saturated);
     return;
@@ -206,7 +209,7 @@ const char* forward_profile::name(forward_op op) {
 void engine_forward(backend& be_, const model_weights& w, kv_cache& cache, const attn_fp8_scales& a,
                     const std::vector<int32_t>& tokens, const std::vector<int32_t>& slot_of,
                     const std::vector<int32_t>& pos, const std::vector<int64_t>& rows, std::vector<float>& logits,
-                    std::vector<int64_t>* kv_saturated, forward_profile* profile) {
+                    fp8_saturation* saturated, forward_profile* profile) {
   const model_config& c = w.cfg;
   const std::vector<float>& inv_freq = w.rope_inv_freq;  // [D/2]
   const int64_t T = static_cast<int64_t>(tokens.size()), C = c.hidden_size, F = c.intermediate_size,
@@ -239,9 +242,11 @@ void engine_forward(backend& be_, const model_weights& w, kv_cache& cache, const
     lap.mark(forward_op::rope);
     const int64_t sat = be_.kv_cache_write(cache, i, st, k.data(), v.data(), fp8kv ? a.k.data() + i * KV : nullptr,
                                            fp8kv ? a.v.data() + i * KV : nullptr);
-    if (kv_saturated) (*kv_saturated)[i] += sat;
+    if (saturated) saturated->kv.at(static_cast<size_t>(i)) += sat;
     lap.mark(forward_op::kv_write);
-    be_.attention_cached(cache, i, st, q.data(), H, w.policy.attention, fp8q ? a.q.data() + i * H : nullptr, att.data());
+    const int64_t qsat =
+        be_.attention_cached(cache, i, st, q.data(), H, w.policy.attention, fp8q ? a.q.data() + i * H : nullptr, att.data());
+    if (saturated) saturated->q.at(static_cast<size_t>(i)) += qsat;
     lap.mark(forward_op::attention);
     be_.linear_forward(*lw.o, att.data(), T, tmp.data());
     lap.mark(forward_op::o_proj);
@@ -295,7 +300,7 @@ std::vector<gen_result> generation_engine::step() {
     s->req = std::move(waiting_.front());
     waiting_.pop_front();
     s->ctx = s->req.prompt;
-    s->pos_version.assign(static_cast<size_t>(ec_.max_context), 0);
+    s->pos_version.assign(static_cast<size_t>(ec_.max_context), {0, 0});
     s->res.id = s->req.id;
     s->res.prompt = s->req.prompt;
     s->res.kv_policy = ec_.on_adopt;
@@ -313,7 +318,7 @@ std::vector<gen_result> generation_engine::step() {
       tokens.push_back(s->ctx[p]);
       slot_of.push_back(static_cast<int32_t>(i));
       pos.push_back(static_cast<int32_t>(p));
-      s->pos_version[p] = current_->weight_version;
+      s->pos_version[p] = {current_->weight_version, current_->scale_version};
     }
     if (s->fed == 0) stats_.prefill_tokens += n; else stats_.decode_tokens += n - s->fed;
     s->fed = n;
@@ -328,7 +333,7 @@ std::vector<gen_result> generation_engine::step() {
     float lp;
   };
   std::vector<sampled> out(active.size());
-  std::vector<int64_t> saturated(stats_.kv_saturated.size(), 0);  // counted once the step holds (a retry wrote them again)
+  fp8_saturation saturated(cfg_.num_hidden_layers);  // counted once the step holds (a retry wrote them again)
   try {
     std::vector<float> logits;
     try {
@@ -366,19 +371,22 @@ std::vector<gen_result> generation_engine::step() {
     throw;
   }
   ++stats_.steps;
-  for (size_t l = 0; l < saturated.size(); ++l) stats_.kv_saturated[l] += saturated[l];
+  for (size_t l = 0; l < saturated.kv.size(); ++l) {
+    stats_.kv_saturated[l] += saturated.kv[l];
+    stats_.q_saturated[l] += saturated.q[l];
+  }
   std::vector<gen_result> done;
   for (size_t r = 0; r < active.size(); ++r) {
     auto& sp = slots_[active[r]];
     slot& s = *sp;
     const int32_t tok = out[r].tok;
-    uint64_t oldest = std::numeric_limits<uint64_t>::max();
-    for (int64_t p = 0; p < s.fed; ++p) oldest = std::min(oldest, s.pos_version[p]);
+    const auto oldest = *std::min_element(s.pos_version.begin(), s.pos_version.begin() + s.fed);
     s.res.tokens.push_back(tok);
     s.res.logprobs.push_back(out[r].lp);
     s.res.weight_version.push_back(current_->weight_version);
     s.res.scale_version.push_back(current_->scale_version);
-    s.res.oldest_kv_version.push_back(oldest);
+    s.res.oldest_kv_version.push_back(oldest.first);
+    s.res.oldest_kv_scale_version.push_back(oldest.second);
     s.ctx.push_back(tok);
     const bool stop = std::find(s.req.stop_tokens.begin(), s.req.stop_tokens.end(), tok) != s.req.stop_tokens.end();
     const bool full = static_cast<int64_t>(s.res.tokens.size()) >= s.req.max_tokens ||

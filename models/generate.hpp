@@ -6,7 +6,7 @@
 //
 // One step: (1) adopt a pending bundle if any (KV policy `recompute` re-prefills every active
 // sequence under the new weights; `keep` keeps cache entries, and tokens record the oldest
-// weight version in their context); (2) admit waiting requests into free slots; (3) one
+// weight and scale versions in their context); (2) admit waiting requests into free slots; (3) one
 // forward over all new context tokens (prefill) and last tokens (decode) of active slots;
 // (4) sample one token per slot. Every per-token computation is batch-invariant, so a request's
 // tokens and logprobs do not depend on what else is in the batch, and equal the training
@@ -46,6 +46,8 @@ struct gen_result {
   std::vector<uint64_t> weight_version;     // per token: versions it was sampled under
   std::vector<uint64_t> scale_version;
   std::vector<uint64_t> oldest_kv_version;  // per token: oldest weight version in its KV context
+  std::vector<uint64_t> oldest_kv_scale_version;  // and the oldest scale version (a scale-only
+                                                  // adoption under `keep` changes only this one)
   kv_adopt_policy kv_policy = kv_adopt_policy::recompute;
   std::string finish;                       // "stop" | "length"
 };
@@ -61,9 +63,17 @@ struct engine_config {
   int64_t max_step_tokens = 4096;
 };
 
+// Per layer: elements FP8 saturation clipped (|x / scale| > 464) -- K/V written to an FP8 cache,
+// queries of FP8 attention (policy fp8_attention).
+struct fp8_saturation {
+  std::vector<int64_t> kv, q;
+  explicit fp8_saturation(int64_t layers = 0) : kv(static_cast<size_t>(layers), 0), q(kv) {}
+};
+
 struct engine_stats {
   int64_t steps = 0, prefill_tokens = 0, decode_tokens = 0, adoptions = 0, recomputed_tokens = 0;
   std::vector<int64_t> kv_saturated;  // per layer: FP8 KV elements that saturated
+  std::vector<int64_t> q_saturated;   // per layer: FP8 query elements that saturated
 };
 
 // Where an engine forward spends its time: host wall seconds and calls per kind of op, summed
@@ -100,13 +110,13 @@ class forward_laps {
 
 // One forward of the rollout model over tokens living in `cache` at (slot_of[t], pos[t]): writes
 // their K/V, attends to each token's cached context, and returns logits of the `rows` [R, V]
-// (host). attn: FP8 Q/K/V scales when the policy has an FP8 KV cache / attention. kv_saturated
-// (per layer, optional) accumulates saturated FP8 KV elements; profile (optional) accumulates
+// (host). attn: FP8 Q/K/V scales when the policy has an FP8 KV cache / attention. saturated
+// (optional) accumulates the FP8 K/V and query elements clipped; profile (optional) accumulates
 // op times. The engine's step and the decode benchmark both run this.
 void engine_forward(backend& be, const model_weights& w, kv_cache& cache, const attn_fp8_scales& attn,
                     const std::vector<int32_t>& tokens, const std::vector<int32_t>& slot_of,
                     const std::vector<int32_t>& pos, const std::vector<int64_t>& rows, std::vector<float>& logits,
-                    std::vector<int64_t>* kv_saturated, forward_profile* profile = nullptr);
+                    fp8_saturation* saturated, forward_profile* profile = nullptr);
 
 class generation_engine {
  public:
@@ -156,7 +166,7 @@ class generation_engine {
   engine_stats stats_;
   std::string install(std::shared_ptr<const state> s);
   void forward_chunked(const std::vector<int32_t>& tokens, const std::vector<int32_t>& slot_of, const std::vector<int32_t>& pos,
-                       const std::vector<int64_t>& rows, std::vector<float>& logits, std::vector<int64_t>& saturated);
+                       const std::vector<int64_t>& rows, std::vector<float>& logits, fp8_saturation& saturated);
 };
 
 }  // namespace fp8rl::models

@@ -84,9 +84,9 @@ class cpu_backend final : public backend {
                          const float* ks, const float* vs) override {
     return cpu_kv_cache_write(c, layer, st, k, v, ks, vs);
   }
-  void attention_cached(const kv_cache& c, int64_t layer, const kv_step& st, const float* q, int64_t H,
-                        precision operand, const float* q_scale, float* out) override {
-    cpu_attention_cached(c, layer, st, q, H, operand, q_scale, out);
+  int64_t attention_cached(const kv_cache& c, int64_t layer, const kv_step& st, const float* q, int64_t H,
+                           precision operand, const float* q_scale, float* out) override {
+    return cpu_attention_cached(c, layer, st, q, H, operand, q_scale, out);
   }
   void logprob_forward(const float* logits, const int32_t* targets, int64_t T, int64_t V,
                        const logit_processing& proc, float* logp, float* entropy) override {

@@ -33,8 +33,8 @@ std::unique_ptr<kv_cache> cpu_kv_cache_create(int64_t slots, int64_t layers, int
                                               kv_dtype dtype);
 int64_t cpu_kv_cache_write(kv_cache& c, int64_t layer, const kv_step& st, const float* k, const float* v,
                            const float* k_scale, const float* v_scale);
-void cpu_attention_cached(const kv_cache& c, int64_t layer, const kv_step& st, const float* q, int64_t H,
-                          precision operand, const float* q_scale, float* out);
+int64_t cpu_attention_cached(const kv_cache& c, int64_t layer, const kv_step& st, const float* q, int64_t H,
+                             precision operand, const float* q_scale, float* out);
 
 void cpu_logprob_forward(const float* logits, const int32_t* targets, int64_t T, int64_t V, const logit_processing& proc,
                          float* logp, float* entropy);

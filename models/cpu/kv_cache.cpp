@@ -135,16 +135,19 @@ int64_t cpu_kv_cache_write(kv_cache& cache, int64_t layer, const kv_step& st, co
   return total;
 }
 
-void cpu_attention_cached(const kv_cache& cache, int64_t layer, const kv_step& st, const float* q, int64_t H,
-                          precision operand, const float* q_scale, float* out) {
+int64_t cpu_attention_cached(const kv_cache& cache, int64_t layer, const kv_step& st, const float* q, int64_t H,
+                             precision operand, const float* q_scale, float* out) {
   const auto& c = static_cast<const cpu_kv_cache&>(cache);
   const int64_t KV = c.kv_heads, D = c.head_dim, G = H / KV;
+  int64_t saturated = 0;  // FP8 query elements clipped (cpu_kv_cache_write's rule)
   if (q_scale)  // FP8 queries: the encoder would saturate Inf to 448 and store NaN as 0x7F
-    for (int64_t j = 0; j < st.T * H * D; ++j)
+    for (int64_t j = 0; j < st.T * H * D; ++j) {
+      saturated += std::fabs(q[j] / q_scale[j / D % H]) > 464.0f;
       if (!std::isfinite(q[j]))
         throw slot_error("attention: layer " + std::to_string(layer) + ", head " + std::to_string(j / D % H) +
                              ", slot " + std::to_string(st.slot[j / (H * D)]) + ", position " +
                              std::to_string(st.pos[j / (H * D)]) + ": Q[" + std::to_string(j % D) + "] is " + std::to_string(q[j]) + " (not finite; FP8 attention)", st.slot[j / (H * D)]);
+    }
   std::vector<attn_rounding> rq(static_cast<size_t>(H));
   for (int64_t h = 0; h < H; ++h) rq[h] = {operand, q_scale ? q_scale[h] : 0.0f};
   tbb::parallel_for(int64_t{0}, st.T * KV, [&](int64_t i) {
@@ -173,6 +176,7 @@ void cpu_attention_cached(const kv_cache& cache, int64_t layer, const kv_step& s
     cpu_attn_group(q + (t * H + g * G) * D, D, rq.data() + g * G, G, kv, n, D, operand, out + (t * H + g * G) * D, D,
                    scratch.data());
   });
+  return saturated;
 }
 
 }  // namespace fp8rl::models

@@ -58,6 +58,7 @@ std::vector<rl_sample> rollout_samples(const std::vector<gen_result>& results, c
     x.weight_version = r.weight_version;
     x.scale_version = r.scale_version;
     x.oldest_kv_version = r.oldest_kv_version;
+    x.oldest_kv_scale_version = r.oldest_kv_scale_version;
     auto it = answers.find(x.prompt_id);
     if (it == answers.end()) throw std::invalid_argument("rollout_samples: no answer for prompt " + std::to_string(x.prompt_id));
     x.reward = verify(vk, tok.decode(response_body(r.tokens, stops), true), it->second);
@@ -292,9 +293,19 @@ void rl_batch_metrics(const std::vector<rl_sample>& s, uint64_t learner_version,
   for (const auto& [d, c] : hist) out[std::string(kStalenessHistPrefix) + std::to_string(d)] = c;
 }
 
+std::vector<int32_t> example_encode(const dataset& d, size_t i, const tokenizer& tok, bool answer) {
+  try {
+    return answer ? tok.encode(d.items.at(i).answer, false) : tok.encode(d.items.at(i).prompt, true);
+  } catch (const std::invalid_argument& e) {
+    throw std::invalid_argument(example_where(d, i) + (answer ? ": answer: " : ": prompt: ") + e.what());
+  }
+}
+
 std::vector<double> sft_train(model_params& params, adamw_state& opt, const dataset& data, const tokenizer& tok,
                               const sft_config& cfg, const std::function<void(int64_t, double)>& on_step) {
   if (data.items.empty()) throw std::invalid_argument("sft: empty dataset");
+  std::vector<std::pair<std::vector<int32_t>, std::vector<int32_t>>> enc;  // (prompt, answer) ids of every example, checked first
+  for (size_t i = 0; i < data.items.size(); ++i) enc.emplace_back(example_encode(data, i, tok, false), example_encode(data, i, tok, true));
   auto be = make_cpu_backend();
   model_runner run(*be);
   rng g(cfg.seed);
@@ -304,9 +315,8 @@ std::vector<double> sft_train(model_params& params, adamw_state& opt, const data
     std::vector<float> mask;
     std::vector<int32_t> targets;  // row t predicts token t + 1
     for (int64_t i = 0; i < cfg.batch; ++i) {
-      const auto& ex = data.items[g.next_u64() % data.items.size()];
-      auto p = tok.encode(ex.prompt, true);
-      auto a = tok.encode(ex.answer, false);
+      const auto& [p, answer] = enc[g.next_u64() % enc.size()];
+      auto a = answer;
       if (tok.eos >= 0) a.push_back(tok.eos);
       std::vector<int32_t> seq = p;
       seq.insert(seq.end(), a.begin(), a.end());
@@ -342,6 +352,7 @@ eval_result evaluate(generation_engine& eng, const dataset& data, const tokenize
                      int32_t max_tokens, uint64_t seed) {
   eval_result r;
   r.n = static_cast<int64_t>(data.items.size());
+  for (size_t i = 0; i < data.items.size(); ++i) example_encode(data, i, tok, false);  // every prompt, named, before any runs
   const auto stops = stop_ids(eng.model(), tok);
   for (float temp : {0.0f, 1.0f}) {
     auto reqs = rollout_requests(data.items, 0, tok, stops, 1, {temp, 0, 1.0f}, max_tokens, seed);

@@ -2,7 +2,7 @@
 // rewards, the learner's GRPO gradient, SFT warm start and evaluation. The actors call exactly
 // these; the synchronous loop in tests calls them directly.
 // defines: rl_sample, rl_sample_check, rollout_requests, rollout_samples, learner_grpo, rl_batch_metrics,
-//          sft_config, sft_train, eval_result, evaluate
+//          example_encode, sft_config, sft_train, eval_result, evaluate
 #pragma once
 #include <cstdint>
 #include <functional>
@@ -24,7 +24,7 @@ struct rl_sample {
   int32_t group_index = 0;          // 0..G-1 within its group
   std::vector<int32_t> prompt, response;
   std::vector<float> gen_logprobs;  // g_t per response token
-  std::vector<uint64_t> weight_version, scale_version, oldest_kv_version;
+  std::vector<uint64_t> weight_version, scale_version, oldest_kv_version, oldest_kv_scale_version;
   float reward = 0.0f;
   float advantage = 0.0f;
 };
@@ -123,6 +123,10 @@ struct sft_config {
 // loss on answer + EOS. Returns the loss per step; `on_step(step, loss)` is called if set.
 std::vector<double> sft_train(model_params& params, adamw_state& opt, const dataset& data, const tokenizer& tok,
                               const sft_config& cfg, const std::function<void(int64_t, double)>& on_step = {});
+
+// Token ids of example i's prompt (BOS first) or answer; a tokenizer error names the example
+// (example_where: its file and line).
+std::vector<int32_t> example_encode(const dataset& d, size_t i, const tokenizer& tok, bool answer);
 
 struct eval_result {
   double greedy_accuracy = 0, sampled_accuracy = 0;

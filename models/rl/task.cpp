@@ -42,6 +42,7 @@ dataset dataset_load_jsonl(const std::string& path) {
       continue;
     }
     task_example e;
+    e.line = n;
     e.prompt = j["prompt"].get<std::string>();
     e.answer = j["answer"].is_string() ? j["answer"].get<std::string>() : j["answer"].dump();
     if (e.prompt.find_first_not_of(" \t\r\n") == std::string::npos) { bad("'prompt' is empty or blank"); continue; }
@@ -52,6 +53,11 @@ dataset dataset_load_jsonl(const std::string& path) {
   if (nerr) throw std::invalid_argument(path + ": " + std::to_string(nerr) + " malformed line(s):" + errors);
   if (d.items.empty()) throw std::invalid_argument(path + ": no examples");
   return d;
+}
+
+std::string example_where(const dataset& d, size_t i) {
+  const int64_t line = d.items.at(i).line;
+  return line > 0 ? d.source + ":" + std::to_string(line) : d.source + " example " + std::to_string(i);
 }
 
 std::optional<verifier_kind> verifier_parse(std::string_view s) {

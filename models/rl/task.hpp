@@ -1,6 +1,6 @@
 // models/rl/task.hpp -- tasks for RL with verifiable rewards: user datasets and the built-in
 // arithmetic family, and the verifiers that score a response.
-// defines: task_example, dataset, dataset_load_jsonl, verifier_kind, verify, answer_normalize,
+// defines: task_example, dataset, dataset_load_jsonl, example_where, verifier_kind, verify, answer_normalize,
 //          arithmetic_config, arithmetic_dataset, arithmetic_alphabet
 #pragma once
 #include <cstdint>
@@ -14,6 +14,7 @@ namespace fp8rl::models {
 struct task_example {
   std::string prompt;
   std::string answer;
+  int64_t line = 0;  // its line in the source JSONL (0: generated)
 };
 
 struct dataset {
@@ -24,6 +25,8 @@ struct dataset {
 // JSONL lines {"prompt": "...", "answer": "..." | number}; blank lines skipped. Every malformed
 // line is reported (all of them, with line numbers) in one std::invalid_argument.
 dataset dataset_load_jsonl(const std::string& path);
+// Where example i of d comes from, for errors: "FILE:LINE", or "SOURCE example i" (generated).
+std::string example_where(const dataset& d, size_t i);
 
 enum class verifier_kind : uint8_t { exact = 0, numeric = 1 };
 std::optional<verifier_kind> verifier_parse(std::string_view s);

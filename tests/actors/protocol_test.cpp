@@ -77,6 +77,7 @@ msg::group_msg group(uint64_t step, uint64_t pid, uint64_t version) {
     s.weight_version = {version, version, version};
     s.scale_version = s.weight_version;
     s.oldest_kv_version = s.weight_version;
+    s.oldest_kv_scale_version = s.weight_version;
     g.samples.push_back(s);
   }
   return g;
@@ -106,8 +107,10 @@ TEST(Messages, EveryWireTypeRoundTrips) {
   EXPECT_EQ(w2.trace.lamport, 3u);
   auto g = group(3, 5, 2);
   g.kv_saturated = {0, 7, 1};
+  g.q_saturated = {2, 0, 9};
   auto g2 = round_trip(sys, g);
   EXPECT_EQ(g2.kv_saturated, g.kv_saturated);
+  EXPECT_EQ(g2.q_saturated, g.q_saturated);
   ASSERT_EQ(g2.samples.size(), 2u);
   EXPECT_EQ(g2.samples[1].gen_logprobs, g.samples[1].gen_logprobs);
   EXPECT_EQ(g2.samples[1].weight_version, g.samples[1].weight_version);
@@ -172,6 +175,7 @@ TEST(Messages, EveryWireTypeRoundTrips) {
   EXPECT_EQ(round_trip(sys, c).bytes, c.bytes);
   EXPECT_EQ(round_trip(sys, c).trace.lamport, 5u);  // the trace context crosses processes
   EXPECT_EQ(round_trip(sys, msg::adopted_msg{{}, "rollout3", 4, 4, "bad"}).error, "bad");
+  EXPECT_TRUE(round_trip(sys, msg::adopted_msg{{}, "rollout3", 4, 4, "", true}).superseded);
   msg::node_start ns;  // the node protocol: typed fields, not a JSON string and positional handles
   ns.recipe_json = "{}";
   ns.node = "n1";
@@ -222,6 +226,7 @@ TEST(Protocol, BufferAdmitsDedupsShardsAndDropsStale) {
   expect_admitted(0, 0, true);
   auto g01 = group(0, 1, 0);
   g01.kv_saturated = {0, 5};
+  g01.q_saturated = {3, 0};  // FP8 queries likewise
   self->send(buf, g01);
   expect_admitted(0, 1, false);
   // two learners ask for their shards of step 0: one group each, N over the whole batch, and the
@@ -238,6 +243,8 @@ TEST(Protocol, BufferAdmitsDedupsShardsAndDropsStale) {
       EXPECT_EQ(b.buffer_metrics.at("kv_saturated_total/layer0"), 1.0);  // summed over the rollouts' groups
       EXPECT_EQ(b.buffer_metrics.at("kv_saturated_total/layer1"), 7.0);
       EXPECT_EQ(b.buffer_metrics.at("kv_saturated_total"), 8.0);
+      EXPECT_EQ(b.buffer_metrics.at("q_saturated_total/layer0"), 3.0);
+      EXPECT_EQ(b.buffer_metrics.at("q_saturated_total"), 3.0);
       // rank 0 gets the whole step (metrics, calibration batch); each rank where its tokens go
       EXPECT_EQ(b.all_samples.size(), rank == 0 ? 4u : 0u);
       ASSERT_EQ(b.offsets.size(), 2u);
@@ -297,6 +304,27 @@ TEST(Protocol, WeightSyncFansOutInProcessAndReportsFullAdoption) {
     EXPECT_GE(s.latency_s, 0.0);  // publish -> the last adoption heard, on weight-sync's clock
     EXPECT_LT(s.latency_s, 5.0);
     EXPECT_FALSE(s.cross_process);
+  }, caf::after(std::chrono::seconds(5)) >> [] { FAIL() << "no sync_report"; });
+  ctl->send_exit(ws, caf::exit_reason::user_shutdown);
+}
+
+// A bundle each rollout replaced before a step ran under it (adopted_msg `superseded`) is done with
+// there, not adopted: v1 is reported with no adoption latency (NaN); it counted as adopted.
+TEST(Protocol, WeightSyncCountsASupersededBundleAsNotAdopted) {
+  test_config cfg;
+  caf::actor_system sys{cfg};
+  caf::scoped_actor ctl{sys}, r0{sys}, r1{sys};
+  auto ws = actors::spawn_weight_sync(sys, env_with(1, 2));
+  ctl->send(ws, two_rollout_peers(ctl, r0, r1));
+  ctl->send(ws, msg::bundle_msg{{}, fp8_bundle_v1()});
+  for (const char* r : {"rollout0", "rollout1"}) {
+    msg::adopted_msg a{{}, r, 1, 1, ""};
+    a.superseded = true;
+    ctl->send(ws, a);
+  }
+  ctl->receive([&](msg::sync_report& s) {
+    EXPECT_EQ(s.version, 1u);
+    EXPECT_TRUE(std::isnan(s.latency_s)) << s.latency_s;
   }, caf::after(std::chrono::seconds(5)) >> [] { FAIL() << "no sync_report"; });
   ctl->send_exit(ws, caf::exit_reason::user_shutdown);
 }
@@ -762,4 +790,64 @@ TEST_F(ControllerOnTestCoordinator, AnExceptionFailsTheRunByName) {
     const std::string why = sys.render(d.reason);
     EXPECT_NE(why.find("controller: step_report metric 'staleness_hist/x': not a staleness bucket"), std::string::npos) << why;
   }, caf::after(std::chrono::seconds(5)) >> [] { FAIL() << "the controller did not stop"; });
+}
+
+// A rollout reports a bundle adopted when a step first runs under it, on the test coordinator (the
+// mailbox order is the test's): work waits for weights; v1 and v2 arrive before the engine's next
+// step -- v1 is answered `superseded` (no token was sampled under it; it was reported adopted at
+// staging), v2 adopted after the step that took it, and every token carries v2. A bundle reaching
+// an idle rollout is taken at once (an idle engine has no step to wait for; the controller's
+// staleness window waits for the report).
+TEST(RolloutOnTestCoordinator, ReportsAdoptionWhenAStepRunsUnderIt) {
+  coordinated_config cfg;
+  caf::actor_system sys{cfg};
+  auto& sched = dynamic_cast<caf::scheduler::test_coordinator&>(sys.scheduler());
+  caf::scoped_actor self{sys, true};
+  std::vector<msg::adopted_msg> adopted;
+  std::vector<msg::group_msg> groups;
+  auto peer = sys.spawn([](caf::event_based_actor* a, std::vector<msg::adopted_msg>* ad, std::vector<msg::group_msg>* gs) -> caf::behavior {
+    a->set_default_handler([](caf::scheduled_actor*, caf::message_view&) -> caf::result<caf::message> { return caf::message{}; });
+    return {[=](msg::adopted_msg& m) { ad->push_back(m); }, [=](msg::group_msg& g) { gs->push_back(g); }};
+  }, &adopted, &groups);
+  const auto env = env_with(1, 2);
+  auto ro = actors::spawn_rollout(sys, env, "rollout0", actors::device_spec::parse("cpu:1", "test"));
+  msg::peers_msg p;
+  p.controller = caf::actor_cast<msg::controller_actor>(peer);
+  p.weight_sync = caf::actor_cast<msg::weight_sync_actor>(peer);
+  p.reward = caf::actor_cast<msg::reward_actor>(peer);
+  self->send(ro, p);
+  const auto params = models::model_load(init_dir());
+  auto bundle = [&](uint64_t v) {
+    return msg::bundle_msg{{}, std::make_shared<const quant::weight_bundle>(models::bundle_from_params(params, env->rl.gen_policy, v, v, nullptr))};
+  };
+  msg::work_msg w;
+  w.step = 1;
+  w.prompt_id = 3;
+  w.prompt = "12+3=";
+  w.answer = "15";
+  w.group_size = static_cast<int32_t>(env->cfg.group_size);
+  self->send(ro, w);
+  self->send(ro, bundle(1));
+  self->send(ro, bundle(2));
+  sched.run();
+  ASSERT_EQ(groups.size(), 1u);
+  for (const auto& smp : groups[0].samples)
+    for (uint64_t v : smp.weight_version) EXPECT_EQ(v, 2u);
+  ASSERT_EQ(adopted.size(), 2u);
+  EXPECT_EQ(adopted[0].weight_version, 1u);
+  EXPECT_TRUE(adopted[0].superseded);
+  EXPECT_EQ(adopted[1].weight_version, 2u);
+  EXPECT_FALSE(adopted[1].superseded);
+  EXPECT_TRUE(adopted[1].error.empty());
+  self->send(ro, bundle(3));  // idle now
+  sched.run();
+  ASSERT_EQ(adopted.size(), 3u);
+  EXPECT_EQ(adopted[2].weight_version, 3u);
+  EXPECT_FALSE(adopted[2].superseded);
+  self->send(ro, msg::status_atom::value);  // the reply comes back as a message (a blocking request would never run it)
+  sched.run();
+  self->receive([&](msg::metrics_t& m) { EXPECT_EQ(m.at("weight_version"), 3.0); EXPECT_EQ(m.at("adoptions"), 2.0); },
+                caf::after(std::chrono::seconds(1)) >> [] { ADD_FAILURE() << "no status"; });
+  for (const caf::actor& a : {caf::actor_cast<caf::actor>(ro), peer}) self->send_exit(a, caf::exit_reason::user_shutdown);
+  sched.run();
 }

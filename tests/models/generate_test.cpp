@@ -111,6 +111,7 @@ TEST(Generate, ChunkedStepsEqualOneForward) {
       EXPECT_TRUE(same(one[i].logprobs, chunked[i].logprobs)) << policy << " " << i;
     }
     EXPECT_EQ(one_stats.kv_saturated, chunked_stats.kv_saturated) << policy;
+    EXPECT_EQ(one_stats.q_saturated, chunked_stats.q_saturated) << policy;
   }
 }
 
@@ -386,6 +387,7 @@ TEST(Generate, Fp8KvScalesAdoptedMidGeneration) {
       EXPECT_EQ(t.weight_version[i], i < before ? 1u : 2u) << i;
       EXPECT_EQ(t.scale_version[i], i < before ? 1u : 7u) << i;
       EXPECT_EQ(t.oldest_kv_version[i], i < before || pol == kv_adopt_policy::keep ? 1u : 2u) << i;
+      EXPECT_EQ(t.oldest_kv_scale_version[i], i < before || pol == kv_adopt_policy::keep ? 1u : 7u) << i;
     }
     if (pol != kv_adopt_policy::recompute) continue;
     generation_engine fresh(*be, p2.cfg, ec);
@@ -534,9 +536,15 @@ TEST(Generate, NonFiniteKvAndFp8QueriesAreRefused) {
       EXPECT_NE(std::string(e.what()).find("layer 1, head 2, slot 0, position 4: Q[7]"), std::string::npos) << e.what();
     }
   }
-  const std::vector<float> q(static_cast<size_t>(H * D), 0.25f);
-  be->attention_cached(*cache, 1, {1, &slot, &pos}, q.data(), H, precision::fp8, q_scale.data(), out.data());
+  std::vector<float> q(static_cast<size_t>(H * D), 0.25f);
+  EXPECT_EQ(be->attention_cached(*cache, 1, {1, &slot, &pos}, q.data(), H, precision::fp8, q_scale.data(), out.data()), 0);
   for (float o : out) EXPECT_TRUE(std::isfinite(o));
+  // clipped queries are counted as K/V are (scales 0.05): 460 rounds to 448 anyway, -470 and 20000
+  // are clipped; queries of BF16 attention are not encoded
+  q[static_cast<size_t>(3 * D + 1)] = 460.0f * 0.05f, q[static_cast<size_t>(3 * D + 2)] = -470.0f * 0.05f;
+  q[static_cast<size_t>(5)] = 1000.0f;
+  EXPECT_EQ(be->attention_cached(*cache, 1, {1, &slot, &pos}, q.data(), H, precision::fp8, q_scale.data(), out.data()), 2);
+  EXPECT_EQ(be->attention_cached(*cache, 1, {1, &slot, &pos}, q.data(), H, precision::bf16, nullptr, out.data()), 0);
   // in the engine the error says whose slot it is (a slot alone named no request): layer 0's K
   // overflows (its input norm scaled by 1e38)
   model_params p = model_params_init(cfg(), 9);

@@ -10,6 +10,7 @@
 #include <fstream>
 #include <set>
 
+#include "models/cpu/cpu_backend.hpp"
 #include "models/params.hpp"
 #include "models/rl/grpo.hpp"
 #include "models/rl/rl.hpp"
@@ -461,6 +462,41 @@ TEST(Grpo, SftRefusesABatchWithoutAnswerTokens) {
   EXPECT_NE(what.find("step 0's batch of 2 examples has no answer token"), std::string::npos) << what;
   EXPECT_EQ(p.data, before);
   EXPECT_EQ(opt.step, 0);
+}
+
+// An example the tokenizer cannot encode is named by its file and line in sft and eval (the char
+// tokenizer's error named an offset in some prompt), and by index in a built-in task; SFT checks
+// every example before its first step.
+TEST(Tasks, ExamplesTheTokenizerCannotEncodeAreNamedByLine) {
+  auto tok = char_tokenizer_make("0123456789+=");
+  const auto path = std::filesystem::temp_directory_path() / ("fp8rl_enc_" + std::to_string(::getpid()) + ".jsonl");
+  std::ofstream(path) << "{\"prompt\": \"1+2=\", \"answer\": 3}\n\n{\"prompt\": \"4+5=\", \"answer\": \"9!\"}\n"
+                         "{\"prompt\": \"1@2=\", \"answer\": 3}\n";
+  const dataset d = dataset_load_jsonl(path.string());
+  std::filesystem::remove(path);
+  model_config c;
+  c.hidden_size = 32; c.intermediate_size = 64; c.num_hidden_layers = 1; c.num_attention_heads = 2;
+  c.num_key_value_heads = 1; c.head_dim = 16; c.vocab_size = tok->vocab_size(); c.max_position_embeddings = 16;
+  model_params p = model_params_init(c, 1);
+  const auto before = p.data;
+  adamw_state opt;
+  sft_config sc;
+  sc.steps = 1;
+  const std::string sft = fp8rl::test::thrown_text<std::invalid_argument>([&] { sft_train(p, opt, d, *tok, sc); });
+  EXPECT_NE(sft.find(path.string() + ":3: answer: char tokenizer: character '!'"), std::string::npos) << sft;
+  EXPECT_EQ(p.data, before);
+  auto be = make_cpu_backend();
+  engine_config ec;
+  ec.slots = 2;
+  ec.max_context = 16;
+  ec.policy = precision_policy::named("fp32");
+  generation_engine eng(*be, c, ec);
+  ASSERT_EQ(eng.adopt_params(p, 1, 1), "");
+  const std::string eval = fp8rl::test::thrown_text<std::invalid_argument>([&] { evaluate(eng, d, *tok, verifier_kind::exact, 4, 1); });
+  EXPECT_NE(eval.find(path.string() + ":4: prompt: char tokenizer: character '@'"), std::string::npos) << eval;
+  EXPECT_TRUE(eng.idle());  // refused before any request ran
+  const dataset b = arithmetic_dataset({'+', 2, 0.1}, false, 5, 1);
+  EXPECT_EQ(example_where(b, 4), b.source + " example 4");
 }
 
 // A response ends at any id of the model's eos_token_id (Llama 3.1 Instruct: <|eot_id|> among

@@ -272,17 +272,19 @@ TEST(Sampling, AFailedStepChangesNoSlot) {
   for (const auto& r : e.drain()) back.insert(r.id);
   EXPECT_EQ(back, (std::set<uint64_t>{rq[0].id, rq[1].id}));
   // with an FP8 KV cache, the K/V a failed step wrote (saturating every element: scales 1e-6) are
-  // not counted: the retry writes them again (each try counted them)
+  // not counted: the retry writes them again (each try counted them); its FP8 queries likewise
   generation_engine f(*be, p.cfg, ecfg("fp8-kv", 2));
   const int64_t L = p.cfg.num_hidden_layers, H = p.cfg.num_attention_heads, KV = p.cfg.num_key_value_heads;
-  const attn_fp8_scales tiny{std::vector<float>(L * H, 1e-3f), std::vector<float>(L * KV, 1e-6f), std::vector<float>(L * KV, 1e-6f)};
+  const attn_fp8_scales tiny{std::vector<float>(L * H, 1e-6f), std::vector<float>(L * KV, 1e-6f), std::vector<float>(L * KV, 1e-6f)};
   ASSERT_EQ(f.adopt_params(p, 1, 1, &tiny), "");
   for (auto& r : rq) f.submit(r);
   EXPECT_THROW(f.step(), std::runtime_error);
   EXPECT_THROW(f.step(), std::runtime_error);
   for (int64_t n : f.stats().kv_saturated) EXPECT_EQ(n, 0);
+  for (int64_t n : f.stats().q_saturated) EXPECT_EQ(n, 0);
   f.drain();
   f.submit(rq[0]);
   f.step();  // request A alone: the step holds and counts its writes
   for (int64_t n : f.stats().kv_saturated) EXPECT_GT(n, 0);
+  for (int64_t n : f.stats().q_saturated) EXPECT_GT(n, 0);
 }

@@ -149,11 +149,12 @@ int cmd_generate(int argc, char** argv) {
                             {"scale_version", r.scale_version}, {"finish", r.finish}};
       std::printf("%s\n", out.dump().c_str());
     }
-    if (ec.policy.kv == models::kv_dtype::fp8) {  // fp8-numerics.md §8: saturated K/V reported per layer
-      const auto& sat = eng.stats().kv_saturated;
-      log_get("generate")->info("FP8 KV cache: {} K/V elements saturated (per layer: [{}])",
+    auto report = [](const char* what, const std::vector<int64_t>& sat) {  // fp8-numerics.md §8: per layer
+      log_get("generate")->info("{} elements saturated: {} (per layer: [{}])", what,
                                 std::accumulate(sat.begin(), sat.end(), int64_t{0}), fmt::join(sat, ", "));
-    }
+    };
+    if (ec.policy.kv == models::kv_dtype::fp8) report("FP8 KV cache: K/V", eng.stats().kv_saturated);
+    if (ec.policy.fp8_attention) report("FP8 attention: query", eng.stats().q_saturated);
   });
   return 0;
 }
