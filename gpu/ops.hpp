@@ -34,17 +34,21 @@ void gpu_gemm_fp8_own(const quant::qtensor& A, const quant::qtensor& B, float* C
 void gpu_rmsnorm_forward(const float* x, const float* w, int64_t T, int64_t C, float eps, float* out, float* rstd);
 void gpu_rope(float* x, const int32_t* pos, int64_t T, int64_t nh, int64_t D, double theta, bool inverse);
 void gpu_swiglu_forward(const float* gate, const float* up, int64_t n, float* h);
-void gpu_embedding_forward(const float* wte, const int32_t* tokens, int64_t T, int64_t C, float* out);
-// logp[t] = log softmax(logits[t])[targets[t]] (targets < 0 -> 0); all device pointers.
+// out[t] = wte[tokens[t]] for wte [V, C]; an id outside [0, V) is an error naming the token
+// (std::invalid_argument).
+void gpu_embedding_forward(const float* wte, const int32_t* tokens, int64_t T, int64_t C, int64_t V, float* out);
+// logp[t] = log softmax(logits[t])[targets[t]] (targets < 0 -> 0; >= V an error naming the row);
+// all device pointers.
 void gpu_logprob_forward(const float* logits, const int32_t* targets, int64_t T, int64_t V, float* logp);
 void gpu_adamw_step(float* p, float* g, float* m, float* v, int64_t n, float lr, float b1, float b2, float eps,
                     float decay, float clip, int64_t step);
 // FP8 KV cache entries: code = e4m3(x / scale[h]) for x [T, KV, D]; read back dec(code) * scale.
-// A NaN/Inf in x is an error naming token, KV head and element (std::invalid_argument).
+// A NaN/Inf in x is an error naming token, KV head and element (std::invalid_argument), and
+// nothing is written.
 void gpu_kv_write_fp8(const float* x, int64_t T, int64_t KV, int64_t D, const float* scale, uint8_t* codes);
 void gpu_kv_read_fp8(const uint8_t* codes, int64_t T, int64_t KV, int64_t D, const float* scale, float* x);
 // Causal GQA attention over one sequence: q [T,H,D], k/v [T,KV,D] -> out [T,H,D]; BF16 operand
-// rounding when bf16 is set (the CPU policy), FP32 softmax.
+// rounding when bf16 is set (the CPU policy), FP32 softmax. H must be a multiple of KV.
 void gpu_attention_forward(const float* q, const float* k, const float* v, int64_t T, int64_t H, int64_t KV, int64_t D,
                            bool bf16, float* out);
 

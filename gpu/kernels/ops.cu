@@ -49,13 +49,27 @@ __global__ void swiglu_kernel(const float* g, const float* u, int64_t n, float* 
   if (i < n) h[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
 }
 
-__global__ void embedding_kernel(const float* wte, const int32_t* tok, int64_t T, int64_t C, float* out) {
+// first_bad: the lowest token index whose id is outside [0, V) (it read past the table)
+__global__ void embedding_kernel(const float* wte, const int32_t* tok, int64_t T, int64_t C, int64_t V, float* out,
+                                 unsigned long long* first_bad) {
   const int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
-  if (i < T * C) out[i] = wte[int64_t(tok[i / C]) * C + i % C];
+  if (i >= T * C) return;
+  const int64_t id = tok[i / C];
+  if (id < 0 || id >= V) {
+    atomicMin(first_bad, static_cast<unsigned long long>(i / C));
+    return;
+  }
+  out[i] = wte[id * C + i % C];
 }
 
-__global__ void logprob_kernel(const float* logits, const int32_t* targets, int64_t V, float* logp) {
+// first_bad: the lowest row whose target is >= V (it read past the row)
+__global__ void logprob_kernel(const float* logits, const int32_t* targets, int64_t V, float* logp,
+                               unsigned long long* first_bad) {
   const int64_t t = blockIdx.x;
+  if (targets[t] >= V) {
+    if (threadIdx.x == 0) atomicMin(first_bad, static_cast<unsigned long long>(t));
+    return;  // the whole block: no thread reaches the barriers below
+  }
   __shared__ float sm[256];
   __shared__ double ss[256];
   const float* z = logits + t * V;
@@ -92,12 +106,14 @@ __global__ void adamw_kernel(float* p, float* g, float* m, float* v, int64_t n, 
 }
 
 // first_bad: the lowest index holding NaN/Inf (fp8-numerics §0.2: an error, never encoded silently)
-__global__ void kv_write_kernel(const float* x, int64_t n, int64_t KV, int64_t D, const float* scale, uint8_t* codes,
-                                unsigned long long* first_bad) {
+__global__ void nonfinite_scan_kernel(const float* x, int64_t n, unsigned long long* first_bad) {
   const int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
-  if (i >= n) return;
-  if (!isfinite(x[i])) atomicMin(first_bad, static_cast<unsigned long long>(i));
-  codes[i] = e4m3_encode(__fdiv_rn(x[i], scale[(i / D) % KV]));
+  if (i < n && !isfinite(x[i])) atomicMin(first_bad, static_cast<unsigned long long>(i));
+}
+
+__global__ void kv_write_kernel(const float* x, int64_t n, int64_t KV, int64_t D, const float* scale, uint8_t* codes) {
+  const int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  if (i < n) codes[i] = e4m3_encode(__fdiv_rn(x[i], scale[(i / D) % KV]));
 }
 
 __global__ void kv_read_kernel(const uint8_t* codes, int64_t n, int64_t KV, int64_t D, const float* scale, float* x) {
@@ -140,6 +156,9 @@ void check() {
   FP8RL_CUDA_CHECK(cudaDeviceSynchronize());
 }
 
+constexpr unsigned long long kNone = ~0ull;  // a first_bad no kernel lowered
+dbuf<unsigned long long> none_found() { return dbuf<unsigned long long>::from(std::vector<unsigned long long>{kNone}); }
+
 }  // namespace
 
 void gpu_rmsnorm_forward(const float* x, const float* w, int64_t T, int64_t C, float eps, float* out, float* rstd) {
@@ -155,13 +174,31 @@ void gpu_swiglu_forward(const float* g, const float* u, int64_t n, float* h) {
   if (n) swiglu_kernel<<<blocks(n), 256>>>(g, u, n, h);
   check();
 }
-void gpu_embedding_forward(const float* wte, const int32_t* tok, int64_t T, int64_t C, float* out) {
-  if (T > 0 && C > 0) embedding_kernel<<<blocks(T * C), 256>>>(wte, tok, T, C, out);
+namespace {
+// The id at device position i of ids (for an error message).
+int32_t id_at(const int32_t* ids, unsigned long long i) {
+  int32_t id = 0;
+  FP8RL_CUDA_CHECK(cudaMemcpy(&id, ids + i, sizeof id, cudaMemcpyDeviceToHost));
+  return id;
+}
+}  // namespace
+void gpu_embedding_forward(const float* wte, const int32_t* tok, int64_t T, int64_t C, int64_t V, float* out) {
+  if (T <= 0 || C <= 0) return;
+  auto first_bad = none_found();
+  embedding_kernel<<<blocks(T * C), 256>>>(wte, tok, T, C, V, out, first_bad.data());
   check();
+  if (const unsigned long long t = first_bad.to_host()[0]; t != kNone)
+    throw std::invalid_argument("gpu_embedding_forward: token " + std::to_string(t) + ": id " + std::to_string(id_at(tok, t)) +
+                                " is outside the vocabulary (" + std::to_string(V) + ")");
 }
 void gpu_logprob_forward(const float* logits, const int32_t* targets, int64_t T, int64_t V, float* logp) {
-  if (T) logprob_kernel<<<static_cast<unsigned>(T), 256>>>(logits, targets, V, logp);
+  if (T <= 0) return;
+  auto first_bad = none_found();
+  logprob_kernel<<<static_cast<unsigned>(T), 256>>>(logits, targets, V, logp, first_bad.data());
   check();
+  if (const unsigned long long t = first_bad.to_host()[0]; t != kNone)
+    throw std::invalid_argument("gpu_logprob_forward: row " + std::to_string(t) + ": target " +
+                                std::to_string(id_at(targets, t)) + " is outside the vocabulary (" + std::to_string(V) + ")");
 }
 void gpu_adamw_step(float* p, float* g, float* m, float* v, int64_t n, float lr, float b1, float b2, float eps,
                     float decay, float clip, int64_t step) {
@@ -169,17 +206,19 @@ void gpu_adamw_step(float* p, float* g, float* m, float* v, int64_t n, float lr,
   if (n) adamw_kernel<<<blocks(n), 256>>>(p, g, m, v, n, lr, b1, b2, eps, decay, clip, lr / bc1, sqrtf(bc2));
   check();
 }
+// Scans first, writes only clean input: a refused write leaves the cache as it was (the codes
+// of the finite elements were written before the error, over what the cache held).
 void gpu_kv_write_fp8(const float* x, int64_t T, int64_t KV, int64_t D, const float* scale, uint8_t* codes) {
   if (T * KV * D == 0) return;
-  constexpr unsigned long long kNone = ~0ull;
-  auto first_bad = dbuf<unsigned long long>::from(std::vector<unsigned long long>{kNone});
-  kv_write_kernel<<<blocks(T * KV * D), 256>>>(x, T * KV * D, KV, D, scale, codes, first_bad.data());
+  auto first_bad = none_found();
+  nonfinite_scan_kernel<<<blocks(T * KV * D), 256>>>(x, T * KV * D, first_bad.data());
   check();
-  const unsigned long long i = first_bad.to_host()[0];
-  if (i != kNone)
+  if (const unsigned long long i = first_bad.to_host()[0]; i != kNone)
     throw std::invalid_argument("gpu_kv_write_fp8: token " + std::to_string(i / (KV * D)) + ", KV head " +
                                 std::to_string(i / D % KV) + ", element " + std::to_string(i % D) +
                                 ": not finite (FP8 K/V cache)");
+  kv_write_kernel<<<blocks(T * KV * D), 256>>>(x, T * KV * D, KV, D, scale, codes);
+  check();
 }
 void gpu_kv_read_fp8(const uint8_t* codes, int64_t T, int64_t KV, int64_t D, const float* scale, float* x) {
   if (T > 0 && KV > 0 && D > 0) kv_read_kernel<<<blocks(T * KV * D), 256>>>(codes, T * KV * D, KV, D, scale, x);
@@ -187,6 +226,9 @@ void gpu_kv_read_fp8(const uint8_t* codes, int64_t T, int64_t KV, int64_t D, con
 }
 void gpu_attention_forward(const float* q, const float* k, const float* v, int64_t T, int64_t H, int64_t KV, int64_t D,
                            bool bf16, float* out) {
+  if (KV <= 0 || H % KV != 0)  // a query head's KV head is h / (H / KV): H < KV divided by zero
+    throw std::invalid_argument("gpu_attention_forward: " + std::to_string(H) + " query heads do not group over " +
+                                std::to_string(KV) + " KV heads");
   if (T > 0 && H > 0) attention_kernel<<<blocks(T * H, 64), 64>>>(q, k, v, T, H, KV, D, bf16, out);
   check();
 }

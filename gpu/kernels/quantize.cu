@@ -4,6 +4,7 @@
 #include <cuda_fp8.h>
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <mutex>
 #include <set>
 #include <stdexcept>
@@ -100,24 +101,26 @@ __global__ void dequantize_kernel(const uint8_t* q, const float* sinv, int64_t R
   else out[r * cols + k] = v;
 }
 
-// One thread per output element; the exact §5.2 order.
+// One thread per output element; the exact §5.2 order. Rows m step by gridDim.y (at most 65535).
 __global__ void gemm_fp8_own_kernel2(const uint8_t* A, const uint8_t* B, const float* sa, const float* sb, int64_t M,
                                      int64_t N, int64_t K, int64_t KB, float* C) {
-  const int64_t n = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x, m = blockIdx.y;
-  if (n >= N || m >= M) return;
-  float out = 0.0f;
-  for (int64_t kb = 0; kb < KB; ++kb) {
-    float acc = 0.0f;
-    for (int64_t i = 0; i < 64; ++i) {
-      const int64_t k = kb * 128 + 2 * i;
-      const float a1 = k + 1 < K ? c_e4m3[A[m * K + k + 1]] : 0.0f, b1 = k + 1 < K ? c_e4m3[B[n * K + k + 1]] : 0.0f;
-      const float a0 = k < K ? c_e4m3[A[m * K + k]] : 0.0f, b0 = k < K ? c_e4m3[B[n * K + k]] : 0.0f;
-      acc = __fmaf_rn(a1, b1, acc);  // odd element first
-      acc = __fmaf_rn(a0, b0, acc);
+  const int64_t n = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  if (n >= N) return;
+  for (int64_t m = blockIdx.y; m < M; m += gridDim.y) {
+    float out = 0.0f;
+    for (int64_t kb = 0; kb < KB; ++kb) {
+      float acc = 0.0f;
+      for (int64_t i = 0; i < 64; ++i) {
+        const int64_t k = kb * 128 + 2 * i;
+        const float a1 = k + 1 < K ? c_e4m3[A[m * K + k + 1]] : 0.0f, b1 = k + 1 < K ? c_e4m3[B[n * K + k + 1]] : 0.0f;
+        const float a0 = k < K ? c_e4m3[A[m * K + k]] : 0.0f, b0 = k < K ? c_e4m3[B[n * K + k]] : 0.0f;
+        acc = __fmaf_rn(a1, b1, acc);  // odd element first
+        acc = __fmaf_rn(a0, b0, acc);
+      }
+      out = __fmaf_rn(__fmul_rn(sa[m * KB + kb], sb[n * KB + kb]), acc, out);
     }
-    out = __fmaf_rn(__fmul_rn(sa[m * KB + kb], sb[n * KB + kb]), acc, out);
+    C[m * N + n] = out;
   }
-  C[m * N + n] = out;
 }
 
 // Constant memory is per device: the table goes to each device the first time a kernel there
@@ -231,7 +234,8 @@ void gpu_gemm_fp8_own(const quant::qtensor& A, const quant::qtensor& B, float* C
   for (int64_t n = 0; n < N; ++n) for (int64_t kb = 0; kb < KB; ++kb) sb[n * KB + kb] = B.scale_at(n, kb);
   auto a = dbuf<uint8_t>::from(A.data), b = dbuf<uint8_t>::from(B.data);
   auto dsa = dbuf<float>::from(sa), dsb = dbuf<float>::from(sb);
-  const dim3 grid(static_cast<unsigned>((N + 127) / 128), static_cast<unsigned>(M));
+  if (M == 0 || N == 0) return;
+  const dim3 grid(static_cast<unsigned>((N + 127) / 128), static_cast<unsigned>(std::min<int64_t>(M, 65535)));  // grid.y's limit
   gemm_fp8_own_kernel2<<<grid, 128>>>(a.data(), b.data(), dsa.data(), dsb.data(), M, N, K, KB, C);
   FP8RL_CUDA_CHECK(cudaGetLastError());
   FP8RL_CUDA_CHECK(cudaDeviceSynchronize());

@@ -140,6 +140,16 @@ TEST(GpuOps, OwnFp8GemmIsBitExactWithTheCpuReference) {
   gpu::dbuf<float> c(static_cast<size_t>(M * N));
   gpu::gpu_gemm_fp8_own(A, B, c.data());
   EXPECT_EQ(fp8rl::test::first_diff(c.to_host(), ref), -1);
+  // more rows than grid.y's 65535 (the launch failed): rows past it step by the grid
+  const int64_t Mb = 65537, Nb = 8, Kb = 128;
+  auto ab = randn(Mb * Kb, 3), bb = randn(Nb * Kb, 4);
+  const auto Ab = quant::quantize(ab.data(), Mb, Kb, quant::qlayout::rowwise_1x128, quant::scale_mode::pow2, "A");
+  const auto Bb = quant::quantize(bb.data(), Nb, Kb, quant::qlayout::block_128x128, quant::scale_mode::pow2, "B");
+  std::vector<float> refb(Mb * Nb);
+  quant::gemm_fp8_ref(Ab, Bb, refb.data());
+  gpu::dbuf<float> cb(static_cast<size_t>(Mb * Nb));
+  gpu::gpu_gemm_fp8_own(Ab, Bb, cb.data());
+  EXPECT_EQ(fp8rl::test::first_diff(cb.to_host(), refb), -1);
 }
 
 namespace {
@@ -239,6 +249,16 @@ TEST(GpuOps, FloatKernelsMatchTheCpuBackend) {
   gpu::dbuf<float> dlp(T);
   gpu::gpu_logprob_forward(dl.data(), dt.data(), T, V, dlp.data());
   EXPECT_LT(tol::rel_norm_err(dv(dlp.to_host()), dv(lp)), tol::kGpuFloatKernel);
+  // a target past the row is an error naming the row (it read the next row's logits)
+  tg[3] = static_cast<int32_t>(V);
+  auto dbad = gpu::dbuf<int32_t>::from(tg);
+  const std::string lp_err =
+      fp8rl::test::thrown_text<std::invalid_argument>([&] { gpu::gpu_logprob_forward(dl.data(), dbad.data(), T, V, dlp.data()); });
+  EXPECT_NE(lp_err.find("row 3: target " + std::to_string(V) + " is outside the vocabulary"), std::string::npos) << lp_err;
+  // query heads that do not group over the KV heads (H < KV divided by zero in the kernel)
+  const std::string h_err = fp8rl::test::thrown_text<std::invalid_argument>(
+      [&] { gpu::gpu_attention_forward(dq.data(), dk.data(), dvv.data(), T, 1, 2, D, true, datt.data()); });
+  EXPECT_NE(h_err.find("1 query heads do not group over 2 KV heads"), std::string::npos) << h_err;
 }
 
 // The remaining elementwise kernels against the CPU backend: the embedding gather and AdamW (the
@@ -257,8 +277,15 @@ TEST(GpuOps, EmbeddingRopeSwigluAndAdamwMatchTheCpuBackend) {
   auto dwte = gpu::dbuf<float>::from(wte);
   auto dtok = gpu::dbuf<int32_t>::from(tok), dpos = gpu::dbuf<int32_t>::from(pos);
   gpu::dbuf<float> demb(emb.size());
-  gpu::gpu_embedding_forward(dwte.data(), dtok.data(), T, C, demb.data());
+  gpu::gpu_embedding_forward(dwte.data(), dtok.data(), T, C, V, demb.data());
   EXPECT_EQ(fp8rl::test::first_diff(demb.to_host(), emb), -1);
+  // an id outside the table is an error naming the token (it read past wte)
+  auto bad_tok = tok;
+  bad_tok[5] = static_cast<int32_t>(V), bad_tok[9] = -1;
+  auto dbad_tok = gpu::dbuf<int32_t>::from(bad_tok);
+  const std::string emb_err = fp8rl::test::thrown_text<std::invalid_argument>(
+      [&] { gpu::gpu_embedding_forward(dwte.data(), dbad_tok.data(), T, C, V, demb.data()); });
+  EXPECT_NE(emb_err.find("token 5: id 50 is outside the vocabulary (50)"), std::string::npos) << emb_err;
   for (bool inverse : {false, true}) {
     auto x = randn(T * nh * D, 12);
     auto dx = gpu::dbuf<float>::from(x);
@@ -320,6 +347,7 @@ TEST(GpuOps, Fp8KvCacheCodecIsBitExact) {
   } catch (const std::invalid_argument& e) {
     EXPECT_NE(std::string(e.what()).find("token 2, KV head 1, element 5: not finite"), std::string::npos) << e.what();
   }
+  EXPECT_EQ(codes.to_host(), c);  // the refused write changed nothing (its finite elements were encoded)
   // every one of the 256 codes decodes as the CPU does (0x7F / 0xFF: NaN, not +-480)
   std::vector<uint8_t> all(256 * KV * D / 256 * 8);
   for (size_t i = 0; i < all.size(); ++i) all[i] = static_cast<uint8_t>(i);
