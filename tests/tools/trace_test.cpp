@@ -171,3 +171,54 @@ TEST(Trace, SummaryWallTimeLeavesOutTheGapOfAResume) {
   EXPECT_NE(none.out.find((run / "nope").string() + ": no such run directory"), std::string::npos) << none.out;
   fs::remove_all(run);
 }
+
+// Input the tool used to take silently: message ids past 2^63 (the writer's ids set bit 63 about
+// half the time: such runs were refused whole) are read; a message sent or received twice (a file
+// copied into another: every count doubled, matching kept the last), a receive whose Lamport clock
+// is not above its send's (its vector clock did not dominate the send's), a line that is not JSON
+// before the last (only a torn last line is a killed writer's), a .jsonl that is a directory
+// (skipped: the timeline lacked that node) and times past 2^53 us (ts + dur overflowed) are
+// errors naming the file and line; a run directory that is a file is named as such.
+TEST(Trace, BadInputIsRefusedByFileAndLine) {
+  const fs::path run = fs::temp_directory_path() / ("fp8rl_trace_bad_" + std::to_string(::getpid()));
+  fs::remove_all(run);
+  fs::create_directories(run / "traces");
+  const uint64_t big = (uint64_t{1} << 63) + 7;
+  auto write = [&](const std::string& text) { std::ofstream(run / "traces" / "A.jsonl") << text; };
+  auto shiviz = [&] { return fp8rl::test::run_command(kBin + "/fp8rl-trace shiviz " + run.string()); };
+  const std::string good = line("A", "x", "send", "m", 10, 1, big) + line("A", "y", "recv", "m", 20, 2, big);
+  write(good);
+  const auto ok = shiviz();
+  EXPECT_EQ(ok.rc, 0) << ok.out;
+  EXPECT_NE(ok.out.find("1 messages matched"), std::string::npos) << ok.out;
+  write(good + "{\"torn");
+  const auto torn = shiviz();
+  EXPECT_EQ(torn.rc, 0) << torn.out;
+  EXPECT_NE(torn.out.find("A.jsonl:3: skipping a torn last line"), std::string::npos) << torn.out;
+  json huge = json::parse(line("A", "x", "span", "s", 10, 0, 0));
+  huge["ts"] = int64_t{1} << 60;
+  for (const auto& [text, what] : std::vector<std::pair<std::string, std::string>>{
+           {good + line("A", "y", "recv", "m", 30, 3, big), "A.jsonl:3: recv of message " + std::to_string(big) + " already at "},
+           {good + good, "A.jsonl:3: send of message " + std::to_string(big) + " already at "},
+           {line("A", "x", "send", "m", 10, 5, 4) + line("A", "y", "recv", "m", 20, 2, 4),
+            "A.jsonl:2: receive of message 4 has Lamport clock 2, not above its send's 5"},
+           {line("A", "x", "send", "m", 10, 1, 4) + "hello world\n" + line("A", "y", "recv", "m", 20, 2, 4),
+            "A.jsonl:2: not a JSON event line"},
+           {huge.dump() + "\n", "A.jsonl:1: 'ts' is 1152921504606846976, not an integer >= 0 and <= 9007199254740992"}}) {
+    write(text);
+    for (const char* cmd : {"merge", "summary", "shiviz"}) {
+      const auto b = fp8rl::test::run_command(kBin + "/fp8rl-trace " + cmd + " " + run.string());
+      EXPECT_EQ(b.rc, 2) << cmd << "\n" << b.out;
+      EXPECT_NE(b.out.find(what), std::string::npos) << cmd << "\n" << b.out;
+    }
+  }
+  write(good);
+  fs::create_directories(run / "traces" / "B.jsonl");
+  const auto dir = shiviz();
+  EXPECT_EQ(dir.rc, 2);
+  EXPECT_NE(dir.out.find("B.jsonl: not a readable file"), std::string::npos) << dir.out;
+  fs::remove_all(run / "traces" / "B.jsonl");
+  const auto file = fp8rl::test::run_command(kBin + "/fp8rl-trace summary " + (run / "traces" / "A.jsonl").string());
+  EXPECT_NE(file.out.find("A.jsonl: not a directory"), std::string::npos) << file.out;
+  fs::remove_all(run);
+}

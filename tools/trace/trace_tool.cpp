@@ -35,13 +35,17 @@ struct event {
   uint64_t lamport = 0, msg = 0;  // send/recv: Lamport clock, message id
   int64_t pid = 0;
   std::string host;  // actor@node, plus #pid where a node's file holds several processes (a resumed run)
+  std::string where;  // file:line it came from
   const std::string& who() const { return host; }
 };
 
 // One event line (what actors/trace.cpp writes): node, actor, name, kind (span | send | recv) and
 // ts always; dur, pid, bytes, wv, sv, lamport, msg where they apply. A field missing or of
 // another type is an error naming `where` (file:line): defaulted, a missing ts rebased the whole
-// timeline to 0, and a wrong type stopped the tool with the JSON library's words only.
+// timeline to 0, and a wrong type stopped the tool with the JSON library's words only. Times are
+// bounded by 2^53 us (285 years; ts + dur cannot overflow); ids and clocks are full 64-bit (the
+// writer's message ids set bit 63 about half the time).
+constexpr int64_t kMaxMicros = int64_t{1} << 53;
 event event_from(const json& j, const std::string& where) {
   auto fail = [&](const std::string& what) { throw std::invalid_argument(where + what); };
   if (!j.is_object()) fail("not an event object");
@@ -49,15 +53,21 @@ event event_from(const json& j, const std::string& where) {
     if (!j.contains(k) || !j[k].is_string()) fail(std::string(k).insert(0, 1, '\'') + "' missing or not a string");
     return j[k].get<std::string>();
   };
-  auto integer = [&](const char* k, bool required, int64_t lo, int64_t def) {
+  auto integer = [&](const char* k, bool required, int64_t lo, int64_t def, int64_t hi = INT64_MAX) {
     if (!j.contains(k)) {
       if (required) fail(std::string(k).insert(0, 1, '\'') + "' missing");
       return def;
     }
-    if (!j[k].is_number_integer() || (j[k].is_number_unsigned() && j[k].get<uint64_t>() > uint64_t(INT64_MAX)) ||
-        j[k].get<int64_t>() < lo)
-      fail(std::string(k).insert(0, 1, '\'') + "' is " + j[k].dump() + ", not an integer >= " + std::to_string(lo));
+    if (!j[k].is_number_integer() || (j[k].is_number_unsigned() && j[k].get<uint64_t>() > uint64_t(hi)) ||
+        j[k].get<int64_t>() < lo || j[k].get<int64_t>() > hi)
+      fail(std::string(k).insert(0, 1, '\'') + "' is " + j[k].dump() + ", not an integer >= " + std::to_string(lo) +
+           (hi < INT64_MAX ? " and <= " + std::to_string(hi) : std::string()));
     return j[k].get<int64_t>();
+  };
+  auto uinteger = [&](const char* k) -> uint64_t {  // 0 where missing
+    if (!j.contains(k)) return 0;
+    if (!j[k].is_number_unsigned()) fail(std::string(k).insert(0, 1, '\'') + "' is " + j[k].dump() + ", not an integer >= 0");
+    return j[k].get<uint64_t>();
   };
   event e;
   e.node = str("node");
@@ -65,45 +75,74 @@ event event_from(const json& j, const std::string& where) {
   e.name = str("name");
   e.kind = str("kind");
   if (e.kind != "span" && e.kind != "send" && e.kind != "recv") fail("kind '" + e.kind + "' is not span, send or recv");
-  e.ts = integer("ts", true, 0, 0);
-  e.dur = integer("dur", false, 0, 0);  // send/recv: instants
+  e.ts = integer("ts", true, 0, 0, kMaxMicros);
+  e.dur = integer("dur", false, 0, 0, kMaxMicros);  // send/recv: instants
   e.pid = integer("pid", false, 0, 0);  // traces written before pids were: one process per file
   e.wv = integer("wv", false, -1, -1);
   e.sv = integer("sv", false, -1, -1);
-  e.lamport = static_cast<uint64_t>(integer("lamport", false, 0, 0));
-  e.msg = static_cast<uint64_t>(integer("msg", false, 0, 0));
+  e.lamport = uinteger("lamport");
+  e.msg = uinteger("msg");
   if (j.contains("bytes") && !j["bytes"].is_number()) fail("'bytes' is not a number");
   e.bytes = j.value("bytes", 0.0);
   return e;
 }
 
+// The events of one node file. A line that is not JSON is an error, except the last one: a process
+// killed mid-write leaves a torn last line (skipped, said on stderr).
+void load_file(const fs::path& p, std::vector<event>& ev) {
+  std::error_code ec;
+  if (!fs::is_regular_file(p, ec)) throw std::invalid_argument(p.string() + ": not a readable file");  // a directory, a dangling link
+  std::ifstream in(p);
+  if (!in) throw std::invalid_argument(p.string() + ": cannot read");
+  std::string line;
+  int64_t n = 0, torn = 0;
+  while (std::getline(in, line)) {
+    ++n;
+    if (torn) throw std::invalid_argument(p.string() + ":" + std::to_string(torn) + ": not a JSON event line");
+    auto j = json::parse(line, nullptr, false);
+    if (j.is_discarded()) {
+      torn = n;
+      continue;
+    }
+    event e = event_from(j, p.string() + ":" + std::to_string(n) + ": ");
+    e.where = p.string() + ":" + std::to_string(n);
+    if ((e.kind == "send" || e.kind == "recv") && (e.msg == 0 || e.lamport == 0)) {
+      std::fprintf(stderr, "fp8rl-trace: %s: %s event without msg/lamport; skipped\n", e.where.c_str(), e.kind.c_str());
+      continue;
+    }
+    ev.push_back(std::move(e));
+  }
+  if (in.bad()) throw std::invalid_argument(p.string() + ": read error");
+  if (torn) std::fprintf(stderr, "fp8rl-trace: %s:%ld: skipping a torn last line\n", p.c_str(), long(torn));
+}
+
+// A message sent or received twice (a file copied into another, events duplicated) is an error
+// naming both lines: matching kept the last of each, and every count doubled.
+void refuse_duplicates(const std::vector<event>& ev) {
+  std::map<std::pair<std::string, uint64_t>, const event*> seen;  // (kind, msg)
+  for (const auto& e : ev) {
+    if (e.kind == "span") continue;
+    auto [it, fresh] = seen.try_emplace({e.kind, e.msg}, &e);
+    if (!fresh)
+      throw std::invalid_argument(e.where + ": " + e.kind + " of message " + std::to_string(e.msg) + " already at " + it->second->where);
+  }
+}
+
 std::vector<event> load_events(const fs::path& run) {
   std::vector<event> ev;
   const fs::path dir = run / "traces";
-  if (!fs::is_directory(run)) throw std::invalid_argument(run.string() + ": no such run directory");
+  if (!fs::exists(run)) throw std::invalid_argument(run.string() + ": no such run directory");
+  if (!fs::is_directory(run)) throw std::invalid_argument(run.string() + ": not a directory");
   if (!fs::exists(dir)) throw std::invalid_argument(dir.string() + ": no traces (run with trace.enabled=true)");
-  for (const auto& f : fs::directory_iterator(dir)) {
-    if (f.path().extension() != ".jsonl") continue;
-    std::ifstream in(f.path());
-    std::string line;
-    int64_t n = 0;
-    while (std::getline(in, line)) {
-      ++n;
-      auto j = json::parse(line, nullptr, false);
-      if (j.is_discarded()) {  // a process killed mid-write leaves a torn last line
-        std::fprintf(stderr, "fp8rl-trace: %s:%ld: skipping unparsable line\n", f.path().c_str(), long(n));
-        continue;
-      }
-      event e = event_from(j, f.path().string() + ":" + std::to_string(n) + ": ");
-      if ((e.kind == "send" || e.kind == "recv") && (e.msg == 0 || e.lamport == 0)) {
-        std::fprintf(stderr, "fp8rl-trace: %s:%ld: %s event without msg/lamport; skipped\n", f.path().c_str(), long(n), e.kind.c_str());
-        continue;
-      }
-      ev.push_back(e);
-    }
-  }
-  std::sort(ev.begin(), ev.end(), [](const event& a, const event& b) { return a.ts < b.ts; });
+  if (!fs::is_directory(dir)) throw std::invalid_argument(dir.string() + ": not a directory");
+  std::vector<fs::path> files;  // in name order: the same input gives the same output
+  for (const auto& f : fs::directory_iterator(dir))
+    if (f.path().extension() == ".jsonl") files.push_back(f.path());
+  std::sort(files.begin(), files.end());
+  for (const auto& f : files) load_file(f, ev);
+  std::stable_sort(ev.begin(), ev.end(), [](const event& a, const event& b) { return a.ts < b.ts; });
   if (ev.empty()) throw std::invalid_argument(dir.string() + ": no events");
+  refuse_duplicates(ev);
   std::map<std::string, std::set<int64_t>> pids;
   for (const auto& e : ev) pids[e.node].insert(e.pid);
   for (auto& e : ev) {
@@ -115,7 +154,8 @@ std::vector<event> load_events(const fs::path& run) {
 }
 
 // Each message's send and receive (indices into ev); receives whose send is missing (a process
-// without traces, a torn file) are counted, not matched.
+// without traces, a torn file) are counted, not matched. A receive whose Lamport clock is not
+// above its send's is an error (the vector clocks would break causality).
 struct message_pairs {
   std::map<uint64_t, std::pair<size_t, size_t>> pairs;  // msg -> (send, recv)
   size_t unmatched_recv = 0, unmatched_send = 0;
@@ -129,6 +169,11 @@ message_pairs match_messages(const std::vector<event>& ev) {
     if (ev[i].kind != "recv") continue;
     auto it = send_of.find(ev[i].msg);
     if (it == send_of.end()) { ++m.unmatched_recv; continue; }
+    const event &s = ev[it->second], &r = ev[i];
+    if (r.lamport <= s.lamport)
+      throw std::invalid_argument(r.where + ": receive of message " + std::to_string(r.msg) + " has Lamport clock " +
+                                  std::to_string(r.lamport) + ", not above its send's " + std::to_string(s.lamport) + " (" +
+                                  s.where + ")");
     m.pairs[ev[i].msg] = {it->second, i};
   }
   m.unmatched_send = send_of.size() - m.pairs.size();
@@ -280,18 +325,24 @@ int summary(const fs::path& run) {
   std::printf("calibration: %zu runs, mean %.4f s\n", calib.size(), calib.empty() ? 0.0 : csum / double(calib.size()));
   const auto mp = match_messages(ev);
   std::map<std::string, std::pair<size_t, double>> by_type;  // count, send -> receive µs
+  size_t backwards = 0;  // received before sent by the wall clocks: hosts' clocks disagree
   for (const auto& [m, sr] : mp.pairs) {
     auto& t = by_type[ev[sr.first].name];
     ++t.first;
     t.second += double(ev[sr.second].ts - ev[sr.first].ts);
+    backwards += ev[sr.second].ts < ev[sr.first].ts;
   }
   std::printf("messages: %zu matched, %zu receives without their send, %zu sends not received\n", mp.pairs.size(),
               mp.unmatched_recv, mp.unmatched_send);
+  if (backwards)
+    std::printf("  %zu received before their send by the wall clocks: the hosts' clocks disagree (latencies below include the skew)\n",
+                backwards);
   for (const auto& [t, c] : by_type) std::printf("  %-14s %6zu   mean send->receive %.1f us\n", t.c_str(), c.first, c.second / double(c.first));
   // staleness and sync latency from the metrics
   std::map<int64_t, double> hist;
   std::vector<double> sync;
   const fs::path metrics = run / "metrics.jsonl";
+  if (!fs::is_regular_file(metrics)) std::printf("(no %s: no staleness or weight-sync numbers)\n", metrics.c_str());
   std::ifstream in(metrics);
   std::string line;
   for (int64_t n = 1; std::getline(in, line); ++n) {
