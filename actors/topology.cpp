@@ -111,6 +111,9 @@ topology topology_local(int64_t rollout_cores, int64_t learner_cores) {
   return t;
 }
 
+bool host_is_local(const std::string& h) { return h == "127.0.0.1" || h == "localhost" || h == "::1"; }
+std::string host_canonical(const std::string& h) { return host_is_local(h) ? "localhost" : h; }
+
 void topology_validate(const topology& t) {
   if (t.nodes.empty()) throw std::invalid_argument(t.source + ": no nodes");
   std::map<std::string, std::string> role_node;
@@ -127,7 +130,9 @@ void topology_validate(const topology& t) {
       throw std::invalid_argument(where + ": the name must be letters, digits, '.', '_' or '-', not starting with '.'");
     if (n.host.empty()) throw std::invalid_argument(where + ": key 'host' is empty");
     if (!names.insert(n.name).second) throw std::invalid_argument(where + ": duplicate name");
-    if (n.port && !ports.insert({n.host, n.port}).second) throw std::invalid_argument(where + ": port reused on host " + n.host);
+    // keyed by the machine: 127.0.0.1:P and localhost:P clashed only when the second node opened P
+    if (n.port && !ports.insert({host_canonical(n.host), n.port}).second)
+      throw std::invalid_argument(where + ": port " + std::to_string(n.port) + " reused on host " + n.host);
     for (const auto& r : n.roles) {
       if (!kRoles.count(r)) throw std::invalid_argument(where + ": unknown role '" + r + "' (roles: controller, buffer, reward, weight_sync, calibration)");
       if (role_node.count(r)) throw std::invalid_argument(where + ": role '" + r + "' is already on node '" + role_node[r] + "'");

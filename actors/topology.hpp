@@ -41,6 +41,9 @@ struct topology {
 };
 
 topology topology_load(const std::string& path);  // throws std::invalid_argument naming file/key
+// This machine's names (127.0.0.1, localhost, ::1) are one host: "localhost"; others as given.
+bool host_is_local(const std::string& h);
+std::string host_canonical(const std::string& h);
 topology topology_local(int64_t rollout_cores, int64_t learner_cores);
 void topology_validate(const topology& t);        // throws std::invalid_argument naming the node
 

@@ -216,7 +216,13 @@ TEST(Topology, BadFilesNameNodeAndKey) {
                                           "\"weight_sync\", \"calibration\"], learners=[\"cpu:1\"], rollouts=[\"cpu:1\"]}]\n");
   EXPECT_NE(error_of([&] { topology_load(f10); }).find("node 'a': key 'host' is empty"), std::string::npos)
       << error_of([&] { topology_load(f10); });
-  for (const auto& f : {f1, f2, f3, f4, f5, f6, f7, f8, f9, f10}) fs::remove(f);
+  // one port under two names of this machine: accepted, the second node failed to open it at run time
+  const auto f11 = write_tmp("t11.conf", "[cluster]\nnodes=[{name=\"a\", host=\"127.0.0.1\", port=47211, roles=[\"controller\", "
+                                          "\"buffer\", \"reward\", \"weight_sync\", \"calibration\"], learners=[\"cpu:1\"]},\n"
+                                          "{name=\"b\", host=\"localhost\", port=47211, rollouts=[\"cpu:1\"]}]\n");
+  EXPECT_NE(error_of([&] { topology_load(f11); }).find("node 'b': port 47211 reused on host localhost"), std::string::npos)
+      << error_of([&] { topology_load(f11); });
+  for (const auto& f : {f1, f2, f3, f4, f5, f6, f7, f8, f9, f10, f11}) fs::remove(f);
 }
 
 // A node's CAF workers: the default grows to a worker per learner and rollout plus two; a value

@@ -581,6 +581,17 @@ TEST(E2E, CafRunStopsItsGroup) {
   std::ofstream(d / "hosts2") << "127.0.0.1 slots=2\n# comment\n127.0.0.1 slots=8\n";
   const auto r8 = fp8rl::test::run_command(kBin + "/caf-run --hostfile " + (d / "hosts2").string() + " --topology " + topo + tail);
   EXPECT_NE(r8.out.find("hosts2:3: host '127.0.0.1' is already on line 1"), std::string::npos) << r8.out;
+  // also under another name of this machine (the last local entry won, over an exact match)
+  std::ofstream(d / "hosts2") << "127.0.0.1 slots=2\nlocalhost slots=16\n";
+  const auto r10 = fp8rl::test::run_command(kBin + "/caf-run --hostfile " + (d / "hosts2").string() + " --topology " + topo + tail);
+  EXPECT_NE(r10.out.find("hosts2:2: host 'localhost' is already on line 1 (as '127.0.0.1': the same machine)"), std::string::npos)
+      << r10.out;
+  // a program the local nodes cannot execute, before any starts (each said so itself, exit 127)
+  const auto r11 = fp8rl::test::run_command(kBin + "/caf-run --hostfile " + (d / "hosts").string() + " --topology " + topo + " -- " +
+                                            (d / "no-such-program").string() + " train");
+  EXPECT_EQ(r11.rc, 2) << r11.out;
+  EXPECT_NE(r11.out.find("cannot execute CMD: " + (d / "no-such-program").string() + ": no such file"), std::string::npos) << r11.out;
+  EXPECT_EQ(r11.out.find("caf-run: started"), std::string::npos) << r11.out;
   std::ofstream(d / "hosts2") << "127.0.0.1 slots=2 slots=8\n";
   const auto r9 = fp8rl::test::run_command(kBin + "/caf-run --hostfile " + (d / "hosts2").string() + " --topology " + topo + tail);
   EXPECT_NE(r9.out.find("hosts2:1: slots given twice"), std::string::npos) << r9.out;

@@ -27,9 +27,11 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <cerrno>
 #include <charconv>
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -56,7 +58,7 @@ std::vector<host_entry> read_hostfile(const std::string& path) {
   std::ifstream f(path);
   if (!f) throw std::invalid_argument(path + ": cannot open");
   std::vector<host_entry> hosts;
-  std::map<std::string, int> line_of;  // a host listed again took the last entry's slots, silently
+  std::map<std::string, std::pair<int, std::string>> line_of;  // a host listed again (also as another local name) took the last entry's slots, silently
   std::string line;
   int n = 0;
   while (std::getline(f, line)) {
@@ -66,8 +68,10 @@ std::vector<host_entry> read_hostfile(const std::string& path) {
     host_entry h;
     if (!(is >> h.host)) continue;
     std::string tok;
-    if (const auto [it, fresh] = line_of.emplace(h.host, n); !fresh)
-      throw std::invalid_argument(path + ":" + std::to_string(n) + ": host '" + h.host + "' is already on line " + std::to_string(it->second));
+    if (const auto [it, fresh] = line_of.emplace(fp8rl::actors::host_canonical(h.host), std::pair(n, h.host)); !fresh)
+      throw std::invalid_argument(path + ":" + std::to_string(n) + ": host '" + h.host + "' is already on line " +
+                                  std::to_string(it->second.first) +
+                                  (it->second.second != h.host ? " (as '" + it->second.second + "': the same machine)" : ""));
     bool slots_given = false;
     while (is >> tok) {
       if (tok.rfind("slots=", 0) != 0) throw std::invalid_argument(path + ":" + std::to_string(n) + ": unknown field '" + tok + "'");
@@ -85,7 +89,28 @@ std::vector<host_entry> read_hostfile(const std::string& path) {
   return hosts;
 }
 
-bool is_local(const std::string& h) { return h == "127.0.0.1" || h == "localhost" || h == "::1"; }
+bool is_local(const std::string& h) { return fp8rl::actors::host_is_local(h); }
+
+// Why the local nodes could not exec `prog` from `wdir` (execvp's lookup: a name without '/' on
+// PATH, a path relative to wdir); empty when they can.
+std::string exec_problem(const std::string& prog, const std::string& wdir) {
+  auto problem = [](const std::filesystem::path& p) -> std::string {
+    std::error_code ec;
+    if (!std::filesystem::exists(p, ec)) return p.string() + ": no such file";
+    if (!std::filesystem::is_regular_file(p, ec)) return p.string() + ": not a regular file";
+    if (access(p.c_str(), X_OK) != 0) return p.string() + ": " + std::strerror(errno);
+    return "";
+  };
+  if (prog.find('/') != std::string::npos) {
+    const std::filesystem::path p(prog);
+    return problem(p.is_absolute() ? p : std::filesystem::path(wdir) / p);
+  }
+  const char* path = std::getenv("PATH");
+  std::istringstream dirs(path ? path : "");
+  for (std::string d; std::getline(dirs, d, ':');)
+    if (problem(std::filesystem::path(d.empty() ? "." : d) / prog).empty()) return "";
+  return prog + ": not found on PATH";
+}
 
 std::string shell_quote(const std::string& s) {
   std::string o = "'";
@@ -193,6 +218,10 @@ int main(int argc, char** argv) {
     for (const auto& n : topo.nodes) any_local = any_local || is_local(n.host);
     if (any_local && !std::filesystem::is_directory(wdir))
       throw std::invalid_argument("--wdir " + wdir + ": not a directory on this host");
+    // the program too, before any node starts: each local node said "cannot execute" itself (exit
+    // 127), a line lost when another node failed first and the group was stopped
+    if (const std::string why = any_local ? exec_problem(cmd[0], wdir) : ""; !why.empty())
+      throw std::invalid_argument("cannot execute CMD: " + why);
     // order: remote-role nodes first, controller last
     std::vector<const fp8rl::actors::node_spec*> order;
     for (const auto& n : topo.nodes) if (!n.has("controller")) order.push_back(&n);
