@@ -52,7 +52,9 @@ std::string run_dir_default(const std::string& name, int k) {
 }  // namespace
 
 namespace {
-const char* const kRunOutputs[] = {"recipe.conf", "resumes", "checkpoints", "metrics.jsonl", "traces", "plots", "gloo"};
+// what a run writes (the timeline files at its end: an --overwrite left the earlier run's beside the new traces)
+const char* const kRunOutputs[] = {"recipe.conf", "resumes", "checkpoints", "metrics.jsonl", "traces",
+                                   "plots",       "gloo",    "trace.json",  "trace.shiviz.log"};
 const char* const kStash = ".replaced";
 }  // namespace
 

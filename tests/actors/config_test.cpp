@@ -293,10 +293,14 @@ TEST(RunDir, AnEarlierRunIsNeverOverwrittenUnasked) {
   EXPECT_FALSE(fs::exists("runs/x/checkpoints/step_0"));
   EXPECT_TRUE(fs::exists("runs/x/checkpoints/init"));  // the earlier run's, moved back
   EXPECT_FALSE(fs::exists("runs/x/.replaced"));
+  std::ofstream("runs/x/trace.json") << "{}";  // the earlier run's timeline (it stayed beside the new run's traces)
+  std::ofstream("runs/x/trace.shiviz.log") << "";
   {  // a start that passes drops what runs write, and only that
     run_dir_stash st("runs/x");
     st.drop();
   }
+  EXPECT_FALSE(fs::exists("runs/x/trace.json"));
+  EXPECT_FALSE(fs::exists("runs/x/trace.shiviz.log"));
   EXPECT_FALSE(fs::exists("runs/x/metrics.jsonl"));
   EXPECT_FALSE(fs::exists("runs/x/checkpoints"));
   EXPECT_FALSE(fs::exists("runs/x/.replaced"));
