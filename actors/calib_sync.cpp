@@ -129,8 +129,8 @@ msg::weight_sync_actor spawn_weight_sync(caf::actor_system& sys, std::shared_ptr
       trace_send("weight_sync", "sync_report", r.trace, static_cast<int64_t>(v));
       self->send(self->state.peers.controller, std::move(r));
     };
-    // Rollout `name` is done with version v: adopted it, or (adopted false) took a newer one before
-    // v's chunks were all there.
+    // Rollout `name` is done with version v: adopted it, or (adopted false) took a newer one first --
+    // before v's chunks were all there, or before a step ran under v (adopted_msg `superseded`).
     auto heard = [self, report_if_done](const std::string& name, uint64_t v, bool adopted) {
       auto it = self->state.versions.find(v);
       if (it == self->state.versions.end()) return;
@@ -232,13 +232,16 @@ msg::weight_sync_actor spawn_weight_sync(caf::actor_system& sys, std::shared_ptr
           s.peers = std::move(p);
           // a rollout that joined gets the newest bundle: a restarted one has no weights yet, and
           // a bundle can come before the first peers_msg (CAF orders per sender only), when it
-          // went to no rollout; the joiner holds up that version's report until it adopts it
+          // went to no rollout; the joiner holds up that version's report until it adopts it, and
+          // no older one's (a restart under the old name kept them waiting for the lost actor)
           if (!s.versions.empty() && s.versions.rbegin()->second.bundle) {
             auto& [v, sv] = *s.versions.rbegin();
             std::shared_ptr<const std::vector<char>> bytes;  // serialized once for every remote joiner
             for (size_t i = 0; i < s.peers.rollouts.size(); ++i) {
               const auto& r = s.peers.rollouts[i];
               if (known.count(r.address())) continue;
+              for (auto& [older, osv] : s.versions)
+                if (older < v) osv.waiting.erase(s.peers.rollout_names[i]);
               log_get("weight_sync")->info("sending v{} to {} (joined)", v, s.peers.rollout_names[i]);
               if (!sv.reported) sv.waiting.insert(s.peers.rollout_names[i]);
               sv.cross |= r.node() != self->node();

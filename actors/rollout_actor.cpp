@@ -109,7 +109,7 @@ msg::rollout_actor spawn_rollout(caf::actor_system& sys, std::shared_ptr<const a
         s.staged.reset();
       }
     };
-    auto adopt = [self, schedule, log, tell_weight_sync, report_taken](std::shared_ptr<const quant::weight_bundle> b) {
+    auto adopt = [self, schedule, fatal, log, tell_weight_sync, report_taken](std::shared_ptr<const quant::weight_bundle> b) {
       auto& s = self->state;
       trace_span span(s.name, "adopt", static_cast<int64_t>(b->weight_version), static_cast<double>(b->bytes()),
                       static_cast<int64_t>(b->snapshot.scale_version));
@@ -126,7 +126,11 @@ msg::rollout_actor spawn_rollout(caf::actor_system& sys, std::shared_ptr<const a
       }
       s.staged = msg::adopted_msg{{}, s.name, b->weight_version, b->snapshot.scale_version, ""};
       if (s.eng->idle()) {  // no sequence to finish a step for: the engine takes it now (a step over no slots)
-        s.arena->execute([&] { s.eng->step(); });
+        try {
+          s.arena->execute([&] { s.eng->step(); });
+        } catch (const std::exception& e) {
+          return fatal(std::string("taking bundle v") + std::to_string(b->weight_version) + ": " + e.what());
+        }
         report_taken();
       }
       schedule();

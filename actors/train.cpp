@@ -392,20 +392,20 @@ void run_preflight(const actor_env& env, bool resume) {
                                 " tokens, config.json's vocab_size is " + std::to_string(env.model.vocab_size));
   const auto task = models::task_spec_parse(env.cfg.task);
   // every prompt encodes and fits the context (a rollout failing on one lost every rollout)
-  auto prompts_fit = [&](const models::dataset& d, const char* split) {
+  auto prompts_fit = [&](const models::dataset& d) {  // example_where names the split of a built-in task
     for (size_t i = 0; i < d.items.size(); ++i) {
       const std::vector<int32_t> ids = models::example_encode(d, i, *env.tok, false);
       // with its longest response (a prompt leaving room for one token trained on reward 0, silently)
       if (static_cast<int64_t>(ids.size()) + env.cfg.max_new_tokens > env.cfg.max_context)
-        throw std::invalid_argument(models::example_where(d, i) + " (" + split + " prompt): " +
+        throw std::invalid_argument(models::example_where(d, i) + ": prompt of " +
                                     std::to_string(ids.size()) + " tokens + rollout.max_new_tokens " +
                                     std::to_string(env.cfg.max_new_tokens) + " do not fit model.max_context " +
                                     std::to_string(env.cfg.max_context));
     }
   };
-  prompts_fit(models::task_load(task, false, env.cfg.train_size, static_cast<uint64_t>(env.cfg.seed)), "train");
+  prompts_fit(models::task_load(task, false, env.cfg.train_size, static_cast<uint64_t>(env.cfg.seed)));
   // every run ends with a validation, also with eval_every = 0
-  prompts_fit(models::task_load(task, true, env.cfg.val_size, static_cast<uint64_t>(env.cfg.seed)), "validation");
+  prompts_fit(models::task_load(task, true, env.cfg.val_size, static_cast<uint64_t>(env.cfg.seed)));
   const fs::path metrics = fs::path(env.run_dir) / "metrics.jsonl";
   if (fs::exists(metrics) && !fs::is_regular_file(metrics)) throw std::invalid_argument(metrics.string() + ": not a file");
   if (resume && fs::exists(metrics))

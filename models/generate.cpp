@@ -24,7 +24,9 @@ struct generation_engine::slot {
   std::vector<int32_t> ctx;            // prompt + generated tokens
   int64_t fed = 0;                     // ctx[0, fed) have K/V in the cache
   // (weight, scale) versions that wrote each cached position: nondecreasing in write order (the
-  // engine refuses older pairs), so the smallest pair is the oldest of both
+  // engine refuses older pairs), so the smallest pair holds the oldest weight version, and the
+  // oldest scale version too while scale versions never fall as weight versions rise (bundles are
+  // made with scale_version = weight_version: calibration after every step)
   std::vector<std::pair<uint64_t, uint64_t>> pos_version;
   gen_result res;
 };

@@ -1,7 +1,7 @@
 // models/generate.hpp -- the generation engine a rollout actor runs: continuous batching over a
 // fixed number of slots, KV cache (F32/BF16/FP8), seeded sampling with per-token logprobs and
 // version tags, and bundle adoption at step boundaries.
-// defines: gen_request, gen_result, kv_adopt_policy, engine_config, engine_stats,
+// defines: gen_request, gen_result, kv_adopt_policy, engine_config, fp8_saturation, engine_stats,
 //          forward_op, forward_profile, generation_engine
 //
 // One step: (1) adopt a pending bundle if any (KV policy `recompute` re-prefills every active

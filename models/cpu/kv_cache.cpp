@@ -141,12 +141,22 @@ int64_t cpu_attention_cached(const kv_cache& cache, int64_t layer, const kv_step
   const int64_t KV = c.kv_heads, D = c.head_dim, G = H / KV;
   int64_t saturated = 0;  // FP8 query elements clipped (cpu_kv_cache_write's rule)
   if (q_scale)  // FP8 queries: the encoder would saturate Inf to 448 and store NaN as 0x7F
-    for (int64_t j = 0; j < st.T * H * D; ++j) {
-      saturated += std::fabs(q[j] / q_scale[j / D % H]) > 464.0f;
-      if (!std::isfinite(q[j]))
-        throw slot_error("attention: layer " + std::to_string(layer) + ", head " + std::to_string(j / D % H) +
-                             ", slot " + std::to_string(st.slot[j / (H * D)]) + ", position " +
-                             std::to_string(st.pos[j / (H * D)]) + ": Q[" + std::to_string(j % D) + "] is " + std::to_string(q[j]) + " (not finite; FP8 attention)", st.slot[j / (H * D)]);
+    for (int64_t row = 0; row < st.T * H; ++row) {  // branch-free per row (it vectorizes), then the check
+      const float* qr = q + row * D;
+      const float s = q_scale[row % H];
+      int64_t clipped = 0, bad = 0;
+      for (int64_t d = 0; d < D; ++d) {
+        clipped += std::fabs(qr[d] / s) > 464.0f;
+        bad += !std::isfinite(qr[d]);
+      }
+      saturated += clipped;
+      const int64_t t = row / H;
+      for (int64_t d = 0; bad && d < D; ++d)
+        if (!std::isfinite(qr[d]))
+          throw slot_error("attention: layer " + std::to_string(layer) + ", head " + std::to_string(row % H) + ", slot " +
+                               std::to_string(st.slot[t]) + ", position " + std::to_string(st.pos[t]) + ": Q[" +
+                               std::to_string(d) + "] is " + std::to_string(qr[d]) + " (not finite; FP8 attention)",
+                           st.slot[t]);
     }
   std::vector<attn_rounding> rq(static_cast<size_t>(H));
   for (int64_t h = 0; h < H; ++h) rq[h] = {operand, q_scale ? q_scale[h] : 0.0f};

@@ -296,7 +296,7 @@ void rl_batch_metrics(const std::vector<rl_sample>& s, uint64_t learner_version,
 std::vector<int32_t> example_encode(const dataset& d, size_t i, const tokenizer& tok, bool answer) {
   try {
     return answer ? tok.encode(d.items.at(i).answer, false) : tok.encode(d.items.at(i).prompt, true);
-  } catch (const std::invalid_argument& e) {
+  } catch (const std::exception& e) {
     throw std::invalid_argument(example_where(d, i) + (answer ? ": answer: " : ": prompt: ") + e.what());
   }
 }
@@ -305,7 +305,10 @@ std::vector<double> sft_train(model_params& params, adamw_state& opt, const data
                               const sft_config& cfg, const std::function<void(int64_t, double)>& on_step) {
   if (data.items.empty()) throw std::invalid_argument("sft: empty dataset");
   std::vector<std::pair<std::vector<int32_t>, std::vector<int32_t>>> enc;  // (prompt, answer) ids of every example, checked first
-  for (size_t i = 0; i < data.items.size(); ++i) enc.emplace_back(example_encode(data, i, tok, false), example_encode(data, i, tok, true));
+  for (size_t i = 0; i < data.items.size(); ++i) {
+    auto prompt = example_encode(data, i, tok, false);  // the prompt's error first
+    enc.emplace_back(std::move(prompt), example_encode(data, i, tok, true));
+  }
   auto be = make_cpu_backend();
   model_runner run(*be);
   rng g(cfg.seed);

@@ -114,7 +114,9 @@ dataset arithmetic_dataset(const arithmetic_config& c, bool validation, int64_t 
   if (c.digits == 1) lo = 0;
   const uint64_t buckets = 1000, val_buckets = static_cast<uint64_t>(c.val_fraction * buckets);
   dataset d;
-  d.source = std::string("builtin:arithmetic") + c.op + std::to_string(c.digits);
+  // the task's name as given (task_spec_parse), and the split: errors name "builtin:add2 (train) example 4"
+  d.source = std::string(c.op == '+' ? "builtin:add" : "builtin:mul") + std::to_string(c.digits) +
+             (validation ? " (validation)" : " (train)");
   rng g(seed ^ (validation ? 0x5bd1e995ull : 0x1b873593ull));
   int64_t guard = 0;
   while (static_cast<int64_t>(d.items.size()) < n) {

@@ -315,7 +315,7 @@ TEST(E2E, BadRecipeKeyFailsWithItsName) {
            // a prompt longer than the context: every rollout failed in turn, the cause on stderr; one
            // leaving less room than the longest response: trained on reward 0, silently
            {"--model.max_context=8 --model.sft_steps=5",
-            "builtin:arithmetic+2 example 0 (train prompt): 7 tokens + rollout.max_new_tokens 5 do not fit model.max_context 8"},
+            "builtin:add2 (train) example 0: prompt of 7 tokens + rollout.max_new_tokens 5 do not fit model.max_context 8"},
            // a second recipe or topology silently replaced the first
            {"--recipe " + (d / "r.conf").string() + " --config-file " + (d / "r.conf").string(), "option --config-file given twice"},
            {"--topology a.conf --topology=b.conf", "option --topology given twice ('a.conf', 'b.conf')"}}) {

@@ -114,6 +114,7 @@ TEST(Messages, EveryWireTypeRoundTrips) {
   ASSERT_EQ(g2.samples.size(), 2u);
   EXPECT_EQ(g2.samples[1].gen_logprobs, g.samples[1].gen_logprobs);
   EXPECT_EQ(g2.samples[1].weight_version, g.samples[1].weight_version);
+  EXPECT_EQ(g2.samples[1].oldest_kv_scale_version, g.samples[1].oldest_kv_scale_version);
   msg::batch_msg b{{}, 4, 123.0, g.samples, {{"x", 1.5}}, g.samples, {0, 7}};
   const auto b2 = round_trip(sys, b);
   EXPECT_EQ(b2.buffer_metrics.at("x"), 1.5);
@@ -326,6 +327,36 @@ TEST(Protocol, WeightSyncCountsASupersededBundleAsNotAdopted) {
     EXPECT_EQ(s.version, 1u);
     EXPECT_TRUE(std::isnan(s.latency_s)) << s.latency_s;
   }, caf::after(std::chrono::seconds(5)) >> [] { FAIL() << "no sync_report"; });
+  ctl->send_exit(ws, caf::exit_reason::user_shutdown);
+}
+
+// A rollout restarted under its old name (one peers_msg names the new actor) gets only the newest
+// version: it is no longer waited for on the older ones, which are reported; v1 waited for the old
+// rollout0 forever and was never reported.
+TEST(Protocol, WeightSyncStopsWaitingOnOlderVersionsForARestartedRollout) {
+  test_config cfg;
+  caf::actor_system sys{cfg};
+  caf::scoped_actor ctl{sys}, r0{sys}, r1{sys}, r0_again{sys};
+  auto ws = actors::spawn_weight_sync(sys, env_with(1, 2));
+  ctl->send(ws, two_rollout_peers(ctl, r0, r1));
+  const auto b1 = fp8_bundle_v1();
+  auto b2 = std::make_shared<quant::weight_bundle>(*b1);
+  b2->weight_version = b2->snapshot.weight_version = 2;
+  b2->snapshot.scale_version = 2;
+  ctl->send(ws, msg::bundle_msg{{}, b1});
+  ctl->send(ws, msg::bundle_msg{{}, b2});
+  for (uint64_t v : {1, 2}) ctl->send(ws, msg::adopted_msg{{}, "rollout1", v, v, ""});
+  ctl->send(ws, two_rollout_peers(ctl, r0_again, r1));  // rollout0 restarted before it adopted anything
+  r0_again->receive([&](msg::bundle_msg& m) { EXPECT_EQ(m.bundle->weight_version, 2u); },
+                    caf::after(std::chrono::seconds(5)) >> [] { FAIL() << "no bundle for the restarted rollout"; });
+  ctl->send(ws, msg::adopted_msg{{}, "rollout0", 2, 2, ""});
+  std::map<uint64_t, double> latency;
+  for (int i = 0; i < 2; ++i)
+    ctl->receive([&](msg::sync_report& s) { latency[s.version] = s.latency_s; },
+                 caf::after(std::chrono::seconds(5)) >> [] { ADD_FAILURE() << "a version was never reported"; });
+  ASSERT_EQ(latency.size(), 2u);
+  EXPECT_FALSE(std::isnan(latency.at(1)));  // rollout1 adopted it
+  EXPECT_FALSE(std::isnan(latency.at(2)));
   ctl->send_exit(ws, caf::exit_reason::user_shutdown);
 }
 

@@ -13,6 +13,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstring>
+#include <numeric>
 #include <set>
 #include <thread>
 
@@ -89,7 +90,8 @@ TEST(Generate, ChunkedStepsEqualOneForward) {
       engine_config ec = ecfg(policy, 3);
       ec.max_step_tokens = max_step_tokens;
       const int64_t L = p1.cfg.num_hidden_layers, H = p1.cfg.num_attention_heads, KV = p1.cfg.num_key_value_heads;
-      const attn_fp8_scales sc{std::vector<float>(L * H, 0.02f), std::vector<float>(L * KV, 0.03f), std::vector<float>(L * KV, 0.02f)};
+      // scales small enough that some queries and K/V saturate: the counts are compared, not 0 == 0
+      const attn_fp8_scales sc{std::vector<float>(L * H, 2e-4f), std::vector<float>(L * KV, 2e-4f), std::vector<float>(L * KV, 2e-4f)};
       const bool kv8 = std::string(policy) == "fp8-kv";
       generation_engine e(*be, p1.cfg, ec);
       EXPECT_EQ(e.adopt_params(p1, 1, 1, kv8 ? &sc : nullptr), "");
@@ -112,6 +114,10 @@ TEST(Generate, ChunkedStepsEqualOneForward) {
     }
     EXPECT_EQ(one_stats.kv_saturated, chunked_stats.kv_saturated) << policy;
     EXPECT_EQ(one_stats.q_saturated, chunked_stats.q_saturated) << policy;
+    if (std::string(policy) == "fp8-kv") {
+      for (const auto* sat : {&one_stats.kv_saturated, &one_stats.q_saturated})
+        EXPECT_GT(std::accumulate(sat->begin(), sat->end(), int64_t{0}), 0) << policy;
+    }
   }
 }
 
@@ -522,7 +528,7 @@ TEST(Generate, NonFiniteKvAndFp8QueriesAreRefused) {
   k[7] = k[8] = k[9] = 0.5f;
   // FP8 queries likewise (fp8-numerics.md §0.2: never encoded): +Inf was saturated to 448 * scale
   const int64_t H = 4;
-  const std::vector<float> q_scale(static_cast<size_t>(H), 0.05f);
+  const std::vector<float> q_scale = {0.05f, 0.05f, 0.05f, 0.1f};  // [H]: head 3's own
   std::vector<float> out(static_cast<size_t>(H * D));
   const int32_t slots2[] = {0, 0}, pos2[] = {3, 4};
   std::vector<float> out2(static_cast<size_t>(2 * H * D));
@@ -539,9 +545,11 @@ TEST(Generate, NonFiniteKvAndFp8QueriesAreRefused) {
   std::vector<float> q(static_cast<size_t>(H * D), 0.25f);
   EXPECT_EQ(be->attention_cached(*cache, 1, {1, &slot, &pos}, q.data(), H, precision::fp8, q_scale.data(), out.data()), 0);
   for (float o : out) EXPECT_TRUE(std::isfinite(o));
-  // clipped queries are counted as K/V are (scales 0.05): 460 rounds to 448 anyway, -470 and 20000
-  // are clipped; queries of BF16 attention are not encoded
-  q[static_cast<size_t>(3 * D + 1)] = 460.0f * 0.05f, q[static_cast<size_t>(3 * D + 2)] = -470.0f * 0.05f;
+  // clipped queries are counted as K/V are, each by its head's scale: 460 rounds to 448 anyway,
+  // -470 and 20000 are clipped, 30 / 0.05 would be (600) but head 3's scale is 0.1 (300); queries
+  // of BF16 attention are not encoded
+  q[static_cast<size_t>(3 * D + 1)] = 460.0f * 0.1f, q[static_cast<size_t>(3 * D + 2)] = -470.0f * 0.1f;
+  q[static_cast<size_t>(3 * D + 3)] = 30.0f;
   q[static_cast<size_t>(5)] = 1000.0f;
   EXPECT_EQ(be->attention_cached(*cache, 1, {1, &slot, &pos}, q.data(), H, precision::fp8, q_scale.data(), out.data()), 2);
   EXPECT_EQ(be->attention_cached(*cache, 1, {1, &slot, &pos}, q.data(), H, precision::bf16, nullptr, out.data()), 0);

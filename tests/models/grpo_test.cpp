@@ -496,7 +496,7 @@ TEST(Tasks, ExamplesTheTokenizerCannotEncodeAreNamedByLine) {
   EXPECT_NE(eval.find(path.string() + ":4: prompt: char tokenizer: character '@'"), std::string::npos) << eval;
   EXPECT_TRUE(eng.idle());  // refused before any request ran
   const dataset b = arithmetic_dataset({'+', 2, 0.1}, false, 5, 1);
-  EXPECT_EQ(example_where(b, 4), b.source + " example 4");
+  EXPECT_EQ(example_where(b, 4), "builtin:add2 (train) example 4");
 }
 
 // A response ends at any id of the model's eos_token_id (Llama 3.1 Instruct: <|eot_id|> among
