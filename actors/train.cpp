@@ -264,9 +264,10 @@ cli parse_cli(int argc, char** argv) {
                   "--config-file FILE is --recipe FILE (CAF's name). --node NAME: the topology node this process runs\n"
                   "(default: the controller's; caf-run passes it). CAF's own options pass through to CAF.\n"
                   "The run directory defaults to runs/NAME (run.name), or runs/NAME-2, -3, ... while that holds an earlier\n"
-                  "run; --resume continues the newest of them (or --run-dir); --overwrite replaces an earlier run's outputs\n"
-                  "(moved to RUN_DIR/.replaced/ and deleted once the new run passed its preflight; a failed or killed start\n"
-                  "gets them back).\n"
+                  "run; --resume continues the newest of them (or --run-dir); --overwrite replaces the earlier run in\n"
+                  "runs/NAME itself, not the newest (or in --run-dir): its outputs are moved to RUN_DIR/.replaced/ and\n"
+                  "deleted once the new run passed its preflight; a failed or killed start gets them back.\n"
+                  "Progress (one line per step) and logs go to stderr; --run.log_level=off silences them.\n"
                   "--section.key=value overrides the recipe, in order (a key given again: the last value counts).\n"
                   "Every recipe key with its default: fp8rl train --dump-config (documented in configs/default.conf).\n");
       std::exit(0);

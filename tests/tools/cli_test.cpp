@@ -291,6 +291,14 @@ TEST_F(Cli, SftNeverDeletesWhatIsNotItsCheckpoint) {
   const result r = run(sft + (dir / "ck2").string() + " --model " + ck.string() + " --task '" + task.string() + "'");
   EXPECT_EQ(r.rc, 0) << r.out;
   EXPECT_TRUE(fs::exists(dir / "ck2" / "state.json")) << r.out;
+  // a fresh model's context is an option (it was 64, fixed: a real dataset's prompts did not fit,
+  // nor a train run's model.max_context); it shapes only a fresh model; --log-level off is quiet
+  const result wide = run(sft + (dir / "wide").string() + " --max-context 96 --log-level off");
+  ASSERT_EQ(wide.rc, 0) << wide.out;
+  EXPECT_EQ(wide.out, "");  // the progress lines printed whatever the level
+  EXPECT_EQ(nlohmann::json::parse(std::ifstream(dir / "wide" / "config.json")).value("max_position_embeddings", -1), 96);
+  refused(sft + (dir / "narrow").string() + " --max-context 4", "--max-context");
+  refused(sft + (dir / "both").string() + " --max-context 96 --model " + ck.string(), "options --max-context and --model");
 }
 
 // Every program answers --help with its options and exit code 0 (the subcommands' help used to be

@@ -341,10 +341,11 @@ int main(int argc, char** argv) {
                    {"dpbf16_fma_rate_ratio", jnum(fp8rl::quant::detail::dpbf16_fma_rate_ratio())}});
   for (const auto& s : shapes)
     for (int t : a.threads) run_shape(a, s, t);
-  if (!a.extra.count("onednn-isa") && !a.quick && bench_selected(a, "gemv_dram"))
-    for (int t : a.threads) run_gemv_dram(a, t);
-  if (!a.extra.count("onednn-isa") && !a.quick && bench_selected(a, "gemv_call_cost"))
-    for (int t : a.threads) run_gemv_call_cost(a, t);
+  for (const char* dram : {"gemv_dram", "gemv_call_cost"}) {  // each streams GiBs: not in a --quick run, said so
+    if (a.extra.count("onednn-isa") || !bench_selected(a, dram)) continue;
+    if (a.quick) std::fprintf(stderr, "bench-gemm: %s skipped under --quick\n", dram);
+    else for (int t : a.threads) (std::string(dram) == "gemv_dram" ? run_gemv_dram : run_gemv_call_cost)(a, t);
+  }
   // the oneDNN AVX512_CORE_BF16 baseline runs in a child process (set_max_cpu_isa is once per process)
   if (!a.extra.count("onednn-isa") && bench_selected(a, "onednn_bf16")) {
     std::string cmd = std::string(argv[0]) + " --onednn-isa=avx512_core_bf16";

@@ -26,6 +26,8 @@ const char* const kSftUsage =
     "  --task T                 builtin:add2 (default) | builtin:add1..add6, mul1..mul6 | FILE.jsonl ({\"prompt\", \"answer\"} lines)\n"
     "  --model DIR              start from this checkpoint instead of a fresh tiny model\n"
     "  --size S                 the fresh model's size: tiny (default) | small\n"
+    "  --max-context N          the fresh model's max_position_embeddings (default 64); fp8rl train's\n"
+    "                           model.max_context cannot exceed it\n"
     "  --tokenizer PATH         tokenizer.json or a directory holding one (dataset tasks without --model)\n"
     "  --steps N                optimizer steps (default 450)\n"
     "  --batch N                sequences per step (default 64)\n"
@@ -35,7 +37,7 @@ const char* const kSftUsage =
     "  --scale-mode M           pow2 (default) | fp32\n"
     "  --seed S                 initialization and data order (default 1)\n"
     "  --threads N              oneTBB threads (default 0: all cores)\n"
-    "  --log-level L            trace | debug | info (default) | warn | error | off\n";
+    "  --log-level L            trace | debug | info (default) | warn | error | off (also the progress lines)\n";
 const char* const kEvalUsage =
     "usage: fp8rl eval --model DIR [options]\n"
     "Validation accuracy of a checkpoint: greedy and sampled pass@1 on the task's validation split,\n"
@@ -76,13 +78,15 @@ void out_check(const std::string& out, const args& a) {
 int cmd_sft(int argc, char** argv) {
   const args a = args_parse(argc, argv, 2,
                             {"out", "task", "model", "tokenizer", "steps", "batch", "lr", "policy", "bf16-layers",
-                             "scale-mode", "seed", "threads", "size", "log-level"},
+                             "scale-mode", "seed", "threads", "size", "max-context", "log-level"},
                             {"overwrite"}, kSftUsage);
   log_level_from_args(a);
   const std::string out = a.need("out");
   out_check(out, a);  // before training, not after
 
-  if (a.has("size") && a.has("model")) throw std::invalid_argument("options --size and --model: give one");
+  for (const char* fresh : {"size", "max-context"})
+    if (a.has(fresh) && a.has("model"))
+      throw std::invalid_argument(std::string("options --") + fresh + " and --model: --" + fresh + " shapes a fresh model");
   const auto task = models::task_spec_parse(a.get("task", "builtin:add2"));
   const uint64_t seed = static_cast<uint64_t>(a.get_int("seed", 1, 0));
   std::unique_ptr<models::tokenizer> tok;
@@ -96,7 +100,9 @@ int cmd_sft(int argc, char** argv) {
     ck.params = models::model_load(a.get("model"));
   } else {
     ck.params = models::model_params_init(
-        models::model_config_builtin(a.get("size", "tiny"), tok->vocab_size(), 64, tok->bos, tok->eos), seed);
+        models::model_config_builtin(a.get("size", "tiny"), tok->vocab_size(), a.get_int("max-context", 64, 8, 1 << 20),
+                                     tok->bos, tok->eos),
+        seed);
   }
   if (tok->vocab_size() > ck.params.cfg.vocab_size)
     throw std::invalid_argument("tokenizer has " + std::to_string(tok->vocab_size()) + " tokens, model vocab_size is " +
@@ -110,7 +116,7 @@ int cmd_sft(int argc, char** argv) {
   sc.policy = training_policy_from_args(a, "fp8");
   with_threads(a, [&] {
     models::sft_train(ck.params, ck.opt, data, *tok, sc, [&](int64_t step, double loss) {
-      if (step % 50 == 0 || step + 1 == sc.steps) std::fprintf(stderr, "sft step %ld/%ld loss %.4f\n", long(step + 1), long(sc.steps), loss);
+      if (step % 50 == 0 || step + 1 == sc.steps) log_get("sft")->info("sft step {}/{} loss {:.4f}", step + 1, sc.steps, loss);
     });
   });
   ck.state_json = nlohmann::json{{"phase", "sft"}, {"task", a.get("task", "builtin:add2")}}.dump();
@@ -127,7 +133,7 @@ int cmd_sft(int argc, char** argv) {
       fs::copy_file(fs::path(src) / "fp8rl-char-tokenizer.json", fs::path(tmp) / "fp8rl-char-tokenizer.json",
                     fs::copy_options::overwrite_existing);
   });
-  std::fprintf(stderr, "sft: wrote %s\n", out.c_str());
+  log_get("sft")->info("wrote {}", out);
   return 0;
 }
 
