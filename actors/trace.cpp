@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <chrono>
 #include <filesystem>
+#include <fstream>
 #include <cstdio>
 
 namespace fp8rl::actors {
@@ -41,7 +42,15 @@ void trace_writer::open(const std::string& path, const std::string& node) {
   std::lock_guard<std::mutex> g(mu_);
   if (path.empty()) return;
   std::filesystem::create_directories(std::filesystem::path(path).parent_path());
+  // a process killed mid-write (a resumed run appends to its file) left a torn last line: end it,
+  // so this process's first event starts a line of its own
+  bool torn = false;
+  if (std::ifstream prev(path, std::ios::binary | std::ios::ate); prev && prev.tellg() > 0) {
+    prev.seekg(-1, std::ios::end);
+    torn = prev.get() != '\n';
+  }
   out_.open(path, std::ios::app);
+  if (torn) out_ << '\n';
   prefix_ = "{\"node\":";
   json_string(prefix_, node);  // escaped once, not per event
   enabled_ = static_cast<bool>(out_);

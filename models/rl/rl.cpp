@@ -307,7 +307,15 @@ std::vector<double> sft_train(model_params& params, adamw_state& opt, const data
   std::vector<std::pair<std::vector<int32_t>, std::vector<int32_t>>> enc;  // (prompt, answer) ids of every example, checked first
   for (size_t i = 0; i < data.items.size(); ++i) {
     auto prompt = example_encode(data, i, tok, false);  // the prompt's error first
-    enc.emplace_back(std::move(prompt), example_encode(data, i, tok, true));
+    auto answer = example_encode(data, i, tok, true);
+    // the row fed: BOS prompt answer EOS without its last token (a long example failed at the step
+    // that drew it, naming neither it nor the limit)
+    const size_t fed = prompt.size() + answer.size() + (tok.eos >= 0 ? 1 : 0) - 1;
+    if (static_cast<int64_t>(fed) > params.cfg.max_position_embeddings)
+      throw std::invalid_argument(example_where(data, i) + ": " + std::to_string(fed) +
+                                  " tokens (prompt and answer), more than the model's max_position_embeddings " +
+                                  std::to_string(params.cfg.max_position_embeddings));
+    enc.emplace_back(std::move(prompt), std::move(answer));
   }
   auto be = make_cpu_backend();
   model_runner run(*be);

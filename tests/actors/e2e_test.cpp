@@ -146,7 +146,21 @@ TEST(E2E, EmbeddedDefaultRunsAndResumes) {
     return nlohmann::json::parse(f)["prompt_cursor"].get<int>();
   };
   EXPECT_EQ(cursor(4), 32);
+  // the first part killed mid-write: a torn last line, which the resumed process ends before its
+  // own events (its first event was glued to it), and the trace tool skips as the first part's last
+  const std::string fragment = "{\"node\":\"local\",\"act";
+  std::ofstream(d / "traces" / "local.jsonl", std::ios::app) << fragment;
   ASSERT_EQ(run(kBin + "/fp8rl train --resume --run-dir " + d.string() + kSmall + " --run.steps=6 --rollout.prompts_per_step=4"), 0);
+  {
+    std::ifstream in(d / "traces" / "local.jsonl");
+    bool alone = false;
+    for (std::string l; std::getline(in, l);) alone = alone || l == fragment;
+    EXPECT_TRUE(alone) << "the resumed process's first event was appended to the torn line";
+  }
+  const auto summary = fp8rl::test::run_command(kBin + "/fp8rl-trace summary " + d.string());
+  EXPECT_EQ(summary.rc, 0) << summary.out;
+  EXPECT_NE(summary.out.find("local.jsonl"), std::string::npos) << summary.out;
+  EXPECT_NE(summary.out.find("skipping a torn last line"), std::string::npos) << summary.out;
   m = metrics(d);
   ASSERT_EQ(m.size(), 6u);
   EXPECT_EQ(m[4]["step"], 5);
@@ -592,6 +606,18 @@ TEST(E2E, CafRunStopsItsGroup) {
   EXPECT_EQ(r11.rc, 2) << r11.out;
   EXPECT_NE(r11.out.find("cannot execute CMD: " + (d / "no-such-program").string() + ": no such file"), std::string::npos) << r11.out;
   EXPECT_EQ(r11.out.find("caf-run: started"), std::string::npos) << r11.out;
+  // ... looked up as execvp does after the nodes' chdir: PATH's relative entries from --wdir, and
+  // glibc's default path where PATH is unset (both were refused: "not found on PATH")
+  fs::create_directories(d / "w" / "bin");
+  std::ofstream(d / "w" / "bin" / "ok") << "#!/bin/sh\nexit 0\n";
+  fs::permissions(d / "w" / "bin" / "ok", fs::perms::owner_all);
+  const std::string hostfile = " --hostfile " + (d / "hosts").string();
+  for (const std::string& c : {"PATH=bin:$PATH " + kBin + "/caf-run --wdir " + (d / "w").string() + hostfile + " --topology " + topo + " -- ok",
+                               "env -i " + kBin + "/caf-run" + hostfile + " --topology " + topo + " -- true"}) {
+    const auto r12 = fp8rl::test::run_command(c);
+    EXPECT_EQ(r12.rc, 0) << c << "\n" << r12.out;
+    EXPECT_NE(r12.out.find("main exited with 0"), std::string::npos) << c << "\n" << r12.out;
+  }
   std::ofstream(d / "hosts2") << "127.0.0.1 slots=2 slots=8\n";
   const auto r9 = fp8rl::test::run_command(kBin + "/caf-run --hostfile " + (d / "hosts2").string() + " --topology " + topo + tail);
   EXPECT_NE(r9.out.find("hosts2:1: slots given twice"), std::string::npos) << r9.out;

@@ -497,6 +497,13 @@ TEST(Tasks, ExamplesTheTokenizerCannotEncodeAreNamedByLine) {
   EXPECT_TRUE(eng.idle());  // refused before any request ran
   const dataset b = arithmetic_dataset({'+', 2, 0.1}, false, 5, 1);
   EXPECT_EQ(example_where(b, 4), "builtin:add2 (train) example 4");
+  // an example longer than the model's positions is named before the first step (it failed at the
+  // step that drew it: "token batch: sequence 3 has 20 tokens", naming neither it nor the limit)
+  dataset longer = b;
+  longer.items[2].prompt = "1111111111+2222222=";
+  const std::string too_long = fp8rl::test::thrown_text<std::invalid_argument>([&] { sft_train(p, opt, longer, *tok, sc); });
+  EXPECT_NE(too_long.find("builtin:add2 (train) example 2: "), std::string::npos) << too_long;
+  EXPECT_NE(too_long.find("more than the model's max_position_embeddings 16"), std::string::npos) << too_long;
 }
 
 // A response ends at any id of the model's eos_token_id (Llama 3.1 Instruct: <|eot_id|> among

@@ -195,6 +195,13 @@ TEST(Trace, BadInputIsRefusedByFileAndLine) {
   const auto torn = shiviz();
   EXPECT_EQ(torn.rc, 0) << torn.out;
   EXPECT_NE(torn.out.find("A.jsonl:3: skipping a torn last line"), std::string::npos) << torn.out;
+  // a torn line followed by another process's events (a resumed run appended after a killed one)
+  json later = json::parse(line("A", "x", "span", "s", 30, 0, 0));
+  later["pid"] = 9;
+  write(good + "{\"torn\n" + later.dump() + "\n");
+  const auto resumed = shiviz();
+  EXPECT_EQ(resumed.rc, 0) << resumed.out;
+  EXPECT_NE(resumed.out.find("A.jsonl:3: skipping a torn last line"), std::string::npos) << resumed.out;
   json huge = json::parse(line("A", "x", "span", "s", 10, 0, 0));
   huge["ts"] = int64_t{1} << 60;
   for (const auto& [text, what] : std::vector<std::pair<std::string, std::string>>{

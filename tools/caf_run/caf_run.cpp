@@ -91,8 +91,9 @@ std::vector<host_entry> read_hostfile(const std::string& path) {
 
 bool is_local(const std::string& h) { return fp8rl::actors::host_is_local(h); }
 
-// Why the local nodes could not exec `prog` from `wdir` (execvp's lookup: a name without '/' on
-// PATH, a path relative to wdir); empty when they can.
+// Why the local nodes could not exec `prog` from `wdir` (execvp's lookup after their chdir: a name
+// without '/' on PATH -- glibc's default path where PATH is unset -- its relative entries and any
+// path with '/' relative to wdir); empty when they can.
 std::string exec_problem(const std::string& prog, const std::string& wdir) {
   auto problem = [](const std::filesystem::path& p) -> std::string {
     std::error_code ec;
@@ -101,14 +102,19 @@ std::string exec_problem(const std::string& prog, const std::string& wdir) {
     if (access(p.c_str(), X_OK) != 0) return p.string() + ": " + std::strerror(errno);
     return "";
   };
-  if (prog.find('/') != std::string::npos) {
-    const std::filesystem::path p(prog);
-    return problem(p.is_absolute() ? p : std::filesystem::path(wdir) / p);
+  auto from_wdir = [&](const std::filesystem::path& p) { return p.is_absolute() ? p : std::filesystem::path(wdir) / p; };
+  if (prog.find('/') != std::string::npos) return problem(from_wdir(prog));
+  std::string path;
+  if (const char* env = std::getenv("PATH")) {
+    path = env;
+  } else if (const size_t n = confstr(_CS_PATH, nullptr, 0); n > 0) {
+    path.resize(n);
+    confstr(_CS_PATH, path.data(), n);
+    path.pop_back();  // the NUL
   }
-  const char* path = std::getenv("PATH");
-  std::istringstream dirs(path ? path : "");
+  std::istringstream dirs(path);
   for (std::string d; std::getline(dirs, d, ':');)
-    if (problem(std::filesystem::path(d.empty() ? "." : d) / prog).empty()) return "";
+    if (problem(from_wdir(d.empty() ? "." : d) / prog).empty()) return "";
   return prog + ": not found on PATH";
 }
 

@@ -87,24 +87,32 @@ event event_from(const json& j, const std::string& where) {
   return e;
 }
 
-// The events of one node file. A line that is not JSON is an error, except the last one: a process
-// killed mid-write leaves a torn last line (skipped, said on stderr).
+// The events of one node file. A line that is not JSON is an error, except a process's last one: a
+// process killed mid-write leaves a torn last line (skipped, said on stderr), also where a resumed
+// run's process appended after it (the next event has another pid).
 void load_file(const fs::path& p, std::vector<event>& ev) {
   std::error_code ec;
   if (!fs::is_regular_file(p, ec)) throw std::invalid_argument(p.string() + ": not a readable file");  // a directory, a dangling link
   std::ifstream in(p);
   if (!in) throw std::invalid_argument(p.string() + ": cannot read");
   std::string line;
-  int64_t n = 0, torn = 0;
+  int64_t n = 0, torn = 0, last_pid = -1;
+  auto skip_torn = [&] { std::fprintf(stderr, "fp8rl-trace: %s:%ld: skipping a torn last line\n", p.c_str(), long(torn)); };
   while (std::getline(in, line)) {
     ++n;
-    if (torn) throw std::invalid_argument(p.string() + ":" + std::to_string(torn) + ": not a JSON event line");
     auto j = json::parse(line, nullptr, false);
+    if (torn && j.is_discarded()) throw std::invalid_argument(p.string() + ":" + std::to_string(torn) + ": not a JSON event line");
     if (j.is_discarded()) {
       torn = n;
       continue;
     }
     event e = event_from(j, p.string() + ":" + std::to_string(n) + ": ");
+    if (torn) {  // a torn line is a process's last: the next event is another process's
+      if (e.pid == last_pid) throw std::invalid_argument(p.string() + ":" + std::to_string(torn) + ": not a JSON event line");
+      skip_torn();
+      torn = 0;
+    }
+    last_pid = e.pid;
     e.where = p.string() + ":" + std::to_string(n);
     if ((e.kind == "send" || e.kind == "recv") && (e.msg == 0 || e.lamport == 0)) {
       std::fprintf(stderr, "fp8rl-trace: %s: %s event without msg/lamport; skipped\n", e.where.c_str(), e.kind.c_str());
@@ -113,7 +121,7 @@ void load_file(const fs::path& p, std::vector<event>& ev) {
     ev.push_back(std::move(e));
   }
   if (in.bad()) throw std::invalid_argument(p.string() + ": read error");
-  if (torn) std::fprintf(stderr, "fp8rl-trace: %s:%ld: skipping a torn last line\n", p.c_str(), long(torn));
+  if (torn) skip_torn();
 }
 
 // A message sent or received twice (a file copied into another, events duplicated) is an error
