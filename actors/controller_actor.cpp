@@ -32,6 +32,7 @@ struct controller_state {
   controller_options opts;
   msg::peers_msg peers;
   std::vector<caf::actor> agents;
+  std::vector<std::string> agent_nodes;  // agents[i] runs topology node agent_nodes[i]
   models::dataset train;
   metrics_writer metrics;
   uint64_t learner_version = 0, next_step = 0, end = 0;
@@ -105,8 +106,11 @@ msg::controller_actor spawn_controller(caf::actor_system& sys, std::shared_ptr<c
       if (code == 0) {
         const std::string perr = plots_write(s.env->run_dir);
         if (!perr.empty()) log->warn("plots: {}", perr);
-        log->info("run finished: {} steps in {:.1f} s; metrics in {}", s.learner_version,
-                  std::chrono::duration<double>(std::chrono::steady_clock::now() - s.t0).count(), s.metrics.path());
+        log->info("run finished: {} steps in {:.1f} s; metrics in {}{}", s.learner_version,
+                  std::chrono::duration<double>(std::chrono::steady_clock::now() - s.t0).count(), s.metrics.path(),
+                  s.rollouts_lost ? fmt::format(" ({} rollout(s) lost, {} restarted, {} group(s) re-issued)", s.rollouts_lost,
+                                                s.rollouts_restarted, s.reissued)
+                                  : std::string());
       } else {
         log->error("run failed: {}", why);
       }
@@ -184,27 +188,43 @@ msg::controller_actor spawn_controller(caf::actor_system& sys, std::shared_ptr<c
         for (auto& w : redo) { ++s.reissued; issue(std::move(w)); }
         return;
       }
+      // the topology node of a remote actor ("" in this process)
+      auto node_name = [&](const caf::node_id& n) -> std::string {
+        if (n == self->node()) return "";
+        for (size_t i = 0; i < s.agents.size() && i < s.agent_nodes.size(); ++i)
+          if (s.agents[i].node() == n) return s.agent_nodes[i];
+        return "another process";
+      };
       for (const auto& a : s.agents)
         if (a.address() == dm.source) {  // a node process is gone; its actors' own down messages decide
-          log->warn("a node agent is down ({})", self->system().render(dm.reason));
+          log->warn("node '{}' is down ({})", node_name(dm.source.node()), self->system().render(dm.reason));
           return;
         }
-      std::string who = "an actor";  // name it: which role, and on which node
-      for (size_t i = 0; i < s.peers.learners.size(); ++i)
-        if (s.peers.learners[i].address() == dm.source) who = "learner" + std::to_string(i);
-      if (s.peers.buffer.address() == dm.source) who = "the trajectory buffer";
-      if (s.peers.reward.address() == dm.source) who = "the reward actor";
-      if (s.peers.weight_sync.address() == dm.source) who = "the weight-sync actor";
-      if (s.peers.calibration.address() == dm.source) who = "the calibration actor";
-      const bool remote = dm.source.node() != self->node();
-      finish(1, who + (remote ? " (in another process)" : "") + " went down: " + self->system().render(dm.reason));
+      // name it: which role, and where a whole node is lost, every actor that went with it (the first
+      // down message named one: a learner node's loss read "the calibration actor went down")
+      std::vector<std::pair<caf::actor_addr, std::string>> roles;
+      for (size_t i = 0; i < s.peers.learners.size(); ++i) roles.emplace_back(s.peers.learners[i].address(), "learner" + std::to_string(i));
+      roles.emplace_back(s.peers.buffer.address(), "the trajectory buffer");
+      roles.emplace_back(s.peers.reward.address(), "the reward actor");
+      roles.emplace_back(s.peers.weight_sync.address(), "the weight-sync actor");
+      roles.emplace_back(s.peers.calibration.address(), "the calibration actor");
+      std::string who = "an actor", with;
+      for (const auto& [addr, name] : roles) {
+        if (addr == dm.source) who = name;
+        else if (addr && dm.source.node() != self->node() && addr.node() == dm.source.node()) with += (with.empty() ? "" : ", ") + name;
+      }
+      const std::string node = node_name(dm.source.node());
+      finish(1, who + (node.empty() ? "" : " (node '" + node + "'" + (with.empty() ? "" : ", which also runs " + with) + ")") + " went down: " +
+                    self->system().render(dm.reason));
     });
     return {
-        [self, all_actors, issue_ready, broadcast_peers](msg::peers_msg& p, std::vector<caf::actor>& agents) {
+        [self, all_actors, issue_ready, broadcast_peers](msg::peers_msg& p, std::vector<caf::actor>& agents,
+                                                         std::vector<std::string>& agent_nodes) {
           auto& s = self->state;
           trace_recv("controller", "peers_msg", p.trace);
           s.peers = std::move(p);
           s.agents = std::move(agents);
+          s.agent_nodes = std::move(agent_nodes);
           log_get("controller")->debug("wired: {} learners, {} rollouts", s.peers.learners.size(), s.peers.rollouts.size());
           for (auto& a : all_actors()) self->monitor(a);
           for (auto& a : s.agents) self->monitor(a);

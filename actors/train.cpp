@@ -148,7 +148,10 @@ msg::node_agent_actor::behavior_type node_agent(msg::node_agent_actor::stateful_
   agent_signal(true, false);
   self->attach_functor([] { agent_signal(false, true); });
   self->set_down_handler([self](caf::down_msg& dm) {  // the controller is gone: stop this node, and say so
-    agent_signal(false, false, "the controller disappeared (" + self->system().render(dm.reason) + "); stopped this node's actors");
+    // a controller that exited and one that dropped this node after a stall read the same here
+    agent_signal(false, false, "lost the controller (" + self->system().render(dm.reason) +
+                                   ": it exited, or this node did not answer for middleman.connection-timeout, 4 s); "
+                                   "stopped this node's actors");
     for (auto& a : node_actors_all(self->state.spawned)) self->send_exit(a, caf::exit_reason::user_shutdown);
     self->quit();
   });
@@ -546,6 +549,7 @@ int train_main(int argc, char** argv) {
     spawned.emplace_back(&topo.controller_node(), spawn_node(sys, topo.controller_node(), env, idx.at(node).first_learner, world,
                                                              idx.at(node).first_rollout));
     std::vector<caf::actor> agents;
+    std::vector<std::string> agent_nodes;  // their topology names: the controller names a lost node by them
     std::string failure;
     for (const auto& n : topo.nodes) {
       if (n.has("controller")) continue;
@@ -561,6 +565,7 @@ int train_main(int argc, char** argv) {
         break;
       }
       agents.push_back(caf::actor_cast<caf::actor>(*agent));
+      agent_nodes.push_back(n.name);
       msg::node_start init;
       init.recipe_json = recipe_to_json(cfg);
       init.topology_json = topology_to_json(topo).dump();
@@ -594,7 +599,7 @@ int train_main(int argc, char** argv) {
         peers.rollouts.insert(peers.rollouts.end(), x.rollouts.begin(), x.rollouts.end());
         peers.rollout_names.insert(peers.rollout_names.end(), x.rollout_names.begin(), x.rollout_names.end());
       }
-      caf::anon_send(ctrl, std::move(peers), std::move(agents));
+      caf::anon_send(ctrl, std::move(peers), std::move(agents), std::move(agent_nodes));
       code = fut.get();
     } else {
       std::fprintf(stderr, "fp8rl train: %s\n", failure.c_str());

@@ -68,7 +68,7 @@ using weight_sync_actor = caf::typed_actor<
     caf::replies_to<status_atom>::with<metrics_t>>;
 
 using controller_actor = caf::typed_actor<
-    caf::reacts_to<peers_msg, std::vector<caf::actor>>,  // wiring + remote node agents: go
+    caf::reacts_to<peers_msg, std::vector<caf::actor>, std::vector<std::string>>,  // wiring + remote node agents and their node names: go
     caf::reacts_to<step_report>,
     caf::reacts_to<admitted_msg>,
     caf::reacts_to<sync_report>,

@@ -718,7 +718,7 @@ class ControllerOnTestCoordinator : public ::testing::Test {
     p.rollouts = {caf::actor_cast<msg::rollout_actor>(r0), caf::actor_cast<msg::rollout_actor>(r1)};
     p.rollout_names = {"rollout0", "rollout1"};
     sched.run();
-    self->send(ctrl, p, std::vector<caf::actor>{});
+    self->send(ctrl, p, std::vector<caf::actor>{}, std::vector<std::string>{});
     sched.run();
   }
   void sync(uint64_t v) {  // every rollout has adopted version v

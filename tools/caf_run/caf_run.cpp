@@ -27,6 +27,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <charconv>
 #include <chrono>
@@ -311,7 +312,7 @@ int main(int argc, char** argv) {
         kill_at = when + std::chrono::seconds(grace);
       }
     };
-    bool term_sent = false, kill_sent = false, controller_done = false;
+    bool term_sent = false, kill_sent = false, controller_done = false, waiting_said = false;
     while (true) {
       std::vector<pollfd> fds;
       for (auto& k : kids) if (k.fd >= 0) fds.push_back({k.fd, POLLIN, 0});
@@ -335,7 +336,10 @@ int main(int argc, char** argv) {
           close(k.fd);
           k.fd = -1;
           k.code = WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
-          std::printf("caf-run: %s exited with %d\n", k.name.c_str(), k.code);
+          // 128 + N also when the node exits with it itself: the signal is named where there was one
+          const char* sig = WIFSIGNALED(st) ? sigabbrev_np(WTERMSIG(st)) : nullptr;
+          std::printf("caf-run: %s exited with %d%s%s%s\n", k.name.c_str(), k.code, sig ? " (killed by SIG" : "", sig ? sig : "",
+                      sig ? ")" : "");
           std::fflush(stdout);
           const bool is_controller = k.name == controller_name;
           // not up yet: the run cannot start; after the controller, the others only follow it
@@ -356,6 +360,14 @@ int main(int argc, char** argv) {
         }
       }
       if (all_done) break;
+      // the others have all exited and the controller has not: say whom caf-run waits for (a
+      // stopped or stuck controller kept it waiting without a word)
+      if (!waiting_said && std::all_of(kids.begin(), kids.end(), [&](const child& k) { return k.done || k.name == controller_name; })) {
+        waiting_said = true;
+        std::printf("caf-run: every other node has exited; waiting for the controller node %s (Ctrl-C stops it)\n",
+                    controller_name.c_str());
+        std::fflush(stdout);
+      }
       const auto now = clk::now();
       if (!term_sent && now >= term_at) {
         term_sent = true;
