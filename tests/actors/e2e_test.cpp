@@ -636,6 +636,45 @@ TEST(E2E, CafRunStopsItsGroup) {
   fs::remove_all(d);
 }
 
+// A node process holding learner0 and calibration killed -9: the run fails naming the node by its
+// topology name and both actors lost (it said "the calibration actor (in another process) went
+// down", whichever down message came first), and caf-run names the signal.
+TEST(E2E, ALostNodeIsNamedWithItsActors) {
+  const fs::path d = fresh_dir("lostnode");
+  const fs::path topo = d / "split.conf";
+  std::ofstream(topo) << "[cluster]\nnodes=[{name=\"ctl\", host=\"127.0.0.1\", port=0, roles=[\"controller\", \"buffer\", "
+                         "\"reward\", \"weight_sync\"], learners=[], rollouts=[\"cpu:1\"]},\n"
+                         "{name=\"learn\", host=\"127.0.0.1\", port=" << free_port() << ", roles=[\"calibration\"], "
+                         "learners=[\"cpu:1\"], rollouts=[]}]\n";
+  std::ofstream(d / "hosts") << "127.0.0.1 slots=2\n";
+  const std::string cafrun = kBin + "/caf-run --grace 2 --hostfile " + (d / "hosts").string() + " --topology " + topo.string() +
+                             " -- " + kBin + "/fp8rl train --run-dir " + (d / "run").string() +
+                             " --run.steps=100000 --run.eval_every=0 --run.checkpoint_every=0 --model.sft_steps=20";
+  ASSERT_EQ(std::system((cafrun + " > " + (d / "log").string() + " 2>&1 & echo $! > " + (d / "pid").string()).c_str()), 0);
+  pid_t pid = 0;
+  std::ifstream(d / "pid") >> pid;
+  ASSERT_GT(pid, 0);
+  for (int i = 0; i < 600 && metrics_rows_so_far(d / "run") < 2; ++i)
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  auto log_text = [&] { std::ifstream log(d / "log"); return std::string((std::istreambuf_iterator<char>(log)), {}); };
+  const std::string before = log_text();
+  const size_t at = before.find("started learn (pid ");
+  if (metrics_rows_so_far(d / "run") < 2 || at == std::string::npos) ::kill(pid, SIGTERM);  // nothing may outlive the test
+  ASSERT_NE(at, std::string::npos) << before;
+  ASSERT_GE(metrics_rows_so_far(d / "run"), 2u) << "the run did not start\n" << before;
+  ::kill(static_cast<pid_t>(std::stol(before.substr(at + 19))), SIGKILL);
+  for (int i = 0; i < 300 && ::kill(pid, 0) == 0; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  if (::kill(pid, 0) == 0) ::kill(pid, SIGTERM);
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  const std::string text = log_text();
+  const bool one = text.find("the calibration actor (node 'learn', which also runs learner0) went down") != std::string::npos;
+  const bool other = text.find("learner0 (node 'learn', which also runs the calibration actor) went down") != std::string::npos;
+  EXPECT_TRUE(one || other) << text;
+  EXPECT_NE(text.find("learn exited with 137 (killed by SIGKILL)"), std::string::npos) << text;
+  EXPECT_NE(text.find("caf-run: node ctl failed (exit 1)"), std::string::npos) << text;
+  fs::remove_all(d);
+}
+
 // A node whose controller disappears stops its actors and exits 1 saying so (it exited 0 in
 // silence).
 TEST(E2E, NodeSaysWhenItsControllerDisappears) {
