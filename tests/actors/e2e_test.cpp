@@ -113,6 +113,27 @@ std::string two_process_topology(const fs::path& dir, int port) {
   return p.string();
 }
 
+// Runs cmd in the background, its output in dir/log; returns its pid once dir/run has 2 metrics
+// rows (0 if it did not get there within 60 s: it is then stopped -- nothing may outlive a test).
+pid_t start_until_two_steps(const std::string& cmd, const fs::path& dir) {
+  if (std::system((cmd + " > " + (dir / "log").string() + " 2>&1 & echo $! > " + (dir / "pid").string()).c_str()) != 0) return 0;
+  pid_t pid = 0;
+  std::ifstream(dir / "pid") >> pid;
+  for (int i = 0; pid > 0 && i < 600 && metrics_rows_so_far(dir / "run") < 2; ++i)
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  if (pid > 0 && metrics_rows_so_far(dir / "run") < 2) {
+    ::kill(pid, SIGTERM);
+    return 0;
+  }
+  return pid;
+}
+// Waits up to 30 s for pid to exit (then SIGTERM), and a moment for its output.
+void wait_exit(pid_t pid) {
+  for (int i = 0; i < 300 && ::kill(pid, 0) == 0; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  if (::kill(pid, 0) == 0) ::kill(pid, SIGTERM);
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+}
+
 const char* kSmall = " --run.steps=4 --run.eval_every=2 --run.checkpoint_every=2 --model.sft_steps=60"
                      " --rollout.prompts_per_step=8 --task.val_size=50";
 }  // namespace
@@ -542,17 +563,10 @@ TEST(E2E, CafRunStopsItsGroup) {
   const std::string cafrun = kBin + "/caf-run --grace 2 --hostfile " + (d / "hosts").string() + " --topology " + topo +
                              " -- " + kBin + "/fp8rl train --run-dir " + (d / "run").string() +
                              " --run.steps=100000 --run.eval_every=0 --run.checkpoint_every=0 --model.sft_steps=20";
-  ASSERT_EQ(std::system((cafrun + " > " + (d / "log").string() + " 2>&1 & echo $! > " + (d / "pid").string()).c_str()), 0);
-  pid_t pid = 0;
-  std::ifstream(d / "pid") >> pid;
-  ASSERT_GT(pid, 0);
-  for (int i = 0; i < 600 && metrics_rows_so_far(d / "run") < 2; ++i)
-    std::this_thread::sleep_for(std::chrono::milliseconds(100));
-  const bool started = metrics_rows_so_far(d / "run") >= 2;
-  ::kill(pid, SIGTERM);  // also when the run did not start: nothing of this test may outlive it
-  ASSERT_TRUE(started) << "the run did not start";
-  for (int i = 0; i < 300 && ::kill(pid, 0) == 0; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(100));
-  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  const pid_t pid = start_until_two_steps(cafrun, d);
+  ASSERT_GT(pid, 0) << "the run did not start";
+  ::kill(pid, SIGTERM);
+  wait_exit(pid);
   std::ifstream log(d / "log");
   const std::string text((std::istreambuf_iterator<char>(log)), {});
   EXPECT_NE(text.find("caf-run: stopped by a signal; every node was stopped"), std::string::npos) << text;
@@ -650,22 +664,15 @@ TEST(E2E, ALostNodeIsNamedWithItsActors) {
   const std::string cafrun = kBin + "/caf-run --grace 2 --hostfile " + (d / "hosts").string() + " --topology " + topo.string() +
                              " -- " + kBin + "/fp8rl train --run-dir " + (d / "run").string() +
                              " --run.steps=100000 --run.eval_every=0 --run.checkpoint_every=0 --model.sft_steps=20";
-  ASSERT_EQ(std::system((cafrun + " > " + (d / "log").string() + " 2>&1 & echo $! > " + (d / "pid").string()).c_str()), 0);
-  pid_t pid = 0;
-  std::ifstream(d / "pid") >> pid;
-  ASSERT_GT(pid, 0);
-  for (int i = 0; i < 600 && metrics_rows_so_far(d / "run") < 2; ++i)
-    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  const pid_t pid = start_until_two_steps(cafrun, d);
   auto log_text = [&] { std::ifstream log(d / "log"); return std::string((std::istreambuf_iterator<char>(log)), {}); };
   const std::string before = log_text();
+  ASSERT_GT(pid, 0) << "the run did not start\n" << before;
   const size_t at = before.find("started learn (pid ");
-  if (metrics_rows_so_far(d / "run") < 2 || at == std::string::npos) ::kill(pid, SIGTERM);  // nothing may outlive the test
+  if (at == std::string::npos) ::kill(pid, SIGTERM);
   ASSERT_NE(at, std::string::npos) << before;
-  ASSERT_GE(metrics_rows_so_far(d / "run"), 2u) << "the run did not start\n" << before;
   ::kill(static_cast<pid_t>(std::stol(before.substr(at + 19))), SIGKILL);
-  for (int i = 0; i < 300 && ::kill(pid, 0) == 0; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(100));
-  if (::kill(pid, 0) == 0) ::kill(pid, SIGTERM);
-  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  wait_exit(pid);
   const std::string text = log_text();
   const bool one = text.find("the calibration actor (node 'learn', which also runs learner0) went down") != std::string::npos;
   const bool other = text.find("learner0 (node 'learn', which also runs the calibration actor) went down") != std::string::npos;

@@ -63,6 +63,26 @@ std::shared_ptr<const actors::actor_env> env_with(int64_t staleness, int64_t pro
   return actors::env_make(r, "test", fs::temp_directory_path().string(), init_dir(), 0);
 }
 
+// A rollout's peers: controller, weight-sync and reward (test stand-ins of any actor handle type).
+template <class Ctl, class Ws, class Reward>
+msg::peers_msg rollout_peers(const Ctl& ctl, const Ws& ws, const Reward& reward) {
+  msg::peers_msg p;
+  p.controller = caf::actor_cast<msg::controller_actor>(ctl);
+  p.weight_sync = caf::actor_cast<msg::weight_sync_actor>(ws);
+  p.reward = caf::actor_cast<msg::reward_actor>(reward);
+  return p;
+}
+// Step 1's prompt 3, "12+3=" (answer 15), in groups of the env's size.
+msg::work_msg work_12_plus_3(const actors::actor_env& env) {
+  msg::work_msg w;
+  w.step = 1;
+  w.prompt_id = 3;
+  w.prompt = "12+3=";
+  w.answer = "15";
+  w.group_size = static_cast<int32_t>(env.cfg.group_size);
+  return w;
+}
+
 msg::group_msg group(uint64_t step, uint64_t pid, uint64_t version) {
   msg::group_msg g;
   g.step = step;
@@ -424,17 +444,8 @@ TEST(Protocol, RolloutIgnoresAGroupItIsAlreadyGenerating) {
   caf::scoped_actor ctl{sys}, ws{sys}, reward{sys};
   const auto env = env_with(1, 2);
   auto ro = actors::spawn_rollout(sys, env, "rollout0", actors::device_spec::parse("cpu:1", "test"));
-  msg::peers_msg p;
-  p.controller = caf::actor_cast<msg::controller_actor>(ctl);
-  p.weight_sync = caf::actor_cast<msg::weight_sync_actor>(ws);
-  p.reward = caf::actor_cast<msg::reward_actor>(reward);
-  ctl->send(ro, p);
-  msg::work_msg w;
-  w.step = 1;
-  w.prompt_id = 3;
-  w.prompt = "12+3=";
-  w.answer = "15";
-  w.group_size = static_cast<int32_t>(env->cfg.group_size);
+  ctl->send(ro, rollout_peers(ctl, ws, reward));
+  const msg::work_msg w = work_12_plus_3(*env);
   ctl->send(ro, w);
   ctl->send(ro, w);  // before any weights: both wait in the engine
   const auto params = models::model_load(init_dir());
@@ -842,22 +853,12 @@ TEST(RolloutOnTestCoordinator, ReportsAdoptionWhenAStepRunsUnderIt) {
   }, &adopted, &groups);
   const auto env = env_with(1, 2);
   auto ro = actors::spawn_rollout(sys, env, "rollout0", actors::device_spec::parse("cpu:1", "test"));
-  msg::peers_msg p;
-  p.controller = caf::actor_cast<msg::controller_actor>(peer);
-  p.weight_sync = caf::actor_cast<msg::weight_sync_actor>(peer);
-  p.reward = caf::actor_cast<msg::reward_actor>(peer);
-  self->send(ro, p);
+  self->send(ro, rollout_peers(peer, peer, peer));
   const auto params = models::model_load(init_dir());
   auto bundle = [&](uint64_t v) {
     return msg::bundle_msg{{}, std::make_shared<const quant::weight_bundle>(models::bundle_from_params(params, env->rl.gen_policy, v, v, nullptr))};
   };
-  msg::work_msg w;
-  w.step = 1;
-  w.prompt_id = 3;
-  w.prompt = "12+3=";
-  w.answer = "15";
-  w.group_size = static_cast<int32_t>(env->cfg.group_size);
-  self->send(ro, w);
+  self->send(ro, work_12_plus_3(*env));
   self->send(ro, bundle(1));
   self->send(ro, bundle(2));
   sched.run();

@@ -9,6 +9,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdlib>
 #include <string>
@@ -131,25 +132,17 @@ TEST(GpuOps, EncoderMatchesTheHardwareConversionOnEveryFloat) {
 
 TEST(GpuOps, OwnFp8GemmIsBitExactWithTheCpuReference) {
   REQUIRE_GPU();
-  const int64_t M = 70, N = 200, K = 384;
-  auto a = randn(M * K, 1), b = randn(N * K, 2);
-  const auto A = quant::quantize(a.data(), M, K, quant::qlayout::rowwise_1x128, quant::scale_mode::pow2, "A");
-  const auto B = quant::quantize(b.data(), N, K, quant::qlayout::block_128x128, quant::scale_mode::pow2, "B");
-  std::vector<float> ref(M * N);
-  quant::gemm_fp8_ref(A, B, ref.data());
-  gpu::dbuf<float> c(static_cast<size_t>(M * N));
-  gpu::gpu_gemm_fp8_own(A, B, c.data());
-  EXPECT_EQ(fp8rl::test::first_diff(c.to_host(), ref), -1);
-  // more rows than grid.y's 65535 (the launch failed): rows past it step by the grid
-  const int64_t Mb = 65537, Nb = 8, Kb = 128;
-  auto ab = randn(Mb * Kb, 3), bb = randn(Nb * Kb, 4);
-  const auto Ab = quant::quantize(ab.data(), Mb, Kb, quant::qlayout::rowwise_1x128, quant::scale_mode::pow2, "A");
-  const auto Bb = quant::quantize(bb.data(), Nb, Kb, quant::qlayout::block_128x128, quant::scale_mode::pow2, "B");
-  std::vector<float> refb(Mb * Nb);
-  quant::gemm_fp8_ref(Ab, Bb, refb.data());
-  gpu::dbuf<float> cb(static_cast<size_t>(Mb * Nb));
-  gpu::gpu_gemm_fp8_own(Ab, Bb, cb.data());
-  EXPECT_EQ(fp8rl::test::first_diff(cb.to_host(), refb), -1);
+  // M x N x K; 65537 rows: more than grid.y's 65535 (the launch failed), rows past it step by the grid
+  for (const auto& [M, N, K] : {std::array<int64_t, 3>{70, 200, 384}, std::array<int64_t, 3>{65537, 8, 128}}) {
+    auto a = randn(M * K, 1), b = randn(N * K, 2);
+    const auto A = quant::quantize(a.data(), M, K, quant::qlayout::rowwise_1x128, quant::scale_mode::pow2, "A");
+    const auto B = quant::quantize(b.data(), N, K, quant::qlayout::block_128x128, quant::scale_mode::pow2, "B");
+    std::vector<float> ref(M * N);
+    quant::gemm_fp8_ref(A, B, ref.data());
+    gpu::dbuf<float> c(static_cast<size_t>(M * N));
+    gpu::gpu_gemm_fp8_own(A, B, c.data());
+    EXPECT_EQ(fp8rl::test::first_diff(c.to_host(), ref), -1) << M << "x" << N << "x" << K;
+  }
 }
 
 namespace {

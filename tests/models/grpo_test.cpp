@@ -442,6 +442,16 @@ TEST(Tasks, MalformedDatasetLinesAreAllReported) {
   EXPECT_NE(dir.find("is a directory, not a JSONL file"), std::string::npos) << dir;
 }
 
+namespace {
+// A one-layer model for tokenizer tok, 16 positions.
+model_params tiny_model(const tokenizer& tok) {
+  model_config c;
+  c.hidden_size = 32; c.intermediate_size = 64; c.num_hidden_layers = 1; c.num_attention_heads = 2;
+  c.num_key_value_heads = 1; c.head_dim = 16; c.vocab_size = tok.vocab_size(); c.max_position_embeddings = 16;
+  return model_params_init(c, 1);
+}
+}  // namespace
+
 // SFT on a batch without one answer token (empty answers, a tokenizer without EOS) is refused
 // before any forward, naming the step; its loss was -0/0 and NaN reached every gradient.
 TEST(Grpo, SftRefusesABatchWithoutAnswerTokens) {
@@ -449,10 +459,7 @@ TEST(Grpo, SftRefusesABatchWithoutAnswerTokens) {
   tok->eos = -1;
   dataset data;
   data.items = {{"1+2=", ""}, {"3+4=", ""}};
-  model_config c;
-  c.hidden_size = 32; c.intermediate_size = 64; c.num_hidden_layers = 1; c.num_attention_heads = 2;
-  c.num_key_value_heads = 1; c.head_dim = 16; c.vocab_size = tok->vocab_size(); c.max_position_embeddings = 16;
-  model_params p = model_params_init(c, 1);
+  model_params p = tiny_model(*tok);
   const auto before = p.data;
   adamw_state opt;
   sft_config sc;
@@ -474,10 +481,7 @@ TEST(Tasks, ExamplesTheTokenizerCannotEncodeAreNamedByLine) {
                          "{\"prompt\": \"1@2=\", \"answer\": 3}\n";
   const dataset d = dataset_load_jsonl(path.string());
   std::filesystem::remove(path);
-  model_config c;
-  c.hidden_size = 32; c.intermediate_size = 64; c.num_hidden_layers = 1; c.num_attention_heads = 2;
-  c.num_key_value_heads = 1; c.head_dim = 16; c.vocab_size = tok->vocab_size(); c.max_position_embeddings = 16;
-  model_params p = model_params_init(c, 1);
+  model_params p = tiny_model(*tok);
   const auto before = p.data;
   adamw_state opt;
   sft_config sc;
@@ -490,7 +494,7 @@ TEST(Tasks, ExamplesTheTokenizerCannotEncodeAreNamedByLine) {
   ec.slots = 2;
   ec.max_context = 16;
   ec.policy = precision_policy::named("fp32");
-  generation_engine eng(*be, c, ec);
+  generation_engine eng(*be, p.cfg, ec);
   ASSERT_EQ(eng.adopt_params(p, 1, 1), "");
   const std::string eval = fp8rl::test::thrown_text<std::invalid_argument>([&] { evaluate(eng, d, *tok, verifier_kind::exact, 4, 1); });
   EXPECT_NE(eval.find(path.string() + ":4: prompt: char tokenizer: character '@'"), std::string::npos) << eval;
