@@ -558,7 +558,11 @@ int train_main(int argc, char** argv) {
         nid = sys.middleman().connect(n.host, static_cast<uint16_t>(n.port));
         if (!nid) std::this_thread::sleep_for(std::chrono::milliseconds(500));
       }
-      if (!nid) { failure = "cannot connect to node '" + n.name + "' at " + n.host + ":" + std::to_string(n.port); break; }
+      if (!nid) {  // a node that died after opening its port looks the same from here
+        failure = "cannot connect to node '" + n.name + "' at " + n.host + ":" + std::to_string(n.port) +
+                  " within 30 s (is its process running? under caf-run, its lines say whether it exited)";
+        break;
+      }
       auto agent = sys.middleman().remote_spawn<msg::node_agent_actor>(*nid, "node_agent", caf::make_message(), std::chrono::seconds(30));
       if (!agent) {  // an fp8rl build with another node protocol fails CAF's interface check here
         failure = "remote spawn on '" + n.name + "': " + sys.render(agent.error()) + " (the same fp8rl build there?)";
