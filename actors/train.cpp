@@ -275,6 +275,11 @@ cli parse_cli(int argc, char** argv) {
                   "Every recipe key with its default: fp8rl train --dump-config (documented in configs/default.conf).\n");
       std::exit(0);
     } else {
+      // "--run.steps 3": a recipe key takes its value after '=' (the 3 read as an option of its own)
+      if (const std::string prev = i > 1 ? argv[i - 1] : ""; prev.rfind("--", 0) == 0 && prev.find('.') != std::string::npos &&
+                                                                prev.find('=') == std::string::npos)
+        throw std::invalid_argument("unknown option '" + a + "' after " + prev + ": --section.key options take their value after '=' (" +
+                                    prev + "=" + a + ")");
       throw std::invalid_argument("unknown option '" + a + "' (see fp8rl train --help)");
     }
   }

@@ -353,7 +353,9 @@ TEST(E2E, BadRecipeKeyFailsWithItsName) {
             "builtin:add2 (train) example 0: prompt of 7 tokens + rollout.max_new_tokens 5 do not fit model.max_context 8"},
            // a second recipe or topology silently replaced the first
            {"--recipe " + (d / "r.conf").string() + " --config-file " + (d / "r.conf").string(), "option --config-file given twice"},
-           {"--topology a.conf --topology=b.conf", "option --topology given twice ('a.conf', 'b.conf')"}}) {
+           {"--topology a.conf --topology=b.conf", "option --topology given twice ('a.conf', 'b.conf')"},
+           // a recipe key's value as the next argument (it read "unknown option '3'", no more)
+           {"--run.steps 3", "unknown option '3' after --run.steps: --section.key options take their value after '=' (--run.steps=3)"}}) {
     const auto c = fp8rl::test::run_command(kBin + "/fp8rl train --run-dir " + (d / "run").string() + " " + arg);
     EXPECT_NE(c.rc, 0) << arg;
     EXPECT_NE(c.out.find(what), std::string::npos) << arg << "\n" << c.out;
