@@ -49,6 +49,9 @@
 
 namespace {
 
+using fp8rl::actors::host_canonical;  // this machine's names are one host
+using fp8rl::actors::host_is_local;
+
 struct host_entry {
   std::string host;
   int slots = 0;
@@ -69,7 +72,7 @@ std::vector<host_entry> read_hostfile(const std::string& path) {
     host_entry h;
     if (!(is >> h.host)) continue;
     std::string tok;
-    if (const auto [it, fresh] = line_of.emplace(fp8rl::actors::host_canonical(h.host), std::pair(n, h.host)); !fresh)
+    if (const auto [it, fresh] = line_of.emplace(host_canonical(h.host), std::pair(n, h.host)); !fresh)
       throw std::invalid_argument(path + ":" + std::to_string(n) + ": host '" + h.host + "' is already on line " +
                                   std::to_string(it->second.first) +
                                   (it->second.second != h.host ? " (as '" + it->second.second + "': the same machine)" : ""));
@@ -89,8 +92,6 @@ std::vector<host_entry> read_hostfile(const std::string& path) {
   if (hosts.empty()) throw std::invalid_argument(path + ": no hosts");
   return hosts;
 }
-
-bool is_local(const std::string& h) { return fp8rl::actors::host_is_local(h); }
 
 // Why the local nodes could not exec `prog` from `wdir` (execvp's lookup after their chdir: a name
 // without '/' on PATH -- glibc's default path where PATH is unset -- its relative entries and any
@@ -222,7 +223,7 @@ int main(int argc, char** argv) {
     }
     // the local nodes chdir there: a missing directory made each of them _exit(126) without a word
     bool any_local = false;
-    for (const auto& n : topo.nodes) any_local = any_local || is_local(n.host);
+    for (const auto& n : topo.nodes) any_local = any_local || host_is_local(n.host);
     if (any_local && !std::filesystem::is_directory(wdir))
       throw std::invalid_argument("--wdir " + wdir + ": not a directory on this host");
     // the program too, before any node starts: each local node said "cannot execute" itself (exit
@@ -243,7 +244,7 @@ int main(int argc, char** argv) {
     for (const auto* n : order) {
       const host_entry* h = nullptr;
       for (const auto& e : hosts)
-        if (e.host == n->host || (is_local(e.host) && is_local(n->host))) h = &e;
+        if (host_canonical(e.host) == host_canonical(n->host)) h = &e;
       if (!h) throw std::invalid_argument(hostfile + ": no host entry for node '" + n->name + "' (host " + n->host + ")");
       entry.push_back(h);
     }
@@ -256,7 +257,7 @@ int main(int argc, char** argv) {
       args.push_back("--node");
       args.push_back(n->name);
       if (h->slots > 8) args.push_back("--scheduler.max-threads=" + std::to_string(h->slots));
-      if (!is_local(n->host)) {
+      if (!host_is_local(n->host)) {
         std::string remote = "cd " + shell_quote(wdir) + " && exec";
         for (const auto& x : args) remote += " " + shell_quote(x);
         args = {"ssh", "-o", "BatchMode=yes", "-o", "ServerAliveInterval=10", n->host, remote};
@@ -279,7 +280,7 @@ int main(int argc, char** argv) {
         dup2(pfd[1], 2);
         close(pfd[0]);
         close(pfd[1]);
-        if (is_local(n->host) && chdir(wdir.c_str()) != 0) {
+        if (host_is_local(n->host) && chdir(wdir.c_str()) != 0) {
           std::fprintf(stderr, "caf-run: cannot enter %s: %s\n", wdir.c_str(), std::strerror(errno));
           _exit(126);
         }
