@@ -44,6 +44,11 @@ struct controller_state {
   int64_t reissued = 0, rollouts_lost = 0, rollouts_restarted = 0;
   std::map<std::string, int> restarts;  // per rollout name
   bool stopping = false;
+  // a stop (a signal, `fp8rl train` or a node): no work from stop_step on, learner0 checkpoints it
+  bool stop_asked = false;
+  int32_t stop_code = 0;
+  std::string stop_why;
+  uint64_t stop_step = UINT64_MAX;
   bool shut_down = false;  // exits sent and on_done called: once, by finish or the exception handler
   std::chrono::steady_clock::time_point t0 = std::chrono::steady_clock::now();
   double tokens = 0;
@@ -99,18 +104,20 @@ msg::controller_actor spawn_controller(caf::actor_system& sys, std::shared_ptr<c
       shut_down(1);
       return err;
     });
-    auto finish = [self, shut_down, log](int code, const std::string& why) {
+    // code 0: the last step is done; `stopped`: a stop request ended the run (why: where it is saved)
+    auto finish = [self, shut_down, log](int code, const std::string& why, bool stopped = false) {
       auto& s = self->state;
       if (s.stopping) return;
       s.stopping = true;
-      if (code == 0) {
+      if (code == 0 || stopped) {
         const std::string perr = plots_write(s.env->run_dir);
         if (!perr.empty()) log->warn("plots: {}", perr);
-        log->info("run finished: {} steps in {:.1f} s; metrics in {}{}", s.learner_version,
+        log->info("run {}: {} steps in {:.1f} s; metrics in {}{}{}", stopped ? "stopped" : "finished", s.learner_version,
                   std::chrono::duration<double>(std::chrono::steady_clock::now() - s.t0).count(), s.metrics.path(),
                   s.rollouts_lost ? fmt::format(" ({} rollout(s) lost, {} restarted, {} group(s) re-issued)", s.rollouts_lost,
                                                 s.rollouts_restarted, s.reissued)
-                                  : std::string());
+                                  : std::string(),
+                  why.empty() ? "" : "; " + why);
       } else {
         log->error("run failed: {}", why);
       }
@@ -129,7 +136,7 @@ msg::controller_actor spawn_controller(caf::actor_system& sys, std::shared_ptr<c
     auto issue_ready = [self, issue] {
       auto& s = self->state;
       const uint64_t B = static_cast<uint64_t>(s.env->cfg.prompts_per_step);
-      while (s.next_step < s.end && s.synced_version >= 0 &&
+      while (s.next_step < std::min(s.end, s.stop_step) && s.synced_version >= 0 &&
              s.next_step <= static_cast<uint64_t>(s.synced_version) + static_cast<uint64_t>(s.env->cfg.max_staleness)) {
         const uint64_t step = s.next_step++;
         const uint64_t cursor = s.env->prompt_cursor(step);
@@ -159,6 +166,23 @@ msg::controller_actor spawn_controller(caf::actor_system& sys, std::shared_ptr<c
       tell(p.calibration);
       for (const auto& l : p.learners) tell(l);
       for (const auto& r : p.rollouts) tell(r);
+    };
+    // Asks the buffer where the run stops (the first step no learner was given); learner0 answers
+    // with stopped_atom once it is there and checkpointed.
+    auto request_stop = [self, finish, log] {
+      auto& s = self->state;
+      self->request(s.peers.buffer, std::chrono::seconds(30), msg::stop_atom::value)
+          .then(
+              [self, log](uint64_t at) {
+                auto& s = self->state;
+                s.stop_step = at;
+                if (at >= s.end) log->info("stop ({}): step {} is the run's last; it ends there as planned", s.stop_why, s.end);
+                else log->info("stop ({}): the learners finish step {} and it is checkpointed; work for later steps is not issued",
+                               s.stop_why, at);
+              },
+              [self, finish](caf::error& e) {
+                finish(1, "stop (" + self->state.stop_why + "): the trajectory buffer did not answer: " + self->system().render(e));
+              });
     };
     self->set_down_handler([self, finish, issue, broadcast_peers, log](caf::down_msg& dm) {
       auto& s = self->state;
@@ -218,8 +242,8 @@ msg::controller_actor spawn_controller(caf::actor_system& sys, std::shared_ptr<c
                     self->system().render(dm.reason));
     });
     return {
-        [self, all_actors, issue_ready, broadcast_peers](msg::peers_msg& p, std::vector<caf::actor>& agents,
-                                                         std::vector<std::string>& agent_nodes) {
+        [self, all_actors, issue_ready, broadcast_peers, request_stop](msg::peers_msg& p, std::vector<caf::actor>& agents,
+                                                                       std::vector<std::string>& agent_nodes) {
           auto& s = self->state;
           trace_recv("controller", "peers_msg", p.trace);
           s.peers = std::move(p);
@@ -230,6 +254,7 @@ msg::controller_actor spawn_controller(caf::actor_system& sys, std::shared_ptr<c
           for (auto& a : s.agents) self->monitor(a);
           broadcast_peers();
           for (auto& l : s.peers.learners) self->send(l, msg::start_atom::value, s.learner_version);
+          if (s.stop_asked) return request_stop();  // a stop before the wiring: the learners stop at their start
           issue_ready();
         },
         [self, finish, issue_ready](msg::step_report& r) {
@@ -300,6 +325,24 @@ msg::controller_actor spawn_controller(caf::actor_system& sys, std::shared_ptr<c
           if (r.cross_process) s.extras["sync_transfer_s"] = r.transfer_s;
         },
         [finish](std::string& who, std::string& what) { finish(1, who + ": " + what); },
+        [self, request_stop, log](msg::stop_atom, std::string& why, int32_t code) {
+          auto& s = self->state;
+          if (s.stopping || s.stop_asked) return;  // under caf-run every node is signalled and asks
+          s.stop_asked = true;
+          s.stop_why = std::move(why);
+          s.stop_code = code;
+          if (s.peers.buffer) request_stop();
+        },
+        [self, finish](msg::stopped_atom, uint64_t version, std::string& dir) {
+          auto& s = self->state;
+          const std::string where = s.env->run_dir;
+          finish(s.stop_code,
+                 s.stop_why + ", at step " + std::to_string(version) + " of " + std::to_string(s.end) + ": " +
+                     (dir.empty() ? "no step was trained, nothing to resume"
+                                  : dir + " is the latest checkpoint; to continue, run the same fp8rl train command with --resume --run-dir " +
+                                        where),
+                 true);
+        },
     };
   }, env);  // env as a spawn argument: actors.hpp
 }

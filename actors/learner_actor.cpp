@@ -41,6 +41,8 @@ struct learner_state {
   std::unique_ptr<models::model_runner> run;
   models::checkpoint ck;
   uint64_t version = 0, end_version = 0;
+  uint64_t checkpointed = 0;                          // the version of the newest checkpoint (rank 0)
+  std::vector<std::vector<int32_t>> calib;            // the batch that produced `version` (rank 0: its checkpoint's)
   models::dataset train, val;
   std::shared_ptr<gloo::Context> gloo;
   std::deque<std::pair<uint64_t, std::vector<float>>> past;  // audit: recent master weights by version
@@ -151,8 +153,10 @@ void evaluate_into(learner_state& s, msg::metrics_t& m) {
   m["eval_s"] = secs(t0);
 }
 
+fs::path checkpoint_dir(const learner_state& s) { return fs::path(s.env->run_dir) / "checkpoints" / ("step_" + std::to_string(s.version)); }
+
 void checkpoint(learner_state& s, uint64_t prompt_cursor, const std::vector<std::vector<int32_t>>& calib) {
-  const fs::path dir = fs::path(s.env->run_dir) / "checkpoints" / ("step_" + std::to_string(s.version));
+  const fs::path dir = checkpoint_dir(s);
   nlohmann::json j = {{"weight_version", s.version}, {"prompt_cursor", prompt_cursor}, {"run", s.env->cfg.name}};
   s.ck.state_json = j.dump();
   models::checkpoint_save(dir.string(), s.ck, [&](const std::string& tmp) {  // they arrive with the checkpoint
@@ -169,6 +173,7 @@ void checkpoint(learner_state& s, uint64_t prompt_cursor, const std::vector<std:
   out.close();
   if (!out) throw std::runtime_error(tmp.string() + ": write failed (" + latest.string() + " still names the previous checkpoint)");
   fs::rename(tmp, latest);
+  s.checkpointed = s.version;
 }
 
 // Re-scores sampled trajectories at their behaviour version in BF16 (q_t): log w = (c - q) + (q - g),
@@ -238,6 +243,23 @@ void audit_into(learner_state& s, const std::vector<models::rl_sample>& samples,
 
 }  // namespace
 
+// The run stops at this learner's version (the buffer answered `stop`): rank 0 checkpoints it unless
+// a checkpoint of it exists, and tells the controller, which ends the run. No further batch is asked.
+template <class Self, class Fail>
+void stop_at_version(Self self, const Fail& fail) {
+  auto& s = self->state;
+  if (s.rank != 0) return;
+  std::string dir;
+  try {
+    if (s.version > s.checkpointed) checkpoint(s, s.env->prompt_cursor(s.version), s.calib);
+    if (s.version > s.env->start_version) dir = checkpoint_dir(s).string();
+    else if (s.version > 0) dir = s.env->init_dir;  // nothing trained since the resume: the checkpoint it started from
+  } catch (const std::exception& e) {
+    return fail(std::string("checkpoint at the stop failed: ") + e.what());
+  }
+  self->send(s.peers.controller, msg::stopped_atom::value, s.version, dir);
+}
+
 msg::learner_actor spawn_learner(caf::actor_system& sys, std::shared_ptr<const actor_env> env, int32_t rank,
                                  int32_t world, device_spec dev) {
   using self_t = msg::learner_actor::stateful_pointer<learner_state>;
@@ -252,6 +274,7 @@ msg::learner_actor spawn_learner(caf::actor_system& sys, std::shared_ptr<const a
     st.run = std::make_unique<models::model_runner>(*st.be);
     st.ck = models::checkpoint_load(env->init_dir, models::checkpoint_kind::model_ok);  // run_preflight checked which kind
     st.version = env->start_version;
+    st.checkpointed = env->start_version;  // a resume starts from its checkpoint; a fresh run has none to redo
     if (env->cfg.kl_beta > 0) {
       st.ref = models::checkpoint_load(env->ref_dir, models::checkpoint_kind::model_ok).params;
       st.ref_w = models::model_weights_build(*st.be, st.ref.cfg, env->rl.train_policy.training(), {&st.ref, nullptr, nullptr}, false);
@@ -281,6 +304,7 @@ msg::learner_actor spawn_learner(caf::actor_system& sys, std::shared_ptr<const a
                 auto& s = self->state;
                 trace_recv("learner" + std::to_string(s.rank), "batch_msg", b.trace, static_cast<int64_t>(b.step));
                 trace_writer::process().event("learner" + std::to_string(s.rank), "wait_batch", "span", t0, trace_now_us() - t0);
+                if (b.stop) return stop_at_version(self, fail);  // the run is stopping: no further step
                 msg::metrics_t m;
                 try {
                   const auto t_train = clk::now();
@@ -327,16 +351,15 @@ msg::learner_actor spawn_learner(caf::actor_system& sys, std::shared_ptr<const a
                     pm.version = s.version;
                     pm.params = snapshot_params(s);
                     pm.calib = models::rl_sequences(b.all_samples.empty() ? b.samples : b.all_samples);  // every rank's shard
+                    s.calib = pm.calib;  // kept for this version's checkpoint, scheduled or at a stop
                     const bool last = s.version >= s.end_version;
                     const bool ckpt = last || (s.env->cfg.checkpoint_every > 0 &&
                                                s.version % static_cast<uint64_t>(s.env->cfg.checkpoint_every) == 0);
-                    std::vector<std::vector<int32_t>> calib;  // a copy for the checkpoint, only when one is due
-                    if (ckpt) calib = pm.calib;
                     trace_send("learner0", "params_msg", pm.trace, static_cast<int64_t>(pm.version));
                     self->send(s.peers.calibration, std::move(pm));
                     if (last || (s.env->cfg.eval_every > 0 && s.version % static_cast<uint64_t>(s.env->cfg.eval_every) == 0))
                       s.arena->execute([&] { evaluate_into(s, m); });
-                    if (ckpt) checkpoint(s, s.env->prompt_cursor(s.version), calib);
+                    if (ckpt) checkpoint(s, s.env->prompt_cursor(s.version), s.calib);
                     msg::step_report rep{{}, s.version, std::move(m)};
                     trace_send("learner0", "step_report", rep.trace, static_cast<int64_t>(s.version));
                     self->send(s.peers.controller, std::move(rep));

@@ -1,6 +1,7 @@
 // actors/reward_buffer.cpp -- the reward actor (verifier -> rewards, group advantages) and the
 // trajectory buffer (admission by max_staleness, de-duplication, per-learner batch shards).
 #include <map>
+#include <optional>
 #include <set>
 
 #include "actors/actors.hpp"
@@ -30,7 +31,18 @@ struct buffer_state {
   int64_t admitted = 0, dropped_stale = 0, dropped_dup = 0;
   std::vector<int64_t> kv_saturated;  // per layer, over every group received (FP8 KV caches)
   std::vector<int64_t> q_saturated;   // per layer, likewise (FP8 queries)
+  uint64_t next_step = 0;              // the first step no learner was given yet
+  std::optional<uint64_t> stop_at;     // set by a stop: steps from here on are answered `stop`
 };
+
+// The answer to a shard request of `step` once the run stops there: no samples, `stop` set.
+msg::batch_msg stop_batch(uint64_t step) {
+  msg::batch_msg b;
+  b.step = step;
+  b.stop = true;
+  trace_send("buffer", "batch_msg", b.trace, static_cast<int64_t>(step));
+  return b;
+}
 
 // total[l] += add[l], growing total to add's layers.
 void add_per_layer(std::vector<int64_t>& total, const std::vector<int64_t>& add) {
@@ -93,6 +105,7 @@ msg::buffer_actor spawn_buffer(caf::actor_system& sys, std::shared_ptr<const act
   return sys.spawn([](self_t self, std::shared_ptr<const actor_env> env) -> msg::buffer_actor::behavior_type {
     actor_failures_named(self, "the trajectory buffer");
     self->state.env = env;
+    self->state.next_step = env->start_version;
     auto log = log_get("buffer");
     auto tell_controller = [self](msg::admitted_msg a) {
       trace_send("buffer", "admitted_msg", a.trace, static_cast<int64_t>(a.step));
@@ -104,6 +117,7 @@ msg::buffer_actor spawn_buffer(caf::actor_system& sys, std::shared_ptr<const act
       auto wt = s.waiting.find(step);
       // every learner rank takes its shard of the same batch: wait until all of them asked
       if (wt == s.waiting.end() || wt->second.empty() || static_cast<int32_t>(wt->second.size()) < wt->second.front().world) return;
+      if (s.stop_at && step >= *s.stop_at) return;  // answered `stop` already
       auto& groups = s.steps[step];
       const int64_t need = s.env->cfg.prompts_per_step;
       // drop groups that became too stale for this learner version; the controller re-issues them
@@ -145,6 +159,7 @@ msg::buffer_actor spawn_buffer(caf::actor_system& sys, std::shared_ptr<const act
         pb.rp.deliver(std::move(b));
       }
       for (const auto& [pid, g] : groups) s.delivered.insert({step, pid});
+      s.next_step = std::max(s.next_step, step + 1);
       s.waiting.erase(wt);
       s.steps.erase(step);
     };
@@ -189,9 +204,22 @@ msg::buffer_actor spawn_buffer(caf::actor_system& sys, std::shared_ptr<const act
                                                                         " requested by " + bad));
             return rp;
           }
+          if (s.stop_at && step >= *s.stop_at) {
+            rp.deliver(stop_batch(step));
+            return rp;
+          }
           s.waiting[step].push_back({rp, rank, world});
           try_deliver(step);
           return rp;
+        },
+        // The run stops at the first step no rank was given: every rank trains up to it (those still
+        // in the step before finish it), then each is answered `stop` at that same version.
+        [self](msg::stop_atom) -> uint64_t {
+          auto& s = self->state;
+          if (!s.stop_at) s.stop_at = s.next_step;
+          for (auto it = s.waiting.lower_bound(*s.stop_at); it != s.waiting.end(); it = s.waiting.erase(it))
+            for (auto& pb : it->second) pb.rp.deliver(stop_batch(it->first));
+          return *s.stop_at;
         },
     };
   }, env);  // env as a spawn argument: actors.hpp

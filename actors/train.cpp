@@ -4,8 +4,12 @@
 #include <caf/all.hpp>
 #include <caf/io/all.hpp>
 
+#include <signal.h>
+
 #include <algorithm>
+#include <atomic>
 #include <chrono>
+#include <csignal>
 #include <condition_variable>
 #include <cstdio>
 #include <filesystem>
@@ -38,6 +42,7 @@ std::condition_variable g_cv;
 bool g_agent_started = false, g_agent_done = false;
 std::string g_agent_failure;  // why the agent stopped, if not by the controller's stop
 std::string g_node_name;      // this process's topology node (set before its port opens)
+msg::controller_actor g_controller;  // the controller a node agent was started by (a node's stop request goes there)
 
 void agent_signal(bool started, bool done, const std::string& failure = "") {
   std::lock_guard<std::mutex> g(g_mu);
@@ -46,6 +51,47 @@ void agent_signal(bool started, bool done, const std::string& failure = "") {
   if (g_agent_failure.empty()) g_agent_failure = failure;
   g_cv.notify_all();
 }
+
+// ---------------------------------------------------------------- stop signals
+// While a run is up, SIGINT/SIGTERM/SIGHUP ask it to stop after the step in progress with a
+// checkpoint (architecture.md §4: the controller sends stop); a second one takes the signal's own
+// action at once. The handler only records the signal; the main thread acts on it.
+constexpr int kStopSignals[] = {SIGINT, SIGTERM, SIGHUP};
+std::atomic<int> g_stop_signal{0};  // lock-free: two threads may take two signals at once
+static_assert(std::atomic<int>::is_always_lock_free, "used in a signal handler");
+extern "C" void stop_signal_caught(int sig) {
+  if (int none = 0; !g_stop_signal.compare_exchange_strong(none, sig)) {
+    static const char msg[] = "fp8rl: a second signal: stopping at once (steps after the last checkpoint are redone on --resume)\n";
+    [[maybe_unused]] const ssize_t n = ::write(2, msg, sizeof msg - 1);
+    ::signal(sig, SIG_DFL);
+    ::raise(sig);
+    return;
+  }
+}
+class stop_signals_caught {  // for its lifetime; the previous handlers come back after it
+ public:
+  stop_signals_caught() {
+    g_stop_signal = 0;
+    struct sigaction sa {};
+    sa.sa_handler = stop_signal_caught;
+    sa.sa_flags = SA_RESTART;  // CAF's, TBB's and Gloo's threads see no EINTR from it
+    sigemptyset(&sa.sa_mask);
+    for (size_t i = 0; i < std::size(kStopSignals); ++i) {
+      sigaction(kStopSignals[i], &sa, &previous_[i]);
+      if (previous_[i].sa_handler == SIG_IGN) sigaction(kStopSignals[i], &previous_[i], nullptr);  // nohup: stays ignored
+    }
+  }
+  ~stop_signals_caught() {
+    for (size_t i = 0; i < std::size(kStopSignals); ++i) sigaction(kStopSignals[i], &previous_[i], nullptr);
+  }
+  stop_signals_caught(const stop_signals_caught&) = delete;
+  stop_signals_caught& operator=(const stop_signals_caught&) = delete;
+  static int signal() { return g_stop_signal; }  // 0 until one came
+  static std::string name(int sig) { return std::string("SIG") + sigabbrev_np(sig); }
+
+ private:
+  struct sigaction previous_[std::size(kStopSignals)];
+};
 
 struct agent_state {
   msg::node_actors spawned;
@@ -172,6 +218,10 @@ msg::node_agent_actor::behavior_type node_agent(msg::node_agent_actor::stateful_
           const auto idx = index_nodes(t).at(init.node);
           self->state.spawned = spawn_node(self->system(), *t.find(init.node), env, idx.first_learner, learner_world(t), idx.first_rollout);
           self->monitor(controller);
+          {
+            std::lock_guard<std::mutex> g(g_mu);
+            g_controller = controller;
+          }
           return self->state.spawned;
         } catch (const std::exception& e) {
           return caf::make_error(caf::sec::invalid_argument, std::string("node agent: ") + e.what());
@@ -439,15 +489,28 @@ int run_remote_node(fp8rl_config& cfg, const topology& t, const std::string& nam
       std::fprintf(stderr, "fp8rl node %s: cannot open port %ld: %s\n", name.c_str(), long(n->port), sys.render(port.error()).c_str());
       return 1;
     }
+    stop_signals_caught stop_signals;
     std::fprintf(stdout, "fp8rl node %s ready on %s:%u\n", name.c_str(), n->host.c_str(), *port);
     std::fflush(stdout);
     std::unique_lock<std::mutex> lk(g_mu);
-    if (!g_cv.wait_for(lk, std::chrono::seconds(120), [] { return g_agent_started; })) {
-      std::fprintf(stderr, "fp8rl node %s: no controller connected within 120 s\n", name.c_str());
-      return 1;
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(120);
+    bool stop_sent = false;
+    while (!g_cv.wait_for(lk, std::chrono::milliseconds(100), [] { return g_agent_done; })) {
+      const int sig = stop_signals.signal();
+      if (!g_agent_started && (sig || std::chrono::steady_clock::now() > deadline)) {
+        if (sig) std::fprintf(stderr, "fp8rl node %s: %s before a controller connected\n", name.c_str(), stop_signals.name(sig).c_str());
+        else std::fprintf(stderr, "fp8rl node %s: no controller connected within 120 s\n", name.c_str());
+        return sig ? 128 + sig : 1;
+      }
+      if (sig && !stop_sent && g_controller) {  // the run stops as a whole: the controller decides where
+        stop_sent = true;
+        caf::anon_send(g_controller, msg::stop_atom::value, "node '" + name + "' got " + stop_signals.name(sig), int32_t{128 + sig});
+        std::fprintf(stderr, "fp8rl node %s: %s: asked the controller to stop the run after the step in progress "
+                     "(send it again to stop this node at once)\n", name.c_str(), stop_signals.name(sig).c_str());
+      }
     }
-    g_cv.wait(lk, [] { return g_agent_done; });
     failure = g_agent_failure;
+    g_controller = msg::controller_actor{};  // not past its actor system
   }  // the actor system is gone: its actors (exited asynchronously) emit no more trace events
   trace_writer::process().close();
   if (!failure.empty()) {  // it exited 0 in silence
@@ -535,6 +598,7 @@ int train_main(int argc, char** argv) {
   int code = 1;
   {
     caf::actor_system sys{ccfg};
+    stop_signals_caught stop_signals;
     std::promise<int> done;
     auto fut = done.get_future();
     auto once = std::make_shared<std::once_flag>();
@@ -559,9 +623,14 @@ int train_main(int argc, char** argv) {
     for (const auto& n : topo.nodes) {
       if (n.has("controller")) continue;
       caf::expected<caf::node_id> nid = caf::sec::cannot_connect_to_node;
-      for (int attempt = 0; attempt < 60 && !nid; ++attempt) {  // the node may still be starting
+      for (int attempt = 0; attempt < 60 && !nid && !stop_signals.signal(); ++attempt) {  // the node may still be starting
         nid = sys.middleman().connect(n.host, static_cast<uint16_t>(n.port));
         if (!nid) std::this_thread::sleep_for(std::chrono::milliseconds(500));
+      }
+      if (const int sig = stop_signals.signal()) {
+        failure = stop_signals.name(sig) + " while the run was starting (connecting to node '" + n.name + "')";
+        code = 128 + sig;
+        break;
       }
       if (!nid) {  // a node that died after opening its port looks the same from here
         failure = "cannot connect to node '" + n.name + "' at " + n.host + ":" + std::to_string(n.port) +
@@ -609,13 +678,19 @@ int train_main(int argc, char** argv) {
         peers.rollout_names.insert(peers.rollout_names.end(), x.rollout_names.begin(), x.rollout_names.end());
       }
       caf::anon_send(ctrl, std::move(peers), std::move(agents), std::move(agent_nodes));
+      for (bool stop_sent = false; fut.wait_for(std::chrono::milliseconds(100)) != std::future_status::ready;)
+        if (const int sig = stop_signals.signal(); sig && !stop_sent) {  // the controller stops the run at a step
+          stop_sent = true;
+          std::fprintf(stderr, "fp8rl train: %s: stopping after the step in progress, with a checkpoint (send it again to stop at once)\n",
+                       stop_signals.name(sig).c_str());
+          caf::anon_send(ctrl, msg::stop_atom::value, stop_signals.name(sig), int32_t{128 + sig});
+        }
       code = fut.get();
     } else {
       std::fprintf(stderr, "fp8rl train: %s\n", failure.c_str());
       for (auto& [n, x] : spawned) for (auto& a : node_actors_all(x)) caf::anon_send_exit(a, caf::exit_reason::user_shutdown);
       for (auto& a : agents) caf::anon_send(caf::actor_cast<msg::node_agent_actor>(a), msg::stop_atom::value);
-      caf::anon_send_exit(ctrl, caf::exit_reason::user_shutdown);
-      code = 1;
+      caf::anon_send_exit(ctrl, caf::exit_reason::user_shutdown);  // code: 1, or 128 + a signal's
     }
   }
   trace_writer::process().close();

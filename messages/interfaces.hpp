@@ -55,7 +55,10 @@ using buffer_actor = caf::typed_actor<
     caf::reacts_to<peers_msg>,
     caf::reacts_to<group_msg>,
     // (step, rank, world, learner_version) -> this learner's shard of the step's batch
-    caf::replies_to<batch_atom, uint64_t, int32_t, int32_t, uint64_t>::with<batch_msg>>;
+    caf::replies_to<batch_atom, uint64_t, int32_t, int32_t, uint64_t>::with<batch_msg>,
+    // stop handing out batches -> the stop step: the first step no rank was given; requests for it
+    // and later ones are answered with a batch_msg whose `stop` is set
+    caf::replies_to<stop_atom>::with<uint64_t>>;
 
 using learner_actor = caf::typed_actor<caf::reacts_to<peers_msg>, caf::reacts_to<start_atom, uint64_t>>;
 
@@ -72,7 +75,9 @@ using controller_actor = caf::typed_actor<
     caf::reacts_to<step_report>,
     caf::reacts_to<admitted_msg>,
     caf::reacts_to<sync_report>,
-    caf::reacts_to<std::string, std::string>>;  // (component, fatal error) from any actor
+    caf::reacts_to<std::string, std::string>,   // (component, fatal error) from any actor
+    caf::reacts_to<stop_atom, std::string, int32_t>,  // (why, exit code): stop after the step in progress
+    caf::reacts_to<stopped_atom, uint64_t, std::string>>;  // learner0 stopped at (version, checkpoint written or "")
 
 // What a node needs to start its actors (controller -> node agent). The recipe and the topology
 // travel in their canonical JSON forms (actors/recipe.hpp recipe_to_json, train.cpp

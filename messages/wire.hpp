@@ -28,6 +28,7 @@ using step_atom = caf::atom_constant<caf::atom("step")>;
 using batch_atom = caf::atom_constant<caf::atom("batch")>;
 using drain_atom = caf::atom_constant<caf::atom("drain")>;
 using stop_atom = caf::atom_constant<caf::atom("stop")>;
+using stopped_atom = caf::atom_constant<caf::atom("stopped")>;
 using start_atom = caf::atom_constant<caf::atom("start")>;
 using ping_atom = caf::atom_constant<caf::atom("ping")>;
 using status_atom = caf::atom_constant<caf::atom("status")>;
@@ -95,6 +96,9 @@ struct batch_msg {
   // of its samples (where its c_t go in the gathered vector)
   std::vector<models::rl_sample> all_samples;
   std::vector<int64_t> offsets;
+  // the run is stopping (a signal, architecture.md §4): no batch, train no further than `step`;
+  // every rank gets it at the same step (the buffer's stop point), so none waits in an all-reduce
+  bool stop = false;
 };
 
 // Updated master weights after a step (learner -> calibration); shared in-process.
@@ -217,7 +221,7 @@ typename Inspector::result_type inspect(Inspector& f, group_msg& x) {
 template <class Inspector>
 typename Inspector::result_type inspect(Inspector& f, batch_msg& x) {
   return f(caf::meta::type_name("batch_msg"), x.trace, x.step, x.n_global, x.samples, x.buffer_metrics, x.all_samples,
-           x.offsets);
+           x.offsets, x.stop);
 }
 
 // weight_bundle as one record of raw byte runs

@@ -113,25 +113,44 @@ std::string two_process_topology(const fs::path& dir, int port) {
   return p.string();
 }
 
-// Runs cmd in the background, its output in dir/log; returns its pid once dir/run has 2 metrics
-// rows (0 if it did not get there within 60 s: it is then stopped -- nothing may outlive a test).
+// Runs cmd as a child of this process (Ctrl-C is not ignored, as it is for a shell's background
+// job), its output in dir/log; its pid.
+pid_t spawn_logged(const std::string& cmd, const fs::path& dir) {
+  const std::string line = "exec " + cmd + " > " + (dir / "log").string() + " 2>&1";
+  const pid_t pid = ::fork();
+  if (pid == 0) {
+    ::execl("/bin/sh", "sh", "-c", line.c_str(), static_cast<char*>(nullptr));
+    ::_exit(127);
+  }
+  return pid;
+}
+// spawn_logged, and its pid once dir/run has 2 metrics rows (0 if it did not get there within 60 s:
+// it is then stopped -- nothing may outlive a test).
 pid_t start_until_two_steps(const std::string& cmd, const fs::path& dir) {
-  if (std::system((cmd + " > " + (dir / "log").string() + " 2>&1 & echo $! > " + (dir / "pid").string()).c_str()) != 0) return 0;
-  pid_t pid = 0;
-  std::ifstream(dir / "pid") >> pid;
+  const pid_t pid = spawn_logged(cmd, dir);
   for (int i = 0; pid > 0 && i < 600 && metrics_rows_so_far(dir / "run") < 2; ++i)
     std::this_thread::sleep_for(std::chrono::milliseconds(100));
   if (pid > 0 && metrics_rows_so_far(dir / "run") < 2) {
-    ::kill(pid, SIGTERM);
+    ::kill(pid, SIGKILL);
+    ::waitpid(pid, nullptr, 0);
     return 0;
   }
   return pid;
 }
-// Waits up to 30 s for pid to exit (then SIGTERM), and a moment for its output.
-void wait_exit(pid_t pid) {
-  for (int i = 0; i < 300 && ::kill(pid, 0) == 0; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(100));
-  if (::kill(pid, 0) == 0) ::kill(pid, SIGTERM);
-  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+// Waits up to 30 s for the child pid to exit (then SIGKILL); its wait status.
+int wait_exit(pid_t pid) {
+  int st = 0;
+  for (int i = 0; i < 300; ++i) {
+    if (::waitpid(pid, &st, WNOHANG) == pid) return st;
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+  ::kill(pid, SIGKILL);
+  ::waitpid(pid, &st, 0);
+  return st;
+}
+std::string text_of(const fs::path& f) {
+  std::ifstream in(f);
+  return std::string((std::istreambuf_iterator<char>(in)), {});
 }
 
 const char* kSmall = " --run.steps=4 --run.eval_every=2 --run.checkpoint_every=2 --model.sft_steps=60"
@@ -196,7 +215,6 @@ TEST(E2E, EmbeddedDefaultRunsAndResumes) {
   // bad input fails before any actor starts, naming the file, and changes nothing: a task file
   // with a broken line (it used to hang the run), a state.json that is not JSON or contradicts
   // its step directory
-  auto text_of = [](const fs::path& f) { std::ifstream in(f); return std::string((std::istreambuf_iterator<char>(in)), {}); };
   const std::string recipe = text_of(d / "recipe.conf"), before = text_of(d / "metrics.jsonl");
   std::ofstream(d / "bad.jsonl") << "{\"prompt\": \"1+1=\", \"answer\": \"2\"}\n{bad\n";
   auto fails_naming = [&](const std::string& args, const std::string& what) {
@@ -272,7 +290,6 @@ TEST(E2E, EmbeddedDefaultRunsAndResumes) {
 TEST(E2E, KilledOverwriteStartGivesTheEarlierRunBack) {
   const fs::path d = fresh_dir("killed_overwrite");
   ASSERT_EQ(run(kBin + "/fp8rl train --run-dir " + d.string() + kSmall), 0);
-  auto text_of = [](const fs::path& f) { std::ifstream in(f); return std::string((std::istreambuf_iterator<char>(in)), {}); };
   const std::string before = text_of(d / "metrics.jsonl");
   // an --overwrite start caught in its warm start by `sig`; returns its wait status
   auto interrupted_start = [&](int sig) {
@@ -309,6 +326,45 @@ TEST(E2E, KilledOverwriteStartGivesTheEarlierRunBack) {
     EXPECT_FALSE(fs::exists(d / ".replaced")) << sig;
     EXPECT_EQ(text_of(d / "metrics.jsonl"), after) << sig;
   }
+  fs::remove_all(d);
+}
+
+// Ctrl-C (SIGINT) stops a run after the step in progress: learner0 checkpoints that step, the
+// process exits 130 naming the checkpoint, and --resume goes on from it with no step lost or done
+// twice (the signal's default action killed the run: the steps since the last checkpoint were
+// redone). Two signals at once: the first asks for the stop, the second ends the process by its
+// own action.
+TEST(E2E, SignalStopsTheRunAtACheckpointedStep) {
+  const fs::path d = fresh_dir("sigstop");
+  const std::string train = kBin + "/fp8rl train --run-dir " + (d / "run").string() +
+                            " --run.eval_every=0 --run.checkpoint_every=0 --model.sft_steps=20";
+  const pid_t pid = start_until_two_steps(train + " --run.steps=100000", d);
+  ASSERT_GT(pid, 0) << "the run did not start";
+  ::kill(pid, SIGINT);
+  const int st = wait_exit(pid);
+  EXPECT_TRUE(WIFEXITED(st) && WEXITSTATUS(st) == 130) << st;
+  const size_t n = metrics(d / "run").size();
+  const std::string log = text_of(d / "log"), step = "step_" + std::to_string(n);
+  EXPECT_EQ(text_of(d / "run" / "checkpoints" / "latest"), step + "\n") << log;
+  EXPECT_NE(log.find("SIGINT, at step " + std::to_string(n) + " of 100000: " + (d / "run" / "checkpoints" / step).string() +
+                     " is the latest checkpoint"),
+            std::string::npos)
+      << log;
+  ASSERT_EQ(run(train + " --resume --run.steps=" + std::to_string(n + 2)), 0);
+  const auto m = metrics(d / "run");
+  ASSERT_EQ(m.size(), n + 2);
+  for (size_t i = 0; i < m.size(); ++i) EXPECT_EQ(m[i]["step"], i + 1);
+  const pid_t again = spawn_logged(train + " --resume --run.steps=100000", d);
+  for (int i = 0; i < 600 && metrics_rows_so_far(d / "run") < n + 4; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  ::kill(again, SIGSTOP);  // both signals pending together: neither is handled before the other is sent
+  auto state = [&] { std::string f; std::ifstream(fs::path("/proc") / std::to_string(again) / "stat") >> f >> f >> f; return f; };
+  for (int i = 0; i < 100 && state() != "T"; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  ::kill(again, SIGINT);
+  ::kill(again, SIGTERM);
+  ::kill(again, SIGCONT);
+  const int st2 = wait_exit(again);
+  EXPECT_TRUE(WIFSIGNALED(st2) && (WTERMSIG(st2) == SIGINT || WTERMSIG(st2) == SIGTERM)) << st2;
+  EXPECT_NE(text_of(d / "log").find("a second signal: stopping at once"), std::string::npos) << text_of(d / "log");
   fs::remove_all(d);
 }
 
@@ -568,11 +624,15 @@ TEST(E2E, CafRunStopsItsGroup) {
   const pid_t pid = start_until_two_steps(cafrun, d);
   ASSERT_GT(pid, 0) << "the run did not start";
   ::kill(pid, SIGTERM);
-  wait_exit(pid);
-  std::ifstream log(d / "log");
-  const std::string text((std::istreambuf_iterator<char>(log)), {});
+  const int st = wait_exit(pid);
+  EXPECT_TRUE(WIFEXITED(st) && WEXITSTATUS(st) == 143) << st;
+  const std::string text = text_of(d / "log");
   EXPECT_NE(text.find("caf-run: stopped by a signal; every node was stopped"), std::string::npos) << text;
-  EXPECT_NE(text.find("exited with 143 (killed by SIGTERM)"), std::string::npos) << text;  // the signal named, not only 128 + N
+  // the nodes stop the run at a step, checkpointed: the controller exits with the signal's code, the
+  // rollout node when the controller tells it (both were killed by the SIGTERM)
+  EXPECT_NE(text.find("main exited with 143\n"), std::string::npos) << text;
+  EXPECT_NE(text.find("rollout1 exited with 0\n"), std::string::npos) << text;
+  EXPECT_EQ(text_of(d / "run" / "checkpoints" / "latest"), "step_" + std::to_string(metrics(d / "run").size()) + "\n") << text;
   int nodes_seen = 0;
   for (size_t at = text.find("(pid "); at != std::string::npos; at = text.find("(pid ", at + 1), ++nodes_seen) {
     const pid_t node = static_cast<pid_t>(std::stol(text.substr(at + 5)));
@@ -649,6 +709,23 @@ TEST(E2E, CafRunStopsItsGroup) {
   const auto r7 = fp8rl::test::run_command(kBin + "/caf-run --grace=x" + hosts + " --topology " + topo + tail);
   EXPECT_NE(r7.out.find("--grace 'x'"), std::string::npos) << r7.out;
   EXPECT_FALSE(fs::exists(d / "run3"));
+  // a second signal kills the group at once (here nodes that ignore SIGTERM, under a long --grace)
+  std::ofstream(d / "w" / "bin" / "deaf") << "#!/bin/sh\ntrap '' TERM\nwhile :; do sleep 1; done\n";
+  fs::permissions(d / "w" / "bin" / "deaf", fs::perms::owner_all);
+  const pid_t deaf = spawn_logged(kBin + "/caf-run --grace 600" + hostfile + " --topology " + topo + " -- " + (d / "w" / "bin" / "deaf").string(), d / "w");
+  for (int i = 0; i < 100 && text_of(d / "w" / "log").find("caf-run: started main") == std::string::npos; ++i)
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  ::kill(deaf, SIGTERM);
+  std::this_thread::sleep_for(std::chrono::milliseconds(500));
+  EXPECT_EQ(::waitpid(deaf, nullptr, WNOHANG), 0) << "caf-run did not wait for --grace";
+  ::kill(deaf, SIGINT);
+  const auto t0 = std::chrono::steady_clock::now();
+  const int deaf_st = wait_exit(deaf);
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::seconds(10));
+  EXPECT_TRUE(WIFEXITED(deaf_st) && WEXITSTATUS(deaf_st) == 143) << deaf_st;  // the first signal's code
+  const std::string deaf_log = text_of(d / "w" / "log");
+  EXPECT_NE(deaf_log.find("caf-run: a second signal; SIGKILL now"), std::string::npos) << deaf_log;
+  EXPECT_NE(deaf_log.find("main exited with 137 (killed by SIGKILL)"), std::string::npos) << deaf_log;
   fs::remove_all(d);
 }
 

@@ -135,8 +135,9 @@ TEST(Messages, EveryWireTypeRoundTrips) {
   EXPECT_EQ(g2.samples[1].gen_logprobs, g.samples[1].gen_logprobs);
   EXPECT_EQ(g2.samples[1].weight_version, g.samples[1].weight_version);
   EXPECT_EQ(g2.samples[1].oldest_kv_scale_version, g.samples[1].oldest_kv_scale_version);
-  msg::batch_msg b{{}, 4, 123.0, g.samples, {{"x", 1.5}}, g.samples, {0, 7}};
+  msg::batch_msg b{{}, 4, 123.0, g.samples, {{"x", 1.5}}, g.samples, {0, 7}, true};
   const auto b2 = round_trip(sys, b);
+  EXPECT_TRUE(b2.stop);
   EXPECT_EQ(b2.buffer_metrics.at("x"), 1.5);
   ASSERT_EQ(b2.all_samples.size(), 2u);
   EXPECT_EQ(b2.all_samples[1].response, g.samples[1].response);
@@ -581,6 +582,53 @@ TEST(Protocol, BufferRefusesShardRequestsItCannotServe) {
   self->send_exit(buf, caf::exit_reason::user_shutdown);
 }
 
+// A stop (a signal to `fp8rl train`): the buffer answers the first step no rank was given, and
+// every rank asking for it -- one already waiting, one still in the step before -- gets `stop` at
+// that step, so no learner waits in an all-reduce its peer never joins; its groups are not served.
+TEST(Protocol, BufferStopsEveryRankAtTheSameStep) {
+  test_config cfg;
+  caf::actor_system sys{cfg};
+  caf::scoped_actor self{sys};
+  auto stop_step = [&](msg::buffer_actor& b) {
+    uint64_t at = 99;
+    self->request(b, std::chrono::seconds(5), msg::stop_atom::value)
+        .receive([&](uint64_t x) { at = x; }, [&](caf::error& e) { ADD_FAILURE() << sys.render(e); });
+    return at;
+  };
+  auto fresh = buffer_for(sys, self);
+  EXPECT_EQ(stop_step(fresh), 0u);  // before any batch: the learners stop where they started
+  self->send_exit(fresh, caf::exit_reason::user_shutdown);
+  auto buf = buffer_for(sys, self);
+  caf::scoped_actor l0{sys}, l1{sys};
+  auto ask = [&](caf::scoped_actor& l, uint64_t step, int32_t rank) {
+    l->send(buf, msg::batch_atom::value, step, rank, int32_t{2}, step);
+  };
+  auto answer = [&](caf::scoped_actor& l, uint64_t step, bool stop) {
+    l->receive([&](msg::batch_msg& b) {
+      EXPECT_EQ(b.step, step);
+      EXPECT_EQ(b.stop, stop);
+      EXPECT_EQ(b.samples.empty(), stop);
+    }, caf::after(std::chrono::seconds(5)) >> [] { FAIL() << "no answer"; });
+  };
+  self->send(buf, group(0, 0, 0));
+  self->send(buf, group(0, 1, 0));
+  ask(l0, 0, 0);
+  ask(l1, 0, 1);
+  answer(l0, 0, false);
+  answer(l1, 0, false);
+  ask(l0, 1, 0);  // rank 0 waits for step 1; rank 1 is still training step 0
+  EXPECT_EQ(stop_step(buf), 1u);
+  answer(l0, 1, true);  // the waiting rank is answered at once
+  self->send(buf, group(1, 2, 0));
+  self->send(buf, group(1, 3, 0));  // step 1 complete: not served after the stop
+  ask(l1, 1, 1);
+  answer(l1, 1, true);
+  EXPECT_EQ(stop_step(buf), 1u);  // a second stop keeps the first's step
+  ask(l0, 2, 0);
+  answer(l0, 2, true);
+  self->send_exit(buf, caf::exit_reason::user_shutdown);
+}
+
 namespace {
 // `fake`, spawned in `remote`, as a rollout of another node: published on a loopback port and
 // reached from `sys` through its middleman, so weight-sync sends it bundles as chunks.
@@ -679,12 +727,13 @@ struct issued_work {
   std::string to;
   msg::work_msg w;
 };
-// A stand-in peer: records the work it receives (rollouts), drops everything else.
+// A stand-in peer: records the work it receives (rollouts), answers a stop with step 2 (the
+// buffer), drops everything else.
 caf::actor stand_in(caf::actor_system& sys, std::string name, std::vector<issued_work>* log) {
   return sys.spawn([](caf::event_based_actor* self, std::string name, std::vector<issued_work>* log) -> caf::behavior {
     // swallow the rest without a reply (caf::drop answers with an error, which kills the sender)
     self->set_default_handler([](caf::scheduled_actor*, caf::message_view&) -> caf::result<caf::message> { return caf::message{}; });
-    return {[=](msg::work_msg& w) { log->push_back({name, w}); }};
+    return {[=](msg::work_msg& w) { log->push_back({name, w}); }, [](msg::stop_atom) { return uint64_t{2}; }};
   }, std::move(name), log);  // spawn arguments, not captures: actors.hpp
 }
 }  // namespace
@@ -832,6 +881,27 @@ TEST_F(ControllerOnTestCoordinator, AnExceptionFailsTheRunByName) {
     const std::string why = sys.render(d.reason);
     EXPECT_NE(why.find("controller: step_report metric 'staleness_hist/x': not a staleness bucket"), std::string::npos) << why;
   }, caf::after(std::chrono::seconds(5)) >> [] { FAIL() << "the controller did not stop"; });
+}
+
+// A stop (a signal): the controller asks the buffer where the run stops (step 2 here), issues no
+// work from there on although the staleness window would allow it, and ends the run with the
+// stop's exit code when learner0 says it stopped there; a second stop request changes nothing.
+TEST_F(ControllerOnTestCoordinator, AStopEndsTheRunAtTheBuffersStep) {
+  wire(0);
+  sync(0);  // steps 0 and 1 issued
+  ASSERT_EQ(work.size(), 6u);
+  self->send(ctrl, msg::stop_atom::value, std::string("SIGINT"), int32_t{130});
+  self->send(ctrl, msg::stop_atom::value, std::string("node 'n1' got SIGTERM"), int32_t{143});
+  sched.run();
+  self->send(ctrl, msg::step_report{{}, 1, {{"tokens", 10.0}}});
+  sync(1);  // step 2 would be issued now without the stop
+  EXPECT_EQ(work.size(), 6u) << "work issued past the stop step";
+  EXPECT_EQ(done, -1);  // the run waits for learner0
+  self->send(ctrl, msg::step_report{{}, 2, {{"tokens", 10.0}}});
+  self->send(ctrl, msg::stopped_atom::value, uint64_t{2}, (run_dir / "checkpoints" / "step_2").string());
+  sched.run();
+  EXPECT_EQ(done, 130);  // the first stop's code
+  EXPECT_EQ(work.size(), 6u);
 }
 
 // A rollout reports a bundle adopted when a step first runs under it, on the test coordinator (the

@@ -14,8 +14,9 @@
 //  - when the controller exits, the other nodes get --grace seconds to exit by themselves
 //    (it told them to stop), then SIGTERM, then after --grace more SIGKILL;
 //  - SIGINT/SIGTERM/SIGHUP to caf-run, or a node failing as above, stop the whole group: SIGTERM
-//    at once, SIGKILL --grace seconds later (nodes run in their own process groups, so they would
-//    otherwise outlive it and keep training).
+//    at once, SIGKILL --grace seconds later or at a second signal (nodes run in their own process
+//    groups, so they would otherwise outlive it and keep training). On SIGTERM fp8rl stops the run
+//    after the step in progress and checkpoints it: --grace should cover a step and a checkpoint.
 // --scheduler.max-threads=slots where a host's slots exceed fp8rl's default 8 CAF workers (fp8rl
 // itself raises its default to a worker per learner and rollout plus two; a value passed here
 // below that need is refused, so none is passed for slots <= 8).
@@ -135,8 +136,11 @@ struct child {
   int code = 0;
 };
 
-volatile sig_atomic_t g_signal = 0;
-void on_signal(int sig) { g_signal = sig; }
+volatile sig_atomic_t g_signal = 0, g_signals = 0;  // the first signal, how many came
+void on_signal(int sig) {
+  if (!g_signal) g_signal = sig;
+  g_signals = g_signals + 1;
+}
 
 void relay(child& c, bool flush_all) {
   char buf[4096];
@@ -169,7 +173,9 @@ const char* const kUsage =
     "                      relative paths are relative to it\n"
     "  --grace SECONDS     after the controller exits: wait SECONDS, SIGTERM, SECONDS, SIGKILL;\n"
     "                      on a stop (a signal, a node failing): SIGTERM at once, SIGKILL\n"
-    "                      SECONDS later (default 5)\n"
+    "                      SECONDS later (default 5) or at a second signal. On SIGTERM fp8rl\n"
+    "                      stops the run after the step in progress, with a checkpoint: give\n"
+    "                      SECONDS that cover a step and a checkpoint\n"
     "  --fail-fast         any node's failure stops the group (default: only before the run is up,\n"
     "                      or the controller's; afterwards the controller decides)\n"
     "Exit code: the controller's (or the first failing node's), 128+signal when caf-run was\n"
@@ -323,9 +329,15 @@ int main(int argc, char** argv) {
       if (g_signal && first_failure == 0) {
         first_failure = 128 + g_signal;
         failed = "caf-run";
-        std::printf("caf-run: signal %d; stopping the group\n", int(g_signal));
+        std::printf("caf-run: SIG%s; stopping the group (fp8rl stops the run after the step in progress, with a checkpoint; "
+                    "SIGKILL in %d s or at a second signal)\n", sigabbrev_np(g_signal), grace);
         std::fflush(stdout);
         stop_group(clk::now());
+      }
+      if (g_signals >= 2 && !kill_sent && kill_at > clk::now()) {
+        std::printf("caf-run: a second signal; SIGKILL now\n");
+        stop_group(clk::now());  // SIGTERM now where it was not sent yet
+        kill_at = clk::now();
       }
       bool all_done = true;
       for (auto& k : kids) {
@@ -383,7 +395,8 @@ int main(int argc, char** argv) {
         kill_sent = true;
         for (auto& o : kids)
           if (!o.done) {
-            std::printf("caf-run: %s did not exit within %d s of SIGTERM (SIGKILL)\n", o.name.c_str(), grace);
+            if (g_signals >= 2) std::printf("caf-run: %s killed (SIGKILL)\n", o.name.c_str());
+            else std::printf("caf-run: %s did not exit within %d s of SIGTERM (SIGKILL)\n", o.name.c_str(), grace);
             kill(-o.pid, SIGKILL);
           }
         std::fflush(stdout);
