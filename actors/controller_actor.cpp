@@ -177,6 +177,7 @@ msg::controller_actor spawn_controller(caf::actor_system& sys, std::shared_ptr<c
                 auto& s = self->state;
                 s.stop_step = at;
                 if (at >= s.end) log->info("stop ({}): step {} is the run's last; it ends there as planned", s.stop_why, s.end);
+                else if (at == s.env->start_version) log->info("stop ({}): the learners stop before their first step", s.stop_why);
                 else log->info("stop ({}): the learners finish step {} and it is checkpointed; work for later steps is not issued",
                                s.stop_why, at);
               },
@@ -339,8 +340,8 @@ msg::controller_actor spawn_controller(caf::actor_system& sys, std::shared_ptr<c
           finish(s.stop_code,
                  s.stop_why + ", at step " + std::to_string(version) + " of " + std::to_string(s.end) + ": " +
                      (dir.empty() ? "no step was trained, nothing to resume"
-                                  : dir + " is the latest checkpoint; to continue, run the same fp8rl train command with --resume --run-dir " +
-                                        where),
+                                  : dir + " is the latest checkpoint; to continue, run the command again with --resume --run-dir " + where +
+                                        " in place of any --run-dir or --overwrite (the other options as before)"),
                  true);
         },
     };

@@ -55,7 +55,9 @@ void agent_signal(bool started, bool done, const std::string& failure = "") {
 // ---------------------------------------------------------------- stop signals
 // While a run is up, SIGINT/SIGTERM/SIGHUP ask it to stop after the step in progress with a
 // checkpoint (architecture.md §4: the controller sends stop); a second one takes the signal's own
-// action at once. The handler only records the signal; the main thread acts on it.
+// action at once. The handler records the signal and says so (the main thread may be busy wiring
+// nodes for a while before it acts); the main thread sends the stop. SIGPIPE is ignored meanwhile:
+// a Ctrl-C also ends a `| tee` reading stderr, and the next line written killed the run unsaved.
 constexpr int kStopSignals[] = {SIGINT, SIGTERM, SIGHUP};
 std::atomic<int> g_stop_signal{0};  // lock-free: two threads may take two signals at once
 static_assert(std::atomic<int>::is_always_lock_free, "used in a signal handler");
@@ -67,6 +69,8 @@ extern "C" void stop_signal_caught(int sig) {
     ::raise(sig);
     return;
   }
+  static const char msg[] = "fp8rl: stopping the run after the step in progress, with a checkpoint (a second signal stops at once)\n";
+  [[maybe_unused]] const ssize_t n = ::write(2, msg, sizeof msg - 1);
 }
 class stop_signals_caught {  // for its lifetime; the previous handlers come back after it
  public:
@@ -74,15 +78,19 @@ class stop_signals_caught {  // for its lifetime; the previous handlers come bac
     g_stop_signal = 0;
     struct sigaction sa {};
     sa.sa_handler = stop_signal_caught;
-    sa.sa_flags = SA_RESTART;  // CAF's, TBB's and Gloo's threads see no EINTR from it
+    sa.sa_flags = SA_RESTART;  // fewer EINTRs in other threads (epoll/poll/sleeps return it anyway; CAF retries them)
     sigemptyset(&sa.sa_mask);
     for (size_t i = 0; i < std::size(kStopSignals); ++i) {
-      sigaction(kStopSignals[i], &sa, &previous_[i]);
-      if (previous_[i].sa_handler == SIG_IGN) sigaction(kStopSignals[i], &previous_[i], nullptr);  // nohup: stays ignored
+      sigaction(kStopSignals[i], nullptr, &previous_[i]);
+      if (previous_[i].sa_handler != SIG_IGN) sigaction(kStopSignals[i], &sa, nullptr);  // nohup: stays ignored
     }
+    struct sigaction ign {};
+    ign.sa_handler = SIG_IGN;
+    sigaction(SIGPIPE, &ign, &previous_pipe_);
   }
   ~stop_signals_caught() {
     for (size_t i = 0; i < std::size(kStopSignals); ++i) sigaction(kStopSignals[i], &previous_[i], nullptr);
+    sigaction(SIGPIPE, &previous_pipe_, nullptr);
   }
   stop_signals_caught(const stop_signals_caught&) = delete;
   stop_signals_caught& operator=(const stop_signals_caught&) = delete;
@@ -90,7 +98,7 @@ class stop_signals_caught {  // for its lifetime; the previous handlers come bac
   static std::string name(int sig) { return std::string("SIG") + sigabbrev_np(sig); }
 
  private:
-  struct sigaction previous_[std::size(kStopSignals)];
+  struct sigaction previous_[std::size(kStopSignals)], previous_pipe_;
 };
 
 struct agent_state {
@@ -321,6 +329,8 @@ cli parse_cli(int argc, char** argv) {
                   "runs/NAME itself, not the newest (or in --run-dir): its outputs are moved to RUN_DIR/.replaced/ and\n"
                   "deleted once the new run passed its preflight; a failed or killed start gets them back.\n"
                   "Progress (one line per step) and logs go to stderr; --run.log_level=off silences them.\n"
+                  "Ctrl-C, SIGTERM or SIGHUP: the run stops after the step in progress, checkpointed there (exit\n"
+                  "128+signal); a second one stops at once. On a node of a caf-run group it stops the whole run.\n"
                   "--section.key=value overrides the recipe, in order (a key given again: the last value counts).\n"
                   "Every recipe key with its default: fp8rl train --dump-config (documented in configs/default.conf).\n");
       std::exit(0);
@@ -502,11 +512,16 @@ int run_remote_node(fp8rl_config& cfg, const topology& t, const std::string& nam
         else std::fprintf(stderr, "fp8rl node %s: no controller connected within 120 s\n", name.c_str());
         return sig ? 128 + sig : 1;
       }
-      if (sig && !stop_sent && g_controller) {  // the run stops as a whole: the controller decides where
+      if (sig && !stop_sent && !g_controller) {  // an agent the controller never started (it died meanwhile):
+        std::fprintf(stderr, "fp8rl node %s: %s before the controller started this node's actors\n", name.c_str(),
+                     stop_signals.name(sig).c_str());
+        std::signal(sig, SIG_DFL);  // the signal's own action (the waiting agent would keep the actor system up)
+        std::raise(sig);
+      }
+      if (sig && !stop_sent) {  // the run stops as a whole: the controller decides at which step
         stop_sent = true;
         caf::anon_send(g_controller, msg::stop_atom::value, "node '" + name + "' got " + stop_signals.name(sig), int32_t{128 + sig});
-        std::fprintf(stderr, "fp8rl node %s: %s: asked the controller to stop the run after the step in progress "
-                     "(send it again to stop this node at once)\n", name.c_str(), stop_signals.name(sig).c_str());
+        std::fprintf(stderr, "fp8rl node %s: %s: asked the controller to stop the run\n", name.c_str(), stop_signals.name(sig).c_str());
       }
     }
     failure = g_agent_failure;
@@ -681,8 +696,6 @@ int train_main(int argc, char** argv) {
       for (bool stop_sent = false; fut.wait_for(std::chrono::milliseconds(100)) != std::future_status::ready;)
         if (const int sig = stop_signals.signal(); sig && !stop_sent) {  // the controller stops the run at a step
           stop_sent = true;
-          std::fprintf(stderr, "fp8rl train: %s: stopping after the step in progress, with a checkpoint (send it again to stop at once)\n",
-                       stop_signals.name(sig).c_str());
           caf::anon_send(ctrl, msg::stop_atom::value, stop_signals.name(sig), int32_t{128 + sig});
         }
       code = fut.get();

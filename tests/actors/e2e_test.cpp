@@ -18,6 +18,7 @@
 #include <vector>
 
 #include <arpa/inet.h>
+#include <fcntl.h>
 #include <netinet/in.h>
 #include <signal.h>
 #include <sys/socket.h>
@@ -365,6 +366,33 @@ TEST(E2E, SignalStopsTheRunAtACheckpointedStep) {
   const int st2 = wait_exit(again);
   EXPECT_TRUE(WIFSIGNALED(st2) && (WTERMSIG(st2) == SIGINT || WTERMSIG(st2) == SIGTERM)) << st2;
   EXPECT_NE(text_of(d / "log").find("a second signal: stopping at once"), std::string::npos) << text_of(d / "log");
+  // output into a pipe whose reader is gone by the signal (`fp8rl train 2>&1 | tee log`, Ctrl-C ends
+  // tee too): the stop completes (the next line written raised SIGPIPE and ended the run unsaved)
+  int pfd[2];
+  ASSERT_EQ(::pipe(pfd), 0);
+  const std::string piped = "exec " + train + " --resume --run.steps=100000";
+  const pid_t teed = ::fork();
+  if (teed == 0) {
+    ::dup2(pfd[1], 1);
+    ::dup2(pfd[1], 2);
+    ::close(pfd[0]);
+    ::close(pfd[1]);
+    ::execl("/bin/sh", "sh", "-c", piped.c_str(), static_cast<char*>(nullptr));
+    ::_exit(127);
+  }
+  ::close(pfd[1]);
+  ::fcntl(pfd[0], F_SETFL, O_NONBLOCK);
+  const size_t rows = metrics_rows_so_far(d / "run");
+  char drain[4096];
+  for (int i = 0; i < 600 && metrics_rows_so_far(d / "run") < rows + 2; ++i) {
+    while (::read(pfd[0], drain, sizeof drain) > 0) {}
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+  ::close(pfd[0]);
+  ::kill(teed, SIGINT);
+  const int st3 = wait_exit(teed);
+  EXPECT_TRUE(WIFEXITED(st3) && WEXITSTATUS(st3) == 130) << st3;
+  EXPECT_EQ(text_of(d / "run" / "checkpoints" / "latest"), "step_" + std::to_string(metrics(d / "run").size()) + "\n");
   fs::remove_all(d);
 }
 
@@ -618,7 +646,8 @@ TEST(E2E, CafRunStopsItsGroup) {
   const fs::path d = fresh_dir("cafrun");
   const int port = free_port();
   const std::string topo = two_process_topology(d, port);
-  const std::string cafrun = kBin + "/caf-run --grace 2 --hostfile " + (d / "hosts").string() + " --topology " + topo +
+  // a long --grace: the nodes stop by themselves (a step, a checkpoint), not by its SIGKILL
+  const std::string cafrun = kBin + "/caf-run --grace 30 --hostfile " + (d / "hosts").string() + " --topology " + topo +
                              " -- " + kBin + "/fp8rl train --run-dir " + (d / "run").string() +
                              " --run.steps=100000 --run.eval_every=0 --run.checkpoint_every=0 --model.sft_steps=20";
   const pid_t pid = start_until_two_steps(cafrun, d);
@@ -629,7 +658,7 @@ TEST(E2E, CafRunStopsItsGroup) {
   const std::string text = text_of(d / "log");
   EXPECT_NE(text.find("caf-run: stopped by a signal; every node was stopped"), std::string::npos) << text;
   // the nodes stop the run at a step, checkpointed: the controller exits with the signal's code, the
-  // rollout node when the controller tells it (both were killed by the SIGTERM)
+  // rollout node when the controller tells it (the SIGTERM killed both)
   EXPECT_NE(text.find("main exited with 143\n"), std::string::npos) << text;
   EXPECT_NE(text.find("rollout1 exited with 0\n"), std::string::npos) << text;
   EXPECT_EQ(text_of(d / "run" / "checkpoints" / "latest"), "step_" + std::to_string(metrics(d / "run").size()) + "\n") << text;
@@ -710,10 +739,14 @@ TEST(E2E, CafRunStopsItsGroup) {
   EXPECT_NE(r7.out.find("--grace 'x'"), std::string::npos) << r7.out;
   EXPECT_FALSE(fs::exists(d / "run3"));
   // a second signal kills the group at once (here nodes that ignore SIGTERM, under a long --grace)
-  std::ofstream(d / "w" / "bin" / "deaf") << "#!/bin/sh\ntrap '' TERM\nwhile :; do sleep 1; done\n";
+  std::ofstream(d / "w" / "bin" / "deaf") << "#!/bin/sh\ntrap '' TERM\necho deaf\nwhile :; do sleep 1; done\n";
   fs::permissions(d / "w" / "bin" / "deaf", fs::perms::owner_all);
   const pid_t deaf = spawn_logged(kBin + "/caf-run --grace 600" + hostfile + " --topology " + topo + " -- " + (d / "w" / "bin" / "deaf").string(), d / "w");
-  for (int i = 0; i < 100 && text_of(d / "w" / "log").find("caf-run: started main") == std::string::npos; ++i)
+  auto deaf_nodes = [&] {  // both scripts past their trap
+    const std::string t = text_of(d / "w" / "log");
+    return t.find("[main] deaf") != std::string::npos && t.find("[rollout1] deaf") != std::string::npos;
+  };
+  for (int i = 0; i < 100 && !deaf_nodes(); ++i)
     std::this_thread::sleep_for(std::chrono::milliseconds(100));
   ::kill(deaf, SIGTERM);
   std::this_thread::sleep_for(std::chrono::milliseconds(500));
