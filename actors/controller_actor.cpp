@@ -191,10 +191,13 @@ msg::controller_actor spawn_controller(caf::actor_system& sys, std::shared_ptr<c
       for (size_t i = 0; i < s.peers.rollouts.size(); ++i) {
         if (s.peers.rollouts[i].address() != dm.source) continue;
         const std::string name = s.peers.rollout_names[i];
-        log->warn("{} is down ({}); re-queueing its work", name, self->system().render(dm.reason));
         ++s.rollouts_lost;
+        // while the run stops, none is needed: every step before the buffer's stop step is with the learners
+        if (s.stop_asked) log->warn("{} is down ({}) while the run stops; not replaced", name, self->system().render(dm.reason));
+        else log->warn("{} is down ({}); re-queueing its work", name, self->system().render(dm.reason));
         msg::rollout_actor fresh;  // architecture.md §4: a failed rollout is restarted, its prompts re-queued
-        if (s.opts.respawn_rollout && s.restarts[name] < s.opts.max_restarts) fresh = s.opts.respawn_rollout(self->system(), name);
+        if (!s.stop_asked && s.opts.respawn_rollout && s.restarts[name] < s.opts.max_restarts)
+          fresh = s.opts.respawn_rollout(self->system(), name);
         if (fresh) {
           ++s.restarts[name];
           ++s.rollouts_restarted;
@@ -205,6 +208,7 @@ msg::controller_actor spawn_controller(caf::actor_system& sys, std::shared_ptr<c
           s.peers.rollouts.erase(s.peers.rollouts.begin() + static_cast<long>(i));
           s.peers.rollout_names.erase(s.peers.rollout_names.begin() + static_cast<long>(i));
         }
+        if (s.stop_asked) return;
         if (s.peers.rollouts.empty())
           return finish(1, "every rollout actor is gone (the last, " + name + ": " + self->system().render(dm.reason) + ")");
         broadcast_peers();

@@ -29,7 +29,7 @@ std::vector<recipe_key> recipe_keys(run_config& r) {
       {"run", "seed", &r.seed, "seed of data order, init and sampling"},
       {"run", "steps", &r.steps, "optimizer steps (GRPO steps) to run"},
       {"run", "eval_every", &r.eval_every, "validation accuracy every N steps (0: only at the end)"},
-      {"run", "checkpoint_every", &r.checkpoint_every, "checkpoint every N steps (0: only at the end), and where a signal stops the run"},
+      {"run", "checkpoint_every", &r.checkpoint_every, "checkpoint every N steps (0: only at the end); also at the step where a signal stops the run"},
       {"run", "log_level", &r.log_level, "trace, debug, info, warn, error, off"},
       {"model", "init", &r.init, "'tiny' (built-in model + SFT warm start) or a Hugging Face model directory"},
       {"model", "size", &r.size, "built-in model size for init = tiny: tiny (hidden 128, 2 layers) or small (hidden 512, 8 layers)"},

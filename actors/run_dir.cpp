@@ -17,6 +17,7 @@
 #include <nlohmann/json.hpp>
 #include <stdexcept>
 
+#include "actors/signals.hpp"
 #include "models/json_io.hpp"
 
 namespace fp8rl::actors {
@@ -112,28 +113,8 @@ std::string run_dir_choose(const std::string& given, const std::string& name, bo
 }
 
 
-namespace {
-constexpr int kStartSignals[] = {SIGINT, SIGTERM, SIGHUP};
-volatile std::sig_atomic_t g_start_signal = 0;  // the signal that came while a stash was held
-struct sigaction g_previous[std::size(kStartSignals)];
-extern "C" void start_signal_caught(int sig) { g_start_signal = sig; }
-void start_signals_catch() {
-  struct sigaction sa {};
-  sa.sa_handler = start_signal_caught;
-  sigemptyset(&sa.sa_mask);
-  for (size_t i = 0; i < std::size(kStartSignals); ++i) {
-    sigaction(kStartSignals[i], &sa, &g_previous[i]);
-    if (g_previous[i].sa_handler == SIG_IGN) sigaction(kStartSignals[i], &g_previous[i], nullptr);  // nohup: stays ignored
-  }
-}
-void start_signals_release() {
-  for (size_t i = 0; i < std::size(kStartSignals); ++i) sigaction(kStartSignals[i], &g_previous[i], nullptr);
-}
-}  // namespace
-
 void run_dir_stash::interruption_point() {
-  if (const int sig = g_start_signal)
-    throw std::runtime_error(std::string("interrupted (") + strsignal(sig) + "); the earlier run is moved back");
+  stop_signals::interruption_point("during the start; the earlier run is moved back");
 }
 
 run_dir_stash::run_dir_stash(std::string dir) : dir_(std::move(dir)) {
@@ -153,13 +134,10 @@ run_dir_stash::run_dir_stash(std::string dir) : dir_(std::move(dir)) {
     restore();
     throw;
   }
-  g_start_signal = 0;
-  start_signals_catch();
 }
 
 void run_dir_stash::drop() {
   interruption_point();  // a signal since the last point: the start is undone, not the earlier run
-  start_signals_release();
   dropped_ = true;  // from here on the new run owns the directory, whatever the deletion does
   std::error_code ec;
   fs::remove_all(fs::path(dir_) / kStash, ec);
@@ -180,10 +158,9 @@ void run_dir_stash::restore() noexcept {
 run_dir_stash::~run_dir_stash() {
   if (dropped_) return;
   restore();
-  start_signals_release();
-  if (const int sig = g_start_signal) {  // the earlier run is back: the signal's own action now
-    std::fprintf(stderr, "fp8rl: %s during the start; the earlier run in %s is back\n", strsignal(sig), dir_.c_str());
-    raise(sig);
+  if (const int sig = stop_signals::pending()) {  // the earlier run is back: the signal's own action now
+    std::fprintf(stderr, "fp8rl: %s during the start; the earlier run in %s is back\n", stop_signals::name(sig).c_str(), dir_.c_str());
+    stop_signals::die(sig);
   }
 }
 

@@ -74,10 +74,10 @@ class run_dir_stash {
   run_dir_stash(const run_dir_stash&) = delete;
   run_dir_stash& operator=(const run_dir_stash&) = delete;
   void drop();
-  // While a stash is held, SIGINT/SIGTERM/SIGHUP are caught rather than fatal (their default
-  // action killed the start with the earlier run hidden in DIR/.replaced/ until the next train):
-  // interruption_point() throws once one came, the start unwinds, the destructor moves the earlier
-  // run back and then lets the signal take its course. The previous handlers return with drop().
+  // Under a stop_signals (signals.hpp; `fp8rl train` holds one), SIGINT/SIGTERM/SIGHUP are caught
+  // rather than fatal (their default action killed the start with the earlier run hidden in
+  // DIR/.replaced/ until the next train): interruption_point() throws once one came, the start
+  // unwinds, the destructor moves the earlier run back and then lets the signal take its course.
   static void interruption_point();
 
  private:

@@ -4,10 +4,7 @@
 #include <caf/all.hpp>
 #include <caf/io/all.hpp>
 
-#include <signal.h>
-
 #include <algorithm>
-#include <atomic>
 #include <chrono>
 #include <csignal>
 #include <condition_variable>
@@ -25,6 +22,7 @@
 
 #include "actors/actors.hpp"
 #include "actors/run_dir.hpp"
+#include "actors/signals.hpp"
 #include "actors/trace.hpp"
 #include "models/checkpoint.hpp"
 #include "models/json_io.hpp"
@@ -51,55 +49,6 @@ void agent_signal(bool started, bool done, const std::string& failure = "") {
   if (g_agent_failure.empty()) g_agent_failure = failure;
   g_cv.notify_all();
 }
-
-// ---------------------------------------------------------------- stop signals
-// While a run is up, SIGINT/SIGTERM/SIGHUP ask it to stop after the step in progress with a
-// checkpoint (architecture.md §4: the controller sends stop); a second one takes the signal's own
-// action at once. The handler records the signal and says so (the main thread may be busy wiring
-// nodes for a while before it acts); the main thread sends the stop. SIGPIPE is ignored meanwhile:
-// a Ctrl-C also ends a `| tee` reading stderr, and the next line written killed the run unsaved.
-constexpr int kStopSignals[] = {SIGINT, SIGTERM, SIGHUP};
-std::atomic<int> g_stop_signal{0};  // lock-free: two threads may take two signals at once
-static_assert(std::atomic<int>::is_always_lock_free, "used in a signal handler");
-extern "C" void stop_signal_caught(int sig) {
-  if (int none = 0; !g_stop_signal.compare_exchange_strong(none, sig)) {
-    static const char msg[] = "fp8rl: a second signal: stopping at once (steps after the last checkpoint are redone on --resume)\n";
-    [[maybe_unused]] const ssize_t n = ::write(2, msg, sizeof msg - 1);
-    ::signal(sig, SIG_DFL);
-    ::raise(sig);
-    return;
-  }
-  static const char msg[] = "fp8rl: stopping the run after the step in progress, with a checkpoint (a second signal stops at once)\n";
-  [[maybe_unused]] const ssize_t n = ::write(2, msg, sizeof msg - 1);
-}
-class stop_signals_caught {  // for its lifetime; the previous handlers come back after it
- public:
-  stop_signals_caught() {
-    g_stop_signal = 0;
-    struct sigaction sa {};
-    sa.sa_handler = stop_signal_caught;
-    sa.sa_flags = SA_RESTART;  // fewer EINTRs in other threads (epoll/poll/sleeps return it anyway; CAF retries them)
-    sigemptyset(&sa.sa_mask);
-    for (size_t i = 0; i < std::size(kStopSignals); ++i) {
-      sigaction(kStopSignals[i], nullptr, &previous_[i]);
-      if (previous_[i].sa_handler != SIG_IGN) sigaction(kStopSignals[i], &sa, nullptr);  // nohup: stays ignored
-    }
-    struct sigaction ign {};
-    ign.sa_handler = SIG_IGN;
-    sigaction(SIGPIPE, &ign, &previous_pipe_);
-  }
-  ~stop_signals_caught() {
-    for (size_t i = 0; i < std::size(kStopSignals); ++i) sigaction(kStopSignals[i], &previous_[i], nullptr);
-    sigaction(SIGPIPE, &previous_pipe_, nullptr);
-  }
-  stop_signals_caught(const stop_signals_caught&) = delete;
-  stop_signals_caught& operator=(const stop_signals_caught&) = delete;
-  static int signal() { return g_stop_signal; }  // 0 until one came
-  static std::string name(int sig) { return std::string("SIG") + sigabbrev_np(sig); }
-
- private:
-  struct sigaction previous_[std::size(kStopSignals)], previous_pipe_;
-};
 
 struct agent_state {
   msg::node_actors spawned;
@@ -394,7 +343,7 @@ std::string prepare_init(const run_config& cfg, const std::string& run_dir, bool
   auto log = log_get("train");
   log->info("SFT warm start: {} steps on {}", sc.steps, cfg.task);
   models::sft_train(c.params, c.opt, data, *tok, sc, [&](int64_t s, double l) {
-    run_dir_stash::interruption_point();  // Ctrl-C during an --overwrite start's warm start
+    stop_signals::interruption_point("during the SFT warm start; nothing was trained or saved");
     if ((s + 1) % 100 == 0 || s + 1 == sc.steps) log->info("sft step {}/{} loss {:.4f}", s + 1, sc.steps, l);
   });
   c.opt = models::adamw_state{};
@@ -492,6 +441,7 @@ int run_remote_node(fp8rl_config& cfg, const topology& t, const std::string& nam
     g_node_name = name;
   }
   std::string failure;
+  int stop_sent = 0;  // the signal whose stop this node asked the controller for
   {
     caf::actor_system sys{cfg};
     auto port = sys.middleman().open(static_cast<uint16_t>(n->port), n->host.c_str(), true);
@@ -499,38 +449,36 @@ int run_remote_node(fp8rl_config& cfg, const topology& t, const std::string& nam
       std::fprintf(stderr, "fp8rl node %s: cannot open port %ld: %s\n", name.c_str(), long(n->port), sys.render(port.error()).c_str());
       return 1;
     }
-    stop_signals_caught stop_signals;
     std::fprintf(stdout, "fp8rl node %s ready on %s:%u\n", name.c_str(), n->host.c_str(), *port);
     std::fflush(stdout);
     std::unique_lock<std::mutex> lk(g_mu);
     const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(120);
-    bool stop_sent = false;
     while (!g_cv.wait_for(lk, std::chrono::milliseconds(100), [] { return g_agent_done; })) {
-      const int sig = stop_signals.signal();
+      const int sig = stop_signals::pending();
       if (!g_agent_started && (sig || std::chrono::steady_clock::now() > deadline)) {
-        if (sig) std::fprintf(stderr, "fp8rl node %s: %s before a controller connected\n", name.c_str(), stop_signals.name(sig).c_str());
+        if (sig) std::fprintf(stderr, "fp8rl node %s: %s before a controller connected\n", name.c_str(), stop_signals::name(sig).c_str());
         else std::fprintf(stderr, "fp8rl node %s: no controller connected within 120 s\n", name.c_str());
         return sig ? 128 + sig : 1;
       }
       if (sig && !stop_sent && !g_controller) {  // an agent the controller never started (it died meanwhile):
         std::fprintf(stderr, "fp8rl node %s: %s before the controller started this node's actors\n", name.c_str(),
-                     stop_signals.name(sig).c_str());
-        std::signal(sig, SIG_DFL);  // the signal's own action (the waiting agent would keep the actor system up)
-        std::raise(sig);
+                     stop_signals::name(sig).c_str());
+        stop_signals::die(sig);  // the waiting agent would keep the actor system up
       }
       if (sig && !stop_sent) {  // the run stops as a whole: the controller decides at which step
-        stop_sent = true;
-        caf::anon_send(g_controller, msg::stop_atom::value, "node '" + name + "' got " + stop_signals.name(sig), int32_t{128 + sig});
-        std::fprintf(stderr, "fp8rl node %s: %s: asked the controller to stop the run\n", name.c_str(), stop_signals.name(sig).c_str());
+        stop_sent = sig;
+        caf::anon_send(g_controller, msg::stop_atom::value, "node '" + name + "' got " + stop_signals::name(sig), int32_t{128 + sig});
+        std::fprintf(stderr, "fp8rl node %s: %s: asked the controller to stop the run\n", name.c_str(), stop_signals::name(sig).c_str());
       }
     }
     failure = g_agent_failure;
+    if (failure.empty() && stop_sent) failure = "stopped by " + stop_signals::name(stop_sent) + " (the controller ended the run)";
     g_controller = msg::controller_actor{};  // not past its actor system
   }  // the actor system is gone: its actors (exited asynchronously) emit no more trace events
   trace_writer::process().close();
   if (!failure.empty()) {  // it exited 0 in silence
     std::fprintf(stderr, "fp8rl node %s: %s\n", name.c_str(), failure.c_str());
-    return 1;
+    return stop_sent ? 128 + stop_sent : 1;  // signalled: 128 + its signal, as the controller's process
   }
   return 0;
 }
@@ -569,6 +517,7 @@ int train_main(int argc, char** argv) {
   ccfg.set("scheduler.max-threads", node_scheduler_threads(*topo.find(node), caf::get_or(ccfg, "scheduler.max-threads", size_t{8}),
                                                            workers_given ? workers_from::user : workers_from::default_value));
   ccfg.load<caf::io::middleman>();
+  const stop_signals signals;  // from here on a signal stops the start or the run (signals.hpp)
   if (!topo.find(node)->has("controller")) return run_remote_node(ccfg, topo, node);
 
   const std::string run_dir = run_dir_choose(c.run_dir, cfg.name, c.resume, c.overwrite, cfg.init == "tiny" ? "" : cfg.init);
@@ -600,6 +549,7 @@ int train_main(int argc, char** argv) {
   auto env = env_make(cfg, node, run_dir, init_dir, start, run_id);
   run_preflight(*env, c.resume);  // every file the actors will read or write, before any of them starts
   if (replaced) replaced->drop();
+  stop_signals::interruption_point("before the run started; nothing was trained");  // before recipe.conf marks a run
   created.armed = false;
   if (!c.resume) {  // a resume has one (resume_recipe_changes refuses it otherwise)
     std::ofstream(fs::path(run_dir) / "recipe.conf") << recipe_dump(cfg);  // only once the run can start
@@ -613,7 +563,6 @@ int train_main(int argc, char** argv) {
   int code = 1;
   {
     caf::actor_system sys{ccfg};
-    stop_signals_caught stop_signals;
     std::promise<int> done;
     auto fut = done.get_future();
     auto once = std::make_shared<std::once_flag>();
@@ -638,13 +587,12 @@ int train_main(int argc, char** argv) {
     for (const auto& n : topo.nodes) {
       if (n.has("controller")) continue;
       caf::expected<caf::node_id> nid = caf::sec::cannot_connect_to_node;
-      for (int attempt = 0; attempt < 60 && !nid && !stop_signals.signal(); ++attempt) {  // the node may still be starting
+      for (int attempt = 0; attempt < 60 && !nid && !stop_signals::pending(); ++attempt) {  // the node may still be starting
         nid = sys.middleman().connect(n.host, static_cast<uint16_t>(n.port));
         if (!nid) std::this_thread::sleep_for(std::chrono::milliseconds(500));
       }
-      if (const int sig = stop_signals.signal()) {
-        failure = stop_signals.name(sig) + " while the run was starting (connecting to node '" + n.name + "')";
-        code = 128 + sig;
+      if (const int sig = stop_signals::pending()) {
+        failure = stop_signals::name(sig) + " while the run was starting (connecting to node '" + n.name + "')";
         break;
       }
       if (!nid) {  // a node that died after opening its port looks the same from here
@@ -694,16 +642,17 @@ int train_main(int argc, char** argv) {
       }
       caf::anon_send(ctrl, std::move(peers), std::move(agents), std::move(agent_nodes));
       for (bool stop_sent = false; fut.wait_for(std::chrono::milliseconds(100)) != std::future_status::ready;)
-        if (const int sig = stop_signals.signal(); sig && !stop_sent) {  // the controller stops the run at a step
+        if (const int sig = stop_signals::pending(); sig && !stop_sent) {  // the controller stops the run at a step
           stop_sent = true;
-          caf::anon_send(ctrl, msg::stop_atom::value, stop_signals.name(sig), int32_t{128 + sig});
+          caf::anon_send(ctrl, msg::stop_atom::value, stop_signals::name(sig), int32_t{128 + sig});
         }
       code = fut.get();
     } else {
       std::fprintf(stderr, "fp8rl train: %s\n", failure.c_str());
       for (auto& [n, x] : spawned) for (auto& a : node_actors_all(x)) caf::anon_send_exit(a, caf::exit_reason::user_shutdown);
       for (auto& a : agents) caf::anon_send(caf::actor_cast<msg::node_agent_actor>(a), msg::stop_atom::value);
-      caf::anon_send_exit(ctrl, caf::exit_reason::user_shutdown);  // code: 1, or 128 + a signal's
+      caf::anon_send_exit(ctrl, caf::exit_reason::user_shutdown);
+      code = stop_signals::pending() ? 128 + stop_signals::pending() : 1;  // a signal meanwhile: its code
     }
   }
   trace_writer::process().close();

@@ -10,6 +10,7 @@
 #include <stdexcept>
 #include <string>
 
+#include "actors/signals.hpp"
 #include "actors/train.hpp"
 #include "tools/cli/args.hpp"
 #include "tools/cli/commands.hpp"
@@ -46,6 +47,9 @@ int main(int argc, char** argv) {
     return 2;
   } catch (const fp8rl::cli::help_shown&) {
     return 0;
+  } catch (const fp8rl::actors::interrupted& e) {  // a start given up on a signal (actors/signals.hpp)
+    std::fprintf(stderr, "fp8rl %s: %s\n", cmd.c_str(), e.what());
+    return 128 + e.sig;
   } catch (const std::invalid_argument& e) {
     std::fprintf(stderr, "fp8rl %s: %s\n", cmd.c_str(), e.what());
     return 2;

@@ -884,8 +884,9 @@ TEST_F(ControllerOnTestCoordinator, AnExceptionFailsTheRunByName) {
 }
 
 // A stop (a signal): the controller asks the buffer where the run stops (step 2 here), issues no
-// work from there on although the staleness window would allow it, and ends the run with the
-// stop's exit code when learner0 says it stopped there; a second stop request changes nothing.
+// work from there on although the staleness window would allow it, loses every rollout without
+// failing, and ends the run with the stop's exit code when learner0 says it stopped there; a second
+// stop request changes nothing.
 TEST_F(ControllerOnTestCoordinator, AStopEndsTheRunAtTheBuffersStep) {
   wire(0);
   sync(0);  // steps 0 and 1 issued
@@ -896,6 +897,10 @@ TEST_F(ControllerOnTestCoordinator, AStopEndsTheRunAtTheBuffersStep) {
   self->send(ctrl, msg::step_report{{}, 1, {{"tokens", 10.0}}});
   sync(1);  // step 2 would be issued now without the stop
   EXPECT_EQ(work.size(), 6u) << "work issued past the stop step";
+  self->send_exit(r0, caf::exit_reason::kill);  // every rollout lost meanwhile (a preempted machine):
+  self->send_exit(r1, caf::exit_reason::kill);  // the stop needs none ("every rollout actor is gone" failed it)
+  sched.run();
+  EXPECT_EQ(work.size(), 6u) << "work re-issued while the run stops";
   EXPECT_EQ(done, -1);  // the run waits for learner0
   self->send(ctrl, msg::step_report{{}, 2, {{"tokens", 10.0}}});
   self->send(ctrl, msg::stopped_atom::value, uint64_t{2}, (run_dir / "checkpoints" / "step_2").string());

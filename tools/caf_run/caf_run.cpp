@@ -13,10 +13,11 @@
 //    and the group continues; --fail-fast stops the group on any node's failure;
 //  - when the controller exits, the other nodes get --grace seconds to exit by themselves
 //    (it told them to stop), then SIGTERM, then after --grace more SIGKILL;
-//  - SIGINT/SIGTERM/SIGHUP to caf-run, or a node failing as above, stop the whole group: SIGTERM
-//    at once, SIGKILL --grace seconds later or at a second signal (nodes run in their own process
-//    groups, so they would otherwise outlive it and keep training). On SIGTERM fp8rl stops the run
-//    after the step in progress and checkpoints it: --grace should cover a step and a checkpoint.
+//  - SIGINT/SIGTERM/SIGHUP to caf-run: SIGTERM to the controller node, which stops the run after
+//    the step in progress, checkpointed, and every node with it (then --grace as above); a second
+//    signal SIGKILLs every node (nodes run in their own process groups, so they would otherwise
+//    outlive caf-run and keep training);
+//  - a node failing as above stops the whole group: SIGTERM at once, SIGKILL --grace seconds later.
 // --scheduler.max-threads=slots where a host's slots exceed fp8rl's default 8 CAF workers (fp8rl
 // itself raises its default to a worker per learner and rollout plus two; a value passed here
 // below that need is refused, so none is passed for slots <= 8).
@@ -172,12 +173,11 @@ const char* const kUsage =
     "  --wdir DIR          working directory of every process (default: the current one): CMD's\n"
     "                      relative paths are relative to it\n"
     "  --grace SECONDS     after the controller exits: wait SECONDS, SIGTERM, SECONDS, SIGKILL;\n"
-    "                      on a stop (a signal, a node failing): SIGTERM at once, SIGKILL\n"
-    "                      SECONDS later (default 5) or at a second signal. On SIGTERM fp8rl\n"
-    "                      stops the run after the step in progress, with a checkpoint: give\n"
-    "                      SECONDS that cover a step and a checkpoint\n"
+    "                      when a node fails: SIGTERM at once, SIGKILL SECONDS later (default 5)\n"
     "  --fail-fast         any node's failure stops the group (default: only before the run is up,\n"
     "                      or the controller's; afterwards the controller decides)\n"
+    "Ctrl-C (SIGINT, SIGTERM, SIGHUP): the controller node stops the run after the step in progress,\n"
+    "checkpointed, and the other nodes with it; a second one SIGKILLs every node.\n"
     "Exit code: the controller's (or the first failing node's), 128+signal when caf-run was\n"
     "signalled, 2 for bad input.\n";
 }  // namespace
@@ -329,15 +329,23 @@ int main(int argc, char** argv) {
       if (g_signal && first_failure == 0) {
         first_failure = 128 + g_signal;
         failed = "caf-run";
-        std::printf("caf-run: SIG%s; stopping the group (fp8rl stops the run after the step in progress, with a checkpoint; "
-                    "SIGKILL in %d s or at a second signal)\n", sigabbrev_np(g_signal), grace);
+        const auto ctl = std::find_if(kids.begin(), kids.end(), [&](const child& k) { return k.name == controller_name && !k.done; });
+        if (ctl != kids.end()) {
+          // the controller stops the run (after the step in progress, checkpointed) and every node with
+          // it; its exit gives the others --grace as always. They get no signal from here: one is a stop
+          // request of their own, and a second (systemd or scancel signal the whole group) kills at once
+          std::printf("caf-run: SIG%s; the controller node %s stops the run after the step in progress, checkpointed, and "
+                      "the other nodes with it (a second signal SIGKILLs every node)\n", sigabbrev_np(g_signal), controller_name.c_str());
+          kill(-ctl->pid, SIGTERM);
+        } else {
+          std::printf("caf-run: SIG%s; stopping the group (SIGKILL in %d s or at a second signal)\n", sigabbrev_np(g_signal), grace);
+          stop_group(clk::now());
+        }
         std::fflush(stdout);
-        stop_group(clk::now());
       }
       if (g_signals >= 2 && !kill_sent && kill_at > clk::now()) {
         std::printf("caf-run: a second signal; SIGKILL now\n");
-        stop_group(clk::now());  // SIGTERM now where it was not sent yet
-        kill_at = clk::now();
+        term_at = kill_at = clk::now();
       }
       bool all_done = true;
       for (auto& k : kids) {

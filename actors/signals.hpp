@@ -1,0 +1,42 @@
+// actors/signals.hpp -- SIGINT, SIGTERM and SIGHUP while `fp8rl train` runs.
+// defines: stop_signals, interrupted
+//
+// The first one is recorded and said on stderr: a start unwinds at its next interruption point
+// (an --overwrite start gives the earlier run back first); a running run stops after the step in
+// progress, checkpointed there (the main thread sends the controller a stop). A second one takes
+// the signal's own action at once. Signals ignored on entry (nohup) stay ignored; SIGPIPE is
+// ignored meanwhile (a Ctrl-C also ends a `| tee` reading stderr: the next line written killed
+// the run unsaved). A second one that comes within 2 s of the first, one of them from the parent
+// process, is the same stop: caf-run passes its signal on to the controller node, which systemd or
+// scancel may have signalled too.
+#pragma once
+#include <csignal>
+#include <stdexcept>
+#include <string>
+
+namespace fp8rl::actors {
+
+// A start given up at an interruption point; `sig` is the signal (the process exits 128 + sig).
+struct interrupted : std::runtime_error {
+  int sig;
+  interrupted(int s, const std::string& what) : std::runtime_error(what), sig(s) {}
+};
+
+class stop_signals {  // one at a time; the previous dispositions come back at its end
+ public:
+  stop_signals();
+  ~stop_signals();
+  stop_signals(const stop_signals&) = delete;
+  stop_signals& operator=(const stop_signals&) = delete;
+  static int pending();  // the first signal that came, 0 if none
+  static std::string name(int sig);  // "SIGINT"
+  // Throws interrupted ("SIGINT <where>") once a signal came.
+  static void interruption_point(const std::string& where);
+  // The signal's own action now (its handler reset to the default first).
+  [[noreturn]] static void die(int sig);
+
+ private:
+  struct sigaction previous_[3], previous_pipe_;
+};
+
+}  // namespace fp8rl::actors
