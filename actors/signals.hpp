@@ -4,9 +4,9 @@
 // The first one is recorded and said on stderr: a start unwinds at its next interruption point
 // (an --overwrite start gives the earlier run back first); a running run stops after the step in
 // progress, checkpointed there (the main thread sends the controller a stop). A second one takes
-// the signal's own action at once. Signals ignored on entry (nohup) stay ignored; SIGPIPE is
-// ignored meanwhile (a Ctrl-C also ends a `| tee` reading stderr: the next line written killed
-// the run unsaved). A second one that comes within 2 s of the first, one of them from the parent
+// the signal's own action at once. Signals ignored on entry (nohup) stay ignored. SIGPIPE (the
+// output's reader is gone: a `| tee` that Ctrl-C ended too, or caf-run's ssh client) is a stop
+// request like a first signal and never a second one (it killed the run unsaved). A second one that comes within 2 s of the first, one of them from the parent
 // process, is the same stop: caf-run passes its signal on to the controller node, which systemd or
 // scancel may have signalled too.
 #pragma once
@@ -34,6 +34,9 @@ class stop_signals {  // one at a time; the previous dispositions come back at i
   static void interruption_point(const std::string& where);
   // The signal's own action now (its handler reset to the default first).
   [[noreturn]] static void die(int sig);
+  // While on (the run's actors being wired: a remote spawn or a node's start can take a minute), a
+  // signal takes its own action at once: nothing was trained, and the main thread cannot act on it.
+  static void immediate(bool on);
 
  private:
   struct sigaction previous_[3], previous_pipe_;

@@ -455,10 +455,13 @@ int run_remote_node(fp8rl_config& cfg, const topology& t, const std::string& nam
     const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(120);
     while (!g_cv.wait_for(lk, std::chrono::milliseconds(100), [] { return g_agent_done; })) {
       const int sig = stop_signals::pending();
-      if (!g_agent_started && (sig || std::chrono::steady_clock::now() > deadline)) {
-        if (sig) std::fprintf(stderr, "fp8rl node %s: %s before a controller connected\n", name.c_str(), stop_signals::name(sig).c_str());
-        else std::fprintf(stderr, "fp8rl node %s: no controller connected within 120 s\n", name.c_str());
-        return sig ? 128 + sig : 1;
+      if (!g_agent_started && sig) {  // its own action: a controller may spawn an agent any moment (the system would wait for it)
+        std::fprintf(stderr, "fp8rl node %s: %s before a controller connected\n", name.c_str(), stop_signals::name(sig).c_str());
+        stop_signals::die(sig);
+      }
+      if (!g_agent_started && std::chrono::steady_clock::now() > deadline) {
+        std::fprintf(stderr, "fp8rl node %s: no controller connected within 120 s\n", name.c_str());
+        return 1;
       }
       if (sig && !stop_sent && !g_controller) {  // an agent the controller never started (it died meanwhile):
         std::fprintf(stderr, "fp8rl node %s: %s before the controller started this node's actors\n", name.c_str(),
@@ -548,8 +551,10 @@ int train_main(int argc, char** argv) {
   const std::string run_id = cfg.name + "-" + std::to_string(trace_now_us()) + "-" + std::to_string(::getpid());
   auto env = env_make(cfg, node, run_dir, init_dir, start, run_id);
   run_preflight(*env, c.resume);  // every file the actors will read or write, before any of them starts
+  // a signal now gives the start up (before recipe.conf marks a run); once drop() deletes the
+  // earlier run, the run starts and stops at its first step
   if (replaced) replaced->drop();
-  stop_signals::interruption_point("before the run started; nothing was trained");  // before recipe.conf marks a run
+  else stop_signals::interruption_point("before the run started; nothing was trained");
   created.armed = false;
   if (!c.resume) {  // a resume has one (resume_recipe_changes refuses it otherwise)
     std::ofstream(fs::path(run_dir) / "recipe.conf") << recipe_dump(cfg);  // only once the run can start
@@ -561,6 +566,7 @@ int train_main(int argc, char** argv) {
   }
   if (cfg.trace) trace_writer::process().open((fs::path(run_dir) / "traces" / (node + ".jsonl")).string(), node);
   int code = 1;
+  stop_signals::immediate(true);  // until the actors are wired (signals.hpp)
   {
     caf::actor_system sys{ccfg};
     std::promise<int> done;
@@ -641,6 +647,7 @@ int train_main(int argc, char** argv) {
         peers.rollout_names.insert(peers.rollout_names.end(), x.rollout_names.begin(), x.rollout_names.end());
       }
       caf::anon_send(ctrl, std::move(peers), std::move(agents), std::move(agent_nodes));
+      stop_signals::immediate(false);
       for (bool stop_sent = false; fut.wait_for(std::chrono::milliseconds(100)) != std::future_status::ready;)
         if (const int sig = stop_signals::pending(); sig && !stop_sent) {  // the controller stops the run at a step
           stop_sent = true;

@@ -22,7 +22,8 @@
 // itself raises its default to a worker per learner and rollout plus two; a value passed here
 // below that need is refused, so none is passed for slots <= 8).
 // Exit codes: the controller's (or, with --fail-fast / at startup, the first failing node's)
-// code, 128+signal if caf-run was signalled; 2 for bad input.
+// code (after a signal the controller's: 128+signal where it stopped the run at it), 128+signal if
+// caf-run was signalled with no controller running; 2 for bad input.
 #include <fcntl.h>
 #include <poll.h>
 #include <signal.h>
@@ -178,8 +179,9 @@ const char* const kUsage =
     "                      or the controller's; afterwards the controller decides)\n"
     "Ctrl-C (SIGINT, SIGTERM, SIGHUP): the controller node stops the run after the step in progress,\n"
     "checkpointed, and the other nodes with it; a second one SIGKILLs every node.\n"
-    "Exit code: the controller's (or the first failing node's), 128+signal when caf-run was\n"
-    "signalled, 2 for bad input.\n";
+    "Exit code: the controller's (or the first failing node's; under a signal the controller's own,\n"
+    "128+signal where it stopped at it), 128+signal when caf-run was signalled with no controller\n"
+    "running, 2 for bad input.\n";
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -319,25 +321,28 @@ int main(int argc, char** argv) {
         kill_at = when + std::chrono::seconds(grace);
       }
     };
-    bool term_sent = false, kill_sent = false, controller_done = false, waiting_said = false;
+    bool term_sent = false, kill_sent = false, controller_done = false, waiting_said = false, signalled = false;
     while (true) {
       std::vector<pollfd> fds;
       for (auto& k : kids) if (k.fd >= 0) fds.push_back({k.fd, POLLIN, 0});
       if (!fds.empty()) poll(fds.data(), fds.size(), 200);
       else std::this_thread::sleep_for(std::chrono::milliseconds(50));
       for (auto& k : kids) if (k.fd >= 0) relay(k, false);
-      if (g_signal && first_failure == 0) {
-        first_failure = 128 + g_signal;
-        failed = "caf-run";
+      if (g_signal && !signalled) {
+        signalled = true;
         const auto ctl = std::find_if(kids.begin(), kids.end(), [&](const child& k) { return k.name == controller_name && !k.done; });
-        if (ctl != kids.end()) {
+        if (ctl != kids.end() && first_failure == 0) {  // the exit code is the controller's
           // the controller stops the run (after the step in progress, checkpointed) and every node with
           // it; its exit gives the others --grace as always. They get no signal from here: one is a stop
           // request of their own, and a second (systemd or scancel signal the whole group) kills at once
           std::printf("caf-run: SIG%s; the controller node %s stops the run after the step in progress, checkpointed, and "
                       "the other nodes with it (a second signal SIGKILLs every node)\n", sigabbrev_np(g_signal), controller_name.c_str());
           kill(-ctl->pid, SIGTERM);
-        } else {
+        } else {  // no controller to stop the run, or the group stops already
+          if (first_failure == 0 && !controller_done) {
+            first_failure = 128 + g_signal;
+            failed = "caf-run";
+          }
           std::printf("caf-run: SIG%s; stopping the group (SIGKILL in %d s or at a second signal)\n", sigabbrev_np(g_signal), grace);
           stop_group(clk::now());
         }
@@ -410,8 +415,9 @@ int main(int argc, char** argv) {
         std::fflush(stdout);
       }
     }
-    if (first_failure && failed == "caf-run")
-      std::fprintf(stderr, "caf-run: stopped by a signal; every node was stopped\n");
+    if (signalled)
+      std::fprintf(stderr, "caf-run: stopped by a signal; every node was stopped%s\n",
+                   first_failure && failed != "caf-run" ? (" (node " + failed + " exited with " + std::to_string(first_failure) + ")").c_str() : "");
     else if (first_failure)
       std::fprintf(stderr, "caf-run: node %s failed (exit %d); the group was stopped\n", failed.c_str(), first_failure);
     return first_failure;
