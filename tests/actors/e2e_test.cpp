@@ -762,6 +762,14 @@ TEST(E2E, CafRunStopsItsGroup) {
     EXPECT_EQ(r12.rc, 0) << c << "\n" << r12.out;
     EXPECT_NE(r12.out.find("main exited with 0"), std::string::npos) << c << "\n" << r12.out;
   }
+  // under nohup the nodes keep SIGHUP ignored (caf-run caught it and reset it to the default in them)
+  std::ofstream(d / "w" / "bin" / "sigign") << "#!/bin/sh\ngrep SigIgn /proc/$$/status\n";
+  fs::permissions(d / "w" / "bin" / "sigign", fs::perms::owner_all);
+  const auto r13 = fp8rl::test::run_command("nohup " + kBin + "/caf-run" + hostfile + " --topology " + topo + " -- " + (d / "w" / "bin" / "sigign").string());
+  const size_t ign = r13.out.find("[main] SigIgn:");
+  ASSERT_NE(ign, std::string::npos) << r13.out;
+  const std::string mask = r13.out.substr(ign + 14, r13.out.find('\n', ign) - ign - 14);
+  EXPECT_EQ(std::stoull(mask, nullptr, 16) & 1, 1u) << "SIGHUP not ignored in the node: " << r13.out;  // bit 0: signal 1
   std::ofstream(d / "hosts2") << "127.0.0.1 slots=2 slots=8\n";
   const auto r9 = fp8rl::test::run_command(kBin + "/caf-run --hostfile " + (d / "hosts2").string() + " --topology " + topo + tail);
   EXPECT_NE(r9.out.find("hosts2:1: slots given twice"), std::string::npos) << r9.out;

@@ -245,7 +245,14 @@ int main(int argc, char** argv) {
     std::vector<child> kids;
     std::string controller_name = topo.controller_node().name;
     signal(SIGPIPE, SIG_IGN);
-    for (int sig : {SIGINT, SIGTERM, SIGHUP}) signal(sig, on_signal);
+    std::vector<int> caught;  // nohup's ignored SIGHUP stays ignored, here and in the nodes
+    for (int sig : {SIGINT, SIGTERM, SIGHUP}) {
+      struct sigaction old {};
+      sigaction(sig, nullptr, &old);
+      if (old.sa_handler == SIG_IGN) continue;
+      signal(sig, on_signal);
+      caught.push_back(sig);
+    }
     // every node's host entry before the first fork: a node left out stopped caf-run with the
     // earlier nodes started, in their own process groups, never stopped
     std::vector<const host_entry*> entry;
@@ -281,7 +288,7 @@ int main(int argc, char** argv) {
       sigprocmask(SIG_BLOCK, &stop, &before);
       const pid_t pid = fork();
       if (pid == 0) {
-        for (int sig : {SIGINT, SIGTERM, SIGHUP}) signal(sig, SIG_DFL);
+        for (int sig : caught) signal(sig, SIG_DFL);
         sigprocmask(SIG_SETMASK, &before, nullptr);
         setpgid(0, 0);
         dup2(pfd[1], 1);
