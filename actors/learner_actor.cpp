@@ -155,12 +155,13 @@ void evaluate_into(learner_state& s, msg::metrics_t& m) {
 
 fs::path checkpoint_dir(const learner_state& s) { return fs::path(s.env->run_dir) / "checkpoints" / ("step_" + std::to_string(s.version)); }
 
-void checkpoint(learner_state& s, uint64_t prompt_cursor, const std::vector<std::vector<int32_t>>& calib) {
+// checkpoints/step_<version> with the batch that produced it (s.calib) and the next prompt; `latest` names it.
+void checkpoint(learner_state& s) {
   const fs::path dir = checkpoint_dir(s);
-  nlohmann::json j = {{"weight_version", s.version}, {"prompt_cursor", prompt_cursor}, {"run", s.env->cfg.name}};
+  nlohmann::json j = {{"weight_version", s.version}, {"prompt_cursor", s.env->prompt_cursor(s.version)}, {"run", s.env->cfg.name}};
   s.ck.state_json = j.dump();
   models::checkpoint_save(dir.string(), s.ck, [&](const std::string& tmp) {  // they arrive with the checkpoint
-    calibration_batch_save(tmp, calib);
+    calibration_batch_save(tmp, s.calib);
     for (const char* f : {"fp8rl-char-tokenizer.json", "tokenizer.json"})
       if (fs::exists(fs::path(s.env->init_dir) / f))
         fs::copy_file(fs::path(s.env->init_dir) / f, fs::path(tmp) / f, fs::copy_options::overwrite_existing);
@@ -251,7 +252,7 @@ void stop_at_version(Self self, const Fail& fail) {
   if (s.rank != 0) return;
   std::string dir;
   try {
-    if (s.version > s.checkpointed) checkpoint(s, s.env->prompt_cursor(s.version), s.calib);
+    if (s.version > s.checkpointed) checkpoint(s);
     if (s.version > s.env->start_version) dir = checkpoint_dir(s).string();
     else if (s.version > 0) dir = s.env->init_dir;  // nothing trained since the resume: the checkpoint it started from
   } catch (const std::exception& e) {
@@ -359,7 +360,7 @@ msg::learner_actor spawn_learner(caf::actor_system& sys, std::shared_ptr<const a
                     self->send(s.peers.calibration, std::move(pm));
                     if (last || (s.env->cfg.eval_every > 0 && s.version % static_cast<uint64_t>(s.env->cfg.eval_every) == 0))
                       s.arena->execute([&] { evaluate_into(s, m); });
-                    if (ckpt) checkpoint(s, s.env->prompt_cursor(s.version), s.calib);
+                    if (ckpt) checkpoint(s);
                     msg::step_report rep{{}, s.version, std::move(m)};
                     trace_send("learner0", "step_report", rep.trace, static_cast<int64_t>(s.version));
                     self->send(s.peers.controller, std::move(rep));
