@@ -475,6 +475,7 @@ int run_remote_node(fp8rl_config& cfg, const topology& t, const std::string& nam
       }
     }
     failure = g_agent_failure;
+    if (!stop_sent) stop_sent = stop_signals::pending();  // a signal the controller's end overtook: still this node's code
     if (failure.empty() && stop_sent) failure = "stopped by " + stop_signals::name(stop_sent) + " (the controller ended the run)";
     g_controller = msg::controller_actor{};  // not past its actor system
   }  // the actor system is gone: its actors (exited asynchronously) emit no more trace events

@@ -114,15 +114,18 @@ std::string two_process_topology(const fs::path& dir, int port) {
   return p.string();
 }
 
-// Runs cmd as a child of this process (Ctrl-C is not ignored, as it is for a shell's background
-// job), its output in dir/log; its pid.
+// In a forked child: runs a shell line with SIGINT, SIGTERM and SIGHUP at their default actions
+// (a test started as a shell's background job inherits SIGINT ignored, and fp8rl keeps an ignored
+// signal ignored, as under nohup: the signals these tests send did nothing).
+[[noreturn]] void exec_shell(const std::string& line) {
+  for (const int sig : {SIGINT, SIGTERM, SIGHUP}) ::signal(sig, SIG_DFL);
+  ::execl("/bin/sh", "sh", "-c", line.c_str(), static_cast<char*>(nullptr));
+  ::_exit(127);
+}
+// Runs cmd as a child of this process (not a shell's background job), its output in dir/log; its pid.
 pid_t spawn_logged(const std::string& cmd, const fs::path& dir) {
-  const std::string line = "exec " + cmd + " > " + (dir / "log").string() + " 2>&1";
   const pid_t pid = ::fork();
-  if (pid == 0) {
-    ::execl("/bin/sh", "sh", "-c", line.c_str(), static_cast<char*>(nullptr));
-    ::_exit(127);
-  }
+  if (pid == 0) exec_shell("exec " + cmd + " > " + (dir / "log").string() + " 2>&1");
   return pid;
 }
 // spawn_logged, and its pid once dir/run has 2 metrics rows (0 if it did not get there within 60 s:
@@ -297,10 +300,7 @@ TEST(E2E, KilledOverwriteStartGivesTheEarlierRunBack) {
     const std::string cmd = "exec " + kBin + "/fp8rl train --overwrite --run-dir " + d.string() + kSmall +
                             " --model.sft_steps=1000000 > /dev/null 2>&1";
     const pid_t pid = ::fork();
-    if (pid == 0) {
-      ::execl("/bin/sh", "sh", "-c", cmd.c_str(), static_cast<char*>(nullptr));
-      ::_exit(127);
-    }
+    if (pid == 0) exec_shell(cmd);
     // the stash moves recipe.conf, checkpoints, metrics.jsonl, traces, plots in that order; then the
     // warm start runs its 10^6 steps: a signal after plots/ has moved lands between stash and preflight
     for (int i = 0; i < 1200 && !fs::exists(d / ".replaced" / "plots"); ++i)
@@ -359,7 +359,12 @@ TEST(E2E, SignalStopsTheRunAtACheckpointedStep) {
   for (int i = 0; i < 600 && metrics_rows_so_far(d / "run") < n + 4; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(100));
   ::kill(again, SIGSTOP);  // both signals pending together: neither is handled before the other is sent
   auto state = [&] { std::string f; std::ifstream(fs::path("/proc") / std::to_string(again) / "stat") >> f >> f >> f; return f; };
-  for (int i = 0; i < 100 && state() != "T"; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  for (int i = 0; i < 500 && state() != "T"; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  if (metrics_rows_so_far(d / "run") < n + 4 || state() != "T") {  // not running yet, or not stopped: no test
+    ::kill(again, SIGKILL);
+    ::waitpid(again, nullptr, 0);
+    FAIL() << "the resumed run did not get 2 steps in within 60 s, or did not stop";
+  }
   // sent by a shell, not by this process (its parent): a parent's repeat within 2 s is one stop (caf-run's)
   ASSERT_EQ(std::system(("kill -s INT " + std::to_string(again) + " && kill -s TERM " + std::to_string(again)).c_str()), 0);
   ::kill(again, SIGCONT);
@@ -379,8 +384,7 @@ TEST(E2E, SignalStopsTheRunAtACheckpointedStep) {
       ::dup2(pfd[1], 2);
       ::close(pfd[0]);
       ::close(pfd[1]);
-      ::execl("/bin/sh", "sh", "-c", piped.c_str(), static_cast<char*>(nullptr));
-      ::_exit(127);
+      exec_shell(piped);
     }
     ::close(pfd[1]);
     ::fcntl(pfd[0], F_SETFL, O_NONBLOCK);
@@ -805,6 +809,8 @@ TEST(E2E, CafRunStopsItsGroup) {
   EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::seconds(10));
   EXPECT_TRUE(WIFEXITED(deaf_st) && WEXITSTATUS(deaf_st) == 137) << deaf_st;  // the controller's: killed
   const std::string deaf_log = text_of(d / "w" / "log");
+  for (size_t at = deaf_log.find("(pid "); at != std::string::npos; at = deaf_log.find("(pid ", at + 1))
+    ::kill(-static_cast<pid_t>(std::stol(deaf_log.substr(at + 5))), SIGKILL);  // nothing outlives a failed check
   EXPECT_NE(deaf_log.find("caf-run: a second signal; SIGKILL now"), std::string::npos) << deaf_log;
   EXPECT_NE(deaf_log.find("main exited with 137 (killed by SIGKILL)"), std::string::npos) << deaf_log;
   fs::remove_all(d);

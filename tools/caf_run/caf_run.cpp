@@ -153,7 +153,8 @@ void on_signal(int sig, siginfo_t* info, void*) {
     g_signal = sig;
     g_first_from_parent = from_parent;
     g_first_at = now;
-  } else if (from_parent && g_first_from_parent && now.tv_sec - g_first_at.tv_sec < 2) {
+  } else if (from_parent && g_first_from_parent &&
+             (now.tv_sec - g_first_at.tv_sec) * 1000 + (now.tv_nsec - g_first_at.tv_nsec) / 1000000 < 2000) {
     return;
   }
   g_signals = g_signals + 1;
@@ -402,7 +403,8 @@ int main(int argc, char** argv) {
           if (k.code != 0 && decisive && first_failure == 0) {
             first_failure = k.code;
             failed = k.name;
-            stop_group(clk::now());
+            // a controller that stopped the run on a signal told the others: they get --grace below
+            if (!(signalled && is_controller)) stop_group(clk::now());
           }
           if (is_controller) {
             controller_done = true;
