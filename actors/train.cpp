@@ -455,18 +455,16 @@ int run_remote_node(fp8rl_config& cfg, const topology& t, const std::string& nam
     const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(120);
     while (!g_cv.wait_for(lk, std::chrono::milliseconds(100), [] { return g_agent_done; })) {
       const int sig = stop_signals::pending();
-      if (!g_agent_started && sig) {  // its own action: a controller may spawn an agent any moment (the system would wait for it)
-        std::fprintf(stderr, "fp8rl node %s: %s before a controller connected\n", name.c_str(), stop_signals::name(sig).c_str());
+      // no controller to ask (none connected, or it never started this node's actors): the signal's
+      // own action -- an agent spawned meanwhile would keep the actor system up
+      if (sig && !g_controller) {
+        std::fprintf(stderr, "fp8rl node %s: %s before the controller started this node's actors\n", name.c_str(),
+                     stop_signals::name(sig).c_str());
         stop_signals::die(sig);
       }
       if (!g_agent_started && std::chrono::steady_clock::now() > deadline) {
         std::fprintf(stderr, "fp8rl node %s: no controller connected within 120 s\n", name.c_str());
         return 1;
-      }
-      if (sig && !stop_sent && !g_controller) {  // an agent the controller never started (it died meanwhile):
-        std::fprintf(stderr, "fp8rl node %s: %s before the controller started this node's actors\n", name.c_str(),
-                     stop_signals::name(sig).c_str());
-        stop_signals::die(sig);  // the waiting agent would keep the actor system up
       }
       if (sig && !stop_sent) {  // the run stops as a whole: the controller decides at which step
         stop_sent = sig;
@@ -567,7 +565,7 @@ int train_main(int argc, char** argv) {
   }
   if (cfg.trace) trace_writer::process().open((fs::path(run_dir) / "traces" / (node + ".jsonl")).string(), node);
   int code = 1;
-  stop_signals::immediate(true);  // until the actors are wired (signals.hpp)
+  stop_signals::immediate(true);  // until the actors are wired (signals.hpp); one pending already is sent after
   {
     caf::actor_system sys{ccfg};
     std::promise<int> done;
@@ -594,13 +592,9 @@ int train_main(int argc, char** argv) {
     for (const auto& n : topo.nodes) {
       if (n.has("controller")) continue;
       caf::expected<caf::node_id> nid = caf::sec::cannot_connect_to_node;
-      for (int attempt = 0; attempt < 60 && !nid && !stop_signals::pending(); ++attempt) {  // the node may still be starting
+      for (int attempt = 0; attempt < 60 && !nid; ++attempt) {  // the node may still be starting
         nid = sys.middleman().connect(n.host, static_cast<uint16_t>(n.port));
         if (!nid) std::this_thread::sleep_for(std::chrono::milliseconds(500));
-      }
-      if (const int sig = stop_signals::pending()) {
-        failure = stop_signals::name(sig) + " while the run was starting (connecting to node '" + n.name + "')";
-        break;
       }
       if (!nid) {  // a node that died after opening its port looks the same from here
         failure = "cannot connect to node '" + n.name + "' at " + n.host + ":" + std::to_string(n.port) +
@@ -660,7 +654,7 @@ int train_main(int argc, char** argv) {
       for (auto& [n, x] : spawned) for (auto& a : node_actors_all(x)) caf::anon_send_exit(a, caf::exit_reason::user_shutdown);
       for (auto& a : agents) caf::anon_send(caf::actor_cast<msg::node_agent_actor>(a), msg::stop_atom::value);
       caf::anon_send_exit(ctrl, caf::exit_reason::user_shutdown);
-      code = stop_signals::pending() ? 128 + stop_signals::pending() : 1;  // a signal meanwhile: its code
+      code = 1;
     }
   }
   trace_writer::process().close();

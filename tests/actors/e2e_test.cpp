@@ -152,6 +152,14 @@ int wait_exit(pid_t pid) {
   ::waitpid(pid, &st, 0);
   return st;
 }
+// The node pids caf-run's start lines name ("caf-run: started NODE (pid N) on HOST"); each node
+// leads its own process group.
+std::vector<pid_t> node_pids(const std::string& caf_run_log) {
+  std::vector<pid_t> pids;
+  for (size_t at = caf_run_log.find("(pid "); at != std::string::npos; at = caf_run_log.find("(pid ", at + 1))
+    pids.push_back(static_cast<pid_t>(std::stol(caf_run_log.substr(at + 5))));
+  return pids;
+}
 std::string text_of(const fs::path& f) {
   std::ifstream in(f);
   return std::string((std::istreambuf_iterator<char>(in)), {});
@@ -694,8 +702,7 @@ TEST(E2E, CafRunStopsItsGroup) {
                                             g);
   ASSERT_GT(group, 0) << "the second run did not start";
   const std::string started = text_of(g / "log");
-  for (size_t at = started.find("(pid "); at != std::string::npos; at = started.find("(pid ", at + 1))
-    ::kill(-static_cast<pid_t>(std::stol(started.substr(at + 5))), SIGTERM);  // each node's process group
+  for (const pid_t node : node_pids(started)) ::kill(-node, SIGTERM);  // each node's process group
   ::kill(group, SIGTERM);
   ::kill(group, SIGINT);  // twice from its parent, as `timeout` does (to it and to its group): one signal
   const int group_st = wait_exit(group);
@@ -705,12 +712,9 @@ TEST(E2E, CafRunStopsItsGroup) {
   EXPECT_EQ(group_log.find("caf-run: a second signal; SIGKILL now"), std::string::npos) << group_log;
   EXPECT_NE(group_log.find("rollout1 exited with 143\n"), std::string::npos) << group_log;  // signalled itself: 128 + SIGTERM
   EXPECT_EQ(text_of(g / "run" / "checkpoints" / "latest"), "step_" + std::to_string(metrics(g / "run").size()) + "\n") << group_log;
-  int nodes_seen = 0;
-  for (size_t at = text.find("(pid "); at != std::string::npos; at = text.find("(pid ", at + 1), ++nodes_seen) {
-    const pid_t node = static_cast<pid_t>(std::stol(text.substr(at + 5)));
+  for (const pid_t node : node_pids(text))
     EXPECT_FALSE(fs::exists("/proc/" + std::to_string(node))) << "node pid " << node << " outlived caf-run";
-  }
-  EXPECT_EQ(nodes_seen, 2) << text;  // caf-run's start lines name each node's pid
+  EXPECT_EQ(node_pids(text).size(), 2u) << text;  // caf-run's start lines name each node's pid
   // the rollout node cannot open its port: the group stops, naming it
   int busy = ::socket(AF_INET, SOCK_STREAM, 0), one = 1;
   ::setsockopt(busy, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);  // past the first run's TIME_WAIT
@@ -809,8 +813,7 @@ TEST(E2E, CafRunStopsItsGroup) {
   EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::seconds(10));
   EXPECT_TRUE(WIFEXITED(deaf_st) && WEXITSTATUS(deaf_st) == 137) << deaf_st;  // the controller's: killed
   const std::string deaf_log = text_of(d / "w" / "log");
-  for (size_t at = deaf_log.find("(pid "); at != std::string::npos; at = deaf_log.find("(pid ", at + 1))
-    ::kill(-static_cast<pid_t>(std::stol(deaf_log.substr(at + 5))), SIGKILL);  // nothing outlives a failed check
+  for (const pid_t node : node_pids(deaf_log)) ::kill(-node, SIGKILL);  // nothing outlives a failed check
   EXPECT_NE(deaf_log.find("caf-run: a second signal; SIGKILL now"), std::string::npos) << deaf_log;
   EXPECT_NE(deaf_log.find("main exited with 137 (killed by SIGKILL)"), std::string::npos) << deaf_log;
   fs::remove_all(d);

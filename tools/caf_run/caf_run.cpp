@@ -139,6 +139,7 @@ struct child {
   int code = 0;
 };
 
+constexpr int kStopSignals[] = {SIGINT, SIGTERM, SIGHUP};
 volatile sig_atomic_t g_signal = 0, g_signals = 0;  // the first signal, how many came
 volatile sig_atomic_t g_first_from_parent = 0;
 timespec g_first_at{};  // CLOCK_MONOTONIC; written before g_signals counts the first
@@ -266,8 +267,8 @@ int main(int argc, char** argv) {
     sa.sa_sigaction = on_signal;
     sa.sa_flags = SA_SIGINFO;
     sigemptyset(&sa.sa_mask);
-    for (int sig : {SIGINT, SIGTERM, SIGHUP}) sigaddset(&sa.sa_mask, sig);
-    for (int sig : {SIGINT, SIGTERM, SIGHUP}) {
+    for (int sig : kStopSignals) sigaddset(&sa.sa_mask, sig);
+    for (int sig : kStopSignals) {
       struct sigaction old {};
       sigaction(sig, nullptr, &old);
       if (old.sa_handler == SIG_IGN) continue;
@@ -305,7 +306,7 @@ int main(int argc, char** argv) {
       // default actions before anything can arrive, the parent's handler sees what came meanwhile
       sigset_t stop, before;
       sigemptyset(&stop);
-      for (int sig : {SIGINT, SIGTERM, SIGHUP}) sigaddset(&stop, sig);
+      for (int sig : kStopSignals) sigaddset(&stop, sig);
       sigprocmask(SIG_BLOCK, &stop, &before);
       const pid_t pid = fork();
       if (pid == 0) {
