@@ -68,6 +68,15 @@ TEST(Trace, VectorClocksFollowTheMessages) {
   EXPECT_EQ(finishes, 2);
   const auto s = fp8rl::test::run_command(kBin + "/fp8rl-trace summary " + run.string());
   EXPECT_NE(s.out.find("messages: 2 matched, 1 receives without their send, 0 sends not received"), std::string::npos) << s.out;
+  EXPECT_EQ(s.out.find("not received, by type"), std::string::npos) << s.out;
+  // sends nobody received (work issued past a stop, in flight at the end) are counted by type
+  std::ofstream(run / "traces" / "D.jsonl") << line("D", "controller", "send", "work_msg", 2000950, 6, 21)
+                                            << line("D", "controller", "send", "work_msg", 2000960, 7, 22)
+                                            << line("D", "controller", "send", "bundle_msg", 2000970, 8, 23);
+  const auto u = fp8rl::test::run_command(kBin + "/fp8rl-trace summary " + run.string());
+  EXPECT_NE(u.out.find("messages: 2 matched, 1 receives without their send, 3 sends not received"), std::string::npos) << u.out;
+  EXPECT_NE(u.out.find("receiver gone): bundle_msg 1 work_msg 2\n"), std::string::npos) << u.out;
+  fs::remove(run / "traces" / "D.jsonl");
   // a send/recv line without its message id is named and skipped, not matched to anything
   std::ofstream(run / "traces" / "C.jsonl") << json{{"node", "C"}, {"actor", "x"}, {"kind", "recv"}, {"name", "m"}, {"ts", 1}}.dump()
                                             << "\n";

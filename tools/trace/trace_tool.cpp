@@ -167,6 +167,7 @@ std::vector<event> load_events(const fs::path& run) {
 struct message_pairs {
   std::map<uint64_t, std::pair<size_t, size_t>> pairs;  // msg -> (send, recv)
   size_t unmatched_recv = 0, unmatched_send = 0;
+  std::map<std::string, size_t> unreceived_by_type;  // sends without a receive, by message name
 };
 message_pairs match_messages(const std::vector<event>& ev) {
   message_pairs m;
@@ -185,6 +186,8 @@ message_pairs match_messages(const std::vector<event>& ev) {
     m.pairs[ev[i].msg] = {it->second, i};
   }
   m.unmatched_send = send_of.size() - m.pairs.size();
+  for (const auto& [msg, i] : send_of)
+    if (!m.pairs.count(msg)) ++m.unreceived_by_type[ev[i].name];
   return m;
 }
 
@@ -342,6 +345,11 @@ int summary(const fs::path& run) {
   }
   std::printf("messages: %zu matched, %zu receives without their send, %zu sends not received\n", mp.pairs.size(),
               mp.unmatched_recv, mp.unmatched_send);
+  if (mp.unmatched_send) {  // in flight when the run ended or stopped, or the receiver was gone
+    std::printf("  not received, by type (in flight at the end or a stop, or the receiver gone):");
+    for (const auto& [t, c] : mp.unreceived_by_type) std::printf(" %s %zu", t.c_str(), c);
+    std::printf("\n");
+  }
   if (backwards)
     std::printf("  %zu received before their send by the wall clocks: the hosts' clocks disagree (latencies below include the skew)\n",
                 backwards);
