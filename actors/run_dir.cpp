@@ -158,10 +158,11 @@ void run_dir_stash::restore() noexcept {
 run_dir_stash::~run_dir_stash() {
   if (dropped_) return;
   restore();
-  if (const int sig = stop_signals::pending()) {  // the earlier run is back: the signal's own action now
-    std::fprintf(stderr, "fp8rl: %s during the start; the earlier run in %s is back\n", stop_signals::name(sig).c_str(), dir_.c_str());
-    stop_signals::die(sig);
-  }
+  const int sig = stop_signals::pending();
+  if (!sig) return;
+  std::fprintf(stderr, "fp8rl: %s during the start; the earlier run in %s is back\n", stop_signals::name(sig).c_str(), dir_.c_str());
+  if (std::uncaught_exceptions() > unwinding_) return;  // the caller says it and ends the start (header)
+  stop_signals::die(sig);  // the earlier run is back: the signal's own action now
 }
 
 void calibration_batch_save(const std::string& checkpoint_dir, const std::vector<std::vector<int32_t>>& seqs) {

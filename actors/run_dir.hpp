@@ -9,6 +9,7 @@
 #pragma once
 #include <fstream>
 #include <map>
+#include <exception>
 #include <string>
 #include <cstdint>
 #include <vector>
@@ -77,7 +78,10 @@ class run_dir_stash {
   // Under a stop_signals (signals.hpp; `fp8rl train` holds one), SIGINT/SIGTERM/SIGHUP are caught
   // rather than fatal (their default action killed the start with the earlier run hidden in
   // DIR/.replaced/ until the next train): interruption_point() throws once one came, the start
-  // unwinds, the destructor moves the earlier run back and then lets the signal take its course.
+  // unwinds, the destructor moves the earlier run back and says so. An exception on its way out
+  // (`interrupted`, or an error that came with the signal pending) then ends the start as the
+  // caller reports it (exit 128+signal for `interrupted`); with none, the signal takes its course
+  // (dying here hid the error that was unwinding).
   static void interruption_point();
 
  private:
@@ -85,6 +89,7 @@ class run_dir_stash {
   std::string dir_;
   std::vector<std::string> moved_;  // entry names now under DIR/.replaced/
   bool dropped_ = false;
+  int unwinding_ = std::uncaught_exceptions();  // at construction: more in the destructor = an exception on its way out
 };
 
 }  // namespace fp8rl::actors

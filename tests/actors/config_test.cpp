@@ -2,6 +2,7 @@
 // CLI overrides, dump -> reload, every shipped file, the Llama-3.1-8B 8-GPU placement plan, and
 // which run directory `fp8rl train` writes (an earlier run is never overwritten unasked).
 #include <gtest/gtest.h>
+#include <csignal>
 
 #include <filesystem>
 #include <fstream>
@@ -9,6 +10,7 @@
 
 #include "actors/recipe.hpp"
 #include "actors/run_dir.hpp"
+#include "actors/signals.hpp"
 #include "actors/topology.hpp"
 #include "models/log.hpp"
 
@@ -328,6 +330,37 @@ TEST(RunDir, AnEarlierRunIsNeverOverwrittenUnasked) {
   EXPECT_NE(error_of([] { run_dir_choose("runs/file", "x", false, false); }).find("runs/file: exists and is not a directory"),
             std::string::npos);
   fs::current_path(cwd);
+  fs::remove_all(root);
+}
+
+// A start that fails with a signal pending: the stash gives the earlier run back and lets the
+// error reach the caller, who reports it; its destructor died by the signal, and the error that
+// was unwinding (a preflight's, naming the file at fault) was never said. With no exception on its
+// way out the signal still takes its own action once the earlier run is back.
+TEST(RunDir, AStartsErrorIsNotHiddenByAPendingSignal) {
+  const fs::path root = fs::temp_directory_path() / ("fp8rl_stash_sig_" + std::to_string(::getpid()));
+  fs::remove_all(root);
+  fs::create_directories(root / "run" / "checkpoints");
+  std::ofstream(root / "run" / "metrics.jsonl") << "{\"step\":1}\n";
+  const std::string dir = (root / "run").string();
+  auto start = [&](bool fails) {
+    stop_signals signals;
+    std::raise(SIGINT);  // recorded, not fatal
+    try {
+      run_dir_stash st(dir);
+      std::ofstream(root / "run" / "metrics.jsonl") << "new\n";
+      if (fails) throw std::runtime_error("data/prompts.jsonl:3: not a JSON object");
+    } catch (const std::exception& e) {
+      std::ifstream f(root / "run" / "metrics.jsonl");
+      const std::string back(std::istreambuf_iterator<char>(f), {});
+      std::fprintf(stderr, "caught: %s; metrics %s\n", e.what(), back == "{\"step\":1}\n" ? "back" : "lost");
+      std::exit(3);
+    }
+    std::exit(4);  // not reached: the destructor's signal
+  };
+  EXPECT_EXIT(start(true), ::testing::ExitedWithCode(3),
+              "SIGINT during the start; the earlier run in .*run is back\n(.|\n)*caught: data/prompts.jsonl:3: not a JSON object; metrics back");
+  EXPECT_EXIT(start(false), ::testing::KilledBySignal(SIGINT), "SIGINT during the start; the earlier run in .*run is back");
   fs::remove_all(root);
 }
 
