@@ -291,7 +291,7 @@ msg::controller_actor spawn_controller(caf::actor_system& sys, std::shared_ptr<c
           } catch (const std::exception& e) {
             return finish(1, e.what());  // metrics that cannot be written are a failed run, not a silent gap
           }
-          if (s.opts.print_progress) {
+          if (s.opts.print_progress && log_get("controller")->should_log(spdlog::level::info)) {  // progress is info
             double stale = 0, cnt = 0;
             for (const auto& [k, v] : r.metrics)
               if (k.rfind(models::kStalenessHistPrefix, 0) == 0) { stale += staleness_bucket(k) * v; cnt += v; }

@@ -129,6 +129,7 @@ void set_from_config_value(const recipe_key& k, const caf::config_value& v, cons
 
 void config_file_precheck(const std::string& path) {
   namespace fs = std::filesystem;
+  if (!fs::exists(path)) throw std::invalid_argument(path + ": no such file");
   if (!fs::is_regular_file(path)) throw std::invalid_argument(path + ": not a file");
   std::ifstream f(path);
   if (!f) throw std::invalid_argument(path + ": cannot open");
@@ -253,6 +254,7 @@ void recipe_load_file(run_config& r, const std::string& path) {
       auto it = std::find_if(keys.begin(), keys.end(), [&](const recipe_key& k) { return section == k.section && name == k.name; });
       if (it == keys.end()) throw std::invalid_argument(path + ": unknown key '" + section + "." + name + "'");
       set_from_config_value(*it, v, path);
+      r.set_by[section + "." + name] = path;
     }
   }
 }
@@ -281,13 +283,17 @@ void recipe_apply_cli(run_config& r, const std::string& arg) {
       }
     }, k.ptr);
     if (!ok) throw std::invalid_argument("option --" + key + ": '" + val + "' is not " + type_name(k));
+    r.set_by[key] = arg;
     return;
   }
   throw std::invalid_argument("unknown option --" + key);
 }
 
 void recipe_validate(const run_config& r) {
-  auto fail = [](const char* key, const std::string& why) { throw std::invalid_argument("recipe key '" + std::string(key) + "': " + why); };
+  auto fail = [&r](const std::string& key, const std::string& why) {
+    const auto by = r.set_by.find(key);
+    throw std::invalid_argument("recipe key '" + key + "'" + (by == r.set_by.end() ? "" : " (" + by->second + ")") + ": " + why);
+  };
   auto positive = [&](const char* key, int64_t v) { if (v <= 0) fail(key, "must be > 0"); };
   if (r.name.empty() || r.name[0] == '.' ||
       r.name.find_first_not_of("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._-") != std::string::npos)
@@ -346,7 +352,7 @@ void recipe_validate(const run_config& r) {
   if (std::string why = models::logit_processing_problem({static_cast<float>(r.temperature), static_cast<int32_t>(r.top_k),
                                                          static_cast<float>(r.top_p)});
       !why.empty())
-    fail("rollout.temperature/top_k/top_p", why);
+    fail("rollout." + why.substr(0, why.find(' ')), why);  // the message starts with the key's name
   if (!(r.percentile > 0 && r.percentile <= 1)) fail("calibration.percentile", "must be in (0, 1]");  // NaN indexed nowhere
   auto check = [&](const char* key, auto&& f) {
     try {

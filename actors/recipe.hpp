@@ -11,6 +11,7 @@
 #pragma once
 #include <caf/settings.hpp>
 #include <cstdint>
+#include <map>
 #include <string>
 #include <variant>
 #include <vector>
@@ -56,6 +57,9 @@ struct run_config {
   int64_t audit_every = 0, audit_samples = 16;
   // [trace]
   bool trace = true;
+  // "section.key" -> where its value came from: a recipe file's path or "--section.key=value"
+  // (recipe_validate names it; a value out of range named neither file nor option)
+  std::map<std::string, std::string> set_by;
 };
 
 struct recipe_key {

@@ -27,6 +27,8 @@
 #include "models/checkpoint.hpp"
 #include "models/json_io.hpp"
 #include "models/log.hpp"
+#include "quant/cpu_isa.hpp"
+#include "quant/gemm.hpp"
 
 namespace fp8rl::actors {
 namespace {
@@ -238,6 +240,25 @@ void caf_options_validate(const caf::actor_system_config& cfg) {
   }
 }
 
+// CAF's own options into cfg; an error names the option at fault (CAF's words were
+// "parser_error(not_an_option, ({"argument" = ...}))").
+void caf_options_parse(fp8rl_config& cfg, const std::vector<std::string>& args) {
+  const caf::error err = cfg.parse(args);
+  if (!err) return;
+  for (const auto& a : args) {
+    fp8rl_config one;
+    const caf::error e = one.parse(std::vector<std::string>{a});
+    if (!e) continue;
+    std::string why = caf::actor_system_config::render(e);
+    if (e.category() == caf::atom("parser")) {
+      const auto code = static_cast<caf::pec>(e.code());
+      why = code == caf::pec::not_an_option ? "no such option" : "cannot parse its value (" + caf::to_string(code) + ")";
+    }
+    throw std::invalid_argument("CAF option " + a + ": " + why);
+  }
+  throw std::invalid_argument("CAF options: " + caf::actor_system_config::render(err));
+}
+
 cli parse_cli(int argc, char** argv) {
   cli c;
   run_config probe;
@@ -277,7 +298,8 @@ cli parse_cli(int argc, char** argv) {
                   "run; --resume continues the newest of them (or --run-dir); --overwrite replaces the earlier run in\n"
                   "runs/NAME itself, not the newest (or in --run-dir): its outputs are moved to RUN_DIR/.replaced/ and\n"
                   "deleted once the new run passed its preflight; a failed or killed start gets them back.\n"
-                  "Progress (one line per step) and logs go to stderr; --run.log_level=off silences them.\n"
+                  "Progress (one line per step) and logs go to stderr; --run.log_level=warn keeps the warnings and\n"
+                  "errors only, off silences them.\n"
                   "Ctrl-C, SIGTERM or SIGHUP: the run stops after the step in progress, checkpointed there (exit\n"
                   "128+signal); a second one stops at once. On a node of a caf-run group it stops the whole run.\n"
                   "--section.key=value overrides the recipe, in order (a key given again: the last value counts).\n"
@@ -382,6 +404,23 @@ std::string resume_recipe_changes(const run_config& cfg, const std::string& run_
   return changed;
 }
 
+// Every prompt of both splits encodes and fits the context with its longest response (a rollout
+// failing on one lost every rollout; a prompt leaving room for one token trained on reward 0,
+// silently); every run ends with a validation, also with eval_every = 0.
+void prompts_fit_check(const run_config& cfg, const models::tokenizer& tok) {
+  const auto task = models::task_spec_parse(cfg.task);
+  for (const bool val : {false, true}) {
+    const auto d = models::task_load(task, val, val ? cfg.val_size : cfg.train_size, static_cast<uint64_t>(cfg.seed));
+    for (size_t i = 0; i < d.items.size(); ++i) {  // example_where names the split of a built-in task
+      const std::vector<int32_t> ids = models::example_encode(d, i, tok, false);
+      if (static_cast<int64_t>(ids.size()) + cfg.max_new_tokens > cfg.max_context)
+        throw std::invalid_argument(models::example_where(d, i) + ": prompt of " + std::to_string(ids.size()) +
+                                    " tokens + rollout.max_new_tokens " + std::to_string(cfg.max_new_tokens) +
+                                    " do not fit model.max_context " + std::to_string(cfg.max_context));
+    }
+  }
+}
+
 // Reads here, on the main thread, what the actors would otherwise fail on inside their
 // behaviors (an exception there is CAF's "unhandled exception", and a dataset error inside one
 // left the run hanging): the start checkpoint (weights, optimizer, state), the tokenizer against
@@ -408,22 +447,7 @@ void run_preflight(const actor_env& env, bool resume) {
   if (env.tok->vocab_size() > env.model.vocab_size)
     throw std::invalid_argument(env.init_dir + ": the tokenizer has " + std::to_string(env.tok->vocab_size()) +
                                 " tokens, config.json's vocab_size is " + std::to_string(env.model.vocab_size));
-  const auto task = models::task_spec_parse(env.cfg.task);
-  // every prompt encodes and fits the context (a rollout failing on one lost every rollout)
-  auto prompts_fit = [&](const models::dataset& d) {  // example_where names the split of a built-in task
-    for (size_t i = 0; i < d.items.size(); ++i) {
-      const std::vector<int32_t> ids = models::example_encode(d, i, *env.tok, false);
-      // with its longest response (a prompt leaving room for one token trained on reward 0, silently)
-      if (static_cast<int64_t>(ids.size()) + env.cfg.max_new_tokens > env.cfg.max_context)
-        throw std::invalid_argument(models::example_where(d, i) + ": prompt of " +
-                                    std::to_string(ids.size()) + " tokens + rollout.max_new_tokens " +
-                                    std::to_string(env.cfg.max_new_tokens) + " do not fit model.max_context " +
-                                    std::to_string(env.cfg.max_context));
-    }
-  };
-  prompts_fit(models::task_load(task, false, env.cfg.train_size, static_cast<uint64_t>(env.cfg.seed)));
-  // every run ends with a validation, also with eval_every = 0
-  prompts_fit(models::task_load(task, true, env.cfg.val_size, static_cast<uint64_t>(env.cfg.seed)));
+  if (resume || env.cfg.init != "tiny") prompts_fit_check(env.cfg, *env.tok);  // train_main checked the tiny model's
   const fs::path metrics = fs::path(env.run_dir) / "metrics.jsonl";
   if (fs::exists(metrics) && !fs::is_regular_file(metrics)) throw std::invalid_argument(metrics.string() + ": not a file");
   if (resume && fs::exists(metrics))
@@ -507,8 +531,18 @@ int train_main(int argc, char** argv) {
       for (const auto& d : *devs)
         if (const std::string why = device_problem(d); !why.empty())
           throw std::invalid_argument(topo.source + ": node '" + n.name + "': " + why);
+  // what the SFT warm start (seconds to minutes) would only be followed by a refusal of, before it
+  const auto rl = recipe_rl_config(cfg);
+  const struct { const char* key; const std::string& value; bool tiles; } policies[] = {
+      {"precision.generation", cfg.generation, rl.gen_policy.tiles}, {"precision.training", cfg.training, rl.train_policy.tiles}};
+  for (const auto& p : policies)
+    if (p.tiles && !quant::gemm_tiles_available())
+      throw std::invalid_argument(std::string(p.key) + " = " + p.value + " asks for tile GEMMs and this CPU has no AMX-BF16 (active ISA: " +
+                                  std::string(quant::cpu_isa_name(quant::cpu_isa_active())) + ")");
+  if (!c.resume && cfg.init == "tiny" && models::task_spec_parse(cfg.task).builtin)  // run_preflight checks the others
+    prompts_fit_check(cfg, *models::char_tokenizer_make(models::arithmetic_alphabet()));
   fp8rl_config ccfg;
-  if (auto err = ccfg.parse(c.caf_args)) throw std::invalid_argument("CAF options: " + caf::actor_system_config::render(err));
+  caf_options_parse(ccfg, c.caf_args);
   caf_options_validate(ccfg);
   // a worker per learner and rollout (topology.hpp). Detached actors, a thread each, would need no
   // count, but CAF 0.17's shutdown waits for them to be destroyed while another node's proxies

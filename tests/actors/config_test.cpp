@@ -58,6 +58,7 @@ TEST(Recipe, MalformedFilesAndOutOfRangeValuesNameTheirKey) {
   const auto twice = write_tmp("twice.conf", "[run]\nsteps=1\nsteps=2\n");
   EXPECT_NE(error_of([&] { recipe_load_file(r, twice); }).find("key 'run.steps' set again"), std::string::npos);
   EXPECT_NE(error_of([&] { recipe_load_file(r, fs::temp_directory_path().string()); }).find("not a file"), std::string::npos);
+  EXPECT_EQ(error_of([&] { recipe_load_file(r, "no/such.conf"); }), "no/such.conf: no such file");  // it said "not a file"
   // a section again under another spelling or form: CAF merged them, the last value winning
   const auto spaced = write_tmp("spaced.conf", "[run]\nsteps=3\n[ run ]\nsteps=9\n");
   EXPECT_NE(error_of([&] { recipe_load_file(r, spaced); }).find(spaced + ":4: key 'run.steps' set again (first on line 2)"),
@@ -72,7 +73,7 @@ TEST(Recipe, MalformedFilesAndOutOfRangeValuesNameTheirKey) {
            {"--optim.weight_decay=-5", "optim.weight_decay"}, {"--grpo.kl_beta=-1", "grpo.kl_beta"},
            {"--grpo.clip_low=-1", "grpo.clip_low"}, {"--grpo.dual_clip=0.5", "grpo.dual_clip"},
            {"--audit.every=-1", "audit.every"}, {"--calibration.margin=0.5", "calibration.margin"},
-           {"--rollout.top_p=2", "rollout.temperature/top_k/top_p"}, {"--rollout.top_k=-1", "rollout.temperature/top_k/top_p"},
+           {"--rollout.top_p=2", "rollout.top_p"}, {"--rollout.top_k=-1", "rollout.top_k"}, {"--rollout.temperature=-1", "rollout.temperature"},
            {"--run.checkpoint_every=-1", "run.checkpoint_every"}, {"--precision.generation=fp9", "precision.generation"},
            {"--task.name=builtin:add9", "task.name"}, {"--model.sft_batch=0", "model.sft_batch"},
            // NaN passed comparisons written as "bad if x <= 0 || x > 1"; a wide length wrapped to int32;
@@ -91,6 +92,16 @@ TEST(Recipe, MalformedFilesAndOutOfRangeValuesNameTheirKey) {
     recipe_apply_cli(x, arg);
     EXPECT_NE(error_of([&] { recipe_validate(x); }).find("'" + key + "'"), std::string::npos) << arg;
   }
+  // a value out of range names where it was set: the file (it named neither) or the option
+  const auto range = write_tmp("range.conf", "[rollout]\ntemperature=-1\n");
+  run_config f;
+  recipe_load_file(f, range);
+  EXPECT_EQ(error_of([&] { recipe_validate(f); }),
+            "recipe key 'rollout.temperature' (" + range + "): temperature -1 is not a finite number >= 0");
+  recipe_apply_cli(f, "--rollout.temperature=-2");  // the option given last decides, and is named
+  EXPECT_EQ(error_of([&] { recipe_validate(f); }),
+            "recipe key 'rollout.temperature' (--rollout.temperature=-2): temperature -2 is not a finite number >= 0");
+  fs::remove(range);
   // CAF's parse errors name the line at fault (CAF counts an unexpected end of line as the next
   // line's column 1); a string left open ran to the end of the file
   const auto empty_value = write_tmp("empty.conf", "[run]\nsteps=3\nname=\n[rollout]\nslots=4\n");

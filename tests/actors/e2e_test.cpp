@@ -171,7 +171,9 @@ const char* kSmall = " --run.steps=4 --run.eval_every=2 --run.checkpoint_every=2
 
 TEST(E2E, EmbeddedDefaultRunsAndResumes) {
   const fs::path d = fresh_dir("default");
-  ASSERT_EQ(run(kBin + "/fp8rl train --run-dir " + d.string() + kSmall), 0);
+  const auto first = fp8rl::test::run_command(kBin + "/fp8rl train --run-dir " + d.string() + kSmall);
+  ASSERT_EQ(first.rc, 0) << first.out;
+  EXPECT_NE(first.out.find("step    4/4  reward"), std::string::npos) << first.out;  // a progress line per step
   auto m = metrics(d);
   ASSERT_EQ(m.size(), 4u);
   for (size_t i = 0; i < m.size(); ++i) {
@@ -202,7 +204,11 @@ TEST(E2E, EmbeddedDefaultRunsAndResumes) {
   // own events (its first event was glued to it), and the trace tool skips as the first part's last
   const std::string fragment = "{\"node\":\"local\",\"act";
   std::ofstream(d / "traces" / "local.jsonl", std::ios::app) << fragment;
-  ASSERT_EQ(run(kBin + "/fp8rl train --resume --run-dir " + d.string() + kSmall + " --run.steps=6 --rollout.prompts_per_step=4"), 0);
+  // progress lines are info: log_level warn keeps warnings and errors only (they printed at every level)
+  const auto resumed = fp8rl::test::run_command(kBin + "/fp8rl train --resume --run-dir " + d.string() + kSmall +
+                                                " --run.steps=6 --rollout.prompts_per_step=4 --run.log_level=warn");
+  ASSERT_EQ(resumed.rc, 0) << resumed.out;
+  EXPECT_EQ(resumed.out.find("step    5/6"), std::string::npos) << resumed.out;
   {
     std::ifstream in(d / "traces" / "local.jsonl");
     bool alone = false;
@@ -462,7 +468,8 @@ TEST(E2E, BadRecipeKeyFailsWithItsName) {
   for (const auto& [arg, what] : std::vector<std::pair<std::string, std::string>>{
            {"--scheduler.policy=shareing", "--scheduler.policy=shareing: must be one of stealing, sharing"},
            {"--logger.console-verbosity=loud", "--logger.console-verbosity=loud: must be one of quiet"},
-           {"--scheduler.nope=1", "not_an_option"},
+           {"--scheduler.nope=1", "CAF option --scheduler.nope=1: no such option"},  // CAF's parser_error(not_an_option, ...)
+           {"--scheduler.max-threads=abc", "CAF option --scheduler.max-threads=abc: cannot parse its value"},
            // a prompt longer than the context: every rollout failed in turn, the cause on stderr; one
            // leaving less room than the longest response: trained on reward 0, silently
            {"--model.max_context=8 --model.sft_steps=5",
@@ -477,6 +484,14 @@ TEST(E2E, BadRecipeKeyFailsWithItsName) {
     EXPECT_NE(c.out.find(what), std::string::npos) << arg << "\n" << c.out;
   }
   EXPECT_FALSE(fs::exists(d / "run" / "recipe.conf"));  // refused before the run starts
+  // the built-in model's prompts are checked before its SFT warm start (refused after it, leaving
+  // checkpoints/init behind)
+  const auto late = fp8rl::test::run_command(kBin + "/fp8rl train --run-dir " + (d / "late").string() + " --rollout.max_new_tokens=40");
+  EXPECT_EQ(late.rc, 2) << late.out;
+  EXPECT_NE(late.out.find("prompt of 7 tokens + rollout.max_new_tokens 40 do not fit model.max_context 32"), std::string::npos)
+      << late.out;
+  EXPECT_EQ(late.out.find("SFT warm start"), std::string::npos) << late.out;
+  EXPECT_FALSE(fs::exists(d / "late")) << late.out;
   // a start refused before it wrote anything leaves no empty run directory behind
   const auto nothing = fp8rl::test::run_command(kBin + "/fp8rl train --run-dir " + (d / "never").string() +
                                                 " --task.name=" + (d / "no-such.jsonl").string());
@@ -548,8 +563,12 @@ TEST(E2E, TilesRecipeRunsWithAmxAndIsRefusedWithout) {
     ASSERT_EQ(m.size(), 2u);
     for (const auto& step : m) EXPECT_EQ(step["token_mult_prob_error"].get<double>(), 1.0);
   } else {
-    EXPECT_NE(rc, 0);
-    EXPECT_NE(text.find("has no AMX-BF16"), std::string::npos) << text;
+    // refused as bad input before the SFT warm start and before anything is written
+    EXPECT_TRUE(WIFEXITED(rc) && WEXITSTATUS(rc) == 2) << rc;
+    EXPECT_NE(text.find("precision.generation = fp8-tiles asks for tile GEMMs and this CPU has no AMX-BF16"), std::string::npos)
+        << text;
+    EXPECT_EQ(text.find("SFT warm start"), std::string::npos) << text;
+    EXPECT_FALSE(fs::exists(d / "run"));
   }
   fs::remove_all(d);
 }
