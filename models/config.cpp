@@ -3,6 +3,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
@@ -113,6 +114,34 @@ void model_config::validate() const {
   if (head_dim % 2) fail("model_config", "head_dim", "must be even for RoPE");
   if (!(rms_norm_eps > 0)) fail("model_config", "rms_norm_eps", "must be > 0");
   if (!(rope_theta > 0)) fail("model_config", "rope_theta", "must be > 0");
+}
+
+std::string model_config_mismatch(const model_config& want, const model_config& got) {
+  const auto& w = want.rope_scaling;
+  const auto& g = got.rope_scaling;
+  const struct { const char* name; double got, want; } fields[] = {
+      {"hidden_size", double(got.hidden_size), double(want.hidden_size)},
+      {"intermediate_size", double(got.intermediate_size), double(want.intermediate_size)},
+      {"num_hidden_layers", double(got.num_hidden_layers), double(want.num_hidden_layers)},
+      {"num_attention_heads", double(got.num_attention_heads), double(want.num_attention_heads)},
+      {"num_key_value_heads", double(got.num_key_value_heads), double(want.num_key_value_heads)},
+      {"head_dim", double(got.head_dim), double(want.head_dim)},
+      {"vocab_size", double(got.vocab_size), double(want.vocab_size)},
+      {"tie_word_embeddings", double(got.tie_word_embeddings), double(want.tie_word_embeddings)},
+      {"rms_norm_eps", got.rms_norm_eps, want.rms_norm_eps},
+      {"rope_theta", got.rope_theta, want.rope_theta},
+      {"rope_scaling.factor", g.factor, w.factor},
+      {"rope_scaling.low_freq_factor", g.low_freq_factor, w.low_freq_factor},
+      {"rope_scaling.high_freq_factor", g.high_freq_factor, w.high_freq_factor},
+      {"rope_scaling.original_max_position_embeddings", double(g.original_max_position_embeddings),
+       double(w.original_max_position_embeddings)}};
+  for (const auto& f : fields)
+    if (f.got != f.want) {
+      char b[64];
+      std::snprintf(b, sizeof b, " %.9g, expected %.9g", f.got, f.want);
+      return f.name + std::string(b);
+    }
+  return "";
 }
 
 namespace {

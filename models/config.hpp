@@ -1,5 +1,5 @@
 // models/config.hpp -- Llama-family model configuration (Hugging Face config.json fields).
-// defines: model_config, model_config_load, model_config_parse, model_config_to_json
+// defines: model_config_mismatch, model_config, model_config_load, model_config_parse, model_config_to_json
 //
 // Legend used across models/: T = tokens in a packed batch, C = hidden size, H = attention
 // heads, KV = key/value heads, D = head dim (C / H unless given), F = intermediate size,
@@ -46,6 +46,11 @@ struct model_config {
   int64_t kv_dim() const { return num_key_value_heads * head_dim; }    // KV*D
   void validate() const;  // throws std::invalid_argument naming the field
 };
+
+// Where `got` describes another model than `want` (a field of the tensor layout or of the math:
+// sizes, heads, vocabulary, tied embeddings, norm eps, RoPE): "FIELD X, expected Y" for the
+// first such field; empty when the same model (max positions and token ids may differ).
+std::string model_config_mismatch(const model_config& want, const model_config& got);
 
 // Parses config.json text; `source` names the file in errors. Unknown fields and unsupported
 // values (rope_scaling, biases, other activations, ...) are errors naming the field.

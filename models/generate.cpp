@@ -62,14 +62,16 @@ generation_engine::generation_engine(backend& be, const model_config& cfg, engin
 
 generation_engine::~generation_engine() = default;
 
-// Refuses weights older, by (weight_version, scale_version), than the newest the engine holds:
+// Refuses weights or scales older than the newest the engine holds (either version lower):
 // the pending bundle if one waits for the next step (else a late older bundle would replace it,
 // and a caller told its newer one succeeded would see the weights go back), else the adopted one.
 std::string generation_engine::install(std::shared_ptr<const state> s) {
   std::lock_guard<std::mutex> g(adopt_mu_);
   const state* newest = pending_ ? pending_.get() : current_.get();
   auto versions = [](const state& x) { return std::to_string(x.weight_version) + "/scales v" + std::to_string(x.scale_version); };
-  if (newest && std::pair(s->weight_version, s->scale_version) < std::pair(newest->weight_version, newest->scale_version))
+  // each version on its own: (5, 3) after (4, 4) put K/V of scale version 3 beside 4's while the
+  // tokens' oldest-scale records said 4
+  if (newest && (s->weight_version < newest->weight_version || s->scale_version < newest->scale_version))
     return "bundle v" + versions(*s) + " is older than the " + (pending_ ? "pending" : "adopted") + " v" + versions(*newest);
   pending_ = std::move(s);
   return "";
@@ -112,6 +114,8 @@ std::string attn_scales_problem(const model_config& c, const attn_fp8_scales& a)
 std::string generation_engine::adopt_params(const model_params& p, uint64_t weight_version, uint64_t scale_version,
                                             const attn_fp8_scales* attn) {
   try {
+    // another model's params were read at this model's sizes (out of bounds when smaller)
+    if (std::string why = model_config_mismatch(cfg_, p.cfg); !why.empty()) return "params of another model: " + why;
     if ((ec_.policy.kv == kv_dtype::fp8 || ec_.policy.fp8_attention) && !attn)
       return "policy '" + ec_.policy.name + "' needs FP8 attention/KV scales";
     if (attn)
@@ -382,7 +386,7 @@ std::vector<gen_result> generation_engine::step() {
     auto& sp = slots_[active[r]];
     slot& s = *sp;
     const int32_t tok = out[r].tok;
-    const auto oldest = *std::min_element(s.pos_version.begin(), s.pos_version.begin() + s.fed);
+    const auto oldest = *std::min_element(s.pos_version.begin(), s.pos_version.begin() + s.fed);  // both rise (install)
     s.res.tokens.push_back(tok);
     s.res.logprobs.push_back(out[r].lp);
     s.res.weight_version.push_back(current_->weight_version);

@@ -48,8 +48,9 @@ struct learner_view {
   std::vector<std::vector<std::vector<float>>> logits;
 };
 
+// `fp8` (a policy with FP8 attention): the forward's Q/K/V per-head FP8 under these scales.
 inline learner_view learner_forward(const model_params& p, const precision_policy& pol, const std::vector<gen_result>& res,
-                                    const logit_processing& proc) {
+                                    const logit_processing& proc, const attn_fp8_scales* fp8 = nullptr) {
   auto be = make_cpu_backend();
   auto w = model_weights_build(*be, p.cfg, pol, {&p, nullptr, nullptr}, false);
   model_runner run(*be);
@@ -59,7 +60,7 @@ inline learner_view learner_forward(const model_params& p, const precision_polic
     seq.insert(seq.end(), r.tokens.begin(), r.tokens.end());
     b.add(seq);
   }
-  run.forward(*w, b, false);
+  run.forward(*w, b, false, fp8);
   auto targets = b.next_targets();
   std::vector<float> lp(targets.size());
   run.logprobs(targets, proc, lp.data());
@@ -79,6 +80,23 @@ inline learner_view learner_forward(const model_params& p, const precision_polic
 inline std::vector<std::vector<float>> learner_logprobs(const model_params& p, const precision_policy& pol,
                                                         const std::vector<gen_result>& res, const logit_processing& proc) {
   return learner_forward(p, pol, res, proc).logprobs;
+}
+
+// Q/K/V scales for the FP8 KV cache / attention from the prompts' amax (amax * 1.05 / 448), as
+// fp8rl generate calibrates them.
+inline attn_fp8_scales calibrated_scales(const model_params& p, const std::vector<gen_request>& reqs) {
+  auto be = make_cpu_backend();
+  model_runner run(*be);
+  auto w = model_weights_build(*be, p.cfg, precision_policy::named("fp8"), {&p, nullptr, nullptr}, false);
+  token_batch b;
+  for (const auto& r : reqs) b.add(r.prompt);
+  qkv_stats st;
+  run.forward(*w, b, false, nullptr, &st);
+  attn_fp8_scales sc;
+  for (float a : st.q) sc.q.push_back(a * 1.05f / 448.0f);
+  for (float a : st.k) sc.k.push_back(a * 1.05f / 448.0f);
+  for (float a : st.v) sc.v.push_back(a * 1.05f / 448.0f);
+  return sc;
 }
 
 inline bool same(const std::vector<float>& a, const std::vector<float>& b) {

@@ -42,14 +42,20 @@ TEST_P(GenConsistency, LogprobsEqualTrainingForwardBitForBit) {
     GTEST_SKIP() << "no AMX-BF16 here";
   const model_params p = model_params_init(cfg(), 3);
   auto be = make_cpu_backend();
+  // with the FP8 KV cache (generation-only: the learner's policy drops it), the reference is the
+  // same policy's forward with FP8 attention under the same scales: the cache's codes are what the
+  // forward's per-head FP8 quantization makes, so the two still agree bit for bit
+  const bool fp8_kv = precision_policy::named(GetParam()).kv == kv_dtype::fp8;
+  const attn_fp8_scales sc = calibrated_scales(p, requests(6, 1.0f));
   for (logit_processing proc : {logit_processing{1.0f, 0, 1.0f}, logit_processing{0.7f, 0, 1.0f},
                                 logit_processing{1.0f, 10, 0.9f}}) {
     generation_engine eng(*be, p.cfg, ecfg(GetParam(), 3));
-    ASSERT_EQ(eng.adopt_params(p, 1, 1), "");
+    ASSERT_EQ(eng.adopt_params(p, 1, 1, fp8_kv ? &sc : nullptr), "");
     for (auto& r : requests(6, proc.temperature, proc.top_k, proc.top_p)) eng.submit(r);
     auto res = eng.run_to_completion();
     ASSERT_EQ(res.size(), 6u);
-    auto lp = learner_logprobs(p, eng.config().policy.training(), res, proc);
+    auto lp = fp8_kv ? learner_forward(p, eng.config().policy, res, proc, &sc).logprobs
+                     : learner_logprobs(p, eng.config().policy.training(), res, proc);
     for (size_t i = 0; i < res.size(); ++i)
       EXPECT_TRUE(same(res[i].logprobs, lp[i])) << GetParam() << " request " << i << " T=" << proc.temperature;
   }
@@ -57,25 +63,43 @@ TEST_P(GenConsistency, LogprobsEqualTrainingForwardBitForBit) {
 
 // The tile policies too: their GEMM rows never mix, so decode (M = slots) and the training
 // forward (M = all tokens) still agree bit for bit.
-INSTANTIATE_TEST_SUITE_P(Policies, GenConsistency, ::testing::Values("fp32", "bf16", "fp8", "bf16-tiles", "fp8-tiles"));
+INSTANTIATE_TEST_SUITE_P(Policies, GenConsistency,
+                         ::testing::Values("fp32", "bf16", "fp8", "fp8-kv", "bf16-tiles", "fp8-tiles", "fp8-kv-tiles"));
 
+// Every policy (the FP8 KV cache too), sampled, greedy and truncated, with stop tokens ending
+// some requests early (their slots taken by waiting ones), in 2 and 5 slots: each request's
+// tokens, logprobs and finish equal running it alone.
 TEST(Generate, ContinuousBatchingEqualsRunningAlone) {
   const model_params p = model_params_init(cfg(), 4);
   auto be = make_cpu_backend();
-  generation_engine batched(*be, p.cfg, ecfg("fp8", 3));
-  batched.adopt_params(p, 1, 1);
-  auto reqs = requests(8, 0.9f);
-  for (auto& r : reqs) batched.submit(r);
-  auto all = batched.run_to_completion();
-  for (const auto& r : reqs) {
-    generation_engine alone(*be, p.cfg, ecfg("fp8", 1));
-    alone.adopt_params(p, 1, 1);
-    alone.submit(r);
-    auto one = alone.run_to_completion();
-    const auto& b = *std::find_if(all.begin(), all.end(), [&](const gen_result& x) { return x.id == r.id; });
-    EXPECT_EQ(one[0].tokens, b.tokens) << r.id;
-    EXPECT_TRUE(same(one[0].logprobs, b.logprobs)) << r.id;
-  }
+  const attn_fp8_scales sc = calibrated_scales(p, requests(8, 1.0f));
+  int stopped = 0;
+  for (const char* policy : {"fp32", "bf16", "fp8", "fp8-kv"})
+    for (const logit_processing proc : {logit_processing{0.9f, 0, 1.0f}, logit_processing{0.0f, 0, 1.0f}, logit_processing{1.0f, 5, 0.8f}})
+      for (const int64_t slots : {2, 5}) {
+        const attn_fp8_scales* s8 = std::string(policy) == "fp8-kv" ? &sc : nullptr;
+        auto reqs = requests(8, proc.temperature, proc.top_k, proc.top_p);
+        for (size_t i = 0; i < reqs.size(); i += 2) reqs[i].stop_tokens = {7, 19, 23, 31, 42, 55};  // a few common ids
+        generation_engine batched(*be, p.cfg, ecfg(policy, slots));
+        ASSERT_EQ(batched.adopt_params(p, 1, 1, s8), "");
+        for (auto& r : reqs) batched.submit(r);
+        const auto all = batched.run_to_completion();
+        ASSERT_EQ(all.size(), reqs.size());
+        for (const auto& r : reqs) {
+          generation_engine alone(*be, p.cfg, ecfg(policy, 1));
+          ASSERT_EQ(alone.adopt_params(p, 1, 1, s8), "");
+          alone.submit(r);
+          const auto one = alone.run_to_completion();
+          const auto& b = *std::find_if(all.begin(), all.end(), [&](const gen_result& x) { return x.id == r.id; });
+          const std::string where = std::string(policy) + " T=" + std::to_string(proc.temperature) + " slots " +
+                                    std::to_string(slots) + " request " + std::to_string(r.id);
+          EXPECT_EQ(one[0].tokens, b.tokens) << where;
+          EXPECT_TRUE(same(one[0].logprobs, b.logprobs)) << where;
+          EXPECT_EQ(one[0].finish, b.finish) << where;
+          stopped += b.finish == "stop";
+        }
+      }
+  EXPECT_GT(stopped, 0);  // stop tokens did end some requests early
 }
 
 // A step whose slots bring more than max_step_tokens new tokens (fresh prompts; a recompute
@@ -121,19 +145,30 @@ TEST(Generate, ChunkedStepsEqualOneForward) {
   }
 }
 
+// Same seed: the same tokens and logprobs for every request, in every policy; another seed
+// another stream.
 TEST(Generate, SeededSamplingIsReproducible) {
   const model_params p = model_params_init(cfg(), 5);
   auto be = make_cpu_backend();
-  auto run = [&](float temp, uint64_t seed) {
-    generation_engine e(*be, p.cfg, ecfg("fp32", 2));
-    e.adopt_params(p, 1, 1);
-    auto r = requests(2, temp);
-    for (auto& q : r) { q.seed = seed; q.max_tokens = 12; e.submit(q); }
-    return e.run_to_completion();
-  };
-  auto a = run(1.0f, 7), b = run(1.0f, 7), c = run(1.0f, 8);
-  EXPECT_EQ(a[0].tokens, b[0].tokens);
-  EXPECT_NE(a[0].tokens, c[0].tokens);  // 12 draws over 61 tokens: identical streams are ~impossible
+  const attn_fp8_scales sc = calibrated_scales(p, requests(3, 1.0f));
+  for (const char* policy : {"fp32", "fp8", "fp8-kv"}) {
+    auto run = [&](uint64_t seed) {
+      generation_engine e(*be, p.cfg, ecfg(policy, 2));
+      EXPECT_EQ(e.adopt_params(p, 1, 1, std::string(policy) == "fp8-kv" ? &sc : nullptr), "");
+      auto r = requests(3, 1.0f, 20, 0.95f);
+      for (auto& q : r) { q.seed = seed; q.max_tokens = 12; e.submit(q); }
+      auto res = e.run_to_completion();
+      std::sort(res.begin(), res.end(), [](const auto& x, const auto& y) { return x.id < y.id; });
+      return res;
+    };
+    const auto a = run(7), b = run(7), c = run(8);
+    ASSERT_EQ(a.size(), 3u);
+    for (size_t i = 0; i < a.size(); ++i) {
+      EXPECT_EQ(a[i].tokens, b[i].tokens) << policy << " " << i;
+      EXPECT_TRUE(same(a[i].logprobs, b[i].logprobs)) << policy << " " << i;
+      EXPECT_NE(a[i].tokens, c[i].tokens) << policy << " " << i;  // 12 draws over 20 tokens: the same stream is ~impossible
+    }
+  }
 }
 
 TEST(Generate, AdoptionAtStepBoundariesTagsTokens) {
@@ -225,6 +260,20 @@ TEST(Generate, ConcurrentAdopterNeverTearsAStep) {
   }
   EXPECT_EQ(seen, (std::set<uint64_t>{1, 2, 3, 4, 5, 6}));  // every bundle was used by some token
   EXPECT_GT(spanning, 0);
+  // each token was computed with the weights its tag names, whole: its logprob is the training
+  // forward's under that version (recompute: its whole context too); a step that mixed bundles, or
+  // ran bundle k's weights tagged k+1, fails here (the checks above see only the tags)
+  size_t checked = 0;
+  for (const auto& r : res)
+    for (uint64_t v : std::set<uint64_t>(r.weight_version.begin(), r.weight_version.end())) {
+      const auto lp = learner_logprobs(vers[v - 1], ec.policy.training(), {r}, {1.0f, 0, 1.0f});  // requests(12, 1.0f)
+      for (size_t i = 0; i < r.tokens.size(); ++i)
+        if (r.weight_version[i] == v) {
+          EXPECT_EQ(std::memcmp(&r.logprobs[i], &lp[0][i], 4), 0) << "request " << r.id << " token " << i << " v" << v;
+          ++checked;
+        }
+    }
+  EXPECT_EQ(checked, 12u * 20u);
 }
 
 TEST(Generate, RefusedBundlesKeepTheOldWeights) {
@@ -311,6 +360,33 @@ TEST(Generate, AnOlderBundleNeverReplacesAPendingNewerOne) {
   EXPECT_EQ(e.weight_version(), 5u);
   EXPECT_NE(e.adopt_params(p, 4, 9).find("older than the adopted v5"), std::string::npos);
   EXPECT_EQ(e.adopt_params(p, 5, 6), "");  // the same weights with newer scales
+  e.step();
+  // newer weights with older scales: K/V written under scale version 5 would sit beside 6's while
+  // the tokens' oldest-scale records said 6 (it compared the pair, and took (7, 5) > (5, 6))
+  const std::string back = e.adopt_params(p, 7, 5);
+  EXPECT_NE(back.find("bundle v7/scales v5 is older than the adopted v5/scales v6"), std::string::npos) << back;
+  EXPECT_EQ(e.adopt_params(p, 7, 6), "");
+}
+
+// Params of another model are refused, naming the field (they were read at the engine's sizes:
+// out of bounds for a smaller model, garbage tokens accepted with "").
+TEST(Generate, AnotherModelsParamsAreRefused) {
+  const model_params p = model_params_init(cfg(), 9);
+  auto be = make_cpu_backend();
+  generation_engine e(*be, p.cfg, ecfg("fp8", 2));
+  ASSERT_EQ(e.adopt_params(p, 1, 1), "");
+  model_config small = cfg();
+  small.vocab_size = 40;
+  EXPECT_EQ(e.adopt_params(model_params_init(small, 9), 2, 2), "params of another model: vocab_size 40, expected 61");
+  model_config narrow = cfg();
+  narrow.intermediate_size = 128;
+  EXPECT_EQ(e.adopt_params(model_params_init(narrow, 9), 2, 2), "params of another model: intermediate_size 128, expected 256");
+  model_config theta = cfg();
+  theta.rope_theta = 500000;  // the same layout, other math
+  EXPECT_EQ(e.adopt_params(model_params_init(theta, 9), 2, 2), "params of another model: rope_theta 500000, expected 10000");
+  e.submit(requests(1, 1.0f)[0]);
+  const auto res = e.run_to_completion();
+  for (uint64_t v : res[0].weight_version) EXPECT_EQ(v, 1u);  // the old weights kept
 }
 
 // An FP8 KV-cache engine refuses attention/KV scales that do not fit its model -- absent, for
@@ -473,30 +549,33 @@ TEST(Generate, CalibrationPassesGiveTheOnePassAmax) {
 TEST(Generate, Fp8KvCacheMismatchIsMeasured) {
   const model_params p = model_params_init(cfg(), 10);
   auto be = make_cpu_backend();
-  // calibrate Q/K/V scales on the prompts (amax * 1.05 / 448)
-  model_runner run(*be);
-  auto w = model_weights_build(*be, p.cfg, precision_policy::named("fp8"), {&p, nullptr, nullptr}, false);
-  token_batch b;
-  for (auto& r : requests(6, 1.0f)) b.add(r.prompt);
-  qkv_stats st;
-  run.forward(*w, b, false, nullptr, &st);
-  attn_fp8_scales sc;
-  for (float a : st.q) sc.q.push_back(a * 1.05f / 448.0f);
-  for (float a : st.k) sc.k.push_back(a * 1.05f / 448.0f);
-  for (float a : st.v) sc.v.push_back(a * 1.05f / 448.0f);
-  generation_engine e(*be, p.cfg, ecfg("fp8-kv", 3));
-  ASSERT_EQ(e.adopt_params(p, 1, 1, &sc), "");
-  for (auto& r : requests(6, 1.0f)) e.submit(r);
-  auto res = e.run_to_completion();
-  auto lp = learner_logprobs(p, e.config().policy.training(), res, {});
-  double n = 0, err = 0;
-  for (size_t i = 0; i < res.size(); ++i)
-    for (size_t t = 0; t < res[i].logprobs.size(); ++t) { err += std::exp(std::fabs(res[i].logprobs[t] - lp[i][t])); n += 1; }
-  const double tmpe = err / n;  // token_mult_prob_error (rl-algorithm.md §6)
-  std::printf("fp8 KV cache + attention vs bf16 learner: token_mult_prob_error = %.5f over %.0f tokens\n", tmpe, n);
-  RecordProperty("token_mult_prob_error_fp8_kv", std::to_string(tmpe));
-  EXPECT_TRUE(std::isfinite(tmpe));
-  EXPECT_GT(tmpe, 1.0);  // FP8 K/V differ from BF16: the error is real, and reported
+  const attn_fp8_scales sc = calibrated_scales(p, requests(6, 1.0f));  // amax * 1.05 / 448 on the prompts
+  // token_mult_prob_error (rl-algorithm.md §6) of the engine vs the learner (BF16 attention, no
+  // cache): the FP8 KV cache alone (BF16 attention over the widened codes), then with FP8
+  // attention too (the fp8-kv policy) -- each reported, not asserted away
+  auto tmpe_of = [&](bool fp8_attention) {
+    engine_config ec = ecfg("fp8-kv", 3);
+    ec.policy.fp8_attention = fp8_attention;
+    generation_engine e(*be, p.cfg, ec);
+    EXPECT_EQ(e.adopt_params(p, 1, 1, &sc), "");
+    for (auto& r : requests(6, 1.0f)) e.submit(r);
+    auto res = e.run_to_completion();
+    auto lp = learner_logprobs(p, e.config().policy.training(), res, {});
+    double n = 0, err = 0;
+    for (size_t i = 0; i < res.size(); ++i)
+      for (size_t t = 0; t < res[i].logprobs.size(); ++t) { err += std::exp(std::fabs(res[i].logprobs[t] - lp[i][t])); n += 1; }
+    std::printf("fp8 KV cache%s vs bf16 learner: token_mult_prob_error = %.5f over %.0f tokens\n",
+                fp8_attention ? " + FP8 attention" : " (BF16 attention)", err / n, n);
+    return err / n;
+  };
+  const double kv_only = tmpe_of(false), kv_attn = tmpe_of(true);
+  RecordProperty("token_mult_prob_error_fp8_kv_cache", std::to_string(kv_only));
+  RecordProperty("token_mult_prob_error_fp8_kv_attention", std::to_string(kv_attn));
+  for (double tmpe : {kv_only, kv_attn}) {
+    EXPECT_TRUE(std::isfinite(tmpe));
+    EXPECT_GT(tmpe, 1.0);  // FP8 K/V differ from BF16: the error is real, and reported
+  }
+  EXPECT_NE(kv_only, kv_attn);  // two paths: FP8 queries change the scores again
 }
 
 // fp8-numerics §0.2: NaN/Inf reaching the FP8 K/V cache is an error naming layer, head and
