@@ -167,6 +167,12 @@ TEST_F(Cli, GeneratePromptLinesCarryTheirOwnSettings) {
   refused(gen + write("far.jsonl", "{\"tokens\": [1]}\n{\"tokens\": [1], \"stop\": [2, 40]}\n").string(),
           "far.jsonl:2: stop token 40 is outside the vocabulary");
   refused(gen + write("zero.jsonl", "{\"tokens\": [1], \"max_tokens\": 0}\n").string(), "zero.jsonl:1: 'max_tokens' must be");
+  // a misspelt 'tokens' or 'text' is named; every bad line is listed, not only the first
+  refused(gen + write("txt.jsonl", "{\"txt\": \"1+1=\"}\n").string(),
+          "txt.jsonl:1: expected an object with a list 'tokens' (or a string 'text'); unknown key 'txt'");
+  const fs::path two = write("two.jsonl", "{\"tokens\": [1], \"max_token\": 2}\n{\"tokens\": [1]}\n{\"tokenz\": [1]}\n");
+  refused(gen + two.string(), two.string() + ": 2 malformed line(s):\n  " + two.string() + ":1: unknown key 'max_token'");
+  refused(gen + two.string(), "\n  " + two.string() + ":3: expected an object with a list 'tokens' (or a string 'text'); unknown key 'tokenz'");
 }
 
 // Without --stop, generate stops at every id of the config's eos_token_id list (it took none from
@@ -239,6 +245,29 @@ TEST_F(Cli, Fp8KvGenerateChecksEveryPromptFirstAndCalibratesInPasses) {
   for (size_t i = 0; i < 5; ++i) EXPECT_EQ(five[i], ten[i]) << i;
   refused("generate --calibration " + calib.string() + " --prompts " + write("one.jsonl", "{\"tokens\": [1]}\n").string() + m(),
           "option --calibration: only with an FP8 KV cache");
+  // the FP8 cache alone, with BF16 attention over its widened codes (--kv fp8 brought FP8 queries
+  // too: the cache's own mismatch was out of reach); FP8 attention needs the FP8 cache
+  const std::string one = " --prompts " + (dir / "one.jsonl").string() + m();
+  const result alone = run("generate --kv fp8 --attention bf16 --max-tokens 3 --log-level info --calibration " + calib.string() + one);
+  ASSERT_EQ(alone.rc, 0) << alone.out;
+  EXPECT_NE(alone.out.find("FP8 KV cache"), std::string::npos) << alone.out;
+  EXPECT_EQ(alone.out.find("FP8 attention: query"), std::string::npos) << alone.out;
+  refused("generate --attention fp8" + one, "option --attention fp8: needs an FP8 KV cache");
+  refused("generate --kv fp8 --attention fp16" + one, "option --attention: expected bf16 or fp8, got 'fp16'");
+}
+
+// The default --max-tokens takes what the context leaves without a word (it warned for every
+// prompt of fp8rl's own models, whose context is 64); an explicit one cut short is said.
+TEST_F(Cli, GenerateWarnsOnlyWhenAnAskedLengthDoesNotFit) {
+  const std::string gen = "generate --temperature 0 --max-context 8 --log-level warn --prompts " +
+                          write("short.jsonl", "{\"tokens\": [1, 2, 3]}\n").string() + m();
+  const result quiet = run(gen);
+  ASSERT_EQ(quiet.rc, 0) << quiet.out;
+  EXPECT_EQ(quiet.out.find("leaves room"), std::string::npos) << quiet.out;
+  const result said = run(gen + " --max-tokens 10");
+  ASSERT_EQ(said.rc, 0) << said.out;
+  EXPECT_NE(said.out.find("short.jsonl:1: a prompt of 3 tokens leaves room for 5 of its 10 tokens (max context 8)"),
+            std::string::npos) << said.out;
 }
 
 // fp8-kv (FP8 attention and KV cache) is a generation policy: eval calibrates its Q/K/V scales on

@@ -3,9 +3,12 @@
 // vocab 32000, random weights), weights fp32/bf16/fp8 x KV cache bf16/fp8, batch 1 and 16,
 // context 512, 1 and 2 threads. Decode steps run at positions 512.. after the cache is filled
 // with K/V (random values: a decode step's cost depends on the context length, not on values).
+// KV fp8 is the fp8-kv policy's: an FP8 cache with FP8 attention. Prefill: batch 1 at 512-token
+// prompts, batch 16 at 64-token ones (its "context": 16 x 512 would take 16 batch-1 prefills).
 // Each line: {"bench":"decode","phase":"decode"|"prefill","weights":..,"kv":..,"batch":..,
 //  "threads":..,"tokens_per_s":..,"bytes_per_token":..,"gbps":..,"bw_fraction":..,"runs":..}
-// bytes_per_token (decode) = (weight bytes read per step + KV bytes read) / batch; bw_fraction
+// bytes_per_token (decode) = (weight bytes read per step + KV bytes read: codes, and the FP8
+// cache's per-position K/V scales) / batch; bw_fraction
 // compares the achieved bytes/s with a measured streaming-read bandwidth at the same threads.
 // A last line per thread count, phase "decode_side_by_side" (--only=side_by_side alone), times fp8
 // weights + fp8 KV against bf16 + bf16 at batch 1 (--batch=N: N) in alternating steps: its
@@ -344,7 +347,9 @@ int main(int argc, char** argv) {
           arena.execute([&] {
             run.fill();
             const double sec = bench_median(a.reps, [&] { run.step(); }, 0.0);
-            const double kvbytes = double(batch) * layers * 4 * 2 * 64 * (ctx + 1) * kv_esize;
+            // K and V codes of every position read, plus the FP8 cache's per-position K and V scales
+            const double kvbytes = double(batch) * layers * double(cfg.num_key_value_heads) * double(ctx + 1) *
+                                   (2.0 * double(cfg.head_dim) * kv_esize + (pol.kv == kv_dtype::fp8 ? 8.0 : 0.0));
             const double bpt = (wbytes + kvbytes) / double(batch);
             bench_emit(a, {{"bench", jstr("decode")}, {"phase", jstr("decode")}, {"weights", jstr(wname)},
                            {"kv", jstr(kvname)}, {"batch", jnum(double(batch))}, {"threads", jnum(t)},
@@ -352,7 +357,7 @@ int main(int argc, char** argv) {
                            {"tokens_per_s", jnum(double(batch) / sec)}, {"bytes_per_token", jnum(bpt)},
                            {"gbps", jnum(bpt * double(batch) / sec / 1e9)},
                            {"bw_fraction", jnum(bpt * double(batch) / sec / 1e9 / bw[t])}, {"runs", jnum(a.reps)}});
-            if (!do_prefill || std::string(kvname) != "bf16") return;  // prefill cost does not depend on the KV dtype
+            if (!do_prefill) return;
             // prefill: `batch` prompts in one forward (rows: the last token of each); batch 16 uses
             // 64-token prompts so the run stays in minutes on 2 cores (prefill is compute-bound:
             // tokens/s hardly depends on the prompt length at these sizes)

@@ -37,12 +37,16 @@ const char* const kUsage =
     "  --bf16-layers F,L        keep the first F and last L layers BF16 (fp8 policies)\n"
     "  --scale-mode M           pow2 (default) | fp32\n"
     "  --kv K                   KV cache f32 | bf16 | fp8 (default: the policy's; fp8 adds FP8 attention)\n"
+    "  --attention A            bf16 | fp8 (FP8 Q/K/V per head, with --kv fp8; default: the policy's, fp8\n"
+    "                           with --kv fp8): --kv fp8 --attention bf16 is the FP8 cache alone\n"
     "  --calibration FILE.jsonl prompts ({\"tokens\"} or {\"text\"} lines) for the FP8 KV cache's scales\n"
-    "  --max-tokens N           per prompt (default 64)\n"
+    "  --max-tokens N           per prompt (default 64, or what the context leaves: a prompt given more\n"
+    "                           than that room is cut short with a warning)\n"
     "  --temperature T          0 = greedy (default 1)\n"
     "  --top-k K                0 = off (default)\n"
     "  --top-p P                in (0, 1] (default 1)\n"
-    "  --seed S                 sampling seed of every request (default 0)\n"
+    "  --seed S                 sampling seed of every request (default 0); a prompt's random stream is\n"
+    "                           (S, its place among the prompts), whatever the other prompts are\n"
     "  --stop ID,ID             stop tokens (default: every id of the model's eos_token_id, and the\n"
     "                           tokenizer's end-of-text: what ends an fp8rl train rollout)\n"
     "  --slots N                continuous-batching slots (default 8)\n"
@@ -56,7 +60,7 @@ int cmd_generate(int argc, char** argv) {
   const args a = args_parse(argc, argv, 2,
                             {"model", "prompts", "policy", "bf16-layers", "scale-mode", "kv", "max-tokens",
                              "temperature", "top-k", "top-p", "seed", "slots", "max-context", "stop", "threads", "log-level",
-                             "calibration"},
+                             "calibration", "attention"},
                             {}, kUsage);
   log_level_from_args(a);
   const auto params = models::model_load(a.need("model"));
@@ -67,6 +71,13 @@ int cmd_generate(int argc, char** argv) {
     if (!k) throw std::invalid_argument("option --kv: expected f32, bf16 or fp8");
     ec.policy.kv = *k;
     ec.policy.fp8_attention = *k == models::kv_dtype::fp8;
+  }
+  if (a.has("attention")) {
+    const std::string at = a.get("attention");
+    if (at != "bf16" && at != "fp8") throw std::invalid_argument("option --attention: expected bf16 or fp8, got '" + at + "'");
+    if (at == "fp8" && ec.policy.kv != models::kv_dtype::fp8)
+      throw std::invalid_argument("option --attention fp8: needs an FP8 KV cache (--kv fp8 or --policy fp8-kv)");
+    ec.policy.fp8_attention = at == "fp8";
   }
   ec.policy.validate();
   const bool fp8_kv = ec.policy.kv == models::kv_dtype::fp8;
@@ -115,7 +126,8 @@ int cmd_generate(int argc, char** argv) {
       r.proc = proc;
       r.seed = seed;
       r.stop_tokens = items[i].stop ? *items[i].stop : stops;
-      if (const int64_t room = ec.max_context - static_cast<int64_t>(r.prompt.size()); room < r.max_tokens && room > 0)
+      const bool asked = a.has("max-tokens") || items[i].max_tokens > 0;  // the default takes what the context leaves
+      if (const int64_t room = ec.max_context - static_cast<int64_t>(r.prompt.size()); asked && room < r.max_tokens && room > 0)
         log_get("generate")->warn("{}:{}: a prompt of {} tokens leaves room for {} of its {} tokens (max context {})",
                                   a.get("prompts"), items[i].line, r.prompt.size(), room, r.max_tokens, ec.max_context);
       try {

@@ -56,6 +56,39 @@ void read_request_keys(const nlohmann::json& j, bool request_keys, int64_t vocab
     for (const auto& t : j["stop"]) it.stop->push_back(token_id(t, vocab, where, "stop token"));
   }
 }
+// One input line (not blank); `where` is "FILE:LINE: ".
+jsonl_item token_line_read(const std::string& line, const std::string& where, int64_t vocab, const models::tokenizer* tok,
+                           bool request_keys) {
+  const nlohmann::json j = models::json_parse_strict(line, where.substr(0, where.size() - 2));
+  jsonl_item it;
+  if (j.is_object() && j.contains("text") && j.contains("tokens"))
+    throw std::invalid_argument(where + "holds both 'text' and 'tokens': give one");
+  if (j.is_object() && j.contains("text") && j["text"].is_string()) {
+    if (!tok) throw std::invalid_argument(where + "'text' needs a tokenizer in the model directory; give 'tokens'");
+    try {
+      it.tokens = tok->encode(j["text"].get<std::string>(), true);
+    } catch (const std::exception& e) {
+      throw std::invalid_argument(where + e.what());
+    }
+    for (int32_t t : it.tokens)  // a tokenizer that does not belong to this model
+      if (t < 0 || t >= vocab)
+        throw std::invalid_argument(where + "the tokenizer gave token " + std::to_string(t) +
+                                    ", outside the model's vocabulary [0, " + std::to_string(vocab) + ")");
+  } else {
+    if (!j.is_object() || !j.contains("tokens") || !j["tokens"].is_array()) {
+      std::string unknown;  // a misspelt 'tokens' or 'text' is named
+      if (j.is_object())
+        for (auto k = j.begin(); k != j.end() && unknown.empty(); ++k)
+          if (k.key() != "tokens" && k.key() != "text" && k.key() != "max_tokens" && k.key() != "stop")
+            unknown = "; unknown key '" + k.key() + "'";
+      throw std::invalid_argument(where + "expected an object with a list 'tokens' (or a string 'text')" + unknown);
+    }
+    for (const auto& t : j["tokens"]) it.tokens.push_back(token_id(t, vocab, where, "token"));
+  }
+  if (it.tokens.empty()) throw std::invalid_argument(where + (j.contains("text") ? "'text' encodes to no tokens" : "'tokens' is empty"));
+  read_request_keys(j, request_keys, vocab, where, it);
+  return it;
+}
 }  // namespace
 
 std::vector<jsonl_item> read_token_jsonl(const std::string& path, int64_t vocab, const models::tokenizer* tok,
@@ -64,37 +97,20 @@ std::vector<jsonl_item> read_token_jsonl(const std::string& path, int64_t vocab,
   std::ifstream f(path);
   if (!f) throw std::invalid_argument(path + ": cannot open");
   std::vector<jsonl_item> out;
-  std::string line;
-  int64_t n = 0;
-  while (std::getline(f, line)) {
+  std::string line, errors;
+  int64_t n = 0, nerr = 0;
+  while (std::getline(f, line)) {  // every bad line named, up to 20 (as the datasets' reader does)
     ++n;
     if (line.find_first_not_of(" \t\r") == std::string::npos) continue;
-    const std::string where = path + ":" + std::to_string(n) + ": ";
-    const nlohmann::json j = models::json_parse_strict(line, where.substr(0, where.size() - 2));
-    jsonl_item it;
-    it.line = n;
-    if (j.is_object() && j.contains("text") && j.contains("tokens"))
-      throw std::invalid_argument(where + "holds both 'text' and 'tokens': give one");
-    if (j.is_object() && j.contains("text") && j["text"].is_string()) {
-      if (!tok) throw std::invalid_argument(where + "'text' needs a tokenizer in the model directory; give 'tokens'");
-      try {
-        it.tokens = tok->encode(j["text"].get<std::string>(), true);
-      } catch (const std::exception& e) {
-        throw std::invalid_argument(where + e.what());
-      }
-      for (int32_t t : it.tokens)  // a tokenizer that does not belong to this model
-        if (t < 0 || t >= vocab)
-          throw std::invalid_argument(where + "the tokenizer gave token " + std::to_string(t) +
-                                      ", outside the model's vocabulary [0, " + std::to_string(vocab) + ")");
-    } else {
-      if (!j.is_object() || !j.contains("tokens") || !j["tokens"].is_array())
-        throw std::invalid_argument(where + "expected an object with a list 'tokens' (or a string 'text')");
-      for (const auto& t : j["tokens"]) it.tokens.push_back(token_id(t, vocab, where, "token"));
+    try {
+      out.push_back(token_line_read(line, path + ":" + std::to_string(n) + ": ", vocab, tok, request_keys));
+      out.back().line = n;
+    } catch (const std::invalid_argument& e) {
+      if (++nerr <= 20) errors += std::string("\n  ") + e.what();
     }
-    if (it.tokens.empty()) throw std::invalid_argument(where + (j.contains("text") ? "'text' encodes to no tokens" : "'tokens' is empty"));
-    read_request_keys(j, request_keys, vocab, where, it);
-    out.push_back(std::move(it));
   }
+  if (nerr == 1) throw std::invalid_argument(errors.substr(3));
+  if (nerr) throw std::invalid_argument(path + ": " + std::to_string(nerr) + " malformed line(s):" + errors);
   if (out.empty()) throw std::invalid_argument(path + ": holds no input lines");
   return out;
 }
