@@ -573,6 +573,20 @@ TEST(E2E, TilesRecipeRunsWithAmxAndIsRefusedWithout) {
   fs::remove_all(d);
 }
 
+// caf-run with the shipped one-node topology runs the job, and says nothing of "every other
+// node" (it said they had all exited as soon as the only node started).
+TEST(E2E, CafRunWithOneNode) {
+  const fs::path d = fresh_dir("one_node");
+  std::ofstream(d / "hosts") << "127.0.0.1 slots=2\n";
+  const auto r = fp8rl::test::run_command("cd " + d.string() + " && " + kBin + "/caf-run --hostfile hosts --topology " +
+                                          fs::absolute("configs/topologies/local.conf").string() + " -- " + kBin +
+                                          "/fp8rl train --run-dir " + (d / "run").string() + kSmall + " --run.steps=2");
+  ASSERT_EQ(r.rc, 0) << r.out;
+  EXPECT_EQ(metrics(d / "run").size(), 2u);
+  EXPECT_EQ(r.out.find("every other node"), std::string::npos) << r.out;
+  fs::remove_all(d);
+}
+
 // With the FP8 KV cache: its Q/K/V scales travel in the bundles, and every layer's count of
 // saturated K/V elements reaches the metrics from both processes' rollouts. The topology is given
 // relative to caf-run's directory and the nodes run in another (--wdir) holding a file of the same

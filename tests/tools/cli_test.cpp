@@ -343,6 +343,7 @@ TEST_F(Cli, EveryProgramHasHelp) {
       {"/fp8rl --help", {"fp8rl <command> --help"}},
       {"/caf-run --help", {"--hostfile", "--grace", "--fail-fast", "--wdir"}},
       {"/fp8rl-trace --help", {"merge", "shiviz", "summary"}},
+      {"/fp8rl-trace merge --help", {"merge", "shiviz", "summary"}},  // it was "--help: no such run directory"
       {"/bench-gemm --help", {"--shapes"}},
       {"/bench-decode --help", {"--layers", "--prefill"}}};
   for (const auto& [cmd, opts] : progs) {
@@ -351,6 +352,10 @@ TEST_F(Cli, EveryProgramHasHelp) {
     for (const auto& o : opts) EXPECT_NE(r.out.find(o), std::string::npos) << cmd << " lacks " << o << "\n" << r.out;
   }
   refused("score --bogus 1" + m(), "unknown option --bogus (--help lists the options)");
+  // caf-run: a command given without the -- before it is told where it goes
+  const result c = fp8rl::test::run_command(kBin + "/caf-run --hostfile h --topology t.conf " + kBin + "/fp8rl train");
+  EXPECT_EQ(c.rc, 2) << c.out;
+  EXPECT_NE(c.out.find("the command to run goes after -- (caf-run ... -- " + kBin + "/fp8rl ...)"), std::string::npos) << c.out;
   const result b = fp8rl::test::run_command(kBin + "/bench-decode --layerz=2");
   EXPECT_EQ(b.rc, 2) << b.out;  // a mistyped benchmark option was stored and ignored
 }

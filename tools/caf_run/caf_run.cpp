@@ -236,6 +236,8 @@ int main(int argc, char** argv) {
         grace = static_cast<int>(g);
       }
       else if (a == "--fail-fast") fail_fast = true;
+      else if (a.rfind("-", 0) != 0)  // the command without the -- before it
+        throw std::invalid_argument("unknown option '" + a + "': the command to run goes after -- (caf-run ... -- " + a + " ...)");
       else throw std::invalid_argument("unknown option '" + a + "' (caf-run --help lists the options)");
     }
     if (hostfile.empty() || topofile.empty() || cmd.empty())
@@ -418,7 +420,8 @@ int main(int argc, char** argv) {
       if (all_done) break;
       // the others have all exited and the controller has not: say whom caf-run waits for (a
       // stopped or stuck controller kept it waiting without a word)
-      if (!waiting_said && std::all_of(kids.begin(), kids.end(), [&](const child& k) { return k.done || k.name == controller_name; })) {
+      if (!waiting_said && kids.size() > 1 &&  // a single node has no others to have exited
+          std::all_of(kids.begin(), kids.end(), [&](const child& k) { return k.done || k.name == controller_name; })) {
         waiting_said = true;
         std::printf("caf-run: every other node has exited; waiting for the controller node %s (Ctrl-C stops it)\n",
                     controller_name.c_str());

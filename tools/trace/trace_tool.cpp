@@ -277,7 +277,7 @@ int merge(const fs::path& run) {
   f << json{{"traceEvents", out}, {"displayTimeUnit", "ms"}}.dump();
   f.close();
   if (!f) throw std::runtime_error(p.string() + ": cannot write");  // it said "wrote" and exited 0
-  std::printf("wrote %s (%zu events, %zu processes, %zu actors, %zu messages)\n", p.c_str(), ev.size(), pid.size(), tid.size(),
+  std::printf("wrote %s (%zu events, %zu nodes, %zu actors, %zu messages)\n", p.c_str(), ev.size(), pid.size(), tid.size(),
               mp.pairs.size());
   return 0;
 }
@@ -394,7 +394,8 @@ int main(int argc, char** argv) {
       "           one row per actor, an arrow from each message's send to its receive\n"
       "  shiviz   -> RUN_DIR/trace.shiviz.log: send/receive events with vector clocks (ShiViz)\n"
       "  summary  busy/idle per actor, overlap, staleness, weight-sync latency, message latencies\n";
-  if (argc == 2 && (!std::strcmp(argv[1], "--help") || !std::strcmp(argv[1], "-h"))) {
+  auto help = [](const char* a) { return !std::strcmp(a, "--help") || !std::strcmp(a, "-h"); };
+  if ((argc == 2 && help(argv[1])) || (argc == 3 && help(argv[2]))) {  // `fp8rl-trace merge --help` too
     std::fputs(usage, stdout);
     return 0;
   }
