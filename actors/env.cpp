@@ -7,6 +7,8 @@
 #include "models/cpu/cpu_backend.hpp"
 #include "models/params.hpp"
 #include "models/rl/rl.hpp"
+#include "quant/cpu_isa.hpp"
+#include "quant/gemm.hpp"
 
 namespace fp8rl::actors {
 
@@ -36,6 +38,20 @@ caf::error actor_exception_error(const std::string& who, std::exception_ptr& e) 
   } catch (...) {
     return caf::make_error(caf::sec::runtime_error, who + ": an exception that is not a std::exception");
   }
+}
+
+std::string node_tiles_problem(const run_config& cfg, const node_spec& n, bool warm_start) {
+  if (quant::gemm_tiles_available()) return "";
+  const bool trains = !n.learners.empty() || n.has("calibration") || warm_start;
+  const auto rl = recipe_rl_config(cfg);
+  const struct { const char* key; const std::string& value; bool asked; } policies[] = {
+      {"precision.generation", cfg.generation, rl.gen_policy.tiles && (trains || !n.rollouts.empty())},
+      {"precision.training", cfg.training, rl.train_policy.tiles && trains}};
+  for (const auto& p : policies)
+    if (p.asked)
+      return std::string(p.key) + " = " + p.value + " asks for tile GEMMs and this CPU has no AMX-BF16 (active ISA: " +
+             std::string(quant::cpu_isa_name(quant::cpu_isa_active())) + ")";
+  return "";
 }
 
 std::string device_problem(const device_spec& d) {

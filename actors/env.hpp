@@ -64,5 +64,10 @@ std::unique_ptr<models::backend> backend_for(const device_spec& d);
 // "" if this build's actors can run on d, else why not (checked for every node of a topology
 // before a run writes anything: a cuda device failed only once the warm start was done).
 std::string device_problem(const device_spec& d);
+// "" if this CPU can run the tile GEMMs (AMX) that node n's work asks for, else why not, naming
+// the precision key: rollouts run precision.generation; learners, the calibration actor and the
+// built-in model's SFT warm start (`warm_start`) precision.training and precision.generation. A
+// node without them needs no AMX (a rollout-only node was refused for a tiles training policy).
+std::string node_tiles_problem(const run_config& cfg, const node_spec& n, bool warm_start);
 
 }  // namespace fp8rl::actors

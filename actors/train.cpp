@@ -27,8 +27,6 @@
 #include "models/checkpoint.hpp"
 #include "models/json_io.hpp"
 #include "models/log.hpp"
-#include "quant/cpu_isa.hpp"
-#include "quant/gemm.hpp"
 
 namespace fp8rl::actors {
 namespace {
@@ -240,22 +238,24 @@ void caf_options_validate(const caf::actor_system_config& cfg) {
   }
 }
 
-// CAF's own options into cfg; an error names the option at fault (CAF's words were
-// "parser_error(not_an_option, ({"argument" = ...}))").
+// CAF's own options into cfg (CAF also reads ./caf-application.ini where one exists); an error
+// names the option or that file (CAF's words were "parser_error(not_an_option, ({...}))").
 void caf_options_parse(fp8rl_config& cfg, const std::vector<std::string>& args) {
   const caf::error err = cfg.parse(args);
   if (!err) return;
-  for (const auto& a : args) {
+  auto why_of = [](const caf::error& e) {
+    if (e.category() != caf::atom("parser")) return caf::actor_system_config::render(e);
+    const auto code = static_cast<caf::pec>(e.code());
+    return code == caf::pec::not_an_option ? std::string("no such option") : "cannot parse its value (" + caf::to_string(code) + ")";
+  };
+  for (const auto& a : args) {  // each alone, without the .ini (a bad one failed every option)
     fp8rl_config one;
-    const caf::error e = one.parse(std::vector<std::string>{a});
-    if (!e) continue;
-    std::string why = caf::actor_system_config::render(e);
-    if (e.category() == caf::atom("parser")) {
-      const auto code = static_cast<caf::pec>(e.code());
-      why = code == caf::pec::not_an_option ? "no such option" : "cannot parse its value (" + caf::to_string(code) + ")";
-    }
-    throw std::invalid_argument("CAF option " + a + ": " + why);
+    std::istringstream no_ini;
+    if (const caf::error e = one.parse(std::vector<std::string>{a}, no_ini)) throw std::invalid_argument("CAF option " + a + ": " + why_of(e));
   }
+  if (fs::exists("caf-application.ini"))
+    throw std::invalid_argument(fs::absolute("caf-application.ini").string() + " (CAF reads it from the working directory): " +
+                                caf::actor_system_config::render(err));
   throw std::invalid_argument("CAF options: " + caf::actor_system_config::render(err));
 }
 
@@ -532,13 +532,9 @@ int train_main(int argc, char** argv) {
         if (const std::string why = device_problem(d); !why.empty())
           throw std::invalid_argument(topo.source + ": node '" + n.name + "': " + why);
   // what the SFT warm start (seconds to minutes) would only be followed by a refusal of, before it
-  const auto rl = recipe_rl_config(cfg);
-  const struct { const char* key; const std::string& value; bool tiles; } policies[] = {
-      {"precision.generation", cfg.generation, rl.gen_policy.tiles}, {"precision.training", cfg.training, rl.train_policy.tiles}};
-  for (const auto& p : policies)
-    if (p.tiles && !quant::gemm_tiles_available())
-      throw std::invalid_argument(std::string(p.key) + " = " + p.value + " asks for tile GEMMs and this CPU has no AMX-BF16 (active ISA: " +
-                                  std::string(quant::cpu_isa_name(quant::cpu_isa_active())) + ")");
+  const node_spec& here = *topo.find(node);
+  const bool warm_start = here.has("controller") && !c.resume && cfg.init == "tiny";
+  if (const std::string why = node_tiles_problem(cfg, here, warm_start); !why.empty()) throw std::invalid_argument(why);
   if (!c.resume && cfg.init == "tiny" && models::task_spec_parse(cfg.task).builtin)  // run_preflight checks the others
     prompts_fit_check(cfg, *models::char_tokenizer_make(models::arithmetic_alphabet()));
   fp8rl_config ccfg;

@@ -137,8 +137,8 @@ std::string model_config_mismatch(const model_config& want, const model_config& 
        double(w.original_max_position_embeddings)}};
   for (const auto& f : fields)
     if (f.got != f.want) {
-      char b[64];
-      std::snprintf(b, sizeof b, " %.9g, expected %.9g", f.got, f.want);
+      char b[80];
+      std::snprintf(b, sizeof b, " %.17g, expected %.17g", f.got, f.want);  // every digit: values differing past the 9th
       return f.name + std::string(b);
     }
   return "";

@@ -50,7 +50,8 @@ dataset dataset_load_jsonl(const std::string& path) {
     if (answer_normalize(e.answer).empty()) { bad("'answer' " + j["answer"].dump() + " is empty once normalized"); continue; }
     d.items.push_back(std::move(e));
   }
-  if (nerr) throw std::invalid_argument(path + ": " + std::to_string(nerr) + " malformed line(s):" + errors);
+  if (nerr)
+    throw std::invalid_argument(path + ": " + std::to_string(nerr) + " malformed line(s)" + (nerr > 20 ? " (the first 20)" : "") + ":" + errors);
   if (d.items.empty()) throw std::invalid_argument(path + ": no examples");
   return d;
 }

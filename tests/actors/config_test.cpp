@@ -8,11 +8,13 @@
 #include <fstream>
 #include <nlohmann/json.hpp>
 
+#include "actors/env.hpp"
 #include "actors/recipe.hpp"
 #include "actors/run_dir.hpp"
 #include "actors/signals.hpp"
 #include "actors/topology.hpp"
 #include "models/log.hpp"
+#include "quant/gemm.hpp"
 
 using namespace fp8rl::actors;
 namespace fs = std::filesystem;
@@ -236,6 +238,29 @@ TEST(Topology, BadFilesNameNodeAndKey) {
   EXPECT_NE(error_of([&] { topology_load(f11); }).find("node 'b': port 47211 reused on host localhost"), std::string::npos)
       << error_of([&] { topology_load(f11); });
   for (const auto& f : {f1, f2, f3, f4, f5, f6, f7, f8, f9, f10, f11}) fs::remove(f);
+}
+
+// Tile GEMMs (AMX) are asked of the CPU only where a node runs them: a rollout-only node takes
+// precision.generation's, learners, calibration and the warm start both (every process of a run
+// was refused for either); where AMX exists nothing is refused.
+TEST(Topology, TilePoliciesAreCheckedWhereANodeRunsThem) {
+  run_config r;
+  r.training = "bf16-tiles";
+  node_spec rollout_only, learner, controller_only;
+  rollout_only.rollouts.assign(1, device_spec{});
+  learner.learners.assign(1, device_spec{});
+  controller_only.roles = {"controller", "buffer", "reward", "weight_sync"};
+  const bool amx = fp8rl::quant::gemm_tiles_available();
+  const std::string no_amx = "precision.training = bf16-tiles asks for tile GEMMs and this CPU has no AMX-BF16";
+  EXPECT_EQ(node_tiles_problem(r, rollout_only, false), "");
+  EXPECT_EQ(node_tiles_problem(r, controller_only, false), "");
+  EXPECT_EQ(node_tiles_problem(r, learner, false).rfind(amx ? "" : no_amx, 0), 0u) << node_tiles_problem(r, learner, false);
+  EXPECT_EQ(node_tiles_problem(r, controller_only, true).rfind(amx ? "" : no_amx, 0), 0u);  // its SFT warm start
+  r.training = "fp8";
+  r.generation = "fp8-tiles";
+  EXPECT_EQ(node_tiles_problem(r, rollout_only, false).rfind(amx ? "" : "precision.generation = fp8-tiles asks", 0), 0u);
+  EXPECT_EQ(node_tiles_problem(r, controller_only, false), "");
+  EXPECT_EQ(node_tiles_problem(r, learner, false).rfind(amx ? "" : "precision.generation = fp8-tiles asks", 0), 0u);
 }
 
 // A node's CAF workers: the default grows to a worker per learner and rollout plus two; a value

@@ -484,6 +484,16 @@ TEST(E2E, BadRecipeKeyFailsWithItsName) {
     EXPECT_NE(c.out.find(what), std::string::npos) << arg << "\n" << c.out;
   }
   EXPECT_FALSE(fs::exists(d / "run" / "recipe.conf"));  // refused before the run starts
+  // a bad caf-application.ini (CAF reads it from the working directory) is named, not the first
+  // CAF option given, which is fine
+  fs::create_directories(d / "ini");
+  std::ofstream(d / "ini" / "caf-application.ini") << "[scheduler]\nmax-threads=\n";
+  const auto ini = fp8rl::test::run_command("cd " + (d / "ini").string() + " && " + kBin + "/fp8rl train --run-dir " +
+                                            (d / "run").string() + " --scheduler.policy=sharing");
+  EXPECT_EQ(ini.rc, 2) << ini.out;
+  EXPECT_NE(ini.out.find((d / "ini" / "caf-application.ini").string() + " (CAF reads it from the working directory)"),
+            std::string::npos) << ini.out;
+  EXPECT_EQ(ini.out.find("CAF option --scheduler.policy"), std::string::npos) << ini.out;
   // the built-in model's prompts are checked before its SFT warm start (refused after it, leaving
   // checkpoints/init behind)
   const auto late = fp8rl::test::run_command(kBin + "/fp8rl train --run-dir " + (d / "late").string() + " --rollout.max_new_tokens=40");

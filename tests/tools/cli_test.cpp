@@ -356,6 +356,9 @@ TEST_F(Cli, EveryProgramHasHelp) {
   const result c = fp8rl::test::run_command(kBin + "/caf-run --hostfile h --topology t.conf " + kBin + "/fp8rl train");
   EXPECT_EQ(c.rc, 2) << c.out;
   EXPECT_NE(c.out.find("the command to run goes after -- (caf-run ... -- " + kBin + "/fp8rl ...)"), std::string::npos) << c.out;
+  const result stray = fp8rl::test::run_command(kBin + "/caf-run --hostfile h --topology t.conf --grace 5 10 -- true");
+  EXPECT_EQ(stray.rc, 2) << stray.out;  // a stray word before the --: no hint about it
+  EXPECT_NE(stray.out.find("unknown option '10' (caf-run --help lists the options)"), std::string::npos) << stray.out;
   const result b = fp8rl::test::run_command(kBin + "/bench-decode --layerz=2");
   EXPECT_EQ(b.rc, 2) << b.out;  // a mistyped benchmark option was stored and ignored
 }

@@ -236,7 +236,7 @@ int main(int argc, char** argv) {
         grace = static_cast<int>(g);
       }
       else if (a == "--fail-fast") fail_fast = true;
-      else if (a.rfind("-", 0) != 0)  // the command without the -- before it
+      else if (a.rfind("-", 0) != 0 && std::find(argv + i, argv + argc, std::string("--")) == argv + argc)  // no -- follows
         throw std::invalid_argument("unknown option '" + a + "': the command to run goes after -- (caf-run ... -- " + a + " ...)");
       else throw std::invalid_argument("unknown option '" + a + "' (caf-run --help lists the options)");
     }

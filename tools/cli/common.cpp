@@ -79,7 +79,7 @@ jsonl_item token_line_read(const std::string& line, const std::string& where, in
       std::string unknown;  // a misspelt 'tokens' or 'text' is named
       if (j.is_object())
         for (auto k = j.begin(); k != j.end() && unknown.empty(); ++k)
-          if (k.key() != "tokens" && k.key() != "text" && k.key() != "max_tokens" && k.key() != "stop")
+          if (k.key() != "tokens" && k.key() != "text" && !(request_keys && (k.key() == "max_tokens" || k.key() == "stop")))
             unknown = "; unknown key '" + k.key() + "'";
       throw std::invalid_argument(where + "expected an object with a list 'tokens' (or a string 'text')" + unknown);
     }
@@ -110,7 +110,8 @@ std::vector<jsonl_item> read_token_jsonl(const std::string& path, int64_t vocab,
     }
   }
   if (nerr == 1) throw std::invalid_argument(errors.substr(3));
-  if (nerr) throw std::invalid_argument(path + ": " + std::to_string(nerr) + " malformed line(s):" + errors);
+  if (nerr)
+    throw std::invalid_argument(path + ": " + std::to_string(nerr) + " malformed line(s)" + (nerr > 20 ? " (the first 20)" : "") + ":" + errors);
   if (out.empty()) throw std::invalid_argument(path + ": holds no input lines");
   return out;
 }
