@@ -345,7 +345,7 @@ msg::controller_actor spawn_controller(caf::actor_system& sys, std::shared_ptr<c
                  s.stop_why + ", at step " + std::to_string(version) + " of " + std::to_string(s.end) + ": " +
                      (dir.empty() ? "no step was trained, nothing to resume"
                                   : dir + " is the latest checkpoint; to continue, run the command again with --resume --run-dir " + where +
-                                        " in place of any --run-dir or --overwrite (the other options as before)"),
+                                        " in place of any --run-dir or --overwrite (recipe options may be left out: the run's own settings are the default)"),
                  true);
         },
     };

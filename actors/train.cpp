@@ -295,7 +295,8 @@ cli parse_cli(int argc, char** argv) {
                   "--config-file FILE is --recipe FILE (CAF's name). --node NAME: the topology node this process runs\n"
                   "(default: the controller's; caf-run passes it). CAF's own options pass through to CAF.\n"
                   "The run directory defaults to runs/NAME (run.name), or runs/NAME-2, -3, ... while that holds an earlier\n"
-                  "run; --resume continues the newest of them (or --run-dir); --overwrite replaces the earlier run in\n"
+                  "run; --resume continues the newest of them (or --run-dir) with the settings it ran with (its recipe.conf,\n"
+                  "or the newest RUN_DIR/resumes/recipe-stepN.conf), then the options given; --overwrite replaces the earlier run in\n"
                   "runs/NAME itself, not the newest (or in --run-dir): its outputs are moved to RUN_DIR/.replaced/ and\n"
                   "deleted once the new run passed its preflight; a failed or killed start gets them back.\n"
                   "Progress (one line per step) and logs go to stderr; --run.log_level=warn keeps the warnings and\n"
@@ -376,17 +377,41 @@ std::string prepare_init(const run_config& cfg, const std::string& run_dir, bool
   return dir.string();
 }
 
+// --resume: the run's own settings -- the newest part's (RUN_DIR/resumes/recipe-stepN.conf with the
+// largest N <= the checkpoint's step, else recipe.conf) -- then this command's --recipe and
+// --section.key overrides (they were all there was: a resume without the first command's options
+// was refused, or ran with other ones).
+run_config resume_recipe(const cli& c, const std::string& run_dir, uint64_t start_version) {
+  fs::path base = fs::path(run_dir) / "recipe.conf";
+  // without it nothing says which task, model and seed the checkpoint's cursor and weights refer to
+  if (!fs::exists(base))
+    throw std::invalid_argument("--resume: " + base.string() + " is missing: the run's task, model and seed cannot be checked "
+                                "(restore it, or start a new run with --model.init=<a checkpoint of this run>)");
+  std::error_code ec;
+  int64_t newest = -1;
+  for (const auto& e : fs::directory_iterator(fs::path(run_dir) / "resumes", ec)) {
+    const std::string f = e.path().filename().string();  // recipe-stepN.conf
+    if (f.rfind("recipe-step", 0) != 0 || f.size() < 17 || f.substr(f.size() - 5) != ".conf") continue;
+    const std::string digits = f.substr(11, f.size() - 16);
+    if (digits.find_first_not_of("0123456789") != std::string::npos || digits.size() > 18) continue;
+    const int64_t n = std::stoll(digits);
+    if (n > newest && static_cast<uint64_t>(n) <= start_version) newest = n, base = e.path();
+  }
+  run_config cfg;
+  recipe_load_file(cfg, base.string());
+  if (!c.recipe.empty()) recipe_load_file(cfg, c.recipe);
+  for (const auto& o : c.overrides) recipe_apply_cli(cfg, o);
+  recipe_validate(cfg);
+  return cfg;
+}
+
 // --resume continues the run its recipe.conf records. What identifies the run's data and model
 // (task.*, model.*, run.seed, run.name) cannot change: the checkpoint's prompt cursor and weights
 // refer to them (a resume with another task trained on it from the old task's cursor). Other
 // changes (more steps, another learning rate or batch) are allowed and returned, one line each, to
 // be logged and recorded in resumes/ beside recipe.conf, which keeps the first part's settings.
 std::string resume_recipe_changes(const run_config& cfg, const std::string& run_dir) {
-  const fs::path stored = fs::path(run_dir) / "recipe.conf";
-  // without it nothing says which task, model and seed the checkpoint's cursor and weights refer to
-  if (!fs::exists(stored))
-    throw std::invalid_argument("--resume: " + stored.string() + " is missing: the run's task, model and seed cannot be checked "
-                                "(restore it, or start a new run with --model.init=<a checkpoint of this run>)");
+  const fs::path stored = fs::path(run_dir) / "recipe.conf";  // resume_recipe checked it is there
   run_config was;
   recipe_load_file(was, stored.string());
   std::stringstream a(recipe_dump(was)), b(recipe_dump(cfg));  // one template: the lines align
@@ -569,8 +594,15 @@ int train_main(int argc, char** argv) {
   std::optional<run_dir_stash> replaced;
   if (c.overwrite && !run_dir_outputs(run_dir).empty()) replaced.emplace(run_dir);
   run_start start;
-  const std::string resumed_with = c.resume ? resume_recipe_changes(cfg, run_dir) : "";
-  const std::string init_dir = prepare_init(cfg, run_dir, c.resume, &start);
+  std::string init_dir, resumed_with;
+  if (c.resume) {  // the checkpoint's step first: it picks the settings of the part that made it
+    init_dir = prepare_init(cfg, run_dir, true, &start);
+    cfg = resume_recipe(c, run_dir, start.version);
+    resumed_with = resume_recipe_changes(cfg, run_dir);
+    if (const std::string why = node_tiles_problem(cfg, here, false); !why.empty()) throw std::invalid_argument(why);
+  } else {
+    init_dir = prepare_init(cfg, run_dir, false, &start);
+  }
   const uint64_t start_version = start.version;
   if (start_version >= static_cast<uint64_t>(cfg.steps)) {
     std::fprintf(stderr, "fp8rl train: %s is already at step %lu of %ld\n", run_dir.c_str(),

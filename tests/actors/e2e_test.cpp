@@ -230,6 +230,14 @@ TEST(E2E, EmbeddedDefaultRunsAndResumes) {
     EXPECT_EQ(a.find("prompts_per_step=4\n"), std::string::npos) << a;
     EXPECT_NE(b.find("prompts_per_step=4\n"), std::string::npos) << b;
   }
+  // --resume with no recipe options continues with the run's own settings, the newest part's (the
+  // first command's model.sft_steps and task.val_size were asked for again: "records another task,
+  // model or seed"; the second part's prompts_per_step would have gone back to the default)
+  const auto bare = fp8rl::test::run_command(kBin + "/fp8rl train --resume --run-dir " + d.string() + " --run.steps=7");
+  ASSERT_EQ(bare.rc, 0) << bare.out;
+  ASSERT_EQ(metrics(d).size(), 7u);
+  EXPECT_EQ(cursor(7), 44);  // 40 + 4: the second part's prompts_per_step
+  EXPECT_NE(text_of(d / "resumes" / "recipe-step6.conf").find("steps=7\n"), std::string::npos);  // this part's, recorded
   // bad input fails before any actor starts, naming the file, and changes nothing: a task file
   // with a broken line (it used to hang the run), a state.json that is not JSON or contradicts
   // its step directory
