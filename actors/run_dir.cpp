@@ -242,7 +242,9 @@ int64_t metrics_trim_for_resume(const std::string& metrics_path, uint64_t versio
 }
 
 namespace {
-// `gnuplot plots.gp` in dir, spawned without a shell; its output goes to dir/gnuplot.log.
+// `gnuplot plots.gp` in dir, spawned without a shell; its output goes to dir/gnuplot.log. In a
+// process group of its own: the signal that stops a run reaches the run's group (a terminal's
+// Ctrl-C, caf-run's SIGTERM to a node's group) and killed the plots of a stop at the last step.
 std::string plots_run_gnuplot(const fs::path& dir) {
   posix_spawn_file_actions_t fa;
   posix_spawn_file_actions_init(&fa);
@@ -251,14 +253,20 @@ std::string plots_run_gnuplot(const fs::path& dir) {
   posix_spawn_file_actions_adddup2(&fa, 1, 2);
   char arg0[] = "gnuplot", arg1[] = "plots.gp";
   char* argv[] = {arg0, arg1, nullptr};
+  posix_spawnattr_t attr;
+  posix_spawnattr_init(&attr);
+  posix_spawnattr_setflags(&attr, POSIX_SPAWN_SETPGROUP);
+  posix_spawnattr_setpgroup(&attr, 0);
   pid_t pid = 0;
-  const int rc = posix_spawnp(&pid, "gnuplot", &fa, nullptr, argv, environ);
+  const int rc = posix_spawnp(&pid, "gnuplot", &fa, &attr, argv, environ);
+  posix_spawnattr_destroy(&attr);
   posix_spawn_file_actions_destroy(&fa);
   // glibc reports a failed exec (and a failed file action) as the return value, not as status 127
   if (rc == ENOENT && fs::is_directory(dir)) return "gnuplot is not installed (tools/setup installs gnuplot-nox)";
   if (rc != 0) return "cannot run gnuplot in " + dir.string() + ": " + std::strerror(rc);
   int status = 0;
   while (::waitpid(pid, &status, 0) < 0 && errno == EINTR) {}
+  if (WIFSIGNALED(status)) return std::string("gnuplot was killed by signal ") + std::to_string(WTERMSIG(status)) + " (" + strsignal(WTERMSIG(status)) + ")";
   if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) return "gnuplot failed: see " + (dir / "gnuplot.log").string();
   return "";
 }

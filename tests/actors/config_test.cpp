@@ -2,6 +2,8 @@
 // CLI overrides, dump -> reload, every shipped file, the Llama-3.1-8B 8-GPU placement plan, and
 // which run directory `fp8rl train` writes (an earlier run is never overwritten unasked).
 #include <gtest/gtest.h>
+#include <unistd.h>
+
 #include <csignal>
 
 #include <filesystem>
@@ -443,6 +445,23 @@ TEST(RunDir, PlotsReportWhatTheyCannotWrite) {
   err = plots_write(q.string());
   ::setenv("PATH", path.c_str(), 1);
   EXPECT_EQ(err, "gnuplot is not installed (tools/setup installs gnuplot-nox)");
+  // gnuplot runs in a process group of its own: a signal to the run's group (Ctrl-C at the
+  // terminal, caf-run stopping a node) does not kill the plots of a run stopping at its last step.
+  // A fake gnuplot signals its whole group; the caller, in a group of its own here, survives.
+  const fs::path bin = q / "bin";
+  fs::create_directories(bin);
+  std::ofstream(bin / "gnuplot") << "#!/bin/sh\nkill -TERM 0\nsleep 5\n";
+  fs::permissions(bin / "gnuplot", fs::perms::owner_all);
+  std::ofstream(q / "metrics.jsonl") << "{\"step\":1}\n";
+  EXPECT_EXIT(
+      {
+        ::setpgid(0, 0);
+        ::setenv("PATH", bin.c_str(), 1);
+        const std::string why = plots_write(q.string());
+        std::fprintf(stderr, "%s\n", why.c_str());
+        std::exit(why == "gnuplot was killed by signal 15 (Terminated)" ? 0 : 1);
+      },
+      ::testing::ExitedWithCode(0), "killed by signal 15");
   fs::remove_all(q);
 }
 
