@@ -764,6 +764,21 @@ TEST(E2E, CafRunStopsItsGroup) {
   EXPECT_EQ(group_log.find("caf-run: a second signal; SIGKILL now"), std::string::npos) << group_log;
   EXPECT_NE(group_log.find("rollout1 exited with 143\n"), std::string::npos) << group_log;  // signalled itself: 128 + SIGTERM
   EXPECT_EQ(text_of(g / "run" / "checkpoints" / "latest"), "step_" + std::to_string(metrics(g / "run").size()) + "\n") << group_log;
+  // one node preempted (SIGTERM to it alone): the run stops checkpointed, and caf-run says so
+  // rather than "node main failed (exit 143)"
+  const fs::path pre = d / "preempt";
+  fs::create_directories(pre);
+  const pid_t pgroup = start_until_two_steps(cafrun.substr(0, cafrun.find(" --run-dir ")) + " --run-dir " + (pre / "run").string() +
+                                                 cafrun.substr(cafrun.find(" --run.steps")),
+                                             pre);
+  ASSERT_GT(pgroup, 0) << "the preemption run did not start";
+  ASSERT_EQ(node_pids(text_of(pre / "log")).size(), 2u);
+  ::kill(-node_pids(text_of(pre / "log"))[1], SIGTERM);  // rollout1's process group
+  const int pre_st = wait_exit(pgroup);
+  const std::string pre_log = text_of(pre / "log");
+  EXPECT_TRUE(WIFEXITED(pre_st) && WEXITSTATUS(pre_st) == 143) << pre_log;
+  EXPECT_NE(pre_log.find("caf-run: the controller node main stopped the run on a signal (exit 143)"), std::string::npos) << pre_log;
+  EXPECT_EQ(pre_log.find("failed (exit"), std::string::npos) << pre_log;
   for (const pid_t node : node_pids(text))
     EXPECT_FALSE(fs::exists("/proc/" + std::to_string(node))) << "node pid " << node << " outlived caf-run";
   EXPECT_EQ(node_pids(text).size(), 2u) << text;  // caf-run's start lines name each node's pid
@@ -868,6 +883,11 @@ TEST(E2E, CafRunStopsItsGroup) {
   for (const pid_t node : node_pids(deaf_log)) ::kill(-node, SIGKILL);  // nothing outlives a failed check
   EXPECT_NE(deaf_log.find("caf-run: a second signal; SIGKILL now"), std::string::npos) << deaf_log;
   EXPECT_NE(deaf_log.find("main exited with 137 (killed by SIGKILL)"), std::string::npos) << deaf_log;
+  // killed, not first told to stop, and not blamed on a node (it said "stopping X (SIGTERM)" for
+  // the nodes it then killed, and "X failed (exit 137); the controller decides ...")
+  EXPECT_EQ(deaf_log.find("(SIGTERM)", deaf_log.find("a second signal")), std::string::npos) << deaf_log;
+  EXPECT_NE(deaf_log.find("rollout1 killed (SIGKILL)"), std::string::npos) << deaf_log;
+  EXPECT_EQ(deaf_log.find("the controller decides"), std::string::npos) << deaf_log;
   fs::remove_all(d);
 }
 

@@ -180,13 +180,21 @@ void relay(child& c, bool flush_all) {
   std::fflush(stdout);
 }
 
+// 128 + SIGHUP/SIGINT/SIGTERM/SIGPIPE: how fp8rl train exits after a stop on a signal (checkpointed)
+bool stopped_on_signal(int code) {
+  return code == 128 + SIGHUP || code == 128 + SIGINT || code == 128 + SIGTERM || code == 128 + SIGPIPE;
+}
+
 const char* const kUsage =
     "usage: caf-run --hostfile FILE --topology FILE [options] -- CMD ARGS...\n"
     "Starts one process per topology node (fork/exec here, ssh to other hosts) running\n"
     "  CMD ARGS... --topology FILE --node NAME [--scheduler.max-threads=N]\n"
     "with its output prefixed by the node's name. CMD is the fp8rl program as every host sees it\n"
     "(a path: caf-run does not search the build directory), e.g. $PWD/build/bin/fp8rl train ...\n"
-    "  --hostfile FILE     lines \"<host> [slots=N]\"; a node runs on the host equal to its \"host\"\n"
+    "  --hostfile FILE     lines \"<host> [slots=N]\"; a node runs on the host equal to its \"host\";\n"
+    "                      slots above 8 (fp8rl's default CAF workers) become --scheduler.max-threads=N\n"
+    "                      for every node on that host (each node's own need is a worker per learner\n"
+    "                      and rollout plus two: fp8rl raises its default to that)\n"
     "  --topology FILE     the topology (configs/topologies/); the nodes get its absolute path\n"
     "  --wdir DIR          working directory of every process (default: the current one): CMD's\n"
     "                      relative paths are relative to it\n"
@@ -381,7 +389,8 @@ int main(int argc, char** argv) {
       }
       if (g_signals >= 2 && !kill_sent && kill_at > clk::now()) {
         std::printf("caf-run: a second signal; SIGKILL now\n");
-        term_at = kill_at = clk::now();
+        term_sent = true;  // no SIGTERM first (it said "stopping X (SIGTERM)" for nodes it then killed)
+        kill_at = clk::now();
       }
       bool all_done = true;
       for (auto& k : kids) {
@@ -401,7 +410,10 @@ int main(int argc, char** argv) {
           const bool is_controller = k.name == controller_name;
           // not up yet: the run cannot start; after the controller, the others only follow it
           const bool decisive = !controller_done && (fail_fast || is_controller || !k.ready);
-          if (k.code != 0 && !decisive && !controller_done && first_failure == 0)  // not while the group stops
+          // not while the group stops (caf-run's own signals or kills ended it), nor for a node that
+          // ended on a stop signal (fp8rl passes it to the controller as a stop request)
+          if (k.code != 0 && !decisive && !controller_done && first_failure == 0 && !signalled && !term_sent &&
+              !stopped_on_signal(k.code))
             std::printf("caf-run: %s failed (exit %d); the controller decides whether the run goes on\n", k.name.c_str(), k.code);
           if (k.code != 0 && decisive && first_failure == 0) {
             first_failure = k.code;
@@ -451,6 +463,9 @@ int main(int argc, char** argv) {
     if (signalled)
       std::fprintf(stderr, "caf-run: stopped by a signal; every node was stopped%s\n",
                    first_failure && failed != "caf-run" ? (" (node " + failed + " exited with " + std::to_string(first_failure) + ")").c_str() : "");
+    else if (first_failure && failed == controller_name && stopped_on_signal(first_failure))  // a node's signal, passed on
+      std::fprintf(stderr, "caf-run: the controller node %s stopped the run on a signal (exit %d); the group was stopped\n",
+                   failed.c_str(), first_failure);
     else if (first_failure)
       std::fprintf(stderr, "caf-run: node %s failed (exit %d); the group was stopped\n", failed.c_str(), first_failure);
     return first_failure;
