@@ -295,8 +295,9 @@ cli parse_cli(int argc, char** argv) {
                   "--config-file FILE is --recipe FILE (CAF's name). --node NAME: the topology node this process runs\n"
                   "(default: the controller's; caf-run passes it). CAF's own options pass through to CAF.\n"
                   "The run directory defaults to runs/NAME (run.name), or runs/NAME-2, -3, ... while that holds an earlier\n"
-                  "run; --resume continues the newest of them (or --run-dir) with the settings it ran with (its recipe.conf,\n"
-                  "or the newest RUN_DIR/resumes/recipe-stepN.conf), then the options given; --overwrite replaces the earlier run in\n"
+                  "run; --resume continues the newest of them (or --run-dir) with the settings it ran with (recipe.conf,\n"
+                  "or RUN_DIR/resumes/recipe-stepN.conf of the part that made its checkpoint), then the options given;\n"
+                  "--overwrite replaces the earlier run in\n"
                   "runs/NAME itself, not the newest (or in --run-dir): its outputs are moved to RUN_DIR/.replaced/ and\n"
                   "deleted once the new run passed its preflight; a failed or killed start gets them back.\n"
                   "Progress (one line per step) and logs go to stderr; --run.log_level=warn keeps the warnings and\n"
@@ -377,8 +378,9 @@ std::string prepare_init(const run_config& cfg, const std::string& run_dir, bool
   return dir.string();
 }
 
-// --resume: the run's own settings -- the newest part's (RUN_DIR/resumes/recipe-stepN.conf with the
-// largest N <= the checkpoint's step, else recipe.conf) -- then this command's --recipe and
+// --resume: the run's own settings -- those of the part that made the checkpoint (resumed at the
+// largest N below its step: RUN_DIR/resumes/recipe-stepN.conf, else recipe.conf; a part resumed at
+// the checkpoint's own step made none, as a failed resume) -- then this command's --recipe and
 // --section.key overrides (they were all there was: a resume without the first command's options
 // was refused, or ran with other ones).
 run_config resume_recipe(const cli& c, const std::string& run_dir, uint64_t start_version) {
@@ -395,7 +397,7 @@ run_config resume_recipe(const cli& c, const std::string& run_dir, uint64_t star
     const std::string digits = f.substr(11, f.size() - 16);
     if (digits.find_first_not_of("0123456789") != std::string::npos || digits.size() > 18) continue;
     const int64_t n = std::stoll(digits);
-    if (n > newest && static_cast<uint64_t>(n) <= start_version) newest = n, base = e.path();
+    if (n > newest && static_cast<uint64_t>(n) < start_version) newest = n, base = e.path();
   }
   run_config cfg;
   recipe_load_file(cfg, base.string());
@@ -619,11 +621,15 @@ int train_main(int argc, char** argv) {
   created.armed = false;
   if (!c.resume) {  // a resume has one (resume_recipe_changes refuses it otherwise)
     std::ofstream(fs::path(run_dir) / "recipe.conf") << recipe_dump(cfg);  // only once the run can start
-  } else if (!resumed_with.empty()) {  // the first part's recipe.conf stays; the changes sit beside it
+  } else {  // the first part's recipe.conf stays; each resumed part's settings sit beside it (the
+    // next --resume starts from them; one failed here before is replaced)
     const fs::path f = fs::path(run_dir) / "resumes" / ("recipe-step" + std::to_string(start_version) + ".conf");
     fs::create_directories(f.parent_path());
     std::ofstream(f) << recipe_dump(cfg);
-    log_get("train")->warn("resuming at step {} with other settings (recorded in {}):{}", start_version, f.string(), resumed_with);
+    if (!resumed_with.empty())
+      log_get("train")->warn("resuming at step {} with other settings (recorded in {}):{}", start_version, f.string(), resumed_with);
+    else
+      log_get("train")->info("resuming at step {} with the run's settings (recorded in {})", start_version, f.string());
   }
   if (cfg.trace) trace_writer::process().open((fs::path(run_dir) / "traces" / (node + ".jsonl")).string(), node);
   int code = 1;

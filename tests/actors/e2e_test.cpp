@@ -238,6 +238,15 @@ TEST(E2E, EmbeddedDefaultRunsAndResumes) {
   ASSERT_EQ(metrics(d).size(), 7u);
   EXPECT_EQ(cursor(7), 44);  // 40 + 4: the second part's prompts_per_step
   EXPECT_NE(text_of(d / "resumes" / "recipe-step6.conf").find("steps=7\n"), std::string::npos);  // this part's, recorded
+  // a resume at step 7 that failed left its settings (prompts_per_step=2): the next resume takes the
+  // settings of the part that made step_7 (resumed at 6), and records its own over the failed one's
+  std::string failed = text_of(d / "resumes" / "recipe-step6.conf");
+  failed.replace(failed.find("prompts_per_step=4\n"), 19, "prompts_per_step=2\n");
+  std::ofstream(d / "resumes" / "recipe-step7.conf") << failed;
+  const auto again = fp8rl::test::run_command(kBin + "/fp8rl train --resume --run-dir " + d.string() + " --run.steps=8");
+  ASSERT_EQ(again.rc, 0) << again.out;
+  EXPECT_EQ(cursor(8), 48);  // 44 + 4, not + 2
+  EXPECT_NE(text_of(d / "resumes" / "recipe-step7.conf").find("prompts_per_step=4\n"), std::string::npos);
   // bad input fails before any actor starts, naming the file, and changes nothing: a task file
   // with a broken line (it used to hang the run), a state.json that is not JSON or contradicts
   // its step directory
