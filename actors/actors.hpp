@@ -32,6 +32,7 @@ msg::weight_sync_actor spawn_weight_sync(caf::actor_system& sys, std::shared_ptr
 // its own process), and shuts the run down.
 struct controller_options {
   std::function<void(int)> on_done;  // called once with the exit code when the run ends
+  std::function<void()> on_first_step;  // called once, from the controller, when the first metrics row is written
   bool print_progress = true;
   // A new rollout actor with this name on this process's device for it; an invalid handle if
   // the name is not one of this process's rollouts (a lost process cannot be restarted here).

@@ -288,6 +288,7 @@ msg::controller_actor spawn_controller(caf::actor_system& sys, std::shared_ptr<c
           r.metrics["samples_per_s"] = double((r.version - s.env->start_version) * s.env->cfg.prompts_per_step * s.env->cfg.group_size) / el;
           try {
             s.metrics.write(r.version, r.metrics);
+            if (s.opts.on_first_step) std::exchange(s.opts.on_first_step, nullptr)();  // the new run holds a step
           } catch (const std::exception& e) {
             return finish(1, e.what());  // metrics that cannot be written are a failed run, not a silent gap
           }

@@ -138,7 +138,11 @@ run_dir_stash::run_dir_stash(std::string dir) : dir_(std::move(dir)) {
 
 void run_dir_stash::drop() {
   interruption_point();  // a signal since the last point: the start is undone, not the earlier run
-  dropped_ = true;  // from here on the new run owns the directory, whatever the deletion does
+  drop_now();
+}
+
+void run_dir_stash::drop_now() noexcept {
+  if (dropped_.exchange(true)) return;  // from here on the new run owns the directory, whatever the deletion does
   std::error_code ec;
   fs::remove_all(fs::path(dir_) / kStash, ec);
   if (ec) std::fprintf(stderr, "fp8rl: could not delete the replaced run in %s/%s: %s\n", dir_.c_str(), kStash, ec.message().c_str());
@@ -159,7 +163,10 @@ run_dir_stash::~run_dir_stash() {
   if (dropped_) return;
   restore();
   const int sig = stop_signals::pending();
-  if (!sig) return;
+  if (!sig || run_started_) {  // a run that stopped on a signal before its first step ended by the stop
+    std::fprintf(stderr, "fp8rl: the new run did not record a step; the earlier run in %s is back\n", dir_.c_str());
+    return;
+  }
   std::fprintf(stderr, "fp8rl: %s during the start; the earlier run in %s is back\n", stop_signals::name(sig).c_str(), dir_.c_str());
   if (std::uncaught_exceptions() > unwinding_) return;  // the caller says it and ends the start (header)
   stop_signals::die(sig);  // the earlier run is back: the signal's own action now

@@ -9,6 +9,7 @@
 #pragma once
 #include <fstream>
 #include <map>
+#include <atomic>
 #include <exception>
 #include <string>
 #include <cstdint>
@@ -59,9 +60,10 @@ std::string run_dir_choose(const std::string& given, const std::string& name, bo
 
 // --overwrite without losing the earlier run when the new one cannot start: the constructor
 // renames what runs write (recipe.conf, checkpoints/, metrics.jsonl, traces/, plots/, gloo/) into
-// DIR/.replaced/; drop() deletes them once the new run has passed its preflight; without drop(),
-// the destructor removes what the failed start wrote under those names and moves the earlier
-// run's files back. Throws std::runtime_error naming the path it cannot move. A start killed in
+// DIR/.replaced/; `fp8rl train` drops them once the new run has recorded its first step (it did
+// once the preflight passed: a run failing at its first step -- a bundle refused, memory -- lost
+// the earlier run); without a drop, the destructor removes what the failed start wrote under
+// those names and moves the earlier run's files back. Throws std::runtime_error naming the path it cannot move. A start killed in
 // between (no destructor runs) leaves DIR/.replaced/: run_dir_recover moves it back.
 //
 // run_dir_recover: if DIR/.replaced/ exists, moves the earlier run back (replacing what the
@@ -74,7 +76,13 @@ class run_dir_stash {
   ~run_dir_stash();
   run_dir_stash(const run_dir_stash&) = delete;
   run_dir_stash& operator=(const run_dir_stash&) = delete;
-  void drop();
+  void drop();  // at an interruption point (below): a signal since the last one undoes the start
+  // Deletes the earlier run now, from any thread (the controller's, at the new run's first step);
+  // the destructor then leaves the directory to the new run.
+  void drop_now() noexcept;
+  // The run's actors are up and a signal stops the run (signals.hpp): the destructor no longer
+  // takes a pending signal's own action after giving the earlier run back.
+  void run_started() { run_started_ = true; }
   // Under a stop_signals (signals.hpp; `fp8rl train` holds one), SIGINT/SIGTERM/SIGHUP are caught
   // rather than fatal (their default action killed the start with the earlier run hidden in
   // DIR/.replaced/ until the next train): interruption_point() throws once one came, the start
@@ -88,7 +96,8 @@ class run_dir_stash {
   void restore() noexcept;
   std::string dir_;
   std::vector<std::string> moved_;  // entry names now under DIR/.replaced/
-  bool dropped_ = false;
+  std::atomic<bool> dropped_{false};
+  bool run_started_ = false;
   int unwinding_ = std::uncaught_exceptions();  // at construction: more in the destructor = an exception on its way out
 };
 

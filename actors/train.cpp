@@ -299,7 +299,7 @@ cli parse_cli(int argc, char** argv) {
                   "or RUN_DIR/resumes/recipe-stepN.conf of the part that made its checkpoint), then the options given;\n"
                   "--overwrite replaces the earlier run in\n"
                   "runs/NAME itself, not the newest (or in --run-dir): its outputs are moved to RUN_DIR/.replaced/ and\n"
-                  "deleted once the new run passed its preflight; a failed or killed start gets them back.\n"
+                  "deleted once the new run recorded its first step; a start failed or killed before that gets them back.\n"
                   "Progress (one line per step) and logs go to stderr; --run.log_level=warn keeps the warnings and\n"
                   "errors only, off silences them.\n"
                   "Ctrl-C, SIGTERM or SIGHUP: the run stops after the step in progress, checkpointed there (exit\n"
@@ -592,7 +592,7 @@ int train_main(int argc, char** argv) {
     }
   } created{run_dir, !fs::exists(run_dir)};
   fs::create_directories(run_dir);
-  // --overwrite: the earlier run is moved aside and deleted only once this one passes its preflight
+  // --overwrite: the earlier run is moved aside and deleted only once this one has recorded a step
   std::optional<run_dir_stash> replaced;
   if (c.overwrite && !run_dir_outputs(run_dir).empty()) replaced.emplace(run_dir);
   run_start start;
@@ -614,9 +614,10 @@ int train_main(int argc, char** argv) {
   const std::string run_id = cfg.name + "-" + std::to_string(trace_now_us()) + "-" + std::to_string(::getpid());
   auto env = env_make(cfg, node, run_dir, init_dir, start, run_id);
   run_preflight(*env, c.resume);  // every file the actors will read or write, before any of them starts
-  // a signal now gives the start up (before recipe.conf marks a run); once drop() deletes the
-  // earlier run, the run starts and stops at its first step
-  if (replaced) replaced->drop();
+  // a signal now gives the start up (before recipe.conf marks a run); later, the run starts and
+  // stops at its first step. An --overwrite's earlier run is deleted once the new run has recorded
+  // a step (the controller's on_first_step): one failing at its first step gives it back.
+  if (replaced) run_dir_stash::interruption_point();
   else stop_signals::interruption_point("before the run started; nothing was trained");
   created.armed = false;
   if (!c.resume) {  // a resume has one (resume_recipe_changes refuses it otherwise)
@@ -634,6 +635,7 @@ int train_main(int argc, char** argv) {
   if (cfg.trace) trace_writer::process().open((fs::path(run_dir) / "traces" / (node + ".jsonl")).string(), node);
   int code = 1;
   stop_signals::immediate(true);  // until the actors are wired (signals.hpp); one pending already is sent after
+  if (replaced) replaced->run_started();
   {
     caf::actor_system sys{ccfg};
     std::promise<int> done;
@@ -641,6 +643,7 @@ int train_main(int argc, char** argv) {
     auto once = std::make_shared<std::once_flag>();
     controller_options opts;
     opts.on_done = [&done, once](int rc) { std::call_once(*once, [&] { done.set_value(rc); }); };
+    if (replaced) opts.on_first_step = [&replaced] { replaced->drop_now(); };
     const auto idx = index_nodes(topo);
     std::map<std::string, device_spec> local_rollouts;  // what the controller can restart: this process's
     for (size_t i = 0; i < topo.controller_node().rollouts.size(); ++i)

@@ -27,6 +27,7 @@
 
 #include "actors/recipe.hpp"
 #include "models/checkpoint.hpp"
+#include "models/params.hpp"
 #include "models/cpu/cpu_backend.hpp"
 #include "models/rl/loop.hpp"
 #include "quant/gemm.hpp"
@@ -272,6 +273,23 @@ TEST(E2E, EmbeddedDefaultRunsAndResumes) {
                    " --model.init=" + init.string() + kSmall,
                "bad.jsonl:2");
   EXPECT_TRUE(fs::exists(d / "checkpoints" / "step_4" / "model.safetensors"));
+  EXPECT_FALSE(fs::exists(d / ".replaced"));
+  // ... and one that passes its preflight but fails at its first step (a weight of 3e38 overflows
+  // the activations): the earlier run is kept until the new one records a step (it was deleted
+  // once the preflight passed)
+  {
+    auto p = fp8rl::models::checkpoint_load(init.string()).params;
+    p.get("model.layers.1.mlp.up_proj.weight")[0] = 3e38f;
+    fp8rl::models::model_save(init.string(), p);
+  }
+  const std::string earlier = text_of(d / "metrics.jsonl");
+  const auto first_step = fp8rl::test::run_command(kBin + "/fp8rl train --overwrite --run-dir " + d.string() +
+                                                   " --model.init=" + init.string() + kSmall);
+  EXPECT_EQ(first_step.rc, 1) << first_step.out;
+  EXPECT_NE(first_step.out.find("the new run did not record a step; the earlier run in " + d.string() + " is back"),
+            std::string::npos) << first_step.out;
+  EXPECT_EQ(text_of(d / "metrics.jsonl"), earlier);
+  EXPECT_TRUE(fs::exists(d / "checkpoints" / "step_6" / "model.safetensors"));
   EXPECT_FALSE(fs::exists(d / ".replaced"));
   fs::remove_all(init);
   // checkpoints/latest naming a path out of the run, or a checkpoint that is not there
