@@ -325,8 +325,10 @@ std::string prepare_init(const run_config& cfg, const std::string& run_dir, bool
   const fs::path ck = fs::path(run_dir) / "checkpoints";
   if (resume) {
     std::ifstream f(ck / "latest");
-    std::string name;
+    std::string name, more;
     if (!(f >> name)) throw std::invalid_argument(run_dir + ": --resume but no checkpoints/latest");
+    if (f >> more)  // "step_2 junk" or two lines: the first word was taken
+      throw std::invalid_argument((ck / "latest").string() + " holds more than one checkpoint name ('" + name + "', '" + more + "')");
     // a checkpoint of this run: a path there ("../../other/step_1") resumed another run's weights
     if (name.find('/') != std::string::npos || name == "." || name == "..")
       throw std::invalid_argument((ck / "latest").string() + " names '" + name + "', not a checkpoint directory of this run");
@@ -460,6 +462,11 @@ void run_preflight(const actor_env& env, bool resume) {
   if (env.cfg.max_context > env.model.max_position_embeddings)  // each rollout's engine refused it, and was restarted
     throw std::invalid_argument("model.max_context = " + std::to_string(env.cfg.max_context) + " exceeds " + env.init_dir +
                                 "/config.json's max_position_embeddings " + std::to_string(env.model.max_position_embeddings));
+  // layers kept BF16 beyond the model's: every rollout refused its bundle at the first step
+  if (env.cfg.bf16_first > env.model.num_hidden_layers || env.cfg.bf16_last > env.model.num_hidden_layers)
+    throw std::invalid_argument("precision.bf16_first/bf16_last (" + std::to_string(env.cfg.bf16_first) + ", " +
+                                std::to_string(env.cfg.bf16_last) + ") exceed " + env.init_dir + "/config.json's " +
+                                std::to_string(env.model.num_hidden_layers) + " layers");
   if (resume)
     for (const auto& seq : calibration_batch_load(env.init_dir))
       for (int32_t t : seq)

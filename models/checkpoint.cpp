@@ -122,11 +122,18 @@ checkpoint checkpoint_load(const std::string& dir, checkpoint_kind what) {
     auto t = safetensors_read(op.string());
     c.opt.m.assign(static_cast<size_t>(c.params.layout.total), 0.0f);
     c.opt.v.assign(static_cast<size_t>(c.params.layout.total), 0.0f);
+    auto dims = [](const std::vector<int64_t>& shape) {
+      std::string r = "[";
+      for (size_t i = 0; i < shape.size(); ++i) r += (i ? ", " : "") + std::to_string(shape[i]);
+      return r + "]";
+    };
     for (const auto& info : c.params.layout.infos) {
       for (const char* k : {"m.", "v."}) {
         auto it = t.find(k + info.name);
-        if (it == t.end() || it->second.numel() != info.numel)
-          throw std::invalid_argument(op.string() + ": tensor '" + std::string(k) + info.name + "' missing or misshapen");
+        if (it == t.end()) throw std::invalid_argument(op.string() + ": tensor '" + std::string(k) + info.name + "' missing");
+        if (it->second.shape != info.shape)  // the element count alone let a transposed moment through
+          throw std::invalid_argument(op.string() + ": tensor '" + std::string(k) + info.name + "' has shape " +
+                                      dims(it->second.shape) + ", the model's is " + dims(info.shape));
         const auto& d = it->second.data;  // the next update would spread a NaN moment to the weights
         const auto bad = std::find_if(d.begin(), d.end(), [&](float x) { return !std::isfinite(x) || (k[0] == 'v' && x < 0); });
         if (bad != d.end())

@@ -266,6 +266,10 @@ TEST(E2E, EmbeddedDefaultRunsAndResumes) {
   fails_naming("--run-dir " + (d / "other").string() + " --model.init=" + (d / "checkpoints" / "step_6").string() + kSmall +
                    " --model.max_context=128",
                "model.max_context = 128 exceeds");
+  // layers kept BF16 beyond the model's (every rollout refused its bundle at the first step)
+  fails_naming("--run-dir " + (d / "other").string() + " --model.init=" + (d / "checkpoints" / "step_6").string() + kSmall +
+                   " --precision.bf16_first=5",
+               "precision.bf16_first/bf16_last (5, 0) exceed " + (d / "checkpoints" / "step_6").string() + "/config.json's 2 layers");
   // --overwrite whose new run fails its preflight: the earlier run is moved back (it was deleted first)
   const fs::path init = d.string() + "-init";
   fs::copy(d / "checkpoints" / "step_6", init, fs::copy_options::recursive);
@@ -295,6 +299,8 @@ TEST(E2E, EmbeddedDefaultRunsAndResumes) {
   // checkpoints/latest naming a path out of the run, or a checkpoint that is not there
   std::ofstream(d / "checkpoints" / "latest") << "../../elsewhere/step_1\n";
   fails_naming("--resume --run-dir " + d.string() + kSmall + " --run.steps=8", "latest names '../../elsewhere/step_1', not a checkpoint");
+  std::ofstream(d / "checkpoints" / "latest") << "step_6 junk\n";
+  fails_naming("--resume --run-dir " + d.string() + kSmall + " --run.steps=8", "latest holds more than one checkpoint name ('step_6', 'junk')");
   std::ofstream(d / "checkpoints" / "latest") << "step_9\n";
   fails_naming("--resume --run-dir " + d.string() + kSmall + " --run.steps=8", "latest names 'step_9', which is not a checkpoint directory in");
   std::ofstream(d / "checkpoints" / "latest") << "step_6\n";

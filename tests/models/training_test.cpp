@@ -191,6 +191,17 @@ TEST(Training, CheckpointReplacementKeepsAWholeCheckpoint) {
     const std::string err = error_of(dir);
     EXPECT_NE(err.find("tensor 'm.model.layers.99.extra' is no moment of this model's parameters"), std::string::npos) << err;
     t.erase("m.model.layers.99.extra");
+    // a moment of the right element count in another shape (transposed): refused, both shapes named
+    const auto& info = *std::find_if(a.ck.params.layout.infos.begin(), a.ck.params.layout.infos.end(),
+                                     [](const auto& i) { return i.shape.size() == 2 && i.shape[0] != i.shape[1]; });
+    const auto want = info.shape;
+    t["v." + info.name].shape = {want[1], want[0]};
+    safetensors_write(op.string(), t);
+    const std::string shape_err = error_of(dir);
+    EXPECT_NE(shape_err.find("tensor 'v." + info.name + "' has shape [" + std::to_string(want[1]) + ", " + std::to_string(want[0]) +
+                             "], the model's is [" + std::to_string(want[0]) + ", " + std::to_string(want[1]) + "]"),
+              std::string::npos) << shape_err;
+    t["v." + info.name].shape = want;
     safetensors_write(op.string(), t);
   }
   {  // state.json's step count
