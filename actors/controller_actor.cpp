@@ -112,7 +112,10 @@ msg::controller_actor spawn_controller(caf::actor_system& sys, std::shared_ptr<c
       if (code == 0 || stopped) {
         const std::string perr = plots_write(s.env->run_dir);
         if (!perr.empty()) log->warn("plots: {}", perr);
-        log->info("run {}: {} steps in {:.1f} s; metrics in {}{}{}", stopped ? "stopped" : "finished", s.learner_version,
+        // this process's steps (a resumed run's earlier ones took their own time)
+        const uint64_t from = s.env->start_version;
+        log->info("run {}: {} steps{} in {:.1f} s; metrics in {}{}{}", stopped ? "stopped" : "finished", s.learner_version - from,
+                  from > 0 ? fmt::format(" ({}..{}, resumed at {})", from + 1, s.learner_version, from) : std::string(),
                   std::chrono::duration<double>(std::chrono::steady_clock::now() - s.t0).count(), s.metrics.path(),
                   s.rollouts_lost ? fmt::format(" ({} rollout(s) lost, {} restarted, {} group(s) re-issued)", s.rollouts_lost,
                                                 s.rollouts_restarted, s.reissued)

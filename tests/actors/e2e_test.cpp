@@ -236,6 +236,7 @@ TEST(E2E, EmbeddedDefaultRunsAndResumes) {
   // model or seed"; the second part's prompts_per_step would have gone back to the default)
   const auto bare = fp8rl::test::run_command(kBin + "/fp8rl train --resume --run-dir " + d.string() + " --run.steps=7");
   ASSERT_EQ(bare.rc, 0) << bare.out;
+  EXPECT_EQ(bare.out.find("step    7/7"), std::string::npos) << bare.out;  // the part's log_level=warn, kept
   ASSERT_EQ(metrics(d).size(), 7u);
   EXPECT_EQ(cursor(7), 44);  // 40 + 4: the second part's prompts_per_step
   EXPECT_NE(text_of(d / "resumes" / "recipe-step6.conf").find("steps=7\n"), std::string::npos);  // this part's, recorded
@@ -244,8 +245,9 @@ TEST(E2E, EmbeddedDefaultRunsAndResumes) {
   std::string failed = text_of(d / "resumes" / "recipe-step6.conf");
   failed.replace(failed.find("prompts_per_step=4\n"), 19, "prompts_per_step=2\n");
   std::ofstream(d / "resumes" / "recipe-step7.conf") << failed;
-  const auto again = fp8rl::test::run_command(kBin + "/fp8rl train --resume --run-dir " + d.string() + " --run.steps=8");
+  const auto again = fp8rl::test::run_command(kBin + "/fp8rl train --resume --run-dir " + d.string() + " --run.steps=8 --run.log_level=info");
   ASSERT_EQ(again.rc, 0) << again.out;
+  EXPECT_NE(again.out.find("run finished: 1 steps (8..8, resumed at 7) in "), std::string::npos) << again.out;  // it said "8 steps"
   EXPECT_EQ(cursor(8), 48);  // 44 + 4, not + 2
   EXPECT_NE(text_of(d / "resumes" / "recipe-step7.conf").find("prompts_per_step=4\n"), std::string::npos);
   // bad input fails before any actor starts, naming the file, and changes nothing: a task file

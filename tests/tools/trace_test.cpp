@@ -176,6 +176,11 @@ TEST(Trace, SummaryWallTimeLeavesOutTheGapOfAResume) {
   ASSERT_EQ(s.rc, 0) << s.out;
   EXPECT_NE(s.out.find("wall time covered by traces: 2.00 s (2 processes)"), std::string::npos) << s.out;
   EXPECT_NE(s.out.find("A/learner0                        1.002    50.1%"), std::string::npos) << s.out;
+  // weight-sync latency from the metrics: the median of an even count is the middle two's mean
+  std::ofstream(run / "metrics.jsonl") << "{\"step\":1,\"sync_latency_s\":0.1}\n{\"step\":2,\"sync_latency_s\":0.4}\n"
+                                          "{\"step\":3,\"sync_latency_s\":0.2}\n{\"step\":4,\"sync_latency_s\":0.3}\n";
+  const auto m = fp8rl::test::run_command(kBin + "/fp8rl-trace summary " + run.string());
+  EXPECT_NE(m.out.find("median 0.2500 s, max 0.4000 s over 4 versions"), std::string::npos) << m.out;  // it said 0.3000
   const auto none = fp8rl::test::run_command(kBin + "/fp8rl-trace summary " + (run / "nope").string());
   EXPECT_NE(none.out.find((run / "nope").string() + ": no such run directory"), std::string::npos) << none.out;
   fs::remove_all(run);

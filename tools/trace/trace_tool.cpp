@@ -381,7 +381,11 @@ int summary(const fs::path& run) {
   std::sort(sync.begin(), sync.end());
   std::printf("\nweight-sync latency (publish -> adopted by every rollout): ");
   if (sync.empty()) std::printf("n/a\n");
-  else std::printf("median %.4f s, max %.4f s over %zu versions\n", sync[sync.size() / 2], sync.back(), sync.size());
+  else {  // an even count: the mean of the two middle values
+    const size_t n = sync.size();
+    const double median = n % 2 ? sync[n / 2] : 0.5 * (sync[n / 2 - 1] + sync[n / 2]);
+    std::printf("median %.4f s, max %.4f s over %zu versions\n", median, sync.back(), n);
+  }
   return 0;
 }
 
