@@ -13,6 +13,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <deque>
 #include <map>
 #include <set>
 #include <stdexcept>
@@ -40,7 +41,10 @@ struct controller_state {
   std::map<std::pair<uint64_t, uint64_t>, msg::work_msg> issued;  // until its step is trained
   size_t rr = 0;  // round-robin over live rollouts
   std::map<std::pair<uint64_t, uint64_t>, std::pair<std::string, msg::work_msg>> in_flight;
-  std::map<std::string, double> extras;  // calibration / sync metrics not yet in a line
+  std::map<std::string, double> extras;  // calibration metrics not yet in a line
+  // weight-sync reports not yet in a line, oldest first: one per line (two arriving within one
+  // step -- at a checkpoint, an eval -- overwrote each other, and a version's record was lost)
+  std::deque<std::map<std::string, double>> sync_pending;
   int64_t reissued = 0, rollouts_lost = 0, rollouts_restarted = 0;
   std::map<std::string, int> restarts;  // per rollout name
   bool stopping = false;
@@ -280,6 +284,10 @@ msg::controller_actor spawn_controller(caf::actor_system& sys, std::shared_ptr<c
           // of (kept until then, they were repeated in every later line as if that step's)
           for (const auto& [k, v] : s.extras) r.metrics.emplace(k, v);
           s.extras.clear();
+          if (!s.sync_pending.empty()) {
+            for (const auto& [k, v] : s.sync_pending.front()) r.metrics.emplace(k, v);
+            s.sync_pending.pop_front();
+          }
           r.metrics["in_flight_groups"] = double(s.in_flight.size());
           r.metrics["reissued_groups_total"] = double(s.reissued);
           r.metrics["rollouts_lost_total"] = double(s.rollouts_lost);
@@ -327,11 +335,12 @@ msg::controller_actor spawn_controller(caf::actor_system& sys, std::shared_ptr<c
           trace_recv("controller", "sync_report", r.trace, static_cast<int64_t>(r.version));
           s.synced_version = std::max<int64_t>(s.synced_version, static_cast<int64_t>(r.version));
           issue_ready();
-          s.extras["sync_version"] = double(r.version);
-          s.extras["sync_latency_s"] = r.latency_s;
-          s.extras["sync_bytes"] = r.bytes;
-          s.extras["sync_cross_process"] = r.cross_process ? 1.0 : 0.0;
-          if (r.cross_process) s.extras["sync_transfer_s"] = r.transfer_s;
+          auto& x = s.sync_pending.emplace_back();
+          x["sync_version"] = double(r.version);
+          x["sync_latency_s"] = r.latency_s;
+          x["sync_bytes"] = r.bytes;
+          x["sync_cross_process"] = r.cross_process ? 1.0 : 0.0;
+          if (r.cross_process) x["sync_transfer_s"] = r.transfer_s;
         },
         [finish](std::string& who, std::string& what) { finish(1, who + ": " + what); },
         [self, request_stop, log](msg::stop_atom, std::string& why, int32_t code) {

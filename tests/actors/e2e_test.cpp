@@ -663,6 +663,8 @@ TEST(E2E, TwoProcessesOnLoopbackViaCafRun) {
       EXPECT_EQ(x["sync_cross_process"], 1.0);
     }
   EXPECT_GE(synced.size(), 2u);
+  // in version order with none lost (two reports within one step overwrote each other: 0, 1, 2, 4)
+  EXPECT_EQ(*synced.rbegin(), double(synced.size() - 1)) << "a version's sync record is missing";
   EXPECT_EQ(m.back()["rollouts_live"], 2.0);
   const auto layers = fp8rl::models::checkpoint_load((d / "run" / "checkpoints" / "init").string()).params.cfg.num_hidden_layers;
   double per_layer = 0;
