@@ -1,6 +1,7 @@
 // actors/env.hpp -- what every actor of a process shares: the recipe, the run directory, the
 // policy model's config and tokenizer, and the initial checkpoint every learner starts from.
-// defines: run_start, actor_env, env_make, backend_for, actor_exception_error, actor_failures_named
+// defines: run_start, actor_env, env_make, backend_for, actor_exception_error, actor_failures_named, device_problem,
+//          node_tiles_problem
 #pragma once
 #include <caf/error.hpp>
 #include <caf/scheduled_actor.hpp>

@@ -7,12 +7,12 @@
 //   RUN_DIR/traces/NODE.jsonl  trace events of each process (fp8rl-trace merges them)
 //   RUN_DIR/plots/*.png        reward/accuracy and mismatch curves (gnuplot)
 #pragma once
+#include <atomic>
+#include <cstdint>
+#include <exception>
 #include <fstream>
 #include <map>
-#include <atomic>
-#include <exception>
 #include <string>
-#include <cstdint>
 #include <vector>
 
 namespace fp8rl::actors {
@@ -63,8 +63,9 @@ std::string run_dir_choose(const std::string& given, const std::string& name, bo
 // DIR/.replaced/; `fp8rl train` drops them once the new run has recorded its first step (it did
 // once the preflight passed: a run failing at its first step -- a bundle refused, memory -- lost
 // the earlier run); without a drop, the destructor removes what the failed start wrote under
-// those names and moves the earlier run's files back. Throws std::runtime_error naming the path it cannot move. A start killed in
-// between (no destructor runs) leaves DIR/.replaced/: run_dir_recover moves it back.
+// those names and moves the earlier run's files back. Throws std::runtime_error naming the path
+// it cannot move. A start killed in between (no destructor runs) leaves DIR/.replaced/:
+// run_dir_recover moves it back.
 //
 // run_dir_recover: if DIR/.replaced/ exists, moves the earlier run back (replacing what the
 // interrupted start wrote), says so on stderr and returns true. run_dir_choose calls it for
