@@ -784,11 +784,14 @@ TEST(E2E, CafRunStopsItsGroup) {
   EXPECT_EQ(text_of(d / "run" / "checkpoints" / "latest"), "step_" + std::to_string(metrics(d / "run").size()) + "\n") << text;
   // the whole group signalled at once (systemd, scancel): caf-run and every node get SIGTERM; a node's
   // own is a stop request, caf-run adds no second one (it killed every node at once, unsaved)
+  auto start_in = [&](const fs::path& sub) {  // the same group with its run and log in sub/
+    fs::create_directories(sub);
+    return start_until_two_steps(cafrun.substr(0, cafrun.find(" --run-dir ")) + " --run-dir " + (sub / "run").string() +
+                                     cafrun.substr(cafrun.find(" --run.steps")),
+                                 sub);
+  };
   const fs::path g = d / "group";
-  fs::create_directories(g);
-  const pid_t group = start_until_two_steps(cafrun.substr(0, cafrun.find(" --run-dir ")) + " --run-dir " + (g / "run").string() +
-                                                cafrun.substr(cafrun.find(" --run.steps")),
-                                            g);
+  const pid_t group = start_in(g);
   ASSERT_GT(group, 0) << "the second run did not start";
   const std::string started = text_of(g / "log");
   for (const pid_t node : node_pids(started)) ::kill(-node, SIGTERM);  // each node's process group
@@ -804,10 +807,7 @@ TEST(E2E, CafRunStopsItsGroup) {
   // one node preempted (SIGTERM to it alone): the run stops checkpointed, and caf-run says so
   // rather than "node main failed (exit 143)"
   const fs::path pre = d / "preempt";
-  fs::create_directories(pre);
-  const pid_t pgroup = start_until_two_steps(cafrun.substr(0, cafrun.find(" --run-dir ")) + " --run-dir " + (pre / "run").string() +
-                                                 cafrun.substr(cafrun.find(" --run.steps")),
-                                             pre);
+  const pid_t pgroup = start_in(pre);
   ASSERT_GT(pgroup, 0) << "the preemption run did not start";
   ASSERT_EQ(node_pids(text_of(pre / "log")).size(), 2u);
   ::kill(-node_pids(text_of(pre / "log"))[1], SIGTERM);  // rollout1's process group
