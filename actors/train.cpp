@@ -553,6 +553,12 @@ int train_main(int argc, char** argv) {
   recipe_validate(cfg);
   topology topo = c.topology.empty() ? topology_local(1, 1) : topology_load(c.topology);
   if (c.dump) {
+    if (c.resume) {  // what the resume would run with: the run's own settings, then the options given
+      const std::string dir = run_dir_choose(c.run_dir, cfg.name, true, false);
+      run_start at;
+      prepare_init(cfg, dir, true, &at);
+      cfg = resume_recipe(c, dir, at.version);
+    }
     std::printf("%s\n; topology: %s\n", recipe_dump(cfg).c_str(), topo.source.c_str());
     for (const auto& p : topology_plan(topo))
       std::printf(";   %-12s on %-10s %s\n", p.actor.c_str(), p.node.c_str(), p.device.c_str());

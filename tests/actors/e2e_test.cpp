@@ -237,6 +237,10 @@ TEST(E2E, EmbeddedDefaultRunsAndResumes) {
   const auto bare = fp8rl::test::run_command(kBin + "/fp8rl train --resume --run-dir " + d.string() + " --run.steps=7");
   ASSERT_EQ(bare.rc, 0) << bare.out;
   EXPECT_EQ(bare.out.find("step    7/7"), std::string::npos) << bare.out;  // the part's log_level=warn, kept
+  // --dump-config with --resume shows what a resume runs with (it showed the defaults)
+  const auto shown = fp8rl::test::run_command(kBin + "/fp8rl train --resume --run-dir " + d.string() + " --dump-config --run.steps=9");
+  EXPECT_NE(shown.out.find("prompts_per_step=4\n"), std::string::npos) << shown.out;
+  EXPECT_NE(shown.out.find("steps=9\n"), std::string::npos) << shown.out;
   ASSERT_EQ(metrics(d).size(), 7u);
   EXPECT_EQ(cursor(7), 44);  // 40 + 4: the second part's prompts_per_step
   EXPECT_NE(text_of(d / "resumes" / "recipe-step6.conf").find("steps=7\n"), std::string::npos);  // this part's, recorded
