@@ -41,4 +41,15 @@ nlohmann::json json_file_read(const std::string& path) {
   return json_parse_strict(text, path);
 }
 
+void jsonl_errors::add(const std::string& message) {
+  if (++count_ <= 20) text_ += "\n  " + message;
+}
+
+void jsonl_errors::throw_if_any(bool one_plain) const {
+  if (count_ == 1 && one_plain) throw std::invalid_argument(text_.substr(3));
+  if (count_)
+    throw std::invalid_argument(path_ + ": " + std::to_string(count_) + " malformed line(s)" + (count_ > 20 ? " (the first 20)" : "") +
+                                ":" + text_);
+}
+
 }  // namespace fp8rl::models

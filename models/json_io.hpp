@@ -1,9 +1,10 @@
 // models/json_io.hpp -- JSON read strictly from user files: a key twice in one object is an error
 // naming it (nlohmann keeps the last one silently: a duplicated rope_theta changed the model, a
 // second safetensors entry replaced a tensor), and a directory or unreadable file is named.
-// defines: json_parse_strict, json_file_read
+// defines: json_parse_strict, json_file_read, jsonl_errors
 #pragma once
 #include <nlohmann/json.hpp>
+#include <cstdint>
 #include <string>
 #include <string_view>
 
@@ -14,5 +15,19 @@ namespace fp8rl::models {
 nlohmann::json json_parse_strict(std::string_view text, const std::string& where);
 // Reads and parses the file at path (errors name it: "not a file", "cannot open", as above).
 nlohmann::json json_file_read(const std::string& path);
+
+// A JSONL reader's bad lines, so that one error names them all (the first 20).
+class jsonl_errors {
+ public:
+  explicit jsonl_errors(std::string path) : path_(std::move(path)) {}
+  void add(const std::string& message);  // "FILE:LINE: why"
+  // Throws std::invalid_argument "FILE: N malformed line(s)[ (the first 20)]:\n  FILE:LINE: ..."
+  // when any came (`one_plain`: a single one as its own message).
+  void throw_if_any(bool one_plain = false) const;
+
+ private:
+  std::string path_, text_;
+  int64_t count_ = 0;
+};
 
 }  // namespace fp8rl::models

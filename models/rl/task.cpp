@@ -20,14 +20,13 @@ dataset dataset_load_jsonl(const std::string& path) {
   if (!f) throw std::invalid_argument(path + ": cannot open");
   dataset d;
   d.source = path;
-  std::string line, errors;
-  int64_t n = 0, nerr = 0;
+  std::string line;
+  jsonl_errors errors(path);
+  int64_t n = 0;
   while (std::getline(f, line)) {
     ++n;
     if (line.find_first_not_of(" \t\r") == std::string::npos) continue;
-    auto bad = [&](const std::string& why) {
-      if (++nerr <= 20) errors += "\n  " + path + ":" + std::to_string(n) + ": " + why;
-    };
+    auto bad = [&](const std::string& why) { errors.add(path + ":" + std::to_string(n) + ": " + why); };
     nlohmann::json j;
     try {
       j = json_parse_strict(line, "");
@@ -50,8 +49,7 @@ dataset dataset_load_jsonl(const std::string& path) {
     if (answer_normalize(e.answer).empty()) { bad("'answer' " + j["answer"].dump() + " is empty once normalized"); continue; }
     d.items.push_back(std::move(e));
   }
-  if (nerr)
-    throw std::invalid_argument(path + ": " + std::to_string(nerr) + " malformed line(s)" + (nerr > 20 ? " (the first 20)" : "") + ":" + errors);
+  errors.throw_if_any();
   if (d.items.empty()) throw std::invalid_argument(path + ": no examples");
   return d;
 }

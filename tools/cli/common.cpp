@@ -97,8 +97,9 @@ std::vector<jsonl_item> read_token_jsonl(const std::string& path, int64_t vocab,
   std::ifstream f(path);
   if (!f) throw std::invalid_argument(path + ": cannot open");
   std::vector<jsonl_item> out;
-  std::string line, errors;
-  int64_t n = 0, nerr = 0;
+  std::string line;
+  models::jsonl_errors errors(path);
+  int64_t n = 0;
   while (std::getline(f, line)) {  // every bad line named, up to 20 (as the datasets' reader does)
     ++n;
     if (line.find_first_not_of(" \t\r") == std::string::npos) continue;
@@ -106,12 +107,10 @@ std::vector<jsonl_item> read_token_jsonl(const std::string& path, int64_t vocab,
       out.push_back(token_line_read(line, path + ":" + std::to_string(n) + ": ", vocab, tok, request_keys));
       out.back().line = n;
     } catch (const std::invalid_argument& e) {
-      if (++nerr <= 20) errors += std::string("\n  ") + e.what();
+      errors.add(e.what());
     }
   }
-  if (nerr == 1) throw std::invalid_argument(errors.substr(3));
-  if (nerr)
-    throw std::invalid_argument(path + ": " + std::to_string(nerr) + " malformed line(s)" + (nerr > 20 ? " (the first 20)" : "") + ":" + errors);
+  errors.throw_if_any(/*one_plain=*/true);
   if (out.empty()) throw std::invalid_argument(path + ": holds no input lines");
   return out;
 }
