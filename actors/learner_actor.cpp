@@ -158,7 +158,10 @@ fs::path checkpoint_dir(const learner_state& s) { return fs::path(s.env->run_dir
 // checkpoints/step_<version> with the batch that produced it (s.calib) and the next prompt; `latest` names it.
 void checkpoint(learner_state& s) {
   const fs::path dir = checkpoint_dir(s);
-  nlohmann::json j = {{"weight_version", s.version}, {"prompt_cursor", s.env->prompt_cursor(s.version)}, {"run", s.env->cfg.name}};
+  nlohmann::json j = {{"weight_version", s.version},
+                      {"prompt_cursor", s.env->prompt_cursor(s.version)},
+                      {"run", s.env->cfg.name},
+                      {"train_set", {{"examples", s.train.items.size()}, {"fingerprint", models::dataset_fingerprint(s.train)}}}};
   s.ck.state_json = j.dump();
   models::checkpoint_save(dir.string(), s.ck, [&](const std::string& tmp) {  // they arrive with the checkpoint
     calibration_batch_save(tmp, s.calib);

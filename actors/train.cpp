@@ -450,11 +450,39 @@ void prompts_fit_check(const run_config& cfg, const models::tokenizer& tok) {
   }
 }
 
+// A resumed run goes on at its checkpoint's prompt cursor: in another training set (a task file
+// edited, its lines reordered) that is other prompts, and the run was no longer the one resumed.
+// Checkpoints made before train_set was recorded are resumed with a warning.
+void train_set_check(const actor_env& env) {
+  const std::string sp = (fs::path(env.init_dir) / "state.json").string();
+  const json state = models::json_file_read(sp);
+  const auto now = models::task_load(models::task_spec_parse(env.cfg.task), false, env.cfg.train_size,
+                                     static_cast<uint64_t>(env.cfg.seed));
+  if (!state.contains("train_set")) {
+    log_get("train")->warn("{}: no train_set recorded (a checkpoint of an earlier fp8rl); {} is not checked against it", sp,
+                           env.cfg.task);
+    return;
+  }
+  const json& t = state["train_set"];
+  if (!t.is_object() || !t.contains("examples") || !t["examples"].is_number_unsigned() || !t.contains("fingerprint") ||
+      !t["fingerprint"].is_string())
+    throw std::invalid_argument(sp + ": key 'train_set' must be {\"examples\": N, \"fingerprint\": \"HEX\"}");
+  const uint64_t n = t["examples"].get<uint64_t>();
+  const std::string fp = t["fingerprint"].get<std::string>(), fp_now = models::dataset_fingerprint(now);
+  if (n == now.items.size() && fp == fp_now) return;
+  throw std::invalid_argument("--resume: the training set " + env.cfg.task + " is not the one " + env.init_dir +
+                              " was trained on (" + std::to_string(n) + " examples, fingerprint " + fp + "; now " +
+                              std::to_string(now.items.size()) + ", " + fp_now +
+                              "): its prompt cursor would go on in other prompts. Restore it, or start a new run from "
+                              "these weights: --model.init=" + env.init_dir);
+}
+
 // Reads here, on the main thread, what the actors would otherwise fail on inside their
 // behaviors (an exception there is CAF's "unhandled exception", and a dataset error inside one
 // left the run hanging): the start checkpoint (weights, optimizer, state), the tokenizer against
-// the model's vocabulary, both task splits, and metrics.jsonl for appending (a resumed run
-// drops a partial last line a crash left, with a warning).
+// the model's vocabulary, both task splits (resumed: the training set against the checkpoint's),
+// and metrics.jsonl for appending (a resumed run drops a partial last line a crash left, with a
+// warning).
 void run_preflight(const actor_env& env, bool resume) {
   // a run starts from a training checkpoint or a model directory (a Hugging Face download); a
   // resumed one from its own checkpoint
@@ -482,6 +510,7 @@ void run_preflight(const actor_env& env, bool resume) {
     throw std::invalid_argument(env.init_dir + ": the tokenizer has " + std::to_string(env.tok->vocab_size()) +
                                 " tokens, config.json's vocab_size is " + std::to_string(env.model.vocab_size));
   if (resume || env.cfg.init != "tiny") prompts_fit_check(env.cfg, *env.tok);  // train_main checked the tiny model's
+  if (resume && env.start_version > 0) train_set_check(env);
   const fs::path metrics = fs::path(env.run_dir) / "metrics.jsonl";
   if (fs::exists(metrics) && !fs::is_regular_file(metrics)) throw std::invalid_argument(metrics.string() + ": not a file");
   if (resume && fs::exists(metrics))

@@ -6,7 +6,8 @@
 //   config.json, model.safetensors   the model, loadable by any HF-compatible tool
 //   optimizer.safetensors            AdamW moments as "m.<name>", "v.<name>" (F32)
 //   state.json                       {"adam_step"} and the caller's run state: "weight_version",
-//                                    "prompt_cursor", "run" (fp8rl train); "phase", "task" (sft)
+//                                    "prompt_cursor", "run", "train_set" {"examples", "fingerprint"}
+//                                    (fp8rl train); "phase", "task" (sft)
 // Saving writes everything (also the caller's extra files: tokenizer, calibration batch) into
 // DIR.tmp, then exchanges it with DIR in one step (renameat2 RENAME_EXCHANGE), so DIR always
 // holds a whole checkpoint, the previous one until the exchange. Where the filesystem cannot

@@ -3,6 +3,7 @@
 
 #include <cctype>
 #include <cmath>
+#include <cstdio>
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
@@ -57,6 +58,21 @@ dataset dataset_load_jsonl(const std::string& path) {
 std::string example_where(const dataset& d, size_t i) {
   const int64_t line = d.items.at(i).line;
   return line > 0 ? d.source + ":" + std::to_string(line) : d.source + " example " + std::to_string(i);
+}
+
+std::string dataset_fingerprint(const dataset& d) {
+  uint64_t h = 0xcbf29ce484222325ull;
+  auto mix = [&](std::string_view s) {
+    for (const char c : s) h = (h ^ static_cast<unsigned char>(c)) * 0x100000001b3ull;
+    h = (h ^ 0xffu) * 0x100000001b3ull;  // a byte no UTF-8 text holds ends each field: ("ab", "c") != ("a", "bc")
+  };
+  for (const auto& e : d.items) {
+    mix(e.prompt);
+    mix(e.answer);
+  }
+  char out[17];
+  std::snprintf(out, sizeof out, "%016llx", static_cast<unsigned long long>(h));
+  return out;
 }
 
 std::optional<verifier_kind> verifier_parse(std::string_view s) {

@@ -1,6 +1,6 @@
 // models/rl/task.hpp -- tasks for RL with verifiable rewards: user datasets and the built-in
 // arithmetic family, and the verifiers that score a response.
-// defines: task_example, dataset, dataset_load_jsonl, example_where, verifier_kind, verify, answer_normalize,
+// defines: task_example, dataset, dataset_load_jsonl, example_where, dataset_fingerprint, verifier_kind, verify, answer_normalize,
 //          arithmetic_config, arithmetic_dataset, arithmetic_alphabet
 #pragma once
 #include <cstdint>
@@ -27,6 +27,10 @@ struct dataset {
 dataset dataset_load_jsonl(const std::string& path);
 // Where example i of d comes from, for errors: "FILE:LINE", or "SOURCE example i" (generated).
 std::string example_where(const dataset& d, size_t i);
+// FNV-1a 64 of the examples in order (prompt, answer; lines and source left out), 16 hex digits:
+// a checkpoint records its training set's, and --resume refuses another (its prompt cursor
+// would go on in other prompts).
+std::string dataset_fingerprint(const dataset& d);
 
 enum class verifier_kind : uint8_t { exact = 0, numeric = 1 };
 std::optional<verifier_kind> verifier_parse(std::string_view s);

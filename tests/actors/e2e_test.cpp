@@ -345,6 +345,27 @@ TEST(E2E, EmbeddedDefaultRunsAndResumes) {
                 " --run.steps=2"), 0);
   EXPECT_EQ(metrics(d / "hf-run").size(), 2u);
   EXPECT_TRUE(fs::exists(d / "hf-run" / "checkpoints" / "step_2" / "optimizer.safetensors"));
+  // a task file changed under a run: --resume went on at the checkpoint's prompt cursor in other
+  // prompts; the checkpoint records its training set and the resume is refused naming both
+  const fs::path task = d / "task.jsonl", tr = d / "task-run";
+  auto task_write = [&](int first) {
+    std::ofstream t(task);
+    for (int i = 0; i < 64; ++i) t << "{\"prompt\": \"" << first + i << "+1=\", \"answer\": \"" << first + i + 1 << "\"}\n";
+  };
+  task_write(10);
+  const std::string task_args = " --run-dir " + tr.string() + " --model.init=" + hf.string() + kSmall + " --task.name=" + task.string();
+  ASSERT_EQ(run(kBin + "/fp8rl train" + task_args + " --run.steps=2"), 0);
+  task_write(11);  // one line fewer of the old, one new: same count, other prompts
+  fails_naming("--resume" + task_args + " --run.steps=3",
+               "--resume: the training set " + task.string() + " is not the one " + (tr / "checkpoints" / "step_2").string() +
+                   " was trained on (64 examples, fingerprint ");
+  task_write(10);
+  ASSERT_EQ(run(kBin + "/fp8rl train --resume" + task_args + " --run.steps=3"), 0);
+  EXPECT_EQ(metrics(tr).size(), 3u);
+  std::ofstream(tr / "checkpoints" / "step_2" / "state.json")
+      << nlohmann::json{{"weight_version", 2}, {"prompt_cursor", 16}, {"adam_step", 2}, {"train_set", 64}}.dump();
+  std::ofstream(tr / "checkpoints" / "latest") << "step_2\n";
+  fails_naming("--resume" + task_args + " --run.steps=3", "state.json: key 'train_set' must be {\"examples\": N");
   fs::remove_all(d);
 }
 

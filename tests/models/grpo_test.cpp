@@ -418,6 +418,20 @@ TEST(Tasks, VerifiersAndDatasets) {
   EXPECT_EQ(arithmetic_dataset(c, false, 50, 3).items[7].prompt, tr.items[7].prompt);  // deterministic
 }
 
+// The training set a checkpoint records: every example's text in order counts, its line numbers
+// and source do not (a file moved keeps its training set).
+TEST(Tasks, DatasetFingerprintSeesEveryExampleInOrder) {
+  const dataset a{"a.jsonl", {{"1+1=", "2", 1}, {"2+2=", "4", 2}}};
+  const std::string fa = dataset_fingerprint(a);
+  EXPECT_EQ(fa.size(), 16u);
+  EXPECT_EQ(fa, dataset_fingerprint(dataset{"b.jsonl", {{"1+1=", "2", 3}, {"2+2=", "4", 9}}}));
+  EXPECT_NE(fa, dataset_fingerprint(dataset{"a.jsonl", {{"2+2=", "4", 1}, {"1+1=", "2", 2}}}));  // order
+  EXPECT_NE(fa, dataset_fingerprint(dataset{"a.jsonl", {{"1+1=", "2", 1}, {"2+2=", "5", 2}}}));  // an answer
+  EXPECT_NE(fa, dataset_fingerprint(dataset{"a.jsonl", {{"1+1=", "2", 1}}}));                    // one fewer
+  EXPECT_NE(dataset_fingerprint(dataset{"", {{"ab", "c", 0}}}), dataset_fingerprint(dataset{"", {{"a", "bc", 0}}}));
+  EXPECT_EQ(dataset_fingerprint(dataset{}), "cbf29ce484222325");  // FNV-1a 64's offset basis: nothing hashed
+}
+
 TEST(Tasks, MalformedDatasetLinesAreAllReported) {
   const auto path = std::filesystem::temp_directory_path() / ("fp8rl_ds_" + std::to_string(::getpid()) + ".jsonl");
   // also: a blank prompt, an answer empty once normalized (a completion saying nothing scored 1
