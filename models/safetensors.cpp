@@ -115,10 +115,23 @@ st_tensors safetensors_parse(const std::vector<uint8_t>& bytes, const std::strin
     }
     out.emplace(name, std::move(st));
   }
+  // the tensors tile the data section, as the format's reference implementation requires: bytes
+  // no tensor claims are a file appended to, or a tensor its header lost
   std::sort(ranges.begin(), ranges.end());
-  for (size_t i = 1; i < ranges.size(); ++i)
-    if (std::get<0>(ranges[i]) < std::get<1>(ranges[i - 1]))
-      fail(source, "tensors '" + std::get<2>(ranges[i - 1]) + "' and '" + std::get<2>(ranges[i]) + "' overlap in the data section");
+  uint64_t end = 0;
+  std::string prev;
+  for (const auto& [b, e, name] : ranges) {
+    if (b < end) fail(source, "tensors '" + prev + "' and '" + name + "' overlap in the data section");
+    if (b > end)
+      fail(source, "bytes [" + std::to_string(end) + ", " + std::to_string(b) + ") of the data section belong to no tensor (" +
+                       (prev.empty() ? "before '" + name + "'" : "between '" + prev + "' and '" + name + "'") + ")");
+    end = e;
+    prev = name;
+  }
+  if (end != data_size)
+    fail(source, std::to_string(data_size - end) + " byte(s) after the last tensor's data (the data section has " +
+                     std::to_string(data_size) + ", its tensors end at " + std::to_string(end) +
+                     "): a file appended to, or a tensor missing from the header");
   return out;
 }
 
@@ -209,8 +222,13 @@ st_tensors safetensors_load_dir(const std::string& dir, std::map<std::string, st
       auto it = part.find(n);
       if (it == part.end()) throw st_error((fs::path(dir) / file).string() + ": tensor '" + n + "' listed in the index is missing");
       out.emplace(n, std::move(it->second));
+      part.erase(it);
       if (file_of) (*file_of)[n] = (fs::path(dir) / file).string();
     }
+    // a tensor the index does not list: a shard of another save, or an index written before it
+    if (!part.empty())
+      throw st_error((fs::path(dir) / file).string() + ": tensor '" + part.begin()->first + "' is not in " + index.string() +
+                     "'s weight_map" + (part.size() > 1 ? " (and " + std::to_string(part.size() - 1) + " more)" : ""));
   }
   return out;
 }

@@ -323,6 +323,18 @@ TEST(Safetensors, ShardedWithIndex) {
   std::ofstream(d / "model.safetensors.index.json") << nlohmann::json{{"metadata", nlohmann::json::object()}, {"weight_map", map}}.dump();
   std::ofstream(d / "config.json") << kGoodConfig;
   EXPECT_EQ(model_load(d.string()).data, p.data);
+  // a shard holding a tensor the index does not list (a shard of another save, a stale index)
+  {
+    nlohmann::json stale = map;
+    const std::string dropped = stale.begin().key();
+    stale.erase(dropped);
+    std::ofstream(d / "model.safetensors.index.json") << nlohmann::json{{"weight_map", stale}}.dump();
+    EXPECT_NE(error_of([&] { model_load(d.string()); })
+                  .find("model-00001-of-00002.safetensors: tensor '" + dropped + "' is not in " +
+                        (d / "model.safetensors.index.json").string() + "'s weight_map"),
+              std::string::npos);
+    std::ofstream(d / "model.safetensors.index.json") << nlohmann::json{{"weight_map", map}}.dump();
+  }
   fs::remove(d / "model-00002-of-00002.safetensors");
   EXPECT_NE(error_of([&] { model_load(d.string()); }).find("model-00002-of-00002.safetensors"), std::string::npos);
   fs::remove_all(d);
@@ -389,6 +401,19 @@ TEST(Safetensors, CorruptFilesAreErrors) {
   img2[0] = static_cast<uint8_t>(ov.size());
   std::copy(ov.begin(), ov.end(), img2.begin() + 8);
   EXPECT_NE(error_of([&] { safetensors_parse(img2, "x"); }).find("overlap"), std::string::npos);
+  // the tensors tile the data section: bytes after the last one (a file appended to) or between
+  // two (a tensor the header lost) are refused, as by the format's reference implementation
+  auto appended = good;
+  appended.push_back(0);
+  EXPECT_NE(error_of([&] { safetensors_parse(appended, "x.safetensors"); })
+                .find("x.safetensors: 1 byte(s) after the last tensor's data (the data section has 41, its tensors end at 40)"),
+            std::string::npos);
+  std::string gap = R"({"a": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}, "b": {"dtype": "F32", "shape": [1], "data_offsets": [8, 12]}})";
+  std::vector<uint8_t> img4(8 + gap.size() + 12, 0);
+  img4[0] = static_cast<uint8_t>(gap.size());
+  std::copy(gap.begin(), gap.end(), img4.begin() + 8);
+  EXPECT_NE(error_of([&] { safetensors_parse(img4, "x"); }).find("bytes [4, 8) of the data section belong to no tensor (between 'a' and 'b')"),
+            std::string::npos);
   // __metadata__ is a str -> str object by the format (a number was accepted)
   std::string md = R"({"__metadata__": 5, "a": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}})";
   std::vector<uint8_t> img3(8 + md.size() + 4, 0);
