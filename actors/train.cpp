@@ -506,9 +506,7 @@ void run_preflight(const actor_env& env, bool resume) {
     if (ref.params.data.size() != start.params.data.size())
       throw std::invalid_argument(env.ref_dir + ": the KL reference (grpo.kl_beta > 0) does not have the shape of " + env.init_dir);
   }
-  if (env.tok->vocab_size() > env.model.vocab_size)
-    throw std::invalid_argument(env.init_dir + ": the tokenizer has " + std::to_string(env.tok->vocab_size()) +
-                                " tokens, config.json's vocab_size is " + std::to_string(env.model.vocab_size));
+  models::tokenizer_vocab_check(*env.tok, env.model.vocab_size, env.init_dir);
   if (resume || env.cfg.init != "tiny") prompts_fit_check(env.cfg, *env.tok);  // train_main checked the tiny model's
   if (resume && env.start_version > 0) train_set_check(env);
   const fs::path metrics = fs::path(env.run_dir) / "metrics.jsonl";

@@ -406,6 +406,12 @@ class bpe_tok final : public tokenizer {
 
 std::unique_ptr<tokenizer> char_tokenizer_make(const std::string& alphabet) { return std::make_unique<char_tok>(alphabet); }
 
+void tokenizer_vocab_check(const tokenizer& tok, int64_t vocab_size, const std::string& where) {
+  if (tok.vocab_size() > vocab_size)
+    throw std::invalid_argument(where + ": the tokenizer has " + std::to_string(tok.vocab_size()) +
+                                " tokens, the model's vocab_size (config.json) is " + std::to_string(vocab_size));
+}
+
 std::unique_ptr<tokenizer> tokenizer_load(const std::string& path) {
   std::string file = path;
   if (std::filesystem::is_directory(path)) {

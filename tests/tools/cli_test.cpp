@@ -138,6 +138,19 @@ std::vector<nlohmann::json> json_lines(const std::string& out) {
 }
 }  // namespace
 
+// A tokenizer whose ids reach past the model's vocabulary is refused by every subcommand that
+// reads one (train refused it; generate, score and eval encoded into ids no embedding row has).
+TEST_F(Cli, ATokenizerLargerThanTheVocabularyIsRefused) {
+  std::ofstream(model / "fp8rl-char-tokenizer.json") << R"({"type": "fp8rl-char", "alphabet": "0123456789+*=abcdefghijklmnopqrstuvwxy"})";
+  const std::string what = model.string() + ": the tokenizer has 41 tokens, the model's vocab_size (config.json) is 40";
+  refused("generate --max-tokens 2 --prompts " + prompts.string() + m(), what);
+  refused("score --input " + prompts.string() + m(), what);
+  refused("eval --n 4" + m(), what);
+  refused("sft --steps 1 --out " + (dir / "sft-out").string() + m(), what);
+  std::ofstream(model / "fp8rl-char-tokenizer.json") << R"({"type": "fp8rl-char", "alphabet": "0123456789+*=abcdefghijklmnopqrstuvwx"})";
+  EXPECT_EQ(run("generate --max-tokens 2 --prompts " + prompts.string() + m()).rc, 0);  // 40 tokens: every id has a row
+}
+
 // A generate prompt line may carry its own max_tokens and stop; any other key is refused by
 // name (a misspelt setting was silently ignored), as are such settings where they mean nothing
 // (score) and stop ids outside the vocabulary.

@@ -86,7 +86,7 @@ int cmd_generate(int argc, char** argv) {
   ec.slots = a.get_int("slots", 8, 1, 4096);
   ec.max_context = a.get_int("max-context", std::min<int64_t>(params.cfg.max_position_embeddings, 2048), 2,
                                 params.cfg.max_position_embeddings);
-  const auto tok = tokenizer_of(a.need("model"));  // null: the model directory has none
+  const auto tok = tokenizer_of(a.need("model"), params.cfg.vocab_size);  // null: the model directory has none
   const auto items = read_token_jsonl(a.need("prompts"), params.cfg.vocab_size, tok.get(), true);
   std::vector<int32_t> stops;
   if (a.has("stop")) {

@@ -31,7 +31,7 @@ int cmd_score(int argc, char** argv) {
   log_level_from_args(a);
   const auto params = models::model_load(a.need("model"));
   const auto policy = training_policy_from_args(a).training();
-  const auto items = read_token_jsonl(a.need("input"), params.cfg.vocab_size, tokenizer_of(a.need("model")).get());
+  const auto items = read_token_jsonl(a.need("input"), params.cfg.vocab_size, tokenizer_of(a.need("model"), params.cfg.vocab_size).get());
   const int64_t max_tokens = a.get_int("max-batch-tokens", 4096, 1, INT32_MAX);
   for (const auto& it : items)
     if (static_cast<int64_t>(it.tokens.size()) > params.cfg.max_position_embeddings)

@@ -104,9 +104,7 @@ int cmd_sft(int argc, char** argv) {
                                      tok->bos, tok->eos),
         seed);
   }
-  if (tok->vocab_size() > ck.params.cfg.vocab_size)
-    throw std::invalid_argument("tokenizer has " + std::to_string(tok->vocab_size()) + " tokens, model vocab_size is " +
-                                std::to_string(ck.params.cfg.vocab_size));
+  models::tokenizer_vocab_check(*tok, ck.params.cfg.vocab_size, a.get("tokenizer", a.get("model", "the built-in tokenizer")));
   const models::dataset data = models::task_load(task, false, 4000, seed);
   models::sft_config sc;
   sc.steps = a.get_int("steps", 450, 1, INT32_MAX);
@@ -148,6 +146,7 @@ int cmd_eval(int argc, char** argv) {
   const auto max_tokens = static_cast<int32_t>(a.get_int("max-tokens", 16, 1, 1 << 20));
   const auto params = models::model_load(a.need("model"));
   const auto tok = models::tokenizer_load(a.need("model"));
+  models::tokenizer_vocab_check(*tok, params.cfg.vocab_size, a.need("model"));
   const auto task = models::task_spec_parse(a.get("task", "builtin:add2"));
   models::dataset val = models::task_load(task, true, n, seed);
   if (!task.builtin && a.has("n") && static_cast<int64_t>(val.items.size()) > n) val.items.resize(static_cast<size_t>(n));  // it read all

@@ -15,11 +15,13 @@
 
 namespace fp8rl::cli {
 
-std::unique_ptr<models::tokenizer> tokenizer_of(const std::string& model_dir) {
+std::unique_ptr<models::tokenizer> tokenizer_of(const std::string& model_dir, int64_t vocab_size) {
   namespace fs = std::filesystem;
   if (!fs::exists(fs::path(model_dir) / "tokenizer.json") && !fs::exists(fs::path(model_dir) / "fp8rl-char-tokenizer.json"))
     return nullptr;
-  return models::tokenizer_load(model_dir);
+  auto tok = models::tokenizer_load(model_dir);
+  models::tokenizer_vocab_check(*tok, vocab_size, model_dir);
+  return tok;
 }
 
 void log_level_from_args(const args& a) {

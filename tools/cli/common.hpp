@@ -26,8 +26,9 @@ struct jsonl_item {
 };
 std::vector<jsonl_item> read_token_jsonl(const std::string& path, int64_t vocab, const models::tokenizer* tok = nullptr,
                                          bool request_keys = false);
-// The tokenizer of a model directory, or null if it has none.
-std::unique_ptr<models::tokenizer> tokenizer_of(const std::string& model_dir);
+// The tokenizer of a model directory, or null if it has none; refused when its ids reach past
+// the model's vocabulary (vocab_size).
+std::unique_ptr<models::tokenizer> tokenizer_of(const std::string& model_dir, int64_t vocab_size);
 // --log-level LEVEL (every subcommand)
 void log_level_from_args(const args& a);
 
