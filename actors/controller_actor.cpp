@@ -116,15 +116,17 @@ msg::controller_actor spawn_controller(caf::actor_system& sys, std::shared_ptr<c
       if (code == 0 || stopped) {
         const std::string perr = plots_write(s.env->run_dir);
         if (!perr.empty()) log->warn("plots: {}", perr);
-        // this process's steps (a resumed run's earlier ones took their own time)
+        // this process's steps (a resumed run's earlier ones took their own time); a stop's line
+        // names the checkpoint to resume from: a warning, kept by run.log_level=warn
         const uint64_t from = s.env->start_version;
-        log->info("run {}: {} steps{} in {:.1f} s; metrics in {}{}{}", stopped ? "stopped" : "finished", s.learner_version - from,
-                  from > 0 ? fmt::format(" ({}..{}, resumed at {})", from + 1, s.learner_version, from) : std::string(),
-                  std::chrono::duration<double>(std::chrono::steady_clock::now() - s.t0).count(), s.metrics.path(),
-                  s.rollouts_lost ? fmt::format(" ({} rollout(s) lost, {} restarted, {} group(s) re-issued)", s.rollouts_lost,
-                                                s.rollouts_restarted, s.reissued)
-                                  : std::string(),
-                  why.empty() ? "" : "; " + why);
+        log->log(stopped ? spdlog::level::warn : spdlog::level::info, "run {}: {} steps{} in {:.1f} s; metrics in {}{}{}",
+                 stopped ? "stopped" : "finished", s.learner_version - from,
+                 from > 0 ? fmt::format(" ({}..{}, resumed at {})", from + 1, s.learner_version, from) : std::string(),
+                 std::chrono::duration<double>(std::chrono::steady_clock::now() - s.t0).count(), s.metrics.path(),
+                 s.rollouts_lost ? fmt::format(" ({} rollout(s) lost, {} restarted, {} group(s) re-issued)", s.rollouts_lost,
+                                               s.rollouts_restarted, s.reissued)
+                                 : std::string(),
+                 why.empty() ? "" : "; " + why);
       } else {
         log->error("run failed: {}", why);
       }

@@ -19,9 +19,11 @@
 namespace fp8rl::actors {
 
 // Where a run starts: the weight version of its first checkpoint and the next training prompt
-// (state.json's weight_version and prompt_cursor on --resume; both 0 for a fresh run).
+// (state.json's weight_version and prompt_cursor on --resume; both 0 for a fresh run). restart:
+// a --resume of a run stopped before its first checkpoint, which starts again from step 0.
 struct run_start {
   uint64_t version = 0, prompt_cursor = 0;
+  bool restart = false;
   run_start(uint64_t v = 0, uint64_t cursor = 0) : version(v), prompt_cursor(cursor) {}  // NOLINT: 0 reads as "fresh"
 };
 

@@ -25,7 +25,7 @@ namespace fp8rl::actors {
 
 std::vector<recipe_key> recipe_keys(run_config& r) {
   return {
-      {"run", "name", &r.name, "run name (printed, stored in metrics)"},
+      {"run", "name", &r.name, "run name (the run directory runs/NAME, checkpoints' state.json)"},
       {"run", "seed", &r.seed, "seed of data order, init and sampling"},
       {"run", "steps", &r.steps, "optimizer steps (GRPO steps) to run"},
       {"run", "eval_every", &r.eval_every, "validation accuracy every N steps (0: only at the end)"},

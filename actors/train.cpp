@@ -324,6 +324,15 @@ std::string prepare_init(const run_config& cfg, const std::string& run_dir, bool
   *start = run_start{};
   const fs::path ck = fs::path(run_dir) / "checkpoints";
   if (resume) {
+    // a run stopped before its first checkpoint (a second Ctrl-C, a kill, a crash) starts again
+    // from step 0 with its own settings; train_main takes the start the run had
+    std::error_code ec;
+    bool any_step = false;
+    for (const auto& e : fs::directory_iterator(ck, ec)) any_step = any_step || e.path().filename().string().rfind("step_", 0) == 0;
+    if (!fs::exists(ck / "latest") && !any_step && fs::exists(fs::path(run_dir) / "recipe.conf")) {
+      start->restart = true;
+      return "";
+    }
     std::ifstream f(ck / "latest");
     std::string name, more;
     if (!(f >> name)) throw std::invalid_argument(run_dir + ": --resume but no checkpoints/latest");
@@ -482,11 +491,12 @@ void train_set_check(const actor_env& env) {
 // left the run hanging): the start checkpoint (weights, optimizer, state), the tokenizer against
 // the model's vocabulary, both task splits (resumed: the training set against the checkpoint's),
 // and metrics.jsonl for appending (a resumed run drops a partial last line a crash left, with a
-// warning).
-void run_preflight(const actor_env& env, bool resume) {
+// warning; a restarted one -- resumed before its first checkpoint -- every line).
+void run_preflight(const actor_env& env, bool resume, bool restart) {
   // a run starts from a training checkpoint or a model directory (a Hugging Face download); a
-  // resumed one from its own checkpoint
-  const auto start = models::checkpoint_load(env.init_dir, resume ? models::checkpoint_kind::training : models::checkpoint_kind::model_ok);
+  // resumed one from its own checkpoint, a restarted one from its start
+  const bool from_checkpoint = resume && !restart;
+  const auto start = models::checkpoint_load(env.init_dir, from_checkpoint ? models::checkpoint_kind::training : models::checkpoint_kind::model_ok);
   if (env.cfg.max_context > env.model.max_position_embeddings)  // each rollout's engine refused it, and was restarted
     throw std::invalid_argument("model.max_context = " + std::to_string(env.cfg.max_context) + " exceeds " + env.init_dir +
                                 "/config.json's max_position_embeddings " + std::to_string(env.model.max_position_embeddings));
@@ -495,7 +505,7 @@ void run_preflight(const actor_env& env, bool resume) {
     throw std::invalid_argument("precision.bf16_first/bf16_last (" + std::to_string(env.cfg.bf16_first) + ", " +
                                 std::to_string(env.cfg.bf16_last) + ") exceed " + env.init_dir + "/config.json's " +
                                 std::to_string(env.model.num_hidden_layers) + " layers");
-  if (resume)
+  if (from_checkpoint)
     for (const auto& seq : calibration_batch_load(env.init_dir))
       for (int32_t t : seq)
         if (t >= env.model.vocab_size)
@@ -508,7 +518,7 @@ void run_preflight(const actor_env& env, bool resume) {
   }
   models::tokenizer_vocab_check(*env.tok, env.model.vocab_size, env.init_dir);
   if (resume || env.cfg.init != "tiny") prompts_fit_check(env.cfg, *env.tok);  // train_main checked the tiny model's
-  if (resume && env.start_version > 0) train_set_check(env);
+  if (from_checkpoint && env.start_version > 0) train_set_check(env);
   const fs::path metrics = fs::path(env.run_dir) / "metrics.jsonl";
   if (fs::exists(metrics) && !fs::is_regular_file(metrics)) throw std::invalid_argument(metrics.string() + ": not a file");
   if (resume && fs::exists(metrics))
@@ -641,6 +651,11 @@ int train_main(int argc, char** argv) {
     init_dir = prepare_init(cfg, run_dir, true, &start);
     cfg = resume_recipe(c, run_dir, start.version);
     resumed_with = resume_recipe_changes(cfg, run_dir);
+    if (start.restart) {  // the run's own start: its warm start (written before recipe.conf) or model
+      init_dir = cfg.init == "tiny" ? (fs::path(run_dir) / "checkpoints" / "init").string() : cfg.init;
+      log_get("train")->warn("{} has no checkpoint (stopped before its first): the run starts again from step 0 ({})", run_dir,
+                             init_dir);
+    }
     if (const std::string why = node_tiles_problem(cfg, here, false); !why.empty()) throw std::invalid_argument(why);
   } else {
     init_dir = prepare_init(cfg, run_dir, false, &start);
@@ -653,7 +668,7 @@ int train_main(int argc, char** argv) {
   }
   const std::string run_id = cfg.name + "-" + std::to_string(trace_now_us()) + "-" + std::to_string(::getpid());
   auto env = env_make(cfg, node, run_dir, init_dir, start, run_id);
-  run_preflight(*env, c.resume);  // every file the actors will read or write, before any of them starts
+  run_preflight(*env, c.resume, start.restart);  // every file the actors will read or write, before any of them starts
   // a signal now gives the start up (before recipe.conf marks a run); later, the run starts and
   // stops at its first step. An --overwrite's earlier run is deleted once the new run has recorded
   // a step (the controller's on_first_step): one failing at its first step gives it back.

@@ -422,7 +422,8 @@ TEST(E2E, SignalStopsTheRunAtACheckpointedStep) {
   const fs::path d = fresh_dir("sigstop");
   const std::string train = kBin + "/fp8rl train --run-dir " + (d / "run").string() +
                             " --run.eval_every=0 --run.checkpoint_every=0 --model.sft_steps=20";
-  const pid_t pid = start_until_two_steps(train + " --run.steps=100000", d);
+  // the stop's line naming the checkpoint is a warning: run.log_level=warn keeps it (it was info)
+  const pid_t pid = start_until_two_steps(train + " --run.steps=100000 --run.log_level=warn", d);
   ASSERT_GT(pid, 0) << "the run did not start";
   ::kill(pid, SIGINT);
   const int st = wait_exit(pid);
@@ -460,7 +461,7 @@ TEST(E2E, SignalStopsTheRunAtACheckpointedStep) {
   auto piped_run = [&](int sig) {  // the wait status
     int pfd[2];
     if (::pipe(pfd) != 0) return -1;
-    const std::string piped = "exec " + train + " --resume --run.steps=100000";
+    const std::string piped = "exec " + train + " --resume --run.steps=100000 --run.log_level=info";  // progress lines: the writes
     const pid_t teed = ::fork();
     if (teed == 0) {
       ::dup2(pfd[1], 1);
@@ -499,6 +500,32 @@ TEST(E2E, SignalStopsTheRunAtACheckpointedStep) {
   EXPECT_NE(text_of(sft / "log").find("SIGTERM during the SFT warm start; nothing was trained or saved"), std::string::npos)
       << text_of(sft / "log");
   EXPECT_FALSE(fs::exists(sft / "run" / "recipe.conf"));
+  // killed before its first checkpoint (SIGKILL, or a second signal): --resume starts the run
+  // again from step 0 with its own settings (it was refused, "no checkpoints/latest", and only
+  // --overwrite went on)
+  const fs::path early = d / "early";
+  fs::create_directories(early);
+  const std::string resume_early = kBin + "/fp8rl train --resume --run-dir " + (early / "run").string();
+  const pid_t killed = start_until_two_steps(kBin + "/fp8rl train --run-dir " + (early / "run").string() +
+                                                 " --run.eval_every=0 --run.checkpoint_every=0 --model.sft_steps=20"
+                                                 " --rollout.prompts_per_step=4 --run.steps=100000",
+                                             early);
+  ASSERT_GT(killed, 0) << "the run did not start";
+  ::kill(killed, SIGKILL);
+  wait_exit(killed);
+  ASSERT_FALSE(fs::exists(early / "run" / "checkpoints" / "latest"));
+  const size_t done = metrics(early / "run").size();
+  EXPECT_NE(fp8rl::test::run_command(resume_early + " --dump-config").out.find("prompts_per_step=4\n"), std::string::npos);
+  const auto restarted = fp8rl::test::run_command(resume_early + " --run.steps=3");
+  ASSERT_EQ(restarted.rc, 0) << restarted.out;
+  EXPECT_NE(restarted.out.find(" has no checkpoint (stopped before its first): the run starts again from step 0"), std::string::npos)
+      << restarted.out;
+  const auto m3 = metrics(early / "run");
+  ASSERT_EQ(m3.size(), 3u);
+  for (size_t i = 0; i < m3.size(); ++i) EXPECT_EQ(m3[i]["step"], i + 1);
+  const std::string discarded = text_of(early / "run" / "metrics.jsonl.discarded");  // the killed part's steps
+  EXPECT_EQ(std::count(discarded.begin(), discarded.end(), '\n'), static_cast<long>(done));
+  EXPECT_EQ(nlohmann::json::parse(text_of(early / "run" / "checkpoints" / "step_3" / "state.json"))["prompt_cursor"], 12);
   fs::remove_all(d);
 }
 
