@@ -444,18 +444,33 @@ std::string resume_recipe_changes(const run_config& cfg, const std::string& run_
 
 // Every prompt of both splits encodes and fits the context with its longest response (a rollout
 // failing on one lost every rollout; a prompt leaving room for one token trained on reward 0,
-// silently); every run ends with a validation, also with eval_every = 0.
+// silently); every run ends with a validation, also with eval_every = 0. An answer whose shortest
+// accepted response is longer than rollout.max_new_tokens can never be rewarded: refused when no
+// training answer fits (builtin:mul6 under the default 5 tokens trained on reward 0), else counted
+// in a warning.
 void prompts_fit_check(const run_config& cfg, const models::tokenizer& tok) {
   const auto task = models::task_spec_parse(cfg.task);
+  const auto vk = recipe_rl_config(cfg).verifier;
   for (const bool val : {false, true}) {
     const auto d = models::task_load(task, val, val ? cfg.val_size : cfg.train_size, static_cast<uint64_t>(cfg.seed));
+    size_t too_long = 0, first = 0, first_len = 0;
     for (size_t i = 0; i < d.items.size(); ++i) {  // example_where names the split of a built-in task
       const std::vector<int32_t> ids = models::example_encode(d, i, tok, false);
       if (static_cast<int64_t>(ids.size()) + cfg.max_new_tokens > cfg.max_context)
         throw std::invalid_argument(models::example_where(d, i) + ": prompt of " + std::to_string(ids.size()) +
                                     " tokens + rollout.max_new_tokens " + std::to_string(cfg.max_new_tokens) +
                                     " do not fit model.max_context " + std::to_string(cfg.max_context));
+      const size_t n = tok.encode(models::answer_shortest(vk, d.items[i].answer), false).size();
+      if (static_cast<int64_t>(n) > cfg.max_new_tokens && too_long++ == 0) first = i, first_len = n;
     }
+    if (too_long == 0) continue;
+    const std::string what = std::to_string(too_long) + " of " + std::to_string(d.items.size()) + (val ? " validation" : " training") +
+                             " answers need more tokens than rollout.max_new_tokens " + std::to_string(cfg.max_new_tokens) +
+                             " (the first: " + models::example_where(d, first) + ", '" + d.items[first].answer + "', " +
+                             std::to_string(first_len) + " tokens)";
+    if (!val && too_long == d.items.size())
+      throw std::invalid_argument(what + ": no response can be rewarded; raise rollout.max_new_tokens (and model.max_context with it)");
+    log_get("train")->warn("{}: those can never be rewarded", what);
   }
 }
 

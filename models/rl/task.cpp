@@ -2,6 +2,7 @@
 #include "models/rl/task.hpp"
 
 #include <cctype>
+#include <charconv>
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
@@ -117,6 +118,15 @@ float verify(verifier_kind k, std::string_view response, std::string_view answer
   auto r = parse_number(response), a = parse_number(answer);
   if (!r || !a) return 0.0f;
   return std::fabs(*r - *a) <= 1e-6 * std::max(1.0, std::fabs(*a)) ? 1.0f : 0.0f;
+}
+
+std::string answer_shortest(verifier_kind k, std::string_view answer) {
+  if (k == verifier_kind::exact) return answer_normalize(answer);
+  const auto v = parse_number(answer);
+  if (!v) return std::string(answer);
+  char buf[64];
+  const auto r = std::to_chars(buf, buf + sizeof buf, *v);  // shortest round trip, fixed or scientific
+  return std::string(buf, r.ptr);
 }
 
 std::string arithmetic_alphabet() { return "0123456789+*="; }

@@ -1,6 +1,7 @@
 // models/rl/task.hpp -- tasks for RL with verifiable rewards: user datasets and the built-in
 // arithmetic family, and the verifiers that score a response.
-// defines: task_example, dataset, dataset_load_jsonl, example_where, dataset_fingerprint, verifier_kind, verify, answer_normalize,
+// defines: task_example, dataset, dataset_load_jsonl, example_where, dataset_fingerprint, verifier_kind,
+//          answer_shortest, verify, answer_normalize,
 //          arithmetic_config, arithmetic_dataset, arithmetic_alphabet
 #pragma once
 #include <cstdint>
@@ -37,6 +38,10 @@ std::optional<verifier_kind> verifier_parse(std::string_view s);
 
 // Trim, collapse internal whitespace, lowercase, drop one trailing period.
 std::string answer_normalize(std::string_view s);
+// The shortest response text verify(k, ., answer) accepts, near enough for counting its tokens:
+// the normalized answer (exact), the number's shortest round-trip form (numeric; the answer
+// itself where it is no number, which no response matches).
+std::string answer_shortest(verifier_kind k, std::string_view answer);
 // 1 if the response matches the answer, else 0. numeric: both parse as numbers (commas and a
 // leading '+' ignored) and agree to 1e-6 relative; a response that does not parse scores 0.
 float verify(verifier_kind k, std::string_view response, std::string_view answer);

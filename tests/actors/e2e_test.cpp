@@ -569,6 +569,9 @@ TEST(E2E, BadRecipeKeyFailsWithItsName) {
            // leaving less room than the longest response: trained on reward 0, silently
            {"--model.max_context=8 --model.sft_steps=5",
             "builtin:add2 (train) example 0: prompt of 7 tokens + rollout.max_new_tokens 5 do not fit model.max_context 8"},
+           // no training answer fits the responses: trained on reward 0 (mul6 answers have 11-12 digits)
+           {"--task.name=builtin:mul6 --model.sft_steps=5",
+            "4000 of 4000 training answers need more tokens than rollout.max_new_tokens 5 (the first: builtin:mul6 (train) example 0, "},
            // a second recipe or topology silently replaced the first
            {"--recipe " + (d / "r.conf").string() + " --config-file " + (d / "r.conf").string(), "option --config-file given twice"},
            {"--topology a.conf --topology=b.conf", "option --topology given twice ('a.conf', 'b.conf')"},
@@ -597,6 +600,15 @@ TEST(E2E, BadRecipeKeyFailsWithItsName) {
       << late.out;
   EXPECT_EQ(late.out.find("SFT warm start"), std::string::npos) << late.out;
   EXPECT_FALSE(fs::exists(d / "late")) << late.out;
+  // some answers longer than the responses (add5's 6-digit sums): the run goes on, warned with their count
+  const auto some = fp8rl::test::run_command(kBin + "/fp8rl train --run-dir " + (d / "add5").string() +
+                                             " --task.name=builtin:add5 --model.sft_steps=2 --run.steps=1 --task.val_size=50");
+  EXPECT_EQ(some.rc, 0) << some.out;
+  EXPECT_NE(some.out.find(" of 4000 training answers need more tokens than rollout.max_new_tokens 5 (the first: builtin:add5 (train) "
+                          "example 1, '143877', 6 tokens): those can never be rewarded"),
+            std::string::npos) << some.out;
+  EXPECT_EQ(some.out.find("of 4000 training answers need more tokens than rollout.max_new_tokens 5", some.out.find("rewarded") + 1),
+            std::string::npos) << some.out;  // one line per split
   // a start refused before it wrote anything leaves no empty run directory behind
   const auto nothing = fp8rl::test::run_command(kBin + "/fp8rl train --run-dir " + (d / "never").string() +
                                                 " --task.name=" + (d / "no-such.jsonl").string());

@@ -432,6 +432,17 @@ TEST(Tasks, DatasetFingerprintSeesEveryExampleInOrder) {
   EXPECT_EQ(dataset_fingerprint(dataset{}), "cbf29ce484222325");  // FNV-1a 64's offset basis: nothing hashed
 }
 
+// What the answer-length check counts: the shortest response each verifier accepts.
+TEST(Tasks, ShortestAcceptedResponses) {
+  EXPECT_EQ(answer_shortest(verifier_kind::exact, "  Paris. "), "paris");
+  EXPECT_EQ(answer_shortest(verifier_kind::numeric, "1,000.50"), "1000.5");
+  EXPECT_EQ(answer_shortest(verifier_kind::numeric, "+46.0"), "46");
+  EXPECT_EQ(answer_shortest(verifier_kind::numeric, "120000000000000000000"), "1.2e+20");
+  EXPECT_EQ(answer_shortest(verifier_kind::numeric, "n/a"), "n/a");
+  for (const char* a : {"1,000.50", "+46.0", "120000000000000000000", "-0.25"})  // each is accepted
+    EXPECT_EQ(verify(verifier_kind::numeric, answer_shortest(verifier_kind::numeric, a), a), 1.0f) << a;
+}
+
 TEST(Tasks, MalformedDatasetLinesAreAllReported) {
   const auto path = std::filesystem::temp_directory_path() / ("fp8rl_ds_" + std::to_string(::getpid()) + ".jsonl");
   // also: a blank prompt, an answer empty once normalized (a completion saying nothing scored 1
