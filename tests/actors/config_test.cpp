@@ -134,6 +134,58 @@ TEST(Recipe, CliOverridesAndDumpRoundTrip) {
   fs::remove(f);
 }
 
+// Every recipe key that the learner, rollouts and calibration read reaches its field of the
+// run's rl config, each from its own key: all set to distinct non-default values (the e2e tests
+// build their references through the same function, so a swap there -- clip_low for clip_high --
+// cancelled out).
+TEST(Recipe, RlConfigTakesEachKeyToItsField) {
+  run_config r;
+  for (const char* o : {"--rollout.group_size=3", "--grpo.normalize_std=false", "--grpo.share_prompts=false", "--grpo.clip_low=0.11",
+                        "--grpo.clip_high=0.31", "--grpo.dual_clip=3.5", "--grpo.is_mode=icepop", "--grpo.is_lo=0.4",
+                        "--grpo.is_hi=1.7", "--grpo.kl_beta=0.05", "--grpo.seq_logprob_error_threshold=0.6", "--optim.lr=0.001",
+                        "--optim.beta1=0.8", "--optim.beta2=0.95", "--optim.eps=1e-06", "--optim.weight_decay=0.01",
+                        "--optim.grad_clip=0.5", "--rollout.prompts_per_step=7", "--rollout.max_new_tokens=9",
+                        "--rollout.temperature=0.7", "--rollout.top_k=5", "--rollout.top_p=0.9", "--precision.generation=fp8-kv",
+                        "--precision.training=bf16", "--precision.scale_mode=fp32", "--precision.bf16_first=1",
+                        "--precision.bf16_last=2", "--task.verifier=exact", "--run.seed=7", "--calibration.margin=1.2",
+                        "--calibration.percentile=0.99"})
+    recipe_apply_cli(r, o);
+  const auto c = recipe_rl_config(r);
+  EXPECT_EQ(c.grpo.group_size, 3);
+  EXPECT_FALSE(c.grpo.normalize_std);
+  EXPECT_FALSE(c.grpo.share_prompts);
+  EXPECT_EQ(c.grpo.clip_low, 0.11f);
+  EXPECT_EQ(c.grpo.clip_high, 0.31f);
+  EXPECT_EQ(c.grpo.dual_clip, 3.5f);
+  EXPECT_EQ(c.grpo.is, fp8rl::models::is_mode::icepop);
+  EXPECT_EQ(c.grpo.is_lo, 0.4f);
+  EXPECT_EQ(c.grpo.is_hi, 1.7f);
+  EXPECT_EQ(c.grpo.kl_beta, 0.05f);
+  EXPECT_EQ(c.grpo.seq_logprob_error_threshold, 0.6f);
+  EXPECT_EQ(c.opt.lr, 0.001f);
+  EXPECT_EQ(c.opt.beta1, 0.8f);
+  EXPECT_EQ(c.opt.beta2, 0.95f);
+  EXPECT_EQ(c.opt.eps, 1e-6f);
+  EXPECT_EQ(c.opt.weight_decay, 0.01f);
+  EXPECT_EQ(c.opt.grad_clip, 0.5f);
+  EXPECT_EQ(c.prompts_per_step, 7);
+  EXPECT_EQ(c.max_new_tokens, 9);
+  EXPECT_EQ(c.proc.temperature, 0.7f);
+  EXPECT_EQ(c.proc.top_k, 5);
+  EXPECT_EQ(c.proc.top_p, 0.9f);
+  EXPECT_EQ(c.gen_policy.name, "fp8-kv");
+  EXPECT_EQ(c.train_policy.name, "bf16");
+  for (const auto* p : {&c.gen_policy, &c.train_policy}) {
+    EXPECT_EQ(p->scales, fp8rl::quant::scale_mode::fp32);
+    EXPECT_EQ(p->bf16_first, 1);
+    EXPECT_EQ(p->bf16_last, 2);
+  }
+  EXPECT_EQ(c.verifier, fp8rl::models::verifier_kind::exact);
+  EXPECT_EQ(c.seed, 7u);
+  EXPECT_EQ(c.kv_margin, 1.2f);
+  EXPECT_EQ(c.kv_percentile, 0.99);
+}
+
 // run.log_level reaches every component logger, those made before and after; a bad level is
 // an error naming the key.
 TEST(Recipe, LogLevelReachesTheComponentLoggers) {

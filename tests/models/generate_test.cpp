@@ -171,6 +171,32 @@ TEST(Generate, SeededSamplingIsReproducible) {
   }
 }
 
+// The random stream is keyed by (seed, request id, token index): under a uniform distribution
+// (lm_head zeroed) a stream ignoring the index draws one token over and over, and one ignoring
+// the id gives a GRPO group -- one prompt, one seed, G ids -- G copies of one completion.
+TEST(Generate, TheStreamDependsOnTheRequestAndTheTokenIndex) {
+  model_params p = model_params_init(cfg(), 5);
+  std::fill_n(p.get("lm_head.weight"), p.cfg.vocab_size * p.cfg.hidden_size, 0.0f);
+  auto be = make_cpu_backend();
+  generation_engine e(*be, p.cfg, ecfg("fp32", 2));
+  ASSERT_EQ(e.adopt_params(p, 1, 1), "");
+  for (uint64_t id : {1, 2}) {
+    gen_request q;
+    q.id = id;
+    q.prompt = {3, 4, 5};
+    q.max_tokens = 12;
+    q.seed = 9;
+    e.submit(q);
+  }
+  auto res = e.run_to_completion();
+  ASSERT_EQ(res.size(), 2u);
+  for (const auto& r : res) {
+    ASSERT_EQ(r.tokens.size(), 12u);
+    EXPECT_NE(std::count(r.tokens.begin(), r.tokens.end(), r.tokens[0]), 12) << r.id;  // 61^-11 by chance
+  }
+  EXPECT_NE(res[0].tokens, res[1].tokens);
+}
+
 TEST(Generate, AdoptionAtStepBoundariesTagsTokens) {
   const model_params p1 = model_params_init(cfg(), 6), p2 = model_params_init(cfg(), 7);
   auto be = make_cpu_backend();

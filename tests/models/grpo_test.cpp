@@ -204,6 +204,17 @@ TEST(Grpo, EachWeightAndClipBranchByHand) {
   EXPECT_NEAR(r.loss, -1.2, tol);
   EXPECT_EQ(r.dc[0], 0.0f);
   EXPECT_EQ(r.metrics.at("clip_fraction"), 1.0);
+  // asymmetric bounds [1 - 0.1, 1 + 0.3] (each bound at its side: swapped, the symmetric case
+  // above could not tell): A = 1, r = 1.5 -> -1.3; A = -1, r = 0.5 -> max(0.5, 0.9) = 0.9
+  cfg.clip_low = 0.1f;
+  cfg.clip_high = 0.3f;
+  r = policy_loss(b, cfg, 1.0);
+  EXPECT_NEAR(r.loss, -1.3, tol);
+  EXPECT_EQ(r.dc[0], 0.0f);
+  r = policy_loss(one(-1.0f, std::log(0.5), 0.0), cfg, 1.0);
+  EXPECT_NEAR(r.loss, 0.9, tol);
+  EXPECT_EQ(r.dc[0], 0.0f);
+  cfg.clip_low = cfg.clip_high = 0.2f;
   // A < 0, r = 4: PPO keeps -A r = 4 (the unclipped term is larger); the dual clip caps it at
   // -dual_clip A = 3 with no gradient; without it, dL/dc = -A r
   b = one(-1.0f, std::log(4.0), 0.0);
@@ -224,7 +235,9 @@ TEST(Grpo, EachWeightAndClipBranchByHand) {
   EXPECT_NEAR(r.loss, -1.2, tol);
   EXPECT_NEAR(r.dc[0], -1.2, tol);
   EXPECT_EQ(r.metrics.at("is_oob_ratio"), 1.0);
-  EXPECT_NEAR(policy_loss(one(1.0f, 0.0, std::log(0.3)), cfg, 1.0).loss, -0.5, tol);
+  r = policy_loss(one(1.0f, 0.0, std::log(0.3)), cfg, 1.0);
+  EXPECT_NEAR(r.loss, -0.5, tol);
+  EXPECT_EQ(r.metrics.at("is_oob_ratio"), 1.0);  // below is_lo counts too
   // icepop drops a token outside [is_lo, is_hi] and keeps w itself inside
   cfg.is = is_mode::icepop;
   r = policy_loss(b, cfg, 1.0);
@@ -251,6 +264,20 @@ TEST(Grpo, EachWeightAndClipBranchByHand) {
   r = policy_loss(q, cfg, 3.0);
   EXPECT_NEAR(r.loss, -std::exp(double(q.p[2]) - q.g[2]) / 3.0, tol);
   EXPECT_EQ(r.metrics.at("is_oob_ratio"), 0.5);
+  // rho is the geometric mean: 3 tokens of p - g = 0.08 give e^0.08 = 1.083 < is_hi = 1.1, kept
+  // (the product e^0.24 = 1.27 would drop the sequence)
+  cfg.is_hi = 1.1f;
+  token_batch_rl m3;
+  m3.p = {-1.0f, -1.0f, -1.0f};
+  m3.c = m3.p;
+  m3.g = {-1.08f, -1.08f, -1.08f};
+  m3.adv = {1, 1, 1};
+  m3.mask = {1, 1, 1};
+  m3.seq = {0, 0, 0};
+  m3.n_seqs = 1;
+  const is_result kept = is_weights(m3, cfg);
+  EXPECT_EQ(kept.oob_seqs, 0);
+  for (int t = 0; t < 3; ++t) EXPECT_NEAR(kept.w[t], std::exp(double(m3.p[t]) - m3.g[t]), tol) << t;
 }
 
 TEST(Grpo, NonFiniteWeightsAreZeroedAndCounted) {

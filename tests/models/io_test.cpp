@@ -175,6 +175,18 @@ TEST(Config, ErrorsNameTheField) {
   for (const auto& [key, val] : {std::pair{"head_dim", "0"}, std::pair{"eos_token_id", "-5"}, std::pair{"eos_token_id", "99"},
                                  std::pair{"model_type", "\"gpt2\""}})
     EXPECT_NE(error_of([&] { model_config_parse(with(key, val), "c.json"); }).find(key), std::string::npos) << key << val;
+  // each field's own message (a check dropped, or a message naming another field, went unseen)
+  auto replaced = [](const std::string& from, const std::string& to) {
+    std::string s = kGoodConfig;
+    return s.replace(s.find(from), from.size(), to);
+  };
+  for (const auto& [text, what] :
+       {std::pair{with("head_dim", "15"), "field 'head_dim': must be even for RoPE"},
+        std::pair{with("pretraining_tp", "2"), "field 'pretraining_tp': must be 1"},
+        std::pair{replaced("\"tie_word_embeddings\": false", "\"tie_word_embeddings\": 1"), "field 'tie_word_embeddings': must be true or false"},
+        std::pair{replaced("LlamaForCausalLM", "GPT2LMHeadModel"), "field 'architectures': unsupported architecture \"GPT2LMHeadModel\""}})
+    EXPECT_NE(error_of([&] { model_config_parse(text, "c.json"); }).find(what), std::string::npos)
+        << what << ": " << error_of([&] { model_config_parse(text, "c.json"); });
   std::string huge = kGoodConfig;
   huge.replace(huge.find("\"vocab_size\": 50"), 16, "\"vocab_size\": 1099511627776");
   EXPECT_NE(error_of([&] { model_config_parse(huge, "c.json"); }).find("vocab_size"), std::string::npos);
