@@ -1,7 +1,8 @@
 // actors/recipe.hpp -- the run configuration ("recipe"): every key of a training run, read from
 // files in CAF's config syntax and from `--section.key=value` flags, strictly validated.
 // defines: run_config, recipe_key, recipe_keys, recipe_load_file, recipe_apply_cli,
-//          recipe_dump, recipe_to_json, recipe_from_json, recipe_validate, recipe_rl_config,
+//          recipe_dump, recipe_to_json, recipe_from_json, recipe_validate, recipe_learning_problems,
+//          recipe_rl_config,
 //          config_file_precheck, config_file_parse
 //
 // Every key, its type, default and meaning is listed once, in recipe_keys() (recipe.cpp), and
@@ -85,6 +86,10 @@ void recipe_load_file(run_config& r, const std::string& path);
 void recipe_apply_cli(run_config& r, const std::string& arg);
 // Checks values (enums, ranges, policy names); throws std::invalid_argument naming the key.
 void recipe_validate(const run_config& r);
+// Valid settings under which the policy loss has no gradient or ignores the sampled tokens (a
+// group of one, greedy groups, IS bounds excluding 1): one line each, naming the keys; train
+// warns with them.
+std::vector<std::string> recipe_learning_problems(const run_config& r);
 // The effective configuration in CAF config syntax (what `fp8rl train --dump-config` prints).
 std::string recipe_dump(const run_config& r);
 std::string recipe_to_json(const run_config& r);

@@ -618,6 +618,10 @@ int train_main(int argc, char** argv) {
   }
   const std::string node = c.node.empty() ? topo.controller_node().name : c.node;
   if (!topo.find(node)) throw std::invalid_argument(topo.source + ": no node named '" + node + "'");
+  auto warn_learning_problems = [](const run_config& r) {
+    for (const auto& p : recipe_learning_problems(r)) log_get("train")->warn("{}", p);
+  };
+  if (!c.resume && topo.find(node)->has("controller")) warn_learning_problems(cfg);  // before a warm start
   for (const auto& n : topo.nodes)  // every node's devices, before anything is written
     for (const auto* devs : {&n.learners, &n.rollouts})
       for (const auto& d : *devs)
@@ -666,6 +670,7 @@ int train_main(int argc, char** argv) {
     init_dir = prepare_init(cfg, run_dir, true, &start);
     cfg = resume_recipe(c, run_dir, start.version);
     resumed_with = resume_recipe_changes(cfg, run_dir);
+    warn_learning_problems(cfg);
     if (start.restart) {  // the run's own start: its warm start (written before recipe.conf) or model
       init_dir = cfg.init == "tiny" ? (fs::path(run_dir) / "checkpoints" / "init").string() : cfg.init;
       log_get("train")->warn("{} has no checkpoint (stopped before its first): the run starts again from step 0 ({})", run_dir,

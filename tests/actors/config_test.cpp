@@ -186,6 +186,31 @@ TEST(Recipe, RlConfigTakesEachKeyToItsField) {
   EXPECT_EQ(c.kv_percentile, 0.99);
 }
 
+// Settings that are valid but leave the policy loss without a gradient (or blind to the sampled
+// tokens) are named; the defaults and settings that learn are not.
+TEST(Recipe, SettingsThatCannotLearnAreNamed) {
+  auto problems = [](std::vector<const char*> opts) {
+    run_config r;
+    for (const char* o : opts) recipe_apply_cli(r, o);
+    recipe_validate(r);
+    return recipe_learning_problems(r);
+  };
+  EXPECT_TRUE(problems({}).empty());
+  EXPECT_TRUE(problems({"--rollout.temperature=0.5", "--grpo.is_mode=icepop", "--grpo.is_lo=0.5", "--grpo.is_hi=1.5"}).empty());
+  EXPECT_TRUE(problems({"--grpo.is_mode=none", "--grpo.is_hi=0"}).empty());  // no IS: the bounds are not used
+  auto one = [&](std::vector<const char*> opts, const std::string& what) {
+    const auto p = problems(opts);
+    ASSERT_EQ(p.size(), 1u) << what;
+    EXPECT_NE(p[0].find(what), std::string::npos) << p[0];
+  };
+  one({"--rollout.group_size=1"}, "rollout.group_size = 1: each completion is its own group");
+  one({"--rollout.temperature=0"}, "rollout.temperature = 0: greedy rollouts give a group 8 copies of one completion");
+  one({"--grpo.is_hi=0"}, "grpo.is_lo/is_hi = [0, 0]: tis clamps every importance weight to 0");
+  one({"--grpo.is_hi=0.5"}, "grpo.is_lo/is_hi = [0, 0.5] excludes 1, the weight of a token its sampler and learner agree on: tis clamps");
+  one({"--grpo.is_mode=icepop", "--grpo.is_lo=1.2", "--grpo.is_hi=2"}, "[1.2, 2] excludes 1, the weight of a token its sampler and learner agree on: icepop drops every such token");
+  EXPECT_EQ(problems({"--rollout.group_size=1", "--grpo.is_hi=0"}).size(), 2u);
+}
+
 // run.log_level reaches every component logger, those made before and after; a bad level is
 // an error naming the key.
 TEST(Recipe, LogLevelReachesTheComponentLoggers) {
