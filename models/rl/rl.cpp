@@ -367,7 +367,14 @@ eval_result evaluate(generation_engine& eng, const dataset& data, const tokenize
   const auto stops = stop_ids(eng.model(), tok);
   for (float temp : {0.0f, 1.0f}) {
     auto reqs = rollout_requests(data.items, 0, tok, stops, 1, {temp, 0, 1.0f}, max_tokens, seed);
-    for (auto& q : reqs) eng.submit(std::move(q));
+    for (auto& q : reqs) {
+      const uint64_t id = q.id;  // the example's index: its file and line name it
+      try {
+        eng.submit(std::move(q));
+      } catch (const std::invalid_argument& e) {
+        throw std::invalid_argument(example_where(data, id) + ": " + e.what());
+      }
+    }
     double correct = 0;
     for (const auto& res : eng.run_to_completion())
       correct += verify(vk, tok.decode(response_body(res.tokens, stops), true), data.items[res.id].answer);

@@ -151,6 +151,20 @@ TEST_F(Cli, ATokenizerLargerThanTheVocabularyIsRefused) {
   EXPECT_EQ(run("generate --max-tokens 2 --prompts " + prompts.string() + m()).rc, 0);  // 40 tokens: every id has a row
 }
 
+// Inputs too long for the model are named by file and line (they said "token batch: sequence 0"
+// and "request 0").
+TEST_F(Cli, TooLongInputsAreNamedByLine) {
+  std::string longer = "{\"tokens\": [";
+  for (int i = 0; i < 70; ++i) longer += (i ? ", " : "") + std::to_string(i % 30 + 3);
+  const fs::path cal = write("cal.jsonl", "{\"tokens\": [1, 2]}\n" + longer + "]}\n");
+  refused("generate --kv fp8 --max-tokens 2 --calibration " + cal.string() + " --prompts " + prompts.string() + m(),
+          cal.string() + ":2: a calibration prompt of 70 tokens, more than the model's max_position_embeddings 64");
+  std::ofstream(model / "fp8rl-char-tokenizer.json") << R"({"type": "fp8rl-char", "alphabet": "0123456789+*="})";
+  const fs::path task = write("long.jsonl", "{\"prompt\": \"1+1=\", \"answer\": \"2\"}\n{\"prompt\": \"" + std::string(70, '7') +
+                                                "+1=\", \"answer\": \"2\"}\n");
+  refused("eval --task " + task.string() + m(), task.string() + ":2: request 1: prompt of ");
+}
+
 // A generate prompt line may carry its own max_tokens and stop; any other key is refused by
 // name (a misspelt setting was silently ignored), as are such settings where they mean nothing
 // (score) and stop ids outside the vocabulary.

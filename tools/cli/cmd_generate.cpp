@@ -140,7 +140,13 @@ int cmd_generate(int argc, char** argv) {
     if (fp8_kv) {
       kv_calibration calib{{}, a.get("calibration"), false};
       if (a.has("calibration")) {
-        for (const auto& it : read_token_jsonl(calib.source, params.cfg.vocab_size, tok.get())) calib.prompts.push_back(it.tokens);
+        for (const auto& it : read_token_jsonl(calib.source, params.cfg.vocab_size, tok.get())) {
+          if (static_cast<int64_t>(it.tokens.size()) > params.cfg.max_position_embeddings)  // named by line, not by index
+            throw std::invalid_argument(calib.source + ":" + std::to_string(it.line) + ": a calibration prompt of " +
+                                        std::to_string(it.tokens.size()) + " tokens, more than the model's max_position_embeddings " +
+                                        std::to_string(params.cfg.max_position_embeddings));
+          calib.prompts.push_back(it.tokens);
+        }
       } else {
         std::vector<std::vector<int32_t>> prompts;
         for (const auto& it : items) prompts.push_back(it.tokens);

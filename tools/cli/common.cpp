@@ -176,7 +176,12 @@ models::attn_fp8_scales calibrate_kv(models::backend& be, const models::model_pa
                                      const std::string& source) {
   std::vector<models::token_batch> passes;
   size_t n = 0;
-  for (const auto& p : prompts) {
+  for (size_t i = 0; i < prompts.size(); ++i) {
+    const auto& p = prompts[i];
+    if (static_cast<int64_t>(p.size()) > params.cfg.max_position_embeddings)
+      throw std::invalid_argument(source + ": calibration sequence " + std::to_string(i) + " has " + std::to_string(p.size()) +
+                                  " tokens, more than the model's max_position_embeddings " +
+                                  std::to_string(params.cfg.max_position_embeddings));
     if (passes.empty() || n + p.size() > kCalibTokens) passes.emplace_back(), n = 0;
     passes.back().add(p);
     n += p.size();
