@@ -25,6 +25,7 @@
 #include "actors/signals.hpp"
 #include "actors/trace.hpp"
 #include "models/checkpoint.hpp"
+#include "models/generate.hpp"
 #include "models/json_io.hpp"
 #include "models/log.hpp"
 
@@ -319,6 +320,30 @@ cli parse_cli(int argc, char** argv) {
   return c;
 }
 
+// The KV caches this node's generation engines allocate up front -- each rollout's, and the
+// validation engine of a node with learners -- within the machine's memory, named by the keys
+// that size them (each engine checks its own; two that each fit were killed by the OOM killer).
+void kv_memory_check(const run_config& cfg, const models::model_config& model, const node_spec& here) {
+  models::engine_config ec;
+  ec.slots = cfg.slots;
+  ec.max_context = cfg.max_context;
+  ec.policy = recipe_rl_config(cfg).gen_policy;
+  const size_t rollouts = here.rollouts.size(), evals = here.learners.empty() ? 0 : 1;
+  const double need = double(rollouts + evals) * models::engine_kv_bytes(model, ec), ram = models::machine_memory_bytes();
+  if (ram <= 0 || need <= ram) return;
+  const double gib = double(1 << 30);
+  throw std::invalid_argument(fmt::format(
+      "rollout.slots {} x model.max_context {}: the KV caches of this node's {} generation engine(s) ({} rollout(s){}) need "
+      "{:.1f} GiB, more than this machine's {:.1f} GiB: lower rollout.slots or model.max_context",
+      cfg.slots, cfg.max_context, rollouts + evals, rollouts, evals ? ", the learners' validation" : "", need / gib, ram / gib));
+}
+
+// The built-in model (model.init = tiny) of a run: its size, the built-in task's characters, and
+// positions for the run's context.
+models::model_config builtin_model_config(const run_config& cfg, const models::tokenizer& tok) {
+  return models::model_config_builtin(cfg.size, tok.vocab_size(), std::max<int64_t>(64, cfg.max_context), tok.bos, tok.eos);
+}
+
 // The checkpoint this run starts from: resume (latest), a HF model dir, or a fresh SFT warm start.
 std::string prepare_init(const run_config& cfg, const std::string& run_dir, bool resume, run_start* start) {
   *start = run_start{};
@@ -365,8 +390,7 @@ std::string prepare_init(const run_config& cfg, const std::string& run_dir, bool
   if (!task.builtin) throw std::invalid_argument("model.init = tiny works with built-in tasks; give a model directory for '" + cfg.task + "'");
   auto tok = models::char_tokenizer_make(models::arithmetic_alphabet());
   models::checkpoint c;
-  const models::model_config mc =
-      models::model_config_builtin(cfg.size, tok->vocab_size(), std::max<int64_t>(64, cfg.max_context), tok->bos, tok->eos);
+  const models::model_config mc = builtin_model_config(cfg, *tok);
   c.params = models::model_params_init(mc, static_cast<uint64_t>(cfg.seed));
   models::sft_config sc;
   sc.steps = cfg.sft_steps;
@@ -631,8 +655,11 @@ int train_main(int argc, char** argv) {
   const node_spec& here = *topo.find(node);
   const bool warm_start = here.has("controller") && !c.resume && cfg.init == "tiny";
   if (const std::string why = node_tiles_problem(cfg, here, warm_start); !why.empty()) throw std::invalid_argument(why);
-  if (!c.resume && cfg.init == "tiny" && models::task_spec_parse(cfg.task).builtin)  // run_preflight checks the others
-    prompts_fit_check(cfg, *models::char_tokenizer_make(models::arithmetic_alphabet()));
+  if (!c.resume && cfg.init == "tiny" && models::task_spec_parse(cfg.task).builtin) {
+    const auto tok = models::char_tokenizer_make(models::arithmetic_alphabet());  // run_preflight checks the others
+    prompts_fit_check(cfg, *tok);
+    kv_memory_check(cfg, builtin_model_config(cfg, *tok), here);
+  }
   fp8rl_config ccfg;
   caf_options_parse(ccfg, c.caf_args);
   caf_options_validate(ccfg);
@@ -688,6 +715,7 @@ int train_main(int argc, char** argv) {
   }
   const std::string run_id = cfg.name + "-" + std::to_string(trace_now_us()) + "-" + std::to_string(::getpid());
   auto env = env_make(cfg, node, run_dir, init_dir, start, run_id);
+  kv_memory_check(cfg, env->model, here);
   run_preflight(*env, c.resume, start.restart);  // every file the actors will read or write, before any of them starts
   // a signal now gives the start up (before recipe.conf marks a run); later, the run starts and
   // stops at its first step. An --overwrite's earlier run is deleted once the new run has recorded

@@ -44,10 +44,7 @@ generation_engine::generation_engine(backend& be, const model_config& cfg, engin
     throw std::invalid_argument("engine: max_context exceeds max_position_embeddings");
   // The KV cache is allocated up front: refuse what this machine cannot hold, naming the knobs
   // (a typo in max_context otherwise ends in an allocation failure, or in swap).
-  const double esize = ec_.policy.kv == kv_dtype::fp8 ? 1 : ec_.policy.kv == kv_dtype::bf16 ? 2 : 4;
-  const double kv_bytes = double(ec_.slots) * double(ec_.max_context) * double(cfg_.num_hidden_layers) * 2.0 *
-                          double(cfg_.num_key_value_heads) * double(cfg_.head_dim) * esize;
-  const double ram = double(sysconf(_SC_PHYS_PAGES)) * double(sysconf(_SC_PAGE_SIZE));
+  const double kv_bytes = engine_kv_bytes(cfg_, ec_), ram = machine_memory_bytes();
   if (ram > 0 && kv_bytes > ram)
     throw std::invalid_argument("engine: a KV cache of " + std::to_string(ec_.slots) + " slots x " +
                                 std::to_string(ec_.max_context) + " positions needs " +
@@ -61,6 +58,14 @@ generation_engine::generation_engine(backend& be, const model_config& cfg, engin
 }
 
 generation_engine::~generation_engine() = default;
+
+double engine_kv_bytes(const model_config& m, const engine_config& ec) {
+  const double esize = ec.policy.kv == kv_dtype::fp8 ? 1 : ec.policy.kv == kv_dtype::bf16 ? 2 : 4;
+  return double(ec.slots) * double(ec.max_context) * double(m.num_hidden_layers) * 2.0 * double(m.num_key_value_heads) *
+         double(m.head_dim) * esize;
+}
+
+double machine_memory_bytes() { return double(sysconf(_SC_PHYS_PAGES)) * double(sysconf(_SC_PAGE_SIZE)); }
 
 // Refuses weights or scales older than the newest the engine holds (either version lower):
 // the pending bundle if one waits for the next step (else a late older bundle would replace it,

@@ -63,6 +63,12 @@ struct engine_config {
   int64_t max_step_tokens = 4096;
 };
 
+// The bytes of the KV cache an engine allocates up front (slots x max_context positions, K and V
+// of every layer, in the policy's KV format), and this machine's physical memory: the engine
+// refuses a cache larger than it, and fp8rl train the sum of a node's engines.
+double engine_kv_bytes(const model_config& m, const engine_config& ec);
+double machine_memory_bytes();
+
 // Per layer: elements FP8 saturation clipped (|x / scale| > 464) -- K/V written to an FP8 cache,
 // queries of FP8 attention (policy fp8_attention).
 struct fp8_saturation {

@@ -569,6 +569,11 @@ TEST(E2E, BadRecipeKeyFailsWithItsName) {
            // leaving less room than the longest response: trained on reward 0, silently
            {"--model.max_context=8 --model.sft_steps=5",
             "builtin:add2 (train) example 0: prompt of 7 tokens + rollout.max_new_tokens 5 do not fit model.max_context 8"},
+           // KV caches beyond any machine's memory, named by the keys that size them, before the warm
+           // start (each engine checked its own; two that each fit were killed by the OOM killer)
+           {"--model.max_context=1048576 --rollout.slots=65536",
+            "rollout.slots 65536 x model.max_context 1048576: the KV caches of this node's 2 generation engine(s) (1 rollout(s), "
+            "the learners' validation) need "},
            // no training answer fits the responses: trained on reward 0 (mul6 answers have 11-12 digits)
            {"--task.name=builtin:mul6 --model.sft_steps=5",
             "4000 of 4000 training answers need more tokens than rollout.max_new_tokens 5 (the first: builtin:mul6 (train) example 0, "},
