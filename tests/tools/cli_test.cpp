@@ -7,6 +7,7 @@
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
+#include <set>
 #include <sstream>
 
 #include "models/params.hpp"
@@ -137,6 +138,22 @@ std::vector<nlohmann::json> json_lines(const std::string& out) {
   return v;
 }
 }  // namespace
+
+// Every bench-decode --json line carries the fields issue 4 names (phase, weights, kv, batch,
+// threads, tokens_per_s; null where a line measures no model step): the side-by-side, per-op,
+// summary, bandwidth and attention lines lacked some.
+TEST(Bench, DecodeJsonLinesCarryTheNamedFields) {
+  std::set<std::string> phases;
+  for (const char* only : {"side_by_side", "attention_codes"}) {
+    const result r = fp8rl::test::run_command(kBin + "/bench-decode --json --quick --reps=1 --threads=1 --prefill=0 --layers=1 --only=" + only);
+    ASSERT_EQ(r.rc, 0) << r.out;
+    for (const auto& j : json_lines(r.out)) {
+      phases.insert(j.value("phase", ""));
+      for (const char* k : {"phase", "weights", "kv", "batch", "threads", "tokens_per_s"}) EXPECT_TRUE(j.contains(k)) << k << ": " << j.dump();
+    }
+  }
+  EXPECT_EQ(phases, (std::set<std::string>{"decode_side_by_side", "ops", "ops_summary", "stream_read", "attention_codes"}));
+}
 
 // A tokenizer whose ids reach past the model's vocabulary is refused by every subcommand that
 // reads one (train refused it; generate, score and eval encoded into ids no embedding row has).

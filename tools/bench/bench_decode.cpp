@@ -17,7 +17,10 @@
 // from the same rounds (medians), and their summary (phase "ops_summary": the speedup were the
 // FP8 layer GEMVs streaming at the BF16 ones' bytes/s).
 // Phase "attention_codes" (--only=attention_codes alone): FP8-cache decode attention with and
-// without subnormal codes against a BF16 cache (run_attention_codes).
+// without subnormal codes against a BF16 cache (run_attention_codes). Every line carries phase,
+// weights, kv, batch, threads and tokens_per_s: side by side and per op, the FP8 step's tokens/s;
+// null where a line measures no model step (stream_read: no weights, KV, batch or tokens;
+// attention_codes: one KV head's attention, no weights or tokens).
 // Options: --json --quick (2 layers) --reps=N --threads=1,2 --only=SUBSTR --layers=N --prefill=0|1
 //          --batch=N (side by side only)
 #include <tbb/parallel_for.h>
@@ -171,8 +174,8 @@ double op_weight_bytes(const model_config& c, forward_op op, double esize) {
 // each step (lm_head, attention, norms: the same work in both): per round the FP8 layer GEMVs'
 // bytes/s over the BF16 ones', the rest's ms, and the speedup the round would show were its FP8
 // layer GEMVs streaming at the BF16 ones' bytes/s -- medians over rounds, as the speedup's.
-void emit_op_profile(const bench_args& a, const model_config& cfg, int t, const std::vector<forward_profile>& p8,
-                     const std::vector<forward_profile>& p16) {
+void emit_op_profile(const bench_args& a, const model_config& cfg, const std::vector<forward_profile>& p8,
+                     const std::vector<forward_profile>& p16, const std::vector<std::pair<std::string, std::string>>& step) {
   auto median = [](const std::vector<forward_profile>& p, auto&& value) {
     std::vector<double> v;
     for (const auto& x : p) v.push_back(value(x));
@@ -182,10 +185,10 @@ void emit_op_profile(const bench_args& a, const model_config& cfg, int t, const 
     const auto op = static_cast<forward_op>(i);
     const auto sec = [i](const forward_profile& x) { return x.seconds[i]; };
     const double s8 = median(p8, sec), s16 = median(p16, sec);
-    std::vector<std::pair<std::string, std::string>> f = {
-        {"bench", jstr("decode")}, {"phase", jstr("ops")}, {"op", jstr(forward_profile::name(op))},
-        {"threads", jnum(t)}, {"fp8_ms_per_step", jnum(s8 * 1e3)}, {"bf16_ms_per_step", jnum(s16 * 1e3)},
-        {"bf16_over_fp8", jnum(s8 > 0 ? s16 / s8 : 0)}};
+    std::vector<std::pair<std::string, std::string>> f = {{"bench", jstr("decode")}, {"phase", jstr("ops")}};
+    f.insert(f.end(), step.begin(), step.end());
+    f.insert(f.end(), {{"op", jstr(forward_profile::name(op))}, {"fp8_ms_per_step", jnum(s8 * 1e3)},
+                       {"bf16_ms_per_step", jnum(s16 * 1e3)}, {"bf16_over_fp8", jnum(s8 > 0 ? s16 / s8 : 0)}});
     if (const double b = op_weight_bytes(cfg, op, 1.0); b > 0) {
       f.push_back({"fp8_gbps", jnum(b / s8 / 1e9)});
       f.push_back({"bf16_gbps", jnum(op_weight_bytes(cfg, op, 2.0) / s16 / 1e9)});
@@ -208,10 +211,12 @@ void emit_op_profile(const bench_args& a, const model_config& cfg, int t, const 
     rest8.push_back(total(p8[r]) - l8), rest16.push_back(total(p16[r]) - l16);
     at_bf16.push_back(total(p16[r]) / (rest8.back() + l16 / 2));
   }
-  bench_emit(a, {{"bench", jstr("decode")}, {"phase", jstr("ops_summary")}, {"threads", jnum(t)},
-                 {"fp8_over_bf16_gemv_gbps", jnum(bench_median_of(rate))},
-                 {"fp8_other_ms", jnum(bench_median_of(rest8) * 1e3)}, {"bf16_other_ms", jnum(bench_median_of(rest16) * 1e3)},
-                 {"speedup_at_bf16_gemv_gbps", jnum(bench_median_of(at_bf16))}});
+  std::vector<std::pair<std::string, std::string>> f = {{"bench", jstr("decode")}, {"phase", jstr("ops_summary")}};
+  f.insert(f.end(), step.begin(), step.end());
+  f.insert(f.end(), {{"fp8_over_bf16_gemv_gbps", jnum(bench_median_of(rate))},
+                     {"fp8_other_ms", jnum(bench_median_of(rest8) * 1e3)}, {"bf16_other_ms", jnum(bench_median_of(rest16) * 1e3)},
+                     {"speedup_at_bf16_gemv_gbps", jnum(bench_median_of(at_bf16))}});
+  bench_emit(a, f);
 }
 
 // fp8 weights + fp8 KV against bf16 + bf16, `batch` sequences, side by side: rounds alternate one step of
@@ -242,13 +247,18 @@ void run_decode_ratio(const bench_args& a, backend& be, const model_config& cfg,
       tb.push_back(std::chrono::duration<double>(t2 - t1).count());
       ratio.push_back(tb.back() / tf.back());
     }
-    bench_emit(a, {{"bench", jstr("decode")}, {"phase", jstr("decode_side_by_side")}, {"weights", jstr("fp8 vs bf16")},
-                   {"kv", jstr("fp8 vs bf16")}, {"batch", jnum(double(batch))}, {"threads", jnum(t)},
-                   {"context", jnum(double(ctx))}, {"layers", jnum(double(cfg.num_hidden_layers))},
-                   {"fp8_tokens_per_s", jnum(double(batch) / bench_median_of(tf))},
-                   {"bf16_tokens_per_s", jnum(double(batch) / bench_median_of(tb))}, {"speedup", jnum(bench_median_of(ratio))},
-                   {"runs", jnum(rounds)}});
-    emit_op_profile(a, cfg, t, prof8, prof16);
+    // what the side-by-side line and the per-op lines share: the step they time (tokens_per_s: the FP8 step's)
+    const std::vector<std::pair<std::string, std::string>> step = {
+        {"weights", jstr("fp8 vs bf16")}, {"kv", jstr("fp8 vs bf16")}, {"batch", jnum(double(batch))}, {"threads", jnum(t)},
+        {"tokens_per_s", jnum(double(batch) / bench_median_of(tf))}};
+    std::vector<std::pair<std::string, std::string>> f = {{"bench", jstr("decode")}, {"phase", jstr("decode_side_by_side")}};
+    f.insert(f.end(), step.begin(), step.end());
+    f.insert(f.end(), {{"context", jnum(double(ctx))}, {"layers", jnum(double(cfg.num_hidden_layers))},
+                       {"fp8_tokens_per_s", jnum(double(batch) / bench_median_of(tf))},
+                       {"bf16_tokens_per_s", jnum(double(batch) / bench_median_of(tb))}, {"speedup", jnum(bench_median_of(ratio))},
+                       {"runs", jnum(rounds)}});
+    bench_emit(a, f);
+    emit_op_profile(a, cfg, prof8, prof16, step);
   });
 }
 
@@ -304,7 +314,8 @@ void run_attention_codes(const bench_args& a) {
       });
       int64_t clean = 0;
       for (uint8_t f : flags) clean += flagged && f == 0;
-      bench_emit(a, {{"bench", jstr("decode")}, {"phase", jstr("attention_codes")}, {"codes", jstr(codes)},
+      bench_emit(a, {{"bench", jstr("decode")}, {"phase", jstr("attention_codes")}, {"weights", "null"},
+                     {"kv", jstr("fp8 vs bf16")}, {"batch", jnum(1)}, {"tokens_per_s", "null"}, {"codes", jstr(codes)},
                      {"flags", jstr(flagged ? "cache" : "none")}, {"clean_slabs", jnum(double(clean))},
                      {"slabs", jnum(double(flags.size()))}, {"threads", jnum(1)}, {"context", jnum(double(n))},
                      {"fp8_us_per_kv_head", jnum(us8)}, {"bf16_us_per_kv_head", jnum(us16)}, {"fp8_over_bf16", jnum(us8 / us16)}});
@@ -386,5 +397,6 @@ int main(int argc, char** argv) {
   if (bench_selected(a, "side_by_side"))
     for (int t : a.threads) run_decode_ratio(a, *be, cfg, params, side_batch, ctx, decode_steps, t);
   for (int t : a.threads)
-    bench_emit(a, {{"bench", jstr("decode")}, {"phase", jstr("stream_read")}, {"threads", jnum(t)}, {"gbps", jnum(bw[t])}});
+    bench_emit(a, {{"bench", jstr("decode")}, {"phase", jstr("stream_read")}, {"weights", "null"}, {"kv", "null"},
+                   {"batch", "null"}, {"threads", jnum(t)}, {"tokens_per_s", "null"}, {"gbps", jnum(bw[t])}});
 }
