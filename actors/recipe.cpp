@@ -374,16 +374,17 @@ void recipe_validate(const run_config& r) {
 
 std::vector<std::string> recipe_learning_problems(const run_config& r) {
   std::vector<std::string> out;
+  const std::string none = r.kl_beta > 0 ? "the policy-gradient term is 0 (only grpo.kl_beta's KL term trains)"
+                                         : "the policy loss has no gradient";
   if (r.group_size == 1)
-    out.push_back("rollout.group_size = 1: each completion is its own group, its advantage (reward - group mean) is 0: the "
-                  "policy loss has no gradient");
-  else if (r.temperature == 0)
-    out.push_back("rollout.temperature = 0: greedy rollouts give a group " + std::to_string(r.group_size) +
-                  " copies of one completion, whose advantages are 0: the policy loss has no gradient");
+    out.push_back("rollout.group_size = 1: each completion is its own group, its advantage (reward - group mean) is 0: " + none);
+  else if (r.temperature == 0 || r.top_k == 1)
+    out.push_back(std::string(r.temperature == 0 ? "rollout.temperature = 0" : "rollout.top_k = 1") + ": greedy rollouts give a group " +
+                  std::to_string(r.group_size) + " copies of one completion, whose advantages are 0: " + none);
   if (r.is_mode != "none" && !(r.is_lo <= 1 && 1 <= r.is_hi)) {
     const std::string range = "grpo.is_lo/is_hi = [" + fmt::format("{}", r.is_lo) + ", " + fmt::format("{}", r.is_hi) + "]";
     out.push_back(r.is_mode == "tis" && r.is_hi == 0
-                      ? range + ": tis clamps every importance weight to 0: the policy loss has no gradient"
+                      ? range + ": tis clamps every importance weight to 0: " + none
                       : range + " excludes 1, the weight of a token its sampler and learner agree on: " +
                             (r.is_mode == "tis" ? "tis clamps each such token's weight to the bound"
                                                 : r.is_mode + " drops every such token"));

@@ -349,18 +349,25 @@ std::string prepare_init(const run_config& cfg, const std::string& run_dir, bool
   *start = run_start{};
   const fs::path ck = fs::path(run_dir) / "checkpoints";
   if (resume) {
-    // a run stopped before its first checkpoint (a second Ctrl-C, a kill, a crash) starts again
-    // from step 0 with its own settings; train_main takes the start the run had
+    // a run stopped before its first checkpoint (a second Ctrl-C, a kill, a crash; a step_N.tmp
+    // its save left is no checkpoint) starts again from step 0 with its own settings; train_main
+    // takes the start the run had
     std::error_code ec;
-    bool any_step = false;
-    for (const auto& e : fs::directory_iterator(ck, ec)) any_step = any_step || e.path().filename().string().rfind("step_", 0) == 0;
-    if (!fs::exists(ck / "latest") && !any_step && fs::exists(fs::path(run_dir) / "recipe.conf")) {
+    std::string step;  // a whole checkpoint: step_<digits>
+    for (const auto& e : fs::directory_iterator(ck, ec)) {
+      const std::string n = e.path().filename().string();
+      if (n.size() > 5 && n.rfind("step_", 0) == 0 && n.find_first_not_of("0123456789", 5) == std::string::npos) step = n;
+    }
+    if (!fs::exists(ck / "latest") && step.empty() && fs::exists(fs::path(run_dir) / "recipe.conf")) {
       start->restart = true;
       return "";
     }
     std::ifstream f(ck / "latest");
     std::string name, more;
-    if (!(f >> name)) throw std::invalid_argument(run_dir + ": --resume but no checkpoints/latest");
+    if (!(f >> name))
+      throw std::invalid_argument(run_dir + ": --resume but no checkpoints/latest" +
+                                  (step.empty() ? std::string() : " (yet " + (ck / step).string() + " is there: name the checkpoint to "
+                                                                  "resume from in checkpoints/latest)"));
     if (f >> more)  // "step_2 junk" or two lines: the first word was taken
       throw std::invalid_argument((ck / "latest").string() + " holds more than one checkpoint name ('" + name + "', '" + more + "')");
     // a checkpoint of this run: a path there ("../../other/step_1") resumed another run's weights
@@ -417,8 +424,10 @@ std::string prepare_init(const run_config& cfg, const std::string& run_dir, bool
 // largest N below its step: RUN_DIR/resumes/recipe-stepN.conf, else recipe.conf; a part resumed at
 // the checkpoint's own step made none, as a failed resume) -- then this command's --recipe and
 // --section.key overrides (they were all there was: a resume without the first command's options
-// was refused, or ran with other ones).
-run_config resume_recipe(const cli& c, const std::string& run_dir, uint64_t start_version) {
+// was refused, or ran with other ones). A restart (no checkpoint) takes the newest part's
+// settings: an earlier restart's recipe-step0.conf, else recipe.conf.
+run_config resume_recipe(const cli& c, const std::string& run_dir, const run_start& start) {
+  const uint64_t start_version = start.version;
   fs::path base = fs::path(run_dir) / "recipe.conf";
   // without it nothing says which task, model and seed the checkpoint's cursor and weights refer to
   if (!fs::exists(base))
@@ -432,7 +441,7 @@ run_config resume_recipe(const cli& c, const std::string& run_dir, uint64_t star
     const std::string digits = f.substr(11, f.size() - 16);
     if (digits.find_first_not_of("0123456789") != std::string::npos || digits.size() > 18) continue;
     const int64_t n = std::stoll(digits);
-    if (n > newest && static_cast<uint64_t>(n) < start_version) newest = n, base = e.path();
+    if (n > newest && (static_cast<uint64_t>(n) < start_version || (start.restart && n == 0))) newest = n, base = e.path();
   }
   run_config cfg;
   recipe_load_file(cfg, base.string());
@@ -466,35 +475,62 @@ std::string resume_recipe_changes(const run_config& cfg, const std::string& run_
   return changed;
 }
 
-// Every prompt of both splits encodes and fits the context with its longest response (a rollout
+// Every prompt of a split encodes and fits the context with its longest response (a rollout
 // failing on one lost every rollout; a prompt leaving room for one token trained on reward 0,
-// silently); every run ends with a validation, also with eval_every = 0. An answer whose shortest
-// accepted response is longer than rollout.max_new_tokens can never be rewarded: refused when no
-// training answer fits (builtin:mul6 under the default 5 tokens trained on reward 0), else counted
-// in a warning.
-void prompts_fit_check(const run_config& cfg, const models::tokenizer& tok) {
-  const auto task = models::task_spec_parse(cfg.task);
+// silently); every run ends with a validation, also with eval_every = 0.
+void prompts_fit(const run_config& cfg, const models::dataset& d, const models::tokenizer& tok) {
+  for (size_t i = 0; i < d.items.size(); ++i) {  // example_where names the split of a built-in task
+    const std::vector<int32_t> ids = models::example_encode(d, i, tok, false);
+    if (static_cast<int64_t>(ids.size()) + cfg.max_new_tokens > cfg.max_context)
+      throw std::invalid_argument(models::example_where(d, i) + ": prompt of " + std::to_string(ids.size()) +
+                                  " tokens + rollout.max_new_tokens " + std::to_string(cfg.max_new_tokens) +
+                                  " do not fit model.max_context " + std::to_string(cfg.max_context));
+  }
+}
+
+// The fewest tokens a response the verifier accepts for `answer` takes (each accepted form, also
+// after a space: BPE vocabularies hold " 42"), 0 where the tokenizer encodes none of them.
+size_t answer_tokens(const models::tokenizer& tok, models::verifier_kind vk, const std::string& answer) {
+  size_t best = 0;
+  for (const auto& f : models::answer_forms(vk, answer))
+    for (const std::string& text : {f, " " + f}) {
+      try {
+        const size_t n = tok.encode(text, false).size();
+        if (best == 0 || n < best) best = n;
+      } catch (const std::invalid_argument&) {  // a character it lacks: not this form
+      }
+    }
+  return best;
+}
+
+// An answer whose every accepted response is longer than rollout.max_new_tokens (or that the
+// tokenizer cannot encode) can never be rewarded: refused when no training answer fits
+// (builtin:mul6 under the default 5 tokens trained on reward 0), else counted in a warning.
+void answers_fit(const run_config& cfg, const models::dataset& d, const models::tokenizer& tok, bool val) {
   const auto vk = recipe_rl_config(cfg).verifier;
+  size_t too_long = 0, first = 0, first_len = 0;
+  for (size_t i = 0; i < d.items.size(); ++i) {
+    const size_t n = answer_tokens(tok, vk, d.items[i].answer);
+    if ((n == 0 || static_cast<int64_t>(n) > cfg.max_new_tokens) && too_long++ == 0) first = i, first_len = n;
+  }
+  if (too_long == 0) return;
+  const std::string what =
+      std::to_string(too_long) + " of " + std::to_string(d.items.size()) + (val ? " validation" : " training") +
+      " answers need more tokens than rollout.max_new_tokens " + std::to_string(cfg.max_new_tokens) + " (the first: " +
+      models::example_where(d, first) + ", '" + d.items[first].answer + "', " +
+      (first_len ? std::to_string(first_len) + " tokens" : std::string("not encodable by the tokenizer")) + ")";
+  if (!val && too_long == d.items.size())
+    throw std::invalid_argument(what + ": no response can be rewarded; raise rollout.max_new_tokens (and model.max_context with it)");
+  log_get("train")->warn("{}: those can never be rewarded", what);
+}
+
+// Both splits' prompts and answers (a task file is both splits: its answers are counted once).
+void examples_fit_check(const run_config& cfg, const models::tokenizer& tok) {
+  const auto task = models::task_spec_parse(cfg.task);
   for (const bool val : {false, true}) {
     const auto d = models::task_load(task, val, val ? cfg.val_size : cfg.train_size, static_cast<uint64_t>(cfg.seed));
-    size_t too_long = 0, first = 0, first_len = 0;
-    for (size_t i = 0; i < d.items.size(); ++i) {  // example_where names the split of a built-in task
-      const std::vector<int32_t> ids = models::example_encode(d, i, tok, false);
-      if (static_cast<int64_t>(ids.size()) + cfg.max_new_tokens > cfg.max_context)
-        throw std::invalid_argument(models::example_where(d, i) + ": prompt of " + std::to_string(ids.size()) +
-                                    " tokens + rollout.max_new_tokens " + std::to_string(cfg.max_new_tokens) +
-                                    " do not fit model.max_context " + std::to_string(cfg.max_context));
-      const size_t n = tok.encode(models::answer_shortest(vk, d.items[i].answer), false).size();
-      if (static_cast<int64_t>(n) > cfg.max_new_tokens && too_long++ == 0) first = i, first_len = n;
-    }
-    if (too_long == 0) continue;
-    const std::string what = std::to_string(too_long) + " of " + std::to_string(d.items.size()) + (val ? " validation" : " training") +
-                             " answers need more tokens than rollout.max_new_tokens " + std::to_string(cfg.max_new_tokens) +
-                             " (the first: " + models::example_where(d, first) + ", '" + d.items[first].answer + "', " +
-                             std::to_string(first_len) + " tokens)";
-    if (!val && too_long == d.items.size())
-      throw std::invalid_argument(what + ": no response can be rewarded; raise rollout.max_new_tokens (and model.max_context with it)");
-    log_get("train")->warn("{}: those can never be rewarded", what);
+    prompts_fit(cfg, d, tok);
+    if (!val || task.builtin) answers_fit(cfg, d, tok, val);
   }
 }
 
@@ -556,14 +592,16 @@ void run_preflight(const actor_env& env, bool resume, bool restart) {
       throw std::invalid_argument(env.ref_dir + ": the KL reference (grpo.kl_beta > 0) does not have the shape of " + env.init_dir);
   }
   models::tokenizer_vocab_check(*env.tok, env.model.vocab_size, env.init_dir);
-  if (resume || env.cfg.init != "tiny") prompts_fit_check(env.cfg, *env.tok);  // train_main checked the tiny model's
+  if (resume || env.cfg.init != "tiny") examples_fit_check(env.cfg, *env.tok);  // train_main checked the tiny model's
   if (from_checkpoint && env.start_version > 0) train_set_check(env);
   const fs::path metrics = fs::path(env.run_dir) / "metrics.jsonl";
   if (fs::exists(metrics) && !fs::is_regular_file(metrics)) throw std::invalid_argument(metrics.string() + ": not a file");
   if (resume && fs::exists(metrics))
     if (const int64_t moved = metrics_trim_for_resume(metrics.string(), env.start_version); moved > 0)
-      log_get("train")->warn("{}: {} line(s) after checkpoint v{} (or cut by an interrupted run) moved to {}.discarded",
-                             metrics.string(), moved, env.start_version, metrics.string());
+      log_get("train")->warn("{}: {} line(s) {} moved to {}.discarded", metrics.string(), moved,
+                             restart ? std::string("of the steps before the restart")
+                                     : fmt::format("after checkpoint v{} (or cut by an interrupted run)", env.start_version),
+                             metrics.string());
   std::ofstream probe(metrics, std::ios::app);
   if (!probe) throw std::invalid_argument(metrics.string() + ": cannot open for writing");
 }
@@ -633,7 +671,7 @@ int train_main(int argc, char** argv) {
       const std::string dir = run_dir_choose(c.run_dir, cfg.name, true, false);
       run_start at;
       prepare_init(cfg, dir, true, &at);
-      cfg = resume_recipe(c, dir, at.version);
+      cfg = resume_recipe(c, dir, at);
     }
     std::printf("%s\n; topology: %s\n", recipe_dump(cfg).c_str(), topo.source.c_str());
     for (const auto& p : topology_plan(topo))
@@ -657,7 +695,7 @@ int train_main(int argc, char** argv) {
   if (const std::string why = node_tiles_problem(cfg, here, warm_start); !why.empty()) throw std::invalid_argument(why);
   if (!c.resume && cfg.init == "tiny" && models::task_spec_parse(cfg.task).builtin) {
     const auto tok = models::char_tokenizer_make(models::arithmetic_alphabet());  // run_preflight checks the others
-    prompts_fit_check(cfg, *tok);
+    examples_fit_check(cfg, *tok);
     kv_memory_check(cfg, builtin_model_config(cfg, *tok), here);
   }
   fp8rl_config ccfg;
@@ -695,13 +733,18 @@ int train_main(int argc, char** argv) {
   std::string init_dir, resumed_with;
   if (c.resume) {  // the checkpoint's step first: it picks the settings of the part that made it
     init_dir = prepare_init(cfg, run_dir, true, &start);
-    cfg = resume_recipe(c, run_dir, start.version);
+    cfg = resume_recipe(c, run_dir, start);
     resumed_with = resume_recipe_changes(cfg, run_dir);
     warn_learning_problems(cfg);
-    if (start.restart) {  // the run's own start: its warm start (written before recipe.conf) or model
+    if (start.restart) {  // the run's own start: its warm start (written before recipe.conf; done
+      // again, the same for the seed, where it is gone) or model
       init_dir = cfg.init == "tiny" ? (fs::path(run_dir) / "checkpoints" / "init").string() : cfg.init;
       log_get("train")->warn("{} has no checkpoint (stopped before its first): the run starts again from step 0 ({})", run_dir,
                              init_dir);
+      if (cfg.init == "tiny" && !fs::exists(fs::path(init_dir) / "config.json")) {
+        init_dir = prepare_init(cfg, run_dir, false, &start);
+        start.restart = true;
+      }
     }
     if (const std::string why = node_tiles_problem(cfg, here, false); !why.empty()) throw std::invalid_argument(why);
   } else {
@@ -731,9 +774,11 @@ int train_main(int argc, char** argv) {
     fs::create_directories(f.parent_path());
     std::ofstream(f) << recipe_dump(cfg);
     if (!resumed_with.empty())
-      log_get("train")->warn("resuming at step {} with other settings (recorded in {}):{}", start_version, f.string(), resumed_with);
+      log_get("train")->warn("{} at step {} with other settings (recorded in {}):{}", start.restart ? "restarting" : "resuming",
+                             start_version, f.string(), resumed_with);
     else
-      log_get("train")->info("resuming at step {} with the run's settings (recorded in {})", start_version, f.string());
+      log_get("train")->info("{} at step {} with the run's settings (recorded in {})", start.restart ? "restarting" : "resuming",
+                             start_version, f.string());
   }
   if (cfg.trace) trace_writer::process().open((fs::path(run_dir) / "traces" / (node + ".jsonl")).string(), node);
   int code = 1;

@@ -120,13 +120,15 @@ float verify(verifier_kind k, std::string_view response, std::string_view answer
   return std::fabs(*r - *a) <= 1e-6 * std::max(1.0, std::fabs(*a)) ? 1.0f : 0.0f;
 }
 
-std::string answer_shortest(verifier_kind k, std::string_view answer) {
-  if (k == verifier_kind::exact) return answer_normalize(answer);
+std::vector<std::string> answer_forms(verifier_kind k, std::string_view answer) {
+  const size_t b = answer.find_first_not_of(" \t\n\r"), e = answer.find_last_not_of(" \t\n\r");
+  const std::string trimmed(b == std::string_view::npos ? std::string_view() : answer.substr(b, e - b + 1));
+  if (k == verifier_kind::exact) return {trimmed, answer_normalize(answer)};
   const auto v = parse_number(answer);
-  if (!v) return std::string(answer);
-  char buf[64];
-  const auto r = std::to_chars(buf, buf + sizeof buf, *v);  // shortest round trip, fixed or scientific
-  return std::string(buf, r.ptr);
+  if (!v) return {trimmed};
+  char buf[400];  // DBL_MAX in fixed notation: 309 digits
+  const auto r = std::to_chars(buf, buf + sizeof buf, *v, std::chars_format::fixed);  // the shortest that round-trips
+  return {std::string(buf, r.ptr)};
 }
 
 std::string arithmetic_alphabet() { return "0123456789+*="; }

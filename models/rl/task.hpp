@@ -1,7 +1,7 @@
 // models/rl/task.hpp -- tasks for RL with verifiable rewards: user datasets and the built-in
 // arithmetic family, and the verifiers that score a response.
 // defines: task_example, dataset, dataset_load_jsonl, example_where, dataset_fingerprint, verifier_kind,
-//          answer_shortest, verify, answer_normalize,
+//          answer_forms, verify, answer_normalize,
 //          arithmetic_config, arithmetic_dataset, arithmetic_alphabet
 #pragma once
 #include <cstdint>
@@ -38,10 +38,11 @@ std::optional<verifier_kind> verifier_parse(std::string_view s);
 
 // Trim, collapse internal whitespace, lowercase, drop one trailing period.
 std::string answer_normalize(std::string_view s);
-// The shortest response text verify(k, ., answer) accepts, near enough for counting its tokens:
-// the normalized answer (exact), the number's shortest round-trip form (numeric; the answer
-// itself where it is no number, which no response matches).
-std::string answer_shortest(verifier_kind k, std::string_view answer);
+// Response texts verify(k, ., answer) accepts, for counting the fewest tokens one takes: the
+// answer trimmed and normalized (exact; a case-sensitive tokenizer may encode either in fewer),
+// the number in its shortest fixed-notation form (numeric: what a model writes, "100000" not
+// "1e+05"; the answer itself where it is no number, which no response matches).
+std::vector<std::string> answer_forms(verifier_kind k, std::string_view answer);
 // 1 if the response matches the answer, else 0. numeric: both parse as numbers (commas and a
 // leading '+' ignored) and agree to 1e-6 relative; a response that does not parse scores 0.
 float verify(verifier_kind k, std::string_view response, std::string_view answer);

@@ -209,6 +209,9 @@ TEST(Recipe, SettingsThatCannotLearnAreNamed) {
   one({"--grpo.is_hi=0.5"}, "grpo.is_lo/is_hi = [0, 0.5] excludes 1, the weight of a token its sampler and learner agree on: tis clamps");
   one({"--grpo.is_mode=icepop", "--grpo.is_lo=1.2", "--grpo.is_hi=2"}, "[1.2, 2] excludes 1, the weight of a token its sampler and learner agree on: icepop drops every such token");
   EXPECT_EQ(problems({"--rollout.group_size=1", "--grpo.is_hi=0"}).size(), 2u);
+  one({"--rollout.top_k=1"}, "rollout.top_k = 1: greedy rollouts give a group 8 copies of one completion, whose advantages are 0: "
+                             "the policy loss has no gradient");
+  one({"--rollout.group_size=1", "--grpo.kl_beta=0.1"}, "is 0: the policy-gradient term is 0 (only grpo.kl_beta's KL term trains)");
 }
 
 // run.log_level reaches every component logger, those made before and after; a bad level is

@@ -516,10 +516,14 @@ TEST(E2E, SignalStopsTheRunAtACheckpointedStep) {
   ASSERT_FALSE(fs::exists(early / "run" / "checkpoints" / "latest"));
   const size_t done = metrics(early / "run").size();
   EXPECT_NE(fp8rl::test::run_command(resume_early + " --dump-config").out.find("prompts_per_step=4\n"), std::string::npos);
+  // a save the kill cut (step_N.tmp) is no checkpoint; a warm start gone is done again (the seed's)
+  fs::create_directories(early / "run" / "checkpoints" / "step_1.tmp");
+  fs::remove_all(early / "run" / "checkpoints" / "init");
   const auto restarted = fp8rl::test::run_command(resume_early + " --run.steps=3");
   ASSERT_EQ(restarted.rc, 0) << restarted.out;
   EXPECT_NE(restarted.out.find(" has no checkpoint (stopped before its first): the run starts again from step 0"), std::string::npos)
       << restarted.out;
+  EXPECT_NE(restarted.out.find("SFT warm start: 20 steps"), std::string::npos) << restarted.out;
   const auto m3 = metrics(early / "run");
   ASSERT_EQ(m3.size(), 3u);
   for (size_t i = 0; i < m3.size(); ++i) EXPECT_EQ(m3[i]["step"], i + 1);
@@ -605,12 +609,14 @@ TEST(E2E, BadRecipeKeyFailsWithItsName) {
       << late.out;
   EXPECT_EQ(late.out.find("SFT warm start"), std::string::npos) << late.out;
   EXPECT_FALSE(fs::exists(d / "late")) << late.out;
-  // some answers longer than the responses (add5's 6-digit sums): the run goes on, warned with their count
-  const auto some = fp8rl::test::run_command(kBin + "/fp8rl train --run-dir " + (d / "add5").string() +
-                                             " --task.name=builtin:add5 --model.sft_steps=2 --run.steps=1 --task.val_size=50");
+  // some answers longer than the responses (mul3's 6-digit products): the run goes on, warned with
+  // their count (with seed 2 one answer is 100000, which the check wrote "1e+05" and refused the
+  // run for an 'e' the built-in tokenizer lacks)
+  const auto some = fp8rl::test::run_command(kBin + "/fp8rl train --run-dir " + (d / "mul3").string() +
+                                             " --task.name=builtin:mul3 --run.seed=2 --model.sft_steps=2 --run.steps=1 --task.val_size=50");
   EXPECT_EQ(some.rc, 0) << some.out;
-  EXPECT_NE(some.out.find(" of 4000 training answers need more tokens than rollout.max_new_tokens 5 (the first: builtin:add5 (train) "
-                          "example 1, '143877', 6 tokens): those can never be rewarded"),
+  EXPECT_NE(some.out.find(" of 4000 training answers need more tokens than rollout.max_new_tokens 5 (the first: builtin:mul3 (train) "
+                          "example 0, '461416', 6 tokens): those can never be rewarded"),
             std::string::npos) << some.out;
   EXPECT_EQ(some.out.find("of 4000 training answers need more tokens than rollout.max_new_tokens 5", some.out.find("rewarded") + 1),
             std::string::npos) << some.out;  // one line per split

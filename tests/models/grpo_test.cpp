@@ -459,15 +459,20 @@ TEST(Tasks, DatasetFingerprintSeesEveryExampleInOrder) {
   EXPECT_EQ(dataset_fingerprint(dataset{}), "cbf29ce484222325");  // FNV-1a 64's offset basis: nothing hashed
 }
 
-// What the answer-length check counts: the shortest response each verifier accepts.
-TEST(Tasks, ShortestAcceptedResponses) {
-  EXPECT_EQ(answer_shortest(verifier_kind::exact, "  Paris. "), "paris");
-  EXPECT_EQ(answer_shortest(verifier_kind::numeric, "1,000.50"), "1000.5");
-  EXPECT_EQ(answer_shortest(verifier_kind::numeric, "+46.0"), "46");
-  EXPECT_EQ(answer_shortest(verifier_kind::numeric, "120000000000000000000"), "1.2e+20");
-  EXPECT_EQ(answer_shortest(verifier_kind::numeric, "n/a"), "n/a");
-  for (const char* a : {"1,000.50", "+46.0", "120000000000000000000", "-0.25"})  // each is accepted
-    EXPECT_EQ(verify(verifier_kind::numeric, answer_shortest(verifier_kind::numeric, a), a), 1.0f) << a;
+// What the answer-length check counts: responses each verifier accepts, as a model writes them
+// (fixed notation: "1e+05" has characters the built-in tokenizer lacks, and train refused mul3).
+TEST(Tasks, AcceptedResponseForms) {
+  using v = std::vector<std::string>;
+  EXPECT_EQ(answer_forms(verifier_kind::exact, "  Paris. "), (v{"Paris.", "paris"}));
+  EXPECT_EQ(answer_forms(verifier_kind::numeric, "1,000.50"), v{"1000.5"});
+  EXPECT_EQ(answer_forms(verifier_kind::numeric, "+46.0"), v{"46"});
+  EXPECT_EQ(answer_forms(verifier_kind::numeric, "100000"), v{"100000"});
+  EXPECT_EQ(answer_forms(verifier_kind::numeric, "120000000000000000000"), v{"120000000000000000000"});
+  EXPECT_EQ(answer_forms(verifier_kind::numeric, " n/a"), v{"n/a"});
+  for (const char* a : {"1,000.50", "+46.0", "100000", "120000000000000000000", "-0.25", "1e300"})  // each is accepted
+    EXPECT_EQ(verify(verifier_kind::numeric, answer_forms(verifier_kind::numeric, a)[0], a), 1.0f) << a;
+  for (const char* a : {" Paris. ", "x"})
+    for (const auto& f : answer_forms(verifier_kind::exact, a)) EXPECT_EQ(verify(verifier_kind::exact, f, a), 1.0f) << a << " " << f;
 }
 
 TEST(Tasks, MalformedDatasetLinesAreAllReported) {
