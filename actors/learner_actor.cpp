@@ -134,11 +134,7 @@ std::vector<std::vector<int32_t>> step_prompts(const learner_state& s, uint64_t 
 
 void evaluate_into(learner_state& s, msg::metrics_t& m) {
   const auto t0 = clk::now();
-  models::engine_config ec;
-  ec.slots = s.env->cfg.slots;
-  ec.max_context = s.env->cfg.max_context;
-  ec.policy = s.env->rl.gen_policy;
-  models::generation_engine eng(*s.be, s.env->model, ec);
+  models::generation_engine eng(*s.be, s.env->model, recipe_engine_config(s.env->cfg));
   models::rl_state st;
   st.params = s.ck.params;
   st.version = s.version;

@@ -433,6 +433,15 @@ run_config recipe_from_json(const std::string& s) {
   return r;
 }
 
+models::engine_config recipe_engine_config(const run_config& r) {
+  models::engine_config ec;
+  ec.slots = r.slots;
+  ec.max_context = r.max_context;
+  ec.on_adopt = r.kv_policy == "keep" ? models::kv_adopt_policy::keep : models::kv_adopt_policy::recompute;
+  ec.policy = recipe_rl_config(r).gen_policy;
+  return ec;
+}
+
 models::rl_run_config recipe_rl_config(const run_config& r) {
   models::rl_run_config c;
   c.grpo.group_size = r.group_size;

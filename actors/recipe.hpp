@@ -2,7 +2,7 @@
 // files in CAF's config syntax and from `--section.key=value` flags, strictly validated.
 // defines: run_config, recipe_key, recipe_keys, recipe_load_file, recipe_apply_cli,
 //          recipe_dump, recipe_to_json, recipe_from_json, recipe_validate, recipe_learning_problems,
-//          recipe_rl_config,
+//          recipe_rl_config, recipe_engine_config,
 //          config_file_precheck, config_file_parse
 //
 // Every key, its type, default and meaning is listed once, in recipe_keys() (recipe.cpp), and
@@ -17,6 +17,7 @@
 #include <variant>
 #include <vector>
 
+#include "models/generate.hpp"
 #include "models/rl/loop.hpp"
 
 namespace fp8rl::actors {
@@ -97,5 +98,7 @@ run_config recipe_from_json(const std::string& json);
 
 // The derived objects the RL functions take.
 models::rl_run_config recipe_rl_config(const run_config& r);
+// A rollout's generation engine (also learner0's validation engine and the memory check's).
+models::engine_config recipe_engine_config(const run_config& r);
 
 }  // namespace fp8rl::actors

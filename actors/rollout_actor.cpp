@@ -67,12 +67,7 @@ msg::rollout_actor spawn_rollout(caf::actor_system& sys, std::shared_ptr<const a
     st.name = name;
     st.be = backend_for(dev);
     st.arena = std::make_unique<tbb::task_arena>(dev.index > 0 ? static_cast<int>(dev.index) : tbb::task_arena::automatic);
-    models::engine_config ec;
-    ec.slots = env->cfg.slots;
-    ec.max_context = env->cfg.max_context;
-    ec.on_adopt = env->cfg.kv_policy == "keep" ? models::kv_adopt_policy::keep : models::kv_adopt_policy::recompute;
-    ec.policy = env->rl.gen_policy;
-    st.eng = std::make_unique<models::generation_engine>(*st.be, env->model, ec);
+    st.eng = std::make_unique<models::generation_engine>(*st.be, env->model, recipe_engine_config(env->cfg));
     auto log = log_get("rollout");
     auto schedule = [self] {
       auto& s = self->state;

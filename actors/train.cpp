@@ -115,6 +115,33 @@ std::map<std::string, node_indices> index_nodes(const topology& t) {
   return m;
 }
 
+// The KV caches the generation engines of this node's host allocate up front -- each rollout's,
+// and learner0's validation engine -- within the machine's memory, named by the keys that size
+// them: each engine checks its own, and two that each fit were killed by the OOM killer. Nodes
+// on one host (loopback topologies) add up; a host is its topology name.
+void kv_memory_check(const run_config& cfg, const models::model_config& model, const topology& t, const std::string& node) {
+  auto host_of = [](const std::string& h) { return h == "localhost" ? std::string("127.0.0.1") : h; };
+  const std::string host = host_of(t.find(node)->host);
+  const auto idx = index_nodes(t);
+  size_t rollouts = 0, evals = 0;
+  std::string names;
+  for (const auto& n : t.nodes)
+    if (host_of(n.host) == host) {
+      rollouts += n.rollouts.size();
+      evals += !n.learners.empty() && idx.at(n.name).first_learner == 0;  // rank 0 validates
+      names += (names.empty() ? "" : ", ") + n.name;
+    }
+  const double need = double(rollouts + evals) * models::engine_kv_bytes(model, recipe_engine_config(cfg));
+  const double ram = models::machine_memory_bytes();
+  if (ram <= 0 || need <= ram) return;
+  const double gib = double(1 << 30);
+  throw std::invalid_argument(fmt::format(
+      "rollout.slots {} x model.max_context {}: the KV caches of the {} generation engine(s) on host {} (node(s) {}: {} rollout(s){}) "
+      "need {:.1f} GiB, more than its {:.1f} GiB: lower rollout.slots or model.max_context",
+      cfg.slots, cfg.max_context, rollouts + evals, host, names, rollouts, evals ? ", learner0's validation" : "", need / gib,
+      ram / gib));
+}
+
 int32_t learner_world(const topology& t) {
   int32_t w = 0;
   for (const auto& n : t.nodes) w += static_cast<int32_t>(n.learners.size());
@@ -172,6 +199,7 @@ msg::node_agent_actor::behavior_type node_agent(msg::node_agent_actor::stateful_
                                           init.node + "' (host/port mix-up in the topology?)");
           }
           auto env = env_make(cfg, init.node, init.run_dir, init.init_dir, run_start{init.start_version, init.start_cursor}, init.run_id);
+          kv_memory_check(cfg, env->model, t, init.node);  // this host's engines, before any is allocated
           if (cfg.trace) trace_writer::process().open((fs::path(init.run_dir) / "traces" / (init.node + ".jsonl")).string(), init.node);
           const auto idx = index_nodes(t).at(init.node);
           self->state.spawned = spawn_node(self->system(), *t.find(init.node), env, idx.first_learner, learner_world(t), idx.first_rollout);
@@ -318,24 +346,6 @@ cli parse_cli(int argc, char** argv) {
     }
   }
   return c;
-}
-
-// The KV caches this node's generation engines allocate up front -- each rollout's, and the
-// validation engine of a node with learners -- within the machine's memory, named by the keys
-// that size them (each engine checks its own; two that each fit were killed by the OOM killer).
-void kv_memory_check(const run_config& cfg, const models::model_config& model, const node_spec& here) {
-  models::engine_config ec;
-  ec.slots = cfg.slots;
-  ec.max_context = cfg.max_context;
-  ec.policy = recipe_rl_config(cfg).gen_policy;
-  const size_t rollouts = here.rollouts.size(), evals = here.learners.empty() ? 0 : 1;
-  const double need = double(rollouts + evals) * models::engine_kv_bytes(model, ec), ram = models::machine_memory_bytes();
-  if (ram <= 0 || need <= ram) return;
-  const double gib = double(1 << 30);
-  throw std::invalid_argument(fmt::format(
-      "rollout.slots {} x model.max_context {}: the KV caches of this node's {} generation engine(s) ({} rollout(s){}) need "
-      "{:.1f} GiB, more than this machine's {:.1f} GiB: lower rollout.slots or model.max_context",
-      cfg.slots, cfg.max_context, rollouts + evals, rollouts, evals ? ", the learners' validation" : "", need / gib, ram / gib));
 }
 
 // The built-in model (model.init = tiny) of a run: its size, the built-in task's characters, and
@@ -696,7 +706,7 @@ int train_main(int argc, char** argv) {
   if (!c.resume && cfg.init == "tiny" && models::task_spec_parse(cfg.task).builtin) {
     const auto tok = models::char_tokenizer_make(models::arithmetic_alphabet());  // run_preflight checks the others
     examples_fit_check(cfg, *tok);
-    kv_memory_check(cfg, builtin_model_config(cfg, *tok), here);
+    kv_memory_check(cfg, builtin_model_config(cfg, *tok), topo, node);
   }
   fp8rl_config ccfg;
   caf_options_parse(ccfg, c.caf_args);
@@ -758,7 +768,7 @@ int train_main(int argc, char** argv) {
   }
   const std::string run_id = cfg.name + "-" + std::to_string(trace_now_us()) + "-" + std::to_string(::getpid());
   auto env = env_make(cfg, node, run_dir, init_dir, start, run_id);
-  kv_memory_check(cfg, env->model, here);
+  kv_memory_check(cfg, env->model, topo, node);
   run_preflight(*env, c.resume, start.restart);  // every file the actors will read or write, before any of them starts
   // a signal now gives the start up (before recipe.conf marks a run); later, the run starts and
   // stops at its first step. An --overwrite's earlier run is deleted once the new run has recorded

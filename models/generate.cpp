@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <fstream>
 #include <limits>
 #include <stdexcept>
 #include <utility>
@@ -65,7 +66,17 @@ double engine_kv_bytes(const model_config& m, const engine_config& ec) {
          double(m.head_dim) * esize;
 }
 
-double machine_memory_bytes() { return double(sysconf(_SC_PHYS_PAGES)) * double(sysconf(_SC_PAGE_SIZE)); }
+// Physical memory, or a cgroup's limit below it (a container's, v2 or v1): what the OOM killer
+// measures against.
+double machine_memory_bytes() {
+  double m = double(sysconf(_SC_PHYS_PAGES)) * double(sysconf(_SC_PAGE_SIZE));
+  for (const char* f : {"/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"}) {
+    std::ifstream in(f);
+    double limit = 0;
+    if (in >> limit && limit > 0 && limit < m) m = limit;  // "max" (no limit) does not parse
+  }
+  return m;
+}
 
 // Refuses weights or scales older than the newest the engine holds (either version lower):
 // the pending bundle if one waits for the next step (else a late older bundle would replace it,

@@ -64,8 +64,9 @@ struct engine_config {
 };
 
 // The bytes of the KV cache an engine allocates up front (slots x max_context positions, K and V
-// of every layer, in the policy's KV format), and this machine's physical memory: the engine
-// refuses a cache larger than it, and fp8rl train the sum of a node's engines.
+// of every layer, in the policy's KV format), and this machine's memory (physical, or a cgroup's
+// limit below it): the engine refuses a cache larger than it, and fp8rl train the sum of a
+// host's engines.
 double engine_kv_bytes(const model_config& m, const engine_config& ec);
 double machine_memory_bytes();
 

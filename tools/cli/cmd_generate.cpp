@@ -141,11 +141,8 @@ int cmd_generate(int argc, char** argv) {
       kv_calibration calib{{}, a.get("calibration"), false};
       if (a.has("calibration")) {
         for (const auto& it : read_token_jsonl(calib.source, params.cfg.vocab_size, tok.get())) {
-          if (static_cast<int64_t>(it.tokens.size()) > params.cfg.max_position_embeddings)  // named by line, not by index
-            throw std::invalid_argument(calib.source + ":" + std::to_string(it.line) + ": a calibration prompt of " +
-                                        std::to_string(it.tokens.size()) + " tokens, more than the model's max_position_embeddings " +
-                                        std::to_string(params.cfg.max_position_embeddings));
           calib.prompts.push_back(it.tokens);
+          calib.lines.push_back(it.line);
         }
       } else {
         std::vector<std::vector<int32_t>> prompts;
@@ -155,7 +152,7 @@ int cmd_generate(int argc, char** argv) {
           log_get("generate")->warn("FP8 K/V scales from the prompts: each prompt's tokens depend on the others in {} "
                                     "(--calibration FILE gives scales of their own)", a.get("prompts"));
       }
-      sc = calibrate_kv(*be, params, ec.policy, calib.prompts, calib.source);
+      sc = calibrate_kv(*be, params, ec.policy, calib);
     }
     // tokens carry the checkpoint's weight version (0 for an SFT or HF model); the K/V scales
     // are computed here from those weights, so they are of the same version

@@ -168,7 +168,7 @@ int cmd_eval(int argc, char** argv) {
       std::vector<std::vector<int32_t>> val_prompts;
       for (const auto& item : val.items) val_prompts.push_back(tok->encode(item.prompt, true));
       const auto calib = kv_calibration_prompts(a.get("model"), std::move(val_prompts), "the validation prompts");
-      sc = calibrate_kv(*be, params, ec.policy, calib.prompts, calib.source);
+      sc = calibrate_kv(*be, params, ec.policy, calib);
     }
     const std::string err = eng.adopt_params(params, 0, 0, fp8_kv ? &sc : nullptr);
     if (!err.empty()) throw std::runtime_error(err);

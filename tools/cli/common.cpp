@@ -167,19 +167,21 @@ constexpr size_t kCalibTokens = 2048;  // tokens per calibration pass (bounded a
 kv_calibration kv_calibration_prompts(const std::string& model_dir, std::vector<std::vector<int32_t>> fallback,
                                       const std::string& fallback_name) {
   auto batch = actors::calibration_batch_load(model_dir);
-  if (!batch.empty()) return {std::move(batch), "the checkpoint's calibration batch", true};
-  return {std::move(fallback), fallback_name, false};
+  if (!batch.empty()) return {std::move(batch), "the checkpoint's calibration batch", true, {}};
+  return {std::move(fallback), fallback_name, false, {}};
 }
 
 models::attn_fp8_scales calibrate_kv(models::backend& be, const models::model_params& params,
-                                     const models::precision_policy& policy, const std::vector<std::vector<int32_t>>& prompts,
-                                     const std::string& source) {
+                                     const models::precision_policy& policy, const kv_calibration& calib) {
+  const auto& prompts = calib.prompts;
+  const std::string& source = calib.source;
   std::vector<models::token_batch> passes;
   size_t n = 0;
   for (size_t i = 0; i < prompts.size(); ++i) {
     const auto& p = prompts[i];
     if (static_cast<int64_t>(p.size()) > params.cfg.max_position_embeddings)
-      throw std::invalid_argument(source + ": calibration sequence " + std::to_string(i) + " has " + std::to_string(p.size()) +
+      throw std::invalid_argument(source + (i < calib.lines.size() ? ":" + std::to_string(calib.lines[i]) : " sequence " + std::to_string(i)) +
+                                  ": a calibration prompt of " + std::to_string(p.size()) +
                                   " tokens, more than the model's max_position_embeddings " +
                                   std::to_string(params.cfg.max_position_embeddings));
     if (passes.empty() || n + p.size() > kCalibTokens) passes.emplace_back(), n = 0;

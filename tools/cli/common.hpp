@@ -38,14 +38,6 @@ models::precision_policy policy_from_args(const args& a, const std::string& def 
 // cache: fp8-kv) is refused naming the option.
 models::precision_policy training_policy_from_args(const args& a, const std::string& def = "fp32");
 
-// FP8 KV cache (policy kv fp8): Q/K/V scales per layer and head (amax * 1.05 / 448,
-// calibrate_attention's largest sample) from the training forward over these prompts, in passes of
-// at most 2048 tokens (or one prompt): amax is a max over tokens and a token's activations do not
-// depend on its batch, so the passes give the scales one pass over every prompt would. `source`
-// names the prompts in the one log line.
-models::attn_fp8_scales calibrate_kv(models::backend& be, const models::model_params& params,
-                                     const models::precision_policy& policy, const std::vector<std::vector<int32_t>>& prompts,
-                                     const std::string& source);
 // The prompts an FP8 KV cache's scales come from for the checkpoint in model_dir: its
 // calibration.jsonl (fp8rl train's checkpoints: the batch its rollouts' scales came from) if it has
 // one, else `fallback` (named fallback_name).
@@ -53,9 +45,17 @@ struct kv_calibration {
   std::vector<std::vector<int32_t>> prompts;
   std::string source;  // what they are, for the log
   bool from_checkpoint = false;
+  std::vector<int64_t> lines;  // each prompt's line in `source` (a file), or none: named by index
 };
 kv_calibration kv_calibration_prompts(const std::string& model_dir, std::vector<std::vector<int32_t>> fallback,
                                       const std::string& fallback_name);
+// FP8 KV cache (policy kv fp8): Q/K/V scales per layer and head (amax * 1.05 / 448,
+// calibrate_attention's largest sample) from the training forward over these prompts, in passes of
+// at most 2048 tokens (or one prompt): amax is a max over tokens and a token's activations do not
+// depend on its batch, so the passes give the scales one pass over every prompt would. `source`
+// names the prompts in the one log line, and with their lines one longer than the model's positions.
+models::attn_fp8_scales calibrate_kv(models::backend& be, const models::model_params& params,
+                                     const models::precision_policy& policy, const kv_calibration& calib);
 
 // Runs fn in a oneTBB arena of --threads N (default: all cores).
 void with_threads(const args& a, const std::function<void()>& fn);
