@@ -138,7 +138,7 @@ int cmd_generate(int argc, char** argv) {
     }
     models::attn_fp8_scales sc;
     if (fp8_kv) {
-      kv_calibration calib{{}, a.get("calibration"), false};
+      kv_calibration calib{{}, a.get("calibration"), false, {}};
       if (a.has("calibration")) {
         for (const auto& it : read_token_jsonl(calib.source, params.cfg.vocab_size, tok.get())) {
           calib.prompts.push_back(it.tokens);
