@@ -53,7 +53,8 @@ std::vector<std::string> run_dir_outputs(const std::string& dir);
 // not). A fresh run never writes into a directory holding an earlier run unless `overwrite`
 // (then the caller moves the earlier run aside with run_dir_stash and drops it only once the
 // new run can start); an explicit --run-dir holding one is refused with the way out. `resume` continues `given`, or by default the newest existing of runs/NAME,
-// runs/NAME-2, ...; it must hold checkpoints. Throws std::invalid_argument naming the directory.
+// runs/NAME-2, ...; it must exist (train_main restarts one without a checkpoint from step 0).
+// Throws std::invalid_argument naming the directory.
 // `keep`: a path the run reads (model.init) -- --overwrite is refused when it lies inside DIR.
 std::string run_dir_choose(const std::string& given, const std::string& name, bool resume, bool overwrite,
                            const std::string& keep = "");
