@@ -13,6 +13,7 @@
 #include "models/cpu/cpu_backend.hpp"
 #include "models/params.hpp"
 #include "models/rl/grpo.hpp"
+#include "models/rl/loop.hpp"
 #include "models/rl/rl.hpp"
 #include "models/rl/task.hpp"
 #include "tests/test_util.hpp"
@@ -60,6 +61,8 @@ TEST(Grpo, AdvantagesAreGroupNormalized) {
   for (int i = 4; i < 8; ++i) EXPECT_EQ(a[i], 0.0f);  // identical rewards: no signal
   auto m = grpo_advantages({3, 1}, 2, false, 0.0f);
   EXPECT_EQ(m[0], 1.0f);  // 3 - mean 2, exact
+  // eps joins the std in the denominator (every call above has eps = 0)
+  EXPECT_EQ(grpo_advantages({1, 0}, 2, true, 0.5f)[0], static_cast<float>(0.5 / (std::sqrt(0.5) + 0.5)));
   EXPECT_THROW(grpo_advantages({1, 2, 3}, 2, true, 0.0f), std::invalid_argument);
   EXPECT_THROW(grpo_advantages({1, std::nanf(""), 0, 1}, 2, true, 0.0f), std::invalid_argument);  // a NaN group
 }
@@ -67,6 +70,30 @@ TEST(Grpo, AdvantagesAreGroupNormalized) {
 // A batch whose arrays disagree, whose tokens name sequences it does not have (read and written
 // past the per-sequence arrays), or whose loss tokens carry a non-finite advantage (the loss and
 // every gradient went NaN) is refused naming the token.
+// The batch metrics by hand: 4 samples, rewards {1, 0, 0, 1} (population std 0.5), responses of
+// 1, 2, 3 and 6 tokens sampled 1 behind the learner (no test read reward_std or response_length).
+TEST(Grpo, BatchMetricsByHand) {
+  std::vector<rl_sample> s(4);
+  const float rewards[] = {1, 0, 0, 1};
+  const size_t lengths[] = {1, 2, 3, 6};
+  for (size_t i = 0; i < s.size(); ++i) {
+    s[i].reward = rewards[i];
+    s[i].response.assign(lengths[i], 5);
+    s[i].weight_version.assign(lengths[i], 2);
+    s[i].scale_version.assign(lengths[i], 1);
+  }
+  metric_map m;
+  rl_batch_metrics(s, 3, 2, m);
+  EXPECT_EQ(m.at("reward_mean"), 0.5);
+  EXPECT_EQ(m.at("reward_std"), 0.5);
+  EXPECT_EQ(m.at("accuracy"), 0.5);
+  EXPECT_EQ(m.at("response_length"), 3.0);
+  EXPECT_EQ(m.at("staleness_hist/0"), 0.0);
+  EXPECT_EQ(m.at("staleness_hist/1"), 12.0);
+  EXPECT_EQ(m.at("staleness_hist/2"), 0.0);
+  EXPECT_EQ(m.at("scale_lag_hist/2"), 12.0);
+}
+
 TEST(Grpo, MalformedBatchesAreRefusedNamingTheToken) {
   const grpo_config cfg;
   auto why = [&](const token_batch_rl& b) {
@@ -475,6 +502,21 @@ TEST(Tasks, AcceptedResponseForms) {
     for (const auto& f : answer_forms(verifier_kind::exact, a)) EXPECT_EQ(verify(verifier_kind::exact, f, a), 1.0f) << a << " " << f;
 }
 
+// A step's prompts wrap around the training set (a run of more prompts than the set has: epochs),
+// from any cursor -- also one past several epochs, as a resumed run's.
+TEST(Tasks, PromptsWrapAroundTheTrainingSet) {
+  const dataset d{"d", {{"a", "1", 1}, {"b", "2", 2}, {"c", "3", 3}}};
+  auto prompts = [&](uint64_t cursor, int64_t n) {
+    std::string s;
+    for (const auto& e : take_prompts(d, cursor, n)) s += e.prompt;
+    return s;
+  };
+  EXPECT_EQ(prompts(0, 2), "ab");
+  EXPECT_EQ(prompts(2, 3), "cab");
+  EXPECT_EQ(prompts(7, 1), "b");
+  EXPECT_EQ(prompts(1, 7), "bcabcab");
+}
+
 TEST(Tasks, MalformedDatasetLinesAreAllReported) {
   const auto path = std::filesystem::temp_directory_path() / ("fp8rl_ds_" + std::to_string(::getpid()) + ".jsonl");
   // also: a blank prompt, an answer empty once normalized (a completion saying nothing scored 1
@@ -526,6 +568,37 @@ TEST(Grpo, SftRefusesABatchWithoutAnswerTokens) {
   EXPECT_NE(what.find("step 0's batch of 2 examples has no answer token"), std::string::npos) << what;
   EXPECT_EQ(p.data, before);
   EXPECT_EQ(opt.step, 0);
+}
+
+// The SFT loss is the mean -log p over the answer's tokens and EOS, the first answer token (the
+// row of the prompt's last token predicts it) included: computed here from the training forward
+// on the same weights, before the step's update.
+TEST(Grpo, SftLossCoversTheAnswerFromItsFirstToken) {
+  auto tok = char_tokenizer_make("0123456789+=");
+  dataset data;
+  data.items = {{"1+2=", "3"}};
+  model_params p = tiny_model(*tok);
+  const model_params before = p;
+  adamw_state opt;
+  sft_config sc;
+  sc.steps = 1;
+  sc.batch = 1;
+  const double loss = sft_train(p, opt, data, *tok, sc).at(0);
+  std::vector<int32_t> seq = tok->encode("1+2=", true);  // BOS 1 + 2 =
+  const size_t plen = seq.size();
+  seq.push_back(tok->encode("3", false).at(0));
+  seq.push_back(tok->eos);
+  auto be = make_cpu_backend();
+  model_runner run(*be);
+  auto w = model_weights_build(*be, before.cfg, sc.policy.training(), {&before, nullptr, nullptr}, false);
+  token_batch b;
+  b.add(std::vector<int32_t>(seq.begin(), seq.end() - 1));
+  run.forward(*w, b, false);
+  const std::vector<int32_t> targets(seq.begin() + 1, seq.end());
+  std::vector<float> lp(targets.size());
+  run.logprobs(targets, {}, lp.data());
+  const double want = -(double(lp[plen - 1]) + double(lp[plen])) / 2.0;  // rows of '=' (-> 3) and of 3 (-> EOS)
+  EXPECT_EQ(loss, want);  // the same FP32 logprobs; two FP64 terms halved: exact either way
 }
 
 // An example the tokenizer cannot encode is named by its file and line in sft and eval (the char
