@@ -275,14 +275,28 @@ TEST(Protocol, BufferAdmitsDedupsShardsAndDropsStale) {
     }, caf::after(std::chrono::seconds(5)) >> [] { FAIL() << "no shard"; });
     ++rank;
   }
-  // step 2 with the learner at version 2: a group sampled under v0 is 2 versions stale (> 1)
-  self->send(buf, group(2, 4, 0));
+  // a group of step 0 finishing again after the step was delivered: a duplicate, not step 0's anew
+  self->send(buf, group(0, 0, 0));
+  self->receive([&](msg::admitted_msg& a) {
+    EXPECT_EQ(a.step, 0u);
+    EXPECT_TRUE(a.dropped);
+    EXPECT_EQ(a.reason, "duplicate");
+  }, caf::after(std::chrono::seconds(5)) >> [] { FAIL() << "no admitted_msg"; });
+  // step 2 with the learner at version 2: a group whose oldest token was sampled under v0 (its
+  // first token; the rest under v2) is 2 versions stale (> 1)
+  auto g24 = group(2, 4, 2);
+  g24.samples[0].weight_version = {0, 2, 2};
+  self->send(buf, g24);
   expect_admitted(2, 4, false);
   self->send(buf, group(2, 5, 1));
   expect_admitted(2, 5, false);
   caf::scoped_actor learner{sys};  // waits for step 2 while the buffer drops the stale group
   learner->send(buf, msg::batch_atom::value, uint64_t{2}, int32_t{0}, int32_t{1}, uint64_t{2});
-  expect_admitted(2, 4, true);  // dropped as stale; the controller re-issues it
+  self->receive([&](msg::admitted_msg& a) {  // dropped as stale; the controller re-issues it
+    EXPECT_EQ(a.prompt_id, 4u);
+    EXPECT_TRUE(a.dropped);
+    EXPECT_EQ(a.reason, "stale: weight_version 0");
+  }, caf::after(std::chrono::seconds(5)) >> [] { FAIL() << "no admitted_msg"; });
   self->send(buf, group(2, 4, 2));  // regenerated under v2
   expect_admitted(2, 4, false);
   learner->receive([&](msg::batch_msg& b) {
@@ -428,7 +442,11 @@ TEST(Protocol, CalibrationKeepsWeightsThatCameBeforeItsPeers) {
   p.controller = caf::actor_cast<msg::controller_actor>(ctl);
   p.weight_sync = caf::actor_cast<msg::weight_sync_actor>(ws);
   ctl->send(cal, p);
-  ws->receive([&](msg::bundle_msg& m) { EXPECT_EQ(m.bundle->weight_version, 1u); },
+  ws->receive([&](msg::bundle_msg& m) {
+    EXPECT_EQ(m.bundle->weight_version, 1u);
+    EXPECT_EQ(m.bundle->snapshot.weight_version, 1u);
+    EXPECT_EQ(m.bundle->snapshot.scale_version, 1u);  // the scales calibrated for these weights
+  },
               caf::after(std::chrono::seconds(30)) >> [] { FAIL() << "no bundle"; });
   ctl->receive([&](msg::step_report& r) { EXPECT_EQ(r.version, 1u); },
                caf::after(std::chrono::seconds(5)) >> [] { FAIL() << "no step report"; });

@@ -44,6 +44,27 @@ TEST(Tokenizer, ASequencePostProcessorAsLlama3Ships) {
   std::filesystem::remove_all(dir);
 }
 
+// Added tokens match leftmost-longest (one that is a prefix of another loses to it), and decode
+// with skip_special drops the special ones, keeping the text between them.
+TEST(Tokenizer, AddedTokensLongestFirstAndSkippedOnDecode) {
+  nlohmann::json j = nlohmann::json::parse(std::ifstream("tests/models/golden-tokenizer/tokenizer.json"));
+  const int32_t base = static_cast<int32_t>(j["model"]["vocab"].size() + j["added_tokens"].size()) + 10;
+  j["added_tokens"].push_back({{"id", base}, {"content", "<|a|>"}, {"special", true}, {"single_word", false}, {"lstrip", false},
+                               {"rstrip", false}, {"normalized", false}});
+  j["added_tokens"].push_back({{"id", base + 1}, {"content", "<|a|>b"}, {"special", true}, {"single_word", false},
+                               {"lstrip", false}, {"rstrip", false}, {"normalized", false}});
+  const auto dir = std::filesystem::temp_directory_path() / ("fp8rl_tok_added_" + std::to_string(::getpid()));
+  std::filesystem::create_directories(dir);
+  std::ofstream(dir / "tokenizer.json") << j.dump();
+  auto tok = tokenizer_load(dir.string());
+  EXPECT_EQ(tok->encode("<|a|>b", false), std::vector<int32_t>{base + 1});
+  EXPECT_EQ(tok->encode("<|a|>", false), std::vector<int32_t>{base});
+  const auto ids = tok->encode("<|end_of_text|> special inside<|end_of_text|> text", false);
+  EXPECT_EQ(tok->decode(ids, true), " special inside text");
+  EXPECT_EQ(tok->decode(ids, false), "<|end_of_text|> special inside<|end_of_text|> text");
+  std::filesystem::remove_all(dir);
+}
+
 TEST(Tokenizer, CharacterTokenizer) {
   auto t = char_tokenizer_make("0123456789+*=");
   EXPECT_EQ(t->vocab_size(), 16);

@@ -590,12 +590,15 @@ TEST(Gemm, GroupEqualsOneCallPerWeight) {
             ASSERT_EQ(first_diff(grouped16[i], one16[i]), -1) << "bf16 B" << i << " M=" << M << " threads " << threads;
           }
         }
-  {  // forms read differently (M = 20: the decoded form where present) run one call per weight
+  // forms read differently (M = 20: the decoded form where present) run one call per weight,
+  // whichever comes first (one group read as its first weight's form: the codes-only weight
+  // read as decoded crashed)
+  for (int first_decoded = 0; first_decoded < 2; ++first_decoded) {
     const int64_t M = 20;
     auto Af = randn(M * K, 60);
     const qtensor A = quantize(Af.data(), M, K, qlayout::rowwise_1x128, scale_mode::pow2, "A");
     std::vector<std::vector<float>> one(3), grouped(3);
-    const gemm_packed_b* Bs[] = {&codes[0], &decoded[1], &codes[2]};
+    const gemm_packed_b* Bs[] = {first_decoded ? &decoded[0] : &codes[0], first_decoded ? &codes[1] : &decoded[1], &codes[2]};
     std::vector<float*> Cs;
     for (int i = 0; i < 3; ++i) {
       one[i].assign(M * Ns[i], -1.0f), grouped[i].assign(M * Ns[i], -2.0f);
@@ -603,7 +606,7 @@ TEST(Gemm, GroupEqualsOneCallPerWeight) {
       Cs.push_back(grouped[i].data());
     }
     gemm_fp8_group(A, Bs, Cs);
-    for (int i = 0; i < 3; ++i) ASSERT_EQ(first_diff(grouped[i], one[i]), -1) << "mixed forms, B" << i;
+    for (int i = 0; i < 3; ++i) ASSERT_EQ(first_diff(grouped[i], one[i]), -1) << "mixed forms, B" << i << " first decoded " << first_decoded;
   }
   const auto Af = randn(K, 50);
   const qtensor A = quantize(Af.data(), 1, K, qlayout::rowwise_1x128, scale_mode::pow2, "A");
