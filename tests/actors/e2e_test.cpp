@@ -32,6 +32,7 @@
 #include "models/rl/loop.hpp"
 #include "quant/gemm.hpp"
 #include "tests/test_util.hpp"
+#include "tests/tolerances.hpp"
 
 namespace fs = std::filesystem;
 using json = nlohmann::json;
@@ -224,6 +225,11 @@ TEST(E2E, EmbeddedDefaultRunsAndResumes) {
   ASSERT_EQ(m.size(), 6u);
   EXPECT_EQ(m[4]["step"], 5);
   EXPECT_EQ(m[5]["step"], 6);
+  // throughput counts this process's steps: 2 steps x 4 prompts x 8 completions since the resume
+  // at 4 (the first part's: 4 x 8 x 8); rates recomputed from the row's own elapsed_s
+  auto samples = [](const json& row) { return row["samples_per_s"].get<double>() * row["elapsed_s"].get<double>(); };
+  EXPECT_NEAR(samples(m[3]), 256.0, fp8rl::tol::kFp64FewTerms * 256.0);  // one FP64 division, one product
+  EXPECT_NEAR(samples(m[5]), 64.0, fp8rl::tol::kFp64FewTerms * 64.0);
   EXPECT_EQ(cursor(6), 40);
   {  // the first part's recipe.conf stays; the resumed part's other batch is recorded beside it
     std::ifstream first(d / "recipe.conf"), second(d / "resumes" / "recipe-step4.conf");

@@ -220,6 +220,30 @@ TEST(Precision, ModelLogitsAndGradientsNearFp32) {
   std::printf("logits rel err: bf16 %.3g fp8 %.3g; grads: bf16 %.3g fp8 %.3g\n", e16, e8, ge16, ge8);
 }
 
+// A tied lm_head (the embedding read as the head) is the head of the policy's head precision, as
+// an untied one holding the same values: the same logits bit for bit under every policy (tied
+// models were tested under fp32 only).
+TEST(Precision, TiedHeadIsAnUntiedHeadOfTheSameValues) {
+  model_config untied = small_config(), tied = small_config();
+  tied.tie_word_embeddings = true;
+  model_params pu = model_params_init(untied, 7);
+  std::copy_n(pu.get("model.embed_tokens.weight"), untied.vocab_size * untied.hidden_size, pu.get("lm_head.weight"));
+  const model_params pt = model_params_from_tensors(tied, model_params_to_tensors(pu), "tied");
+  auto be = make_cpu_backend();
+  token_batch b;
+  b.add({5, 17, 33, 2, 90, 41, 7});
+  auto logits = [&](const model_params& p, const char* policy) {
+    model_runner run(*be);
+    auto w = model_weights_build(*be, p.cfg, precision_policy::named(policy), {&p, nullptr, nullptr}, false);
+    run.forward(*w, b, false);
+    std::vector<float> out(static_cast<size_t>(b.T() * p.cfg.vocab_size));
+    be->to_host(out.data(), run.logits(), out.size() * 4);
+    return out;
+  };
+  for (const char* policy : {"fp32", "bf16", "fp8"})
+    EXPECT_EQ(logits(pt, policy), logits(pu, policy)) << policy;
+}
+
 // The tile (AMX) policies change only the FP32 summation order inside the GEMMs, so they must
 // meet the same format-derived bounds against FP32 as the exact kernels (and differ from them).
 TEST(Precision, TilePoliciesMeetTheExactPoliciesBounds) {
