@@ -275,14 +275,16 @@ TEST(Grpo, EachWeightAndClipBranchByHand) {
   // seq-mask-tis: sequence 0 (p - g = 0.5 on both tokens: rho = e^0.5 > 1.2) is dropped whole;
   // sequence 1 (p - g = 0.05: rho = e^0.05) keeps its tokens' own w; is_oob_ratio = 1 of 2
   cfg.is = is_mode::seq_mask_tis;
-  token_batch_rl q;
-  q.p = {-1.0f, -2.0f, -1.0f};
-  q.c = q.p;
-  q.g = {-1.5f, -2.5f, -1.05f};
-  q.adv = {1, 1, 1};
-  q.mask = {1, 1, 1};
-  q.seq = {0, 0, 1};
-  q.n_seqs = 2;
+  auto on_policy = [](std::vector<float> p, std::vector<float> g, std::vector<int32_t> seq) {  // c = p, A = 1
+    token_batch_rl x;
+    x.c = x.p = std::move(p);
+    x.g = std::move(g);
+    x.adv = x.mask = std::vector<float>(x.p.size(), 1.0f);
+    x.n_seqs = seq.back() + 1;
+    x.seq = std::move(seq);
+    return x;
+  };
+  const token_batch_rl q = on_policy({-1.0f, -2.0f, -1.0f}, {-1.5f, -2.5f, -1.05f}, {0, 0, 1});
   const is_result is = is_weights(q, cfg);
   EXPECT_EQ(is.oob_seqs, 1);
   EXPECT_EQ(is.w[0], 0.0f);
@@ -294,14 +296,7 @@ TEST(Grpo, EachWeightAndClipBranchByHand) {
   // rho is the geometric mean: 3 tokens of p - g = 0.08 give e^0.08 = 1.083 < is_hi = 1.1, kept
   // (the product e^0.24 = 1.27 would drop the sequence)
   cfg.is_hi = 1.1f;
-  token_batch_rl m3;
-  m3.p = {-1.0f, -1.0f, -1.0f};
-  m3.c = m3.p;
-  m3.g = {-1.08f, -1.08f, -1.08f};
-  m3.adv = {1, 1, 1};
-  m3.mask = {1, 1, 1};
-  m3.seq = {0, 0, 0};
-  m3.n_seqs = 1;
+  const token_batch_rl m3 = on_policy({-1.0f, -1.0f, -1.0f}, {-1.08f, -1.08f, -1.08f}, {0, 0, 0});
   const is_result kept = is_weights(m3, cfg);
   EXPECT_EQ(kept.oob_seqs, 0);
   for (int t = 0; t < 3; ++t) EXPECT_NEAR(kept.w[t], std::exp(double(m3.p[t]) - m3.g[t]), tol) << t;
