@@ -120,7 +120,12 @@ std::map<std::string, node_indices> index_nodes(const topology& t) {
 // them: each engine checks its own, and two that each fit were killed by the OOM killer. Nodes
 // on one host (loopback topologies) add up; a host is its topology name.
 void kv_memory_check(const run_config& cfg, const models::model_config& model, const topology& t, const std::string& node) {
-  auto host_of = [](const std::string& h) { return h == "localhost" ? std::string("127.0.0.1") : h; };
+  auto host_of = [](const std::string& h) {  // this machine's names: one host
+    char self[256] = {};
+    ::gethostname(self, sizeof self - 1);
+    const bool local = h == "localhost" || h == "::1" || h.rfind("127.", 0) == 0 || h == self;
+    return local ? std::string("127.0.0.1") : h;
+  };
   const std::string host = host_of(t.find(node)->host);
   const auto idx = index_nodes(t);
   size_t rollouts = 0, evals = 0;
@@ -363,10 +368,12 @@ std::string prepare_init(const run_config& cfg, const std::string& run_dir, bool
     // its save left is no checkpoint) starts again from step 0 with its own settings; train_main
     // takes the start the run had
     std::error_code ec;
-    std::string step;  // a whole checkpoint: step_<digits>
+    std::string step;  // the newest whole checkpoint: step_<digits>
     for (const auto& e : fs::directory_iterator(ck, ec)) {
       const std::string n = e.path().filename().string();
-      if (n.size() > 5 && n.rfind("step_", 0) == 0 && n.find_first_not_of("0123456789", 5) == std::string::npos) step = n;
+      if (n.size() > 5 && n.size() < 24 && n.rfind("step_", 0) == 0 && n.find_first_not_of("0123456789", 5) == std::string::npos &&
+          (step.empty() || std::stoull(n.substr(5)) > std::stoull(step.substr(5))))
+        step = n;
     }
     if (!fs::exists(ck / "latest") && step.empty() && fs::exists(fs::path(run_dir) / "recipe.conf")) {
       start->restart = true;
@@ -544,6 +551,15 @@ void examples_fit_check(const run_config& cfg, const models::tokenizer& tok) {
   }
 }
 
+// What the built-in model's SFT warm start (seconds to minutes) would only be followed by a
+// refusal of: the task's prompts and answers against the context and responses, and the KV
+// caches against the host's memory (run_preflight checks other models').
+void warm_start_check(const run_config& cfg, const topology& t, const std::string& node) {
+  const auto tok = models::char_tokenizer_make(models::arithmetic_alphabet());
+  examples_fit_check(cfg, *tok);
+  kv_memory_check(cfg, builtin_model_config(cfg, *tok), t, node);
+}
+
 // A resumed run goes on at its checkpoint's prompt cursor: in another training set (a task file
 // edited, its lines reordered) that is other prompts, and the run was no longer the one resumed.
 // Checkpoints made before train_set was recorded are resumed with a warning.
@@ -703,11 +719,7 @@ int train_main(int argc, char** argv) {
   const node_spec& here = *topo.find(node);
   const bool warm_start = here.has("controller") && !c.resume && cfg.init == "tiny";
   if (const std::string why = node_tiles_problem(cfg, here, warm_start); !why.empty()) throw std::invalid_argument(why);
-  if (!c.resume && cfg.init == "tiny" && models::task_spec_parse(cfg.task).builtin) {
-    const auto tok = models::char_tokenizer_make(models::arithmetic_alphabet());  // run_preflight checks the others
-    examples_fit_check(cfg, *tok);
-    kv_memory_check(cfg, builtin_model_config(cfg, *tok), topo, node);
-  }
+  if (!c.resume && cfg.init == "tiny" && models::task_spec_parse(cfg.task).builtin) warm_start_check(cfg, topo, node);
   fp8rl_config ccfg;
   caf_options_parse(ccfg, c.caf_args);
   caf_options_validate(ccfg);
@@ -751,12 +763,14 @@ int train_main(int argc, char** argv) {
       init_dir = cfg.init == "tiny" ? (fs::path(run_dir) / "checkpoints" / "init").string() : cfg.init;
       log_get("train")->warn("{} has no checkpoint (stopped before its first): the run starts again from step 0 ({})", run_dir,
                              init_dir);
-      if (cfg.init == "tiny" && !fs::exists(fs::path(init_dir) / "config.json")) {
-        init_dir = prepare_init(cfg, run_dir, false, &start);
-        start.restart = true;
-      }
     }
-    if (const std::string why = node_tiles_problem(cfg, here, false); !why.empty()) throw std::invalid_argument(why);
+    const bool warm = start.restart && cfg.init == "tiny" && !fs::exists(fs::path(init_dir) / "config.json");
+    if (const std::string why = node_tiles_problem(cfg, here, warm); !why.empty()) throw std::invalid_argument(why);
+    if (warm) {  // what a fresh start checks before its warm start
+      warm_start_check(cfg, topo, node);
+      init_dir = prepare_init(cfg, run_dir, false, &start);
+      start.restart = true;
+    }
   } else {
     init_dir = prepare_init(cfg, run_dir, false, &start);
   }

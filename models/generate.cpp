@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <filesystem>
 #include <fstream>
 #include <limits>
 #include <stdexcept>
@@ -66,14 +67,26 @@ double engine_kv_bytes(const model_config& m, const engine_config& ec) {
          double(m.head_dim) * esize;
 }
 
-// Physical memory, or a cgroup's limit below it (a container's, v2 or v1): what the OOM killer
-// measures against.
+// Physical memory, or the smallest memory limit of this process's cgroup and those above it (v2
+// memory.max, v1 memory.limit_in_bytes: a container's, a systemd MemoryMax): what the OOM killer
+// measures against. "max" (v2's no limit) does not parse; v1's no limit is above physical memory.
 double machine_memory_bytes() {
   double m = double(sysconf(_SC_PHYS_PAGES)) * double(sysconf(_SC_PAGE_SIZE));
-  for (const char* f : {"/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"}) {
-    std::ifstream in(f);
-    double limit = 0;
-    if (in >> limit && limit > 0 && limit < m) m = limit;  // "max" (no limit) does not parse
+  std::ifstream groups("/proc/self/cgroup");
+  for (std::string line; std::getline(groups, line);) {  // "0::/path" (v2), "N:memory:/path" (v1)
+    const size_t a = line.find(':'), b = line.find(':', a + 1);
+    if (a == std::string::npos || b == std::string::npos) continue;
+    const std::string ctrl = line.substr(a + 1, b - a - 1);
+    const bool v2 = ctrl.empty(), v1 = ctrl.find("memory") != std::string::npos;
+    if (!v2 && !v1) continue;
+    const std::filesystem::path base = v2 ? "/sys/fs/cgroup" : "/sys/fs/cgroup/memory";
+    std::filesystem::path rel = std::filesystem::path(line.substr(b + 1)).relative_path();  // "/a/b" -> "a/b"
+    for (bool more = true; more; rel = rel.parent_path()) {  // the group, its parents, the root
+      more = !rel.empty();
+      std::ifstream in(base / rel / (v2 ? "memory.max" : "memory.limit_in_bytes"));
+      double limit = 0;
+      if (in >> limit && limit > 0 && limit < m) m = limit;
+    }
   }
   return m;
 }

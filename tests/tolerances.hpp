@@ -69,10 +69,16 @@ inline constexpr double kFp8AttentionVsBf16 = 4 * kUnitRmsE4M3;
 // quantity in FP64 from the same FP32 logits: the terms' 2-ulp error (kFastExpRel) moves the
 // log-sum-exp by <= 2^-22, and the FP32 result adds half an ulp of |logp| < 16 (2^-20).
 inline constexpr double kLogprobVsF64 = 4e-6;
+// An entropy -sum p ln p (FP64 sum over V terms of the same processed logits, stored FP32) vs the
+// exact value: each term's p carries the log-sum-exp's 2^-22 (kLogprobVsF64's), the sum of p is 1,
+// so the entropy moves by <= 2^-22 (1 + |ln p|max) plus half an FP32 ulp of H < 16: < 1e-5.
+inline constexpr double kEntropyVsF64 = 1e-5;
 
 // An FP64 value summed from a few dozen FP64 terms in another order, or exp() of exact inputs:
 // a few ulps (2^-52) of magnitudes <= 100.
 inline constexpr double kFp64FewTerms = 1e-12;
+// (a / b) * b against a in FP64 (a rate times its own time): two roundings of 2^-53 relative.
+inline constexpr double kFp64TwoRoundingsRel = 1e-15;
 // A hand-computed loss value vs policy_loss: the clip bounds (0.2f), the IS weights and dL/dc are
 // FP32, one rounding each (2^-24 relative); at magnitudes <= 4 that is < 3e-7 absolute.
 inline constexpr double kLossFp32Roundings = 3e-7;

@@ -127,8 +127,11 @@ std::vector<std::string> answer_forms(verifier_kind k, std::string_view answer) 
   const auto v = parse_number(answer);
   if (!v) return {trimmed};
   char buf[400];  // DBL_MAX in fixed notation: 309 digits
-  const auto r = std::to_chars(buf, buf + sizeof buf, *v, std::chars_format::fixed);  // the shortest that round-trips
-  return {std::string(buf, r.ptr)};
+  const auto fixed = std::to_chars(buf, buf + sizeof buf, *v, std::chars_format::fixed);  // the shortest that round-trips
+  std::vector<std::string> out = {std::string(buf, fixed.ptr)};
+  const auto any = std::to_chars(buf, buf + sizeof buf, *v);  // fixed or scientific, the shorter: 1e+30
+  if (std::string(buf, any.ptr) != out[0]) out.emplace_back(buf, any.ptr);
+  return out;
 }
 
 std::string arithmetic_alphabet() { return "0123456789+*="; }

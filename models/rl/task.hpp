@@ -38,10 +38,11 @@ std::optional<verifier_kind> verifier_parse(std::string_view s);
 
 // Trim, collapse internal whitespace, lowercase, drop one trailing period.
 std::string answer_normalize(std::string_view s);
-// Response texts verify(k, ., answer) accepts, for counting the fewest tokens one takes: the
-// answer trimmed and normalized (exact; a case-sensitive tokenizer may encode either in fewer),
-// the number in its shortest fixed-notation form (numeric: what a model writes, "100000" not
-// "1e+05"; the answer itself where it is no number, which no response matches).
+// Response texts verify(k, ., answer) accepts, for counting the tokens one takes (near the
+// fewest: the numeric tolerance accepts shorter ones still, 0 for 1e-7): the answer trimmed and
+// normalized (exact; a case-sensitive tokenizer may encode either in fewer), the number in its
+// shortest fixed-notation form ("100000", what a model writes) and, where shorter, scientific
+// ("1e+30"; the answer itself where it is no number, which no response matches).
 std::vector<std::string> answer_forms(verifier_kind k, std::string_view answer);
 // 1 if the response matches the answer, else 0. numeric: both parse as numbers (commas and a
 // leading '+' ignored) and agree to 1e-6 relative; a response that does not parse scores 0.

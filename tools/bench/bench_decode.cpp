@@ -168,6 +168,16 @@ double op_weight_bytes(const model_config& c, forward_op op, double esize) {
   }
 }
 
+using json_fields = std::vector<std::pair<std::string, std::string>>;
+// A line of the side-by-side step's phases: bench and phase, the step's fields (weights, kv,
+// batch, threads, tokens_per_s -- the whole FP8 step's, also on a per-op line), then the rest.
+json_fields step_line(const char* phase, const json_fields& step, const json_fields& rest) {
+  json_fields f = {{"bench", jstr("decode")}, {"phase", jstr(phase)}};
+  f.insert(f.end(), step.begin(), step.end());
+  f.insert(f.end(), rest.begin(), rest.end());
+  return f;
+}
+
 // Per op of the side-by-side rounds (phase "ops"): the median over rounds of each op's ms per
 // step, their ratio, and for the GEMVs the bytes/s they streamed -- where the two steps' times
 // differ and where they do not. Then (phase "ops_summary") the layers' GEMVs against the rest of
@@ -175,7 +185,7 @@ double op_weight_bytes(const model_config& c, forward_op op, double esize) {
 // bytes/s over the BF16 ones', the rest's ms, and the speedup the round would show were its FP8
 // layer GEMVs streaming at the BF16 ones' bytes/s -- medians over rounds, as the speedup's.
 void emit_op_profile(const bench_args& a, const model_config& cfg, const std::vector<forward_profile>& p8,
-                     const std::vector<forward_profile>& p16, const std::vector<std::pair<std::string, std::string>>& step) {
+                     const std::vector<forward_profile>& p16, const json_fields& step) {
   auto median = [](const std::vector<forward_profile>& p, auto&& value) {
     std::vector<double> v;
     for (const auto& x : p) v.push_back(value(x));
@@ -185,10 +195,8 @@ void emit_op_profile(const bench_args& a, const model_config& cfg, const std::ve
     const auto op = static_cast<forward_op>(i);
     const auto sec = [i](const forward_profile& x) { return x.seconds[i]; };
     const double s8 = median(p8, sec), s16 = median(p16, sec);
-    std::vector<std::pair<std::string, std::string>> f = {{"bench", jstr("decode")}, {"phase", jstr("ops")}};
-    f.insert(f.end(), step.begin(), step.end());
-    f.insert(f.end(), {{"op", jstr(forward_profile::name(op))}, {"fp8_ms_per_step", jnum(s8 * 1e3)},
-                       {"bf16_ms_per_step", jnum(s16 * 1e3)}, {"bf16_over_fp8", jnum(s8 > 0 ? s16 / s8 : 0)}});
+    auto f = step_line("ops", step, {{"op", jstr(forward_profile::name(op))}, {"fp8_ms_per_step", jnum(s8 * 1e3)},
+                                     {"bf16_ms_per_step", jnum(s16 * 1e3)}, {"bf16_over_fp8", jnum(s8 > 0 ? s16 / s8 : 0)}});
     if (const double b = op_weight_bytes(cfg, op, 1.0); b > 0) {
       f.push_back({"fp8_gbps", jnum(b / s8 / 1e9)});
       f.push_back({"bf16_gbps", jnum(op_weight_bytes(cfg, op, 2.0) / s16 / 1e9)});
@@ -211,12 +219,11 @@ void emit_op_profile(const bench_args& a, const model_config& cfg, const std::ve
     rest8.push_back(total(p8[r]) - l8), rest16.push_back(total(p16[r]) - l16);
     at_bf16.push_back(total(p16[r]) / (rest8.back() + l16 / 2));
   }
-  std::vector<std::pair<std::string, std::string>> f = {{"bench", jstr("decode")}, {"phase", jstr("ops_summary")}};
-  f.insert(f.end(), step.begin(), step.end());
-  f.insert(f.end(), {{"fp8_over_bf16_gemv_gbps", jnum(bench_median_of(rate))},
-                     {"fp8_other_ms", jnum(bench_median_of(rest8) * 1e3)}, {"bf16_other_ms", jnum(bench_median_of(rest16) * 1e3)},
-                     {"speedup_at_bf16_gemv_gbps", jnum(bench_median_of(at_bf16))}});
-  bench_emit(a, f);
+  bench_emit(a, step_line("ops_summary", step,
+                          {{"fp8_over_bf16_gemv_gbps", jnum(bench_median_of(rate))},
+                           {"fp8_other_ms", jnum(bench_median_of(rest8) * 1e3)},
+                           {"bf16_other_ms", jnum(bench_median_of(rest16) * 1e3)},
+                           {"speedup_at_bf16_gemv_gbps", jnum(bench_median_of(at_bf16))}}));
 }
 
 // fp8 weights + fp8 KV against bf16 + bf16, `batch` sequences, side by side: rounds alternate one step of
@@ -248,16 +255,13 @@ void run_decode_ratio(const bench_args& a, backend& be, const model_config& cfg,
       ratio.push_back(tb.back() / tf.back());
     }
     // what the side-by-side line and the per-op lines share: the step they time (tokens_per_s: the FP8 step's)
-    const std::vector<std::pair<std::string, std::string>> step = {
-        {"weights", jstr("fp8 vs bf16")}, {"kv", jstr("fp8 vs bf16")}, {"batch", jnum(double(batch))}, {"threads", jnum(t)},
-        {"tokens_per_s", jnum(double(batch) / bench_median_of(tf))}};
-    std::vector<std::pair<std::string, std::string>> f = {{"bench", jstr("decode")}, {"phase", jstr("decode_side_by_side")}};
-    f.insert(f.end(), step.begin(), step.end());
-    f.insert(f.end(), {{"context", jnum(double(ctx))}, {"layers", jnum(double(cfg.num_hidden_layers))},
-                       {"fp8_tokens_per_s", jnum(double(batch) / bench_median_of(tf))},
-                       {"bf16_tokens_per_s", jnum(double(batch) / bench_median_of(tb))}, {"speedup", jnum(bench_median_of(ratio))},
-                       {"runs", jnum(rounds)}});
-    bench_emit(a, f);
+    const std::string fp8_tps = jnum(double(batch) / bench_median_of(tf));
+    const json_fields step = {{"weights", jstr("fp8 vs bf16")}, {"kv", jstr("fp8 vs bf16")}, {"batch", jnum(double(batch))},
+                              {"threads", jnum(t)}, {"tokens_per_s", fp8_tps}};
+    bench_emit(a, step_line("decode_side_by_side", step,
+                            {{"context", jnum(double(ctx))}, {"layers", jnum(double(cfg.num_hidden_layers))},
+                             {"fp8_tokens_per_s", fp8_tps}, {"bf16_tokens_per_s", jnum(double(batch) / bench_median_of(tb))},
+                             {"speedup", jnum(bench_median_of(ratio))}, {"runs", jnum(rounds)}}));
     emit_op_profile(a, cfg, prof8, prof16, step);
   });
 }
