@@ -118,7 +118,8 @@ std::map<std::string, node_indices> index_nodes(const topology& t) {
 // The KV caches the generation engines of this node's host allocate up front -- each rollout's,
 // and learner0's validation engine -- within the machine's memory, named by the keys that size
 // them: each engine checks its own, and two that each fit were killed by the OOM killer. Nodes
-// on one host (loopback topologies) add up; a host is its topology name.
+// on one host (loopback topologies) add up: a host is its topology name, this machine's names
+// (127/8, ::1, localhost, its hostname) one.
 void kv_memory_check(const run_config& cfg, const models::model_config& model, const topology& t, const std::string& node) {
   auto host_of = [](const std::string& h) {  // this machine's names: one host
     char self[256] = {};
@@ -359,22 +360,28 @@ models::model_config builtin_model_config(const run_config& cfg, const models::t
   return models::model_config_builtin(cfg.size, tok.vocab_size(), std::max<int64_t>(64, cfg.max_context), tok.bos, tok.eos);
 }
 
+// The newest whole checkpoint directory in ck (step_<digits>; a step_N.tmp a cut save left is
+// none), or "".
+std::string newest_step_dir(const fs::path& ck) {
+  std::error_code ec;
+  std::string step;
+  for (const auto& e : fs::directory_iterator(ck, ec)) {
+    const std::string n = e.path().filename().string();
+    if (n.size() > 5 && n.size() < 24 && n.rfind("step_", 0) == 0 && n.find_first_not_of("0123456789", 5) == std::string::npos &&
+        (step.empty() || std::stoull(n.substr(5)) > std::stoull(step.substr(5))))
+      step = n;
+  }
+  return step;
+}
+
 // The checkpoint this run starts from: resume (latest), a HF model dir, or a fresh SFT warm start.
 std::string prepare_init(const run_config& cfg, const std::string& run_dir, bool resume, run_start* start) {
   *start = run_start{};
   const fs::path ck = fs::path(run_dir) / "checkpoints";
   if (resume) {
-    // a run stopped before its first checkpoint (a second Ctrl-C, a kill, a crash; a step_N.tmp
-    // its save left is no checkpoint) starts again from step 0 with its own settings; train_main
-    // takes the start the run had
-    std::error_code ec;
-    std::string step;  // the newest whole checkpoint: step_<digits>
-    for (const auto& e : fs::directory_iterator(ck, ec)) {
-      const std::string n = e.path().filename().string();
-      if (n.size() > 5 && n.size() < 24 && n.rfind("step_", 0) == 0 && n.find_first_not_of("0123456789", 5) == std::string::npos &&
-          (step.empty() || std::stoull(n.substr(5)) > std::stoull(step.substr(5))))
-        step = n;
-    }
+    // a run stopped before its first checkpoint (a second Ctrl-C, a kill, a crash) starts again
+    // from step 0 with its own settings; train_main takes the start the run had
+    const std::string step = newest_step_dir(ck);
     if (!fs::exists(ck / "latest") && step.empty() && fs::exists(fs::path(run_dir) / "recipe.conf")) {
       start->restart = true;
       return "";
