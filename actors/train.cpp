@@ -11,6 +11,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <future>
 #include <iterator>
 #include <optional>
@@ -530,22 +531,38 @@ size_t answer_tokens(const models::tokenizer& tok, models::verifier_kind vk, con
 // An answer whose every accepted response is longer than rollout.max_new_tokens (or that the
 // tokenizer cannot encode) can never be rewarded: refused when no training answer fits
 // (builtin:mul6 under the default 5 tokens trained on reward 0), else counted in a warning.
+// Answers of a split no response can be rewarded for (`why(i)`: "" or the reason): refused when
+// that is every training answer (`fix` says what to change), else a warning with their count.
+void unrewardable_check(const models::dataset& d, bool val, const std::function<std::string(size_t)>& why, const std::string& fix) {
+  size_t count = 0;
+  std::string first;
+  for (size_t i = 0; i < d.items.size(); ++i)
+    if (std::string w = why(i); !w.empty() && count++ == 0) first = models::example_where(d, i) + ", '" + d.items[i].answer + "', " + w;
+  if (count == 0) return;
+  const std::string what = std::to_string(count) + " of " + std::to_string(d.items.size()) + (val ? " validation" : " training") +
+                           " answers can never be rewarded (the first: " + first + ")";
+  if (!val && count == d.items.size()) throw std::invalid_argument(what + ": " + fix);
+  log_get("train")->warn("{}", what);
+}
+
+// Answers under the numeric verifier that are no numbers, and answers whose every accepted
+// response is longer than rollout.max_new_tokens (or that the tokenizer cannot encode).
 void answers_fit(const run_config& cfg, const models::dataset& d, const models::tokenizer& tok, bool val) {
   const auto vk = recipe_rl_config(cfg).verifier;
-  size_t too_long = 0, first = 0, first_len = 0;
-  for (size_t i = 0; i < d.items.size(); ++i) {
-    const size_t n = answer_tokens(tok, vk, d.items[i].answer);
-    if ((n == 0 || static_cast<int64_t>(n) > cfg.max_new_tokens) && too_long++ == 0) first = i, first_len = n;
-  }
-  if (too_long == 0) return;
-  const std::string what =
-      std::to_string(too_long) + " of " + std::to_string(d.items.size()) + (val ? " validation" : " training") +
-      " answers need more tokens than rollout.max_new_tokens " + std::to_string(cfg.max_new_tokens) + " (the first: " +
-      models::example_where(d, first) + ", '" + d.items[first].answer + "', " +
-      (first_len ? std::to_string(first_len) + " tokens" : std::string("not encodable by the tokenizer")) + ")";
-  if (!val && too_long == d.items.size())
-    throw std::invalid_argument(what + ": no response can be rewarded; raise rollout.max_new_tokens (and model.max_context with it)");
-  log_get("train")->warn("{}: those can never be rewarded", what);
+  if (vk == models::verifier_kind::numeric)
+    unrewardable_check(
+        d, val, [&](size_t i) { return models::answer_is_number(d.items[i].answer) ? "" : "not a number under task.verifier = numeric"; },
+        "use task.verifier = exact");
+  unrewardable_check(
+      d, val,
+      [&](size_t i) {
+        const size_t n = answer_tokens(tok, vk, d.items[i].answer);
+        if (n == 0) return std::string("not encodable by the tokenizer");
+        return static_cast<int64_t>(n) > cfg.max_new_tokens
+                   ? std::to_string(n) + " tokens, more than rollout.max_new_tokens " + std::to_string(cfg.max_new_tokens)
+                   : std::string();
+      },
+      "raise rollout.max_new_tokens (and model.max_context with it)");
 }
 
 // Both splits' prompts and answers (a task file is both splits: its answers are counted once).

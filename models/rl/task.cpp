@@ -120,6 +120,8 @@ float verify(verifier_kind k, std::string_view response, std::string_view answer
   return std::fabs(*r - *a) <= 1e-6 * std::max(1.0, std::fabs(*a)) ? 1.0f : 0.0f;
 }
 
+bool answer_is_number(std::string_view answer) { return parse_number(answer).has_value(); }
+
 std::vector<std::string> answer_forms(verifier_kind k, std::string_view answer) {
   const size_t b = answer.find_first_not_of(" \t\n\r"), e = answer.find_last_not_of(" \t\n\r");
   const std::string trimmed(b == std::string_view::npos ? std::string_view() : answer.substr(b, e - b + 1));

@@ -1,7 +1,7 @@
 // models/rl/task.hpp -- tasks for RL with verifiable rewards: user datasets and the built-in
 // arithmetic family, and the verifiers that score a response.
 // defines: task_example, dataset, dataset_load_jsonl, example_where, dataset_fingerprint, verifier_kind,
-//          answer_forms, verify, answer_normalize,
+//          answer_forms, answer_is_number, verify, answer_normalize,
 //          arithmetic_config, arithmetic_dataset, arithmetic_alphabet
 #pragma once
 #include <cstdint>
@@ -44,6 +44,8 @@ std::string answer_normalize(std::string_view s);
 // shortest fixed-notation form ("100000", what a model writes) and, where shorter, scientific
 // ("1e+30"; the answer itself where it is no number, which no response matches).
 std::vector<std::string> answer_forms(verifier_kind k, std::string_view answer);
+// Whether the numeric verifier reads `answer` as a number (else no response matches it).
+bool answer_is_number(std::string_view answer);
 // 1 if the response matches the answer, else 0. numeric: both parse as numbers (commas and a
 // leading '+' ignored) and agree to 1e-6 relative; a response that does not parse scores 0.
 float verify(verifier_kind k, std::string_view response, std::string_view answer);

@@ -368,6 +368,12 @@ TEST(E2E, EmbeddedDefaultRunsAndResumes) {
   task_write(10);
   ASSERT_EQ(run(kBin + "/fp8rl train --resume" + task_args + " --run.steps=3"), 0);
   EXPECT_EQ(metrics(tr).size(), 3u);
+  // answers the numeric verifier reads as no number: none rewarded (they trained on reward 0)
+  std::ofstream(d / "words.jsonl") << "{\"prompt\": \"1+1=\", \"answer\": \"two\"}\n{\"prompt\": \"2+2=\", \"answer\": \"four\"}\n";
+  fails_naming("--run-dir " + (d / "words-run").string() + " --model.init=" + hf.string() + kSmall + " --task.name=" +
+                   (d / "words.jsonl").string(),
+               "2 of 2 training answers can never be rewarded (the first: " + (d / "words.jsonl").string() +
+                   ":1, 'two', not a number under task.verifier = numeric): use task.verifier = exact");
   std::ofstream(tr / "checkpoints" / "step_2" / "state.json")
       << nlohmann::json{{"weight_version", 2}, {"prompt_cursor", 16}, {"adam_step", 2}, {"train_set", 64}}.dump();
   std::ofstream(tr / "checkpoints" / "latest") << "step_2\n";
@@ -528,7 +534,7 @@ TEST(E2E, SignalStopsTheRunAtACheckpointedStep) {
   // ... after the checks a fresh start makes before its warm start (the refusal came after it)
   const auto refused = fp8rl::test::run_command(resume_early + " --run.steps=3 --rollout.max_new_tokens=1");
   EXPECT_EQ(refused.rc, 2) << refused.out;
-  EXPECT_NE(refused.out.find("training answers need more tokens than rollout.max_new_tokens 1"), std::string::npos) << refused.out;
+  EXPECT_NE(refused.out.find("training answers can never be rewarded"), std::string::npos) << refused.out;
   EXPECT_EQ(refused.out.find("SFT warm start"), std::string::npos) << refused.out;
   const auto restarted = fp8rl::test::run_command(resume_early + " --run.steps=3");
   ASSERT_EQ(restarted.rc, 0) << restarted.out;
@@ -594,7 +600,7 @@ TEST(E2E, BadRecipeKeyFailsWithItsName) {
             "the KV caches of the 3 generation engine(s) on host 127.0.0.1 (node(s) main, rollout1: 2 rollout(s), learner0's validation)"},
            // no training answer fits the responses: trained on reward 0 (mul6 answers have 11-12 digits)
            {"--task.name=builtin:mul6 --model.sft_steps=5",
-            "4000 of 4000 training answers need more tokens than rollout.max_new_tokens 5 (the first: builtin:mul6 (train) example 0, "},
+            "4000 of 4000 training answers can never be rewarded (the first: builtin:mul6 (train) example 0, "},
            // a second recipe or topology silently replaced the first
            {"--recipe " + (d / "r.conf").string() + " --config-file " + (d / "r.conf").string(), "option --config-file given twice"},
            {"--topology a.conf --topology=b.conf", "option --topology given twice ('a.conf', 'b.conf')"},
@@ -629,10 +635,10 @@ TEST(E2E, BadRecipeKeyFailsWithItsName) {
   const auto some = fp8rl::test::run_command(kBin + "/fp8rl train --run-dir " + (d / "mul3").string() +
                                              " --task.name=builtin:mul3 --run.seed=2 --model.sft_steps=2 --run.steps=1 --task.val_size=50");
   EXPECT_EQ(some.rc, 0) << some.out;
-  EXPECT_NE(some.out.find(" of 4000 training answers need more tokens than rollout.max_new_tokens 5 (the first: builtin:mul3 (train) "
-                          "example 0, '461416', 6 tokens): those can never be rewarded"),
+  EXPECT_NE(some.out.find(" of 4000 training answers can never be rewarded (the first: builtin:mul3 (train) example 0, '461416', "
+                          "6 tokens, more than rollout.max_new_tokens 5)"),
             std::string::npos) << some.out;
-  EXPECT_EQ(some.out.find("of 4000 training answers need more tokens than rollout.max_new_tokens 5", some.out.find("rewarded") + 1),
+  EXPECT_EQ(some.out.find("of 4000 training answers can never be rewarded", some.out.find("training answers can never") + 1),
             std::string::npos) << some.out;  // one line per split
   // a start refused before it wrote anything leaves no empty run directory behind
   const auto nothing = fp8rl::test::run_command(kBin + "/fp8rl train --run-dir " + (d / "never").string() +
