@@ -566,13 +566,17 @@ void answers_fit(const run_config& cfg, const models::dataset& d, const models::
 }
 
 // Both splits' prompts and answers (a task file is both splits: its answers are counted once).
-void examples_fit_check(const run_config& cfg, const models::tokenizer& tok) {
+// Returns the training split (train_set_check's, read once).
+models::dataset examples_fit_check(const run_config& cfg, const models::tokenizer& tok) {
   const auto task = models::task_spec_parse(cfg.task);
+  models::dataset train;
   for (const bool val : {false, true}) {
-    const auto d = models::task_load(task, val, val ? cfg.val_size : cfg.train_size, static_cast<uint64_t>(cfg.seed));
+    auto d = models::task_load(task, val, val ? cfg.val_size : cfg.train_size, static_cast<uint64_t>(cfg.seed));
     prompts_fit(cfg, d, tok);
     if (!val || task.builtin) answers_fit(cfg, d, tok, val);
+    if (!val) train = std::move(d);
   }
+  return train;
 }
 
 // What the built-in model's SFT warm start (seconds to minutes) would only be followed by a
@@ -587,11 +591,10 @@ void warm_start_check(const run_config& cfg, const topology& t, const std::strin
 // A resumed run goes on at its checkpoint's prompt cursor: in another training set (a task file
 // edited, its lines reordered) that is other prompts, and the run was no longer the one resumed.
 // Checkpoints made before train_set was recorded are resumed with a warning.
-void train_set_check(const actor_env& env) {
+//   now: the training split as loaded for this run
+void train_set_check(const actor_env& env, const models::dataset& now) {
   const std::string sp = (fs::path(env.init_dir) / "state.json").string();
   const json state = models::json_file_read(sp);
-  const auto now = models::task_load(models::task_spec_parse(env.cfg.task), false, env.cfg.train_size,
-                                     static_cast<uint64_t>(env.cfg.seed));
   if (!state.contains("train_set")) {
     log_get("train")->warn("{}: no train_set recorded (a checkpoint of an earlier fp8rl); {} is not checked against it", sp,
                            env.cfg.task);
@@ -642,8 +645,10 @@ void run_preflight(const actor_env& env, bool resume, bool restart) {
       throw std::invalid_argument(env.ref_dir + ": the KL reference (grpo.kl_beta > 0) does not have the shape of " + env.init_dir);
   }
   models::tokenizer_vocab_check(*env.tok, env.model.vocab_size, env.init_dir);
-  if (resume || env.cfg.init != "tiny") examples_fit_check(env.cfg, *env.tok);  // train_main checked the tiny model's
-  if (from_checkpoint && env.start_version > 0) train_set_check(env);
+  if (resume || env.cfg.init != "tiny") {  // train_main checked the tiny model's
+    const auto train = examples_fit_check(env.cfg, *env.tok);
+    if (from_checkpoint && env.start_version > 0) train_set_check(env, train);
+  }
   const fs::path metrics = fs::path(env.run_dir) / "metrics.jsonl";
   if (fs::exists(metrics) && !fs::is_regular_file(metrics)) throw std::invalid_argument(metrics.string() + ": not a file");
   if (resume && fs::exists(metrics))
