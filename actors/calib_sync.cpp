@@ -1,7 +1,8 @@
 // actors/calib_sync.cpp -- the calibration actor (requantizes weights and recomputes Q/K/V scales
 // after every step, off the learner's critical path, publishing an immutable bundle) and the
 // weight-sync actor (bundle registry, zero-copy hand-off in process, chunked raw-byte transfer
-// across processes with one chunk in flight, adoption acks, sync latency).
+// across processes with a window of kWindow = 4 chunk requests in flight, adoption acks, sync
+// latency).
 #include <tbb/task_arena.h>
 
 #include <algorithm>

@@ -430,6 +430,7 @@ run_config recipe_from_json(const std::string& s) {
     if (!j.contains(key)) throw std::invalid_argument("recipe json: key '" + key + "' missing");
     std::visit([&](auto* p) { *p = j[key].get<std::remove_pointer_t<decltype(p)>>(); }, k.ptr);
   }
+  recipe_validate(r);
   return r;
 }
 

@@ -4,6 +4,8 @@
 
 #include <caf/actor_system_config.hpp>
 #include <caf/config_value.hpp>
+#include <nlohmann/json.hpp>
+#include <unistd.h>
 
 #include <algorithm>
 #include <map>
@@ -113,6 +115,43 @@ topology topology_local(int64_t rollout_cores, int64_t learner_cores) {
 
 bool host_is_local(const std::string& h) { return h == "127.0.0.1" || h == "localhost" || h == "::1"; }
 std::string host_canonical(const std::string& h) { return host_is_local(h) ? "localhost" : h; }
+bool host_same_machine(const std::string& h) {
+  char self[256] = {};
+  ::gethostname(self, sizeof self - 1);
+  return h == "localhost" || h == "::1" || h.rfind("127.", 0) == 0 || h == self;
+}
+
+std::string topology_to_json(const topology& t) {
+  nlohmann::json j = nlohmann::json::array();
+  for (const auto& n : t.nodes) {
+    nlohmann::json l = nlohmann::json::array(), r = nlohmann::json::array();
+    for (const auto& d : n.learners) l.push_back(d.str());
+    for (const auto& d : n.rollouts) r.push_back(d.str());
+    j.push_back({{"name", n.name}, {"host", n.host}, {"port", n.port}, {"roles", n.roles}, {"learners", l}, {"rollouts", r}});
+  }
+  return j.dump();
+}
+
+topology topology_from_json(const std::string& s) {
+  topology t;
+  t.source = "(from controller)";
+  try {
+    for (const auto& x : nlohmann::json::parse(s)) {
+      node_spec n;
+      n.name = x.at("name");
+      n.host = x.at("host");
+      n.port = x.at("port");
+      n.roles = x.at("roles").get<std::vector<std::string>>();
+      for (const auto& d : x.at("learners")) n.learners.push_back(device_spec::parse(d.get<std::string>(), "json"));
+      for (const auto& d : x.at("rollouts")) n.rollouts.push_back(device_spec::parse(d.get<std::string>(), "json"));
+      t.nodes.push_back(n);
+    }
+  } catch (const nlohmann::json::exception& e) {
+    throw std::invalid_argument(t.source + ": malformed topology json: " + e.what());
+  }
+  topology_validate(t);
+  return t;
+}
 
 void topology_validate(const topology& t) {
   if (t.nodes.empty()) throw std::invalid_argument(t.source + ": no nodes");

@@ -1,5 +1,6 @@
 // actors/topology.hpp -- where actors run: nodes (processes), their roles and devices.
 // defines: device_spec, node_spec, topology, topology_load, topology_local, topology_validate,
+//          host_is_local, host_canonical, host_same_machine, topology_to_json, topology_from_json,
 //          placement, topology_plan, rollout_name, node_scheduler_threads
 //
 // A topology file (CAF config syntax, read with CAF's parser, validated here key by key):
@@ -41,9 +42,16 @@ struct topology {
 };
 
 topology topology_load(const std::string& path);  // throws std::invalid_argument naming file/key
-// This machine's names (127.0.0.1, localhost, ::1) are one host: "localhost"; others as given.
+// The names a topology's nodes on this machine are written with (127.0.0.1, localhost, ::1) are
+// one address: "localhost"; others as given (the port-reuse check: 127.0.0.2:P is another socket).
 bool host_is_local(const std::string& h);
 std::string host_canonical(const std::string& h);
+// Every name of this machine (127/8, ::1, localhost, its hostname): one host's memory, which the
+// KV caches of its nodes' engines share -- broader than host_is_local, which names one address.
+bool host_same_machine(const std::string& h);
+// The canonical JSON form a topology travels in (controller -> node agent); from_json validates.
+std::string topology_to_json(const topology& t);
+topology topology_from_json(const std::string& json);  // throws std::invalid_argument
 topology topology_local(int64_t rollout_cores, int64_t learner_cores);
 void topology_validate(const topology& t);        // throws std::invalid_argument naming the node
 

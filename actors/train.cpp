@@ -122,12 +122,7 @@ std::map<std::string, node_indices> index_nodes(const topology& t) {
 // on one host (loopback topologies) add up: a host is its topology name, this machine's names
 // (127/8, ::1, localhost, its hostname) one.
 void kv_memory_check(const run_config& cfg, const models::model_config& model, const topology& t, const std::string& node) {
-  auto host_of = [](const std::string& h) {  // this machine's names: one host
-    char self[256] = {};
-    ::gethostname(self, sizeof self - 1);
-    const bool local = h == "localhost" || h == "::1" || h.rfind("127.", 0) == 0 || h == self;
-    return local ? std::string("127.0.0.1") : h;
-  };
+  auto host_of = [](const std::string& h) { return host_same_machine(h) ? std::string("127.0.0.1") : h; };
   const std::string host = host_of(t.find(node)->host);
   const auto idx = index_nodes(t);
   size_t rollouts = 0, evals = 0;
@@ -155,33 +150,6 @@ int32_t learner_world(const topology& t) {
   return w;
 }
 
-json topology_to_json(const topology& t) {
-  json j = json::array();
-  for (const auto& n : t.nodes) {
-    json l = json::array(), r = json::array();
-    for (const auto& d : n.learners) l.push_back(d.str());
-    for (const auto& d : n.rollouts) r.push_back(d.str());
-    j.push_back({{"name", n.name}, {"host", n.host}, {"port", n.port}, {"roles", n.roles}, {"learners", l}, {"rollouts", r}});
-  }
-  return j;
-}
-
-topology topology_from_json(const json& j) {
-  topology t;
-  t.source = "(from controller)";
-  for (const auto& x : j) {
-    node_spec n;
-    n.name = x["name"];
-    n.host = x["host"];
-    n.port = x["port"];
-    n.roles = x["roles"].get<std::vector<std::string>>();
-    for (const auto& d : x["learners"]) n.learners.push_back(device_spec::parse(d.get<std::string>(), "json"));
-    for (const auto& d : x["rollouts"]) n.rollouts.push_back(device_spec::parse(d.get<std::string>(), "json"));
-    t.nodes.push_back(n);
-  }
-  return t;
-}
-
 msg::node_agent_actor::behavior_type node_agent(msg::node_agent_actor::stateful_pointer<agent_state> self) {
   agent_signal(true, false);
   self->attach_functor([] { agent_signal(false, true); });
@@ -197,7 +165,7 @@ msg::node_agent_actor::behavior_type node_agent(msg::node_agent_actor::stateful_
       [self](msg::start_atom, msg::node_start& init, msg::controller_actor& controller) -> caf::result<msg::node_actors> {
         try {
           const run_config cfg = recipe_from_json(init.recipe_json);
-          const topology t = topology_from_json(json::parse(init.topology_json));
+          const topology t = topology_from_json(init.topology_json);
           if (!t.find(init.node)) throw std::invalid_argument("no node named '" + init.node + "' in the controller's topology");
           {
             std::lock_guard<std::mutex> g(g_mu);
@@ -882,7 +850,7 @@ int train_main(int argc, char** argv) {
       agent_nodes.push_back(n.name);
       msg::node_start init;
       init.recipe_json = recipe_to_json(cfg);
-      init.topology_json = topology_to_json(topo).dump();
+      init.topology_json = topology_to_json(topo);
       init.node = n.name;
       init.run_dir = fs::absolute(run_dir).string();
       init.init_dir = fs::absolute(init_dir).string();

@@ -80,8 +80,8 @@ using controller_actor = caf::typed_actor<
     caf::reacts_to<stopped_atom, uint64_t, std::string>>;  // learner0 stopped at (version, checkpoint written or "")
 
 // What a node needs to start its actors (controller -> node agent). The recipe and the topology
-// travel in their canonical JSON forms (actors/recipe.hpp recipe_to_json, train.cpp
-// topology_to_json) and are validated again on the node.
+// travel in their canonical JSON forms (actors/recipe.hpp recipe_to_json, actors/topology.hpp
+// topology_to_json) and are validated again on the node (their from_json forms validate).
 struct node_start {
   std::string recipe_json, topology_json, node, run_dir, init_dir, run_id;
   uint64_t start_version = 0, start_cursor = 0;  // actors/env.hpp run_start

@@ -322,6 +322,34 @@ TEST(Topology, BadFilesNameNodeAndKey) {
   for (const auto& f : {f1, f2, f3, f4, f5, f6, f7, f8, f9, f10, f11}) fs::remove(f);
 }
 
+// What a node agent is sent (the recipe and topology in their JSON forms) round-trips, and the
+// node refuses what the controller's checks refuse (it parsed them unchecked): the host set
+// that shares one machine's memory is every name of this machine.
+TEST(Topology, JsonFormsRoundTripAndAreValidatedOnTheNode) {
+  const auto f = write_tmp("tj.conf", "[cluster]\nnodes=[{name=\"a\", host=\"127.0.0.1\", roles=[\"controller\", \"buffer\", "
+                                      "\"reward\", \"weight_sync\", \"calibration\"], learners=[\"cpu:2\"]},\n"
+                                      "{name=\"b\", host=\"10.1.2.3\", port=47400, rollouts=[\"cpu:1\", \"cuda:3\"]}]\n");
+  const topology t = topology_load(f);
+  const std::string j = topology_to_json(t);
+  EXPECT_EQ(topology_to_json(topology_from_json(j)), j);
+  EXPECT_EQ(topology_from_json(j).nodes.at(1).rollouts.at(1).str(), "cuda:3");
+  auto dup = nlohmann::json::parse(j);
+  dup[1]["name"] = "a";
+  EXPECT_NE(error_of([&] { topology_from_json(dup.dump()); }).find("(from controller): node 'a': duplicate name"), std::string::npos)
+      << error_of([&] { topology_from_json(dup.dump()); });
+  auto no_port = nlohmann::json::parse(j);
+  no_port[1].erase("port");
+  EXPECT_NE(error_of([&] { topology_from_json(no_port.dump()); }).find("malformed topology json"), std::string::npos);
+  run_config r;
+  r.steps = 0;  // recipe_to_json does not check; the node does
+  EXPECT_NE(error_of([&] { recipe_from_json(recipe_to_json(r)); }).find("recipe key 'run.steps': must be > 0"), std::string::npos)
+      << error_of([&] { recipe_from_json(recipe_to_json(r)); });
+  for (const char* h : {"127.0.0.1", "127.0.1.1", "localhost", "::1"}) EXPECT_TRUE(host_same_machine(h)) << h;
+  EXPECT_FALSE(host_same_machine("10.1.2.3"));
+  EXPECT_FALSE(host_is_local("127.0.1.1"));  // one address per name for the port check
+  fs::remove(f);
+}
+
 // Tile GEMMs (AMX) are asked of the CPU only where a node runs them: a rollout-only node takes
 // precision.generation's, learners, calibration and the warm start both (every process of a run
 // was refused for either); where AMX exists nothing is refused.
