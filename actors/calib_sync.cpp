@@ -86,8 +86,8 @@ msg::calibration_actor spawn_calibration(caf::actor_system& sys, std::shared_ptr
         return;
       }
       const double sec = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-      msg::step_report rep{{}, pm.version, {{"calibration_s", sec}}};
-      trace_send("calibration", "step_report", rep.trace, static_cast<int64_t>(pm.version));
+      msg::calib_report rep{{}, pm.version, sec};
+      trace_send("calibration", "calib_report", rep.trace, static_cast<int64_t>(pm.version));
       self->send(s.peers.controller, std::move(rep));
       msg::bundle_msg out{{}, std::move(b)};
       trace_send_bundle("calibration", out);

@@ -274,11 +274,6 @@ msg::controller_actor spawn_controller(caf::actor_system& sys, std::shared_ptr<c
         [self, finish, issue_ready](msg::step_report& r) {
           auto& s = self->state;
           trace_recv("controller", "step_report", r.trace, static_cast<int64_t>(r.version));
-          if (r.metrics.size() == 1 && r.metrics.count("calibration_s")) {  // from the calibration actor
-            s.extras["calibration_s"] = r.metrics["calibration_s"];
-            s.extras["calibration_version"] = double(r.version);
-            return;
-          }
           s.learner_version = std::max(s.learner_version, r.version);
           for (auto it = s.issued.begin(); it != s.issued.end();)  // trained steps need no re-issue
             it = it->first.first < s.learner_version ? s.issued.erase(it) : std::next(it);
@@ -343,6 +338,12 @@ msg::controller_actor spawn_controller(caf::actor_system& sys, std::shared_ptr<c
           x["sync_bytes"] = r.bytes;
           x["sync_cross_process"] = r.cross_process ? 1.0 : 0.0;
           if (r.cross_process) x["sync_transfer_s"] = r.transfer_s;
+        },
+        [self](msg::calib_report& r) {
+          auto& s = self->state;
+          trace_recv("controller", "calib_report", r.trace, static_cast<int64_t>(r.version));
+          s.extras["calibration_s"] = r.seconds;
+          s.extras["calibration_version"] = double(r.version);
         },
         [finish](std::string& who, std::string& what) { finish(1, who + ": " + what); },
         [self, request_stop, log](msg::stop_atom, std::string& why, int32_t code) {

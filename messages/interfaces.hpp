@@ -2,11 +2,12 @@
 // the wiring message that tells every actor its peers.
 // defines: rollout_actor, reward_actor, buffer_actor, learner_actor, calibration_actor,
 //          weight_sync_actor, controller_actor, node_start, node_actors, node_agent_actor, peers_msg,
-//          admitted_msg
+//          admitted_msg, sync_report, calib_report
 //
 // Data flow (architecture.md §1): controller -work-> rollout -group-> reward -group-> buffer
 // <-batch- learner -params-> calibration -bundle-> weight_sync -bundle-> rollout -adopted->
-// weight_sync; learner -step_report-> controller; buffer -admitted-> controller.
+// weight_sync; learner -step_report-> controller; calibration -calib_report-> controller;
+// weight_sync -sync_report-> controller; buffer -admitted-> controller.
 #pragma once
 #include "messages/wire.hpp"
 
@@ -37,6 +38,18 @@ struct sync_report {
 template <class Inspector>
 typename Inspector::result_type inspect(Inspector& f, sync_report& x) {
   return f(caf::meta::type_name("sync_report"), x.trace, x.version, x.latency_s, x.bytes, x.cross_process, x.transfer_s);
+}
+
+// A bundle was calibrated (calibration -> controller), for timing: the next metrics line carries
+// calibration_s and calibration_version.
+struct calib_report {
+  trace_ctx trace;
+  uint64_t version = 0;  // the weight_version calibrated
+  double seconds = 0;    // params received -> bundle made
+};
+template <class Inspector>
+typename Inspector::result_type inspect(Inspector& f, calib_report& x) {
+  return f(caf::meta::type_name("calib_report"), x.trace, x.version, x.seconds);
 }
 
 using metrics_t = std::map<std::string, double>;
@@ -75,6 +88,7 @@ using controller_actor = caf::typed_actor<
     caf::reacts_to<step_report>,
     caf::reacts_to<admitted_msg>,
     caf::reacts_to<sync_report>,
+    caf::reacts_to<calib_report>,
     caf::reacts_to<std::string, std::string>,   // (component, fatal error) from any actor
     caf::reacts_to<stop_atom, std::string, int32_t>,  // (why, exit code): stop after the step in progress
     caf::reacts_to<stopped_atom, uint64_t, std::string>>;  // learner0 stopped at (version, checkpoint written or "")

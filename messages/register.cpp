@@ -74,6 +74,7 @@ void messages_register(caf::actor_system_config& cfg) {
       .add_message_type<step_report>("fp8rl.step_report")
       .add_message_type<admitted_msg>("fp8rl.admitted_msg")
       .add_message_type<sync_report>("fp8rl.sync_report")
+      .add_message_type<calib_report>("fp8rl.calib_report")
       .add_message_type<peers_msg>("fp8rl.peers_msg")
       .add_message_type<node_start>("fp8rl.node_start")
       .add_message_type<node_actors>("fp8rl.node_actors")

@@ -191,6 +191,14 @@ TEST(E2E, EmbeddedDefaultRunsAndResumes) {
   EXPECT_EQ(lag, m[1]["tokens"].get<double>());  // every token counted by its scale-version lag
   EXPECT_TRUE(m[1].contains("val_accuracy"));
   EXPECT_TRUE(m[3].contains("val_accuracy"));
+  // the calibration actor's calib_report: each calibrated version once, with its time
+  std::set<double> calibrated;
+  for (const auto& x : m)
+    if (x.contains("calibration_version")) {
+      EXPECT_TRUE(calibrated.insert(x["calibration_version"].get<double>()).second) << x.dump();
+      EXPECT_GT(x["calibration_s"].get<double>(), 0.0) << x.dump();
+    }
+  EXPECT_GE(calibrated.size(), 2u);
   EXPECT_TRUE(fs::exists(d / "checkpoints" / "step_4" / "model.safetensors"));
   EXPECT_TRUE(fs::exists(d / "checkpoints" / "step_4" / "optimizer.safetensors"));
   EXPECT_TRUE(fs::exists(d / "plots" / "reward.png"));
@@ -795,7 +803,7 @@ TEST(E2E, TwoProcessesOnLoopbackViaCafRun) {
       adopted_versions |= static_cast<bool>(rest >> wv >> s_char >> sv) && s_char == 's';
     }
     sync_reported |= l.rfind("controller@main ", 0) == 0 && l.find("recv sync_report") != std::string::npos;
-    calibration_reported |= l.rfind("controller@main ", 0) == 0 && l.find("recv step_report") != std::string::npos &&
+    calibration_reported |= l.rfind("controller@main ", 0) == 0 && l.find("recv calib_report") != std::string::npos &&
                             l.find("\"calibration@main\"") != std::string::npos;
   }
   for (size_t i = 0; i < across.size(); ++i) EXPECT_TRUE(seen.count(i)) << across[i][0] << " " << across[i][1];

@@ -448,8 +448,11 @@ TEST(Protocol, CalibrationKeepsWeightsThatCameBeforeItsPeers) {
     EXPECT_EQ(m.bundle->snapshot.scale_version, 1u);  // the scales calibrated for these weights
   },
               caf::after(std::chrono::seconds(30)) >> [] { FAIL() << "no bundle"; });
-  ctl->receive([&](msg::step_report& r) { EXPECT_EQ(r.version, 1u); },
-               caf::after(std::chrono::seconds(5)) >> [] { FAIL() << "no step report"; });
+  ctl->receive([&](msg::calib_report& r) {
+    EXPECT_EQ(r.version, 1u);
+    EXPECT_GT(r.seconds, 0.0);
+  },
+               caf::after(std::chrono::seconds(5)) >> [] { FAIL() << "no calib_report"; });
   ctl->send_exit(cal, caf::exit_reason::user_shutdown);
 }
 
