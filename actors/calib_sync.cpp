@@ -65,7 +65,7 @@ msg::calibration_actor spawn_calibration(caf::actor_system& sys, std::shared_ptr
   return sys.spawn([dev](self_t self, std::shared_ptr<const actor_env> env) -> msg::calibration_actor::behavior_type {
     actor_failures_named(self, "the calibration actor");
     self->state.env = env;
-    self->state.arena = std::make_unique<tbb::task_arena>(dev.index > 0 ? static_cast<int>(dev.index) : tbb::task_arena::automatic);
+    self->state.arena = arena_for(dev);
     auto calibrate = [self](msg::params_msg& pm) {
       log_get("calibration")->debug("calibrating v{}", pm.version);
       auto& s = self->state;

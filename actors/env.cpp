@@ -59,6 +59,10 @@ std::string device_problem(const device_spec& d) {
   return "device '" + d.str() + "': this build has no CUDA backend for actors (gpu/ is kernel-level only)";
 }
 
+std::unique_ptr<tbb::task_arena> arena_for(const device_spec& d) {
+  return std::make_unique<tbb::task_arena>(d.index > 0 ? static_cast<int>(d.index) : tbb::task_arena::automatic);
+}
+
 std::unique_ptr<models::backend> backend_for(const device_spec& d) {
   if (const std::string why = device_problem(d); !why.empty()) throw std::invalid_argument(why);
   return models::make_cpu_backend();

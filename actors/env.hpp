@@ -1,10 +1,12 @@
 // actors/env.hpp -- what every actor of a process shares: the recipe, the run directory, the
 // policy model's config and tokenizer, and the initial checkpoint every learner starts from.
-// defines: run_start, actor_env, env_make, backend_for, actor_exception_error, actor_failures_named, device_problem,
-//          node_tiles_problem
+// defines: run_start, actor_env, env_make, backend_for, arena_for, actor_exception_error, actor_failures_named,
+//          actor_fail, device_problem, node_tiles_problem
 #pragma once
 #include <caf/error.hpp>
 #include <caf/scheduled_actor.hpp>
+#include <caf/sec.hpp>
+#include <tbb/task_arena.h>
 #include <cstdint>
 #include <exception>
 #include <memory>
@@ -60,10 +62,19 @@ void actor_failures_named(Self self, std::string who) {
   self->set_exception_handler(
       [who](caf::scheduled_actor*, std::exception_ptr& e) { return actor_exception_error(who, e); });
 }
+// A compute actor's fatal error: named to the controller as (who, what), which ends the run with
+// it, and the actor's exit reason.
+template <class Self>
+void actor_fail(Self self, const std::string& who, const std::string& what) {
+  self->send(self->state.peers.controller, who, what);
+  self->quit(caf::make_error(caf::sec::runtime_error, what));
+}
 
 // The compute backend for a device: "cpu:N" only (no actor runs on "cuda:K" yet: gpu/ has kernels,
 // not a models::backend).
 std::unique_ptr<models::backend> backend_for(const device_spec& d);
+// The oneTBB arena a compute actor runs its kernels in: "cpu:N" N threads, "cpu:0" all.
+std::unique_ptr<tbb::task_arena> arena_for(const device_spec& d);
 // "" if this build's actors can run on d, else why not (checked for every node of a topology
 // before a run writes anything: a cuda device failed only once the warm start was done).
 std::string device_problem(const device_spec& d);

@@ -241,7 +241,80 @@ void audit_into(learner_state& s, const std::vector<models::rl_sample>& samples,
   if (sums.n + sums.nonfinite > 0) m["audit/trajectories"] = double(audited);
 }
 
+// The whole step's samples: every rank's shard on rank 0 of several learners, else this rank's.
+const std::vector<models::rl_sample>& batch_samples(const msg::batch_msg& b) {
+  return b.all_samples.empty() ? b.samples : b.all_samples;
+}
+
+// One GRPO step on batch b (this rank's shard): the loss and gradients, all-reduced over the
+// learners, then AdamW on the master weights; s.version becomes the new weight version. Returns
+// the step's metrics (several learners: rank 0's are the whole step's, gather_metrics). Throws.
+//   t_wait: when this learner asked the buffer for b
+msg::metrics_t learner_train_step(learner_state& s, const msg::batch_msg& b, clk::time_point t_wait) {
+  const auto t_train = clk::now();
+  trace_span span("learner" + std::to_string(s.rank), "train_step", static_cast<int64_t>(s.version));
+  models::learner_out lo;
+  msg::metrics_t audit;
+  double gnorm = 0;
+  s.arena->execute([&] {
+    auto w = models::model_weights_build(*s.be, s.ck.params.cfg, s.env->rl.train_policy.training(),
+                                         {&s.ck.params, nullptr, nullptr}, true);
+    auto sum_over_learners = [&s](double x) {
+      std::vector<double> v{x};
+      allreduce(s, v);
+      return v[0];
+    };
+    lo = models::learner_grpo(*s.run, *w, b.samples, s.env->rl.grpo, b.n_global, s.version, s.ref_w.get(), s.env->rl.proc,
+                              sum_over_learners);
+    allreduce(s, lo.grads);
+    if (s.world > 1) gather_metrics(s, b, lo);
+    if (s.env->cfg.audit_every > 0 && s.env->cfg.max_staleness > 0) {
+      s.past.emplace_back(s.version, s.ck.params.data);
+      while (s.past.size() > static_cast<size_t>(s.env->cfg.max_staleness + 1)) s.past.pop_front();
+    }
+    if (s.rank == 0 && s.env->cfg.audit_every > 0 && (s.version + 1) % static_cast<uint64_t>(s.env->cfg.audit_every) == 0)
+      audit_into(s, batch_samples(b), audit);  // every shard; before the update
+    gnorm = models::adamw_step(s.env->rl.opt, s.ck.params.layout, s.ck.params.data.data(), lo.grads.data(), s.ck.opt);
+  });
+  msg::metrics_t m = lo.loss.metrics;
+  if (m["nonfinite_is_weights"] > 0)  // counted and raised (rl-algorithm.md §10), not only zeroed
+    log_get("learner")->warn("step {}: {} tokens left the loss with a non-finite logprob or IS weight (e.g. "
+                             "top-k/top-p no longer keeping a token sampled under older weights)",
+                             s.version + 1, m["nonfinite_is_weights"]);
+  models::rl_batch_metrics(batch_samples(b), s.version, s.env->cfg.max_staleness, m);
+  for (const auto& [k, v] : b.buffer_metrics) m[k] = v;
+  for (const auto& [k, v] : audit) m[k] = v;
+  m["grad_norm"] = gnorm;
+  m["tokens"] = b.n_global;
+  m["wait_batch_s"] = std::chrono::duration<double>(t_train - t_wait).count();
+  m["train_s"] = secs(t_train);
+  s.version += 1;
+  return m;
+}
+
 }  // namespace
+
+// Rank 0 after a step: the new weights to calibration (calibrated on the batch that produced
+// them), validation and a checkpoint when due, then the step's report to the controller. Throws.
+template <class Self>
+void learner_publish(Self self, const msg::batch_msg& b, msg::metrics_t m) {
+  auto& s = self->state;
+  msg::params_msg pm;
+  pm.version = s.version;
+  pm.params = snapshot_params(s);
+  pm.calib = models::rl_sequences(batch_samples(b));  // every rank's shard
+  s.calib = pm.calib;  // for this version's checkpoint, scheduled or at a stop (token ids: ~4 MB at 512 x 2048, small beside a step)
+  const bool last = s.version >= s.end_version;
+  const bool ckpt = last || (s.env->cfg.checkpoint_every > 0 && s.version % static_cast<uint64_t>(s.env->cfg.checkpoint_every) == 0);
+  trace_send("learner0", "params_msg", pm.trace, static_cast<int64_t>(pm.version));
+  self->send(s.peers.calibration, std::move(pm));
+  if (last || (s.env->cfg.eval_every > 0 && s.version % static_cast<uint64_t>(s.env->cfg.eval_every) == 0))
+    s.arena->execute([&] { evaluate_into(s, m); });
+  if (ckpt) checkpoint(s);
+  msg::step_report rep{{}, s.version, std::move(m)};
+  trace_send("learner0", "step_report", rep.trace, static_cast<int64_t>(s.version));
+  self->send(s.peers.controller, std::move(rep));
+}
 
 // The run stops at this learner's version (the buffer answered `stop`): rank 0 checkpoints it unless
 // a checkpoint of it exists, and tells the controller, which ends the run. No further batch is asked.
@@ -270,7 +343,7 @@ msg::learner_actor spawn_learner(caf::actor_system& sys, std::shared_ptr<const a
     st.rank = rank;
     st.world = world;
     st.be = backend_for(dev);
-    st.arena = std::make_unique<tbb::task_arena>(dev.index > 0 ? static_cast<int>(dev.index) : tbb::task_arena::automatic);
+    st.arena = arena_for(dev);
     st.run = std::make_unique<models::model_runner>(*st.be);
     st.ck = models::checkpoint_load(env->init_dir, models::checkpoint_kind::model_ok);  // run_preflight checked which kind
     st.version = env->start_version;
@@ -284,10 +357,7 @@ msg::learner_actor spawn_learner(caf::actor_system& sys, std::shared_ptr<const a
     st.train = models::task_load(task, false, env->cfg.train_size, static_cast<uint64_t>(env->cfg.seed));
     st.val = models::task_load(task, true, env->cfg.val_size, static_cast<uint64_t>(env->cfg.seed));
     auto log = log_get("learner");
-    auto fail = [self](const std::string& what) {
-      self->send(self->state.peers.controller, std::string("learner" + std::to_string(self->state.rank)), what);
-      self->quit(caf::make_error(caf::sec::runtime_error, what));
-    };
+    auto fail = [self](const std::string& what) { actor_fail(self, "learner" + std::to_string(self->state.rank), what); };
     // The behavior below owns request_batch; the function refers to itself weakly (a strong
     // self-capture is a reference cycle: it and its captures outlived the actor, LeakSanitizer).
     auto request_batch = std::make_shared<std::function<void()>>();
@@ -305,65 +375,9 @@ msg::learner_actor spawn_learner(caf::actor_system& sys, std::shared_ptr<const a
                 trace_recv("learner" + std::to_string(s.rank), "batch_msg", b.trace, static_cast<int64_t>(b.step));
                 trace_writer::process().event("learner" + std::to_string(s.rank), "wait_batch", "span", t0, trace_now_us() - t0);
                 if (b.stop) return stop_at_version(self, fail);  // the run is stopping: no further step
-                msg::metrics_t m;
                 try {
-                  const auto t_train = clk::now();
-                  trace_span span("learner" + std::to_string(s.rank), "train_step", static_cast<int64_t>(s.version));
-                  models::learner_out lo;
-                  msg::metrics_t audit;
-                  double gnorm = 0;
-                  s.arena->execute([&] {
-                    auto w = models::model_weights_build(*s.be, s.ck.params.cfg, s.env->rl.train_policy.training(),
-                                                         {&s.ck.params, nullptr, nullptr}, true);
-                    auto sum_over_learners = [&s](double x) {
-                      std::vector<double> v{x};
-                      allreduce(s, v);
-                      return v[0];
-                    };
-                    lo = models::learner_grpo(*s.run, *w, b.samples, s.env->rl.grpo, b.n_global, s.version, s.ref_w.get(),
-                                              s.env->rl.proc, sum_over_learners);
-                    allreduce(s, lo.grads);
-                    if (s.world > 1) gather_metrics(s, b, lo);
-                    if (s.env->cfg.audit_every > 0 && s.env->cfg.max_staleness > 0) {
-                      s.past.emplace_back(s.version, s.ck.params.data);
-                      while (s.past.size() > static_cast<size_t>(s.env->cfg.max_staleness + 1)) s.past.pop_front();
-                    }
-                    if (s.rank == 0 && s.env->cfg.audit_every > 0 && (s.version + 1) % static_cast<uint64_t>(s.env->cfg.audit_every) == 0)
-                      audit_into(s, b.all_samples.empty() ? b.samples : b.all_samples, audit);  // every shard; before the update
-                    gnorm = models::adamw_step(s.env->rl.opt, s.ck.params.layout, s.ck.params.data.data(), lo.grads.data(), s.ck.opt);
-                  });
-                  m = lo.loss.metrics;  // several learners: rank 0's are the whole step's (gather_metrics)
-                  if (m["nonfinite_is_weights"] > 0)  // counted and raised (rl-algorithm.md §10), not only zeroed
-                    log_get("learner")->warn("step {}: {} tokens left the loss with a non-finite logprob or IS weight (e.g. "
-                                             "top-k/top-p no longer keeping a token sampled under older weights)",
-                                             s.version + 1, m["nonfinite_is_weights"]);
-                  models::rl_batch_metrics(b.all_samples.empty() ? b.samples : b.all_samples, s.version,
-                                           s.env->cfg.max_staleness, m);
-                  for (const auto& [k, v] : b.buffer_metrics) m[k] = v;
-                  for (const auto& [k, v] : audit) m[k] = v;
-                  m["grad_norm"] = gnorm;
-                  m["tokens"] = b.n_global;
-                  m["wait_batch_s"] = std::chrono::duration<double>(t_train - t_wait).count();
-                  m["train_s"] = secs(t_train);
-                  s.version += 1;
-                  if (s.rank == 0) {
-                    msg::params_msg pm;
-                    pm.version = s.version;
-                    pm.params = snapshot_params(s);
-                    pm.calib = models::rl_sequences(b.all_samples.empty() ? b.samples : b.all_samples);  // every rank's shard
-                    s.calib = pm.calib;  // for this version's checkpoint, scheduled or at a stop (token ids: ~4 MB at 512 x 2048, small beside a step)
-                    const bool last = s.version >= s.end_version;
-                    const bool ckpt = last || (s.env->cfg.checkpoint_every > 0 &&
-                                               s.version % static_cast<uint64_t>(s.env->cfg.checkpoint_every) == 0);
-                    trace_send("learner0", "params_msg", pm.trace, static_cast<int64_t>(pm.version));
-                    self->send(s.peers.calibration, std::move(pm));
-                    if (last || (s.env->cfg.eval_every > 0 && s.version % static_cast<uint64_t>(s.env->cfg.eval_every) == 0))
-                      s.arena->execute([&] { evaluate_into(s, m); });
-                    if (ckpt) checkpoint(s);
-                    msg::step_report rep{{}, s.version, std::move(m)};
-                    trace_send("learner0", "step_report", rep.trace, static_cast<int64_t>(s.version));
-                    self->send(s.peers.controller, std::move(rep));
-                  }
+                  msg::metrics_t m = learner_train_step(s, b, t_wait);
+                  if (s.rank == 0) learner_publish(self, b, std::move(m));
                 } catch (const std::exception& e) {
                   fail(std::string("step failed: ") + e.what());
                   return;

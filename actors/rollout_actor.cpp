@@ -66,7 +66,7 @@ msg::rollout_actor spawn_rollout(caf::actor_system& sys, std::shared_ptr<const a
     st.env = env;
     st.name = name;
     st.be = backend_for(dev);
-    st.arena = std::make_unique<tbb::task_arena>(dev.index > 0 ? static_cast<int>(dev.index) : tbb::task_arena::automatic);
+    st.arena = arena_for(dev);
     st.eng = std::make_unique<models::generation_engine>(*st.be, env->model, recipe_engine_config(env->cfg));
     auto log = log_get("rollout");
     auto schedule = [self] {
@@ -79,10 +79,7 @@ msg::rollout_actor spawn_rollout(caf::actor_system& sys, std::shared_ptr<const a
     // An engine error is the run's error, named (an exception here was CAF's "unhandled
     // exception": the controller re-queued the same work onto the other rollouts until none
     // was left, and the cause only reached stderr).
-    auto fatal = [self](const std::string& what) {
-      self->send(self->state.peers.controller, self->state.name, what);
-      self->quit(caf::make_error(caf::sec::runtime_error, what));
-    };
+    auto fatal = [self](const std::string& what) { actor_fail(self, self->state.name, what); };
     // A restarted rollout can get its weights before its peers_msg (weight-sync hears of it
     // first): a send to the unset handle would be dropped, and that version never reported.
     auto send_adopted = [self](msg::adopted_msg a) {
