@@ -84,15 +84,7 @@ msg::reward_actor spawn_reward(caf::actor_system& sys, std::shared_ptr<const act
           auto& s = self->state;
           trace_recv("reward", "group_msg", g.trace, static_cast<int64_t>(g.step));
           trace_span span("reward", "score", -1, double(g.samples.size()));
-          const auto& tok = *s.env->tok;
-          std::vector<float> rewards;
-          for (auto& x : g.samples) {
-            x.reward = models::verify(s.env->rl.verifier, tok.decode(models::response_body(x.response, s.env->stops), true), g.answer);
-            rewards.push_back(x.reward);
-          }
-          const auto adv = models::grpo_advantages(rewards, static_cast<int64_t>(rewards.size()), s.env->rl.grpo.normalize_std,
-                                                   s.env->rl.grpo.adv_eps);
-          for (size_t i = 0; i < adv.size(); ++i) g.samples[i].advantage = adv[i];
+          models::group_score(g.samples, g.answer, *s.env->tok, s.env->stops, s.env->rl.verifier, s.env->rl.grpo);
           trace_send("reward", "group_msg", g.trace, static_cast<int64_t>(g.step));
           self->send(s.peers.buffer, std::move(g));
         },

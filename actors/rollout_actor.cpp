@@ -151,17 +151,9 @@ msg::rollout_actor spawn_rollout(caf::actor_system& sys, std::shared_ptr<const a
             return fatal("prompt " + std::to_string(w.prompt_id) + ": work for groups of " + std::to_string(w.group_size) +
                          ", the run's rollout.group_size is " + std::to_string(s.env->cfg.group_size));
           try {
-            const auto prompt = s.env->tok->encode(w.prompt, true);
-            for (int32_t j = 0; j < w.group_size; ++j) {
-              models::gen_request r;
-              r.id = w.prompt_id * static_cast<uint64_t>(w.group_size) + static_cast<uint64_t>(j);
-              r.prompt = prompt;
-              r.max_tokens = s.env->rl.max_new_tokens;
-              r.proc = s.env->rl.proc;
-              r.seed = w.seed;
-              r.stop_tokens = s.env->stops;
+            for (auto& r : models::group_requests(s.env->tok->encode(w.prompt, true), w.prompt_id, w.group_size,
+                                                  s.env->rl.proc, s.env->rl.max_new_tokens, w.seed, s.env->stops))
               s.eng->submit(std::move(r));
-            }
           } catch (const std::exception& e) {
             return fatal("prompt " + std::to_string(w.prompt_id) + ": " + e.what());
           }
@@ -249,19 +241,7 @@ msg::rollout_actor spawn_rollout(caf::actor_system& sys, std::shared_ptr<const a
             const auto& pol = s.eng->config().policy;  // FP8 K/V (and queries) saturated since this rollout's last group
             if (pol.kv == models::kv_dtype::fp8) g.kv_saturated = since_sent(s.eng->stats().kv_saturated, s.kv_sat_sent);
             if (pol.fp8_attention) g.q_saturated = since_sent(s.eng->stats().q_saturated, s.q_sat_sent);
-            for (auto& x : d) {
-              models::rl_sample smp;
-              smp.prompt_id = pid;
-              smp.group_index = static_cast<int32_t>(x.id % static_cast<uint64_t>(it->second.group_size));
-              smp.prompt = std::move(x.prompt);
-              smp.response = std::move(x.tokens);
-              smp.gen_logprobs = std::move(x.logprobs);
-              smp.weight_version = std::move(x.weight_version);
-              smp.scale_version = std::move(x.scale_version);
-              smp.oldest_kv_version = std::move(x.oldest_kv_version);
-              smp.oldest_kv_scale_version = std::move(x.oldest_kv_scale_version);
-              g.samples.push_back(std::move(smp));
-            }
+            for (auto& x : d) g.samples.push_back(models::rl_sample_from_result(std::move(x), it->second.group_size));
             std::sort(g.samples.begin(), g.samples.end(), [](const auto& a, const auto& b) { return a.group_index < b.group_index; });
             ++s.groups;
             trace_send(s.name, "group_msg", g.trace, static_cast<int64_t>(g.step));

@@ -22,24 +22,55 @@ std::vector<int32_t> response_body(std::vector<int32_t> tokens, const std::vecto
   return tokens;
 }
 
+std::vector<gen_request> group_requests(const std::vector<int32_t>& prompt, uint64_t prompt_id, int64_t G,
+                                        const logit_processing& proc, int32_t max_tokens, uint64_t seed,
+                                        const std::vector<int32_t>& stops) {
+  std::vector<gen_request> out(static_cast<size_t>(G));
+  for (int64_t j = 0; j < G; ++j) {
+    gen_request& r = out[static_cast<size_t>(j)];
+    r.id = prompt_id * static_cast<uint64_t>(G) + static_cast<uint64_t>(j);
+    r.prompt = prompt;
+    r.max_tokens = max_tokens;
+    r.proc = proc;
+    r.seed = seed;
+    r.stop_tokens = stops;
+  }
+  return out;
+}
+
+rl_sample rl_sample_from_result(gen_result&& r, int64_t G) {
+  rl_sample x;
+  x.prompt_id = r.id / static_cast<uint64_t>(G);
+  x.group_index = static_cast<int32_t>(r.id % static_cast<uint64_t>(G));
+  x.prompt = std::move(r.prompt);
+  x.response = std::move(r.tokens);
+  x.gen_logprobs = std::move(r.logprobs);
+  x.weight_version = std::move(r.weight_version);
+  x.scale_version = std::move(r.scale_version);
+  x.oldest_kv_version = std::move(r.oldest_kv_version);
+  x.oldest_kv_scale_version = std::move(r.oldest_kv_scale_version);
+  return x;
+}
+
+void group_score(std::vector<rl_sample>& group, const std::string& answer, const tokenizer& tok,
+                 const std::vector<int32_t>& stops, verifier_kind vk, const grpo_config& cfg) {
+  std::vector<float> rewards;
+  for (auto& x : group) {
+    x.reward = verify(vk, tok.decode(response_body(x.response, stops), true), answer);
+    rewards.push_back(x.reward);
+  }
+  const auto adv = grpo_advantages(rewards, static_cast<int64_t>(rewards.size()), cfg.normalize_std, cfg.adv_eps);
+  for (size_t i = 0; i < adv.size(); ++i) group[i].advantage = adv[i];
+}
+
 std::vector<gen_request> rollout_requests(const std::vector<task_example>& prompts, uint64_t first_prompt_id,
                                           const tokenizer& tok, const std::vector<int32_t>& stops, int64_t G,
                                           const logit_processing& proc,
                                           int32_t max_tokens, uint64_t seed) {
   std::vector<gen_request> out;
-  for (size_t i = 0; i < prompts.size(); ++i) {
-    const std::vector<int32_t> ids = tok.encode(prompts[i].prompt, true);
-    for (int64_t j = 0; j < G; ++j) {
-      gen_request r;
-      r.id = (first_prompt_id + i) * static_cast<uint64_t>(G) + static_cast<uint64_t>(j);
-      r.prompt = ids;
-      r.max_tokens = max_tokens;
-      r.proc = proc;
-      r.seed = seed;
-      r.stop_tokens = stops;
+  for (size_t i = 0; i < prompts.size(); ++i)
+    for (auto& r : group_requests(tok.encode(prompts[i].prompt, true), first_prompt_id + i, G, proc, max_tokens, seed, stops))
       out.push_back(std::move(r));
-    }
-  }
   return out;
 }
 
@@ -47,31 +78,27 @@ std::vector<rl_sample> rollout_samples(const std::vector<gen_result>& results, c
                                        const tokenizer& tok, const std::vector<int32_t>& stops, verifier_kind vk,
                                        const grpo_config& cfg) {
   const int64_t G = cfg.group_size;
+  if (G <= 0 || results.size() % static_cast<size_t>(G))
+    throw std::invalid_argument("rollout_samples: " + std::to_string(results.size()) + " results are not groups of " +
+                                std::to_string(G));
   std::vector<rl_sample> s;
-  for (const auto& r : results) {
-    rl_sample x;
-    x.prompt_id = r.id / static_cast<uint64_t>(G);
-    x.group_index = static_cast<int32_t>(r.id % static_cast<uint64_t>(G));
-    x.prompt = r.prompt;
-    x.response = r.tokens;
-    x.gen_logprobs = r.logprobs;
-    x.weight_version = r.weight_version;
-    x.scale_version = r.scale_version;
-    x.oldest_kv_version = r.oldest_kv_version;
-    x.oldest_kv_scale_version = r.oldest_kv_scale_version;
-    auto it = answers.find(x.prompt_id);
-    if (it == answers.end()) throw std::invalid_argument("rollout_samples: no answer for prompt " + std::to_string(x.prompt_id));
-    x.reward = verify(vk, tok.decode(response_body(r.tokens, stops), true), it->second);
-    s.push_back(std::move(x));
-  }
+  for (const auto& r : results) s.push_back(rl_sample_from_result(gen_result(r), G));
   std::sort(s.begin(), s.end(), [](const rl_sample& a, const rl_sample& b) {
     return a.prompt_id != b.prompt_id ? a.prompt_id < b.prompt_id : a.group_index < b.group_index;
   });
-  std::vector<float> rw;
-  for (const auto& x : s) rw.push_back(x.reward);
-  const auto adv = grpo_advantages(rw, G, cfg.normalize_std, cfg.adv_eps);
-  for (size_t i = 0; i < s.size(); ++i) s[i].advantage = adv[i];
-  return s;
+  std::vector<rl_sample> out;
+  for (size_t g0 = 0; g0 < s.size(); g0 += static_cast<size_t>(G)) {
+    const uint64_t pid = s[g0].prompt_id;
+    std::vector<rl_sample> group(std::make_move_iterator(s.begin() + static_cast<std::ptrdiff_t>(g0)),
+                                 std::make_move_iterator(s.begin() + static_cast<std::ptrdiff_t>(g0) + G));
+    if (group.back().prompt_id != pid)
+      throw std::invalid_argument("rollout_samples: the group of prompt " + std::to_string(pid) + " is incomplete");
+    auto it = answers.find(pid);
+    if (it == answers.end()) throw std::invalid_argument("rollout_samples: no answer for prompt " + std::to_string(pid));
+    group_score(group, it->second, tok, stops, vk, cfg);
+    for (auto& x : group) out.push_back(std::move(x));
+  }
+  return out;
 }
 
 learner_batch learner_batch_build(const std::vector<rl_sample>& samples, bool share_prompts) {

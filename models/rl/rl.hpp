@@ -1,7 +1,8 @@
 // models/rl/rl.hpp -- the RL loop's plain functions (no actors): rollout requests and samples,
 // rewards, the learner's GRPO gradient, SFT warm start and evaluation. The actors call exactly
 // these; the synchronous loop in tests calls them directly.
-// defines: rl_sample, rl_sample_check, rollout_requests, rollout_samples, learner_grpo, rl_batch_metrics,
+// defines: rl_sample, rl_sample_check, group_requests, rl_sample_from_result, group_score, rollout_requests,
+//          rollout_samples, learner_grpo, rl_batch_metrics,
 //          example_encode, sft_config, sft_train, eval_result, evaluate
 #pragma once
 #include <cstdint>
@@ -36,8 +37,22 @@ std::vector<int32_t> stop_ids(const model_config& cfg, const tokenizer& tok);
 // A response without its final stop token: the text the verifier reads.
 std::vector<int32_t> response_body(std::vector<int32_t> tokens, const std::vector<int32_t>& stops);
 
-// G requests per prompt: prompt = BOS + tokens(prompt text); ids = prompt_id * G + j; each stops
-// at any of `stops` (stop_ids).
+// One prompt's group (what a rollout actor runs per work item; rollout_requests per prompt):
+// G requests with ids prompt_id * G + j (j < G), each of the prompt's tokens and stopping at any
+// of `stops` (stop_ids).
+std::vector<gen_request> group_requests(const std::vector<int32_t>& prompt, uint64_t prompt_id, int64_t G,
+                                        const logit_processing& proc, int32_t max_tokens, uint64_t seed,
+                                        const std::vector<int32_t>& stops);
+// A result as the learner's sample (its arrays moved from r): prompt_id = id / G, group_index =
+// id % G; reward and advantage not yet set.
+rl_sample rl_sample_from_result(gen_result&& r, int64_t G);
+// One group's rewards (each response without its stop token, decoded and verified against
+// `answer`) and GRPO advantages over the group (the reward actor's step; rollout_samples' per group).
+//   group: one prompt's samples in group_index order
+void group_score(std::vector<rl_sample>& group, const std::string& answer, const tokenizer& tok,
+                 const std::vector<int32_t>& stops, verifier_kind vk, const grpo_config& cfg);
+
+// G requests per prompt (group_requests): prompt = BOS + tokens(prompt text).
 std::vector<gen_request> rollout_requests(const std::vector<task_example>& prompts, uint64_t first_prompt_id,
                                           const tokenizer& tok, const std::vector<int32_t>& stops, int64_t G,
                                           const logit_processing& proc, int32_t max_tokens, uint64_t seed);

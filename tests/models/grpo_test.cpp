@@ -664,6 +664,21 @@ TEST(Grpo, ResponsesStopAtEveryModelEosIdAndTheVerifierSkipsIt) {
   ASSERT_EQ(smp.size(), 2u);
   EXPECT_EQ(smp[0].reward, 1.0f);
   EXPECT_EQ(smp[1].reward, 0.0f);
+  EXPECT_EQ(smp[0].advantage, -smp[1].advantage);
+  EXPECT_GT(smp[0].advantage, 0.0f);
+  // groups are scored as groups: two halves of different prompts were one group's advantages
+  gen_result p5 = a, p6 = b;
+  p5.id = 10, p6.id = 13;  // prompt 5 index 0, prompt 6 index 1
+  auto why = [&](const std::vector<gen_result>& rs) {
+    try {
+      rollout_samples(rs, {{4, "3"}, {5, "3"}, {6, "3"}}, *tok, stops, verifier_kind::numeric, g);
+    } catch (const std::invalid_argument& x) {
+      return std::string(x.what());
+    }
+    return std::string();
+  };
+  EXPECT_EQ(why({a, b, p5, p6}), "rollout_samples: the group of prompt 5 is incomplete");
+  EXPECT_EQ(why({a, b, p5}), "rollout_samples: 3 results are not groups of 2");
 }
 
 // Audit mode's KLs are k3 in gen_kl_error's form, d = learner side - rollout side (so precision_kl
