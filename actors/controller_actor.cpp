@@ -65,6 +65,70 @@ double staleness_bucket(const std::string& key) {
   return double(*d);
 }
 
+// The topology node of an actor on node n ("" for this process's own actors).
+std::string node_of(const controller_state& s, const caf::node_id& own, const caf::node_id& n) {
+  if (n == own) return "";
+  for (size_t i = 0; i < s.agents.size() && i < s.agent_nodes.size(); ++i)
+    if (s.agents[i].node() == n) return s.agent_nodes[i];
+  return "another process";
+}
+
+// A lost actor other than a rollout, for the run's error: its role and, where a whole node is
+// lost, every actor that went with it (the first down message named one: a learner node's loss
+// read "the calibration actor went down").
+std::string lost_actor_named(const controller_state& s, const caf::node_id& own, const caf::actor_addr& lost) {
+  std::vector<std::pair<caf::actor_addr, std::string>> roles;
+  for (size_t i = 0; i < s.peers.learners.size(); ++i) roles.emplace_back(s.peers.learners[i].address(), "learner" + std::to_string(i));
+  roles.emplace_back(s.peers.buffer.address(), "the trajectory buffer");
+  roles.emplace_back(s.peers.reward.address(), "the reward actor");
+  roles.emplace_back(s.peers.weight_sync.address(), "the weight-sync actor");
+  roles.emplace_back(s.peers.calibration.address(), "the calibration actor");
+  std::string who = "an actor", with;
+  for (const auto& [addr, name] : roles) {
+    if (addr == lost) who = name;
+    else if (addr && lost.node() != own && addr.node() == lost.node()) with += (with.empty() ? "" : ", ") + name;
+  }
+  const std::string node = node_of(s, own, lost.node());
+  return who + (node.empty() ? "" : " (node '" + node + "'" + (with.empty() ? "" : ", which also runs " + with) + ")");
+}
+
+// The controller's part of a step's metrics line: the calibration and sync reports not yet
+// written (each once, in the next line, with the version it is of: kept until then they were
+// repeated in every later line as if that step's), work in flight and lost, throughput.
+void step_metrics_add(controller_state& s, msg::step_report& r, double elapsed_s) {
+  for (const auto& [k, v] : s.extras) r.metrics.emplace(k, v);
+  s.extras.clear();
+  if (!s.sync_pending.empty()) {
+    for (const auto& [k, v] : s.sync_pending.front()) r.metrics.emplace(k, v);
+    s.sync_pending.pop_front();
+  }
+  r.metrics["in_flight_groups"] = double(s.in_flight.size());
+  r.metrics["reissued_groups_total"] = double(s.reissued);
+  r.metrics["rollouts_lost_total"] = double(s.rollouts_lost);
+  r.metrics["rollouts_restarted_total"] = double(s.rollouts_restarted);
+  r.metrics["rollouts_live"] = double(s.peers.rollouts.size());
+  s.tokens += r.metrics.count("tokens") ? r.metrics["tokens"] : 0.0;
+  r.metrics["elapsed_s"] = elapsed_s;
+  r.metrics["samples_per_s"] =
+      double((r.version - s.env->start_version) * s.env->cfg.prompts_per_step * s.env->cfg.group_size) / elapsed_s;
+}
+
+// A step's progress line on stderr (reward, accuracy, staleness, token_mult_prob_error, ETA).
+void progress_print(const controller_state& s, msg::step_report& r, double elapsed_s) {
+  double stale = 0, cnt = 0;
+  for (const auto& [k, v] : r.metrics)
+    if (k.rfind(models::kStalenessHistPrefix, 0) == 0) {
+      stale += staleness_bucket(k) * v;
+      cnt += v;
+    }
+  const double done = double(r.version - s.env->start_version), left = double(s.end - r.version);
+  std::string val = r.metrics.count("val_accuracy") ? "  val_acc " + std::to_string(r.metrics["val_accuracy"]).substr(0, 5) : "";
+  std::fprintf(stderr, "step %4lu/%lu  reward %.3f  acc %.3f%s  staleness %.2f  tmpe %.4f  tok/s %.0f  ETA %.0fs\n",
+               static_cast<unsigned long>(r.version), static_cast<unsigned long>(s.end), r.metrics["reward_mean"],
+               r.metrics["accuracy"], val.c_str(), cnt > 0 ? stale / cnt : 0.0, r.metrics["token_mult_prob_error"],
+               s.tokens / elapsed_s, done > 0 ? elapsed_s / done * left : 0.0);
+}
+
 }  // namespace
 
 std::vector<caf::actor> node_actors_all(const msg::node_actors& x) {
@@ -226,34 +290,12 @@ msg::controller_actor spawn_controller(caf::actor_system& sys, std::shared_ptr<c
         for (auto& w : redo) { ++s.reissued; issue(std::move(w)); }
         return;
       }
-      // the topology node of a remote actor ("" in this process)
-      auto node_name = [&](const caf::node_id& n) -> std::string {
-        if (n == self->node()) return "";
-        for (size_t i = 0; i < s.agents.size() && i < s.agent_nodes.size(); ++i)
-          if (s.agents[i].node() == n) return s.agent_nodes[i];
-        return "another process";
-      };
       for (const auto& a : s.agents)
         if (a.address() == dm.source) {  // a node process is gone; its actors' own down messages decide
-          log->warn("node '{}' is down ({})", node_name(dm.source.node()), self->system().render(dm.reason));
+          log->warn("node '{}' is down ({})", node_of(s, self->node(), dm.source.node()), self->system().render(dm.reason));
           return;
         }
-      // name it: which role, and where a whole node is lost, every actor that went with it (the first
-      // down message named one: a learner node's loss read "the calibration actor went down")
-      std::vector<std::pair<caf::actor_addr, std::string>> roles;
-      for (size_t i = 0; i < s.peers.learners.size(); ++i) roles.emplace_back(s.peers.learners[i].address(), "learner" + std::to_string(i));
-      roles.emplace_back(s.peers.buffer.address(), "the trajectory buffer");
-      roles.emplace_back(s.peers.reward.address(), "the reward actor");
-      roles.emplace_back(s.peers.weight_sync.address(), "the weight-sync actor");
-      roles.emplace_back(s.peers.calibration.address(), "the calibration actor");
-      std::string who = "an actor", with;
-      for (const auto& [addr, name] : roles) {
-        if (addr == dm.source) who = name;
-        else if (addr && dm.source.node() != self->node() && addr.node() == dm.source.node()) with += (with.empty() ? "" : ", ") + name;
-      }
-      const std::string node = node_name(dm.source.node());
-      finish(1, who + (node.empty() ? "" : " (node '" + node + "'" + (with.empty() ? "" : ", which also runs " + with) + ")") + " went down: " +
-                    self->system().render(dm.reason));
+      finish(1, lost_actor_named(s, self->node(), dm.source) + " went down: " + self->system().render(dm.reason));
     });
     return {
         [self, all_actors, issue_ready, broadcast_peers, request_stop](msg::peers_msg& p, std::vector<caf::actor>& agents,
@@ -277,40 +319,16 @@ msg::controller_actor spawn_controller(caf::actor_system& sys, std::shared_ptr<c
           s.learner_version = std::max(s.learner_version, r.version);
           for (auto it = s.issued.begin(); it != s.issued.end();)  // trained steps need no re-issue
             it = it->first.first < s.learner_version ? s.issued.erase(it) : std::next(it);
-          // each calibration and sync report once, in the next line written, with the version it is
-          // of (kept until then, they were repeated in every later line as if that step's)
-          for (const auto& [k, v] : s.extras) r.metrics.emplace(k, v);
-          s.extras.clear();
-          if (!s.sync_pending.empty()) {
-            for (const auto& [k, v] : s.sync_pending.front()) r.metrics.emplace(k, v);
-            s.sync_pending.pop_front();
-          }
-          r.metrics["in_flight_groups"] = double(s.in_flight.size());
-          r.metrics["reissued_groups_total"] = double(s.reissued);
-          r.metrics["rollouts_lost_total"] = double(s.rollouts_lost);
-          r.metrics["rollouts_restarted_total"] = double(s.rollouts_restarted);
-          r.metrics["rollouts_live"] = double(s.peers.rollouts.size());
           const double el = std::chrono::duration<double>(std::chrono::steady_clock::now() - s.t0).count();
-          s.tokens += r.metrics.count("tokens") ? r.metrics["tokens"] : 0.0;
-          r.metrics["elapsed_s"] = el;
-          r.metrics["samples_per_s"] = double((r.version - s.env->start_version) * s.env->cfg.prompts_per_step * s.env->cfg.group_size) / el;
+          step_metrics_add(s, r, el);
           try {
             s.metrics.write(r.version, r.metrics);
             if (s.opts.on_first_step) std::exchange(s.opts.on_first_step, nullptr)();  // the new run holds a step
           } catch (const std::exception& e) {
             return finish(1, e.what());  // metrics that cannot be written are a failed run, not a silent gap
           }
-          if (s.opts.print_progress && log_get("controller")->should_log(spdlog::level::info)) {  // progress is info
-            double stale = 0, cnt = 0;
-            for (const auto& [k, v] : r.metrics)
-              if (k.rfind(models::kStalenessHistPrefix, 0) == 0) { stale += staleness_bucket(k) * v; cnt += v; }
-            const double done = double(r.version - s.env->start_version), left = double(s.end - r.version);
-            std::string val = r.metrics.count("val_accuracy") ? "  val_acc " + std::to_string(r.metrics["val_accuracy"]).substr(0, 5) : "";
-            std::fprintf(stderr, "step %4lu/%lu  reward %.3f  acc %.3f%s  staleness %.2f  tmpe %.4f  tok/s %.0f  ETA %.0fs\n",
-                         static_cast<unsigned long>(r.version), static_cast<unsigned long>(s.end), r.metrics["reward_mean"],
-                         r.metrics["accuracy"], val.c_str(), cnt > 0 ? stale / cnt : 0.0, r.metrics["token_mult_prob_error"],
-                         s.tokens / el, done > 0 ? el / done * left : 0.0);
-          }
+          if (s.opts.print_progress && log_get("controller")->should_log(spdlog::level::info))  // progress is info
+            progress_print(s, r, el);
           if (r.version >= s.end) return finish(0, "");
           issue_ready();
         },
