@@ -241,7 +241,7 @@ const char* forward_profile::name(forward_op op) {
   return kNames[static_cast<size_t>(op)];
 }
 
-void engine_forward(backend& be_, const model_weights& w, kv_cache& cache, const attn_fp8_scales& a,
+void engine_forward(backend& be, const model_weights& w, kv_cache& cache, const attn_fp8_scales& a,
                     const std::vector<int32_t>& tokens, const std::vector<int32_t>& slot_of,
                     const std::vector<int32_t>& pos, const std::vector<int64_t>& rows, std::vector<float>& logits,
                     fp8_saturation* saturated, forward_profile* profile) {
@@ -249,9 +249,11 @@ void engine_forward(backend& be_, const model_weights& w, kv_cache& cache, const
   const std::vector<float>& inv_freq = w.rope_inv_freq;  // [D/2]
   const int64_t T = static_cast<int64_t>(tokens.size()), C = c.hidden_size, F = c.intermediate_size,
                 H = c.num_attention_heads, KV = c.num_key_value_heads, D = c.head_dim, R = static_cast<int64_t>(rows.size());
-  buffer<float> x(be_, T * C), xn(be_, T * C), q(be_, T * H * D), k(be_, T * KV * D), v(be_, T * KV * D),
-      att(be_, T * H * D), tmp(be_, T * std::max(C, H * D)), gate(be_, T * F), up(be_, T * F), rstd(be_, T),
-      xr(be_, R * C), lg(be_, R * c.vocab_size);
+  buffer<float> x(be, T * C), xn(be, T * C);                                   // [T, C] residual stream, normed
+  buffer<float> q(be, T * H * D), k(be, T * KV * D), v(be, T * KV * D);         // [T, H*D], [T, KV*D], [T, KV*D]
+  buffer<float> att(be, T * H * D), tmp(be, T * std::max(C, H * D));            // [T, H*D], [T, max(C, H*D)]
+  buffer<float> gate(be, T * F), up(be, T * F), rstd(be, T);                   // [T, F], [T, F], [T]
+  buffer<float> xr(be, R * C), lg(be, R * c.vocab_size);                        // [R, C] the rows sampled, [R, V]
   const kv_step st{T, slot_of.data(), pos.data()};
   const bool fp8q = w.policy.fp8_attention, fp8kv = w.policy.kv == kv_dtype::fp8;
   if ((fp8q || fp8kv) && (a.q.size() != static_cast<size_t>(c.num_hidden_layers * H) ||
@@ -259,76 +261,81 @@ void engine_forward(backend& be_, const model_weights& w, kv_cache& cache, const
                           a.v.size() != static_cast<size_t>(c.num_hidden_layers * KV)))
     throw std::invalid_argument("engine forward: FP8 attention/KV scales missing");
   const float eps = static_cast<float>(c.rms_norm_eps);
-  if (profile && !be_.host_memory())
-    throw std::invalid_argument("engine forward: an op profile needs a synchronous backend ('" + be_.name() + "' is not)");
+  if (profile && !be.host_memory())
+    throw std::invalid_argument("engine forward: an op profile needs a synchronous backend ('" + be.name() + "' is not)");
   forward_laps lap(profile);
-  be_.embedding_forward(w.wte.data(), tokens.data(), T, C, x.data());
+  be.embedding_forward(w.wte.data(), tokens.data(), T, C, x.data());
   lap.mark(forward_op::embedding);
   for (int64_t i = 0; i < c.num_hidden_layers; ++i) {
     const auto& lw = w.layers[i];
-    be_.rmsnorm_forward(x.data(), lw.attn_norm.data(), T, C, eps, xn.data(), rstd.data());
+    be.rmsnorm_forward(x.data(), lw.attn_norm.data(), T, C, eps, xn.data(), rstd.data());
     lap.mark(forward_op::norm);
     const prepared_linear* qkv[] = {lw.q.get(), lw.k.get(), lw.v.get()};
     float* qkv_out[] = {q.data(), k.data(), v.data()};
-    be_.linear_forward_group(qkv, xn.data(), T, qkv_out);
+    be.linear_forward_group(qkv, xn.data(), T, qkv_out);
     lap.mark(forward_op::qkv);
-    be_.rope(q.data(), pos.data(), T, H, D, inv_freq, false);
-    be_.rope(k.data(), pos.data(), T, KV, D, inv_freq, false);
+    be.rope(q.data(), pos.data(), T, H, D, inv_freq, false);
+    be.rope(k.data(), pos.data(), T, KV, D, inv_freq, false);
     lap.mark(forward_op::rope);
-    const int64_t sat = be_.kv_cache_write(cache, i, st, k.data(), v.data(), fp8kv ? a.k.data() + i * KV : nullptr,
+    const int64_t sat = be.kv_cache_write(cache, i, st, k.data(), v.data(), fp8kv ? a.k.data() + i * KV : nullptr,
                                            fp8kv ? a.v.data() + i * KV : nullptr);
     if (saturated) saturated->kv.at(static_cast<size_t>(i)) += sat;
     lap.mark(forward_op::kv_write);
     const int64_t qsat =
-        be_.attention_cached(cache, i, st, q.data(), H, w.policy.attention, fp8q ? a.q.data() + i * H : nullptr, att.data());
+        be.attention_cached(cache, i, st, q.data(), H, w.policy.attention, fp8q ? a.q.data() + i * H : nullptr, att.data());
     if (saturated) saturated->q.at(static_cast<size_t>(i)) += qsat;
     lap.mark(forward_op::attention);
-    be_.linear_forward(*lw.o, att.data(), T, tmp.data());
+    be.linear_forward(*lw.o, att.data(), T, tmp.data());
     lap.mark(forward_op::o_proj);
-    be_.add_inplace(x.data(), tmp.data(), T * C);
+    be.add_inplace(x.data(), tmp.data(), T * C);
     lap.mark(forward_op::residual);
-    be_.rmsnorm_forward(x.data(), lw.mlp_norm.data(), T, C, eps, xn.data(), rstd.data());
+    be.rmsnorm_forward(x.data(), lw.mlp_norm.data(), T, C, eps, xn.data(), rstd.data());
     lap.mark(forward_op::norm);
     const prepared_linear* gate_up[] = {lw.gate.get(), lw.up.get()};
     float* gate_up_out[] = {gate.data(), up.data()};
-    be_.linear_forward_group(gate_up, xn.data(), T, gate_up_out);
+    be.linear_forward_group(gate_up, xn.data(), T, gate_up_out);
     lap.mark(forward_op::gate_up);
-    be_.swiglu_forward(gate.data(), up.data(), T * F, gate.data());
+    be.swiglu_forward(gate.data(), up.data(), T * F, gate.data());
     lap.mark(forward_op::swiglu);
-    be_.linear_forward(*lw.down, gate.data(), T, tmp.data());
+    be.linear_forward(*lw.down, gate.data(), T, tmp.data());
     lap.mark(forward_op::down);
-    be_.add_inplace(x.data(), tmp.data(), T * C);
+    be.add_inplace(x.data(), tmp.data(), T * C);
     lap.mark(forward_op::residual);
   }
-  be_.rmsnorm_forward(x.data(), w.final_norm.data(), T, C, eps, xn.data(), rstd.data());
+  be.rmsnorm_forward(x.data(), w.final_norm.data(), T, C, eps, xn.data(), rstd.data());
   lap.mark(forward_op::norm);
-  for (int64_t r = 0; r < R; ++r) be_.copy(xr.data() + r * C, xn.data() + rows[r] * C, C);
-  be_.linear_forward(*w.lm_head, xr.data(), R, lg.data());
+  for (int64_t r = 0; r < R; ++r) be.copy(xr.data() + r * C, xn.data() + rows[r] * C, C);
+  be.linear_forward(*w.lm_head, xr.data(), R, lg.data());
   lap.mark(forward_op::lm_head);
   logits.resize(static_cast<size_t>(R * c.vocab_size));
-  be_.to_host(logits.data(), lg.data(), logits.size() * 4);
+  be.to_host(logits.data(), lg.data(), logits.size() * 4);
 }
 
-std::vector<gen_result> generation_engine::step() {
-  bool adopted = false;
+// The slots' unfed tokens packed into one forward (prefill and decode rows alike).
+struct generation_engine::step_batch {
+  std::vector<int32_t> tokens, slot_of, pos;  // [T]: token, its slot, its position
+  std::vector<int64_t> rows;                  // [R]: each active slot's last packed token (its logits row)
+  std::vector<int64_t> fed_before;            // [R]: the slot's fed count before this step
+  std::vector<size_t> active;                 // [R]: the slot index
+};
+
+void generation_engine::adopt_pending() {
   {
     std::lock_guard<std::mutex> g(adopt_mu_);
-    if (pending_) {
-      current_ = std::move(pending_);
-      pending_.reset();
-      adopted = true;
-    }
+    if (!pending_) return;
+    current_ = std::move(pending_);
+    pending_.reset();
   }
-  if (!current_) throw std::logic_error("generation engine: no weights adopted");
-  if (adopted) {
-    ++stats_.adoptions;
-    if (ec_.on_adopt == kv_adopt_policy::recompute)
-      for (auto& s : slots_)
-        if (s && s->fed > 0) {
-          stats_.recomputed_tokens += s->fed;
-          s->fed = 0;
-        }
-  }
+  ++stats_.adoptions;
+  if (ec_.on_adopt == kv_adopt_policy::recompute)
+    for (auto& s : slots_)
+      if (s && s->fed > 0) {
+        stats_.recomputed_tokens += s->fed;
+        s->fed = 0;
+      }
+}
+
+void generation_engine::admit_waiting() {
   for (auto& s : slots_) {
     if (s || waiting_.empty()) continue;
     s = std::make_unique<slot>();
@@ -340,79 +347,80 @@ std::vector<gen_result> generation_engine::step() {
     s->res.prompt = s->req.prompt;
     s->res.kv_policy = ec_.on_adopt;
   }
-  std::vector<int32_t> tokens, slot_of, pos;
-  std::vector<int64_t> rows, fed_before;
-  std::vector<size_t> active;
+}
+
+// Marks every packed position fed, written under the current versions (sample_rows' caller
+// restores fed_before when the step fails).
+generation_engine::step_batch generation_engine::pack_step() {
+  step_batch b;
   for (size_t i = 0; i < slots_.size(); ++i) {
     slot* s = slots_[i].get();
     if (!s) continue;
-    active.push_back(i);
-    fed_before.push_back(s->fed);
+    b.active.push_back(i);
+    b.fed_before.push_back(s->fed);
     const int64_t n = static_cast<int64_t>(s->ctx.size());
     for (int64_t p = s->fed; p < n; ++p) {
-      tokens.push_back(s->ctx[p]);
-      slot_of.push_back(static_cast<int32_t>(i));
-      pos.push_back(static_cast<int32_t>(p));
+      b.tokens.push_back(s->ctx[p]);
+      b.slot_of.push_back(static_cast<int32_t>(i));
+      b.pos.push_back(static_cast<int32_t>(p));
       s->pos_version[p] = {current_->weight_version, current_->scale_version};
     }
     if (s->fed == 0) stats_.prefill_tokens += n; else stats_.decode_tokens += n - s->fed;
     s->fed = n;
-    rows.push_back(static_cast<int64_t>(tokens.size()) - 1);
+    b.rows.push_back(static_cast<int64_t>(b.tokens.size()) - 1);
   }
-  if (active.empty()) return {};
-  // The step either happens for every slot or for none: a throw (non-finite logits, a K/V write
-  // refused) used to leave slots fed past what the cache holds (the next step read row -1) and
-  // dropped results finished earlier in the same step. Sampling first, then the slots change.
-  struct sampled {
-    int32_t tok;
-    float lp;
-  };
-  std::vector<sampled> out(active.size());
+  return b;
+}
+
+// The forward of the packed tokens and each row's sample (seeded by request, seed and token
+// index); saturation counted once the whole step holds. Throws with no stats changed.
+std::vector<generation_engine::sampled> generation_engine::sample_rows(const step_batch& b) {
+  std::vector<sampled> out(b.active.size());
   fp8_saturation saturated(cfg_.num_hidden_layers);  // counted once the step holds (a retry wrote them again)
+  std::vector<float> logits;                         // [R, V]
   try {
-    std::vector<float> logits;
+    forward_chunked(b.tokens, b.slot_of, b.pos, b.rows, logits, saturated);
+  } catch (const slot_error& e) {  // a K/V or query refused names its slot: say whose request it holds
+    const auto& s = slots_.at(static_cast<size_t>(e.slot));
+    throw std::runtime_error(std::string(e.what()) + (s ? " (request " + std::to_string(s->req.id) + ")" : std::string()));
+  }
+  const int64_t V = cfg_.vocab_size;
+  std::vector<float> z(static_cast<size_t>(V));  // [V] processed logits of one row
+  std::vector<int32_t> work;
+  for (size_t r = 0; r < b.active.size(); ++r) {
+    const slot& s = *slots_[b.active[r]];
+    const float* lg = logits.data() + r * V;
+    const size_t index = s.res.tokens.size();
+    double lse;
     try {
-      forward_chunked(tokens, slot_of, pos, rows, logits, saturated);
-    } catch (const slot_error& e) {  // a K/V or query refused names its slot: say whose request it holds
-      const auto& s = slots_.at(static_cast<size_t>(e.slot));
-      throw std::runtime_error(std::string(e.what()) + (s ? " (request " + std::to_string(s->req.id) + ")" : std::string()));
+      lse = logits_process(lg, V, s.req.proc, z.data(), work);
+    } catch (const std::invalid_argument& e) {  // diverged: the step is lost, drain() gives the requests back
+      throw std::runtime_error("request " + std::to_string(s.req.id) + ", generated token " + std::to_string(index) + ": " +
+                               e.what());
     }
-    const int64_t V = cfg_.vocab_size;
-    std::vector<float> z(static_cast<size_t>(V));
-    std::vector<int32_t> work;
-    for (size_t r = 0; r < active.size(); ++r) {
-      const slot& s = *slots_[active[r]];
-      const float* lg = logits.data() + r * V;
-      const size_t index = s.res.tokens.size();
-      double lse;
-      try {
-        lse = logits_process(lg, V, s.req.proc, z.data(), work);
-      } catch (const std::invalid_argument& e) {  // diverged: the step is lost, drain() gives the requests back
-        throw std::runtime_error("request " + std::to_string(s.req.id) + ", generated token " + std::to_string(index) + ": " +
-                                 e.what());
-      }
-      if (s.req.proc.temperature == 0.0f) {
-        // greedy: the argmax of the raw logits (kept by any top-k/top-p); its logprob under the
-        // request's processing at temperature 1, which is what the learner computes for it
-        out[r].tok = argmax_logits(lg, V);
-      } else {
-        rng g(s.req.seed * 0x9e3779b97f4a7c15ull ^ (s.req.id + 1) * 0xc2b2ae3d27d4eb4full ^ (index + 1) * 0x165667b19e3779f9ull);
-        out[r].tok = sample_processed(z.data(), V, lse, g.uniform());
-      }
-      out[r].lp = static_cast<float>(z[out[r].tok] - lse);
+    if (s.req.proc.temperature == 0.0f) {
+      // greedy: the argmax of the raw logits (kept by any top-k/top-p); its logprob under the
+      // request's processing at temperature 1, which is what the learner computes for it
+      out[r].tok = argmax_logits(lg, V);
+    } else {
+      rng g(s.req.seed * 0x9e3779b97f4a7c15ull ^ (s.req.id + 1) * 0xc2b2ae3d27d4eb4full ^ (index + 1) * 0x165667b19e3779f9ull);
+      out[r].tok = sample_processed(z.data(), V, lse, g.uniform());
     }
-  } catch (...) {
-    for (size_t r = 0; r < active.size(); ++r) slots_[active[r]]->fed = fed_before[r];  // fed again by a retry
-    throw;
+    out[r].lp = static_cast<float>(z[out[r].tok] - lse);
   }
   ++stats_.steps;
   for (size_t l = 0; l < saturated.kv.size(); ++l) {
     stats_.kv_saturated[l] += saturated.kv[l];
     stats_.q_saturated[l] += saturated.q[l];
   }
+  return out;
+}
+
+// Each row's token appended with its logprob and versions; finished requests leave their slots.
+std::vector<gen_result> generation_engine::commit_tokens(const step_batch& b, const std::vector<sampled>& out) {
   std::vector<gen_result> done;
-  for (size_t r = 0; r < active.size(); ++r) {
-    auto& sp = slots_[active[r]];
+  for (size_t r = 0; r < b.active.size(); ++r) {
+    auto& sp = slots_[b.active[r]];
     slot& s = *sp;
     const int32_t tok = out[r].tok;
     const auto oldest = *std::min_element(s.pos_version.begin(), s.pos_version.begin() + s.fed);  // both rise (install)
@@ -434,6 +442,25 @@ std::vector<gen_result> generation_engine::step() {
     }
   }
   return done;
+}
+
+std::vector<gen_result> generation_engine::step() {
+  adopt_pending();
+  if (!current_) throw std::logic_error("generation engine: no weights adopted");
+  admit_waiting();
+  const step_batch b = pack_step();
+  if (b.active.empty()) return {};
+  // The step either happens for every slot or for none: a throw (non-finite logits, a K/V write
+  // refused) used to leave slots fed past what the cache holds (the next step read row -1) and
+  // dropped results finished earlier in the same step. Sampling first, then the slots change.
+  std::vector<sampled> out;
+  try {
+    out = sample_rows(b);
+  } catch (...) {
+    for (size_t r = 0; r < b.active.size(); ++r) slots_[b.active[r]]->fed = b.fed_before[r];  // fed again by a retry
+    throw;
+  }
+  return commit_tokens(b, out);
 }
 
 std::vector<gen_result> generation_engine::run_to_completion() {

@@ -160,6 +160,11 @@ class generation_engine {
  private:
   struct state;       // adopted weights of one version
   struct slot;        // an active sequence
+  struct step_batch;  // one step's packed tokens and the slots they feed
+  struct sampled {    // a row's next token and its logprob
+    int32_t tok;
+    float lp;
+  };
   backend& be_;
   model_config cfg_;
   engine_config ec_;
@@ -172,6 +177,13 @@ class generation_engine {
   std::unique_ptr<kv_cache> cache_;
   engine_stats stats_;
   std::string install(std::shared_ptr<const state> s);
+  // step()'s phases: an adopted bundle takes effect, waiting requests fill free slots, every
+  // active slot's unfed tokens are packed, one forward and sampling, then the slots change.
+  void adopt_pending();
+  void admit_waiting();
+  step_batch pack_step();
+  std::vector<sampled> sample_rows(const step_batch& b);
+  std::vector<gen_result> commit_tokens(const step_batch& b, const std::vector<sampled>& out);
   void forward_chunked(const std::vector<int32_t>& tokens, const std::vector<int32_t>& slot_of, const std::vector<int32_t>& pos,
                        const std::vector<int64_t>& rows, std::vector<float>& logits, fp8_saturation& saturated);
 };
