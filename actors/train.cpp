@@ -680,6 +680,137 @@ int run_remote_node(fp8rl_config& cfg, const topology& t, const std::string& nam
   return 0;
 }
 
+// --dump-config: the effective recipe (a resume's: the run's own settings, then the options
+// given) and the topology's placement plan.
+int train_dump_config(const cli& c, run_config cfg, const topology& topo) {
+  if (c.resume) {
+    const std::string dir = run_dir_choose(c.run_dir, cfg.name, true, false);
+    run_start at;
+    prepare_init(cfg, dir, true, &at);
+    cfg = resume_recipe(c, dir, at);
+  }
+  std::printf("%s\n; topology: %s\n", recipe_dump(cfg).c_str(), topo.source.c_str());
+  for (const auto& p : topology_plan(topo))
+    std::printf(";   %-12s on %-10s %s\n", p.actor.c_str(), p.node.c_str(), p.device.c_str());
+  return 0;
+}
+
+void learning_problems_warn(const run_config& r) {
+  for (const auto& p : recipe_learning_problems(r)) log_get("train")->warn("{}", p);
+}
+
+// What the SFT warm start (seconds to minutes) would only be followed by a refusal of, checked
+// before it and before anything is written: every node's devices, this node's tile GEMMs, the
+// built-in task against the built-in model; settings that cannot learn are warned of.
+void train_precheck(const cli& c, const run_config& cfg, const topology& topo, const std::string& node) {
+  const node_spec& here = *topo.find(node);
+  if (!c.resume && here.has("controller")) learning_problems_warn(cfg);  // a resume warns with its own settings
+  for (const auto& n : topo.nodes)
+    for (const auto* devs : {&n.learners, &n.rollouts})
+      for (const auto& d : *devs)
+        if (const std::string why = device_problem(d); !why.empty())
+          throw std::invalid_argument(topo.source + ": node '" + n.name + "': " + why);
+  const bool warm_start = here.has("controller") && !c.resume && cfg.init == "tiny";
+  if (const std::string why = node_tiles_problem(cfg, here, warm_start); !why.empty()) throw std::invalid_argument(why);
+  if (!c.resume && cfg.init == "tiny" && models::task_spec_parse(cfg.task).builtin) warm_start_check(cfg, topo, node);
+}
+
+// CAF's options (--caf.*, --scheduler.*, --middleman.*) and a worker per learner and rollout
+// (topology.hpp). Detached actors, a thread each, would need no count, but CAF 0.17's shutdown
+// waits for them to be destroyed while another node's proxies still hold them: a two-process run
+// hung at its exit.
+void caf_config_prepare(fp8rl_config& ccfg, const cli& c, const node_spec& here) {
+  caf_options_parse(ccfg, c.caf_args);
+  caf_options_validate(ccfg);
+  const bool workers_given = std::any_of(c.caf_args.begin(), c.caf_args.end(), [](const std::string& a) {
+    return a.rfind("--scheduler.max-threads", 0) == 0;
+  });
+  ccfg.set("scheduler.max-threads", node_scheduler_threads(here, caf::get_or(ccfg, "scheduler.max-threads", size_t{8}),
+                                                           workers_given ? workers_from::user : workers_from::default_value));
+  ccfg.load<caf::io::middleman>();
+}
+
+// The settings a run starts with, once it can start: a fresh run's recipe.conf; a resumed part's
+// resumes/recipe-stepN.conf beside it (the next --resume starts from them; one failed here
+// before is replaced), and a line saying which settings changed.
+void recipe_record(const run_config& cfg, const std::string& run_dir, bool resume, const run_start& start,
+                   const std::string& resumed_with) {
+  if (!resume) {  // a resume has one (resume_recipe_changes refuses it otherwise)
+    std::ofstream(fs::path(run_dir) / "recipe.conf") << recipe_dump(cfg);
+    return;
+  }
+  const fs::path f = fs::path(run_dir) / "resumes" / ("recipe-step" + std::to_string(start.version) + ".conf");
+  fs::create_directories(f.parent_path());
+  std::ofstream(f) << recipe_dump(cfg);
+  const char* what = start.restart ? "restarting" : "resuming";
+  if (!resumed_with.empty())
+    log_get("train")->warn("{} at step {} with other settings (recorded in {}):{}", what, start.version, f.string(), resumed_with);
+  else
+    log_get("train")->info("{} at step {} with the run's settings (recorded in {})", what, start.version, f.string());
+}
+
+// Connects to every node but the controller's, spawns its agent and has it start the node's
+// actors (init: what each is sent, but its name); appends to spawned, agents and agent_nodes.
+// Returns "" or why a node could not be started (the caller stops what was started).
+std::string nodes_start_remote(caf::actor_system& sys, const topology& topo, msg::node_start init,
+                               const msg::controller_actor& ctrl,
+                               std::vector<std::pair<const node_spec*, msg::node_actors>>& spawned,
+                               std::vector<caf::actor>& agents, std::vector<std::string>& agent_nodes) {
+  const auto idx = index_nodes(topo);
+  std::string failure;
+  for (const auto& n : topo.nodes) {
+    if (n.has("controller")) continue;
+    caf::expected<caf::node_id> nid = caf::sec::cannot_connect_to_node;
+    for (int attempt = 0; attempt < 60 && !nid; ++attempt) {  // the node may still be starting
+      nid = sys.middleman().connect(n.host, static_cast<uint16_t>(n.port));
+      if (!nid) std::this_thread::sleep_for(std::chrono::milliseconds(500));
+    }
+    if (!nid) {  // a node that died after opening its port looks the same from here
+      failure = "cannot connect to node '" + n.name + "' at " + n.host + ":" + std::to_string(n.port) +
+                " within 30 s (is its process running? under caf-run, its lines say whether it exited)";
+      break;
+    }
+    auto agent = sys.middleman().remote_spawn<msg::node_agent_actor>(*nid, "node_agent", caf::make_message(), std::chrono::seconds(30));
+    if (!agent) {  // an fp8rl build with another node protocol fails CAF's interface check here
+      failure = "remote spawn on '" + n.name + "': " + sys.render(agent.error()) + " (the same fp8rl build there?)";
+      break;
+    }
+    agents.push_back(caf::actor_cast<caf::actor>(*agent));
+    agent_nodes.push_back(n.name);
+    init.node = n.name;
+    caf::scoped_actor self{sys};
+    self->request(*agent, std::chrono::seconds(120), msg::start_atom::value, init, ctrl)
+        .receive(
+            [&](msg::node_actors& x) {
+              if (const std::string why = node_actors_problem(n, x, idx.at(n.name).first_rollout); !why.empty())
+                failure = "node '" + n.name + "' started other actors than its topology entry names: " + why +
+                          " (another fp8rl build there?)";
+              spawned.emplace_back(&n, std::move(x));
+            },
+            [&](caf::error& err) { failure = "node '" + n.name + "' could not start its actors: " + sys.render(err); });
+    if (!failure.empty()) break;
+  }
+  return failure;
+}
+
+// The wiring every actor is told: each singleton role from the one node that runs it
+// (topology_load), the learners and rollouts in node order.
+msg::peers_msg peers_merge(const msg::controller_actor& ctrl,
+                           const std::vector<std::pair<const node_spec*, msg::node_actors>>& spawned) {
+  msg::peers_msg peers;
+  peers.controller = ctrl;
+  for (const auto& [n, x] : spawned) {
+    if (x.buffer) peers.buffer = x.buffer;
+    if (x.reward) peers.reward = x.reward;
+    if (x.weight_sync) peers.weight_sync = x.weight_sync;
+    if (x.calibration) peers.calibration = x.calibration;
+    peers.learners.insert(peers.learners.end(), x.learners.begin(), x.learners.end());
+    peers.rollouts.insert(peers.rollouts.end(), x.rollouts.begin(), x.rollouts.end());
+    peers.rollout_names.insert(peers.rollout_names.end(), x.rollout_names.begin(), x.rollout_names.end());
+  }
+  return peers;
+}
+
 }  // namespace
 
 int train_main(int argc, char** argv) {
@@ -689,48 +820,15 @@ int train_main(int argc, char** argv) {
   for (const auto& o : c.overrides) recipe_apply_cli(cfg, o);
   recipe_validate(cfg);
   topology topo = c.topology.empty() ? topology_local(1, 1) : topology_load(c.topology);
-  if (c.dump) {
-    if (c.resume) {  // what the resume would run with: the run's own settings, then the options given
-      const std::string dir = run_dir_choose(c.run_dir, cfg.name, true, false);
-      run_start at;
-      prepare_init(cfg, dir, true, &at);
-      cfg = resume_recipe(c, dir, at);
-    }
-    std::printf("%s\n; topology: %s\n", recipe_dump(cfg).c_str(), topo.source.c_str());
-    for (const auto& p : topology_plan(topo))
-      std::printf(";   %-12s on %-10s %s\n", p.actor.c_str(), p.node.c_str(), p.device.c_str());
-    return 0;
-  }
+  if (c.dump) return train_dump_config(c, cfg, topo);
   const std::string node = c.node.empty() ? topo.controller_node().name : c.node;
   if (!topo.find(node)) throw std::invalid_argument(topo.source + ": no node named '" + node + "'");
-  auto warn_learning_problems = [](const run_config& r) {
-    for (const auto& p : recipe_learning_problems(r)) log_get("train")->warn("{}", p);
-  };
-  if (!c.resume && topo.find(node)->has("controller")) warn_learning_problems(cfg);  // before a warm start
-  for (const auto& n : topo.nodes)  // every node's devices, before anything is written
-    for (const auto* devs : {&n.learners, &n.rollouts})
-      for (const auto& d : *devs)
-        if (const std::string why = device_problem(d); !why.empty())
-          throw std::invalid_argument(topo.source + ": node '" + n.name + "': " + why);
-  // what the SFT warm start (seconds to minutes) would only be followed by a refusal of, before it
   const node_spec& here = *topo.find(node);
-  const bool warm_start = here.has("controller") && !c.resume && cfg.init == "tiny";
-  if (const std::string why = node_tiles_problem(cfg, here, warm_start); !why.empty()) throw std::invalid_argument(why);
-  if (!c.resume && cfg.init == "tiny" && models::task_spec_parse(cfg.task).builtin) warm_start_check(cfg, topo, node);
+  train_precheck(c, cfg, topo, node);
   fp8rl_config ccfg;
-  caf_options_parse(ccfg, c.caf_args);
-  caf_options_validate(ccfg);
-  // a worker per learner and rollout (topology.hpp). Detached actors, a thread each, would need no
-  // count, but CAF 0.17's shutdown waits for them to be destroyed while another node's proxies
-  // still hold them: a two-process run hung at its exit.
-  const bool workers_given = std::any_of(c.caf_args.begin(), c.caf_args.end(), [](const std::string& a) {
-    return a.rfind("--scheduler.max-threads", 0) == 0;
-  });
-  ccfg.set("scheduler.max-threads", node_scheduler_threads(*topo.find(node), caf::get_or(ccfg, "scheduler.max-threads", size_t{8}),
-                                                           workers_given ? workers_from::user : workers_from::default_value));
-  ccfg.load<caf::io::middleman>();
+  caf_config_prepare(ccfg, c, here);
   const stop_signals signals;  // from here on a signal stops the start or the run (signals.hpp)
-  if (!topo.find(node)->has("controller")) return run_remote_node(ccfg, topo, node);
+  if (!here.has("controller")) return run_remote_node(ccfg, topo, node);
 
   const std::string run_dir = run_dir_choose(c.run_dir, cfg.name, c.resume, c.overwrite, cfg.init == "tiny" ? "" : cfg.init);
   if (c.run_dir.empty() && !c.resume && run_dir != "runs/" + cfg.name)
@@ -754,7 +852,7 @@ int train_main(int argc, char** argv) {
     init_dir = prepare_init(cfg, run_dir, true, &start);
     cfg = resume_recipe(c, run_dir, start);
     resumed_with = resume_recipe_changes(cfg, run_dir);
-    warn_learning_problems(cfg);
+    learning_problems_warn(cfg);
     if (start.restart) {  // the run's own start: its warm start (written before recipe.conf; done
       // again, the same for the seed, where it is gone) or model
       init_dir = cfg.init == "tiny" ? (fs::path(run_dir) / "checkpoints" / "init").string() : cfg.init;
@@ -787,20 +885,7 @@ int train_main(int argc, char** argv) {
   if (replaced) run_dir_stash::interruption_point();
   else stop_signals::interruption_point("before the run started; nothing was trained");
   created.armed = false;
-  if (!c.resume) {  // a resume has one (resume_recipe_changes refuses it otherwise)
-    std::ofstream(fs::path(run_dir) / "recipe.conf") << recipe_dump(cfg);  // only once the run can start
-  } else {  // the first part's recipe.conf stays; each resumed part's settings sit beside it (the
-    // next --resume starts from them; one failed here before is replaced)
-    const fs::path f = fs::path(run_dir) / "resumes" / ("recipe-step" + std::to_string(start_version) + ".conf");
-    fs::create_directories(f.parent_path());
-    std::ofstream(f) << recipe_dump(cfg);
-    if (!resumed_with.empty())
-      log_get("train")->warn("{} at step {} with other settings (recorded in {}):{}", start.restart ? "restarting" : "resuming",
-                             start_version, f.string(), resumed_with);
-    else
-      log_get("train")->info("{} at step {} with the run's settings (recorded in {})", start.restart ? "restarting" : "resuming",
-                             start_version, f.string());
-  }
+  recipe_record(cfg, run_dir, c.resume, start, resumed_with);
   if (cfg.trace) trace_writer::process().open((fs::path(run_dir) / "traces" / (node + ".jsonl")).string(), node);
   int code = 1;
   stop_signals::immediate(true);  // until the actors are wired (signals.hpp); one pending already is sent after
@@ -828,60 +913,17 @@ int train_main(int argc, char** argv) {
                                                              idx.at(node).first_rollout));
     std::vector<caf::actor> agents;
     std::vector<std::string> agent_nodes;  // their topology names: the controller names a lost node by them
-    std::string failure;
-    for (const auto& n : topo.nodes) {
-      if (n.has("controller")) continue;
-      caf::expected<caf::node_id> nid = caf::sec::cannot_connect_to_node;
-      for (int attempt = 0; attempt < 60 && !nid; ++attempt) {  // the node may still be starting
-        nid = sys.middleman().connect(n.host, static_cast<uint16_t>(n.port));
-        if (!nid) std::this_thread::sleep_for(std::chrono::milliseconds(500));
-      }
-      if (!nid) {  // a node that died after opening its port looks the same from here
-        failure = "cannot connect to node '" + n.name + "' at " + n.host + ":" + std::to_string(n.port) +
-                  " within 30 s (is its process running? under caf-run, its lines say whether it exited)";
-        break;
-      }
-      auto agent = sys.middleman().remote_spawn<msg::node_agent_actor>(*nid, "node_agent", caf::make_message(), std::chrono::seconds(30));
-      if (!agent) {  // an fp8rl build with another node protocol fails CAF's interface check here
-        failure = "remote spawn on '" + n.name + "': " + sys.render(agent.error()) + " (the same fp8rl build there?)";
-        break;
-      }
-      agents.push_back(caf::actor_cast<caf::actor>(*agent));
-      agent_nodes.push_back(n.name);
-      msg::node_start init;
-      init.recipe_json = recipe_to_json(cfg);
-      init.topology_json = topology_to_json(topo);
-      init.node = n.name;
-      init.run_dir = fs::absolute(run_dir).string();
-      init.init_dir = fs::absolute(init_dir).string();
-      init.run_id = run_id;
-      init.start_version = start.version;
-      init.start_cursor = start.prompt_cursor;
-      caf::scoped_actor self{sys};
-      self->request(*agent, std::chrono::seconds(120), msg::start_atom::value, init, ctrl)
-          .receive(
-              [&](msg::node_actors& x) {
-                if (const std::string why = node_actors_problem(n, x, idx.at(n.name).first_rollout); !why.empty())
-                  failure = "node '" + n.name + "' started other actors than its topology entry names: " + why +
-                            " (another fp8rl build there?)";
-                spawned.emplace_back(&n, std::move(x));
-              },
-                   [&](caf::error& err) { failure = "node '" + n.name + "' could not start its actors: " + sys.render(err); });
-      if (!failure.empty()) break;
-    }
+    msg::node_start init;  // what every remote node is sent (but its name)
+    init.recipe_json = recipe_to_json(cfg);
+    init.topology_json = topology_to_json(topo);
+    init.run_dir = fs::absolute(run_dir).string();
+    init.init_dir = fs::absolute(init_dir).string();
+    init.run_id = run_id;
+    init.start_version = start.version;
+    init.start_cursor = start.prompt_cursor;
+    const std::string failure = nodes_start_remote(sys, topo, init, ctrl, spawned, agents, agent_nodes);
     if (failure.empty()) {
-      msg::peers_msg peers;
-      peers.controller = ctrl;
-      for (const auto& [n, x] : spawned) {  // each singleton role lives on exactly one node (topology_load)
-        if (x.buffer) peers.buffer = x.buffer;
-        if (x.reward) peers.reward = x.reward;
-        if (x.weight_sync) peers.weight_sync = x.weight_sync;
-        if (x.calibration) peers.calibration = x.calibration;
-        peers.learners.insert(peers.learners.end(), x.learners.begin(), x.learners.end());
-        peers.rollouts.insert(peers.rollouts.end(), x.rollouts.begin(), x.rollouts.end());
-        peers.rollout_names.insert(peers.rollout_names.end(), x.rollout_names.begin(), x.rollout_names.end());
-      }
-      caf::anon_send(ctrl, std::move(peers), std::move(agents), std::move(agent_nodes));
+      caf::anon_send(ctrl, peers_merge(ctrl, spawned), std::move(agents), std::move(agent_nodes));
       stop_signals::immediate(false);
       for (bool stop_sent = false; fut.wait_for(std::chrono::milliseconds(100)) != std::future_status::ready;)
         if (const int sig = stop_signals::pending(); sig && !stop_sent) {  // the controller stops the run at a step
