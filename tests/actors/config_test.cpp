@@ -91,10 +91,17 @@ TEST(Recipe, MalformedFilesAndOutOfRangeValuesNameTheirKey) {
            {"--task.train_size=1000000000000", "task.train_size"}, {"--task.val_size=1000000000000", "task.val_size"},
            {"--rollout.prompts_per_step=1000000000000", "rollout.prompts_per_step"},
            {"--rollout.slots=100000000000", "rollout.slots"}, {"--model.max_context=1000000000000", "model.max_context"},
-           {"--model.init=", "model.init"}, {"--rollout.top_k=3000000000", "rollout.top_k"}}) {
+           {"--model.init=", "model.init"}, {"--rollout.top_k=3000000000", "rollout.top_k"},
+           // beta2 = 1: the second moment never moves; no audited sample is no audit
+           {"--optim.beta2=1", "optim.beta2"}, {"--audit.samples=0", "audit.samples"}}) {
     run_config x;
     recipe_apply_cli(x, arg);
     EXPECT_NE(error_of([&] { recipe_validate(x); }).find("'" + key + "'"), std::string::npos) << arg;
+  }
+  // a number with trailing characters is no number, for integer keys as for real ones
+  for (const char* arg : {"--run.steps=3x", "--optim.lr=1e-3x"}) {
+    run_config x;
+    EXPECT_NE(error_of([&] { recipe_apply_cli(x, arg); }).find("' is not "), std::string::npos) << arg;
   }
   // a value out of range names where it was set: the file (it named neither) or the option
   const auto range = write_tmp("range.conf", "[rollout]\ntemperature=-1\n");
@@ -319,7 +326,22 @@ TEST(Topology, BadFilesNameNodeAndKey) {
                                           "{name=\"b\", host=\"localhost\", port=47211, rollouts=[\"cpu:1\"]}]\n");
   EXPECT_NE(error_of([&] { topology_load(f11); }).find("node 'b': port 47211 reused on host localhost"), std::string::npos)
       << error_of([&] { topology_load(f11); });
-  for (const auto& f : {f1, f2, f3, f4, f5, f6, f7, f8, f9, f10, f11}) fs::remove(f);
+  // ports are 16 bits; a name starting with '.' is refused (traces/.NAME.jsonl is hidden); a
+  // node other than the controller's is reached at its port, so it must have one
+  const std::string roles = "roles=[\"controller\", \"buffer\", \"reward\", \"weight_sync\", \"calibration\"], learners=[\"cpu:1\"]";
+  const auto f12 = write_tmp("t12.conf", "[cluster]\nnodes=[{name=\"a\", port=65536, " + roles + ", rollouts=[\"cpu:1\"]}]\n");
+  EXPECT_NE(error_of([&] { topology_load(f12); }).find("key 'port' must be an integer in [0, 65535]"), std::string::npos)
+      << error_of([&] { topology_load(f12); });
+  const auto f13 = write_tmp("t13.conf", "[cluster]\nnodes=[{name=\".hidden\", " + roles + ", rollouts=[\"cpu:1\"]}]\n");
+  EXPECT_NE(error_of([&] { topology_load(f13); }).find("not starting with '.'"), std::string::npos) << error_of([&] { topology_load(f13); });
+  const auto f14 = write_tmp("t14.conf", "[cluster]\nnodes=[{name=\"a\", " + roles + "},\n{name=\"b\", rollouts=[\"cpu:1\"]}]\n");
+  EXPECT_NE(error_of([&] { topology_load(f14); }).find("node 'b': a remote node needs a port"), std::string::npos)
+      << error_of([&] { topology_load(f14); });
+  const auto f15 = write_tmp("t15.conf", "[cluster]\nnodes=[{name=\"a\", port=47500, " + roles + "},\n"
+                                          "{name=\"a\", port=47501, rollouts=[\"cpu:1\"]}]\n");
+  EXPECT_NE(error_of([&] { topology_load(f15); }).find("node 'a': duplicate name"), std::string::npos)
+      << error_of([&] { topology_load(f15); });
+  for (const auto& f : {f1, f2, f3, f4, f5, f6, f7, f8, f9, f10, f11, f12, f13, f14, f15}) fs::remove(f);
 }
 
 // What a node agent is sent (the recipe and topology in their JSON forms) round-trips, and the
@@ -423,6 +445,17 @@ TEST(RunDir, AnEarlierRunIsNeverOverwrittenUnasked) {
   EXPECT_TRUE(fs::exists("runs/x/metrics.jsonl"));
   EXPECT_EQ(run_dir_choose("runs/x", "x", true, false), "runs/x");
   EXPECT_NE(error_of([] { run_dir_choose("runs/x", "x", true, true); }).find("give one"), std::string::npos);
+  // a directory holding only a node's traces (another node of the run, its recipe.conf gone) is
+  // an earlier run too
+  fs::create_directories("runs/t/traces");
+  std::ofstream("runs/t/traces/rollout1.jsonl") << "{}\n";
+  EXPECT_EQ(run_dir_outputs("runs/t"), (std::vector<std::string>{"traces/"}));
+  EXPECT_NE(error_of([] { run_dir_choose("runs/t", "t", false, false); }).find("holds an earlier run (traces/)"), std::string::npos);
+  // --overwrite refuses to delete the model it starts from, but a sibling sharing a name prefix
+  // (runs/x-2 beside runs/x) is not inside it
+  EXPECT_EQ(run_dir_choose("runs/x", "x", false, true, "runs/x-2/checkpoints"), "runs/x");
+  EXPECT_NE(error_of([] { run_dir_choose("runs/x", "x", false, true, "runs/x/checkpoints"); }).find("--overwrite would delete"),
+            std::string::npos);
   // --overwrite accepts the directory and deletes nothing yet
   std::ofstream("runs/x/notes.txt") << "mine\n";
   EXPECT_EQ(run_dir_choose("runs/x", "x", false, true), "runs/x");

@@ -347,6 +347,14 @@ TEST(Safetensors, ShardedWithIndex) {
               std::string::npos);
     std::ofstream(d / "model.safetensors.index.json") << nlohmann::json{{"weight_map", map}}.dump();
   }
+  // an index naming a file in another directory (a path with '/' or '..') is refused, not read
+  for (const char* outside : {"../model-00001-of-00002.safetensors", "sub/model-00001-of-00002.safetensors"}) {
+    nlohmann::json away = map;
+    away[map.begin().key()] = outside;
+    std::ofstream(d / "model.safetensors.index.json") << nlohmann::json{{"weight_map", away}}.dump();
+    EXPECT_NE(error_of([&] { model_load(d.string()); }).find("names a path outside the directory"), std::string::npos) << outside;
+  }
+  std::ofstream(d / "model.safetensors.index.json") << nlohmann::json{{"weight_map", map}}.dump();
   fs::remove(d / "model-00002-of-00002.safetensors");
   EXPECT_NE(error_of([&] { model_load(d.string()); }).find("model-00002-of-00002.safetensors"), std::string::npos);
   fs::remove_all(d);
@@ -432,6 +440,13 @@ TEST(Safetensors, CorruptFilesAreErrors) {
   img3[0] = static_cast<uint8_t>(md.size());
   std::copy(md.begin(), md.end(), img3.begin() + 8);
   EXPECT_NE(error_of([&] { safetensors_parse(img3, "x"); }).find("__metadata__ is 5, not an object"), std::string::npos);
+  // a shape whose element count wraps 64 bits (2^32 x 2^32 = 0) against no data is refused
+  std::string wrap = R"({"a": {"dtype": "F32", "shape": [4294967296, 4294967296], "data_offsets": [0, 0]}})";
+  std::vector<uint8_t> img5(8 + wrap.size(), 0);
+  img5[0] = static_cast<uint8_t>(wrap.size());
+  std::copy(wrap.begin(), wrap.end(), img5.begin() + 8);
+  EXPECT_NE(error_of([&] { safetensors_parse(img5, "x"); }).find("shape is too large"), std::string::npos)
+      << error_of([&] { safetensors_parse(img5, "x"); });
   // a corrupt file is bad input: fp8rl exits 2 on it, as on a missing tensor (it exited 1)
   EXPECT_THROW(safetensors_parse({1, 2, 3}, "x"), std::invalid_argument);
   fs::remove_all(d);

@@ -58,6 +58,18 @@ TEST_F(Cli, GoodInputGivesOneLinePerItem) {
     EXPECT_EQ(r.rc, 0) << r.out;
     EXPECT_EQ(std::count(r.out.begin(), r.out.end(), '\n'), 2) << r.out;
   }
+  // score: a logprob per token after the first (3 and 4 tokens: 2 and 3), and a sequence of
+  // exactly max_position_embeddings (64) tokens fits
+  std::string full = "{\"tokens\": [1";
+  for (int i = 1; i < 64; ++i) full += ", " + std::to_string(i % 40);
+  const fs::path scored = write("s.jsonl", "{\"tokens\": [1, 2, 3]}\n{\"tokens\": [4, 5, 6, 7]}\n" + full + "]}\n");
+  const result r = run("score --input " + scored.string() + m());
+  ASSERT_EQ(r.rc, 0) << r.out;
+  std::vector<size_t> counts;
+  std::istringstream lines(r.out);
+  for (std::string l; std::getline(lines, l);)
+    if (l.rfind("{", 0) == 0) counts.push_back(nlohmann::json::parse(l)["logprobs"].size());
+  EXPECT_EQ(counts, (std::vector<size_t>{2, 3, 63})) << r.out;
 }
 
 TEST_F(Cli, OptionsOutOfRangeOrRepeatedAreRefusedByName) {
@@ -71,6 +83,8 @@ TEST_F(Cli, OptionsOutOfRangeOrRepeatedAreRefusedByName) {
   refused(gen + " --stop 1,", "--stop");
   refused(gen + " --stop=", "--stop");  // would have turned EOS off
   refused(gen + " --seed -1", "--seed");
+  refused(gen + " --temperature 0.5x", "option --temperature: '0.5x' is not a number");  // trailing characters
+  refused(gen + " --stop 40", "option --stop: '40' is not a token id in [0, 40)");      // the vocabulary's end
   refused(gen + " --bf16-layers 1x,2", "--bf16-layers");
   refused(gen + " --policy fp8 --bf16-layers 1", "expected FIRST,LAST");  // was taken as 1,0
   refused(gen + " --policy fp32 --bf16-layers 1,1", "runs no layer in FP8");  // was ignored
@@ -356,6 +370,7 @@ TEST_F(Cli, SftNeverDeletesWhatIsNotItsCheckpoint) {
   // the built-in model's config names its tokenizer's <eos> (2), which generate stops on by default
   EXPECT_EQ(nlohmann::json::parse(std::ifstream(ck / "config.json")).value("eos_token_id", -1), 2);
   refused(sft + ck.string() + " --overwrite --model " + ck.string(), "holds the --model this run reads");
+  refused(sft + ck.string() + " --overwrite --model " + (ck / "sub").string(), "holds the --model this run reads");  // inside it
   EXPECT_EQ(run(sft + ck.string() + " --overwrite").rc, 0);
   // a backslash in the task's path made state.json invalid JSON, after training
   std::string demos;
@@ -403,6 +418,9 @@ TEST_F(Cli, EveryProgramHasHelp) {
   const result stray = fp8rl::test::run_command(kBin + "/caf-run --hostfile h --topology t.conf --grace 5 10 -- true");
   EXPECT_EQ(stray.rc, 2) << stray.out;  // a stray word before the --: no hint about it
   EXPECT_NE(stray.out.find("unknown option '10' (caf-run --help lists the options)"), std::string::npos) << stray.out;
+  const result g = fp8rl::test::run_command(kBin + "/caf-run --hostfile h --topology t.conf --grace 3601 -- true");
+  EXPECT_EQ(g.rc, 2) << g.out;
+  EXPECT_NE(g.out.find("--grace '3601': seconds in [0, 3600]"), std::string::npos) << g.out;
   const result b = fp8rl::test::run_command(kBin + "/bench-decode --layerz=2");
   EXPECT_EQ(b.rc, 2) << b.out;  // a mistyped benchmark option was stored and ignored
 }

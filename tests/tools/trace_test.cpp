@@ -60,12 +60,26 @@ TEST(Trace, VectorClocksFollowTheMessages) {
   ASSERT_EQ(fp8rl::test::run_command(kBin + "/fp8rl-trace merge " + run.string()).rc, 0);
   const json t = json::parse(std::ifstream(run / "trace.json"));
   int starts = 0, finishes = 0;
+  std::map<std::pair<int, int>, std::string> row;  // (pid, tid) -> "actor@node" from the metadata
+  std::map<int, std::string> process;
+  for (const auto& e : t["traceEvents"])
+    if (e["name"] == "process_name") process[e["pid"]] = e["args"]["name"];
+  for (const auto& e : t["traceEvents"])
+    if (e["name"] == "thread_name") row[{e["pid"], e["tid"]}] = e["args"]["name"].get<std::string>() + "@" + process[e["pid"]];
+  int64_t first_ts = INT64_MAX;
   for (const auto& e : t["traceEvents"]) {
     starts += e["ph"] == "s";
     finishes += e["ph"] == "f";
+    if (e["ph"] == "X") first_ts = std::min(first_ts, e["ts"].get<int64_t>());
+    // each arrow starts on its sender's row and ends on its receiver's
+    if (e["ph"] != "s" && e["ph"] != "f") continue;
+    const bool work = e["name"] == "work_msg", from = e["ph"] == "s";
+    const std::string on = row[std::make_pair(e["pid"].get<int>(), e["tid"].get<int>())];
+    EXPECT_EQ(on, work == from ? "controller@A" : "rollout@B") << e.dump();
   }
   EXPECT_EQ(starts, 2);
   EXPECT_EQ(finishes, 2);
+  EXPECT_EQ(first_ts, 0);  // times from the earliest event of any process (B's clock is behind A's)
   const auto s = fp8rl::test::run_command(kBin + "/fp8rl-trace summary " + run.string());
   EXPECT_NE(s.out.find("messages: 2 matched, 1 receives without their send, 0 sends not received"), std::string::npos) << s.out;
   EXPECT_EQ(s.out.find("not received, by type"), std::string::npos) << s.out;
@@ -223,6 +237,8 @@ TEST(Trace, BadInputIsRefusedByFileAndLine) {
            {good + good, "A.jsonl:3: send of message " + std::to_string(big) + " already at "},
            {line("A", "x", "send", "m", 10, 5, 4) + line("A", "y", "recv", "m", 20, 2, 4),
             "A.jsonl:2: receive of message 4 has Lamport clock 2, not above its send's 5"},
+           {line("A", "x", "send", "m", 10, 5, 4) + line("A", "y", "recv", "m", 20, 5, 4),  // equal: no merge either
+            "A.jsonl:2: receive of message 4 has Lamport clock 5, not above its send's 5"},
            {line("A", "x", "send", "m", 10, 1, 4) + "hello world\n" + line("A", "y", "recv", "m", 20, 2, 4),
             "A.jsonl:2: not a JSON event line"},
            {huge.dump() + "\n", "A.jsonl:1: 'ts' is 1152921504606846976, not an integer >= 0 and <= 9007199254740992"}}) {
