@@ -34,9 +34,8 @@ struct event {
   int64_t wv = -1, sv = -1;  // weight / scale version (-1: none)
   uint64_t lamport = 0, msg = 0;  // send/recv: Lamport clock, message id
   int64_t pid = 0;
-  std::string host;  // actor@node, plus #pid where a node's file holds several processes (a resumed run)
+  std::string who;    // actor@node, plus #pid where a node's file holds several processes (a resumed run)
   std::string where;  // file:line it came from
-  const std::string& who() const { return host; }
 };
 
 // One event line (what actors/trace.cpp writes): node, actor, name, kind (span | send | recv) and
@@ -154,9 +153,9 @@ std::vector<event> load_events(const fs::path& run) {
   std::map<std::string, std::set<int64_t>> pids;
   for (const auto& e : ev) pids[e.node].insert(e.pid);
   for (auto& e : ev) {
-    e.host = e.actor;
-    e.host.append(1, '@').append(e.node);
-    if (pids[e.node].size() > 1) e.host.append(1, '#').append(std::to_string(e.pid));
+    e.who = e.actor;
+    e.who.append(1, '@').append(e.node);
+    if (pids[e.node].size() > 1) e.who.append(1, '#').append(std::to_string(e.pid));
   }
   return ev;
 }
@@ -203,13 +202,13 @@ std::map<size_t, std::map<std::string, uint64_t>> vector_clocks(const std::vecto
   std::map<size_t, std::map<std::string, uint64_t>> at;        // per event
   for (size_t i : order) {
     const event& e = ev[i];
-    auto& vc = now[e.who()];
+    auto& vc = now[e.who];
     if (e.kind == "recv") {
       auto p = mp.pairs.find(e.msg);
       if (p != mp.pairs.end() && at.count(p->second.first))
         for (const auto& [k, v] : at[p->second.first]) vc[k] = std::max(vc[k], v);
     }
-    ++vc[e.who()];
+    ++vc[e.who];
     at[i] = vc;
   }
   return at;
@@ -227,7 +226,7 @@ int shiviz(const fs::path& run) {
   out << "(?<host>\\S+) (?<clock>\\{.*?\\}) (?<event>.*)\n\n";  // ShiViz: the parser regex, a blank line, events
   for (size_t i : order) {
     const event& e = ev[i];
-    out << e.who() << ' ' << json(vc.at(i)).dump() << ' ' << e.kind << ' ' << e.name;
+    out << e.who << ' ' << json(vc.at(i)).dump() << ' ' << e.kind << ' ' << e.name;
     if (e.wv >= 0) out << " v" << e.wv;
     if (e.sv >= 0) out << " s" << e.sv;
     out << " msg=" << e.msg << " ts=" << e.ts << '\n';
@@ -300,8 +299,9 @@ int64_t overlap(std::vector<std::pair<int64_t, int64_t>> a, std::vector<std::pai
   return covered(a) + covered(b) - covered(all);
 }
 
-int summary(const fs::path& run) {
-  const auto ev = load_events(run);
+// Busy time per actor over the wall time the run's processes were alive, generation/training
+// overlap, calibration time.
+void summary_busy(const fs::path& run, const std::vector<event>& ev) {
   // wall time: while some process of the run was alive (first to last event of each node process):
   // a resumed run's gap between its parts counted as idle time of every actor
   std::map<std::pair<std::string, int64_t>, std::pair<int64_t, int64_t>> life;
@@ -334,6 +334,10 @@ int summary(const fs::path& run) {
   double csum = 0;
   for (double c : calib) csum += c;
   std::printf("calibration: %zu runs, mean %.4f s\n", calib.size(), calib.empty() ? 0.0 : csum / double(calib.size()));
+}
+
+// Messages matched, received without their send, sent and never received; mean latency by type.
+void summary_messages(const std::vector<event>& ev) {
   const auto mp = match_messages(ev);
   std::map<std::string, std::pair<size_t, double>> by_type;  // count, send -> receive µs
   size_t backwards = 0;  // received before sent by the wall clocks: hosts' clocks disagree
@@ -354,7 +358,10 @@ int summary(const fs::path& run) {
     std::printf("  %zu received before their send by the wall clocks: the hosts' clocks disagree (latencies below include the skew)\n",
                 backwards);
   for (const auto& [t, c] : by_type) std::printf("  %-14s %6zu   mean send->receive %.1f us\n", t.c_str(), c.first, c.second / double(c.first));
-  // staleness and sync latency from the metrics
+}
+
+// The staleness histogram and weight-sync latency from RUN_DIR/metrics.jsonl.
+void summary_metrics(const fs::path& run) {
   std::map<int64_t, double> hist;
   std::vector<double> sync;
   const fs::path metrics = run / "metrics.jsonl";
@@ -386,6 +393,13 @@ int summary(const fs::path& run) {
     const double median = n % 2 ? sync[n / 2] : 0.5 * (sync[n / 2 - 1] + sync[n / 2]);
     std::printf("median %.4f s, max %.4f s over %zu versions\n", median, sync.back(), n);
   }
+}
+
+int summary(const fs::path& run) {
+  const auto ev = load_events(run);
+  summary_busy(run, ev);
+  summary_messages(ev);
+  summary_metrics(run);
   return 0;
 }
 
