@@ -282,10 +282,10 @@ TEST(Protocol, BufferAdmitsDedupsShardsAndDropsStale) {
     EXPECT_TRUE(a.dropped);
     EXPECT_EQ(a.reason, "duplicate");
   }, caf::after(std::chrono::seconds(5)) >> [] { FAIL() << "no admitted_msg"; });
-  // step 2 with the learner at version 2: a group whose oldest token was sampled under v0 (its
-  // first token; the rest under v2) is 2 versions stale (> 1)
+  // step 2 with the learner at version 2: a group whose oldest token was sampled under v0 (the
+  // second sample's second token; the rest under v2) is 2 versions stale (> 1)
   auto g24 = group(2, 4, 2);
-  g24.samples[0].weight_version = {0, 2, 2};
+  g24.samples[1].weight_version = {2, 0, 2};
   self->send(buf, g24);
   expect_admitted(2, 4, false);
   self->send(buf, group(2, 5, 1));

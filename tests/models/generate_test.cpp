@@ -458,6 +458,9 @@ TEST(Generate, RefusedKvScalesKeepTheOldWeights) {
   attn_fp8_scales nan_q = sc;
   nan_q.q[3] = std::nanf("");
   EXPECT_NE(ek.adopt_params(p, 5, 5, &nan_q).find("Q[3]"), std::string::npos);
+  attn_fp8_scales zero_k = sc;  // x / 0 saturates every element, and reads back as 0
+  zero_k.k[1] = 0.0f;
+  EXPECT_NE(ek.adopt_params(p, 5, 5, &zero_k).find("K[1] is not a positive finite number"), std::string::npos);
   const auto res = ek.run_to_completion();  // no refusal broke the engine
   ASSERT_EQ(res.size(), 1u);
   for (size_t i = 0; i < res[0].tokens.size(); ++i) {
@@ -539,6 +542,19 @@ TEST(Generate, CalibrationTakesThePercentileSampleAndRefusesNonFinite) {
         EXPECT_EQ((*got)[h], v[pick] * 1.05f / 448.0f) << "head " << h << " of part " << (amax == &qkv_stats::q ? "Q" : amax == &qkv_stats::k ? "K" : "V") << " p " << pct;
       }
     }
+  }
+  {  // a head whose keys are all zero (its k_proj rows zero) gets the floor's scale, not 0, and
+     // the bundle holding it is adopted (a zero scale is refused)
+    model_params z = p;
+    const int64_t D = z.cfg.head_dim, C = z.cfg.hidden_size;
+    float* wk = z.get("model.layers.0.self_attn.k_proj.weight");  // [KV*D, C]: KV head 1's rows D..2D
+    std::fill(wk + D * C, wk + 2 * D * C, 0.0f);
+    auto wz = model_weights_build(*be, z.cfg, precision_policy::named("fp32"), {&z, nullptr, nullptr}, false);
+    const attn_fp8_scales sc = calibrate_attention(run, *wz, batches, 0.999, 1.05f);
+    EXPECT_EQ(sc.k[1], 1e-6f * 1.05f / 448.0f);
+    EXPECT_GT(sc.k[0], sc.k[1]);
+    generation_engine e(*be, z.cfg, ecfg("fp8-kv", 1));
+    EXPECT_EQ(e.adopt(std::make_shared<fp8rl::quant::weight_bundle>(bundle_from_params(z, e.config().policy, 1, 1, &sc))), "");
   }
   std::fill(p.data.begin(), p.data.end(), std::nanf(""));
   auto bad = model_weights_build(*be, p.cfg, precision_policy::named("fp32"), {&p, nullptr, nullptr}, false);
@@ -630,7 +646,14 @@ TEST(Generate, NonFiniteKvAndFp8QueriesAreRefused) {
   EXPECT_EQ(be->kv_cache_write(*cache, 1, {1, &slot, &pos}, k.data(), k.data(), scale.data(), scale.data()), 0);
   k[9] = 470.0f / 64;
   EXPECT_EQ(be->kv_cache_write(*cache, 1, {1, &slot, &pos}, k.data(), k.data(), scale.data(), scale.data()), 2);  // as K and as V
-  k[7] = k[8] = k[9] = 0.5f;
+  k[10] = -470.0f / 64;  // below -448 too
+  EXPECT_EQ(be->kv_cache_write(*cache, 1, {1, &slot, &pos}, k.data(), k.data(), scale.data(), scale.data()), 4);
+  k[7] = k[8] = k[9] = k[10] = 0.5f;
+  // a slot or position outside the cache (max_ctx 8, 1 slot) is refused, not written into the
+  // next head's block
+  for (const auto& [s, q] : std::vector<std::pair<int32_t, int32_t>>{{0, 8}, {1, 0}, {0, -1}})
+    EXPECT_THROW(be->kv_cache_write(*cache, 1, {1, &s, &q}, k.data(), k.data(), scale.data(), scale.data()), std::out_of_range)
+        << s << " " << q;
   // FP8 queries likewise (fp8-numerics.md §0.2: never encoded): +Inf was saturated to 448 * scale
   const int64_t H = 4;
   const std::vector<float> q_scale = {0.05f, 0.05f, 0.05f, 0.1f};  // [H]: head 3's own
@@ -807,13 +830,16 @@ TEST(Generate, Fp8CacheWidensEveryCodeExactly) {
       std::vector<float> got(want.size());
       const unsigned csr = _mm_getcsr();
       if (daz) _mm_setcsr(csr | 0x0040u);
+      unsigned after = 0;
       {  // one thread (this one) runs the heads; an arena made now captures this MXCSR for its tasks
         tbb::task_arena one(1);
         one.execute([&] {
           be->attention_cached(*cache, 0, {1, &qslot, &qpos}, q.data(), H, precision::fp32, nullptr, got.data());
+          after = _mm_getcsr();
         });
       }
       _mm_setcsr(csr);
+      EXPECT_EQ(after & 0x0040u, daz ? 0x0040u : 0u) << "the caller's DAZ was not restored";
       for (size_t i = 0; i < want.size(); ++i)
         ASSERT_EQ(std::bit_cast<uint32_t>(got[i]), std::bit_cast<uint32_t>(want[i]))
             << what << ", DAZ " << daz << ", head " << i / D << ", d " << i % D;

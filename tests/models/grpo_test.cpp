@@ -456,6 +456,32 @@ TEST(Tasks, VerifiersAndDatasets) {
   EXPECT_EQ(verify(verifier_kind::numeric, "1,000", "1000"), 1.0f);
   EXPECT_EQ(verify(verifier_kind::numeric, "+46", "46.0"), 1.0f);
   EXPECT_EQ(verify(verifier_kind::numeric, "4x6", "46"), 0.0f);
+  // the whole text is the number ("46x" was 46); answers below 1 compare absolutely, within 1e-6
+  EXPECT_EQ(verify(verifier_kind::numeric, "46x", "46"), 0.0f);
+  EXPECT_EQ(verify(verifier_kind::numeric, "1 000", "1000"), 0.0f);
+  EXPECT_FALSE(answer_is_number("12 apples"));
+  EXPECT_EQ(verify(verifier_kind::numeric, "0.0000005", "0"), 1.0f);
+  EXPECT_EQ(verify(verifier_kind::numeric, "0.1000005", "0.1"), 1.0f);
+  EXPECT_EQ(verify(verifier_kind::numeric, "0.000002", "0"), 0.0f);
+  // exact: a run of spaces is one space, no space is none
+  EXPECT_EQ(verify(verifier_kind::exact, "New   York", "new york"), 1.0f);
+  EXPECT_EQ(verify(verifier_kind::exact, "newyork", "new york"), 0.0f);
+  // operands: one digit is 0..9 (0 included), d digits [10^(d-1), 10^d)
+  for (int digits : {1, 2, 3}) {
+    const int64_t lo = digits == 1 ? 0 : digits == 2 ? 10 : 100, hi = digits == 1 ? 9 : digits == 2 ? 99 : 999;
+    int64_t smallest = hi;
+    for (const auto& x : arithmetic_dataset({'+', digits, 0.1}, false, 300, 5).items) {
+      const auto plus = x.prompt.find('+');
+      for (const int64_t v : {std::stoll(x.prompt.substr(0, plus)), std::stoll(x.prompt.substr(plus + 1))}) {
+        EXPECT_GE(v, lo) << x.prompt;
+        EXPECT_LE(v, hi) << x.prompt;
+        smallest = std::min(smallest, v);
+      }
+    }
+    if (digits == 1) {
+      EXPECT_EQ(smallest, 0);  // 600 draws of 10 values
+    }
+  }
   const arithmetic_config c{'*', 2, 0.1};
   auto tr = arithmetic_dataset(c, false, 500, 3), va = arithmetic_dataset(c, true, 100, 3);
   std::set<std::string> train_prompts;

@@ -182,6 +182,44 @@ TEST(Sampling, StopTokensEndARequest) {
   ASSERT_EQ(stopped.size(), 1u);
   EXPECT_EQ(stopped[0].finish, "stop");
   EXPECT_EQ(stopped[0].tokens, std::vector<int32_t>(g.begin(), g.begin() + first + 1));
+  // a stop token that is also the last token allowed ended the request on the stop
+  const auto both = generate(p, greedy, 1, static_cast<int>(first) + 1, {stop});
+  ASSERT_EQ(both.size(), 1u);
+  EXPECT_EQ(both[0].finish, "stop");
+  EXPECT_EQ(both[0].tokens, stopped[0].tokens);
+}
+
+// A sequence never exceeds max_context (prompt + generated), a prompt must leave room for one
+// token, and the engine feeds every token but each request's last exactly once (a token fed
+// twice was recomputed each step and counted twice; under `keep` its position was rewritten).
+TEST(Sampling, ContextLimitsAndTokenCounts) {
+  const model_params p = model_params_init(gen_cfg(), 24);
+  auto be = make_cpu_backend();
+  engine_config ec = ecfg("fp32", 2);
+  ec.max_context = 8;
+  generation_engine e(*be, p.cfg, ec);
+  ASSERT_EQ(e.adopt_params(p, 1, 1), "");
+  gen_request r = requests(1, 1.0f)[0];
+  r.prompt = {1, 2, 3};
+  r.max_tokens = 100;
+  e.submit(r);
+  gen_request full = r;
+  full.id = 200;
+  full.prompt.assign(8, 5);  // max_context tokens: no room for one more
+  EXPECT_NE(fp8rl::test::thrown_text<std::invalid_argument>([&] { e.submit(full); }).find("does not fit max_context 8"),
+            std::string::npos);
+  full.prompt.pop_back();  // 7: one token to generate
+  e.submit(full);
+  const auto res = e.run_to_completion();
+  ASSERT_EQ(res.size(), 2u);
+  EXPECT_EQ(res[0].tokens.size(), 5u);
+  EXPECT_EQ(res[0].finish, "length");
+  EXPECT_EQ(res[1].tokens.size(), 1u);
+  EXPECT_EQ(res[1].finish, "length");
+  int64_t fed = 0;
+  for (const auto& x : res) fed += static_cast<int64_t>(x.prompt.size() + x.tokens.size()) - 1;
+  EXPECT_EQ(e.stats().prefill_tokens + e.stats().decode_tokens, fed);
+  EXPECT_EQ(e.stats().prefill_tokens, 3 + 7);
 }
 
 // Settings no distribution answers to are refused when submitted, naming the setting; an engine
