@@ -932,7 +932,9 @@ TEST(E2E, CafRunStopsItsGroup) {
   ASSERT_EQ(::bind(busy, reinterpret_cast<sockaddr*>(&a), sizeof a), 0);
   ASSERT_EQ(::listen(busy, 1), 0);
   fs::remove_all(d / "run");
-  const auto r = fp8rl::test::run_command(cafrun);
+  // bounded: a caf-run that let the controller run on would otherwise train its 100000 steps (the
+  // test hung); timeout's SIGTERM makes it stop the group, exit 143, and the check below fail
+  const auto r = fp8rl::test::run_command("timeout 120 " + cafrun);
   ::close(busy);
   EXPECT_EQ(r.rc, 1);
   EXPECT_NE(r.out.find("node rollout1 failed (exit 1); the group was stopped"), std::string::npos) << r.out;
