@@ -252,7 +252,6 @@ const std::vector<models::rl_sample>& batch_samples(const msg::batch_msg& b) {
 //   t_wait: when this learner asked the buffer for b
 msg::metrics_t learner_train_step(learner_state& s, const msg::batch_msg& b, clk::time_point t_wait) {
   const auto t_train = clk::now();
-  trace_span span("learner" + std::to_string(s.rank), "train_step", static_cast<int64_t>(s.version));
   models::learner_out lo;
   msg::metrics_t audit;
   double gnorm = 0;
@@ -375,7 +374,8 @@ msg::learner_actor spawn_learner(caf::actor_system& sys, std::shared_ptr<const a
                 trace_recv("learner" + std::to_string(s.rank), "batch_msg", b.trace, static_cast<int64_t>(b.step));
                 trace_writer::process().event("learner" + std::to_string(s.rank), "wait_batch", "span", t0, trace_now_us() - t0);
                 if (b.stop) return stop_at_version(self, fail);  // the run is stopping: no further step
-                try {
+                try {  // the step's span covers rank 0's publishing too (its validation and checkpoint)
+                  trace_span span("learner" + std::to_string(s.rank), "train_step", static_cast<int64_t>(s.version));
                   msg::metrics_t m = learner_train_step(s, b, t_wait);
                   if (s.rank == 0) learner_publish(self, b, std::move(m));
                 } catch (const std::exception& e) {

@@ -424,11 +424,15 @@ std::string recipe_to_json(const run_config& r0) {
 
 run_config recipe_from_json(const std::string& s) {
   run_config r;
-  const auto j = nlohmann::json::parse(s);
-  for (const auto& k : recipe_keys(r)) {
-    const std::string key = std::string(k.section) + "." + k.name;
-    if (!j.contains(key)) throw std::invalid_argument("recipe json: key '" + key + "' missing");
-    std::visit([&](auto* p) { *p = j[key].get<std::remove_pointer_t<decltype(p)>>(); }, k.ptr);
+  try {
+    const auto j = nlohmann::json::parse(s);
+    for (const auto& k : recipe_keys(r)) {
+      const std::string key = std::string(k.section) + "." + k.name;
+      if (!j.contains(key)) throw std::invalid_argument("recipe json: key '" + key + "' missing");
+      std::visit([&](auto* p) { *p = j[key].get<std::remove_pointer_t<decltype(p)>>(); }, k.ptr);
+    }
+  } catch (const nlohmann::json::exception& e) {
+    throw std::invalid_argument(std::string("recipe json: ") + e.what());
   }
   recipe_validate(r);
   return r;

@@ -94,7 +94,9 @@ std::vector<std::string> recipe_learning_problems(const run_config& r);
 // The effective configuration in CAF config syntax (what `fp8rl train --dump-config` prints).
 std::string recipe_dump(const run_config& r);
 std::string recipe_to_json(const run_config& r);
-run_config recipe_from_json(const std::string& json);  // then recipe_validate (a node checks it again)
+// Then recipe_validate: a node checks what the controller sent (and, as everywhere, applies its
+// run.log_level: a node logs at the controller's level). Throws std::invalid_argument.
+run_config recipe_from_json(const std::string& json);
 
 // The derived objects the RL functions take.
 models::rl_run_config recipe_rl_config(const run_config& r);

@@ -168,6 +168,7 @@ void topology_validate(const topology& t) {
         n.name.find_first_not_of("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._-") != std::string::npos)
       throw std::invalid_argument(where + ": the name must be letters, digits, '.', '_' or '-', not starting with '.'");
     if (n.host.empty()) throw std::invalid_argument(where + ": key 'host' is empty");
+    if (n.port < 0 || n.port > 65535) throw std::invalid_argument(where + ": port " + std::to_string(n.port) + " is not in [0, 65535]");
     if (!names.insert(n.name).second) throw std::invalid_argument(where + ": duplicate name");
     // keyed by the machine: 127.0.0.1:P and localhost:P clashed only when the second node opened P
     if (n.port && !ports.insert({host_canonical(n.host), n.port}).second)

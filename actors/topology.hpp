@@ -42,8 +42,9 @@ struct topology {
 };
 
 topology topology_load(const std::string& path);  // throws std::invalid_argument naming file/key
-// The names a topology's nodes on this machine are written with (127.0.0.1, localhost, ::1) are
-// one address: "localhost"; others as given (the port-reuse check: 127.0.0.2:P is another socket).
+// The names a topology's nodes on this machine are usually written with (127.0.0.1, localhost,
+// ::1) are one host for the port-reuse check and caf-run's hostfile: "localhost"; others as given
+// (127.0.0.2:P is another socket; IPv4 and IPv6 loopback are kept one, to be safe).
 bool host_is_local(const std::string& h);
 std::string host_canonical(const std::string& h);
 // Every name of this machine (127/8, ::1, localhost, its hostname): one host's memory, which the

@@ -715,7 +715,7 @@ void train_precheck(const cli& c, const run_config& cfg, const topology& topo, c
   if (!c.resume && cfg.init == "tiny" && models::task_spec_parse(cfg.task).builtin) warm_start_check(cfg, topo, node);
 }
 
-// CAF's options (--caf.*, --scheduler.*, --middleman.*) and a worker per learner and rollout
+// CAF's options (--caf#*, --logger.*, --scheduler.*, --middleman.*) and a worker per learner and rollout
 // (topology.hpp). Detached actors, a thread each, would need no count, but CAF 0.17's shutdown
 // waits for them to be destroyed while another node's proxies still hold them: a two-process run
 // hung at its exit.

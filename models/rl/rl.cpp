@@ -91,8 +91,10 @@ std::vector<rl_sample> rollout_samples(const std::vector<gen_result>& results, c
     const uint64_t pid = s[g0].prompt_id;
     std::vector<rl_sample> group(std::make_move_iterator(s.begin() + static_cast<std::ptrdiff_t>(g0)),
                                  std::make_move_iterator(s.begin() + static_cast<std::ptrdiff_t>(g0) + G));
-    if (group.back().prompt_id != pid)
-      throw std::invalid_argument("rollout_samples: the group of prompt " + std::to_string(pid) + " is incomplete");
+    for (int64_t j = 0; j < G; ++j)  // sorted: a group is indices 0..G-1 of one prompt, each once
+      if (group[static_cast<size_t>(j)].prompt_id != pid || group[static_cast<size_t>(j)].group_index != j)
+        throw std::invalid_argument("rollout_samples: the group of prompt " + std::to_string(pid) +
+                                    " is incomplete or holds an index twice");
     auto it = answers.find(pid);
     if (it == answers.end()) throw std::invalid_argument("rollout_samples: no answer for prompt " + std::to_string(pid));
     group_score(group, it->second, tok, stops, vk, cfg);

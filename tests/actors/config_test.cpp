@@ -362,6 +362,11 @@ TEST(Topology, JsonFormsRoundTripAndAreValidatedOnTheNode) {
   auto no_port = nlohmann::json::parse(j);
   no_port[1].erase("port");
   EXPECT_NE(error_of([&] { topology_from_json(no_port.dump()); }).find("malformed topology json"), std::string::npos);
+  auto far_port = nlohmann::json::parse(j);
+  far_port[1]["port"] = 70000;
+  EXPECT_NE(error_of([&] { topology_from_json(far_port.dump()); }).find("node 'b': port 70000 is not in [0, 65535]"), std::string::npos)
+      << error_of([&] { topology_from_json(far_port.dump()); });
+  EXPECT_NE(error_of([&] { recipe_from_json("{\"run.steps\": "); }).find("recipe json: "), std::string::npos);
   run_config r;
   r.steps = 0;  // recipe_to_json does not check; the node does
   EXPECT_NE(error_of([&] { recipe_from_json(recipe_to_json(r)); }).find("recipe key 'run.steps': must be > 0"), std::string::npos)

@@ -215,6 +215,9 @@ TEST(Messages, EveryWireTypeRoundTrips) {
   EXPECT_EQ(round_trip(sys, sr).metrics, sr.metrics);
   EXPECT_EQ(round_trip(sys, msg::admitted_msg{{}, 1, 2, true, "stale"}).reason, "stale");
   EXPECT_EQ(round_trip(sys, msg::sync_report{{}, 3, 0.25, 100, true}).bytes, 100);
+  const auto cr = round_trip(sys, msg::calib_report{{}, 3, 0.5});
+  EXPECT_EQ(cr.version, 3u);
+  EXPECT_EQ(cr.seconds, 0.5);
 }
 
 namespace {

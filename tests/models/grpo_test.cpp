@@ -703,7 +703,8 @@ TEST(Grpo, ResponsesStopAtEveryModelEosIdAndTheVerifierSkipsIt) {
     }
     return std::string();
   };
-  EXPECT_EQ(why({a, b, p5, p6}), "rollout_samples: the group of prompt 5 is incomplete");
+  EXPECT_EQ(why({a, b, p5, p6}), "rollout_samples: the group of prompt 5 is incomplete or holds an index twice");
+  EXPECT_EQ(why({a, a}), "rollout_samples: the group of prompt 4 is incomplete or holds an index twice");  // index 0 twice
   EXPECT_EQ(why({a, b, p5}), "rollout_samples: 3 results are not groups of 2");
 }
 

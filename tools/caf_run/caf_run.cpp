@@ -53,7 +53,7 @@
 
 namespace {
 
-using fp8rl::actors::host_canonical;  // this machine's names are one host
+using fp8rl::actors::host_canonical;  // 127.0.0.1, localhost, ::1: one host (topology.hpp)
 using fp8rl::actors::host_is_local;
 
 struct host_entry {
