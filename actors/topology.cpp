@@ -194,6 +194,23 @@ void topology_validate(const topology& t) {
   if (!rollouts) throw std::invalid_argument(t.source + ": no rollout");
 }
 
+std::map<std::string, node_indices> index_nodes(const topology& t) {
+  std::map<std::string, node_indices> m;
+  int32_t l = 0, r = 0;
+  for (const auto& n : t.nodes) {
+    m[n.name] = {l, r};
+    l += static_cast<int32_t>(n.learners.size());
+    r += static_cast<int32_t>(n.rollouts.size());
+  }
+  return m;
+}
+
+int32_t learner_world(const topology& t) {
+  int32_t w = 0;
+  for (const auto& n : t.nodes) w += static_cast<int32_t>(n.learners.size());
+  return w;
+}
+
 std::vector<placement> topology_plan(const topology& t) {
   topology_validate(t);
   std::vector<placement> plan;

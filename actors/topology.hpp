@@ -1,7 +1,8 @@
 // actors/topology.hpp -- where actors run: nodes (processes), their roles and devices.
 // defines: device_spec, node_spec, topology, topology_load, topology_local, topology_validate,
 //          host_is_local, host_canonical, host_same_machine, topology_to_json, topology_from_json,
-//          placement, topology_plan, rollout_name, node_scheduler_threads
+//          placement, topology_plan, node_indices, index_nodes, learner_world, rollout_name,
+//          node_scheduler_threads
 //
 // A topology file (CAF config syntax, read with CAF's parser, validated here key by key):
 //   [cluster]
@@ -14,6 +15,7 @@
 #pragma once
 #include <cstddef>
 #include <cstdint>
+#include <map>
 #include <string>
 #include <vector>
 
@@ -62,6 +64,14 @@ struct placement {
   std::string device;  // "cpu:1", "cuda:3", "" for singletons
 };
 std::vector<placement> topology_plan(const topology& t);
+
+// Learner and rollout numbering: node n's first learner rank and first rollout index (nodes in
+// file order), and the number of learners (the all-reduce's world).
+struct node_indices {
+  int32_t first_learner = 0, first_rollout = 0;
+};
+std::map<std::string, node_indices> index_nodes(const topology& t);
+int32_t learner_world(const topology& t);
 
 // CAF scheduler workers node n needs: one per learner and rollout (each blocks its worker while it
 // computes, a learner also in the all-reduce until every rank joins) plus two for the others. Given

@@ -22,6 +22,7 @@
 #include <unistd.h>
 
 #include "actors/actors.hpp"
+#include "actors/preflight.hpp"
 #include "actors/run_dir.hpp"
 #include "actors/signals.hpp"
 #include "actors/trace.hpp"
@@ -99,55 +100,6 @@ std::string node_actors_problem(const node_spec& n, const msg::node_actors& x, i
     if (x.rollout_names[i] != want) return "rollout '" + x.rollout_names[i] + "' where " + want + " belongs";
   }
   return "";
-}
-
-// Index bookkeeping shared by the controller and the agents: learner/rollout numbering.
-struct node_indices {
-  int32_t first_learner = 0, first_rollout = 0;
-};
-std::map<std::string, node_indices> index_nodes(const topology& t) {
-  std::map<std::string, node_indices> m;
-  int32_t l = 0, r = 0;
-  for (const auto& n : t.nodes) {
-    m[n.name] = {l, r};
-    l += static_cast<int32_t>(n.learners.size());
-    r += static_cast<int32_t>(n.rollouts.size());
-  }
-  return m;
-}
-
-// The KV caches the generation engines of this node's host allocate up front -- each rollout's,
-// and learner0's validation engine -- within the machine's memory, named by the keys that size
-// them: each engine checks its own, and two that each fit were killed by the OOM killer. Nodes
-// on one host (loopback topologies) add up: a host is its topology name, this machine's names
-// (127/8, ::1, localhost, its hostname) one.
-void kv_memory_check(const run_config& cfg, const models::model_config& model, const topology& t, const std::string& node) {
-  auto host_of = [](const std::string& h) { return host_same_machine(h) ? std::string("127.0.0.1") : h; };
-  const std::string host = host_of(t.find(node)->host);
-  const auto idx = index_nodes(t);
-  size_t rollouts = 0, evals = 0;
-  std::string names;
-  for (const auto& n : t.nodes)
-    if (host_of(n.host) == host) {
-      rollouts += n.rollouts.size();
-      evals += !n.learners.empty() && idx.at(n.name).first_learner == 0;  // rank 0 validates
-      names += (names.empty() ? "" : ", ") + n.name;
-    }
-  const double need = double(rollouts + evals) * models::engine_kv_bytes(model, recipe_engine_config(cfg));
-  const double ram = models::machine_memory_bytes();
-  if (ram <= 0 || need <= ram) return;
-  const double gib = double(1 << 30);
-  throw std::invalid_argument(fmt::format(
-      "rollout.slots {} x model.max_context {}: the KV caches of the {} generation engine(s) on host {} (node(s) {}: {} rollout(s){}) "
-      "need {:.1f} GiB, more than its {:.1f} GiB: lower rollout.slots or model.max_context",
-      cfg.slots, cfg.max_context, rollouts + evals, host, names, rollouts, evals ? ", learner0's validation" : "", need / gib,
-      ram / gib));
-}
-
-int32_t learner_world(const topology& t) {
-  int32_t w = 0;
-  for (const auto& n : t.nodes) w += static_cast<int32_t>(n.learners.size());
-  return w;
 }
 
 msg::node_agent_actor::behavior_type node_agent(msg::node_agent_actor::stateful_pointer<agent_state> self) {
@@ -323,12 +275,6 @@ cli parse_cli(int argc, char** argv) {
   return c;
 }
 
-// The built-in model (model.init = tiny) of a run: its size, the built-in task's characters, and
-// positions for the run's context.
-models::model_config builtin_model_config(const run_config& cfg, const models::tokenizer& tok) {
-  return models::model_config_builtin(cfg.size, tok.vocab_size(), std::max<int64_t>(64, cfg.max_context), tok.bos, tok.eos);
-}
-
 // The newest whole checkpoint directory in ck (step_<digits>; a step_N.tmp a cut save left is
 // none), or "".
 std::string newest_step_dir(const fs::path& ck) {
@@ -466,167 +412,6 @@ std::string resume_recipe_changes(const run_config& cfg, const std::string& run_
     throw std::invalid_argument("--resume: " + stored.string() + " records another task, model or seed (give the run's own):" +
                                 refused);
   return changed;
-}
-
-// Every prompt of a split encodes and fits the context with its longest response (a rollout
-// failing on one lost every rollout; a prompt leaving room for one token trained on reward 0,
-// silently); every run ends with a validation, also with eval_every = 0.
-void prompts_fit(const run_config& cfg, const models::dataset& d, const models::tokenizer& tok) {
-  for (size_t i = 0; i < d.items.size(); ++i) {  // example_where names the split of a built-in task
-    const std::vector<int32_t> ids = models::example_encode(d, i, tok, false);
-    if (static_cast<int64_t>(ids.size()) + cfg.max_new_tokens > cfg.max_context)
-      throw std::invalid_argument(models::example_where(d, i) + ": prompt of " + std::to_string(ids.size()) +
-                                  " tokens + rollout.max_new_tokens " + std::to_string(cfg.max_new_tokens) +
-                                  " do not fit model.max_context " + std::to_string(cfg.max_context));
-  }
-}
-
-// The fewest tokens a response the verifier accepts for `answer` takes (each accepted form, also
-// after a space: BPE vocabularies hold " 42"), 0 where the tokenizer encodes none of them.
-size_t answer_tokens(const models::tokenizer& tok, models::verifier_kind vk, const std::string& answer) {
-  size_t best = 0;
-  for (const auto& f : models::answer_forms(vk, answer))
-    for (const std::string& text : {f, " " + f}) {
-      try {
-        const size_t n = tok.encode(text, false).size();
-        if (best == 0 || n < best) best = n;
-      } catch (const std::invalid_argument&) {  // a character it lacks: not this form
-      }
-    }
-  return best;
-}
-
-// An answer whose every accepted response is longer than rollout.max_new_tokens (or that the
-// tokenizer cannot encode) can never be rewarded: refused when no training answer fits
-// (builtin:mul6 under the default 5 tokens trained on reward 0), else counted in a warning.
-// Answers of a split no response can be rewarded for (`why(i)`: "" or the reason): refused when
-// that is every training answer (`fix` says what to change), else a warning with their count.
-void unrewardable_check(const models::dataset& d, bool val, const std::function<std::string(size_t)>& why, const std::string& fix) {
-  size_t count = 0;
-  std::string first;
-  for (size_t i = 0; i < d.items.size(); ++i)
-    if (std::string w = why(i); !w.empty() && count++ == 0) first = models::example_where(d, i) + ", '" + d.items[i].answer + "', " + w;
-  if (count == 0) return;
-  const std::string what = std::to_string(count) + " of " + std::to_string(d.items.size()) + (val ? " validation" : " training") +
-                           " answers can never be rewarded (the first: " + first + ")";
-  if (!val && count == d.items.size()) throw std::invalid_argument(what + ": " + fix);
-  log_get("train")->warn("{}", what);
-}
-
-// Answers under the numeric verifier that are no numbers, and answers whose every accepted
-// response is longer than rollout.max_new_tokens (or that the tokenizer cannot encode).
-void answers_fit(const run_config& cfg, const models::dataset& d, const models::tokenizer& tok, bool val) {
-  const auto vk = recipe_rl_config(cfg).verifier;
-  if (vk == models::verifier_kind::numeric)
-    unrewardable_check(
-        d, val, [&](size_t i) { return models::answer_is_number(d.items[i].answer) ? "" : "not a number under task.verifier = numeric"; },
-        "use task.verifier = exact");
-  unrewardable_check(
-      d, val,
-      [&](size_t i) {
-        const size_t n = answer_tokens(tok, vk, d.items[i].answer);
-        if (n == 0) return std::string("not encodable by the tokenizer");
-        return static_cast<int64_t>(n) > cfg.max_new_tokens
-                   ? std::to_string(n) + " tokens, more than rollout.max_new_tokens " + std::to_string(cfg.max_new_tokens)
-                   : std::string();
-      },
-      "raise rollout.max_new_tokens (and model.max_context with it)");
-}
-
-// Both splits' prompts and answers (a task file is both splits: its answers are counted once).
-// Returns the training split (train_set_check's, read once).
-models::dataset examples_fit_check(const run_config& cfg, const models::tokenizer& tok) {
-  const auto task = models::task_spec_parse(cfg.task);
-  models::dataset train;
-  for (const bool val : {false, true}) {
-    auto d = models::task_load(task, val, val ? cfg.val_size : cfg.train_size, static_cast<uint64_t>(cfg.seed));
-    prompts_fit(cfg, d, tok);
-    if (!val || task.builtin) answers_fit(cfg, d, tok, val);
-    if (!val) train = std::move(d);
-  }
-  return train;
-}
-
-// What the built-in model's SFT warm start (seconds to minutes) would only be followed by a
-// refusal of: the task's prompts and answers against the context and responses, and the KV
-// caches against the host's memory (run_preflight checks other models').
-void warm_start_check(const run_config& cfg, const topology& t, const std::string& node) {
-  const auto tok = models::char_tokenizer_make(models::arithmetic_alphabet());
-  examples_fit_check(cfg, *tok);
-  kv_memory_check(cfg, builtin_model_config(cfg, *tok), t, node);
-}
-
-// A resumed run goes on at its checkpoint's prompt cursor: in another training set (a task file
-// edited, its lines reordered) that is other prompts, and the run was no longer the one resumed.
-// Checkpoints made before train_set was recorded are resumed with a warning.
-//   now: the training split as loaded for this run
-void train_set_check(const actor_env& env, const models::dataset& now) {
-  const std::string sp = (fs::path(env.init_dir) / "state.json").string();
-  const json state = models::json_file_read(sp);
-  if (!state.contains("train_set")) {
-    log_get("train")->warn("{}: no train_set recorded (a checkpoint of an earlier fp8rl); {} is not checked against it", sp,
-                           env.cfg.task);
-    return;
-  }
-  const json& t = state["train_set"];
-  if (!t.is_object() || !t.contains("examples") || !t["examples"].is_number_unsigned() || !t.contains("fingerprint") ||
-      !t["fingerprint"].is_string())
-    throw std::invalid_argument(sp + ": key 'train_set' must be {\"examples\": N, \"fingerprint\": \"HEX\"}");
-  const uint64_t n = t["examples"].get<uint64_t>();
-  const std::string fp = t["fingerprint"].get<std::string>(), fp_now = models::dataset_fingerprint(now);
-  if (n == now.items.size() && fp == fp_now) return;
-  throw std::invalid_argument("--resume: the training set " + env.cfg.task + " is not the one " + env.init_dir +
-                              " was trained on (" + std::to_string(n) + " examples, fingerprint " + fp + "; now " +
-                              std::to_string(now.items.size()) + ", " + fp_now +
-                              "): its prompt cursor would go on in other prompts. Restore it, or start a new run from "
-                              "these weights: --model.init=" + env.init_dir);
-}
-
-// Reads here, on the main thread, what the actors would otherwise fail on inside their
-// behaviors (an exception there is CAF's "unhandled exception", and a dataset error inside one
-// left the run hanging): the start checkpoint (weights, optimizer, state), the tokenizer against
-// the model's vocabulary, both task splits (resumed: the training set against the checkpoint's),
-// and metrics.jsonl for appending (a resumed run drops a partial last line a crash left, with a
-// warning; a restarted one -- resumed before its first checkpoint -- every line).
-void run_preflight(const actor_env& env, bool resume, bool restart) {
-  // a run starts from a training checkpoint or a model directory (a Hugging Face download); a
-  // resumed one from its own checkpoint, a restarted one from its start
-  const bool from_checkpoint = resume && !restart;
-  const auto start = models::checkpoint_load(env.init_dir, from_checkpoint ? models::checkpoint_kind::training : models::checkpoint_kind::model_ok);
-  if (env.cfg.max_context > env.model.max_position_embeddings)  // each rollout's engine refused it, and was restarted
-    throw std::invalid_argument("model.max_context = " + std::to_string(env.cfg.max_context) + " exceeds " + env.init_dir +
-                                "/config.json's max_position_embeddings " + std::to_string(env.model.max_position_embeddings));
-  // layers kept BF16 beyond the model's: every rollout refused its bundle at the first step
-  if (env.cfg.bf16_first > env.model.num_hidden_layers || env.cfg.bf16_last > env.model.num_hidden_layers)
-    throw std::invalid_argument("precision.bf16_first/bf16_last (" + std::to_string(env.cfg.bf16_first) + ", " +
-                                std::to_string(env.cfg.bf16_last) + ") exceed " + env.init_dir + "/config.json's " +
-                                std::to_string(env.model.num_hidden_layers) + " layers");
-  if (from_checkpoint)
-    for (const auto& seq : calibration_batch_load(env.init_dir))
-      for (int32_t t : seq)
-        if (t >= env.model.vocab_size)
-          throw std::invalid_argument(env.init_dir + "/calibration.jsonl: token id " + std::to_string(t) +
-                                      " is outside the vocabulary (" + std::to_string(env.model.vocab_size) + ")");
-  if (env.cfg.kl_beta > 0 && env.ref_dir != env.init_dir) {
-    const auto ref = models::checkpoint_load(env.ref_dir, models::checkpoint_kind::model_ok);
-    if (ref.params.data.size() != start.params.data.size())
-      throw std::invalid_argument(env.ref_dir + ": the KL reference (grpo.kl_beta > 0) does not have the shape of " + env.init_dir);
-  }
-  models::tokenizer_vocab_check(*env.tok, env.model.vocab_size, env.init_dir);
-  if (resume || env.cfg.init != "tiny") {  // train_main checked the tiny model's
-    const auto train = examples_fit_check(env.cfg, *env.tok);
-    if (from_checkpoint && env.start_version > 0) train_set_check(env, train);
-  }
-  const fs::path metrics = fs::path(env.run_dir) / "metrics.jsonl";
-  if (fs::exists(metrics) && !fs::is_regular_file(metrics)) throw std::invalid_argument(metrics.string() + ": not a file");
-  if (resume && fs::exists(metrics))
-    if (const int64_t moved = metrics_trim_for_resume(metrics.string(), env.start_version); moved > 0)
-      log_get("train")->warn("{}: {} line(s) {} moved to {}.discarded", metrics.string(), moved,
-                             restart ? std::string("of the steps before the restart")
-                                     : fmt::format("after checkpoint v{} (or cut by an interrupted run)", env.start_version),
-                             metrics.string());
-  std::ofstream probe(metrics, std::ios::app);
-  if (!probe) throw std::invalid_argument(metrics.string() + ": cannot open for writing");
 }
 
 int run_remote_node(fp8rl_config& cfg, const topology& t, const std::string& name) {
