@@ -52,7 +52,7 @@ rl_sample rl_sample_from_result(gen_result&& r, int64_t G) {
   return x;
 }
 
-void group_score(std::vector<rl_sample>& group, const std::string& answer, const tokenizer& tok,
+void group_score(std::span<rl_sample> group, const std::string& answer, const tokenizer& tok,
                  const std::vector<int32_t>& stops, verifier_kind vk, const grpo_config& cfg) {
   std::vector<float> rewards;
   for (auto& x : group) {
@@ -86,11 +86,9 @@ std::vector<rl_sample> rollout_samples(const std::vector<gen_result>& results, c
   std::sort(s.begin(), s.end(), [](const rl_sample& a, const rl_sample& b) {
     return a.prompt_id != b.prompt_id ? a.prompt_id < b.prompt_id : a.group_index < b.group_index;
   });
-  std::vector<rl_sample> out;
   for (size_t g0 = 0; g0 < s.size(); g0 += static_cast<size_t>(G)) {
     const uint64_t pid = s[g0].prompt_id;
-    std::vector<rl_sample> group(std::make_move_iterator(s.begin() + static_cast<std::ptrdiff_t>(g0)),
-                                 std::make_move_iterator(s.begin() + static_cast<std::ptrdiff_t>(g0) + G));
+    const std::span<rl_sample> group(s.data() + g0, static_cast<size_t>(G));  // scored in place
     for (int64_t j = 0; j < G; ++j)  // sorted: a group is indices 0..G-1 of one prompt, each once
       if (group[static_cast<size_t>(j)].prompt_id != pid || group[static_cast<size_t>(j)].group_index != j)
         throw std::invalid_argument("rollout_samples: the group of prompt " + std::to_string(pid) +
@@ -98,9 +96,8 @@ std::vector<rl_sample> rollout_samples(const std::vector<gen_result>& results, c
     auto it = answers.find(pid);
     if (it == answers.end()) throw std::invalid_argument("rollout_samples: no answer for prompt " + std::to_string(pid));
     group_score(group, it->second, tok, stops, vk, cfg);
-    for (auto& x : group) out.push_back(std::move(x));
   }
-  return out;
+  return s;
 }
 
 learner_batch learner_batch_build(const std::vector<rl_sample>& samples, bool share_prompts) {

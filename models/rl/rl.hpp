@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <functional>
 #include <map>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -49,7 +50,7 @@ rl_sample rl_sample_from_result(gen_result&& r, int64_t G);
 // One group's rewards (each response without its stop token, decoded and verified against
 // `answer`) and GRPO advantages over the group (the reward actor's step; rollout_samples' per group).
 //   group: one prompt's samples in group_index order
-void group_score(std::vector<rl_sample>& group, const std::string& answer, const tokenizer& tok,
+void group_score(std::span<rl_sample> group, const std::string& answer, const tokenizer& tok,
                  const std::vector<int32_t>& stops, verifier_kind vk, const grpo_config& cfg);
 
 // G requests per prompt (group_requests): prompt = BOS + tokens(prompt text).
