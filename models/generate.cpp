@@ -71,15 +71,21 @@ double engine_kv_bytes(const model_config& m, const engine_config& ec) {
 // memory.max, v1 memory.limit_in_bytes: a container's, a systemd MemoryMax): what the OOM killer
 // measures against. "max" (v2's no limit) does not parse; v1's no limit is above physical memory.
 double machine_memory_bytes() {
-  double m = double(sysconf(_SC_PHYS_PAGES)) * double(sysconf(_SC_PAGE_SIZE));
-  std::ifstream groups("/proc/self/cgroup");
+  return memory_limit_bytes(double(sysconf(_SC_PHYS_PAGES)) * double(sysconf(_SC_PAGE_SIZE)), "/proc/self/cgroup",
+                            "/sys/fs/cgroup");
+}
+
+double memory_limit_bytes(double physical, const std::filesystem::path& proc_cgroup,
+                          const std::filesystem::path& cgroup_root) {
+  double m = physical;
+  std::ifstream groups(proc_cgroup);
   for (std::string line; std::getline(groups, line);) {  // "0::/path" (v2), "N:memory:/path" (v1)
     const size_t a = line.find(':'), b = line.find(':', a + 1);
     if (a == std::string::npos || b == std::string::npos) continue;
     const std::string ctrl = line.substr(a + 1, b - a - 1);
     const bool v2 = ctrl.empty(), v1 = ctrl.find("memory") != std::string::npos;
     if (!v2 && !v1) continue;
-    const std::filesystem::path base = v2 ? "/sys/fs/cgroup" : "/sys/fs/cgroup/memory";
+    const std::filesystem::path base = v2 ? cgroup_root : cgroup_root / "memory";
     std::filesystem::path rel = std::filesystem::path(line.substr(b + 1)).relative_path();  // "/a/b" -> "a/b"
     for (bool more = true; more; rel = rel.parent_path()) {  // the group, its parents, the root
       more = !rel.empty();

@@ -16,6 +16,7 @@
 #include <chrono>
 #include <cstdint>
 #include <deque>
+#include <filesystem>
 #include <memory>
 #include <mutex>
 #include <set>
@@ -69,6 +70,10 @@ struct engine_config {
 // host's engines.
 double engine_kv_bytes(const model_config& m, const engine_config& ec);
 double machine_memory_bytes();
+// The walk behind it: `physical` lowered to the smallest limit found for the groups named in
+// `proc_cgroup` (a /proc/PID/cgroup file) and their parents under `cgroup_root` (/sys/fs/cgroup).
+double memory_limit_bytes(double physical, const std::filesystem::path& proc_cgroup,
+                          const std::filesystem::path& cgroup_root);
 
 // Per layer: elements FP8 saturation clipped (|x / scale| > 464) -- K/V written to an FP8 cache,
 // queries of FP8 attention (policy fp8_attention).

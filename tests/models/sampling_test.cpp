@@ -7,6 +7,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <filesystem>
+#include <fstream>
 #include <limits>
 #include <random>
 #include <set>
@@ -275,6 +277,40 @@ TEST(Sampling, ImpossibleSettingsAreRefusedByName) {
   } catch (const std::invalid_argument& x) {
     EXPECT_NE(std::string(x.what()).find("lower slots or max_context"), std::string::npos) << x.what();
   }
+}
+
+// The memory the KV check measures against: physical memory lowered by the smallest limit of the
+// process's cgroup or a parent (v2 memory.max, v1 memory.limit_in_bytes), on a fake tree: "max"
+// and v1's huge no-limit value leave it, a missing file is no limit, other controllers are ignored.
+TEST(Sampling, MemoryLimitWalksTheCgroupAndItsParents) {
+  namespace fs = std::filesystem;
+  const fs::path root = fs::temp_directory_path() / ("fp8rl_cgroup_" + std::to_string(::getpid()));
+  fs::remove_all(root);
+  auto put = [](const fs::path& f, const std::string& text) {
+    fs::create_directories(f.parent_path());
+    std::ofstream(f) << text;
+  };
+  const fs::path proc = root / "proc_cgroup", sys = root / "sys";
+  const double phys = 64e9;
+  put(proc, "0::/a/b/c\n");
+  EXPECT_EQ(memory_limit_bytes(phys, proc, sys), phys);  // no files: no limit
+  put(sys / "a/b/c/memory.max", "max\n");
+  put(sys / "a/memory.max", "8000000000\n");  // a parent's limit binds its children
+  put(sys / "memory.max", "16000000000\n");
+  EXPECT_EQ(memory_limit_bytes(phys, proc, sys), 8e9);
+  put(sys / "a/b/memory.max", "2000000000\n");  // the smallest on the path wins
+  EXPECT_EQ(memory_limit_bytes(phys, proc, sys), 2e9);
+  EXPECT_EQ(memory_limit_bytes(1e9, proc, sys), 1e9);  // never above physical memory
+  // v1: the memory controller's line only, its hierarchy under memory/; no limit is a huge number
+  put(proc, "5:cpu,cpuacct:/x\n4:memory:/x/y\n");
+  put(sys / "cpu,cpuacct/x/memory.limit_in_bytes", "1000");
+  put(sys / "memory/x/y/memory.limit_in_bytes", "9223372036854771712\n");
+  EXPECT_EQ(memory_limit_bytes(phys, proc, sys), phys);
+  put(sys / "memory/x/memory.limit_in_bytes", "4000000000\n");
+  EXPECT_EQ(memory_limit_bytes(phys, proc, sys), 4e9);
+  // no such /proc file (not Linux's layout): physical memory
+  EXPECT_EQ(memory_limit_bytes(phys, root / "absent", sys), phys);
+  fs::remove_all(root);
 }
 
 // Logits no distribution comes from -- a NaN or +inf logit, a logit / T that overflows FP32 at a
