@@ -71,6 +71,7 @@ msg::calibration_actor spawn_calibration(caf::actor_system& sys, std::shared_ptr
       auto& s = self->state;
       const auto t0 = std::chrono::steady_clock::now();
       std::shared_ptr<quant::weight_bundle> b;
+      quant::flush_report flushed;
       try {
         trace_span span("calibration", "calibrate", static_cast<int64_t>(pm.version));
         auto& st = s.st;
@@ -80,13 +81,14 @@ msg::calibration_actor spawn_calibration(caf::actor_system& sys, std::shared_ptr
         st.version = pm.version;
         std::vector<models::token_batch> calib(1);
         for (const auto& q : pm.calib) calib[0].add(q);
-        s.arena->execute([&] { b = models::make_bundle(st, s.env->rl, calib, pm.version); });
+        s.arena->execute([&] { b = models::make_bundle(st, s.env->rl, calib, pm.version, &flushed); });
       } catch (const std::exception& e) {
         self->send(s.peers.controller, std::string("calibration"), std::string(e.what()));
         return;
       }
       const double sec = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-      msg::calib_report rep{{}, pm.version, sec};
+      models::flush_warn(flushed, pm.version);  // here, where the weights were quantized
+      msg::calib_report rep{{}, pm.version, sec, flushed.flushed, flushed.worst_fraction};
       trace_send("calibration", "calib_report", rep.trace, static_cast<int64_t>(pm.version));
       self->send(s.peers.controller, std::move(rep));
       msg::bundle_msg out{{}, std::move(b)};

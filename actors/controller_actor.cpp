@@ -362,6 +362,7 @@ msg::controller_actor spawn_controller(caf::actor_system& sys, std::shared_ptr<c
           trace_recv("controller", "calib_report", r.trace, static_cast<int64_t>(r.version));
           s.extras["calibration_s"] = r.seconds;
           s.extras["calibration_version"] = double(r.version);
+          models::flush_metrics_add(r.weights_flushed, r.worst_block_flushed, s.extras);
         },
         [finish](std::string& who, std::string& what) { finish(1, who + ": " + what); },
         [self, request_stop, log](msg::stop_atom, std::string& why, int32_t code) {

@@ -40,16 +40,18 @@ typename Inspector::result_type inspect(Inspector& f, sync_report& x) {
   return f(caf::meta::type_name("sync_report"), x.trace, x.version, x.latency_s, x.bytes, x.cross_process, x.transfer_s);
 }
 
-// A bundle was calibrated (calibration -> controller), for timing: the next metrics line carries
-// calibration_s and calibration_version.
+// A bundle was calibrated (calibration -> controller): the next metrics line carries
+// calibration_s, calibration_version and the flush metrics (models::flush_metrics_add).
 struct calib_report {
   trace_ctx trace;
   uint64_t version = 0;  // the weight_version calibrated
   double seconds = 0;    // params received -> bundle made
+  int64_t weights_flushed = 0;        // nonzero FP8 weights quantization sent to zero
+  double worst_block_flushed = 0;     // the largest share of its nonzero weights one block lost
 };
 template <class Inspector>
 typename Inspector::result_type inspect(Inspector& f, calib_report& x) {
-  return f(caf::meta::type_name("calib_report"), x.trace, x.version, x.seconds);
+  return f(caf::meta::type_name("calib_report"), x.trace, x.version, x.seconds, x.weights_flushed, x.worst_block_flushed);
 }
 
 using metrics_t = std::map<std::string, double>;

@@ -30,7 +30,7 @@ bundle_dtype dtype_for(const model_config& c, const precision_policy& pol, const
 }  // namespace
 
 quant::weight_bundle bundle_from_params(const model_params& p, const precision_policy& policy, uint64_t weight_version,
-                                        uint64_t scale_version, const attn_fp8_scales* attn) {
+                                        uint64_t scale_version, const attn_fp8_scales* attn, quant::flush_report* flushed) {
   policy.validate();
   quant::weight_bundle b;
   b.weight_version = weight_version;
@@ -68,6 +68,7 @@ quant::weight_bundle bundle_from_params(const model_params& p, const precision_p
       case bundle_dtype::fp8: {
         quant::qtensor q = quant::quantize(src, info.shape[0], info.shape[1], quant::qlayout::block_128x128,
                                            policy.scales, info.name);
+        if (flushed) flushed->merge(quant::qtensor_flushed(src, q));
         t.bytes = std::move(q.data);
         s.weight_scales[info.name] = std::move(q.scale_inv);
         break;

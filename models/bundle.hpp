@@ -18,8 +18,10 @@
 namespace fp8rl::models {
 
 // attn (optional): FP8 attention / KV-cache scales (scale_inv [L][H], [L][KV], [L][KV]).
+// flushed (optional): what the FP8 tensors' quantization sent to zero (quant::qtensor_flushed).
 quant::weight_bundle bundle_from_params(const model_params& p, const precision_policy& policy, uint64_t weight_version,
-                                        uint64_t scale_version, const attn_fp8_scales* attn);
+                                        uint64_t scale_version, const attn_fp8_scales* attn,
+                                        quant::flush_report* flushed = nullptr);
 
 struct bundle_contents {
   std::map<std::string, std::vector<float>> values;  // non-FP8 tensors as FP32 values

@@ -1,6 +1,6 @@
 // quant/qtensor.hpp -- blockwise FP8 (E4M3) quantization of row-major matrices.
 // defines: qlayout, qtensor, nonfinite_error, quantize, quantize_ref, dequantize,
-//          qtensor_transpose_blocks, qtensor_validate
+//          qtensor_transpose_blocks, qtensor_validate, flush_report, qtensor_flushed
 //
 // Legend: a source matrix X is row-major [rows, cols]. As a GEMM operand (C = A·B^T) an
 // FP8 tensor is an "operand matrix" [R, K] whose rows are contiguous in `data`:
@@ -79,6 +79,21 @@ void dequantize(const qtensor& q, float* out);
 // W [rows, cols] in 128x128 blocks -> W^T [cols, rows] in 128x128 blocks with the same block
 // scales (fp8-numerics.md §3.2: the same blocks serve the transpose in dgrad). Exact.
 qtensor qtensor_transpose_blocks(const qtensor& w);
+
+// What quantization sent to zero: nonzero source values whose code is +-0 (|x * scale| <= 2^-10,
+// fp8-numerics.md §2.1), which a block's outlier causes silently (its scale lifts the block's
+// other values below E4M3's smallest subnormal). Over tensors, and the tile/block (operand grid,
+// as in nonfinite_error) that lost the largest fraction of its nonzero values.
+struct flush_report {
+  int64_t flushed = 0, nonzero = 0;
+  std::string worst_tensor;
+  int64_t worst_block_row = -1, worst_block_col = -1;
+  double worst_fraction = 0;  // flushed / nonzero of that block; 0 when nothing was flushed
+  void merge(const flush_report& o);
+  std::string worst_text() const;  // "tensor 'w': block (r, c) lost f of its nonzero values"
+};
+// q quantized from x [q.rows, q.cols] (row-major, as passed to quantize).
+flush_report qtensor_flushed(const float* x, const qtensor& q);
 
 // Checks sizes, scale finiteness/positivity and NaN codes; throws std::invalid_argument naming
 // the tensor and what is wrong. Use on anything that crossed a process boundary.

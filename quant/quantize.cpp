@@ -180,6 +180,51 @@ qtensor qtensor_transpose_blocks(const qtensor& w) {
   return t;
 }
 
+void flush_report::merge(const flush_report& o) {
+  flushed += o.flushed;
+  nonzero += o.nonzero;
+  if (o.worst_fraction > worst_fraction) {
+    worst_tensor = o.worst_tensor;
+    worst_block_row = o.worst_block_row;
+    worst_block_col = o.worst_block_col;
+    worst_fraction = o.worst_fraction;
+  }
+}
+
+std::string flush_report::worst_text() const {
+  if (worst_fraction == 0) return "no value was flushed to zero";
+  std::ostringstream os;
+  os << "tensor '" << worst_tensor << "': block (" << worst_block_row << ", " << worst_block_col << ") lost "
+     << worst_fraction << " of its nonzero values to zero";
+  return os.str();
+}
+
+flush_report qtensor_flushed(const float* x, const qtensor& q) {
+  flush_report out;
+  out.worst_tensor = q.name;
+  const int64_t K = q.op_cols(), rstep = q.layout == qlayout::block_128x128 ? kBlock : 1;
+  for (int64_t r0 = 0; r0 < q.op_rows(); r0 += rstep)
+    for (int64_t kb = 0; kb < q.k_blocks(); ++kb) {
+      int64_t flushed = 0, nonzero = 0;
+      for (int64_t r = r0; r < std::min(q.op_rows(), r0 + rstep); ++r)
+        for (int64_t k = kb * kBlock; k < std::min(K, (kb + 1) * kBlock); ++k) {
+          const float v = q.layout == qlayout::colwise_1x128 ? x[k * q.cols + r] : x[r * q.cols + k];
+          const bool nz = v != 0.0f;
+          nonzero += nz;
+          flushed += nz && (q.data[r * K + k] & 0x7f) == 0;
+        }
+      out.flushed += flushed;
+      out.nonzero += nonzero;
+      const double f = nonzero ? double(flushed) / double(nonzero) : 0.0;
+      if (f > out.worst_fraction) {
+        out.worst_fraction = f;
+        out.worst_block_row = r0 / rstep;
+        out.worst_block_col = kb;
+      }
+    }
+  return out;
+}
+
 void qtensor_validate(const qtensor& q) {
   auto fail = [&](const std::string& what) {
     throw std::invalid_argument("tensor '" + q.name + "': " + what);

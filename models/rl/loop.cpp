@@ -7,6 +7,7 @@
 #include <stdexcept>
 
 #include "models/cpu/cpu_backend.hpp"
+#include "models/log.hpp"
 
 namespace fp8rl::models {
 
@@ -44,7 +45,8 @@ attn_fp8_scales calibrate_attention(model_runner& run, const model_weights& w, c
 }
 
 std::shared_ptr<quant::weight_bundle> make_bundle(const rl_state& st, const rl_run_config& cfg,
-                                                  const std::vector<token_batch>& calib, uint64_t scale_version) {
+                                                  const std::vector<token_batch>& calib, uint64_t scale_version,
+                                                  quant::flush_report* flushed) {
   attn_fp8_scales sc;
   const bool need = cfg.gen_policy.kv == kv_dtype::fp8 || cfg.gen_policy.fp8_attention;
   if (need) {
@@ -54,7 +56,19 @@ std::shared_ptr<quant::weight_bundle> make_bundle(const rl_state& st, const rl_r
     sc = calibrate_attention(run, *w, calib, cfg.kv_percentile, cfg.kv_margin);
   }
   return std::make_shared<quant::weight_bundle>(
-      bundle_from_params(st.params, cfg.gen_policy, st.version, scale_version, need ? &sc : nullptr));
+      bundle_from_params(st.params, cfg.gen_policy, st.version, scale_version, need ? &sc : nullptr, flushed));
+}
+
+void flush_metrics_add(int64_t flushed, double worst_block, metric_map& m) {
+  m["fp8_weights_flushed"] = double(flushed);
+  m["fp8_weights_flushed_worst_block"] = worst_block;
+}
+
+bool flush_warn(const quant::flush_report& f, uint64_t version) {
+  if (!(f.worst_fraction > kFlushWarnFraction)) return false;
+  log_get("calibration")->warn("weights v{}: {} (an outlier's scale; {} of {} nonzero FP8 weights flushed in all)", version,
+                               f.worst_text(), f.flushed, f.nonzero);
+  return true;
 }
 
 std::vector<task_example> take_prompts(const dataset& d, uint64_t cursor, int64_t n) {
@@ -73,7 +87,8 @@ metric_map rl_sync_step(rl_state& st, generation_engine& eng, const dataset& tra
     for (const auto& p : prompts) calib.add(tok.encode(p.prompt, true));
   else
     for (const auto& q : st.last_trained) calib.add(q);
-  const std::string err = eng.adopt(make_bundle(st, cfg, {calib}, st.version));
+  quant::flush_report flushed;
+  const std::string err = eng.adopt(make_bundle(st, cfg, {calib}, st.version, &flushed));
   if (!err.empty()) throw std::runtime_error("rl_sync_step: adoption refused: " + err);
   const auto stops = stop_ids(st.params.cfg, tok);
   for (auto& r : rollout_requests(prompts, st.prompt_cursor, tok, stops, cfg.grpo.group_size, cfg.proc, cfg.max_new_tokens,
@@ -99,6 +114,8 @@ metric_map rl_sync_step(rl_state& st, generation_engine& eng, const dataset& tra
   metric_map m = lo.loss.metrics;
   rl_batch_metrics(samples, st.version, 0, m);
   m["grad_norm"] = gnorm;
+  flush_warn(flushed, st.version);
+  flush_metrics_add(flushed.flushed, flushed.worst_fraction, m);
   m["weight_version"] = double(st.version);
   m["generation_s"] = std::chrono::duration<double>(t1 - t0).count();
   m["training_s"] = std::chrono::duration<double>(clk::now() - t1).count();

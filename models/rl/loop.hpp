@@ -38,9 +38,19 @@ attn_fp8_scales calibrate_attention(model_runner& run, const model_weights& w, c
                                     double percentile, float margin);
 
 // The bundle the rollout adopts for `st.params` (FP8 attention scales calibrated on `calib`
-// when the generation policy needs them).
+// when the generation policy needs them); flushed (optional): what its FP8 weights lost to zero.
 std::shared_ptr<quant::weight_bundle> make_bundle(const rl_state& st, const rl_run_config& cfg,
-                                                  const std::vector<token_batch>& calib, uint64_t scale_version);
+                                                  const std::vector<token_batch>& calib, uint64_t scale_version,
+                                                  quant::flush_report* flushed = nullptr);
+
+// A block losing this share of its nonzero FP8 weights to zero is an outlier's doing (its scale
+// lifts the rest below 2^-10): Gaussian blocks lose ~1e-5 (amax ~4.5 sigma, threshold ~3e-6 amax).
+inline constexpr double kFlushWarnFraction = 0.01;
+// A bundle's flush metrics into m: fp8_weights_flushed (nonzero FP8 weights sent to zero) and
+// fp8_weights_flushed_worst_block (the largest share of its nonzero weights one block lost).
+void flush_metrics_add(int64_t flushed, double worst_block, metric_map& m);
+// Warns naming the tensor and block when a block's share passes kFlushWarnFraction; true if so.
+bool flush_warn(const quant::flush_report& f, uint64_t version);
 
 // Prompts [cursor, cursor + n) of the dataset (wrapping), as (prompt_id -> example).
 std::vector<task_example> take_prompts(const dataset& d, uint64_t cursor, int64_t n);

@@ -215,9 +215,11 @@ TEST(Messages, EveryWireTypeRoundTrips) {
   EXPECT_EQ(round_trip(sys, sr).metrics, sr.metrics);
   EXPECT_EQ(round_trip(sys, msg::admitted_msg{{}, 1, 2, true, "stale"}).reason, "stale");
   EXPECT_EQ(round_trip(sys, msg::sync_report{{}, 3, 0.25, 100, true}).bytes, 100);
-  const auto cr = round_trip(sys, msg::calib_report{{}, 3, 0.5});
+  const auto cr = round_trip(sys, msg::calib_report{{}, 3, 0.5, 77, 0.25});
   EXPECT_EQ(cr.version, 3u);
   EXPECT_EQ(cr.seconds, 0.5);
+  EXPECT_EQ(cr.weights_flushed, 77);
+  EXPECT_EQ(cr.worst_block_flushed, 0.25);
 }
 
 namespace {
@@ -454,8 +456,24 @@ TEST(Protocol, CalibrationKeepsWeightsThatCameBeforeItsPeers) {
   ctl->receive([&](msg::calib_report& r) {
     EXPECT_EQ(r.version, 1u);
     EXPECT_GT(r.seconds, 0.0);
+    EXPECT_LT(r.worst_block_flushed, models::kFlushWarnFraction);  // initial weights: no outlier
   },
                caf::after(std::chrono::seconds(5)) >> [] { FAIL() << "no calib_report"; });
+  // an outlier weight: its block's scale sends the block's other weights to zero, and the report
+  // says so (the calibration actor also warns naming the block: models::flush_warn)
+  models::model_params with = params;
+  with.get("model.layers.0.mlp.down_proj.weight")[0] = 1e6f;
+  pm.version = 2;
+  pm.params = std::make_shared<const std::vector<float>>(with.data);
+  ctl->send(cal, pm);
+  ws->receive([](msg::bundle_msg& m) { EXPECT_EQ(m.bundle->weight_version, 2u); },
+              caf::after(std::chrono::seconds(30)) >> [] { FAIL() << "no bundle v2"; });
+  ctl->receive([&](msg::calib_report& r) {
+    EXPECT_EQ(r.version, 2u);
+    EXPECT_GT(r.worst_block_flushed, 0.9);  // weights ~0.02 against a 2^-10 * 1e6 / 448 threshold
+    EXPECT_GT(r.weights_flushed, 100);
+  },
+               caf::after(std::chrono::seconds(5)) >> [] { FAIL() << "no calib_report v2"; });
   ctl->send_exit(cal, caf::exit_reason::user_shutdown);
 }
 

@@ -247,6 +247,53 @@ TEST(Quantize, NonFiniteInARaggedTailIsCountedExactly) {
   }
 }
 
+// An outlier's scale sends its block's small values to zero; the report counts them (checked
+// against the dequantized values: a nonzero x whose value came back 0) and names the block that
+// lost the largest share, in every layout's operand grid. Zeros in x are not counted.
+TEST(Quantize, FlushedValuesAreCountedAndTheWorstBlockNamed) {
+  for (qlayout l : kLayouts) {
+    auto x = fp8rl::test::randn(300 * 400, 5, 1.0f);
+    x[7] = 0.0f;                         // a zero stays zero: neither nonzero nor flushed
+    x[200 * 400 + 300] = 1e30f;          // row 200, col 300: its tile/block's scale ~2^-91
+    qtensor q = quantize(x.data(), 300, 400, l, scale_mode::pow2, "layers.3.up");
+    const flush_report f = qtensor_flushed(x.data(), q);
+    std::vector<float> back(x.size());
+    dequantize(q, back.data());
+    int64_t flushed = 0, nonzero = 0;
+    for (size_t i = 0; i < x.size(); ++i) {
+      nonzero += x[i] != 0.0f;
+      flushed += x[i] != 0.0f && back[i] == 0.0f;
+    }
+    EXPECT_EQ(f.nonzero, nonzero);
+    EXPECT_EQ(f.flushed, flushed);
+    // the outlier's tile/block: every other value (|x| < 2^10, far below 2^-10 * 2^91) is flushed
+    const int64_t others = l == qlayout::block_128x128 ? 128 * 128 - 1 : 127;
+    EXPECT_GE(f.flushed, others) << int(l);  // and the odd Gaussian value within ~1e-5 of 0 elsewhere
+    EXPECT_EQ(f.worst_tensor, "layers.3.up");
+    const int64_t row = l == qlayout::block_128x128 ? 1 : l == qlayout::rowwise_1x128 ? 200 : 300;
+    const int64_t col = l == qlayout::block_128x128 ? 2 : l == qlayout::rowwise_1x128 ? 2 : 1;
+    EXPECT_EQ(f.worst_block_row, row) << int(l);
+    EXPECT_EQ(f.worst_block_col, col) << int(l);
+    EXPECT_DOUBLE_EQ(f.worst_fraction, double(others) / double(others + 1));
+    EXPECT_NE(f.worst_text().find("tensor 'layers.3.up': block (" + std::to_string(row) + ", " + std::to_string(col) + ")"),
+              std::string::npos) << f.worst_text();
+    // merging keeps the larger worst block and adds the counts
+    const auto y = fp8rl::test::randn(300 * 400, 6, 1.0f);
+    flush_report sum = qtensor_flushed(y.data(), quantize(y.data(), 300, 400, l, scale_mode::pow2, "other"));
+    const flush_report y_alone = sum;
+    sum.merge(f);
+    EXPECT_EQ(sum.worst_tensor, "layers.3.up");
+    EXPECT_EQ(sum.worst_fraction, f.worst_fraction);
+    EXPECT_EQ(sum.nonzero, y_alone.nonzero + f.nonzero);
+    EXPECT_EQ(sum.flushed, y_alone.flushed + f.flushed);
+  }
+  // Gaussian data: amax ~4 sigma, the flush threshold ~3e-6 amax: almost nothing flushed
+  auto g = fp8rl::test::randn(256 * 256, 9, 1.0f);
+  const flush_report f = qtensor_flushed(g.data(), quantize(g.data(), 256, 256, qlayout::block_128x128, scale_mode::pow2, "g"));
+  EXPECT_LT(f.worst_fraction, 1e-3);
+  EXPECT_EQ(flush_report{}.worst_text(), "no value was flushed to zero");
+}
+
 TEST(Quantize, ValidateRejectsMissingScaleAndNaNCodes) {
   auto x = fp8rl::test::randn(130 * 130, 2);
   qtensor q = quantize(x.data(), 130, 130, qlayout::block_128x128, scale_mode::pow2, "w");
