@@ -22,9 +22,10 @@ inline constexpr double kGemmBf16VsF64Diff = 1e-9;
 // has mean-square relative error 2^-8/3 * E[1/(1+f)^2] ~ 6.5e-4 (f: mantissa fraction), so two
 // operands give calc_diff ~ 6.5e-4; DeepGEMM's FP8 bound (deep_gemm/testing/numeric.py) 0.001.
 inline constexpr double kGemmFp8VsF64Diff = 1e-3;
-// BF16 GEMM vs FP64 on the original FP32 data: two BF16 roundings (relative <= 2^-8 each,
-// mean square ~2^-16/3 each) give calc_diff ~ 2^-16/3 ~ 5e-6; 1e-4 leaves room for outliers.
-inline constexpr double kGemmBf16VsF32DataDiff = 1e-4;
+// BF16 GEMM vs FP64 on the original FP32 data: each product carries two BF16 roundings (relative
+// mean square <= 2^-16/3 each, kUnitRmsBF16^2), random-sign sums keep that relative mean square,
+// and calc_diff is half of it: ~2^-16/3 ~ 5e-6. 4x: the spread of a few hundred outputs' sample.
+inline constexpr double kGemmBf16VsF32DataDiff = 4.0 / 65536 / 3;
 
 // FP32 model vs PyTorch FP32 (tools/make-golden.py): both round each op to FP32 but sum in
 // different orders; a few ulps (2^-24 ~ 6e-8) per op over ~30 ops stay far below 1e-5.
@@ -43,13 +44,17 @@ inline constexpr double kFp32SumOrder = 1e-5;
 // ~2^-24 |L| / h <= 6e-5 relative; 5e-3 normwise leaves room for curvature of exp/softmax.
 inline constexpr double kFiniteDiffF32 = 5e-3;
 // models/cpu/fast_exp.hpp vs exact exp: 2 ulp of FP32 (Cephes expf's bound is ~1 ulp; one more
-// for the rounding of x * log2(e) near half-integers).
+// for the rounding of x * log2(e) near half-integers); as a relative bound (2 ulp at the bottom
+// of a binade, the loosest place) for the tolerances derived from it, fp32_ulps per value.
 inline constexpr double kFastExpRel = 2.0 / (1 << 23);
+// n FP32 ulps of the value `want` (its binade's spacing 2^(ilogb(want) - 23)).
+inline double fp32_ulps(double want, double n) { return n * std::ldexp(1.0, std::ilogb(want) - 23); }
 
 // Relative RMS error of one RNE rounding to a format with m explicit mantissa bits: the half-ulp
 // 2^-(m+1) relative at the bottom of a binade, uniform, so 2^-(m+1)/sqrt(3).
-inline constexpr double kUnitRmsBF16 = 0.0039 / 1.7320508;  // m = 7
-inline constexpr double kUnitRmsE4M3 = 0.0625 / 1.7320508;  // m = 3
+inline constexpr double kSqrt3 = 1.7320508075688772;
+inline constexpr double kUnitRmsBF16 = 1.0 / 256 / kSqrt3;  // m = 7: 2^-8 / sqrt(3)
+inline constexpr double kUnitRmsE4M3 = 1.0 / 16 / kSqrt3;   // m = 3: 2^-4 / sqrt(3)
 // Whole-model logits vs FP32 (3 layers, random init): ~13 GEMM stages round their operands;
 // errors add in quadrature (sqrt(13) ~ 3.6) and the network's gain is ~2, so allow 8 units.
 inline constexpr double kModelBf16VsF32 = 8 * kUnitRmsBF16;   // 0.018

@@ -244,7 +244,9 @@ TEST(Recipe, LogLevelReachesTheComponentLoggers) {
 }
 
 TEST(Recipe, ShippedRecipesAndTopologiesValidate) {
+  int recipes = 0, topologies = 0;
   for (const auto& e : fs::directory_iterator("configs/recipes")) {
+    ++recipes;
     run_config r;
     EXPECT_NO_THROW(recipe_load_file(r, e.path().string())) << e.path();
     // the 8-GPU recipe names a checkpoint under /models that no test machine has (validation
@@ -254,8 +256,12 @@ TEST(Recipe, ShippedRecipesAndTopologiesValidate) {
   run_config d;
   EXPECT_NO_THROW(recipe_load_file(d, "configs/default.conf"));
   EXPECT_EQ(recipe_to_json(d), recipe_to_json(run_config{}));  // default.conf documents the defaults
-  for (const auto& e : fs::directory_iterator("configs/topologies"))
+  for (const auto& e : fs::directory_iterator("configs/topologies")) {
+    ++topologies;
     EXPECT_NO_THROW(topology_plan(topology_load(e.path().string()))) << e.path();
+  }
+  EXPECT_GE(recipes, 6);  // run from the repository root (ctest's WORKING_DIRECTORY): the shipped files were read
+  EXPECT_GE(topologies, 4);
 }
 
 TEST(Topology, Llama8BOnEightGpusPlan) {

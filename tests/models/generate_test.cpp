@@ -27,6 +27,7 @@
 #include "quant/gemm.hpp"
 #include "tests/models/gen_util.hpp"
 #include "tests/test_util.hpp"
+#include "tests/tolerances.hpp"
 
 using namespace fp8rl::models;
 using namespace fp8rl::models::test;
@@ -602,20 +603,34 @@ TEST(Generate, Fp8KvCacheMismatchIsMeasured) {
     EXPECT_EQ(e.adopt_params(p, 1, 1, &sc), "");
     for (auto& r : requests(6, 1.0f)) e.submit(r);
     auto res = e.run_to_completion();
-    auto lp = learner_logprobs(p, e.config().policy.training(), res, {});
-    double n = 0, err = 0;
+    const learner_view lv = learner_forward(p, e.config().policy.training(), res, {});
+    const auto& lp = lv.logprobs;
+    double n = 0, err = 0, zz = 0, zn = 0;
     for (size_t i = 0; i < res.size(); ++i)
-      for (size_t t = 0; t < res[i].logprobs.size(); ++t) { err += std::exp(std::fabs(res[i].logprobs[t] - lp[i][t])); n += 1; }
-    std::printf("fp8 KV cache%s vs bf16 learner: token_mult_prob_error = %.5f over %.0f tokens\n",
-                fp8_attention ? " + FP8 attention" : " (BF16 attention)", err / n, n);
-    return err / n;
+      for (size_t t = 0; t < res[i].logprobs.size(); ++t) {
+        err += std::exp(std::fabs(res[i].logprobs[t] - lp[i][t]));
+        n += 1;
+        const auto& z = lv.logits[i][t];  // centred: log-softmax ignores a row's shift
+        const double mean = std::accumulate(z.begin(), z.end(), 0.0) / double(z.size());
+        for (float v : z) zz += (v - mean) * (v - mean);
+        zn += double(z.size());
+      }
+    std::printf("fp8 KV cache%s vs bf16 learner: token_mult_prob_error = %.5f over %.0f tokens (logit RMS %.3f)\n",
+                fp8_attention ? " + FP8 attention" : " (BF16 attention)", err / n, n, std::sqrt(zz / zn));
+    return std::pair{err / n, std::sqrt(zz / zn)};
   };
-  const double kv_only = tmpe_of(false), kv_attn = tmpe_of(true);
+  const auto [kv_only, logit_rms] = tmpe_of(false);
+  const double kv_attn = tmpe_of(true).first;
   RecordProperty("token_mult_prob_error_fp8_kv_cache", std::to_string(kv_only));
   RecordProperty("token_mult_prob_error_fp8_kv_attention", std::to_string(kv_attn));
+  // and bounded: FP8 K/V (and queries) move the logits by at most kFp8AttentionVsBf16 of their RMS
+  // (attention's error, which the residual stream only dilutes), and a logprob moves by its token's
+  // logit error less the softmax-weighted mean of the row's: |dlogp| <= 2 x that, so
+  // log(token_mult_prob_error) = log mean exp|dlogp| <= 2 kFp8AttentionVsBf16 logit_rms
   for (double tmpe : {kv_only, kv_attn}) {
     EXPECT_TRUE(std::isfinite(tmpe));
     EXPECT_GT(tmpe, 1.0);  // FP8 K/V differ from BF16: the error is real, and reported
+    EXPECT_LE(std::log(tmpe), 2 * fp8rl::tol::kFp8AttentionVsBf16 * logit_rms);
   }
   EXPECT_NE(kv_only, kv_attn);  // two paths: FP8 queries change the scores again
 }

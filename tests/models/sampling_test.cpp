@@ -375,6 +375,8 @@ TEST(Sampling, AFailedStepChangesNoSlot) {
   for (auto& r : rq) f.submit(r);
   EXPECT_THROW(f.step(), std::runtime_error);
   EXPECT_THROW(f.step(), std::runtime_error);
+  ASSERT_EQ(f.stats().kv_saturated.size(), static_cast<size_t>(L));  // one count per layer: the loops below check each
+  ASSERT_EQ(f.stats().q_saturated.size(), static_cast<size_t>(L));
   for (int64_t n : f.stats().kv_saturated) EXPECT_EQ(n, 0);
   for (int64_t n : f.stats().q_saturated) EXPECT_EQ(n, 0);
   f.drain();

@@ -319,9 +319,13 @@ TEST_P(LearnerStepSharing, KeepsLogprobsAndLoss) {
   EXPECT_FALSE(a.tokens.c.empty()) << pol;
   const double e = fp8rl::tol::rel_norm_err(to_double(a.grads), to_double(b.grads));
   std::printf("%s: shared vs unshared learner gradient rel err %.3g\n", pol, e);
-  if (std::string(pol) == "fp32") {
-    EXPECT_LE(e, fp8rl::tol::kFp32SumOrder);
-  }
+  // FP32: summation order only; the others: each layout within its policy's bound of FP32 (the
+  // next test), so within twice that of each other
+  const std::string name = pol;
+  const double bound = name == "fp32"   ? fp8rl::tol::kFp32SumOrder
+                       : name == "bf16" ? 2 * fp8rl::tol::kModelBf16VsF32Grad
+                                        : 2 * fp8rl::tol::kModelFp8VsF32Grad;
+  EXPECT_LE(e, bound) << pol;
 }
 INSTANTIATE_TEST_SUITE_P(Policies, LearnerStepSharing, ::testing::Values("fp32", "bf16", "fp8", "fp8-tiles"),
                          [](const auto& info) { return std::string(info.param) == "fp8-tiles" ? std::string("fp8_tiles") : std::string(info.param); });

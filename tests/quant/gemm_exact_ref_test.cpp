@@ -134,3 +134,25 @@ TEST(GemmExactRef, NanCodesAndBadOperands) {
   qtensor Ak = quantize(Af.data(), M * 2, K / 2, qlayout::rowwise_1x128, scale_mode::pow2, "Ak");
   EXPECT_THROW(gemm_fp8_exact_ref(Ak, B, e.data()), std::invalid_argument);  // K mismatch
 }
+
+// The sequential references follow §5.2's order, pinned by a case worked out by hand (the fast
+// paths are checked against the references bit for bit in gemm_test, so this pins them too):
+// products p0..p3 = 2^-8, 2^16, 2^-8, -2^16 (values 2^-4 and 2^8, exact in E4M3 at scale 1 and
+// in BF16). Odd element first: 2^16, + 2^-8 ties to 2^16 (half an ulp of 2^16 is 2^-8), - 2^16
+// = 0, + 2^-8 = 2^-8. Even first would give 0; the exact sum (§5.4) is 2^-7.
+TEST(GemmExactRef, SequentialReferencesSumOddElementFirst) {
+  const float a[4] = {0.0625f, 256.0f, 0.0625f, -256.0f}, b[4] = {0.0625f, 256.0f, 0.0625f, 256.0f};
+  qtensor A = quantize(a, 1, 4, qlayout::rowwise_1x128, scale_mode::pow2, "A");
+  qtensor B = quantize(b, 1, 4, qlayout::block_128x128, scale_mode::pow2, "B");
+  ASSERT_EQ(A.scale_at(0, 0), 1.0f);  // amax 256 lies in (224, 448]: scale 2^0, every value exact
+  ASSERT_EQ(B.scale_at(0, 0), 1.0f);
+  float seq = -1, exact = -1, bf = -1;
+  gemm_fp8_ref(A, B, &seq);
+  gemm_fp8_exact_ref(A, B, &exact);
+  EXPECT_EQ(seq, std::ldexp(1.0f, -8));
+  EXPECT_EQ(exact, std::ldexp(1.0f, -7));
+  uint16_t a16[4], b16[4];
+  for (int i = 0; i < 4; ++i) a16[i] = bf16_from_float(a[i]), b16[i] = bf16_from_float(b[i]);
+  gemm_bf16_ref({1, 1, 4}, a16, b16, &bf);
+  EXPECT_EQ(bf, std::ldexp(1.0f, -8));
+}

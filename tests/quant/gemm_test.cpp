@@ -5,11 +5,16 @@
 #include <tbb/parallel_for.h>
 #include <tbb/task_arena.h>
 
+#include <algorithm>
 #include <cfloat>
 #include <bit>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <fstream>
+#include <iterator>
+#include <set>
+#include <sstream>
 #include <limits>
 #include <string>
 
@@ -85,6 +90,37 @@ std::vector<double> gemm_f64(const std::vector<float>& A, const std::vector<floa
   return C;
 }
 }  // namespace
+
+// Every ISA-dependent test of the suite skips (or loops past) what cpu_isa_detected() says this
+// CPU lacks, so a detection that misfires would pass them silently. Detection agrees with the
+// kernel's flags in /proc/cpuinfo (AMX also needs the kernel's permission: flags without the
+// level are reported, not failed), and FP8RL_REQUIRE_ISA=avx512|avx512_bf16|amx (CI sets it per
+// machine) fails where the detected level is lower.
+TEST(Gemm, IsaDetectionAgreesWithTheKernelsFlags) {
+  std::ifstream in("/proc/cpuinfo");
+  std::string line;
+  while (std::getline(in, line) && line.rfind("flags", 0) != 0) {}
+  if (line.empty()) GTEST_SKIP() << "no flags line in /proc/cpuinfo";
+  std::istringstream words(line.substr(line.find(':') + 1));
+  std::set<std::string> flags{std::istream_iterator<std::string>(words), std::istream_iterator<std::string>()};
+  auto all = [&](std::initializer_list<const char*> names) {
+    return std::all_of(names.begin(), names.end(), [&](const char* f) { return flags.count(f) > 0; });
+  };
+  const bool avx512 = all({"avx512f", "avx512bw", "avx512vl", "avx512dq"});
+  const bool bf16 = avx512 && all({"avx512_bf16", "avx512vbmi", "avx512_vbmi2", "gfni"});
+  const cpu_isa d = cpu_isa_detected();
+  EXPECT_EQ(d >= cpu_isa::avx512, avx512) << cpu_isa_name(d);
+  EXPECT_EQ(d >= cpu_isa::avx512_bf16, bf16) << cpu_isa_name(d);
+  if (bf16 && all({"amx_tile", "amx_bf16"}) && d < cpu_isa::amx)
+    std::printf("AMX flags present, tiles not granted by the kernel (ARCH_REQ_XCOMP_PERM)\n");
+  EXPECT_FALSE(d >= cpu_isa::amx && !all({"amx_tile", "amx_bf16"})) << cpu_isa_name(d);
+  if (const char* req = std::getenv("FP8RL_REQUIRE_ISA")) {
+    const std::string r = req;
+    const cpu_isa want = r == "amx" ? cpu_isa::amx : r == "avx512_bf16" ? cpu_isa::avx512_bf16 : r == "avx512" ? cpu_isa::avx512 : cpu_isa::portable;
+    ASSERT_TRUE(want != cpu_isa::portable || r == "portable") << "FP8RL_REQUIRE_ISA='" << r << "' names no level";
+    EXPECT_GE(d, want) << "FP8RL_REQUIRE_ISA=" << r << ", detected " << cpu_isa_name(d);
+  }
+}
 
 TEST(Gemm, F32FastEqualsReference) {
   uint64_t seed = 100;

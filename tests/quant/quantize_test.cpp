@@ -62,6 +62,10 @@ TEST(Quantize, RoundTripErrorBoundsPerMode) {
           const int64_t orow = l == qlayout::colwise_1x128 ? c : r;
           const int64_t ocol = l == qlayout::colwise_1x128 ? r : c;
           const double sinv = q.scale_at(orow, ocol / kBlock);
+          // dequantization is one FP32 multiply of the decoded code by its scale (bit-exact, §0.5)
+          ASSERT_EQ(float_bits(y[r * 260 + c]), float_bits(e4m3_to_float(q.data[size_t(orow * q.op_cols() + ocol)]) *
+                                                           q.scale_at(orow, ocol / kBlock)))
+              << "layout " << int(l) << " at " << r << "," << c;
           const double xv = x[r * 260 + c], err = std::fabs(y[r * 260 + c] - xv);
           // normal E4M3 range: half an ulp of 3 mantissa bits; subnormal range: half a step
           const double bound = std::max(fp8rl::tol::kE4M3RelHalfUlp * std::fabs(xv),
@@ -287,10 +291,13 @@ TEST(Quantize, FlushedValuesAreCountedAndTheWorstBlockNamed) {
     EXPECT_EQ(sum.nonzero, y_alone.nonzero + f.nonzero);
     EXPECT_EQ(sum.flushed, y_alone.flushed + f.flushed);
   }
-  // Gaussian data: amax ~4 sigma, the flush threshold ~3e-6 amax: almost nothing flushed
+  // Gaussian data: a value is flushed below 2^-10 * scale_inv <= 2^-10 amax / 224 ~ 4.4e-6 amax,
+  // P(|x| < 4.4e-6 * ~4.5 sigma) ~ 1.6e-5 per value: a block of 16384 expects ~0.26 (well under
+  // the 1% at which training warns, models::kFlushWarnFraction, which a test here cannot include)
   auto g = fp8rl::test::randn(256 * 256, 9, 1.0f);
   const flush_report f = qtensor_flushed(g.data(), quantize(g.data(), 256, 256, qlayout::block_128x128, scale_mode::pow2, "g"));
-  EXPECT_LT(f.worst_fraction, 1e-3);
+  constexpr double kGaussianBlockFlushed = 5.0 / 16384;  // 5 values of a block: P(Poisson(0.26) >= 5) ~ 1e-5
+  EXPECT_LE(f.worst_fraction, kGaussianBlockFlushed);
   EXPECT_EQ(flush_report{}.worst_text(), "no value was flushed to zero");
 }
 
