@@ -200,28 +200,48 @@ std::string flush_report::worst_text() const {
 }
 
 flush_report qtensor_flushed(const float* x, const qtensor& q) {
+  const int64_t R = q.op_rows(), K = q.op_cols(), KB = q.k_blocks();
+  const int64_t rstep = q.layout == qlayout::block_128x128 ? kBlock : 1, RB = (R + rstep - 1) / rstep;
+  const bool colwise = q.layout == qlayout::colwise_1x128;
+  std::vector<int64_t> flushed(static_cast<size_t>(RB * KB)), nonzero(flushed.size());  // [RB][KB]
+  // each task counts whole operand rows into its block row's entries (rows of a 128x128 block
+  // row stay in one task: no two tasks write one entry)
+  tbb::parallel_for(tbb::blocked_range<int64_t>(0, RB), [&](const tbb::blocked_range<int64_t>& br) {
+    for (int64_t rb = br.begin(); rb < br.end(); ++rb)
+      for (int64_t r = rb * rstep; r < std::min(R, (rb + 1) * rstep); ++r)
+        for (int64_t kb = 0; kb < KB; ++kb) {
+          int32_t f = 0, n = 0;
+          const uint8_t* c = q.data.data() + r * K;
+          const int64_t k0 = kb * kBlock, k1 = std::min(K, k0 + kBlock);
+          if (colwise) {
+            for (int64_t k = k0; k < k1; ++k) {
+              n += x[k * q.cols + r] != 0.0f;
+              f += (x[k * q.cols + r] != 0.0f) & ((c[k] & 0x7f) == 0);
+            }
+          } else {
+            const float* xr = x + r * q.cols;  // vectorized: contiguous in both
+            for (int64_t k = k0; k < k1; ++k) {
+              n += xr[k] != 0.0f;
+              f += (xr[k] != 0.0f) & ((c[k] & 0x7f) == 0);
+            }
+          }
+          flushed[static_cast<size_t>(rb * KB + kb)] += f;
+          nonzero[static_cast<size_t>(rb * KB + kb)] += n;
+        }
+  });
   flush_report out;
   out.worst_tensor = q.name;
-  const int64_t K = q.op_cols(), rstep = q.layout == qlayout::block_128x128 ? kBlock : 1;
-  for (int64_t r0 = 0; r0 < q.op_rows(); r0 += rstep)
-    for (int64_t kb = 0; kb < q.k_blocks(); ++kb) {
-      int64_t flushed = 0, nonzero = 0;
-      for (int64_t r = r0; r < std::min(q.op_rows(), r0 + rstep); ++r)
-        for (int64_t k = kb * kBlock; k < std::min(K, (kb + 1) * kBlock); ++k) {
-          const float v = q.layout == qlayout::colwise_1x128 ? x[k * q.cols + r] : x[r * q.cols + k];
-          const bool nz = v != 0.0f;
-          nonzero += nz;
-          flushed += nz && (q.data[r * K + k] & 0x7f) == 0;
-        }
-      out.flushed += flushed;
-      out.nonzero += nonzero;
-      const double f = nonzero ? double(flushed) / double(nonzero) : 0.0;
-      if (f > out.worst_fraction) {
-        out.worst_fraction = f;
-        out.worst_block_row = r0 / rstep;
-        out.worst_block_col = kb;
-      }
+  for (int64_t b = 0; b < RB * KB; ++b) {
+    const int64_t f = flushed[static_cast<size_t>(b)], n = nonzero[static_cast<size_t>(b)];
+    out.flushed += f;
+    out.nonzero += n;
+    const double share = n ? double(f) / double(n) : 0.0;
+    if (share > out.worst_fraction) {
+      out.worst_fraction = share;
+      out.worst_block_row = b / KB;
+      out.worst_block_col = b % KB;
     }
+  }
   return out;
 }
 
