@@ -479,36 +479,6 @@ TEST(Protocol, CalibrationKeepsWeightsThatCameBeforeItsPeers) {
   ctl->send_exit(cal, caf::exit_reason::user_shutdown);
 }
 
-// The controller re-issues a stale-dropped group round-robin, possibly to the rollout already
-// generating it: the second work_msg submitted its requests again -- twice the generation, the
-// copies' completions kept forever, and, where lengths differ, a group with duplicate indices. The
-// rollout now ignores a prompt it is generating: one group, each index once, generated once.
-TEST(Protocol, RolloutIgnoresAGroupItIsAlreadyGenerating) {
-  test_config cfg;
-  caf::actor_system sys{cfg};
-  caf::scoped_actor ctl{sys}, ws{sys}, reward{sys};
-  const auto env = env_with(1, 2);
-  auto ro = actors::spawn_rollout(sys, env, "rollout0", actors::device_spec::parse("cpu:1", "test"));
-  ctl->send(ro, rollout_peers(ctl, ws, reward));
-  const msg::work_msg w = work_12_plus_3(*env);
-  ctl->send(ro, w);
-  ctl->send(ro, w);  // before any weights: both wait in the engine
-  const auto params = models::model_load(init_dir());
-  auto b = std::make_shared<const quant::weight_bundle>(models::bundle_from_params(params, env->rl.gen_policy, 1, 1, nullptr));
-  ws->send(ro, msg::bundle_msg{{}, b});
-  double tokens = 0;
-  reward->receive([&](msg::group_msg& g) {
-    ASSERT_EQ(g.samples.size(), static_cast<size_t>(w.group_size));
-    for (int32_t i = 0; i < w.group_size; ++i) EXPECT_EQ(g.samples[static_cast<size_t>(i)].group_index, i);
-    for (const auto& smp : g.samples) tokens += static_cast<double>(smp.response.size());
-  }, caf::after(std::chrono::seconds(30)) >> [] { FAIL() << "no group"; });
-  reward->receive([&](msg::group_msg&) { FAIL() << "a second group"; }, caf::after(std::chrono::milliseconds(300)) >> [] {});
-  // nothing was generated twice (the copies' completions were generated, then never sent)
-  ctl->request(ro, std::chrono::seconds(5), msg::status_atom::value).receive(
-      [&](msg::metrics_t& m) { EXPECT_EQ(m.at("tokens"), tokens); }, [&](caf::error& e) { FAIL() << sys.render(e); });
-  ctl->send_exit(ro, caf::exit_reason::user_shutdown);
-}
-
 namespace {
 // A rollout (the run's group size 2) whose controller is ctl, monitored by it.
 msg::rollout_actor rollout_for(caf::actor_system& sys, caf::scoped_actor& ctl) {
@@ -998,6 +968,45 @@ TEST(RolloutOnTestCoordinator, ReportsAdoptionWhenAStepRunsUnderIt) {
   self->send(ro, msg::status_atom::value);  // the reply comes back as a message (a blocking request would never run it)
   sched.run();
   self->receive([&](msg::metrics_t& m) { EXPECT_EQ(m.at("weight_version"), 3.0); EXPECT_EQ(m.at("adoptions"), 2.0); },
+                caf::after(std::chrono::seconds(1)) >> [] { ADD_FAILURE() << "no status"; });
+  for (const caf::actor& a : {caf::actor_cast<caf::actor>(ro), peer}) self->send_exit(a, caf::exit_reason::user_shutdown);
+  sched.run();
+}
+
+// The controller re-issues a stale-dropped group round-robin, possibly to the rollout already
+// generating it: the second work_msg submitted its requests again -- twice the generation, the
+// copies' completions kept forever, and, where lengths differ, a group with duplicate indices. The
+// rollout now ignores a prompt it is generating: one group, each index once, generated once (on
+// the test coordinator: every message the rollout would ever handle has run when sched.run() ends).
+TEST(RolloutOnTestCoordinator, IgnoresAGroupItIsAlreadyGenerating) {
+  coordinated_config cfg;
+  caf::actor_system sys{cfg};
+  auto& sched = dynamic_cast<caf::scheduler::test_coordinator&>(sys.scheduler());
+  caf::scoped_actor self{sys, true};
+  std::vector<msg::group_msg> groups;
+  auto peer = sys.spawn([](caf::event_based_actor* a, std::vector<msg::group_msg>* gs) -> caf::behavior {
+    a->set_default_handler([](caf::scheduled_actor*, caf::message_view&) -> caf::result<caf::message> { return caf::message{}; });
+    return {[=](msg::group_msg& g) { gs->push_back(g); }};
+  }, &groups);
+  const auto env = env_with(1, 2);
+  auto ro = actors::spawn_rollout(sys, env, "rollout0", actors::device_spec::parse("cpu:1", "test"));
+  self->send(ro, rollout_peers(peer, peer, peer));
+  const msg::work_msg w = work_12_plus_3(*env);
+  self->send(ro, w);
+  self->send(ro, w);  // before any weights: both wait in the engine
+  const auto params = models::model_load(init_dir());
+  self->send(ro, msg::bundle_msg{{}, std::make_shared<const quant::weight_bundle>(
+                                         models::bundle_from_params(params, env->rl.gen_policy, 1, 1, nullptr))});
+  sched.run();
+  ASSERT_EQ(groups.size(), 1u);
+  ASSERT_EQ(groups[0].samples.size(), static_cast<size_t>(w.group_size));
+  double tokens = 0;
+  for (int32_t i = 0; i < w.group_size; ++i) EXPECT_EQ(groups[0].samples[static_cast<size_t>(i)].group_index, i);
+  for (const auto& smp : groups[0].samples) tokens += static_cast<double>(smp.response.size());
+  // nothing was generated twice (the copies' completions were generated, then never sent)
+  self->send(ro, msg::status_atom::value);
+  sched.run();
+  self->receive([&](msg::metrics_t& m) { EXPECT_EQ(m.at("tokens"), tokens); },
                 caf::after(std::chrono::seconds(1)) >> [] { ADD_FAILURE() << "no status"; });
   for (const caf::actor& a : {caf::actor_cast<caf::actor>(ro), peer}) self->send_exit(a, caf::exit_reason::user_shutdown);
   sched.run();
