@@ -44,7 +44,8 @@ std::shared_ptr<quant::weight_bundle> make_bundle(const rl_state& st, const rl_r
                                                   quant::flush_report* flushed = nullptr);
 
 // A block losing this share of its nonzero FP8 weights to zero is an outlier's doing (its scale
-// lifts the rest below 2^-10): Gaussian blocks lose ~1e-5 (amax ~4.5 sigma, threshold ~3e-6 amax).
+// lifts the rest below 2^-10 of it): Gaussian blocks lose ~1e-5 (amax ~4.5 sigma, and the
+// threshold 2^-10 scale_inv is 2.2-4.4e-6 amax under either scale mode).
 inline constexpr double kFlushWarnFraction = 0.01;
 // A bundle's flush metrics into m: fp8_weights_flushed (nonzero FP8 weights sent to zero) and
 // fp8_weights_flushed_worst_block (the largest share of its nonzero weights one block lost).
