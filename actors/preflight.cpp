@@ -93,10 +93,17 @@ void answers_fit(const run_config& cfg, const models::dataset& d, const models::
 // and learner0's validation engine -- within the machine's memory, named by the keys that size
 // them: each engine checks its own, and two that each fit were killed by the OOM killer. Nodes
 // on one host (loopback topologies) add up: a host is its topology name, this machine's names
-// (127/8, ::1, localhost, its hostname) one.
+// (127/8, ::1, localhost, its hostname) one. Loopback names are the machine caf-run runs on (it
+// starts those nodes itself, the others by ssh): this machine only for a node on loopback itself
+// -- a remote node counted the controller's engines, left at 127.0.0.1, as its own. (A node that
+// names the launcher by its hostname leaves out the loopback ones; their own check counts it.)
 void kv_memory_check(const run_config& cfg, const models::model_config& model, const topology& t, const std::string& node) {
-  auto host_of = [](const std::string& h) { return host_same_machine(h) ? std::string("127.0.0.1") : h; };
-  const std::string host = host_of(t.find(node)->host);
+  auto loopback = [](const std::string& h) { return h == "localhost" || h == "::1" || h.rfind("127.", 0) == 0; };
+  const std::string own = t.find(node)->host, host = loopback(own) ? "127.0.0.1" : own;
+  auto host_of = [&](const std::string& h) -> std::string {
+    if (loopback(h)) return loopback(own) ? host : "loopback (caf-run's machine)";
+    return host_same_machine(h) ? host : h;
+  };
   const auto idx = index_nodes(t);
   size_t rollouts = 0, evals = 0;
   std::string names;

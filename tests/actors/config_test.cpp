@@ -11,11 +11,15 @@
 #include <nlohmann/json.hpp>
 
 #include "actors/env.hpp"
+#include "actors/preflight.hpp"
 #include "actors/recipe.hpp"
 #include "actors/run_dir.hpp"
 #include "actors/signals.hpp"
 #include "actors/topology.hpp"
+#include "models/generate.hpp"
 #include "models/log.hpp"
+#include "models/rl/task.hpp"
+#include "models/tokenizer.hpp"
 #include "quant/gemm.hpp"
 
 using namespace fp8rl::actors;
@@ -360,6 +364,13 @@ TEST(Topology, JsonFormsRoundTripAndAreValidatedOnTheNode) {
   const topology t = topology_load(f);
   const std::string j = topology_to_json(t);
   EXPECT_EQ(topology_to_json(topology_from_json(j)), j);
+  const topology back = topology_from_json(j);  // field by field: a name written for the host round-trips too
+  ASSERT_EQ(back.nodes.size(), 2u);
+  EXPECT_EQ(back.nodes.at(1).name, "b");
+  EXPECT_EQ(back.nodes.at(1).host, "10.1.2.3");
+  EXPECT_EQ(back.nodes.at(1).port, 47400);
+  EXPECT_EQ(back.nodes.at(0).roles, t.nodes.at(0).roles);
+  EXPECT_EQ(back.nodes.at(0).learners.at(0).str(), "cpu:2");
   EXPECT_EQ(topology_from_json(j).nodes.at(1).rollouts.at(1).str(), "cuda:3");
   auto dup = nlohmann::json::parse(j);
   dup[1]["name"] = "a";
@@ -372,6 +383,13 @@ TEST(Topology, JsonFormsRoundTripAndAreValidatedOnTheNode) {
   far_port[1]["port"] = 70000;
   EXPECT_NE(error_of([&] { topology_from_json(far_port.dump()); }).find("node 'b': port 70000 is not in [0, 65535]"), std::string::npos)
       << error_of([&] { topology_from_json(far_port.dump()); });
+  for (int port : {65536, -1}) {  // the bounds themselves
+    far_port[1]["port"] = port;
+    EXPECT_NE(error_of([&] { topology_from_json(far_port.dump()); }).find("port " + std::to_string(port) + " is not in [0, 65535]"),
+              std::string::npos) << port;
+  }
+  far_port[1]["port"] = 65535;
+  EXPECT_EQ(error_of([&] { topology_from_json(far_port.dump()); }), "");
   EXPECT_NE(error_of([&] { recipe_from_json("{\"run.steps\": "); }).find("recipe json: "), std::string::npos);
   run_config r;
   r.steps = 0;  // recipe_to_json does not check; the node does
@@ -379,6 +397,9 @@ TEST(Topology, JsonFormsRoundTripAndAreValidatedOnTheNode) {
       << error_of([&] { recipe_from_json(recipe_to_json(r)); });
   for (const char* h : {"127.0.0.1", "127.0.1.1", "localhost", "::1"}) EXPECT_TRUE(host_same_machine(h)) << h;
   EXPECT_FALSE(host_same_machine("10.1.2.3"));
+  char self[256] = {};
+  ASSERT_EQ(::gethostname(self, sizeof self - 1), 0);
+  EXPECT_TRUE(host_same_machine(self));  // this machine by its own name
   EXPECT_FALSE(host_is_local("127.0.1.1"));  // one address per name for the port check
   fs::remove(f);
 }
@@ -645,4 +666,60 @@ TEST(Recipe, RunNameMustBeAPlainDirectoryName) {
   run_config ok;
   ok.name = "exp-1.2_b";
   EXPECT_EQ(error_of([&] { recipe_validate(ok); }), "");
+}
+
+namespace {
+node_spec node_of(const std::string& name, const std::string& host, int64_t port, std::vector<std::string> roles,
+                  std::vector<std::string> learners, std::vector<std::string> rollouts) {
+  node_spec n;
+  n.name = name, n.host = host, n.port = port, n.roles = std::move(roles);
+  for (const auto& d : learners) n.learners.push_back(device_spec::parse(d, "test"));
+  for (const auto& d : rollouts) n.rollouts.push_back(device_spec::parse(d, "test"));
+  return n;
+}
+}  // namespace
+
+// The KV-memory check counts the engines of every node on the checking node's machine: loopback
+// aliases together, this machine's hostname with them, learner0's validation engine once; a
+// remote node (its own hostname) leaves out the loopback nodes, which are caf-run's machine.
+TEST(Preflight, KvMemoryCountsTheEnginesOfThisMachinesNodes) {
+  const auto tok = fp8rl::models::char_tokenizer_make(fp8rl::models::arithmetic_alphabet());
+  char self[256] = {};
+  ASSERT_EQ(::gethostname(self, sizeof self - 1), 0);
+  topology t;
+  t.nodes = {node_of("a", "127.0.0.1", 0, {"controller", "buffer", "reward", "weight_sync", "calibration"}, {"cpu:1"}, {"cpu:1"}),
+             node_of("b", "localhost", 47500, {}, {}, {"cpu:1"}),
+             node_of("c", self, 47501, {}, {"cpu:1"}, {"cpu:1"}),  // learner rank 1: no validation engine
+             node_of("d", "10.9.9.9", 47502, {}, {}, {"cpu:1", "cpu:1"})};  // another machine: in neither count
+  run_config huge;
+  huge.slots = 65536, huge.max_context = 1048576;
+  const auto model = builtin_model_config(huge, *tok);
+  auto why = [&](const run_config& cfg, const topology& top, const std::string& node) {
+    return error_of([&] { kv_memory_check(cfg, model, top, node); });
+  };
+  EXPECT_NE(why(huge, t, "a").find("the KV caches of the 4 generation engine(s) on host 127.0.0.1 (node(s) a, b, c: 3 rollout(s), "
+                                   "learner0's validation)"), std::string::npos) << why(huge, t, "a");
+  EXPECT_NE(why(huge, t, "c").find("the KV caches of the 1 generation engine(s) on host " + std::string(self) + " (node(s) c: 1 rollout(s))"),
+            std::string::npos) << why(huge, t, "c");
+  // the sum is what is checked: one engine at 3/4 of the memory fits, a rollout and learner0's
+  // validation engine (topology_local) do not; two at 2/5 each do
+  run_config one = huge;
+  one.slots = 1;
+  const double slot = fp8rl::models::engine_kv_bytes(model, recipe_engine_config(one)), ram = fp8rl::models::machine_memory_bytes();
+  one.slots = static_cast<int64_t>(0.75 * ram / slot);
+  EXPECT_NE(why(one, topology_local(1, 1), "local").find("2 generation engine(s)"), std::string::npos) << why(one, topology_local(1, 1), "local");
+  one.slots = static_cast<int64_t>(0.4 * ram / slot);
+  EXPECT_EQ(why(one, topology_local(1, 1), "local"), "");
+}
+
+// Prompts must leave room for the longest response: builtin:add2's longest prompt ("99+99=" after
+// BOS... 7 tokens) with rollout.max_new_tokens 5 fits model.max_context 12 exactly, not 11.
+TEST(Preflight, PromptsFitTheContextWithTheLongestResponse) {
+  const auto tok = fp8rl::models::char_tokenizer_make(fp8rl::models::arithmetic_alphabet());
+  run_config r;
+  r.max_context = 12;
+  EXPECT_EQ(error_of([&] { examples_fit_check(r, *tok); }), "");
+  r.max_context = 11;
+  EXPECT_NE(error_of([&] { examples_fit_check(r, *tok); }).find("prompt of 7 tokens + rollout.max_new_tokens 5 do not fit model.max_context 11"),
+            std::string::npos) << error_of([&] { examples_fit_check(r, *tok); });
 }

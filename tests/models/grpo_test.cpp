@@ -692,6 +692,11 @@ TEST(Grpo, ResponsesStopAtEveryModelEosIdAndTheVerifierSkipsIt) {
   EXPECT_EQ(smp[1].reward, 0.0f);
   EXPECT_EQ(smp[0].advantage, -smp[1].advantage);
   EXPECT_GT(smp[0].advantage, 0.0f);
+  grpo_config plain = g;  // grpo.normalize_std = false: A = r - mean, rewards 1 and 0
+  plain.normalize_std = false;
+  const auto smp_plain = rollout_samples({a, b}, {{4, "3"}}, *tok, stops, verifier_kind::numeric, plain);
+  EXPECT_EQ(smp_plain[0].advantage, 0.5f);
+  EXPECT_EQ(smp_plain[1].advantage, -0.5f);
   // groups are scored as groups: two halves of different prompts were one group's advantages
   gen_result p5 = a, p6 = b;
   p5.id = 10, p6.id = 13;  // prompt 5 index 0, prompt 6 index 1
