@@ -292,6 +292,12 @@ TEST(E2E, EmbeddedDefaultRunsAndResumes) {
   fails_naming("--run-dir " + (d / "other").string() + " --model.init=" + (d / "checkpoints" / "step_6").string() + kSmall +
                    " --precision.bf16_first=5",
                "precision.bf16_first/bf16_last (5, 0) exceed " + (d / "checkpoints" / "step_6").string() + "/config.json's 2 layers");
+  // a resumed run's changed settings are checked against its task again
+  fails_naming("--resume --run-dir " + d.string() + " --run.steps=9 --rollout.max_new_tokens=40", "do not fit model.max_context 32");
+  EXPECT_EQ(text_of(d / "metrics.jsonl"), before);
+  fails_naming("--run-dir " + (d / "other").string() + " --model.init=" + (d / "checkpoints" / "step_6").string() + kSmall +
+                   " --precision.bf16_last=5",
+               "precision.bf16_first/bf16_last (0, 5) exceed " + (d / "checkpoints" / "step_6").string() + "/config.json's 2 layers");
   // --overwrite whose new run fails its preflight: the earlier run is moved back (it was deleted first)
   const fs::path init = d.string() + "-init";
   fs::copy(d / "checkpoints" / "step_6", init, fs::copy_options::recursive);
@@ -861,6 +867,9 @@ TEST(E2E, FailedRolloutIsRestartedAndItsWorkRequeued) {
   EXPECT_EQ(m.back()["rollouts_live"], 1.0);
   EXPECT_GE(m.back()["reissued_groups_total"].get<double>(), 1.0);
   EXPECT_EQ(m.back()["buffer/admitted_total"], steps * 8.0);  // every group counted exactly once
+  // eval_every = 0 validates the last step only (every run ends with a validation)
+  EXPECT_TRUE(m.back().contains("val_accuracy")) << m.back().dump();
+  EXPECT_FALSE(m.front().contains("val_accuracy")) << m.front().dump();
   fs::remove_all(d);
 }
 
@@ -1136,11 +1145,12 @@ TEST(E2E, TwoLearnersAllReduceAndAuditMode) {
   EXPECT_GT(weight_quant, 0.0);
   // with the FP8 KV cache and attention the kernel/KV part is no longer 0
   ASSERT_EQ(run(kBin + "/fp8rl train --run-dir " + (d / "kv").string() + kSmall +
-                " --audit.every=1 --audit.samples=4 --run.steps=2 --run.eval_every=0 --precision.generation=fp8-kv"),
+                " --audit.every=2 --audit.samples=4 --run.steps=2 --run.eval_every=0 --precision.generation=fp8-kv"),
             0);
-  double kv_part = 0;
-  for (const auto& x : metrics(d / "kv")) kv_part += x.value("audit/kernel_kv_kl", 0.0);
-  EXPECT_GT(kv_part, 0.0);
+  const auto kv = metrics(d / "kv");
+  ASSERT_EQ(kv.size(), 2u);
+  EXPECT_FALSE(kv[0].contains("audit/kernel_kv_kl")) << "audit.every=2 audits steps 2, 4, ...: " << kv[0].dump();
+  EXPECT_GT(kv[1].value("audit/kernel_kv_kl", 0.0), 0.0) << kv[1].dump();
   // the step metrics cover the whole step whatever the sharding: one learner and two, staleness 0,
   // agree exactly at step 1 (same rollouts from the same weights; rank 0 reported its own shard:
   // token_mult_prob_error ~0.5, half the staleness histogram)
