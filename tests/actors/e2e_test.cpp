@@ -286,8 +286,11 @@ TEST(E2E, EmbeddedDefaultRunsAndResumes) {
   // a context the start checkpoint's positions do not cover: each rollout's engine refused it and
   // was restarted until none was left
   fails_naming("--run-dir " + (d / "other").string() + " --model.init=" + (d / "checkpoints" / "step_6").string() + kSmall +
-                   " --model.max_context=128",
-               "model.max_context = 128 exceeds");
+                   " --model.max_context=65",
+               "model.max_context = 65 exceeds");  // the tiny model's positions: 64, which is accepted
+  ASSERT_EQ(run(kBin + "/fp8rl train --run-dir " + (d / "ctx64").string() + " --model.init=" + (d / "checkpoints" / "step_6").string() +
+                " --model.max_context=64 --run.steps=1 --run.eval_every=0 --model.sft_steps=0"),
+            0);
   // layers kept BF16 beyond the model's (every rollout refused its bundle at the first step)
   fails_naming("--run-dir " + (d / "other").string() + " --model.init=" + (d / "checkpoints" / "step_6").string() + kSmall +
                    " --precision.bf16_first=5",
@@ -295,6 +298,18 @@ TEST(E2E, EmbeddedDefaultRunsAndResumes) {
   // a resumed run's changed settings are checked against its task again
   fails_naming("--resume --run-dir " + d.string() + " --run.steps=9 --rollout.max_new_tokens=40", "do not fit model.max_context 32");
   EXPECT_EQ(text_of(d / "metrics.jsonl"), before);
+  {  // the checkpoint's calibration batch with a token id one past the vocabulary (its embedding row)
+    std::string step = text_of(d / "checkpoints" / "latest");
+    step.erase(step.find_last_not_of('\n') + 1);
+    const fs::path ck = d / "checkpoints" / step, calib = ck / "calibration.jsonl";
+    const std::string kept = text_of(calib);
+    const int64_t vocab = json::parse(text_of(ck / "config.json"))["vocab_size"].get<int64_t>();
+    std::ofstream(calib) << json{{"tokens", {1, vocab}}}.dump() << "\n";
+    fails_naming("--resume --run-dir " + d.string() + " --run.steps=9",
+                 "calibration.jsonl: token id " + std::to_string(vocab) + " is outside the vocabulary (" + std::to_string(vocab) + ")");
+    std::ofstream(calib) << kept;
+    EXPECT_EQ(text_of(d / "metrics.jsonl"), before);
+  }
   fails_naming("--run-dir " + (d / "other").string() + " --model.init=" + (d / "checkpoints" / "step_6").string() + kSmall +
                    " --precision.bf16_last=5",
                "precision.bf16_first/bf16_last (0, 5) exceed " + (d / "checkpoints" / "step_6").string() + "/config.json's 2 layers");
@@ -656,6 +671,7 @@ TEST(E2E, BadRecipeKeyFailsWithItsName) {
             std::string::npos) << some.out;
   EXPECT_EQ(some.out.find("of 4000 training answers can never be rewarded", some.out.find("training answers can never") + 1),
             std::string::npos) << some.out;  // one line per split
+  EXPECT_NE(some.out.find(" of 50 validation answers can never be rewarded"), std::string::npos) << some.out;
   // a start refused before it wrote anything leaves no empty run directory behind
   const auto nothing = fp8rl::test::run_command(kBin + "/fp8rl train --run-dir " + (d / "never").string() +
                                                 " --task.name=" + (d / "no-such.jsonl").string());
