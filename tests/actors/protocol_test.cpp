@@ -897,6 +897,20 @@ TEST_F(ControllerOnTestCoordinator, AnExceptionFailsTheRunByName) {
   }, caf::after(std::chrono::seconds(5)) >> [] { FAIL() << "the controller did not stop"; });
 }
 
+// The progress line (print_progress) shows the step's numbers: the staleness is the mean version
+// lag of its tokens from the histogram (3 tokens at lag 0, 1 at lag 1: 0.25), the validation
+// accuracy where the step has one.
+TEST_F(ControllerOnTestCoordinator, ProgressLineShowsTheStepsNumbers) {
+  wire(0, true);
+  sync(0);
+  ::testing::internal::CaptureStderr();
+  self->send(ctrl, msg::step_report{{}, 1, {{"tokens", 4.0}, {"reward_mean", 0.5}, {"accuracy", 0.25}, {"val_accuracy", 0.75},
+                                            {"staleness_hist/0", 3.0}, {"staleness_hist/1", 1.0}, {"token_mult_prob_error", 1.0625}}});
+  sched.run();
+  const std::string line = ::testing::internal::GetCapturedStderr();
+  EXPECT_NE(line.find("step    1/10  reward 0.500  acc 0.250  val_acc 0.750  staleness 0.25  tmpe 1.0625"), std::string::npos) << line;
+}
+
 // A stop (a signal): the controller asks the buffer where the run stops (step 2 here), issues no
 // work from there on although the staleness window would allow it, loses every rollout without
 // failing, and ends the run with the stop's exit code when learner0 says it stopped there; a second
