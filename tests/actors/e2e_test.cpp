@@ -684,6 +684,15 @@ TEST(E2E, BadRecipeKeyFailsWithItsName) {
   EXPECT_NE(g.out.find("llama-8gpu.conf: node 'gpu-host': device 'cuda:0': this build has no CUDA backend"), std::string::npos)
       << g.out;
   EXPECT_FALSE(fs::exists(d / "gpu"));
+  // ... on another node than the one starting too: every node's devices are checked at each start
+  const fs::path remote_gpu = d / "remote-gpu.conf";
+  std::ofstream(remote_gpu) << "[cluster]\nnodes=[{name=\"main\", roles=[\"controller\", \"buffer\", \"reward\", \"weight_sync\", "
+                               "\"calibration\"], learners=[\"cpu:1\"], rollouts=[\"cpu:1\"]},\n{name=\"b\", port=47611, "
+                               "rollouts=[\"cuda:0\"]}]\n";
+  const auto rg = fp8rl::test::run_command(kBin + "/fp8rl train --topology " + remote_gpu.string() + " --run-dir " + (d / "rgpu").string());
+  EXPECT_NE(rg.rc, 0);
+  EXPECT_NE(rg.out.find("remote-gpu.conf: node 'b': device 'cuda:0': this build has no CUDA backend"), std::string::npos) << rg.out;
+  EXPECT_FALSE(fs::exists(d / "rgpu"));
   fs::remove_all(d);
 }
 
