@@ -131,6 +131,31 @@ void progress_print(const controller_state& s, msg::step_report& r, double elaps
 
 }  // namespace
 
+std::string node_actors_problem(const node_spec& n, const msg::node_actors& x, int32_t first_rollout) {
+  std::string why;
+  auto check = [&](const char* role, bool has) {
+    if (has != n.has(role)) why.append(why.empty() ? "" : "; ").append(role).append(has ? " not in its topology entry" : " missing");
+  };
+  check("buffer", bool(x.buffer));
+  check("reward", bool(x.reward));
+  check("weight_sync", bool(x.weight_sync));
+  check("calibration", bool(x.calibration));
+  if (x.learners.size() != n.learners.size() || x.rollouts.size() != n.rollouts.size() ||
+      x.rollout_names.size() != x.rollouts.size())
+    why.append(why.empty() ? "" : "; ").append(std::to_string(x.learners.size()) + " learners and " +
+                                               std::to_string(x.rollouts.size()) + " rollouts, its topology entry has " +
+                                               std::to_string(n.learners.size()) + " and " + std::to_string(n.rollouts.size()));
+  if (!why.empty()) return why;
+  for (const auto& l : x.learners)
+    if (!l) return "an invalid learner handle";
+  for (size_t i = 0; i < x.rollouts.size(); ++i) {
+    const std::string want = rollout_name(first_rollout + static_cast<int64_t>(i));
+    if (!x.rollouts[i]) return "an invalid handle for " + want;
+    if (x.rollout_names[i] != want) return "rollout '" + x.rollout_names[i] + "' where " + want + " belongs";
+  }
+  return "";
+}
+
 std::vector<caf::actor> node_actors_all(const msg::node_actors& x) {
   std::vector<caf::actor> v;
   for (const caf::actor& a : {caf::actor_cast<caf::actor>(x.buffer), caf::actor_cast<caf::actor>(x.reward),

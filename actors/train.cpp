@@ -75,33 +75,6 @@ msg::node_actors spawn_node(caf::actor_system& sys, const node_spec& n, std::sha
   return out;
 }
 
-// "" if a node's answer holds exactly the actors its topology entry names (valid handles, rollouts
-// named rollout<first_rollout + i>), else what differs (another fp8rl build could answer otherwise).
-std::string node_actors_problem(const node_spec& n, const msg::node_actors& x, int32_t first_rollout) {
-  std::string why;
-  auto check = [&](const char* role, bool has) {
-    if (has != n.has(role)) why.append(why.empty() ? "" : "; ").append(role).append(has ? " not in its topology entry" : " missing");
-  };
-  check("buffer", bool(x.buffer));
-  check("reward", bool(x.reward));
-  check("weight_sync", bool(x.weight_sync));
-  check("calibration", bool(x.calibration));
-  if (x.learners.size() != n.learners.size() || x.rollouts.size() != n.rollouts.size() ||
-      x.rollout_names.size() != x.rollouts.size())
-    why.append(why.empty() ? "" : "; ").append(std::to_string(x.learners.size()) + " learners and " +
-                                               std::to_string(x.rollouts.size()) + " rollouts, its topology entry has " +
-                                               std::to_string(n.learners.size()) + " and " + std::to_string(n.rollouts.size()));
-  if (!why.empty()) return why;
-  for (const auto& l : x.learners)
-    if (!l) return "an invalid learner handle";
-  for (size_t i = 0; i < x.rollouts.size(); ++i) {
-    const std::string want = rollout_name(first_rollout + static_cast<int64_t>(i));
-    if (!x.rollouts[i]) return "an invalid handle for " + want;
-    if (x.rollout_names[i] != want) return "rollout '" + x.rollout_names[i] + "' where " + want + " belongs";
-  }
-  return "";
-}
-
 msg::node_agent_actor::behavior_type node_agent(msg::node_agent_actor::stateful_pointer<agent_state> self) {
   agent_signal(true, false);
   self->attach_functor([] { agent_signal(false, true); });

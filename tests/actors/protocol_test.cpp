@@ -1025,3 +1025,33 @@ TEST(RolloutOnTestCoordinator, IgnoresAGroupItIsAlreadyGenerating) {
   for (const caf::actor& a : {caf::actor_cast<caf::actor>(ro), peer}) self->send_exit(a, caf::exit_reason::user_shutdown);
   sched.run();
 }
+
+// A node's answer (node_actors) is checked against its topology entry: every role it runs and no
+// other, as many learners and rollouts, valid handles, rollouts named in the run's order.
+TEST(Protocol, NodeActorsAreCheckedAgainstTheTopologyEntry) {
+  coordinated_config cfg;
+  caf::actor_system sys{cfg};
+  auto& sched = dynamic_cast<caf::scheduler::test_coordinator&>(sys.scheduler());
+  caf::scoped_actor self{sys, true};
+  auto any = sys.spawn([](caf::event_based_actor*) -> caf::behavior { return {[](int32_t) {}}; });
+  actors::node_spec n;
+  n.name = "b", n.roles = {"reward"};
+  n.learners = {actors::device_spec::parse("cpu:1", "test")};
+  n.rollouts = {actors::device_spec::parse("cpu:1", "test"), actors::device_spec::parse("cpu:1", "test")};
+  msg::node_actors x;
+  x.reward = caf::actor_cast<msg::reward_actor>(any);
+  x.learners = {caf::actor_cast<msg::learner_actor>(any)};
+  x.rollouts = {caf::actor_cast<msg::rollout_actor>(any), caf::actor_cast<msg::rollout_actor>(any)};
+  x.rollout_names = {"rollout2", "rollout3"};
+  EXPECT_EQ(actors::node_actors_problem(n, x, 2), "");
+  EXPECT_EQ(actors::node_actors_problem(n, x, 1), "rollout 'rollout2' where rollout1 belongs");
+  auto with = [&](auto f) { msg::node_actors y = x; f(y); return actors::node_actors_problem(n, y, 2); };
+  EXPECT_EQ(with([](msg::node_actors& y) { y.reward = msg::reward_actor{}; }), "reward missing");
+  EXPECT_EQ(with([&](msg::node_actors& y) { y.buffer = caf::actor_cast<msg::buffer_actor>(any); }), "buffer not in its topology entry");
+  EXPECT_EQ(with([](msg::node_actors& y) { y.rollouts.pop_back(); }), "1 learners and 1 rollouts, its topology entry has 1 and 2");
+  EXPECT_EQ(with([](msg::node_actors& y) { y.rollout_names.pop_back(); }), "1 learners and 2 rollouts, its topology entry has 1 and 2");
+  EXPECT_EQ(with([](msg::node_actors& y) { y.learners[0] = msg::learner_actor{}; }), "an invalid learner handle");
+  EXPECT_EQ(with([](msg::node_actors& y) { y.rollouts[1] = msg::rollout_actor{}; }), "an invalid handle for rollout3");
+  self->send_exit(any, caf::exit_reason::user_shutdown);
+  sched.run();
+}
