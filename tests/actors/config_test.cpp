@@ -723,3 +723,20 @@ TEST(Preflight, PromptsFitTheContextWithTheLongestResponse) {
   EXPECT_NE(error_of([&] { examples_fit_check(r, *tok); }).find("prompt of 7 tokens + rollout.max_new_tokens 5 do not fit model.max_context 11"),
             std::string::npos) << error_of([&] { examples_fit_check(r, *tok); });
 }
+
+// An answer counts as rewardable by its shortest accepted form: under the numeric verifier
+// "100000" is also "1e+05" (5 tokens with this alphabet, fitting rollout.max_new_tokens 5), and
+// the longest, " 100000" (7), is never the one compared.
+TEST(Preflight, AnswersFitByTheirShortestAcceptedForm) {
+  const auto tok = fp8rl::models::char_tokenizer_make("0123456789e+= ");
+  const auto f = write_tmp("big.jsonl", "{\"prompt\": \"1e5=\", \"answer\": \"100000\"}\n");
+  run_config r;
+  r.task = f;
+  EXPECT_EQ(error_of([&] { examples_fit_check(r, *tok); }), "");
+  r.max_new_tokens = 4;  // no form fits now: refused, naming the example and its shortest form
+  EXPECT_NE(error_of([&] { examples_fit_check(r, *tok); }).find("1 of 1 training answers can never be rewarded"), std::string::npos)
+      << error_of([&] { examples_fit_check(r, *tok); });
+  EXPECT_NE(error_of([&] { examples_fit_check(r, *tok); }).find("'100000', 5 tokens, more than rollout.max_new_tokens 4"), std::string::npos)
+      << error_of([&] { examples_fit_check(r, *tok); });
+  fs::remove(f);
+}
