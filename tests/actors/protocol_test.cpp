@@ -1033,7 +1033,8 @@ TEST(Protocol, NodeActorsAreCheckedAgainstTheTopologyEntry) {
   caf::actor_system sys{cfg};
   auto& sched = dynamic_cast<caf::scheduler::test_coordinator&>(sys.scheduler());
   caf::scoped_actor self{sys, true};
-  auto any = sys.spawn([](caf::event_based_actor*) -> caf::behavior { return {[](int32_t) {}}; });
+  // a spawn argument: CAF 0.17's init_fun_factory dereferences a null empty-argument tuple (UBSan)
+  auto any = sys.spawn([](caf::event_based_actor*, int32_t) -> caf::behavior { return {[](int32_t) {}}; }, 0);
   actors::node_spec n;
   n.name = "b", n.roles = {"reward"};
   n.learners = {actors::device_spec::parse("cpu:1", "test")};
