@@ -98,10 +98,9 @@ void answers_fit(const run_config& cfg, const models::dataset& d, const models::
 // -- a remote node counted the controller's engines, left at 127.0.0.1, as its own. (A node that
 // names the launcher by its hostname leaves out the loopback ones; their own check counts it.)
 void kv_memory_check(const run_config& cfg, const models::model_config& model, const topology& t, const std::string& node) {
-  auto loopback = [](const std::string& h) { return h == "localhost" || h == "::1" || h.rfind("127.", 0) == 0; };
-  const std::string own = t.find(node)->host, host = loopback(own) ? "127.0.0.1" : own;
+  const std::string own = t.find(node)->host, host = host_is_loopback(own) ? "127.0.0.1" : own;
   auto host_of = [&](const std::string& h) -> std::string {
-    if (loopback(h)) return loopback(own) ? host : "loopback (caf-run's machine)";
+    if (host_is_loopback(h)) return host_is_loopback(own) ? host : "loopback (caf-run's machine)";
     return host_same_machine(h) ? host : h;
   };
   const auto idx = index_nodes(t);

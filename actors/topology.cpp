@@ -115,10 +115,11 @@ topology topology_local(int64_t rollout_cores, int64_t learner_cores) {
 
 bool host_is_local(const std::string& h) { return h == "127.0.0.1" || h == "localhost" || h == "::1"; }
 std::string host_canonical(const std::string& h) { return host_is_local(h) ? "localhost" : h; }
+bool host_is_loopback(const std::string& h) { return h == "localhost" || h == "::1" || h.rfind("127.", 0) == 0; }
 bool host_same_machine(const std::string& h) {
   char self[256] = {};
   ::gethostname(self, sizeof self - 1);
-  return h == "localhost" || h == "::1" || h.rfind("127.", 0) == 0 || h == self;
+  return host_is_loopback(h) || h == self;
 }
 
 std::string topology_to_json(const topology& t) {

@@ -1,6 +1,6 @@
 // actors/topology.hpp -- where actors run: nodes (processes), their roles and devices.
 // defines: device_spec, node_spec, topology, topology_load, topology_local, topology_validate,
-//          host_is_local, host_canonical, host_same_machine, topology_to_json, topology_from_json,
+//          host_is_local, host_canonical, host_same_machine, host_is_loopback, topology_to_json, topology_from_json,
 //          placement, topology_plan, node_indices, index_nodes, learner_world, rollout_name,
 //          node_scheduler_threads
 //
@@ -52,6 +52,8 @@ std::string host_canonical(const std::string& h);
 // Every name of this machine (127/8, ::1, localhost, its hostname): one host's memory, which the
 // KV caches of its nodes' engines share -- broader than host_is_local, which names one address.
 bool host_same_machine(const std::string& h);
+// The loopback names among them (127/8, ::1, localhost): the machine caf-run starts its nodes on.
+bool host_is_loopback(const std::string& h);
 // The canonical JSON form a topology travels in (controller -> node agent); from_json validates.
 std::string topology_to_json(const topology& t);
 topology topology_from_json(const std::string& json);  // throws std::invalid_argument

@@ -937,30 +937,41 @@ TEST_F(ControllerOnTestCoordinator, AStopEndsTheRunAtTheBuffersStep) {
   EXPECT_EQ(work.size(), 6u);
 }
 
+// A rollout (rollout0 of env_with(1, 2)) on the test coordinator, whose peers are one recorder of
+// the adoptions and groups it sends; bundle(v) is the initial weights as version v.
+class RolloutOnTestCoordinator : public ::testing::Test {
+ protected:
+  coordinated_config cfg;
+  caf::actor_system sys{cfg};
+  caf::scheduler::test_coordinator& sched = dynamic_cast<caf::scheduler::test_coordinator&>(sys.scheduler());
+  caf::scoped_actor self{sys, true};
+  std::vector<msg::adopted_msg> adopted;
+  std::vector<msg::group_msg> groups;
+  caf::actor peer = sys.spawn([](caf::event_based_actor* a, std::vector<msg::adopted_msg>* ad, std::vector<msg::group_msg>* gs) -> caf::behavior {
+    a->set_default_handler([](caf::scheduled_actor*, caf::message_view&) -> caf::result<caf::message> { return caf::message{}; });
+    return {[=](msg::adopted_msg& m) { ad->push_back(m); }, [=](msg::group_msg& g) { gs->push_back(g); }};
+  }, &adopted, &groups);
+  const std::shared_ptr<const actors::actor_env> env = env_with(1, 2);
+  msg::rollout_actor ro = actors::spawn_rollout(sys, env, "rollout0", actors::device_spec::parse("cpu:1", "test"));
+  const models::model_params params = models::model_load(init_dir());
+
+  void SetUp() override { self->send(ro, rollout_peers(peer, peer, peer)); }
+  msg::bundle_msg bundle(uint64_t v) {
+    return msg::bundle_msg{{}, std::make_shared<const quant::weight_bundle>(models::bundle_from_params(params, env->rl.gen_policy, v, v, nullptr))};
+  }
+  void TearDown() override {
+    for (const caf::actor& a : {caf::actor_cast<caf::actor>(ro), peer}) self->send_exit(a, caf::exit_reason::user_shutdown);
+    sched.run();
+  }
+};
+
 // A rollout reports a bundle adopted when a step first runs under it, on the test coordinator (the
 // mailbox order is the test's): work waits for weights; v1 and v2 arrive before the engine's next
 // step -- v1 is answered `superseded` (no token was sampled under it; it was reported adopted at
 // staging), v2 adopted after the step that took it, and every token carries v2. A bundle reaching
 // an idle rollout is taken at once (an idle engine has no step to wait for; the controller's
 // staleness window waits for the report).
-TEST(RolloutOnTestCoordinator, ReportsAdoptionWhenAStepRunsUnderIt) {
-  coordinated_config cfg;
-  caf::actor_system sys{cfg};
-  auto& sched = dynamic_cast<caf::scheduler::test_coordinator&>(sys.scheduler());
-  caf::scoped_actor self{sys, true};
-  std::vector<msg::adopted_msg> adopted;
-  std::vector<msg::group_msg> groups;
-  auto peer = sys.spawn([](caf::event_based_actor* a, std::vector<msg::adopted_msg>* ad, std::vector<msg::group_msg>* gs) -> caf::behavior {
-    a->set_default_handler([](caf::scheduled_actor*, caf::message_view&) -> caf::result<caf::message> { return caf::message{}; });
-    return {[=](msg::adopted_msg& m) { ad->push_back(m); }, [=](msg::group_msg& g) { gs->push_back(g); }};
-  }, &adopted, &groups);
-  const auto env = env_with(1, 2);
-  auto ro = actors::spawn_rollout(sys, env, "rollout0", actors::device_spec::parse("cpu:1", "test"));
-  self->send(ro, rollout_peers(peer, peer, peer));
-  const auto params = models::model_load(init_dir());
-  auto bundle = [&](uint64_t v) {
-    return msg::bundle_msg{{}, std::make_shared<const quant::weight_bundle>(models::bundle_from_params(params, env->rl.gen_policy, v, v, nullptr))};
-  };
+TEST_F(RolloutOnTestCoordinator, ReportsAdoptionWhenAStepRunsUnderIt) {
   self->send(ro, work_12_plus_3(*env));
   self->send(ro, bundle(1));
   self->send(ro, bundle(2));
@@ -983,8 +994,6 @@ TEST(RolloutOnTestCoordinator, ReportsAdoptionWhenAStepRunsUnderIt) {
   sched.run();
   self->receive([&](msg::metrics_t& m) { EXPECT_EQ(m.at("weight_version"), 3.0); EXPECT_EQ(m.at("adoptions"), 2.0); },
                 caf::after(std::chrono::seconds(1)) >> [] { ADD_FAILURE() << "no status"; });
-  for (const caf::actor& a : {caf::actor_cast<caf::actor>(ro), peer}) self->send_exit(a, caf::exit_reason::user_shutdown);
-  sched.run();
 }
 
 // The controller re-issues a stale-dropped group round-robin, possibly to the rollout already
@@ -992,25 +1001,11 @@ TEST(RolloutOnTestCoordinator, ReportsAdoptionWhenAStepRunsUnderIt) {
 // copies' completions kept forever, and, where lengths differ, a group with duplicate indices. The
 // rollout now ignores a prompt it is generating: one group, each index once, generated once (on
 // the test coordinator: every message the rollout would ever handle has run when sched.run() ends).
-TEST(RolloutOnTestCoordinator, IgnoresAGroupItIsAlreadyGenerating) {
-  coordinated_config cfg;
-  caf::actor_system sys{cfg};
-  auto& sched = dynamic_cast<caf::scheduler::test_coordinator&>(sys.scheduler());
-  caf::scoped_actor self{sys, true};
-  std::vector<msg::group_msg> groups;
-  auto peer = sys.spawn([](caf::event_based_actor* a, std::vector<msg::group_msg>* gs) -> caf::behavior {
-    a->set_default_handler([](caf::scheduled_actor*, caf::message_view&) -> caf::result<caf::message> { return caf::message{}; });
-    return {[=](msg::group_msg& g) { gs->push_back(g); }};
-  }, &groups);
-  const auto env = env_with(1, 2);
-  auto ro = actors::spawn_rollout(sys, env, "rollout0", actors::device_spec::parse("cpu:1", "test"));
-  self->send(ro, rollout_peers(peer, peer, peer));
+TEST_F(RolloutOnTestCoordinator, IgnoresAGroupItIsAlreadyGenerating) {
   const msg::work_msg w = work_12_plus_3(*env);
   self->send(ro, w);
   self->send(ro, w);  // before any weights: both wait in the engine
-  const auto params = models::model_load(init_dir());
-  self->send(ro, msg::bundle_msg{{}, std::make_shared<const quant::weight_bundle>(
-                                         models::bundle_from_params(params, env->rl.gen_policy, 1, 1, nullptr))});
+  self->send(ro, bundle(1));
   sched.run();
   ASSERT_EQ(groups.size(), 1u);
   ASSERT_EQ(groups[0].samples.size(), static_cast<size_t>(w.group_size));
@@ -1022,8 +1017,6 @@ TEST(RolloutOnTestCoordinator, IgnoresAGroupItIsAlreadyGenerating) {
   sched.run();
   self->receive([&](msg::metrics_t& m) { EXPECT_EQ(m.at("tokens"), tokens); },
                 caf::after(std::chrono::seconds(1)) >> [] { ADD_FAILURE() << "no status"; });
-  for (const caf::actor& a : {caf::actor_cast<caf::actor>(ro), peer}) self->send_exit(a, caf::exit_reason::user_shutdown);
-  sched.run();
 }
 
 // A node's answer (node_actors) is checked against its topology entry: every role it runs and no
