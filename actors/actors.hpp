@@ -1,7 +1,7 @@
 // actors/actors.hpp -- spawn functions of every fp8rl actor (behaviors live in actors/*.cpp).
 // defines: spawn_rollout, spawn_reward, spawn_buffer, spawn_learner, spawn_calibration,
 //          spawn_weight_sync, spawn_controller, controller_options, node_actors_all,
-//          node_actors_problem
+//          node_actors_problem, node_name_of
 //
 // Actors do no math themselves: they call models/ (engine, learner_grpo, AdamW, calibration)
 // inside a oneTBB arena sized by their device, and exchange the typed messages of messages/.
@@ -45,6 +45,10 @@ std::vector<caf::actor> node_actors_all(const msg::node_actors& x);
 // "" if a node's answer holds exactly the actors its topology entry names (valid handles, rollouts
 // named rollout<first_rollout + i>), else what differs (another fp8rl build could answer otherwise).
 std::string node_actors_problem(const node_spec& n, const msg::node_actors& x, int32_t first_rollout);
+// The topology node of an actor on node n: "" for own (this process), agent_nodes[i] where
+// agent_ids[i] (the node agent's process) is n, else "another process".
+std::string node_name_of(const std::vector<caf::node_id>& agent_ids, const std::vector<std::string>& agent_nodes,
+                         const caf::node_id& own, const caf::node_id& n);
 msg::controller_actor spawn_controller(caf::actor_system& sys, std::shared_ptr<const actor_env> env,
                                        controller_options opts);
 

@@ -67,10 +67,9 @@ double staleness_bucket(const std::string& key) {
 
 // The topology node of an actor on node n ("" for this process's own actors).
 std::string node_of(const controller_state& s, const caf::node_id& own, const caf::node_id& n) {
-  if (n == own) return "";
-  for (size_t i = 0; i < s.agents.size() && i < s.agent_nodes.size(); ++i)
-    if (s.agents[i].node() == n) return s.agent_nodes[i];
-  return "another process";
+  std::vector<caf::node_id> ids;
+  for (const auto& a : s.agents) ids.push_back(a.node());
+  return node_name_of(ids, s.agent_nodes, own, n);
 }
 
 // A lost actor other than a rollout, for the run's error: its role and, where a whole node is
@@ -154,6 +153,14 @@ std::string node_actors_problem(const node_spec& n, const msg::node_actors& x, i
     if (x.rollout_names[i] != want) return "rollout '" + x.rollout_names[i] + "' where " + want + " belongs";
   }
   return "";
+}
+
+std::string node_name_of(const std::vector<caf::node_id>& agent_ids, const std::vector<std::string>& agent_nodes,
+                         const caf::node_id& own, const caf::node_id& n) {
+  if (n == own) return "";
+  for (size_t i = 0; i < agent_ids.size() && i < agent_nodes.size(); ++i)
+    if (agent_ids[i] == n) return agent_nodes[i];
+  return "another process";
 }
 
 std::vector<caf::actor> node_actors_all(const msg::node_actors& x) {

@@ -383,7 +383,8 @@ TEST(E2E, EmbeddedDefaultRunsAndResumes) {
   EXPECT_EQ(metrics(d / "hf-run").size(), 2u);
   EXPECT_TRUE(fs::exists(d / "hf-run" / "checkpoints" / "step_2" / "optimizer.safetensors"));
   // a task file changed under a run: --resume went on at the checkpoint's prompt cursor in other
-  // prompts; the checkpoint records its training set and the resume is refused naming both
+  // prompts; the checkpoint records its training set and the resume is refused naming both (from
+  // step 1: the first checkpoint that has one)
   const fs::path task = d / "task.jsonl", tr = d / "task-run";
   auto task_write = [&](int first) {
     std::ofstream t(task);
@@ -391,14 +392,27 @@ TEST(E2E, EmbeddedDefaultRunsAndResumes) {
   };
   task_write(10);
   const std::string task_args = " --run-dir " + tr.string() + " --model.init=" + hf.string() + kSmall + " --task.name=" + task.string();
-  ASSERT_EQ(run(kBin + "/fp8rl train" + task_args + " --run.steps=2"), 0);
+  ASSERT_EQ(run(kBin + "/fp8rl train" + task_args + " --run.steps=1"), 0);
   task_write(11);  // one line fewer of the old, one new: same count, other prompts
   fails_naming("--resume" + task_args + " --run.steps=3",
-               "--resume: the training set " + task.string() + " is not the one " + (tr / "checkpoints" / "step_2").string() +
+               "--resume: the training set " + task.string() + " is not the one " + (tr / "checkpoints" / "step_1").string() +
                    " was trained on (64 examples, fingerprint ");
   task_write(10);
   ASSERT_EQ(run(kBin + "/fp8rl train --resume" + task_args + " --run.steps=3"), 0);
   EXPECT_EQ(metrics(tr).size(), 3u);
+  // the KL reference (grpo.kl_beta > 0: the run's model.init) replaced by a model of another
+  // shape under a run: the resume is refused before any actor starts, naming it
+  const fs::path ref = d / "kl-ref";
+  fs::copy(hf, ref, fs::copy_options::recursive);
+  const std::string kl_args = " --run-dir " + (d / "kl-run").string() + " --model.init=" + ref.string() + kSmall + " --grpo.kl_beta=0.05";
+  ASSERT_EQ(run(kBin + "/fp8rl train" + kl_args + " --run.steps=1"), 0);
+  {
+    auto c = fp8rl::models::model_config_load((ref / "config.json").string());
+    c.num_hidden_layers = 1;
+    fp8rl::models::model_save(ref.string(), fp8rl::models::model_params_init(c, 1));
+  }
+  fails_naming("--resume" + kl_args + " --run.steps=2",
+               ref.string() + ": the KL reference (grpo.kl_beta > 0) does not have the shape of " + (d / "kl-run" / "checkpoints" / "step_1").string());
   // answers the numeric verifier reads as no number: none rewarded (they trained on reward 0)
   std::ofstream(d / "words.jsonl") << "{\"prompt\": \"1+1=\", \"answer\": \"two\"}\n{\"prompt\": \"2+2=\", \"answer\": \"four\"}\n";
   fails_naming("--run-dir " + (d / "words-run").string() + " --model.init=" + hf.string() + kSmall + " --task.name=" +

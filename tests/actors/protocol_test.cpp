@@ -1021,6 +1021,19 @@ TEST_F(RolloutOnTestCoordinator, IgnoresAGroupItIsAlreadyGenerating) {
 
 // A node's answer (node_actors) is checked against its topology entry: every role it runs and no
 // other, as many learners and rollouts, valid handles, rollouts named in the run's order.
+// A lost actor's node is named by the node agent running in its process: with two remote nodes
+// each is told apart (not the first agent's name for both), this process's is "", one without an
+// agent "another process".
+TEST(Protocol, ALostActorsNodeIsNamedByItsAgent) {
+  auto id = [](uint32_t pid, char h) { return *caf::make_node_id(pid, std::string(40, h)); };
+  const std::vector<caf::node_id> agents = {id(11, 'b'), id(12, 'c')};
+  const std::vector<std::string> names = {"b", "c"};
+  EXPECT_EQ(actors::node_name_of(agents, names, id(10, 'a'), id(12, 'c')), "c");
+  EXPECT_EQ(actors::node_name_of(agents, names, id(10, 'a'), id(11, 'b')), "b");
+  EXPECT_EQ(actors::node_name_of(agents, names, id(10, 'a'), id(10, 'a')), "");
+  EXPECT_EQ(actors::node_name_of(agents, names, id(10, 'a'), id(12, 'b')), "another process");  // same pid, other host
+}
+
 TEST(Protocol, NodeActorsAreCheckedAgainstTheTopologyEntry) {
   coordinated_config cfg;
   caf::actor_system sys{cfg};
