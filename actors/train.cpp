@@ -75,6 +75,16 @@ msg::node_actors spawn_node(caf::actor_system& sys, const node_spec& n, std::sha
   return out;
 }
 
+// Test hook (the controller's check of a node's answer): with FP8RL_FAULT_NODE_ANSWER=rename in
+// the environment, a node agent answers with its first rollout misnamed, as another build could.
+msg::node_actors node_answer(const msg::node_actors& x) {
+  static const char* const fault = std::getenv("FP8RL_FAULT_NODE_ANSWER");  // read once
+  if (!fault || std::string(fault) != "rename" || x.rollout_names.empty()) return x;
+  msg::node_actors y = x;
+  y.rollout_names[0] += "-renamed";
+  return y;
+}
+
 msg::node_agent_actor::behavior_type node_agent(msg::node_agent_actor::stateful_pointer<agent_state> self) {
   agent_signal(true, false);
   self->attach_functor([] { agent_signal(false, true); });
@@ -108,7 +118,7 @@ msg::node_agent_actor::behavior_type node_agent(msg::node_agent_actor::stateful_
             std::lock_guard<std::mutex> g(g_mu);
             g_controller = controller;
           }
-          return self->state.spawned;
+          return node_answer(self->state.spawned);
         } catch (const std::exception& e) {
           return caf::make_error(caf::sec::invalid_argument, std::string("node agent: ") + e.what());
         }

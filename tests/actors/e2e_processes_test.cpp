@@ -407,6 +407,26 @@ TEST(E2E, NodeRefusesAControllerAskingForAnotherNode) {
   fs::remove_all(d);
 }
 
+// A node whose answer names other actors than its topology entry (another fp8rl build there:
+// here the test hook misnames its rollout) fails the run at startup, naming the node and what
+// differs; the run used to go on with whatever the node said it runs.
+TEST(E2E, ANodeAnsweringWithOtherActorsFailsTheStart) {
+  const fs::path d = fresh_dir("node_answer");
+  const std::string topo = two_process_topology(d, free_port());
+  std::system(("FP8RL_FAULT_NODE_ANSWER=rename " + kBin + "/fp8rl train --topology " + topo + " --node rollout1 > " +
+               (d / "node.log").string() + " 2>&1 &").c_str());
+  // (a bound: a run that took the answer waited for work from a rollout named nowhere)
+  const auto r = fp8rl::test::run_command("timeout 120 " + kBin + "/fp8rl train --topology " + topo + " --node main --run-dir " +
+                                          (d / "run").string() + kSmall);
+  std::system(("pkill -f -- '" + topo + " --node [r]ollout1'").c_str());
+  EXPECT_NE(r.rc, 0) << r.out;
+  EXPECT_NE(r.out.find("node 'rollout1' started other actors than its topology entry names: rollout 'rollout1-renamed' "
+                       "where rollout1 belongs (another fp8rl build there?)"),
+            std::string::npos) << r.out;
+  EXPECT_EQ(metrics(d / "run").size(), 0u);  // no step ran
+  fs::remove_all(d);
+}
+
 TEST(E2E, TwoLearnersAllReduceAndAuditMode) {
   const fs::path d = fresh_dir("learners");
   const fs::path topo = d / "two-learners.conf";
