@@ -6,6 +6,8 @@
 #include <filesystem>
 #include <fstream>
 #include <map>
+#include <memory>
+#include <new>
 #include <nlohmann/json.hpp>
 #include <stdexcept>
 #include <unordered_map>
@@ -104,19 +106,23 @@ class regex {
       throw std::invalid_argument(where + ": regex does not compile at offset " + std::to_string(off) + ": " +
                                   reinterpret_cast<char*>(buf));
     }
-    md_ = pcre2_match_data_create_from_pattern(re_, nullptr);
   }
-  ~regex() { pcre2_match_data_free(md_); pcre2_code_free(re_); }
+  ~regex() { pcre2_code_free(re_); }
   regex(const regex&) = delete;
   regex& operator=(const regex&) = delete;
-  // Isolated split: matches and the gaps between them, in order, non-empty.
+  // Isolated split: matches and the gaps between them, in order, non-empty. Match data per call:
+  // one tokenizer encodes from several actors' threads at once (a compiled pattern may be shared,
+  // match data may not: one member's was, and concurrent encodes read each other's offsets).
   std::vector<std::string> split(const std::string& s) const {
+    const std::unique_ptr<pcre2_match_data, void (*)(pcre2_match_data*)> md(pcre2_match_data_create_from_pattern(re_, nullptr),
+                                                                            pcre2_match_data_free);
+    if (!md) throw std::bad_alloc();
     std::vector<std::string> out;
     size_t pos = 0, last = 0;
     while (pos <= s.size()) {
-      const int rc = pcre2_match(re_, reinterpret_cast<PCRE2_SPTR>(s.c_str()), s.size(), pos, 0, md_, nullptr);
+      const int rc = pcre2_match(re_, reinterpret_cast<PCRE2_SPTR>(s.c_str()), s.size(), pos, 0, md.get(), nullptr);
       if (rc < 0) break;
-      const PCRE2_SIZE* ov = pcre2_get_ovector_pointer(md_);
+      const PCRE2_SIZE* ov = pcre2_get_ovector_pointer(md.get());
       const size_t b = ov[0], e = ov[1];
       if (e == b) {  // empty match: step one code point
         pos = b + 1;
@@ -133,7 +139,6 @@ class regex {
 
  private:
   pcre2_code* re_ = nullptr;
-  pcre2_match_data* md_ = nullptr;
 };
 
 const char* kGpt2Pattern = "'s|'t|'re|'ve|'m|'ll|'d| ?\\p{L}+| ?\\p{N}+| ?[^\\s\\p{L}\\p{N}]+|\\s+(?!\\S)|\\s+";
@@ -262,9 +267,15 @@ class bpe_tok final : public tokenizer {
   std::map<int32_t, bool> special_;
   std::string byte_char_[256];
   std::unordered_map<std::string, uint8_t> unbyte_;
-  std::vector<std::unique_ptr<regex>> splits_;  // Split pre-tokenizers in order
-  bool byte_level_ = false, byte_level_regex_ = false, prefix_space_ = false, ignore_merges_ = false, nfc_ = false;
-  std::unique_ptr<regex> gpt2_;
+  // The pre-tokenizers in their order (HF applies each to every piece the ones before it made):
+  // Split (its regex) or ByteLevel (a space before each piece not starting with one, if asked;
+  // GPT-2's regex unless use_regex is false).
+  struct pre_step {
+    std::unique_ptr<regex> re;
+    bool prefix_space = false;
+  };
+  std::vector<pre_step> pre_;
+  bool byte_level_ = false, ignore_merges_ = false, nfc_ = false;
   std::vector<int32_t> prefix_, suffix_;
 
   // Token t with the id JSON value v (at `where`): an integer in [0, kMaxTokenId), and no other
@@ -341,12 +352,13 @@ class bpe_tok final : public tokenizer {
         throw std::invalid_argument(where + ": Split behavior must be Isolated (invert false)");
       if (!p.contains("pattern") || !p["pattern"].contains("Regex"))
         throw std::invalid_argument(where + ": Split needs pattern.Regex");
-      splits_.push_back(std::make_unique<regex>(p["pattern"]["Regex"].get<std::string>(), where));
+      // after ByteLevel, HF splits the byte symbols (a space is 'Ġ' there); pieces here stay bytes
+      if (byte_level_) throw std::invalid_argument(where + ": a Split after ByteLevel is not supported (Split first)");
+      pre_.push_back({std::make_unique<regex>(p["pattern"]["Regex"].get<std::string>(), where), false});
     } else if (t == "ByteLevel") {
       byte_level_ = true;
-      byte_level_regex_ = p.value("use_regex", true);
-      prefix_space_ = p.value("add_prefix_space", false);
-      if (byte_level_regex_) gpt2_ = std::make_unique<regex>(kGpt2Pattern, where);
+      pre_.push_back({p.value("use_regex", true) ? std::make_unique<regex>(kGpt2Pattern, where) : nullptr,
+                      p.value("add_prefix_space", false)});
     } else {
       throw std::invalid_argument(where + ": pre-tokenizer type '" + t + "' is not supported");
     }
@@ -357,16 +369,14 @@ class bpe_tok final : public tokenizer {
     if (nfc_)
       for (unsigned char c : text)
         if (c >= 0x80) throw std::invalid_argument("tokenizer: NFC normalization of non-ASCII text is not implemented");
-    if (prefix_space_ && text[0] != ' ') text = " " + text;
-    std::vector<std::string> pieces = {text};
-    for (const auto& r : splits_) {
+    std::vector<std::string> pieces = {std::move(text)};
+    for (const auto& step : pre_) {
       std::vector<std::string> next;
-      for (const auto& p : pieces) for (auto& q : r->split(p)) next.push_back(std::move(q));
-      pieces.swap(next);
-    }
-    if (gpt2_) {
-      std::vector<std::string> next;
-      for (const auto& p : pieces) for (auto& q : gpt2_->split(p)) next.push_back(std::move(q));
+      for (auto& p : pieces) {
+        if (step.prefix_space && p[0] != ' ') p.insert(p.begin(), ' ');
+        if (!step.re) next.push_back(std::move(p));
+        else for (auto& q : step.re->split(p)) next.push_back(std::move(q));
+      }
       pieces.swap(next);
     }
     for (const auto& p : pieces) bpe(p, ids);

@@ -1,7 +1,8 @@
 // tools/make-tokenizer-golden.mjs -- writes tests/models/golden-tokenizer/: a Llama-3-format
 // byte-level BPE tokenizer.json (the real Llama 3 vocabulary cut to its first MERGES merges, so
 // the file stays small) and the token ids that Hugging Face's reference implementation
-// (@huggingface/tokenizers, pure JS) produces for a set of test strings.
+// (@huggingface/tokenizers, pure JS) produces for a set of test strings (expected.json), and for
+// other pre-tokenizer orders and settings over the same vocabulary (pre-tokenizers.json).
 // Dev-time only (never a runtime dependency). Run:
 //   d=$(mktemp -d) && cd $d && npm install @huggingface/tokenizers@0.2.0 llama3-tokenizer-js@1.2.0 \
 //     && node /path/to/fp8rl/tools/make-tokenizer-golden.mjs /path/to/fp8rl/tests/models/golden-tokenizer
@@ -72,5 +73,23 @@ const cases = strings.map((s) => ({
   ids_with_bos: ref.encode(s).ids,
 }));
 fs.writeFileSync(path.join(out, "expected.json"), JSON.stringify({ reference: "@huggingface/tokenizers@0.2.0", merges: merges.length, cases }, null, 1));
+// pre-tokenizers in other orders and settings (the same vocabulary): each applies to every piece the
+// ones before it made -- ByteLevel's add_prefix_space puts a space before each piece, not the text
+const pre = {
+  split_then_prefixed_bytes: { type: "Sequence", pretokenizers: [
+    { type: "Split", pattern: { Regex: "\\p{N}+" }, behavior: "Isolated", invert: false },
+    { type: "ByteLevel", add_prefix_space: true, trim_offsets: true, use_regex: false }] },
+  prefixed_gpt2: { type: "ByteLevel", add_prefix_space: true, trim_offsets: true, use_regex: true },
+  two_splits_then_gpt2: { type: "Sequence", pretokenizers: [
+    { type: "Split", pattern: { Regex: "\\p{N}" }, behavior: "Isolated", invert: false },
+    { type: "Split", pattern: { Regex: "=" }, behavior: "Isolated", invert: false },
+    { type: "ByteLevel", add_prefix_space: false, trim_offsets: true, use_regex: true }] },
+};
+const preStrings = ["a1b", "hello 42 world", "12+34=46", " lead", "x  y", "don't stop"];
+const preCases = Object.entries(pre).map(([name, p]) => {
+  const t = new Tokenizer({ ...tok, pre_tokenizer: p }, {});
+  return { name, pre_tokenizer: p, cases: preStrings.map((s) => ({ text: s, ids: t.encode(s, { add_special_tokens: false }).ids })) };
+});
+fs.writeFileSync(path.join(out, "pre-tokenizers.json"), JSON.stringify({ reference: "@huggingface/tokenizers@0.2.0", variants: preCases }, null, 1));
 // cross-check: on the full Llama 3 vocabulary both JS references agree with each other
 console.log(`wrote ${out}: vocab ${next + specials.length}, merges ${merges.length}, ${cases.length} cases`);

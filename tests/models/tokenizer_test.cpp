@@ -5,11 +5,27 @@
 
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <nlohmann/json.hpp>
+#include <thread>
 
 #include "models/tokenizer.hpp"
 
 using namespace fp8rl::models;
+
+namespace {
+// The golden tokenizer.json changed by edit, loaded from a file of its own.
+std::unique_ptr<tokenizer> golden_tokenizer_with(const std::function<void(nlohmann::json&)>& edit) {
+  nlohmann::json j = nlohmann::json::parse(std::ifstream("tests/models/golden-tokenizer/tokenizer.json"));
+  edit(j);
+  const auto dir = std::filesystem::temp_directory_path() / ("fp8rl_tok_edit_" + std::to_string(::getpid()));
+  std::filesystem::create_directories(dir);
+  std::ofstream(dir / "tokenizer.json") << j.dump();
+  auto tok = tokenizer_load(dir.string());
+  std::filesystem::remove_all(dir);
+  return tok;
+}
+}  // namespace
 
 TEST(Tokenizer, ByteLevelBpeMatchesHuggingFaceReference) {
   auto tok = tokenizer_load("tests/models/golden-tokenizer/tokenizer.json");
@@ -30,39 +46,97 @@ TEST(Tokenizer, ByteLevelBpeMatchesHuggingFaceReference) {
 // TemplateProcessing]: refused as "not supported", it kept every Llama 3 model out; the same
 // tokenizer so wrapped encodes exactly as the reference.
 TEST(Tokenizer, ASequencePostProcessorAsLlama3Ships) {
-  nlohmann::json j = nlohmann::json::parse(std::ifstream("tests/models/golden-tokenizer/tokenizer.json"));
-  j["post_processor"] = {{"type", "Sequence"},
-                         {"processors", {{{"type", "ByteLevel"}, {"add_prefix_space", true}, {"trim_offsets", false}, {"use_regex", true}},
-                                         j["post_processor"]}}};
-  const auto dir = std::filesystem::temp_directory_path() / ("fp8rl_tok_seq_" + std::to_string(::getpid()));
-  std::filesystem::create_directories(dir);
-  std::ofstream(dir / "tokenizer.json") << j.dump();
-  auto tok = tokenizer_load(dir.string());
+  auto tok = golden_tokenizer_with([](nlohmann::json& j) {
+    j["post_processor"] = {{"type", "Sequence"},
+                           {"processors", {{{"type", "ByteLevel"}, {"add_prefix_space", true}, {"trim_offsets", false}, {"use_regex", true}},
+                                           j["post_processor"]}}};
+  });
   const auto cases = nlohmann::json::parse(std::ifstream("tests/models/golden-tokenizer/expected.json"))["cases"];
   for (const auto& c : cases) EXPECT_EQ(tok->encode(c["text"].get<std::string>(), true), c["ids_with_bos"].get<std::vector<int32_t>>());
   EXPECT_EQ(tok->bos, tok->token_id("<|begin_of_text|>"));
-  std::filesystem::remove_all(dir);
+}
+
+// Pre-tokenizers apply in their order, each to every piece the ones before it made, as the
+// reference does (pre-tokenizers.json, by tools/make-tokenizer-golden.mjs): ByteLevel's
+// add_prefix_space puts a space before each piece (it was put once before the whole text), text
+// between a Split's matches is kept (Isolated). A Split after ByteLevel is refused: HF splits the
+// byte symbols there (a space is 'Ġ'), the pieces here are bytes. An NFC normalizer is ASCII only.
+TEST(Tokenizer, PreTokenizersApplyInTheirOrderAsTheReference) {
+  const auto variants = nlohmann::json::parse(std::ifstream("tests/models/golden-tokenizer/pre-tokenizers.json"))["variants"];
+  ASSERT_EQ(variants.size(), 3u);
+  for (const auto& v : variants) {
+    auto tok = golden_tokenizer_with([&](nlohmann::json& j) { j["pre_tokenizer"] = v["pre_tokenizer"]; });
+    ASSERT_EQ(v["cases"].size(), 6u);
+    for (const auto& c : v["cases"])
+      EXPECT_EQ(tok->encode(c["text"].get<std::string>(), false), c["ids"].get<std::vector<int32_t>>()) << v["name"] << ": " << c["text"];
+  }
+  try {
+    golden_tokenizer_with([](nlohmann::json& j) {
+      j["pre_tokenizer"]["pretokenizers"] = {j["pre_tokenizer"]["pretokenizers"][1], j["pre_tokenizer"]["pretokenizers"][0]};
+    });
+    FAIL() << "a Split after ByteLevel was read";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("pre_tokenizer.pretokenizers: a Split after ByteLevel is not supported"), std::string::npos)
+        << e.what();
+  }
+  auto nfc = golden_tokenizer_with([](nlohmann::json& j) { j["normalizer"] = {{"type", "NFC"}}; });
+  EXPECT_EQ(nfc->encode("plain", false), tokenizer_load("tests/models/golden-tokenizer")->encode("plain", false));
+  try {
+    nfc->encode("caf\u00e9", false);
+    FAIL() << "non-ASCII text encoded without its NFC normalization";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("NFC normalization of non-ASCII text is not implemented"), std::string::npos) << e.what();
+  }
+}
+
+// One tokenizer encodes from several threads at once (the actors of a process share it): each
+// thread's ids are the ones a single thread gets (the regex's match data was one member for all).
+TEST(Tokenizer, ConcurrentEncodesMatchOneThreads) {
+  auto tok = tokenizer_load("tests/models/golden-tokenizer/tokenizer.json");
+  const auto cases = nlohmann::json::parse(std::ifstream("tests/models/golden-tokenizer/expected.json"))["cases"];
+  std::vector<std::string> texts;
+  std::vector<std::vector<int32_t>> want;
+  for (const auto& c : cases) texts.push_back(c["text"]), want.push_back(c["ids"].get<std::vector<int32_t>>());
+  std::vector<int> wrong(8, 0);
+  std::vector<std::thread> threads;
+  for (size_t t = 0; t < wrong.size(); ++t)
+    threads.emplace_back([&, t] {
+      for (int rep = 0; rep < 30; ++rep)
+        for (size_t i = 0; i < texts.size(); ++i) {
+          try {
+            wrong[t] += tok->encode(texts[i], false) != want[i];
+          } catch (const std::exception&) {
+            ++wrong[t];
+          }
+        }
+    });
+  for (auto& th : threads) th.join();
+  for (size_t t = 0; t < wrong.size(); ++t) EXPECT_EQ(wrong[t], 0) << "thread " << t;
 }
 
 // Added tokens match leftmost-longest (one that is a prefix of another loses to it), and decode
 // with skip_special drops the special ones, keeping the text between them.
 TEST(Tokenizer, AddedTokensLongestFirstAndSkippedOnDecode) {
-  nlohmann::json j = nlohmann::json::parse(std::ifstream("tests/models/golden-tokenizer/tokenizer.json"));
-  const int32_t base = static_cast<int32_t>(j["model"]["vocab"].size() + j["added_tokens"].size()) + 10;
-  j["added_tokens"].push_back({{"id", base}, {"content", "<|a|>"}, {"special", true}, {"single_word", false}, {"lstrip", false},
-                               {"rstrip", false}, {"normalized", false}});
-  j["added_tokens"].push_back({{"id", base + 1}, {"content", "<|a|>b"}, {"special", true}, {"single_word", false},
-                               {"lstrip", false}, {"rstrip", false}, {"normalized", false}});
-  const auto dir = std::filesystem::temp_directory_path() / ("fp8rl_tok_added_" + std::to_string(::getpid()));
-  std::filesystem::create_directories(dir);
-  std::ofstream(dir / "tokenizer.json") << j.dump();
-  auto tok = tokenizer_load(dir.string());
+  int32_t base = 0;
+  auto tok = golden_tokenizer_with([&](nlohmann::json& j) {
+    base = static_cast<int32_t>(j["model"]["vocab"].size() + j["added_tokens"].size()) + 10;
+    j["added_tokens"].push_back({{"id", base}, {"content", "<|a|>"}, {"special", true}, {"single_word", false}, {"lstrip", false},
+                                 {"rstrip", false}, {"normalized", false}});
+    j["added_tokens"].push_back({{"id", base + 1}, {"content", "<|a|>b"}, {"special", true}, {"single_word", false},
+                                 {"lstrip", false}, {"rstrip", false}, {"normalized", false}});
+  });
   EXPECT_EQ(tok->encode("<|a|>b", false), std::vector<int32_t>{base + 1});
   EXPECT_EQ(tok->encode("<|a|>", false), std::vector<int32_t>{base});
   const auto ids = tok->encode("<|end_of_text|> special inside<|end_of_text|> text", false);
   EXPECT_EQ(tok->decode(ids, true), " special inside text");
   EXPECT_EQ(tok->decode(ids, false), "<|end_of_text|> special inside<|end_of_text|> text");
-  std::filesystem::remove_all(dir);
+  // an id inside the vocabulary's range that no token has (ids 3114..3123 here) is refused, not ""
+  try {
+    tok->decode({base - 1});
+    FAIL() << "an id without a token decoded";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("id " + std::to_string(base - 1) + " is not in the vocabulary"), std::string::npos) << e.what();
+  }
 }
 
 TEST(Tokenizer, CharacterTokenizer) {
@@ -70,6 +144,8 @@ TEST(Tokenizer, CharacterTokenizer) {
   EXPECT_EQ(t->vocab_size(), 16);
   EXPECT_EQ(t->encode("12+3=", true), (std::vector<int32_t>{1, 4, 5, 13, 6, 15}));
   EXPECT_EQ(t->decode(t->encode("99*7=", false)), "99*7=");
+  EXPECT_EQ(t->decode({15, 16, 0}), "=<?><pad>");  // 16: one past the last character
+  EXPECT_EQ(t->decode({15, 16, 0}, true), "=");
   try { t->encode("1-2"); FAIL(); } catch (const std::invalid_argument& e) {
     EXPECT_NE(std::string(e.what()).find("'-' at offset 1"), std::string::npos);
   }
@@ -119,6 +195,7 @@ TEST(Tokenizer, MalformedFilesNameTheKey) {
            {R"({"model": {"type": "BPE", "vocab": {}, "merges": []}, "added_tokens": {"<s>": 1}})", "added_tokens must be a list"},
            // settings that change the split were ignored; "1 2 3" was read as ("1", "2 3")
            {R"({"model": {"type": "BPE", "vocab": {}, "merges": [], "dropout": 0.1}})", "model.dropout = 0.1 is not supported"},
+           {R"({"model": {"type": "BPE", "vocab": {}, "merges": [], "byte_fallback": true}})", "model.byte_fallback is not supported"},
            {R"({"model": {"type": "BPE", "vocab": {}, "merges": [], "continuing_subword_prefix": "##"}})",
             "model.continuing_subword_prefix = \"##\" is not supported"},
            {R"({"model": {"type": "BPE", "vocab": {}, "merges": ["1 2 3"]}})", "model.merges[0] '1 2 3' is not two symbols"},
