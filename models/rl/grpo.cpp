@@ -146,6 +146,9 @@ loss_result policy_loss(const token_batch_rl& b, const grpo_config& cfg, double 
 
 loss_result policy_loss(const token_batch_rl& b, const grpo_config& cfg, double N, const is_result& is) {
   policy_loss_check(b, cfg, N);
+  if (is.w.size() != b.c.size() || is.mask.size() != b.c.size() || (!is.filtered.empty() && is.filtered.size() != b.c.size()))
+    throw std::invalid_argument("policy_loss: the IS weights are not of this batch (" + std::to_string(is.w.size()) + " for " +
+                                std::to_string(b.c.size()) + " tokens)");
   const int64_t n = b.size();
   loss_result out;
   out.dc.assign(static_cast<size_t>(n), 0.0f);
@@ -213,7 +216,8 @@ void mismatch_metrics(const token_batch_rl& b, const is_result& is, const grpo_c
     tmpe += m * std::exp(std::fabs(g - p));
     gkl += m * k3(d);
     pkl += m * k3(-d);
-    const double l = std::log(0.5 * std::exp(p) + 0.5 * std::exp(g));
+    // the log of the mixture 0.5 e^p + 0.5 e^g, shifted by the larger: finite below -745 (it was -inf)
+    const double hi = std::max(p, g), l = hi + std::log(0.5 * std::exp(p - hi) + 0.5 * std::exp(g - hi));
     js += m * 0.5 * (k3(p - l) + k3(g - l));
     sir += m * is.w[t];
     ent += -m * std::exp(static_cast<double>(b.c[t]) - g) * b.c[t];
@@ -247,7 +251,7 @@ void mismatch_metrics(const token_batch_rl& b, const is_result& is, const grpo_c
   seq_stats(e, cnt, "_after_mask");
   if (b.reward.size() == S) {  // of the sequences the e_i filter dropped, the percentage that were correct
     std::vector<char> dropped(S, 0);
-    for (int64_t t = 0; t < n; ++t) dropped[b.seq[t]] |= is.filtered[t];
+    for (int64_t t = 0; t < n; ++t) dropped[b.seq[t]] |= !is.filtered.empty() && is.filtered[t];
     double masked = 0, correct = 0;
     for (size_t s = 0; s < S; ++s) {
       masked += dropped[s];

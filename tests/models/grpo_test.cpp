@@ -109,6 +109,9 @@ TEST(Grpo, MalformedBatchesAreRefusedNamingTheToken) {
   auto far = ok;
   far.seq.back() = 7;
   EXPECT_NE(why(far).find("names sequence 7 of 3"), std::string::npos) << why(far);
+  auto next = ok;  // one past the last: the per-sequence arrays were written past their end
+  next.seq.back() = 3;
+  EXPECT_NE(why(next).find("names sequence 3 of 3"), std::string::npos) << why(next);
   auto short_seq = ok;
   short_seq.seq.pop_back();
   EXPECT_NE(why(short_seq).find("same length"), std::string::npos);
@@ -116,6 +119,18 @@ TEST(Grpo, MalformedBatchesAreRefusedNamingTheToken) {
   const auto in_loss = std::find_if(nan.mask.begin(), nan.mask.end(), [](float m) { return m > 0; }) - nan.mask.begin();
   nan.adv[static_cast<size_t>(in_loss)] = std::nanf("");
   EXPECT_NE(why(nan).find("token " + std::to_string(in_loss) + " has advantage nan"), std::string::npos) << why(nan);
+  auto out_of_loss = ok;  // a token outside the loss (mask 0) may carry any advantage
+  const auto masked = std::find(out_of_loss.mask.begin(), out_of_loss.mask.end(), 0.0f) - out_of_loss.mask.begin();
+  ASSERT_LT(static_cast<size_t>(masked), out_of_loss.mask.size());
+  out_of_loss.adv[static_cast<size_t>(masked)] = std::nanf("");
+  EXPECT_EQ(why(out_of_loss), "");
+  // weights computed for another batch (the four-argument form takes them from the caller)
+  is_result short_is = is_weights(ok, cfg);
+  short_is.w.pop_back();
+  EXPECT_THROW(policy_loss(ok, cfg, 10.0, short_is), std::invalid_argument);
+  short_is = is_weights(ok, cfg);
+  short_is.filtered.clear();  // none filtered: accepted
+  EXPECT_NO_THROW(policy_loss(ok, cfg, 10.0, short_is));
   EXPECT_THROW(is_weights(far, cfg), std::invalid_argument);  // the learner's path calls it first
 }
 
@@ -196,6 +211,14 @@ TEST(Grpo, MetricsMatchTheSpecFormulasOnAHandExample) {
   EXPECT_NEAR(r.metrics.at("seq_mult_prob_error_max"), std::max(e0, e1), tol);
   EXPECT_NEAR(r.metrics.at("seq_mult_prob_error_mean"), (e0 + e1) / 2, tol);
   EXPECT_NEAR(r.metrics.at("seq_mult_prob_error_min"), std::min(e0, e1), tol);
+  {  // logprobs below -745 (exp underflows to 0): the JS term is the same as at p - g = 1 near 0
+    token_batch_rl far = b;
+    far.g = {-801.0f, -800.0f, -800.0f};
+    far.p = far.c = {-800.0f, -800.0f, -800.0f};
+    const double m = std::log(0.5 + 0.5 * std::exp(-1.0));  // l - p of token 0; 0 for the others
+    const double want = 0.5 * (k3(-m) + k3(-1.0 - m)) / N;
+    EXPECT_NEAR(policy_loss(far, cfg, 3.0).metrics.at("js_divergence_error"), want, tol);
+  }
   // and two of the values by hand, so the loop above is checked too: exp|g - p| = e^0.1, 1, e^0.5
   EXPECT_NEAR(tmpe, (std::exp(0.1) + 1 + std::exp(0.5)) / 3, fp8rl::tol::kMetricFromFloatInputs);
   EXPECT_NEAR(e1, std::exp(0.5), fp8rl::tol::kMetricFromFloatInputs);
@@ -300,6 +323,18 @@ TEST(Grpo, EachWeightAndClipBranchByHand) {
   const is_result kept = is_weights(m3, cfg);
   EXPECT_EQ(kept.oob_seqs, 0);
   for (int t = 0; t < 3; ++t) EXPECT_NEAR(kept.w[t], std::exp(double(m3.p[t]) - m3.g[t]), tol) << t;
+  // icepop drops a token below is_lo too (w = 0.3 < 0.5)
+  cfg.is = is_mode::icepop;
+  EXPECT_EQ(policy_loss(one(1.0f, 0.0, std::log(0.3)), cfg, 1.0).loss, 0.0);
+  // clip_fraction and is_oob_ratio are shares of the batch's tokens in the loss, not of N (the
+  // count over every rank): token 0 clipped (r = 1.5) and below is_lo, token 1 neither; N = 10
+  cfg.is = is_mode::tis;
+  token_batch_rl two = one(1.0f, std::log(1.5), std::log(0.3));
+  two.p.push_back(-1.0f), two.c.push_back(-1.0f), two.g.push_back(-1.0f);
+  two.adv.push_back(1.0f), two.mask.push_back(1.0f), two.seq.push_back(0);
+  r = policy_loss(two, cfg, 10.0);
+  EXPECT_EQ(r.metrics.at("clip_fraction"), 0.5);
+  EXPECT_EQ(r.metrics.at("is_oob_ratio"), 0.5);
 }
 
 TEST(Grpo, NonFiniteWeightsAreZeroedAndCounted) {
@@ -403,6 +438,19 @@ TEST(Grpo, FilteredSequencesLeaveTheTokenCount) {
   EXPECT_EQ(m.count("masked_correct_pct"), 0u);  // no rewards given
   b.reward = {0.0f, 1.0f};                        // the dropped sequence was correct
   EXPECT_EQ(learner_metrics(b, cfg, 5.0, 3).at("masked_correct_pct"), 100.0);
+  b.reward = {1.0f, 0.0f};  // the kept sequence was the correct one
+  EXPECT_EQ(learner_metrics(b, cfg, 5.0, 3).at("masked_correct_pct"), 0.0);
+  {  // a token of a dropped sequence already out of the loss (mask 0) is not counted again
+    token_batch_rl u = b;
+    u.mask[3] = 0.0f;
+    EXPECT_EQ(is_weights(u, cfg).filtered_tokens, 2);
+  }
+  {  // the filter reads e_i as a mean: three tokens with g = p (e_i = 1) stay at threshold 2
+    token_batch_rl three = b;
+    three.seq = {0, 0, 0, 1, 1};
+    three.p = three.g;
+    EXPECT_EQ(is_weights(three, cfg).masked_seqs, 0);
+  }
   {  // the KL penalty leaves with the sequence too: over the two kept tokens, over N = 2
     token_batch_rl k = b;
     k.ref = {-1.5f, -2.5f, -9.0f, -9.0f, -9.0f};

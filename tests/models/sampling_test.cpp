@@ -138,6 +138,24 @@ TEST(Sampling, LogprobEntropyIsTheProcessedDistributions) {
   EXPECT_EQ(logp[0], 0.0f);
 }
 
+// The maximum is taken over every lane (16 lanes, then the tail): a row's largest logit at any
+// position gives log-sum-exp ~ that logit, a -inf entry first included; greedy takes the lowest
+// id of a tie.
+TEST(Sampling, LogSumExpFindsTheMaximumInEveryLane) {
+  const logit_processing plain{1.0f, 0, 1.0f};
+  std::vector<int32_t> work;
+  std::vector<float> z(40);
+  for (int64_t at = 0; at < 40; ++at) {
+    std::vector<float> logits(40, 0.0f);
+    logits[static_cast<size_t>(at)] = 200.0f;  // the others' e^-200 vanish next to 1
+    EXPECT_NEAR(logits_process(logits.data(), 40, plain, z.data(), work), 200.0, fp8rl::tol::kLogprobVsF64) << at;
+  }
+  const float first_dropped[2] = {-INFINITY, 0.5f};
+  EXPECT_NEAR(logits_process(first_dropped, 2, plain, z.data(), work), 0.5, fp8rl::tol::kLogprobVsF64);
+  const float tie[4] = {1.0f, 3.0f, 3.0f, 2.0f};
+  EXPECT_EQ(argmax_logits(tie, 4), 1);
+}
+
 // sample_processed draws by inverse CDF: 400k draws over 8 tokens (one dropped by -inf) match
 // the probabilities within 5 standard deviations of a binomial count.
 TEST(Sampling, DrawsFollowTheDistribution) {
@@ -243,6 +261,8 @@ TEST(Sampling, ImpossibleSettingsAreRefusedByName) {
   auto with = [&](auto f) { gen_request r = base; f(r); return refused(r); };
   EXPECT_NE(with([](gen_request& r) { r.proc.temperature = -1.0f; }).find("temperature"), std::string::npos);
   EXPECT_NE(with([](gen_request& r) { r.proc.temperature = std::nanf(""); }).find("temperature"), std::string::npos);
+  EXPECT_NE(with([](gen_request& r) { r.proc.temperature = INFINITY; }).find("temperature inf is not a finite number"),
+            std::string::npos);  // (every logit / T was 0: a uniform draw)
   // so small that a sane logit / T overflows: admitted, it failed every step of its batch
   EXPECT_NE(with([](gen_request& r) { r.proc.temperature = 1e-30f; }).find("temperature 1e-30 is below 1e-05 (0: greedy)"),
             std::string::npos);

@@ -282,6 +282,28 @@ TEST(Training, LossesDoNotDependOnThreadCount) {
   for (size_t i = 0; i < one.size(); ++i) EXPECT_EQ(std::memcmp(&one[i], &two[i], 8), 0) << i;
 }
 
+// Clipping scales the gradient in place by grad_clip / (norm + 1e-6) when the norm is larger (the
+// first Adam step normalizes the update, so the scaled gradient is what shows it); grad_clip = 0
+// leaves it as it is (and still updates every parameter).
+TEST(Training, AdamwClipsGradientsInPlaceAndZeroDisablesIt) {
+  trainer tr(task_config(), "fp32", 3);
+  const auto& layout = tr.ck.params.layout;
+  const float g0 = static_cast<float>(10.0 / std::sqrt(double(layout.total)));  // global norm ~10
+  const std::vector<float> grads0(static_cast<size_t>(layout.total), g0);
+  auto grads = grads0;
+  const double norm = adamw_step(tr.opt, layout, tr.ck.params.data.data(), grads.data(), tr.ck.opt);
+  ASSERT_EQ(tr.opt.grad_clip, 1.0f);
+  const float clip = static_cast<float>(1.0 / (norm + 1e-6));
+  for (size_t i = 0; i < grads.size(); i += 997) ASSERT_EQ(grads[i], g0 * clip) << i;
+  adamw_config off = tr.opt;
+  off.grad_clip = 0.0f;
+  grads = grads0;
+  const auto before = tr.ck.params.data;
+  adamw_step(off, layout, tr.ck.params.data.data(), grads.data(), tr.ck.opt);
+  EXPECT_EQ(grads, grads0);
+  for (size_t i = 0; i < before.size(); i += 997) EXPECT_NE(tr.ck.params.data[i], before[i]) << i;
+}
+
 // A NaN or Inf gradient is refused naming the tensor, before any parameter, moment or the step
 // count changes (an Inf norm had clipped every other gradient to 0 and written NaN into that
 // element's moments; a NaN norm skipped clipping and put NaN into every parameter).
