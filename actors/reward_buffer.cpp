@@ -2,7 +2,6 @@
 // trajectory buffer (admission by max_staleness, de-duplication, per-learner batch shards).
 #include <map>
 #include <optional>
-#include <set>
 
 #include "actors/actors.hpp"
 #include "actors/trace.hpp"
@@ -27,7 +26,6 @@ struct buffer_state {
   uint64_t learner_version = 0;
   std::map<uint64_t, std::map<uint64_t, msg::group_msg>> steps;  // step -> prompt_id -> group
   std::map<uint64_t, std::vector<pending_batch>> waiting;        // step -> learners waiting
-  std::set<std::pair<uint64_t, uint64_t>> delivered;             // (step, prompt_id) handed to learners
   int64_t admitted = 0, dropped_stale = 0, dropped_dup = 0;
   std::vector<int64_t> kv_saturated;  // per layer, over every group received (FP8 KV caches)
   std::vector<int64_t> q_saturated;   // per layer, likewise (FP8 queries)
@@ -150,7 +148,6 @@ msg::buffer_actor spawn_buffer(caf::actor_system& sys, std::shared_ptr<const act
         trace_send("buffer", "batch_msg", b.trace, static_cast<int64_t>(step));
         pb.rp.deliver(std::move(b));
       }
-      for (const auto& [pid, g] : groups) s.delivered.insert({step, pid});
       s.next_step = std::max(s.next_step, step + 1);
       s.waiting.erase(wt);
       s.steps.erase(step);
@@ -165,8 +162,9 @@ msg::buffer_actor spawn_buffer(caf::actor_system& sys, std::shared_ptr<const act
           trace_recv("buffer", "group_msg", g.trace, static_cast<int64_t>(g.step));
           add_per_layer(s.kv_saturated, g.kv_saturated);  // duplicates too: work done
           add_per_layer(s.q_saturated, g.q_saturated);
-          const auto key = std::make_pair(g.step, g.prompt_id);
-          if (s.delivered.count(key) || s.steps[g.step].count(g.prompt_id)) {  // re-issued work finished twice
+          // re-issued work finished twice: its step went to the learners already (steps go in order:
+          // a set of every (step, prompt) handed out grew by prompts_per_step a step), or it is here
+          if (g.step < s.next_step || s.steps[g.step].count(g.prompt_id)) {
             ++s.dropped_dup;
             tell_controller(msg::admitted_msg{{}, g.step, g.prompt_id, true, "duplicate"});
             return;

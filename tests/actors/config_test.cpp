@@ -575,6 +575,26 @@ TEST(RunDir, AStartsErrorIsNotHiddenByAPendingSignal) {
   fs::remove_all(root);
 }
 
+// A signal ignored when the run starts (nohup's SIGHUP) stays ignored: no stop is recorded, and
+// the previous disposition is back after the run; one at its default action is caught.
+TEST(RunDir, ASignalIgnoredOnEntryStaysIgnored) {
+  EXPECT_EXIT(
+      {
+        std::signal(SIGHUP, SIG_IGN);
+        {
+          stop_signals signals;
+          std::raise(SIGHUP);
+          if (stop_signals::pending() != 0) std::exit(5);
+          std::raise(SIGTERM);  // at its default action on entry: recorded
+          if (stop_signals::pending() != SIGTERM) std::exit(6);
+        }
+        struct sigaction now {};
+        ::sigaction(SIGHUP, nullptr, &now);
+        std::exit(now.sa_handler == SIG_IGN ? 0 : 7);
+      },
+      ::testing::ExitedWithCode(0), "");
+}
+
 // plots_write reports what it cannot do and never throws: a plots path that is a file threw out
 // of the controller at the end of a run (the process then waited forever), and a metrics row
 // whose step is not an integer threw nlohmann's type_error naming neither file nor line.

@@ -13,10 +13,12 @@
 #include <map>
 #include <set>
 #include <stdexcept>
+#include <thread>
 
 #include "actors/actors.hpp"
 #include "models/checkpoint.hpp"
 #include "models/generate.hpp"
+#include "models/rl/loop.hpp"
 
 using namespace fp8rl;
 namespace fs = std::filesystem;
@@ -54,13 +56,16 @@ std::string init_dir() {
   return dir;
 }
 
-std::shared_ptr<const actors::actor_env> env_with(int64_t staleness, int64_t prompts) {
+// A run's env (groups of 2) starting at weight version `start` (a resume), generation under `generation`.
+std::shared_ptr<const actors::actor_env> env_with(int64_t staleness, int64_t prompts, uint64_t start = 0,
+                                                  const std::string& generation = actors::run_config{}.generation) {
   actors::run_config r;
   r.max_staleness = staleness;
   r.prompts_per_step = prompts;
   r.group_size = 2;
   r.log_level = "off";
-  return actors::env_make(r, "test", fs::temp_directory_path().string(), init_dir(), 0);
+  r.generation = generation;
+  return actors::env_make(r, "test", fs::temp_directory_path().string(), init_dir(), start);
 }
 
 // A rollout's peers: controller, weight-sync and reward (test stand-ins of any actor handle type).
@@ -351,6 +356,39 @@ TEST(Protocol, WeightSyncFansOutInProcessAndReportsFullAdoption) {
   ctl->send_exit(ws, caf::exit_reason::user_shutdown);
 }
 
+// A rollout refusing a bundle is told to the controller, naming the rollout and why (its run
+// waits on that version's report otherwise); a second peers_msg reports nothing twice; a rollout
+// that left (the peers no longer name it) holds up no version's report; the latency is the time
+// from publishing to the last adoption.
+TEST(Protocol, WeightSyncReportsRefusalsOnceAndForgetsRolloutsThatLeft) {
+  test_config cfg;
+  caf::actor_system sys{cfg};
+  caf::scoped_actor ctl{sys}, r0{sys}, r1{sys};
+  auto ws = actors::spawn_weight_sync(sys, env_with(1, 2));
+  ctl->send(ws, two_rollout_peers(ctl, r0, r1));
+  ctl->send(ws, msg::bundle_msg{{}, fp8_bundle_v1()});
+  ctl->send(ws, msg::adopted_msg{{}, "rollout1", 1, 1, "a scale is missing"});
+  ctl->receive([](std::string& who, std::string& why) {
+    EXPECT_EQ(who, "rollout1");
+    EXPECT_EQ(why, "refused bundle v1: a scale is missing");
+  }, caf::after(std::chrono::seconds(5)) >> [] { FAIL() << "the refusal was not told"; });
+  std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  ctl->send(ws, msg::adopted_msg{{}, "rollout0", 1, 1, ""});
+  msg::peers_msg only0 = two_rollout_peers(ctl, r0, r1);
+  only0.rollouts.pop_back(), only0.rollout_names.pop_back();  // rollout1 left
+  ctl->send(ws, only0);
+  ctl->receive([&](msg::sync_report& s) {
+    EXPECT_EQ(s.version, 1u);
+    EXPECT_GE(s.latency_s, 0.02);  // published before the 20 ms wait, adopted after it
+  }, caf::after(std::chrono::seconds(5)) >> [] { FAIL() << "v1 waited on a rollout that left"; });
+  ctl->send(ws, only0);  // the same peers again: v1 is not reported twice
+  ctl->request(ws, std::chrono::seconds(5), msg::status_atom::value)
+      .receive([](msg::metrics_t& m) { EXPECT_EQ(m.at("refused"), 1.0); }, [&](caf::error& e) { FAIL() << sys.render(e); });
+  ctl->receive([&](msg::sync_report& s) { FAIL() << "v" << s.version << " reported twice"; },
+               caf::after(std::chrono::seconds(0)) >> [] {});
+  ctl->send_exit(ws, caf::exit_reason::user_shutdown);
+}
+
 // A bundle each rollout replaced before a step ran under it (adopted_msg `superseded`) is done with
 // there, not adopted: v1 is reported with no adoption latency (NaN); it counted as adopted.
 TEST(Protocol, WeightSyncCountsASupersededBundleAsNotAdopted) {
@@ -476,6 +514,45 @@ TEST(Protocol, CalibrationKeepsWeightsThatCameBeforeItsPeers) {
     EXPECT_GT(r.weights_flushed, 100);
   },
                caf::after(std::chrono::seconds(5)) >> [] { FAIL() << "no calib_report v2"; });
+  ctl->send_exit(cal, caf::exit_reason::user_shutdown);
+}
+
+// With an FP8 KV cache, a bundle's Q/K/V scales are calibrated on the batch its params_msg carries
+// (make_bundle's for that batch: another batch gives other scales).
+TEST(Protocol, CalibrationScalesTheKvCacheOnTheBatchItIsSent) {
+  test_config cfg;
+  caf::actor_system sys{cfg};
+  caf::scoped_actor ctl{sys}, ws{sys};
+  const auto env = env_with(1, 2, 0, "fp8-kv");
+  auto cal = actors::spawn_calibration(sys, env, actors::device_spec::parse("cpu:1", "test"));
+  msg::peers_msg p;
+  p.controller = caf::actor_cast<msg::controller_actor>(ctl);
+  p.weight_sync = caf::actor_cast<msg::weight_sync_actor>(ws);
+  ctl->send(cal, p);
+  models::rl_state st;
+  st.params = models::model_load(init_dir());
+  const std::vector<std::vector<int32_t>> batches[2] = {{{1, 4, 5, 13, 6, 15}, {1, 9, 9, 14, 7, 15}},
+                                                        {{1, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3}}};
+  std::vector<float> k_scale[2];
+  for (uint64_t v : {1, 2}) {
+    msg::params_msg pm;
+    pm.version = v;
+    pm.params = std::make_shared<const std::vector<float>>(st.params.data);
+    pm.calib = batches[v - 1];
+    ctl->send(cal, pm);
+    std::vector<models::token_batch> calib(1);
+    for (const auto& q : pm.calib) calib[0].add(q);
+    st.version = v;
+    const auto want = models::make_bundle(st, env->rl, calib, v);
+    ASSERT_TRUE(want->snapshot.has_attention_scales());
+    ws->receive([&](msg::bundle_msg& m) {
+      EXPECT_EQ(m.bundle->snapshot.q_scale, want->snapshot.q_scale) << "v" << v;
+      EXPECT_EQ(m.bundle->snapshot.k_scale, want->snapshot.k_scale) << "v" << v;
+      EXPECT_EQ(m.bundle->snapshot.v_scale, want->snapshot.v_scale) << "v" << v;
+      k_scale[v - 1] = m.bundle->snapshot.k_scale;
+    }, caf::after(std::chrono::seconds(30)) >> [] { FAIL() << "no bundle"; });
+  }
+  EXPECT_NE(k_scale[0], k_scale[1]);
   ctl->send_exit(cal, caf::exit_reason::user_shutdown);
 }
 
@@ -612,6 +689,9 @@ TEST(Protocol, BufferStopsEveryRankAtTheSameStep) {
   auto fresh = buffer_for(sys, self);
   EXPECT_EQ(stop_step(fresh), 0u);  // before any batch: the learners stop where they started
   self->send_exit(fresh, caf::exit_reason::user_shutdown);
+  auto resumed = actors::spawn_buffer(sys, env_with(1, 2, 3));  // ... which is the resumed version
+  EXPECT_EQ(stop_step(resumed), 3u);
+  self->send_exit(resumed, caf::exit_reason::user_shutdown);
   auto buf = buffer_for(sys, self);
   caf::scoped_actor l0{sys}, l1{sys};
   auto ask = [&](caf::scoped_actor& l, uint64_t step, int32_t rank) {

@@ -149,6 +149,37 @@ TEST(Training, SaveLoadContinueIsBitIdentical) {
     EXPECT_NE(err.find("optimizer.safetensors: tensor '" + std::string(moment) + name + "' holds "), std::string::npos) << err;
     EXPECT_NE(err.find("at index 2"), std::string::npos) << err;
   }
+  // a checkpoint missing one of its parts is refused by name: a step count without moments (they
+  // would load as zeros: the first updates ~3x too large), moments without state.json (loaded as
+  // a fresh model they were dropped), a weight version below 0 (read as 2^64 - 1)
+  auto load_error = [&](checkpoint_kind what) {
+    try {
+      checkpoint_load(dir.string(), what);
+    } catch (const std::invalid_argument& e) {
+      return std::string(e.what());
+    }
+    return std::string();
+  };
+  trainer t(task_config(), "fp32", 12);
+  train(t, 6, 2);
+  checkpoint_save(dir.string(), t.ck);
+  EXPECT_EQ(load_error(checkpoint_kind::training), "");
+  std::filesystem::rename(dir / "optimizer.safetensors", dir / "optimizer.away");
+  EXPECT_NE(load_error(checkpoint_kind::training).find("optimizer.safetensors: missing, but state.json says adam_step = 2"),
+            std::string::npos) << load_error(checkpoint_kind::training);
+  std::filesystem::rename(dir / "optimizer.away", dir / "optimizer.safetensors");
+  std::filesystem::rename(dir / "state.json", dir / "state.away");
+  EXPECT_NE(load_error(checkpoint_kind::model_ok).find("state.json: missing (not a training checkpoint, yet optimizer.safetensors is there)"),
+            std::string::npos) << load_error(checkpoint_kind::model_ok);
+  std::filesystem::remove(dir / "optimizer.safetensors");
+  EXPECT_EQ(load_error(checkpoint_kind::model_ok), "");  // a model directory: a fresh start
+  std::ofstream(dir / "state.json") << R"({"adam_step": 0, "weight_version": -1})";
+  try {
+    checkpoint_weight_version(dir.string());
+    ADD_FAILURE() << "weight_version -1 was read";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("state.json: key 'weight_version' is not an integer >= 0"), std::string::npos) << e.what();
+  }
   std::filesystem::remove_all(dir);
 }
 
