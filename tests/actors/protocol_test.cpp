@@ -556,6 +556,46 @@ TEST(Protocol, CalibrationScalesTheKvCacheOnTheBatchItIsSent) {
   ctl->send_exit(cal, caf::exit_reason::user_shutdown);
 }
 
+// A run that stops before its learner's first step (the buffer answers `stop` at once) checkpoints
+// nothing: at a resume from step 2 the learner names the checkpoint it started from, on a fresh run
+// none ("": nothing to resume; a step_0 that does not exist was named).
+TEST(Protocol, ALearnerStoppedBeforeItsFirstStepNamesTheCheckpointItStartedFrom) {
+  test_config cfg;
+  caf::actor_system sys{cfg};
+  const fs::path run = fs::temp_directory_path() / ("fp8rl_proto_stop_" + std::to_string(::getpid()));
+  for (const uint64_t start : {uint64_t{2}, uint64_t{0}}) {
+    fs::remove_all(run);
+    fs::create_directories(run);
+    actors::run_config r;
+    r.prompts_per_step = 2, r.group_size = 2, r.log_level = "off";
+    const auto env = actors::env_make(r, "test", run.string(), init_dir(), start);
+    caf::scoped_actor ctl{sys}, buf{sys}, cal{sys};
+    auto learner = actors::spawn_learner(sys, env, 0, 1, actors::device_spec::parse("cpu:1", "test"));
+    msg::peers_msg p;
+    p.controller = caf::actor_cast<msg::controller_actor>(ctl);
+    p.buffer = caf::actor_cast<msg::buffer_actor>(buf);
+    p.calibration = caf::actor_cast<msg::calibration_actor>(cal);
+    ctl->send(learner, p);
+    ctl->send(learner, msg::start_atom::value, uint64_t{0});
+    cal->receive([&](msg::params_msg& pm) { EXPECT_EQ(pm.version, start); },
+                 caf::after(std::chrono::seconds(30)) >> [] { FAIL() << "no starting weights"; });
+    buf->receive([&](msg::batch_atom, uint64_t step, int32_t, int32_t, uint64_t) -> msg::batch_msg {
+      EXPECT_EQ(step, start);
+      msg::batch_msg b;
+      b.step = step;
+      b.stop = true;
+      return b;
+    }, caf::after(std::chrono::seconds(30)) >> [] { FAIL() << "no batch request"; });
+    ctl->receive([&](msg::stopped_atom, uint64_t v, std::string& dir) {
+      EXPECT_EQ(v, start);
+      EXPECT_EQ(dir, start > 0 ? init_dir() : std::string()) << start;
+    }, caf::after(std::chrono::seconds(30)) >> [] { FAIL() << "no stopped"; });
+    EXPECT_FALSE(fs::exists(run / "checkpoints")) << "a checkpoint of a version nothing trained, start " << start;
+    ctl->send_exit(learner, caf::exit_reason::user_shutdown);
+  }
+  fs::remove_all(run);
+}
+
 namespace {
 // A rollout (the run's group size 2) whose controller is ctl, monitored by it.
 msg::rollout_actor rollout_for(caf::actor_system& sys, caf::scoped_actor& ctl) {
