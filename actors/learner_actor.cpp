@@ -172,7 +172,9 @@ void checkpoint(learner_state& s) {
   out << dir.filename().string() << "\n";
   out.close();
   if (!out) throw std::runtime_error(tmp.string() + ": write failed (" + latest.string() + " still names the previous checkpoint)");
+  models::fsync_path(tmp.string());
   fs::rename(tmp, latest);
+  models::fsync_path(latest.parent_path().string());
   s.checkpointed = s.version;
 }
 

@@ -3,6 +3,7 @@
 #include "models/json_io.hpp"
 
 #include <fcntl.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cerrno>
@@ -60,6 +61,14 @@ void checkpoint_dir_replace(const std::string& tmp, const std::string& dir, dir_
   remove_ours(old);
 }
 
+void fsync_path(const std::string& path) {
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) throw std::system_error(errno, std::generic_category(), "fsync: opening " + path);
+  const int rc = ::fsync(fd), err = errno;
+  ::close(fd);
+  if (rc != 0) throw std::system_error(err, std::generic_category(), "fsync: " + path);
+}
+
 void checkpoint_save(const std::string& dir, const checkpoint& c, const std::function<void(const std::string&)>& extra) {
   const fs::path tmp = dir + ".tmp";
   remove_if_ours(tmp);
@@ -86,7 +95,10 @@ void checkpoint_save(const std::string& dir, const checkpoint& c, const std::fun
   if (!state) throw std::runtime_error((tmp / "state.json").string() + ": write failed (the previous " + dir + " is kept)");
   if (extra) extra(tmp.string());
   fs::remove(tmp / kUnfinished);
+  for (const auto& e : fs::directory_iterator(tmp)) if (e.is_regular_file()) fsync_path(e.path().string());
+  fsync_path(tmp.string());
   checkpoint_dir_replace(tmp.string(), dir);
+  fsync_path(fs::absolute(dir).parent_path().string());  // the exchange itself
 }
 
 uint64_t checkpoint_weight_version(const std::string& dir) {

@@ -1,6 +1,6 @@
 // models/checkpoint.hpp -- training checkpoints: model (HF layout) + optimizer state + run state.
 // defines: checkpoint, checkpoint_save, checkpoint_load, checkpoint_weight_version,
-//          checkpoint_dir_replace
+//          checkpoint_dir_replace, fsync_path
 //
 // Layout of a checkpoint directory:
 //   config.json, model.safetensors   the model, loadable by any HF-compatible tool
@@ -9,8 +9,10 @@
 //                                    "prompt_cursor", "run", "train_set" {"examples", "fingerprint"}
 //                                    (fp8rl train); "phase", "task" (sft)
 // Saving writes everything (also the caller's extra files: tokenizer, calibration batch) into
-// DIR.tmp, then exchanges it with DIR in one step (renameat2 RENAME_EXCHANGE), so DIR always
-// holds a whole checkpoint, the previous one until the exchange. Where the filesystem cannot
+// DIR.tmp, flushes its files to the device, then exchanges it with DIR in one step (renameat2
+// RENAME_EXCHANGE) and flushes the parent directory, so DIR always holds a whole checkpoint, the
+// previous one until the exchange -- also after a power loss or a kernel crash, not only after the
+// process's (the files and the renames sat in the page cache). Where the filesystem cannot
 // exchange, DIR moves aside to DIR.old for the moment between two renames; a load that finds
 // DIR missing and DIR.old there says so.
 #pragma once
@@ -43,5 +45,8 @@ uint64_t checkpoint_weight_version(const std::string& dir);
 // refuses it (EINVAL, ENOSYS), or asked -- by two renames with dir.old between them.
 enum class dir_swap { exchange, renames };
 void checkpoint_dir_replace(const std::string& tmp, const std::string& dir, dir_swap how = dir_swap::exchange);
+// Flushes a file's or directory's data and metadata to the device (fsync); throws
+// std::system_error naming the path.
+void fsync_path(const std::string& path);
 
 }  // namespace fp8rl::models

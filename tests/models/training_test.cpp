@@ -8,6 +8,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <system_error>
 #include <limits>
 #include <nlohmann/json.hpp>
 
@@ -164,6 +165,12 @@ TEST(Training, SaveLoadContinueIsBitIdentical) {
   train(t, 6, 2);
   checkpoint_save(dir.string(), t.ck);
   EXPECT_EQ(load_error(checkpoint_kind::training), "");
+  try {  // a save flushes what it wrote to the device; what cannot be flushed is named
+    fsync_path((dir / "no-such-file").string());
+    ADD_FAILURE() << "a missing file was flushed";
+  } catch (const std::system_error& e) {
+    EXPECT_NE(std::string(e.what()).find("fsync: opening " + (dir / "no-such-file").string()), std::string::npos) << e.what();
+  }
   std::filesystem::rename(dir / "optimizer.safetensors", dir / "optimizer.away");
   EXPECT_NE(load_error(checkpoint_kind::training).find("optimizer.safetensors: missing, but state.json says adam_step = 2"),
             std::string::npos) << load_error(checkpoint_kind::training);
