@@ -8,9 +8,9 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
-#include <system_error>
 #include <limits>
 #include <nlohmann/json.hpp>
+#include <system_error>
 
 #include "models/checkpoint.hpp"
 #include "models/cpu/cpu_backend.hpp"
