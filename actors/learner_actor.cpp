@@ -278,10 +278,10 @@ msg::metrics_t learner_train_step(learner_state& s, const msg::batch_msg& b, clk
     gnorm = models::adamw_step(s.env->rl.opt, s.ck.params.layout, s.ck.params.data.data(), lo.grads.data(), s.ck.opt);
   });
   msg::metrics_t m = lo.loss.metrics;
-  if (m["nonfinite_is_weights"] > 0)  // counted and raised (rl-algorithm.md §10), not only zeroed
-    log_get("learner")->warn("step {}: {} tokens left the loss with a non-finite logprob or IS weight (e.g. "
+  if (const auto nf = m.find("nonfinite_is_weights"); nf != m.end() && nf->second > 0)  // counted and raised
+    log_get("learner")->warn("step {}: {} tokens left the loss with a non-finite logprob or IS weight (e.g. "  // (rl-algorithm.md §10)
                              "top-k/top-p no longer keeping a token sampled under older weights)",
-                             s.version + 1, m["nonfinite_is_weights"]);
+                             s.version + 1, nf->second);
   models::rl_batch_metrics(batch_samples(b), s.version, s.env->cfg.max_staleness, m);
   for (const auto& [k, v] : b.buffer_metrics) m[k] = v;
   for (const auto& [k, v] : audit) m[k] = v;

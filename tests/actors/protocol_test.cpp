@@ -836,7 +836,10 @@ TEST(Protocol, WeightSyncStopsASupersededTransfer) {
   ctl->send(ws, msg::adopted_msg{{}, "rollout0", 2, 2, ""});
   std::map<uint64_t, double> latency;  // the reports, in either order (v1's answers cross loopback)
   for (int i = 0; i < 2; ++i)
-    ctl->receive([&](msg::sync_report& r) { EXPECT_TRUE(latency.emplace(r.version, r.latency_s).second) << r.version; },
+    ctl->receive([&](msg::sync_report& r) {
+                   EXPECT_TRUE(latency.emplace(r.version, r.latency_s).second) << r.version;
+                   EXPECT_TRUE(r.cross_process);
+                 },
                  [&](std::string& who, std::string& what) { FAIL() << who << ": " << what; },
                  caf::after(std::chrono::seconds(20)) >> [] { FAIL() << "a sync_report missing"; });
   ASSERT_EQ(latency.size(), 2u);
