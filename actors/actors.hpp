@@ -26,7 +26,12 @@ msg::buffer_actor spawn_buffer(caf::actor_system& sys, std::shared_ptr<const act
 msg::learner_actor spawn_learner(caf::actor_system& sys, std::shared_ptr<const actor_env> env, int32_t rank,
                                  int32_t world, device_spec dev);
 msg::calibration_actor spawn_calibration(caf::actor_system& sys, std::shared_ptr<const actor_env> env, device_spec dev);
-msg::weight_sync_actor spawn_weight_sync(caf::actor_system& sys, std::shared_ptr<const actor_env> env);
+// A remote rollout gets a bundle's bytes in chunks of chunk_bytes (4 MiB: far below CAF's 4 GiB
+// frame limit), kBundleWindow requests in flight.
+inline constexpr size_t kBundleChunkBytes = size_t{4} << 20;
+inline constexpr uint32_t kBundleWindow = 4;
+msg::weight_sync_actor spawn_weight_sync(caf::actor_system& sys, std::shared_ptr<const actor_env> env,
+                                         size_t chunk_bytes = kBundleChunkBytes);
 
 // The controller: issues prompt groups within the staleness window, writes metrics.jsonl,
 // supervises every actor (monitors; re-queues a lost rollout's work and restarts a rollout of

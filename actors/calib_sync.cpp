@@ -115,9 +115,10 @@ msg::calibration_actor spawn_calibration(caf::actor_system& sys, std::shared_ptr
   }, env);  // env as a spawn argument: actors.hpp
 }
 
-msg::weight_sync_actor spawn_weight_sync(caf::actor_system& sys, std::shared_ptr<const actor_env> env) {
+msg::weight_sync_actor spawn_weight_sync(caf::actor_system& sys, std::shared_ptr<const actor_env> env, size_t chunk_bytes) {
   using self_t = msg::weight_sync_actor::stateful_pointer<sync_state>;
-  return sys.spawn([](self_t self, std::shared_ptr<const actor_env> env) -> msg::weight_sync_actor::behavior_type {
+  if (chunk_bytes == 0) throw std::invalid_argument("spawn_weight_sync: chunk_bytes must be > 0");
+  return sys.spawn([chunk = chunk_bytes](self_t self, std::shared_ptr<const actor_env> env) -> msg::weight_sync_actor::behavior_type {
     actor_failures_named(self, "the weight-sync actor");
     self->state.env = env;
     auto log = log_get("weight_sync");
@@ -142,14 +143,12 @@ msg::weight_sync_actor spawn_weight_sync(caf::actor_system& sys, std::shared_ptr
       if (adopted) sv.adopted += 1, sv.max_latency = std::max(sv.max_latency, now_s() - sv.published_at);
       report_if_done(v, sv);
     };
-    // Sends a bundle to one remote rollout as raw-byte chunks with a window of kWindow requests
+    // Sends a bundle to one remote rollout as raw-byte chunks with a window of kBundleWindow requests
     // in flight (the acks are the backpressure; CAF keeps per-sender order, so the rollout
     // appends chunks in sequence).
-    auto send_chunks = [self, log, heard](msg::rollout_actor r, std::string name, std::shared_ptr<const std::vector<char>> bytes,
+    auto send_chunks = [self, log, heard, chunk](msg::rollout_actor r, std::string name, std::shared_ptr<const std::vector<char>> bytes,
                                    uint64_t version) {
-      constexpr size_t kChunk = size_t{4} << 20;  // 4 MiB, far below CAF's 4 GiB frame limit
-      constexpr uint32_t kWindow = 4;
-      const uint32_t total = static_cast<uint32_t>(std::max<size_t>(1, (bytes->size() + kChunk - 1) / kChunk));
+      const uint32_t total = static_cast<uint32_t>(std::max<size_t>(1, (bytes->size() + chunk - 1) / chunk));
       struct progress { uint32_t sent = 0, acked = 0; bool failed = false; };
       auto pr = std::make_shared<progress>();
       // the pending requests' handlers own send_one; it holds itself weakly (a strong self-capture
@@ -157,14 +156,14 @@ msg::weight_sync_actor spawn_weight_sync(caf::actor_system& sys, std::shared_ptr
       auto send_one = std::make_shared<std::function<void()>>();
       const std::weak_ptr<std::function<void()>> weak_send = send_one;
       const double t_start = now_s();
-      *send_one = [self, r, name, bytes, version, total, pr, weak_send, log, t_start, heard] {
+      *send_one = [self, r, name, bytes, version, total, pr, weak_send, log, t_start, heard, chunk] {
         auto send_one = weak_send.lock();
         if (!send_one) return;
         msg::bundle_chunk c;
         c.version = version;
         c.seq = pr->sent++;
         c.total = total;
-        const size_t b = size_t(c.seq) * kChunk, e = std::min(bytes->size(), b + kChunk);
+        const size_t b = size_t(c.seq) * chunk, e = std::min(bytes->size(), b + chunk);
         c.bytes.assign(bytes->begin() + static_cast<long>(b), bytes->begin() + static_cast<long>(e));
         trace_send("weight_sync", "bundle_chunk", c.trace, static_cast<int64_t>(version), double(c.bytes.size()));
         self->request(r, std::chrono::seconds(60), std::move(c)).then(
@@ -202,7 +201,7 @@ msg::weight_sync_actor spawn_weight_sync(caf::actor_system& sys, std::shared_ptr
                          "bundle v" + std::to_string(version) + " to " + name + " failed: " + self->system().render(err));
             });
       };
-      for (uint32_t i = 0; i < std::min(kWindow, total); ++i) (*send_one)();
+      for (uint32_t i = 0; i < std::min(kBundleWindow, total); ++i) (*send_one)();
     };
     // One rollout's copy of version v: the bundle itself in this process, chunks of its bytes
     // across processes (`bytes` caches them: serialized once per publish). False when the

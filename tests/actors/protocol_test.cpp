@@ -815,6 +815,68 @@ TEST(Protocol, WeightSyncReportsAFailedTransferToALiveRollout) {
   caf::anon_send_exit(fake, caf::exit_reason::user_shutdown);
 }
 
+// A bundle larger than a chunk reaches a remote rollout whole: chunks in order, each within the
+// total (one past it was sent under a mutant), the window of requests refilled as acks come, the
+// bytes deserializing to the bundle sent; its report is cross-process with the transfer's time
+// (the rollout acks its last chunk before it says it adopted, as a real one does).
+TEST(Protocol, WeightSyncSendsALargeBundleInOrderedChunks) {
+  test_config cfg1, cfg2;
+  cfg1.load<caf::io::middleman>();
+  cfg2.load<caf::io::middleman>();
+  caf::actor_system sys{cfg1}, remote{cfg2};
+  const auto params = models::model_load(init_dir());
+  auto b = std::make_shared<const quant::weight_bundle>(models::bundle_from_params(params, models::precision_policy::named("fp8"), 1, 1, nullptr));
+  std::vector<char> wire;
+  caf::binary_serializer sink(sys, wire);
+  auto w = msg::bundle_to_wire(*b);
+  ASSERT_FALSE(sink(w));
+  const size_t chunk = wire.size() / 10 + 1;  // 10 chunks, the last short: beyond the window of 4
+  const uint32_t total = static_cast<uint32_t>((wire.size() + chunk - 1) / chunk);
+  ASSERT_GT(total, actors::kBundleWindow + 1);
+  auto fake = remote.spawn([](caf::event_based_actor* self, uint32_t total) -> caf::behavior {
+    auto got = std::make_shared<std::vector<char>>();
+    auto next = std::make_shared<uint32_t>(0);
+    auto ws = std::make_shared<msg::weight_sync_actor>();
+    return {
+        [ws](msg::peers_msg& p) { *ws = p.weight_sync; },
+        [self, total, got, next, ws](msg::bundle_chunk& c) -> caf::result<msg::chunk_ack> {
+          if (c.seq != *next || c.total != total)
+            return caf::make_error(caf::sec::invalid_argument, "chunk " + std::to_string(c.seq) + " of " + std::to_string(c.total) +
+                                                                   " where " + std::to_string(*next) + " of " + std::to_string(total) + " was due");
+          ++*next;
+          got->insert(got->end(), c.bytes.begin(), c.bytes.end());
+          auto rp = self->make_response_promise<msg::chunk_ack>();
+          rp.deliver(msg::chunk_ack{{}, c.version, c.seq, false});
+          if (c.seq + 1 == total) {
+            msg::bundle_wire w;
+            caf::binary_deserializer src(self->system(), *got);
+            std::string error = src(w) ? "does not deserialize" : "";
+            if (error.empty() && msg::bundle_from_wire(std::move(w)).weight_version != c.version) error = "another version";
+            self->send(*ws, msg::adopted_msg{{}, "rollout0", c.version, c.version, error});
+          }
+          return rp;
+        }};
+  }, total);
+  const msg::rollout_actor ro = remote_rollout(sys, remote, fake);
+  caf::scoped_actor ctl{sys};
+  auto ws = actors::spawn_weight_sync(sys, env_with(1, 2), chunk);
+  ctl->send(ws, one_rollout_peers(ctl, ro));
+  msg::peers_msg to_fake;
+  to_fake.weight_sync = ws;
+  ctl->send(ro, to_fake);
+  ctl->send(ws, msg::bundle_msg{{}, b});
+  ctl->receive([&](msg::sync_report& r) {
+    EXPECT_EQ(r.version, 1u);
+    EXPECT_TRUE(r.cross_process);
+    EXPECT_GT(r.transfer_s, 0.0);
+    EXPECT_GE(r.latency_s, r.transfer_s);  // adopted after its last chunk was acked
+  },
+               [&](std::string& who, std::string& what) { FAIL() << who << ": " << what; },
+               caf::after(std::chrono::seconds(20)) >> [] { FAIL() << "no sync_report"; });
+  ctl->send_exit(ws, caf::exit_reason::user_shutdown);
+  caf::anon_send_exit(fake, caf::exit_reason::user_shutdown);
+}
+
 // A version a remote rollout answers "superseded" (it took a newer one first) is neither a failure
 // nor waited for: weight-sync stops sending it and reports it without a latency (NaN: no rollout
 // adopted it), and the version the rollout adopted with one.
