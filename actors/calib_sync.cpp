@@ -1,7 +1,7 @@
 // actors/calib_sync.cpp -- the calibration actor (requantizes weights and recomputes Q/K/V scales
 // after every step, off the learner's critical path, publishing an immutable bundle) and the
 // weight-sync actor (bundle registry, zero-copy hand-off in process, chunked raw-byte transfer
-// across processes with a window of kWindow = 4 chunk requests in flight, adoption acks, sync
+// across processes with a window of kBundleWindow chunk requests in flight, adoption acks, sync
 // latency).
 #include <tbb/task_arena.h>
 
@@ -20,7 +20,8 @@
 namespace fp8rl::actors {
 namespace {
 
-double now_s() { return std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count(); }
+// weight-sync's own clock for latencies (steady: a wall-clock step moved them)
+double now_s() { return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count(); }
 
 struct calibration_state {
   std::shared_ptr<const actor_env> env;

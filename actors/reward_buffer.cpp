@@ -162,8 +162,8 @@ msg::buffer_actor spawn_buffer(caf::actor_system& sys, std::shared_ptr<const act
           trace_recv("buffer", "group_msg", g.trace, static_cast<int64_t>(g.step));
           add_per_layer(s.kv_saturated, g.kv_saturated);  // duplicates too: work done
           add_per_layer(s.q_saturated, g.q_saturated);
-          // re-issued work finished twice: its step went to the learners already (steps go in order:
-          // a set of every (step, prompt) handed out grew by prompts_per_step a step), or it is here
+          // re-issued work finished twice: its step went to the learners already (steps go out in
+          // order, next_step the first not yet), or the group is here
           if (g.step < s.next_step || s.steps[g.step].count(g.prompt_id)) {
             ++s.dropped_dup;
             tell_controller(msg::admitted_msg{{}, g.step, g.prompt_id, true, "duplicate"});
@@ -196,6 +196,12 @@ msg::buffer_actor spawn_buffer(caf::actor_system& sys, std::shared_ptr<const act
           }
           if (s.stop_at && step >= *s.stop_at) {
             rp.deliver(stop_batch(step));
+            return rp;
+          }
+          if (step != s.next_step) {  // every rank trains every step in turn: another step waited 30 minutes
+            rp.deliver(caf::make_error(caf::sec::invalid_argument, "trajectory buffer: step " + std::to_string(step) + " requested by " +
+                                                                        shard(rank, world) + ", the next step is " +
+                                                                        std::to_string(s.next_step)));
             return rp;
           }
           s.waiting[step].push_back({rp, rank, world});

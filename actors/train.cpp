@@ -79,7 +79,9 @@ msg::node_actors spawn_node(caf::actor_system& sys, const node_spec& n, std::sha
 // the environment, a node agent answers with its first rollout misnamed, as another build could.
 msg::node_actors node_answer(const msg::node_actors& x) {
   static const char* const fault = std::getenv("FP8RL_FAULT_NODE_ANSWER");  // read once
-  if (!fault || std::string(fault) != "rename" || x.rollout_names.empty()) return x;
+  if (!fault) return x;
+  if (std::string(fault) != "rename") throw std::invalid_argument(std::string("FP8RL_FAULT_NODE_ANSWER = '") + fault + "': not 'rename'");
+  if (x.rollout_names.empty()) return x;
   msg::node_actors y = x;
   y.rollout_names[0] += "-renamed";
   return y;

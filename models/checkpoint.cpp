@@ -1,6 +1,7 @@
 // models/checkpoint.cpp -- atomic checkpoint directories.
 #include "models/checkpoint.hpp"
 #include "models/json_io.hpp"
+#include "models/log.hpp"
 
 #include <fcntl.h>
 #include <unistd.h>
@@ -11,6 +12,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <mutex>
 #include <nlohmann/json.hpp>
 #include <sstream>
 #include <stdexcept>
@@ -66,7 +68,14 @@ void fsync_path(const std::string& path) {
   if (fd < 0) throw std::system_error(errno, std::generic_category(), "fsync: opening " + path);
   const int rc = ::fsync(fd), err = errno;
   ::close(fd);
-  if (rc != 0) throw std::system_error(err, std::generic_category(), "fsync: " + path);
+  if (rc == 0) return;
+  if (err == EINVAL && fs::is_directory(path)) {  // some network and FUSE filesystems flush no directory
+    static std::once_flag said;
+    std::call_once(said, [&] { log_get("checkpoint")->warn("{}: this filesystem cannot flush a directory (fsync: EINVAL); a power loss "
+                                                           "may lose the newest rename", path); });
+    return;
+  }
+  throw std::system_error(err, std::generic_category(), "fsync: " + path);
 }
 
 void checkpoint_save(const std::string& dir, const checkpoint& c, const std::function<void(const std::string&)>& extra) {
@@ -95,10 +104,12 @@ void checkpoint_save(const std::string& dir, const checkpoint& c, const std::fun
   if (!state) throw std::runtime_error((tmp / "state.json").string() + ": write failed (the previous " + dir + " is kept)");
   if (extra) extra(tmp.string());
   fs::remove(tmp / kUnfinished);
-  for (const auto& e : fs::directory_iterator(tmp)) if (e.is_regular_file()) fsync_path(e.path().string());
+  for (const auto& e : fs::directory_iterator(tmp)) if (e.is_regular_file()) fsync_path(e.path().string());  // (flat: no subdirectories)
   fsync_path(tmp.string());
   checkpoint_dir_replace(tmp.string(), dir);
-  fsync_path(fs::absolute(dir).parent_path().string());  // the exchange itself
+  fs::path d = fs::absolute(dir);
+  if (!d.has_filename()) d = d.parent_path();  // "DIR/"
+  fsync_path(d.parent_path().string());        // the exchange itself
 }
 
 uint64_t checkpoint_weight_version(const std::string& dir) {

@@ -46,7 +46,8 @@ uint64_t checkpoint_weight_version(const std::string& dir);
 enum class dir_swap { exchange, renames };
 void checkpoint_dir_replace(const std::string& tmp, const std::string& dir, dir_swap how = dir_swap::exchange);
 // Flushes a file's or directory's data and metadata to the device (fsync); throws
-// std::system_error naming the path.
+// std::system_error naming the path -- but for a directory on a filesystem that flushes none
+// (EINVAL), said once as a warning.
 void fsync_path(const std::string& path);
 
 }  // namespace fp8rl::models

@@ -146,9 +146,11 @@ loss_result policy_loss(const token_batch_rl& b, const grpo_config& cfg, double 
 
 loss_result policy_loss(const token_batch_rl& b, const grpo_config& cfg, double N, const is_result& is) {
   policy_loss_check(b, cfg, N);
-  if (is.w.size() != b.c.size() || is.mask.size() != b.c.size() || (!is.filtered.empty() && is.filtered.size() != b.c.size()))
-    throw std::invalid_argument("policy_loss: the IS weights are not of this batch (" + std::to_string(is.w.size()) + " for " +
-                                std::to_string(b.c.size()) + " tokens)");
+  for (const auto& [name, size] : {std::pair<const char*, size_t>{"w", is.w.size()}, {"mask", is.mask.size()},
+                                    {"filtered", is.filtered.empty() ? b.c.size() : is.filtered.size()}})
+    if (size != b.c.size())
+      throw std::invalid_argument(std::string("policy_loss: IS ") + name + " has " + std::to_string(size) + " entries for " +
+                                  std::to_string(b.c.size()) + " tokens (weights of another batch)");
   const int64_t n = b.size();
   loss_result out;
   out.dc.assign(static_cast<size_t>(n), 0.0f);

@@ -292,23 +292,28 @@ TEST(Protocol, BufferAdmitsDedupsShardsAndDropsStale) {
     EXPECT_TRUE(a.dropped);
     EXPECT_EQ(a.reason, "duplicate");
   }, caf::after(std::chrono::seconds(5)) >> [] { FAIL() << "no admitted_msg"; });
-  // step 2 with the learner at version 2: a group whose oldest token was sampled under v0 (the
+  // step 1 with the learner at version 2: a group whose oldest token was sampled under v0 (the
   // second sample's second token; the rest under v2) is 2 versions stale (> 1)
-  auto g24 = group(2, 4, 2);
-  g24.samples[1].weight_version = {2, 0, 2};
-  self->send(buf, g24);
-  expect_admitted(2, 4, false);
-  self->send(buf, group(2, 5, 1));
-  expect_admitted(2, 5, false);
-  caf::scoped_actor learner{sys};  // waits for step 2 while the buffer drops the stale group
-  learner->send(buf, msg::batch_atom::value, uint64_t{2}, int32_t{0}, int32_t{1}, uint64_t{2});
+  auto g14 = group(1, 4, 2);
+  g14.samples[1].weight_version = {2, 0, 2};
+  self->send(buf, g14);
+  expect_admitted(1, 4, false);
+  self->send(buf, group(1, 5, 1));
+  expect_admitted(1, 5, false);
+  caf::scoped_actor learner{sys};  // waits for step 1 while the buffer drops the stale group
+  // steps go out in order: step 0 again or step 2 before 1 is refused (each waited 30 minutes)
+  for (const uint64_t wrong : {uint64_t{0}, uint64_t{2}})
+    learner->request(buf, std::chrono::seconds(5), msg::batch_atom::value, wrong, int32_t{0}, int32_t{1}, uint64_t{2})
+        .receive([](msg::batch_msg&) { FAIL() << "a step out of turn was served"; },
+                 [&](caf::error& e) { EXPECT_NE(sys.render(e).find(", the next step is 1"), std::string::npos) << sys.render(e); });
+  learner->send(buf, msg::batch_atom::value, uint64_t{1}, int32_t{0}, int32_t{1}, uint64_t{2});
   self->receive([&](msg::admitted_msg& a) {  // dropped as stale; the controller re-issues it
     EXPECT_EQ(a.prompt_id, 4u);
     EXPECT_TRUE(a.dropped);
     EXPECT_EQ(a.reason, "stale: weight_version 0");
   }, caf::after(std::chrono::seconds(5)) >> [] { FAIL() << "no admitted_msg"; });
-  self->send(buf, group(2, 4, 2));  // regenerated under v2
-  expect_admitted(2, 4, false);
+  self->send(buf, group(1, 4, 2));  // regenerated under v2
+  expect_admitted(1, 4, false);
   learner->receive([&](msg::batch_msg& b) {
     ASSERT_EQ(b.samples.size(), 4u);
     for (const auto& s : b.samples) EXPECT_GE(s.weight_version.front(), 1u);
@@ -840,7 +845,7 @@ TEST(Protocol, WeightSyncSendsALargeBundleInOrderedChunks) {
     return {
         [ws](msg::peers_msg& p) { *ws = p.weight_sync; },
         [self, total, got, next, ws](msg::bundle_chunk& c) -> caf::result<msg::chunk_ack> {
-          if (c.seq != *next || c.total != total)
+          if (c.seq != *next || c.total != total || c.seq >= c.total)
             return caf::make_error(caf::sec::invalid_argument, "chunk " + std::to_string(c.seq) + " of " + std::to_string(c.total) +
                                                                    " where " + std::to_string(*next) + " of " + std::to_string(total) + " was due");
           ++*next;
@@ -1204,8 +1209,6 @@ TEST_F(RolloutOnTestCoordinator, IgnoresAGroupItIsAlreadyGenerating) {
                 caf::after(std::chrono::seconds(1)) >> [] { ADD_FAILURE() << "no status"; });
 }
 
-// A node's answer (node_actors) is checked against its topology entry: every role it runs and no
-// other, as many learners and rollouts, valid handles, rollouts named in the run's order.
 // A lost actor's node is named by the node agent running in its process: with two remote nodes
 // each is told apart (not the first agent's name for both), this process's is "", one without an
 // agent "another process".
@@ -1219,6 +1222,8 @@ TEST(Protocol, ALostActorsNodeIsNamedByItsAgent) {
   EXPECT_EQ(actors::node_name_of(agents, names, id(10, 'a'), id(12, 'b')), "another process");  // same pid, other host
 }
 
+// A node's answer (node_actors) is checked against its topology entry: every role it runs and no
+// other, as many learners and rollouts, valid handles, rollouts named in the run's order.
 TEST(Protocol, NodeActorsAreCheckedAgainstTheTopologyEntry) {
   coordinated_config cfg;
   caf::actor_system sys{cfg};

@@ -129,6 +129,15 @@ TEST(Grpo, MalformedBatchesAreRefusedNamingTheToken) {
   short_is.w.pop_back();
   EXPECT_THROW(policy_loss(ok, cfg, 10.0, short_is), std::invalid_argument);
   short_is = is_weights(ok, cfg);
+  short_is.mask.push_back(1.0f);
+  try {
+    policy_loss(ok, cfg, 10.0, short_is);
+    ADD_FAILURE() << "a mask of another batch was taken";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("IS mask has " + std::to_string(ok.c.size() + 1) + " entries for " + std::to_string(ok.c.size())),
+              std::string::npos) << e.what();
+  }
+  short_is = is_weights(ok, cfg);
   short_is.filtered.clear();  // none filtered: accepted
   EXPECT_NO_THROW(policy_loss(ok, cfg, 10.0, short_is));
   EXPECT_THROW(is_weights(far, cfg), std::invalid_argument);  // the learner's path calls it first

@@ -21,9 +21,14 @@ std::unique_ptr<tokenizer> golden_tokenizer_with(const std::function<void(nlohma
   const auto dir = std::filesystem::temp_directory_path() / ("fp8rl_tok_edit_" + std::to_string(::getpid()));
   std::filesystem::create_directories(dir);
   std::ofstream(dir / "tokenizer.json") << j.dump();
-  auto tok = tokenizer_load(dir.string());
-  std::filesystem::remove_all(dir);
-  return tok;
+  try {
+    auto tok = tokenizer_load(dir.string());
+    std::filesystem::remove_all(dir);
+    return tok;
+  } catch (...) {
+    std::filesystem::remove_all(dir);
+    throw;
+  }
 }
 }  // namespace
 
