@@ -335,14 +335,20 @@ std::shared_ptr<const quant::weight_bundle> fp8_bundle_v1() {
   return std::make_shared<const quant::weight_bundle>(
       models::bundle_from_params(models::model_load(init_dir()), models::precision_policy::named("fp8"), 1, 1, nullptr));
 }
-}  // namespace
 
-TEST(Protocol, WeightSyncFansOutInProcessAndReportsFullAdoption) {
+// Weight-sync told of two rollouts (scoped actors r0, r1 standing in) and its controller ctl.
+class WeightSyncWithTwoRollouts : public ::testing::Test {
+ protected:
+  void SetUp() override { ctl->send(ws, two_rollout_peers(ctl, r0, r1)); }
+  void TearDown() override { ctl->send_exit(ws, caf::exit_reason::user_shutdown); }
   test_config cfg;
   caf::actor_system sys{cfg};
   caf::scoped_actor ctl{sys}, r0{sys}, r1{sys};
-  auto ws = actors::spawn_weight_sync(sys, env_with(1, 2));
-  ctl->send(ws, two_rollout_peers(ctl, r0, r1));
+  msg::weight_sync_actor ws = actors::spawn_weight_sync(sys, env_with(1, 2));
+};
+}  // namespace
+
+TEST_F(WeightSyncWithTwoRollouts, FansOutInProcessAndReportsFullAdoption) {
   auto b = fp8_bundle_v1();
   ctl->send(ws, msg::bundle_msg{{}, b});
   for (auto* r : {&r0, &r1})
@@ -358,19 +364,13 @@ TEST(Protocol, WeightSyncFansOutInProcessAndReportsFullAdoption) {
     EXPECT_LT(s.latency_s, 10.0);
     EXPECT_FALSE(s.cross_process);
   }, caf::after(std::chrono::seconds(5)) >> [] { FAIL() << "no sync_report"; });
-  ctl->send_exit(ws, caf::exit_reason::user_shutdown);
 }
 
 // A rollout refusing a bundle is told to the controller, naming the rollout and why (its run
 // waits on that version's report otherwise); a second peers_msg reports nothing twice; a rollout
 // that left (the peers no longer name it) holds up no version's report; the latency is the time
 // from publishing to the last adoption.
-TEST(Protocol, WeightSyncReportsRefusalsOnceAndForgetsRolloutsThatLeft) {
-  test_config cfg;
-  caf::actor_system sys{cfg};
-  caf::scoped_actor ctl{sys}, r0{sys}, r1{sys};
-  auto ws = actors::spawn_weight_sync(sys, env_with(1, 2));
-  ctl->send(ws, two_rollout_peers(ctl, r0, r1));
+TEST_F(WeightSyncWithTwoRollouts, ReportsRefusalsOnceAndForgetsRolloutsThatLeft) {
   ctl->send(ws, msg::bundle_msg{{}, fp8_bundle_v1()});
   ctl->send(ws, msg::adopted_msg{{}, "rollout1", 1, 1, "a scale is missing"});
   ctl->receive([](std::string& who, std::string& why) {
@@ -391,17 +391,11 @@ TEST(Protocol, WeightSyncReportsRefusalsOnceAndForgetsRolloutsThatLeft) {
       .receive([](msg::metrics_t& m) { EXPECT_EQ(m.at("refused"), 1.0); }, [&](caf::error& e) { FAIL() << sys.render(e); });
   ctl->receive([&](msg::sync_report& s) { FAIL() << "v" << s.version << " reported twice"; },
                caf::after(std::chrono::seconds(0)) >> [] {});
-  ctl->send_exit(ws, caf::exit_reason::user_shutdown);
 }
 
 // A bundle each rollout replaced before a step ran under it (adopted_msg `superseded`) is done with
 // there, not adopted: v1 is reported with no adoption latency (NaN); it counted as adopted.
-TEST(Protocol, WeightSyncCountsASupersededBundleAsNotAdopted) {
-  test_config cfg;
-  caf::actor_system sys{cfg};
-  caf::scoped_actor ctl{sys}, r0{sys}, r1{sys};
-  auto ws = actors::spawn_weight_sync(sys, env_with(1, 2));
-  ctl->send(ws, two_rollout_peers(ctl, r0, r1));
+TEST_F(WeightSyncWithTwoRollouts, CountsASupersededBundleAsNotAdopted) {
   ctl->send(ws, msg::bundle_msg{{}, fp8_bundle_v1()});
   for (const char* r : {"rollout0", "rollout1"}) {
     msg::adopted_msg a{{}, r, 1, 1, ""};
@@ -412,18 +406,13 @@ TEST(Protocol, WeightSyncCountsASupersededBundleAsNotAdopted) {
     EXPECT_EQ(s.version, 1u);
     EXPECT_TRUE(std::isnan(s.latency_s)) << s.latency_s;
   }, caf::after(std::chrono::seconds(5)) >> [] { FAIL() << "no sync_report"; });
-  ctl->send_exit(ws, caf::exit_reason::user_shutdown);
 }
 
 // A rollout restarted under its old name (one peers_msg names the new actor) gets only the newest
 // version: it is no longer waited for on the older ones, which are reported; v1 waited for the old
 // rollout0 forever and was never reported.
-TEST(Protocol, WeightSyncStopsWaitingOnOlderVersionsForARestartedRollout) {
-  test_config cfg;
-  caf::actor_system sys{cfg};
-  caf::scoped_actor ctl{sys}, r0{sys}, r1{sys}, r0_again{sys};
-  auto ws = actors::spawn_weight_sync(sys, env_with(1, 2));
-  ctl->send(ws, two_rollout_peers(ctl, r0, r1));
+TEST_F(WeightSyncWithTwoRollouts, StopsWaitingOnOlderVersionsForARestartedRollout) {
+  caf::scoped_actor r0_again{sys};
   const auto b1 = fp8_bundle_v1();
   auto b2 = std::make_shared<quant::weight_bundle>(*b1);
   b2->weight_version = b2->snapshot.weight_version = 2;
@@ -442,7 +431,6 @@ TEST(Protocol, WeightSyncStopsWaitingOnOlderVersionsForARestartedRollout) {
   ASSERT_EQ(latency.size(), 2u);
   EXPECT_FALSE(std::isnan(latency.at(1)));  // rollout1 adopted it
   EXPECT_FALSE(std::isnan(latency.at(2)));
-  ctl->send_exit(ws, caf::exit_reason::user_shutdown);
 }
 
 // CAF orders messages per sender only: a bundle (from calibration) can reach weight-sync before
