@@ -398,10 +398,11 @@ TEST(E2E, NodeRefusesAControllerAskingForAnotherNode) {
   std::ofstream(other) << "[cluster]\nnodes=[{name=\"main\", host=\"127.0.0.1\", port=0, roles=[\"controller\", \"buffer\", "
                           "\"reward\", \"weight_sync\", \"calibration\"], learners=[\"cpu:1\"], rollouts=[\"cpu:1\"]},\n"
                           "{name=\"rolloutX\", host=\"127.0.0.1\", port=" << port << ", roles=[], learners=[], rollouts=[\"cpu:1\"]}]\n";
-  std::system((kBin + "/fp8rl train --topology " + other.string() + " --node rolloutX > " + (d / "node.log").string() + " 2>&1 &").c_str());
+  const pid_t node = spawn_logged(kBin + "/fp8rl train --topology " + other.string() + " --node rolloutX", d);
   const auto r = fp8rl::test::run_command(kBin + "/fp8rl train --topology " + topo + " --node main --run-dir " +
                                           (d / "run").string() + kSmall);
-  std::system(("pkill -f -- '" + other.string() + " --node [r]olloutX'").c_str());
+  ::kill(node, SIGTERM);  // (it stops by itself once its controller is gone)
+  wait_exit(node);
   EXPECT_NE(r.rc, 0) << r.out;
   EXPECT_NE(r.out.find("this process runs node 'rolloutX', the controller asked for node 'rollout1'"), std::string::npos) << r.out;
   fs::remove_all(d);
@@ -413,12 +414,12 @@ TEST(E2E, NodeRefusesAControllerAskingForAnotherNode) {
 TEST(E2E, ANodeAnsweringWithOtherActorsFailsTheStart) {
   const fs::path d = fresh_dir("node_answer");
   const std::string topo = two_process_topology(d, free_port());
-  std::system(("FP8RL_FAULT_NODE_ANSWER=rename " + kBin + "/fp8rl train --topology " + topo + " --node rollout1 > " +
-               (d / "node.log").string() + " 2>&1 &").c_str());
+  const pid_t node = spawn_logged("env FP8RL_FAULT_NODE_ANSWER=rename " + kBin + "/fp8rl train --topology " + topo + " --node rollout1", d);
   // (a bound: a run that took the answer waited for work from a rollout named nowhere)
   const auto r = fp8rl::test::run_command("timeout 120 " + kBin + "/fp8rl train --topology " + topo + " --node main --run-dir " +
                                           (d / "run").string() + kSmall);
-  std::system(("pkill -f -- '" + topo + " --node [r]ollout1'").c_str());
+  ::kill(node, SIGTERM);
+  wait_exit(node);
   EXPECT_NE(r.rc, 0) << r.out;
   EXPECT_NE(r.out.find("node 'rollout1' started other actors than its topology entry names: rollout 'rollout1-renamed' "
                        "where rollout1 belongs (another fp8rl build there?)"),
