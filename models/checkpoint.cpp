@@ -80,6 +80,10 @@ void fsync_path(const std::string& path) {
 
 void checkpoint_save(const std::string& dir, const checkpoint& c, const std::function<void(const std::string&)>& extra) {
   const fs::path tmp = dir + ".tmp";
+  fs::path parent = fs::absolute(dir);
+  if (!parent.has_filename()) parent = parent.parent_path();  // "DIR/"
+  parent = parent.parent_path();
+  const bool new_parent = !fs::exists(parent);  // (its own entry is flushed too: RUN_DIR/checkpoints)
   remove_if_ours(tmp);
   fs::create_directories(tmp);
   mark_ours(tmp);
@@ -107,9 +111,8 @@ void checkpoint_save(const std::string& dir, const checkpoint& c, const std::fun
   for (const auto& e : fs::directory_iterator(tmp)) if (e.is_regular_file()) fsync_path(e.path().string());  // (flat: no subdirectories)
   fsync_path(tmp.string());
   checkpoint_dir_replace(tmp.string(), dir);
-  fs::path d = fs::absolute(dir);
-  if (!d.has_filename()) d = d.parent_path();  // "DIR/"
-  fsync_path(d.parent_path().string());        // the exchange itself
+  fsync_path(parent.string());  // the exchange itself
+  if (new_parent) fsync_path(parent.parent_path().string());
 }
 
 uint64_t checkpoint_weight_version(const std::string& dir) {
