@@ -37,6 +37,13 @@ void remove_if_ours(const fs::path& p) {
   fs::remove_all(p);
 }
 
+// "DIR/" is DIR: its DIR.tmp and DIR.old were DIR/.tmp and DIR/.old, inside it (`sft --out ck/`
+// trained, then failed renaming ck into itself).
+std::string without_trailing_slash(std::string d) {
+  while (d.size() > 1 && d.back() == '/') d.pop_back();
+  return d;
+}
+
 // Deletes a directory of ours, marked first: cut short, the next save still knows it as ours.
 void remove_ours(const fs::path& p) {
   mark_ours(p);
@@ -46,7 +53,8 @@ void remove_ours(const fs::path& p) {
 
 // Deleting dir and then renaming lost both checkpoints to a crash in between (dir gone, nothing
 // ever recovered dir.tmp): the exchange, or two renames with dir.old between them.
-void checkpoint_dir_replace(const std::string& tmp, const std::string& dir, dir_swap how) {
+void checkpoint_dir_replace(const std::string& tmp_in, const std::string& dir_in, dir_swap how) {
+  const std::string tmp = without_trailing_slash(tmp_in), dir = without_trailing_slash(dir_in);
   if (!fs::exists(dir)) return fs::rename(tmp, dir);
   if (how == dir_swap::exchange) {
     if (::renameat2(AT_FDCWD, tmp.c_str(), AT_FDCWD, dir.c_str(), RENAME_EXCHANGE) == 0) {
@@ -78,11 +86,9 @@ void fsync_path(const std::string& path) {
   throw std::system_error(err, std::generic_category(), "fsync: " + path);
 }
 
-void checkpoint_save(const std::string& dir, const checkpoint& c, const std::function<void(const std::string&)>& extra) {
-  const fs::path tmp = dir + ".tmp";
-  fs::path parent = fs::absolute(dir);
-  if (!parent.has_filename()) parent = parent.parent_path();  // "DIR/"
-  parent = parent.parent_path();
+void checkpoint_save(const std::string& dir_in, const checkpoint& c, const std::function<void(const std::string&)>& extra) {
+  const std::string dir = without_trailing_slash(dir_in);
+  const fs::path tmp = dir + ".tmp", parent = fs::absolute(dir).parent_path();
   const bool new_parent = !fs::exists(parent);  // (its own entry is flushed too: RUN_DIR/checkpoints)
   remove_if_ours(tmp);
   fs::create_directories(tmp);

@@ -213,6 +213,13 @@ TEST(Training, CheckpointReplacementKeepsAWholeCheckpoint) {
   EXPECT_EQ(word, "second");
   EXPECT_FALSE(fs::exists(dir.string() + ".tmp"));
   EXPECT_FALSE(fs::exists(dir.string() + ".old"));
+  // "DIR/" names DIR: a new one and a replacement (DIR/.tmp inside DIR failed to rename into itself
+  // after a whole `sft --out DIR/` had trained)
+  for (int i = 0; i < 2; ++i) checkpoint_save(dir.string() + "-slash/", b.ck);
+  EXPECT_EQ(checkpoint_load(dir.string() + "-slash").params.data, b.ck.params.data);
+  EXPECT_FALSE(fs::exists(dir.string() + "-slash/.tmp"));
+  EXPECT_FALSE(fs::exists(dir.string() + "-slash.tmp"));
+  fs::remove_all(dir.string() + "-slash");
   auto error_of = [&](const fs::path& d) {
     try {
       checkpoint_load(d.string());
