@@ -13,6 +13,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstring>
+#include <functional>
 #include <numeric>
 #include <set>
 #include <thread>
@@ -319,6 +320,27 @@ TEST(Generate, RefusedBundlesKeepTheOldWeights) {
   auto zero = good;
   zero.snapshot.weight_scales.begin()->second[0] = 0.0f;
   EXPECT_NE(e.adopt(std::make_shared<fp8rl::quant::weight_bundle>(zero)), "");
+  {  // every block's scale is checked (the last row and column blocks too), infinite ones, one too
+     // many; an FP8 NaN code; a snapshot made for other weights -- each named
+    auto why = [&](const std::function<void(fp8rl::quant::weight_bundle&)>& edit) {
+      auto b = good;
+      edit(b);
+      return e.adopt(std::make_shared<fp8rl::quant::weight_bundle>(b));
+    };
+    // 2 x 2 and 1 x 2 blocks; scales row-major, rows padded to 4 (qtensor::scale_ld): (rb, kb) at 4 rb + kb
+    const std::string up = "model.layers.0.mlp.up_proj.weight", k = "model.layers.1.self_attn.k_proj.weight";
+    EXPECT_NE(why([&](auto& b) { b.snapshot.weight_scales[up][5] = 0.0f; }).find("'" + up + "' block (1, 1) scale"), std::string::npos);
+    EXPECT_NE(why([&](auto& b) { b.snapshot.weight_scales[k][1] = 0.0f; }).find("'" + k + "' block (0, 1) scale"), std::string::npos);
+    EXPECT_NE(why([&](auto& b) { b.snapshot.weight_scales[up][0] = INFINITY; }).find("'" + up + "' block (0, 0) scale"), std::string::npos);
+    EXPECT_NE(why([&](auto& b) { b.snapshot.weight_scales[up].push_back(1.0f); }).find("'" + up + "' has 9 block scales, needs 8"),
+              std::string::npos);
+    EXPECT_NE(why([&](auto& b) {
+                for (auto& t : b.tensors)
+                  if (t.name == up) t.bytes[7] = 0x7f;
+              }).find("'" + up + "' holds a NaN code"),
+              std::string::npos);
+    EXPECT_NE(why([&](auto& b) { b.snapshot.weight_version = 3; }).find("snapshot weight_version differs"), std::string::npos);
+  }
   auto other = bundle_from_params(p, precision_policy::named("bf16"), 4, 4, nullptr);
   EXPECT_NE(e.adopt(std::make_shared<fp8rl::quant::weight_bundle>(other)).find("precision policy"), std::string::npos);
   auto shape = good;
@@ -445,6 +467,9 @@ TEST(Generate, RefusedKvScalesKeepTheOldWeights) {
   heads.snapshot.k_scale.resize(L, 0.03f);
   heads.snapshot.v_scale.resize(L, 0.02f);
   EXPECT_NE(refused(heads).find("8 heads"), std::string::npos);
+  auto zero_q = good;  // a zero scale: every value saturated
+  zero_q.snapshot.q_scale[0] = 0.0f;
+  EXPECT_NE(refused(zero_q).find("Q scale of layer 0 head 0 is missing or invalid"), std::string::npos) << refused(zero_q);
   auto short_v = good;  // which list and its size (it said "missing or have the wrong size")
   short_v.snapshot.v_scale.pop_back();
   const std::string why_v = refused(short_v);

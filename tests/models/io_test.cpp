@@ -6,6 +6,7 @@
 #include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <nlohmann/json.hpp>
 #include <random>
 
@@ -387,6 +388,18 @@ TEST(Safetensors, MissingAndMisshapenTensorsAreNamed) {
   auto extra = t;
   extra["model.layers.9.mlp.up_proj.weight"] = t.at("model.norm.weight");
   EXPECT_NE(error_of([&] { model_params_from_tensors(c, extra, "ckpt"); }).find("layers.9"), std::string::npos);
+  auto inv_freq = t;  // RoPE's frequencies, which some published checkpoints store: derived, not read
+  inv_freq["model.layers.0.self_attn.rotary_emb.inv_freq"] = {{c.head_dim / 2}, std::vector<float>(static_cast<size_t>(c.head_dim / 2), 1.0f)};
+  EXPECT_EQ(error_of([&] { model_params_from_tensors(c, inv_freq, "ckpt"); }), "");
+  {  // heads x head_dim other than hidden (Qwen2-style): q_proj [H d, hidden], o_proj [hidden, H d]
+    model_config wide = c;
+    wide.head_dim = 2 * c.hidden_size / c.num_attention_heads;
+    const int64_t q = wide.num_attention_heads * wide.head_dim;
+    std::map<std::string, std::vector<int64_t>> shape;
+    for (const auto& info : model_param_layout(wide).infos) shape[info.name] = info.shape;
+    EXPECT_EQ(shape.at("model.layers.0.self_attn.q_proj.weight"), (std::vector<int64_t>{q, wide.hidden_size}));
+    EXPECT_EQ(shape.at("model.layers.0.self_attn.o_proj.weight"), (std::vector<int64_t>{wide.hidden_size, q}));
+  }
   // tied embeddings: a stored lm_head must be the embedding, else the checkpoint contradicts its config
   model_config tied = c;
   tied.tie_word_embeddings = true;

@@ -6,6 +6,7 @@
 #include <cmath>
 #include <limits>
 
+#include "models/bundle.hpp"
 #include "models/cpu/cpu_backend.hpp"
 #include "models/cpu/fast_exp.hpp"
 #include "models/transformer.hpp"
@@ -153,6 +154,7 @@ TEST(Precision, PolicyPicksFp8OnlyWhereAllowed) {
   EXPECT_EQ(p.linear_for(c, 2, "mlp.up_proj", 384, 256), precision::bf16);
   EXPECT_EQ(p.linear_for(c, 1, "mlp.up_proj", 384, 256), precision::fp8);
   EXPECT_EQ(p.linear_for(c, 1, "mlp.up_proj", 100, 256), precision::bf16);  // not a 128-multiple
+  EXPECT_EQ(p.linear_for(c, 1, "mlp.up_proj", 256, 192), precision::bf16);  // in: 64-multiple, not 128
   p.bf16_names = {"self_attn.o_proj"};
   EXPECT_EQ(p.linear_for(c, 1, "self_attn.o_proj", 256, 256), precision::bf16);
   auto be = make_cpu_backend();
@@ -165,6 +167,17 @@ TEST(Precision, PolicyPicksFp8OnlyWhereAllowed) {
   precision_policy bad = precision_policy::named("fp8");
   bad.head = precision::fp8;
   EXPECT_THROW(bad.validate(), std::invalid_argument);
+  EXPECT_THROW(bundle_from_params(mp, bad, 1, 1, nullptr), std::invalid_argument);  // a bundle checks its policy
+  bad = precision_policy::named("fp8");
+  bad.fp8_attention = true;  // FP8 attention reads an FP8 KV cache; this policy's is BF16
+  EXPECT_THROW(bad.validate(), std::invalid_argument);
+  bad = precision_policy::named("fp8");
+  bad.bf16_last = -1;
+  EXPECT_THROW(bad.validate(), std::invalid_argument);
+  // the fingerprint (what a bundle is checked against) tells every field apart
+  precision_policy last = precision_policy::named("fp8");
+  last.bf16_last = 1;
+  EXPECT_NE(last.fingerprint(), precision_policy::named("fp8").fingerprint());
 }
 
 namespace {
