@@ -356,6 +356,16 @@ TEST(Safetensors, ShardedWithIndex) {
     std::ofstream(d / "model.safetensors.index.json") << nlohmann::json{{"weight_map", away}}.dump();
     EXPECT_NE(error_of([&] { model_load(d.string()); }).find("names a path outside the directory"), std::string::npos) << outside;
   }
+  {  // a shard fills to max_shard_bytes exactly: the first two tensors (layout order) share one
+    const auto& infos = p.layout.infos;
+    const fs::path s = tmpdir("shard_exact");
+    model_save(s.string(), p, st_dtype::f32, (infos[0].numel + infos[1].numel) * 4);
+    const auto where = nlohmann::json::parse(std::ifstream(s / "model.safetensors.index.json"))["weight_map"];
+    EXPECT_EQ(where[infos[0].name], where[infos[1].name]);
+    EXPECT_NE(where[infos[1].name], where[infos[2].name]);
+    EXPECT_EQ(model_load(s.string()).data, p.data);
+    fs::remove_all(s);
+  }
   std::ofstream(d / "model.safetensors.index.json") << nlohmann::json{{"weight_map", map}}.dump();
   fs::remove(d / "model-00002-of-00002.safetensors");
   EXPECT_NE(error_of([&] { model_load(d.string()); }).find("model-00002-of-00002.safetensors"), std::string::npos);
