@@ -167,14 +167,8 @@ void checkpoint(learner_state& s) {
   });
   // latest is replaced atomically: rewritten in place, a crash or a full disk left it empty or
   // cut, and --resume failed although every checkpoint was intact
-  const fs::path latest = fs::path(s.env->run_dir) / "checkpoints" / "latest", tmp = latest.string() + ".tmp";
-  std::ofstream out(tmp);
-  out << dir.filename().string() << "\n";
-  out.close();
-  if (!out) throw std::runtime_error(tmp.string() + ": write failed (" + latest.string() + " still names the previous checkpoint)");
-  models::fsync_path(tmp.string());
-  fs::rename(tmp, latest);
-  models::fsync_path(latest.parent_path().string());
+  const fs::path latest = fs::path(s.env->run_dir) / "checkpoints" / "latest";
+  models::file_replace_durably(latest.string(), dir.filename().string() + "\n", latest.string() + " still names the previous checkpoint");
   s.checkpointed = s.version;
 }
 

@@ -86,6 +86,17 @@ void fsync_path(const std::string& path) {
   throw std::system_error(err, std::generic_category(), "fsync: " + path);
 }
 
+void file_replace_durably(const std::string& path, const std::string& text, const std::string& kept) {
+  const std::string tmp = path + ".tmp";
+  std::ofstream out(tmp);
+  out << text;
+  out.close();
+  if (!out) throw std::runtime_error(tmp + ": write failed (" + kept + ")");
+  fsync_path(tmp);
+  fs::rename(tmp, path);
+  fsync_path(fs::absolute(path).parent_path().string());
+}
+
 void checkpoint_save(const std::string& dir_in, const checkpoint& c, const std::function<void(const std::string&)>& extra) {
   const std::string dir = without_trailing_slash(dir_in);
   const fs::path tmp = dir + ".tmp", parent = fs::absolute(dir).parent_path();

@@ -1,6 +1,6 @@
 // models/checkpoint.hpp -- training checkpoints: model (HF layout) + optimizer state + run state.
 // defines: checkpoint, checkpoint_save, checkpoint_load, checkpoint_weight_version,
-//          checkpoint_dir_replace, fsync_path
+//          checkpoint_dir_replace, fsync_path, file_replace_durably
 //
 // Layout of a checkpoint directory:
 //   config.json, model.safetensors   the model, loadable by any HF-compatible tool
@@ -49,5 +49,9 @@ void checkpoint_dir_replace(const std::string& tmp, const std::string& dir, dir_
 // std::system_error naming the path -- but for a directory on a filesystem that flushes none
 // (EINVAL), said once as a warning.
 void fsync_path(const std::string& path);
+// path's contents become `text` whole or not at all, also across a power loss: written to
+// path.tmp, flushed, renamed over path, the directory flushed. A failed write throws naming
+// path.tmp and `kept` (what the caller still has: e.g. the previous checkpoint's name).
+void file_replace_durably(const std::string& path, const std::string& text, const std::string& kept);
 
 }  // namespace fp8rl::models
