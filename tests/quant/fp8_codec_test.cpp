@@ -11,6 +11,7 @@
 
 #include "quant/cpu_isa.hpp"
 #include "quant/fp8.hpp"
+#include "quant/quantize_impl.hpp"
 #include "tests/test_util.hpp"
 #include "tests/quant/codec_oracle.hpp"
 
@@ -20,11 +21,11 @@ namespace {
 float fb(uint32_t u) { return float_from_bits(u); }
 
 struct enc_case { float x; uint8_t code; const char* what; };
-}  // namespace
 
-TEST(Fp8Codec, E4M3SpecTable) {
+// fp8-numerics.md §2.3's E4M3 table and the cases around its edges.
+std::vector<enc_case> e4m3_spec_cases() {
   const float inf = std::numeric_limits<float>::infinity();
-  const enc_case cases[] = {
+  return {
       {0.0f, 0x00, "+0"}, {-0.0f, 0x80, "-0"}, {1.0f, 0x38, "1"}, {-1.0f, 0xB8, "-1"},
       {std::ldexp(1.0f, -6), 0x08, "min normal"}, {7 * std::ldexp(1.0f, -9), 0x07, "max subnormal"},
       {std::ldexp(1.0f, -9), 0x01, "min subnormal"}, {std::ldexp(1.0f, -10), 0x00, "2^-10 ties to 0"},
@@ -38,7 +39,38 @@ TEST(Fp8Codec, E4M3SpecTable) {
       {fb(0xFFC00000), 0x7F, "-qNaN"}, {fb(0x7F800001), 0x7F, "sNaN"},
       {bf16_to_float(0x43E8), 0x7E, "bf16 464"}, {bf16_to_float(0x43E9), 0x7E, "bf16 466"},
   };
-  for (const auto& c : cases) EXPECT_EQ(e4m3_from_float(c.x), c.code) << c.what;
+}
+}  // namespace
+
+TEST(Fp8Codec, E4M3SpecTable) {
+  for (const auto& c : e4m3_spec_cases()) EXPECT_EQ(e4m3_from_float(c.x), c.code) << c.what;
+}
+
+// The array encoder (the FP8 KV cache writes through it) and the AVX-512 grid (quantize's
+// value-only path) on the table and on exact ties at every normal exponent, through whole
+// vectors and a masked tail; the exhaustive test sweeps every float through them, this one runs
+// in every build.
+TEST(Fp8Codec, ArrayEncoderAndGridFollowTheSpecTable) {
+  std::vector<float> x;
+  for (const auto& c : e4m3_spec_cases()) x.push_back(c.x);
+  for (int e = -6; e <= 8; ++e)  // ties: 1 + 1/16 to even (down), 1 + 3/16 to even (up), both signs
+    for (float m : {1.0625f, 1.1875f, -1.0625f, -1.1875f}) x.push_back(std::ldexp(m, e));
+  ASSERT_NE(x.size() % 16, 0u) << "the masked tail goes untested";
+  for (cpu_isa isa : {cpu_isa::portable, cpu_isa_detected()}) {
+    fp8rl::test::isa_limit_scope limit(isa);
+    std::vector<uint8_t> codes(x.size() + 1, 0xAA);
+    e4m3_encode_array(x.data(), static_cast<int64_t>(x.size()), codes.data());
+    for (size_t i = 0; i < x.size(); ++i)
+      EXPECT_EQ(codes[i], e4m3_from_float(x[i])) << cpu_isa_name(isa) << " x " << x[i] << " (" << i << ")";
+    EXPECT_EQ(codes[x.size()], 0xAA) << "wrote past n";
+  }
+  if (cpu_isa_detected() < cpu_isa::avx512) GTEST_SKIP() << "no AVX-512: the grid is AVX-512 only";
+  std::vector<float> grid(x.size());
+  fp8rl::quant::detail::e4m3_grid_array_avx512(x.data(), static_cast<int64_t>(x.size()), grid.data());
+  for (size_t i = 0; i < x.size(); ++i)
+    if (!std::isnan(x[i])) {
+      EXPECT_EQ(float_bits(grid[i]), float_bits(e4m3_to_float(e4m3_from_float(x[i])))) << "x " << x[i] << " (" << i << ")";
+    }
 }
 
 TEST(Fp8Codec, E5M2SpecTable) {

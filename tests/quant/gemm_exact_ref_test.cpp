@@ -130,6 +130,10 @@ TEST(GemmExactRef, NanCodesAndBadOperands) {
   gemm_fp8_ref(A, B, s.data());
   for (int64_t i = 0; i < M * N; ++i) EXPECT_EQ(std::isnan(e[i]), i / N == 1) << i;
   for (int64_t i = 0; i < M * N; ++i) EXPECT_EQ(std::isnan(e[i]), std::isnan(s[i])) << i;
+  A.data[1 * K + 200] = 0x10;  // finite again; now B's row 2 (output column 2) holds 0x7F
+  B.data[2 * K + 7] = 0x7F;
+  gemm_fp8_exact_ref(A, B, e.data());
+  for (int64_t i = 0; i < M * N; ++i) EXPECT_EQ(std::isnan(e[i]), i % N == 2) << i;
   EXPECT_THROW(gemm_fp8_exact_ref(B, A, e.data()), std::invalid_argument);  // 128x128 blocks as A
   qtensor Ak = quantize(Af.data(), M * 2, K / 2, qlayout::rowwise_1x128, scale_mode::pow2, "Ak");
   EXPECT_THROW(gemm_fp8_exact_ref(Ak, B, e.data()), std::invalid_argument);  // K mismatch

@@ -167,7 +167,32 @@ TEST(Gemm, Bf16FastEqualsReference) {
 }
 
 // VDPBF16PS treats denormal inputs as zero and flushes denormal results; the reference models it.
+// The first case's denormal terms vanish beside normal ones; the second's decide the result: a
+// product of normal inputs that is denormal (1e-20 x 1e-20, FTZ: 0), and a denormal input times
+// 2^100 (2^-130 x 2^100 = 2^-30 without DAZ: 0 with it).
 TEST(Gemm, Bf16DenormalsFollowTheDazFtzModel) {
+  {
+    const gemm_desc d{2, 32, 2};
+    const std::vector<float> Af = {1e-20f, 0.0f, std::ldexp(1.0f, -130), 0.0f};
+    std::vector<float> Bf(32 * 2, 0.0f);
+    for (int n = 0; n < 32; ++n) Bf[n * 2] = n % 2 ? 1e-20f : std::ldexp(1.0f, 100);
+    auto A = to_bf16(Af), B = to_bf16(Bf);
+    std::vector<float> ref(64), fast(64);
+    gemm_bf16_ref(d, A.data(), B.data(), ref.data());
+    for (int n = 0; n < 32; n += 2) {
+      EXPECT_EQ(ref[n + 1], 0.0f) << "FTZ, column " << n + 1;
+      EXPECT_EQ(ref[32 + n], 0.0f) << "DAZ, column " << n;
+      EXPECT_EQ(ref[n], bf16_to_float(A[0]) * std::ldexp(1.0f, 100)) << n;  // exact: a power of 2
+    }
+    auto pb = gemm_pack_bf16(B.data(), d.N, d.K);
+    for (cpu_isa isa : kIsas)
+      for (gemm_kernel k : kKernels) {
+        if (!have(isa)) continue;
+        std::fill(fast.begin(), fast.end(), -1.0f);
+        gemm_bf16(d, A.data(), pb, fast.data(), force(isa, k));
+        EXPECT_EQ(first_diff(fast, ref), -1) << "decisive case, " << cpu_isa_name(isa) << " " << kernel_name(k);
+      }
+  }
   const gemm_desc d{2, 32, 4};
   std::vector<float> Af = {1e-39f, 1.0f, 1e-20f, 1e-20f, 2.0f, -1e-39f, 3.0f, 1e-19f};
   std::vector<float> Bf(32 * 4);
@@ -214,6 +239,28 @@ TEST(Gemm, Fp8FastEqualsReference) {
         }
       }
   EXPECT_GT(per_column_scales, 0) << "no case took the per-column scales";
+}
+
+// 1x128 weight scales equal in a panel's first 31 columns and not in its last: the panel keeps
+// per-column scales (one per panel would scale column 31 by the others' scale).
+TEST(Gemm, Fp8PanelScaleNeedsEveryColumnEqual) {
+  const int64_t M = 3, N = 32, K = 128;
+  std::vector<float> Bf(N * K, 0.5f);
+  std::fill(Bf.begin() + 31 * K, Bf.end(), 50.0f);
+  const auto Af = randn(M * K, 7);
+  const qtensor A = quantize(Af.data(), M, K, qlayout::rowwise_1x128, scale_mode::pow2, "A");
+  const qtensor B = quantize(Bf.data(), N, K, qlayout::rowwise_1x128, scale_mode::pow2, "B");
+  std::vector<float> ref(M * N), fast(M * N, -1.0f);
+  gemm_fp8_ref(A, B, ref.data());
+  const auto pb = gemm_pack_fp8(B);
+  EXPECT_TRUE(pb.scale_panel.empty());
+  for (cpu_isa isa : kIsas) {
+    if (!have(isa)) continue;
+    for (gemm_kernel k : kKernels) {
+      gemm_fp8(A, pb, fast.data(), force(isa, k));
+      EXPECT_EQ(first_diff(fast, ref), -1) << cpu_isa_name(isa) << " " << kernel_name(k);
+    }
+  }
 }
 
 // Random shapes (seeded): M in [1, 48] (decode, batched decode, short prefill tiles), N in
@@ -711,6 +758,8 @@ TEST(Gemm, BadOperandsAreErrors) {
   qtensor Af = quantize(x.data(), 128, 256, qlayout::rowwise_1x128, scale_mode::fp32, "Afp32");
   qtensor Bw = quantize(x.data(), 128, 256, qlayout::block_128x128, scale_mode::pow2, "W");
   EXPECT_THROW(gemm_fp8(Af, gemm_pack_fp8(Bw), C.data()), std::invalid_argument);  // modes differ
+  const auto Awide = gemm_wide_a_fp8(x.data(), 128, 256, scale_mode::fp32, "Awide");
+  EXPECT_THROW(gemm_fp8(Awide, gemm_pack_fp8(Bw), C.data()), std::invalid_argument);  // modes differ (wide A)
   EXPECT_THROW(gemm_desc({-1, 2, 3}).check(), std::invalid_argument);
 }
 

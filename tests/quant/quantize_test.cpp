@@ -251,6 +251,45 @@ TEST(Quantize, NonFiniteInARaggedTailIsCountedExactly) {
   }
 }
 
+// The fast paths find a bad tile's count and the first bad tile on their own loops: NaN in the
+// first vector of a tile (the recount's first 16 lanes), in the last row of a columnwise tile
+// (full and ragged), and two bad tiles in one operand row (the lower block is named, in the
+// message too).
+TEST(Quantize, NonFiniteCountsAndFirstBlockOnEveryLoop) {
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  auto first_error = [](const std::vector<float>& x, int64_t rows, int64_t cols, qlayout l, int path) {
+    try {
+      if (path) quantize(x.data(), rows, cols, l, scale_mode::pow2, "t");
+      else quantize_ref(x.data(), rows, cols, l, scale_mode::pow2, "t");
+    } catch (const nonfinite_error& e) { return e; }
+    ADD_FAILURE() << "no error, layout " << int(l) << " path " << path;
+    return nonfinite_error("t", -1, -1, -1, "");
+  };
+  for (int path = 0; path < 2; ++path) {
+    std::vector<float> x(40 * 300, 1.0f);
+    x[3 * 300 + 130] = x[3 * 300 + 131] = nan;  // row 3, tile 1, lanes 2 and 3
+    for (qlayout l : {qlayout::rowwise_1x128, qlayout::block_128x128}) {
+      const auto e = first_error(x, 40, 300, l, path);
+      EXPECT_EQ(e.count, 2) << int(l) << " path " << path;
+      EXPECT_EQ(e.block_col, 1) << int(l) << " path " << path;
+    }
+    for (int64_t row : {int64_t{299}, int64_t{127}}) {  // the last row of a ragged and of a full tile
+      std::vector<float> c(300 * 40, 1.0f);
+      c[row * 40 + 5] = nan;
+      const auto e = first_error(c, 300, 40, qlayout::colwise_1x128, path);
+      EXPECT_EQ(e.block_row, 5) << row << " path " << path;
+      EXPECT_EQ(e.block_col, row / 128) << row << " path " << path;
+      EXPECT_EQ(e.count, 1) << row << " path " << path;
+    }
+    std::vector<float> two(40 * 300, 1.0f);
+    two[5 * 300 + 290] = two[5 * 300 + 10] = nan;  // row 5: tiles 2 and 0
+    const auto e = first_error(two, 40, 300, qlayout::rowwise_1x128, path);
+    EXPECT_EQ(e.block_row, 5) << path;
+    EXPECT_EQ(e.block_col, 0) << path;
+    EXPECT_NE(std::string(e.what()).find("(5, 0)"), std::string::npos) << e.what();
+  }
+}
+
 // An outlier's scale sends its block's small values to zero; the report counts them (checked
 // against the dequantized values: a nonzero x whose value came back 0) and names the block that
 // lost the largest share, in every layout's operand grid. Zeros in x are not counted.
@@ -308,11 +347,19 @@ TEST(Quantize, ValidateRejectsMissingScaleAndNaNCodes) {
   qtensor missing = q;
   missing.scale_inv[1] = 0.0f;
   EXPECT_THROW(qtensor_validate(missing), std::invalid_argument);
-  qtensor nan = q;
-  nan.data[17] = 0xFF;
-  try { qtensor_validate(nan); FAIL(); } catch (const std::invalid_argument& e) {
-    EXPECT_NE(std::string(e.what()).find("byte 17"), std::string::npos);
+  qtensor inf = q;
+  inf.scale_inv[0] = std::numeric_limits<float>::infinity();
+  EXPECT_THROW(qtensor_validate(inf), std::invalid_argument);
+  for (uint8_t code : {uint8_t{0xFF}, uint8_t{0x7F}}) {  // E4M3's two NaN codes
+    qtensor nan = q;
+    nan.data[17] = code;
+    try { qtensor_validate(nan); FAIL() << int(code); } catch (const std::invalid_argument& e) {
+      EXPECT_NE(std::string(e.what()).find("byte 17"), std::string::npos);
+    }
   }
+  qtensor rows = quantize(x.data(), 130, 130, qlayout::rowwise_1x128, scale_mode::pow2, "r");
+  rows.scale_inv[static_cast<size_t>(1 * rows.scale_ld() + 129)] = 0.0f;  // the last operand row's last tile
+  EXPECT_THROW(qtensor_validate(rows), std::invalid_argument);
   qtensor short_data = q;
   short_data.data.pop_back();
   EXPECT_THROW(qtensor_validate(short_data), std::invalid_argument);
