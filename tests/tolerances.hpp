@@ -40,6 +40,12 @@ inline constexpr double kGoldenAdamLoss = 1e-4;
 // sequences'): each sum differs by a few roundings of 2^-24 relative; normwise far below 1e-5.
 inline constexpr double kFp32SumOrder = 1e-5;
 
+// BF16-operand attention vs an FP64 model rounding q, k, v and P at the kernels' points (T = 20,
+// D <= 32): the kernels' FP32 sums and fast exp (a few 2^-24 roundings per value) and the rare P
+// whose FP32 and FP64 values round to different BF16 neighbours (2^-8 on one term of ~10);
+// normwise 1e-4. A missed rounding point moves every result by ~kUnitRmsBF16-scale errors (~1e-3).
+inline constexpr double kAttnVsRoundedF64 = 1e-4;
+
 // FP32 central differences with h in [1e-3, 1e-2]: truncation ~h^2 |f'''| <= 1e-4 and rounding
 // ~2^-24 |L| / h <= 6e-5 relative; 5e-3 normwise leaves room for curvature of exp/softmax.
 inline constexpr double kFiniteDiffF32 = 5e-3;

@@ -329,6 +329,9 @@ TEST(Generate, RefusedBundlesKeepTheOldWeights) {
     };
     // 2 x 2 and 1 x 2 blocks; scales row-major, rows padded to 4 (qtensor::scale_ld): (rb, kb) at 4 rb + kb
     const std::string up = "model.layers.0.mlp.up_proj.weight", k = "model.layers.1.self_attn.k_proj.weight";
+    ASSERT_EQ(good.snapshot.weight_scales.count(up), 1u) << "the policy keeps " << up << " out of FP8";
+    ASSERT_EQ(good.snapshot.weight_scales.count(k), 1u) << "the policy keeps " << k << " out of FP8";
+    ASSERT_GE(good.snapshot.weight_scales.at(up).size(), 6u);
     EXPECT_NE(why([&](auto& b) { b.snapshot.weight_scales[up][5] = 0.0f; }).find("'" + up + "' block (1, 1) scale"), std::string::npos);
     EXPECT_NE(why([&](auto& b) { b.snapshot.weight_scales[k][1] = 0.0f; }).find("'" + k + "' block (0, 1) scale"), std::string::npos);
     EXPECT_NE(why([&](auto& b) { b.snapshot.weight_scales[up][0] = INFINITY; }).find("'" + up + "' block (0, 0) scale"), std::string::npos);
@@ -590,6 +593,36 @@ TEST(Generate, CalibrationTakesThePercentileSampleAndRefusesNonFinite) {
   } catch (const std::invalid_argument& e) {
     EXPECT_NE(std::string(e.what()).find("layer 0, Q head 0: amax is nan"), std::string::npos) << e.what();
   }
+}
+
+// An FP8 KV cache under plain (BF16-operand) attention -- `fp8rl generate --kv fp8` without
+// `--attention fp8` -- still needs K/V scales: make_bundle calibrates whenever the cache is FP8,
+// and an engine on that policy adopts the bundle and generates.
+TEST(Generate, MakeBundleScalesAnFp8KvCacheWithoutFp8Attention) {
+  rl_state st;
+  st.params = model_params_init(cfg(), 12);
+  st.version = 3;
+  rl_run_config rc;
+  rc.gen_policy = precision_policy::named("fp8");
+  rc.gen_policy.kv = kv_dtype::fp8;
+  ASSERT_FALSE(rc.gen_policy.fp8_attention);
+  std::vector<token_batch> calib(1);
+  for (const auto& r : requests(2, 1.0f)) calib[0].add(r.prompt);
+  const auto bundle = make_bundle(st, rc, calib, 3);
+  const int64_t L = st.params.cfg.num_hidden_layers, KV = st.params.cfg.num_key_value_heads;
+  ASSERT_EQ(bundle->snapshot.k_scale.size(), static_cast<size_t>(L * KV));
+  ASSERT_EQ(bundle->snapshot.v_scale.size(), static_cast<size_t>(L * KV));
+  for (size_t i = 0; i < bundle->snapshot.k_scale.size(); ++i) {
+    EXPECT_GT(bundle->snapshot.k_scale[i], 0.0f) << i;
+    EXPECT_GT(bundle->snapshot.v_scale[i], 0.0f) << i;
+  }
+  auto be = make_cpu_backend();
+  engine_config ec = ecfg("fp8", 1);
+  ec.policy = rc.gen_policy;
+  generation_engine e(*be, st.params.cfg, ec);
+  ASSERT_EQ(e.adopt(bundle), "");
+  e.submit(requests(1, 1.0f)[0]);
+  EXPECT_EQ(e.run_to_completion().size(), 1u);
 }
 
 // The largest sample (percentile 1) over passes that split the prompts is the amax of one pass

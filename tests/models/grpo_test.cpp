@@ -650,7 +650,8 @@ TEST(Grpo, SftRefusesABatchWithoutAnswerTokens) {
 
 // The SFT loss is the mean -log p over the answer's tokens and EOS, the first answer token (the
 // row of the prompt's last token predicts it) included: computed here from the training forward
-// on the same weights, before the step's update.
+// on the same weights, before the step's update. The step is that loss's gradient (the prompt's
+// rows masked out of it too) through AdamW: its weights equal the update computed here.
 TEST(Grpo, SftLossCoversTheAnswerFromItsFirstToken) {
   auto tok = char_tokenizer_make("0123456789+=");
   dataset data;
@@ -677,6 +678,17 @@ TEST(Grpo, SftLossCoversTheAnswerFromItsFirstToken) {
   run.logprobs(targets, {}, lp.data());
   const double want = -(double(lp[plen - 1]) + double(lp[plen])) / 2.0;  // rows of '=' (-> 3) and of 3 (-> EOS)
   EXPECT_EQ(loss, want);  // the same FP32 logprobs; two FP64 terms halved: exact either way
+  auto wt = model_weights_build(*be, before.cfg, sc.policy.training(), {&before, nullptr, nullptr}, true);
+  run.forward(*wt, b, true);
+  run.logprobs(targets, {}, lp.data());
+  std::vector<float> dl(targets.size(), 0.0f), grads(static_cast<size_t>(before.layout.total), 0.0f);
+  dl[plen - 1] = dl[plen] = -0.5f;
+  run.backward(*wt, targets, {}, dl.data(), grads.data());
+  model_params stepped = before;
+  adamw_state opt_here;
+  adamw_step(sc.opt, stepped.layout, stepped.data.data(), grads.data(), opt_here);
+  EXPECT_EQ(fp8rl::test::first_diff(p.data, stepped.data), -1);
+  EXPECT_NE(p.data, before.data);
 }
 
 // An example the tokenizer cannot encode is named by its file and line in sft and eval (the char

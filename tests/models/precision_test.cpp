@@ -325,6 +325,114 @@ TEST(Precision, Fp8AttentionNearBf16Attention) {
   EXPECT_THROW(run.forward(*w8, b, false, &sc), std::invalid_argument);  // policy without fp8_attention
 }
 
+// Calibration's Q/K amax is taken after RoPE (rl-algorithm.md §5: the values the FP8 attention
+// quantizes): layer 0's per-head amax equals the rotated projections' computed here step by step
+// (embedding, norm, projection, rope), and differs from the unrotated ones' (positions past 0:
+// RoPE is the identity at position 0).
+TEST(Precision, QkvStatsAreTheAmaxOfTheRotatedProjections) {
+  model_config c = small_config();
+  model_params p = model_params_init(c, 8);
+  auto be = make_cpu_backend();
+  token_batch b;
+  const std::vector<int32_t> seq = {3, 17, 5, 40, 9, 22, 61, 8};
+  b.add(seq);
+  model_runner run(*be);
+  auto w = model_weights_build(*be, c, precision_policy::named("fp32"), {&p, nullptr, nullptr}, false);
+  qkv_stats st;
+  run.forward(*w, b, false, nullptr, &st);
+  const int64_t T = b.T(), C = c.hidden_size, H = c.num_attention_heads, KV = c.num_key_value_heads, D = c.head_dim;
+  buffer<float> x(*be, T * C), xn(*be, T * C), rstd(*be, T);
+  be->embedding_forward(w->wte.data(), b.tokens.data(), T, C, x.data());
+  be->rmsnorm_forward(x.data(), w->layers[0].attn_norm.data(), T, C, static_cast<float>(c.rms_norm_eps), xn.data(), rstd.data());
+  const auto pos = b.positions();
+  const struct { const prepared_linear* lin; int64_t nh; const std::vector<float>* amax; const char* what; } parts[] = {
+      {w->layers[0].q.get(), H, &st.q, "Q"}, {w->layers[0].k.get(), KV, &st.k, "K"}};
+  for (const auto& part : parts) {
+    buffer<float> y(*be, T * part.nh * D);
+    be->linear_forward(*part.lin, xn.data(), T, y.data());
+    std::vector<float> before(static_cast<size_t>(T * part.nh * D)), after(before.size());
+    be->to_host(before.data(), y.data(), before.size() * 4);
+    be->rope(y.data(), pos.data(), T, part.nh, D, w->rope_inv_freq, false);
+    be->to_host(after.data(), y.data(), after.size() * 4);
+    bool rope_mattered = false;
+    for (int64_t h = 0; h < part.nh; ++h) {
+      float amax = 0.0f, amax_unrotated = 0.0f;
+      for (int64_t t = 0; t < T; ++t)
+        for (int64_t d = 0; d < D; ++d) {
+          amax = std::max(amax, std::fabs(after[static_cast<size_t>((t * part.nh + h) * D + d)]));
+          amax_unrotated = std::max(amax_unrotated, std::fabs(before[static_cast<size_t>((t * part.nh + h) * D + d)]));
+        }
+      EXPECT_EQ((*part.amax)[static_cast<size_t>(h)], amax) << part.what << " head " << h;
+      rope_mattered |= amax != amax_unrotated;
+    }
+    EXPECT_TRUE(rope_mattered) << part.what << ": no head's amax moves under RoPE; the test cannot tell the order";
+  }
+}
+
+// BF16 attention operands round where the kernels say (models/cpu/attention.cpp): q, k and v
+// to BF16, the probabilities P to BF16 before P.V (forward) and for dV (backward); dS from the
+// unrounded P, dK from the rounded q, dQ from the rounded k. Checked against an FP64 model that
+// rounds at exactly those points: only FP32 accumulation separates them, where a missed
+// rounding point moves the results by ~2^-9 of a term (D = 32: the templated kernels; 24: the
+// generic loops).
+TEST(Precision, Bf16AttentionRoundsAtItsOperandPoints) {
+  auto be = make_cpu_backend();
+  const int64_t T = 20, H = 4, KV = 2, G = H / KV;
+  for (int64_t D : {int64_t{24}, int64_t{32}}) {
+    const auto q = randn(T * H * D, 61), k = randn(T * KV * D, 62), v = randn(T * KV * D, 63), dout = randn(T * H * D, 64);
+    const int32_t seq_start[2] = {0, static_cast<int32_t>(T)};
+    attn_params p;
+    p.T = T; p.H = H; p.KV = KV; p.D = D; p.seq_start = seq_start; p.S = 1; p.operand = precision::bf16;
+    std::vector<float> out(q.size()), lse(static_cast<size_t>(T * H)), dq(q.size()), dk(k.size()), dv(v.size());
+    be->attention_forward(p, q.data(), k.data(), v.data(), out.data(), lse.data());
+    be->attention_backward(p, q.data(), k.data(), v.data(), out.data(), lse.data(), dout.data(), dq.data(), dk.data(), dv.data());
+    auto r = [](float x) { return double(bf16_round(x)); };
+    std::vector<double> o(q.size()), gq(q.size(), 0.0), gk(k.size(), 0.0), gv(v.size(), 0.0);
+    const double scale = 1.0 / std::sqrt(double(D));
+    for (int64_t h = 0; h < H; ++h) {
+      const int64_t g = h / G;
+      for (int64_t i = 0; i < T; ++i) {
+        const float* qi = q.data() + (i * H + h) * D;
+        const float* di = dout.data() + (i * H + h) * D;
+        std::vector<double> s(static_cast<size_t>(i + 1)), P(s.size()), Pr(s.size());
+        double m = -INFINITY, sum = 0.0;
+        for (int64_t j = 0; j <= i; ++j) {
+          double dot = 0.0;
+          for (int64_t d = 0; d < D; ++d) dot += r(qi[d]) * r(k[(j * KV + g) * D + d]);
+          s[j] = dot * scale;
+          m = std::max(m, s[j]);
+        }
+        for (int64_t j = 0; j <= i; ++j) sum += std::exp(s[j] - m);
+        for (int64_t j = 0; j <= i; ++j) P[j] = std::exp(s[j] - m) / sum, Pr[j] = r(static_cast<float>(P[j]));
+        double Di = 0.0;
+        for (int64_t d = 0; d < D; ++d) {
+          double acc = 0.0;
+          for (int64_t j = 0; j <= i; ++j) acc += Pr[j] * r(v[(j * KV + g) * D + d]);
+          o[(i * H + h) * D + d] = acc;
+          Di += double(di[d]) * acc;
+        }
+        for (int64_t j = 0; j <= i; ++j) {
+          double dp = 0.0;
+          for (int64_t d = 0; d < D; ++d) dp += double(di[d]) * r(v[(j * KV + g) * D + d]);
+          const double dS = P[j] * (dp - Di) * scale;
+          for (int64_t d = 0; d < D; ++d) {
+            gq[(i * H + h) * D + d] += dS * r(k[(j * KV + g) * D + d]);
+            gk[(j * KV + g) * D + d] += dS * r(qi[d]);
+            gv[(j * KV + g) * D + d] += Pr[j] * di[d];
+          }
+        }
+      }
+    }
+    const struct { const std::vector<float>* got; const std::vector<double>* want; const char* what; } parts[] = {
+        {&out, &o, "out"}, {&dq, &gq, "dQ"}, {&dk, &gk, "dK"}, {&dv, &gv, "dV"}};
+    for (const auto& part : parts) {
+      const double e = fp8rl::tol::rel_norm_err(fp8rl::test::to_double(*part.got), *part.want);
+      EXPECT_LE(e, fp8rl::tol::kAttnVsRoundedF64) << part.what << " D " << D;
+      std::printf("D %ld %s: rel err vs the rounded FP64 model %.3g\n", static_cast<long>(D), part.what, e);
+    }
+  }
+}
+
 // The CPU backend's exp (softmax, SiLU): within 2 ulp of exact over its range, clamped outside,
 // NaN kept.
 TEST(CpuExp, WithinTwoUlpOfExactAndNaNPropagates) {

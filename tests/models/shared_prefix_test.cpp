@@ -423,3 +423,85 @@ TEST(SharedPrefix, ASampleWithoutResponseTokensIsAnEmptyShard) {
   }
   EXPECT_EQ(joined, 2);
 }
+
+// The learner's gradient is the gradient of its loss through the logprobs: a small step against
+// it changes the logprobs c_k by dc_k-weighted amounts whose sum is -eta |g|^2 to first order
+// (dL/dc from the loss, chained through the runner's backward). A flipped sign, a lost IS weight
+// or a token's dc sent to the wrong row moves the sum off -eta |g|^2 (or its sign).
+TEST(SharedPrefix, LearnerGradientIsTheLossGradientThroughTheLogprobs) {
+  learner_fixture F;
+  auto& [c, p, be, run, samples] = F;
+  for (bool share : {false, true}) {
+    grpo_config cfg;
+    cfg.share_prompts = share;
+    auto w = model_weights_build(*be, c, precision_policy::named("fp32"), {&p, nullptr, nullptr}, true);
+    const learner_out a = learner_grpo(run, *w, samples, cfg, 40.0, 5);
+    double g2 = 0;
+    for (float g : a.grads) g2 += double(g) * g;
+    ASSERT_GT(g2, 0.0);
+    const double eta = 1e-3 / std::sqrt(g2);  // a step of 1e-3 in parameter space
+    model_params q = p;
+    for (size_t i = 0; i < q.data.size(); ++i) q.data[i] -= static_cast<float>(eta * a.grads[i]);
+    auto wq = model_weights_build(*be, c, precision_policy::named("fp32"), {&q, nullptr, nullptr}, true);
+    const learner_out b = learner_grpo(run, *wq, samples, cfg, 40.0, 5);
+    ASSERT_EQ(a.tokens.c.size(), b.tokens.c.size());
+    double change = 0;
+    for (size_t k = 0; k < a.loss.dc.size(); ++k) change += double(a.loss.dc[k]) * (double(b.tokens.c[k]) - a.tokens.c[k]);
+    // first order: change = -eta g2; a 1e-3 step's second-order terms (measured: 0.25% of it)
+    // and FP32 logprob rounding (~1e-7 of a change of ~3e-3) stay within 2% of it
+    constexpr double kFirstOrderStep = 0.02;
+    std::printf("share=%d: change %.6g, -eta |g|^2 %.6g\n", int(share), change, -eta * g2);
+    EXPECT_NEAR(change / (-eta * g2), 1.0, kFirstOrderStep) << "share=" << share;
+  }
+}
+
+// The e_i filter's token count with one learner: summing it over learners (a one-learner
+// all-reduce) or not gives the same N, so the same loss, gradients and metrics.
+TEST(SharedPrefix, FilteredTokensLeaveNTheSameWithOrWithoutTheLearnersSum) {
+  learner_fixture F;
+  auto& [c, p, be, run, samples] = F;
+  grpo_config cfg;
+  cfg.seq_logprob_error_threshold = 1.5f;
+  auto w = model_weights_build(*be, c, precision_policy::named("fp32"), {&p, nullptr, nullptr}, true);
+  const learner_out alone = learner_grpo(run, *w, samples, cfg, 40.0, 5);
+  int called = 0;
+  const learner_out summed = learner_grpo(run, *w, samples, cfg, 40.0, 5, nullptr, {}, [&](double x) { ++called; return x; });
+  EXPECT_EQ(called, 1);
+  ASSERT_GT(alone.loss.metrics.at("num_masked_seqs"), 0.0) << "the threshold filters nothing: the test tests nothing";
+  ASSERT_LT(alone.loss.metrics.at("num_masked_seqs"), double(samples.size())) << "everything filtered: N = 0";
+  EXPECT_EQ(alone.loss.loss, summed.loss.loss);
+  EXPECT_EQ(alone.loss.dc, summed.loss.dc);
+  EXPECT_EQ(alone.grads, summed.grads);
+  EXPECT_EQ(alone.loss.metrics, summed.loss.metrics);
+}
+
+// backward adds into the gradient buffer (micro-batches and learners' shards accumulate there):
+// a second backward of the same batch into the first's gradients doubles them, in every policy's
+// kernels (the weight gradients' FP8/BF16 GEMMs write into it too).
+TEST(SharedPrefix, BackwardAddsIntoTheGradientBuffer) {
+  learner_fixture F;
+  auto& [c, p, be, run, samples] = F;
+  const learner_batch lb = learner_batch_build(samples, true);
+  const auto noise = randn(lb.targets.size(), 77);
+  std::vector<float> dlogp(lb.targets.size(), 0.0f);
+  for (size_t t = 0; t < dlogp.size(); ++t)
+    if (lb.targets[t] >= 0) dlogp[t] = noise[t];
+  for (const char* pol : {"fp32", "bf16", "fp8"}) {
+    auto w = model_weights_build(*be, c, precision_policy::named(pol), {&p, nullptr, nullptr}, true);
+    std::vector<float> once(static_cast<size_t>(p.layout.total), 0.0f);
+    run.forward(*w, lb.b, true);
+    run.backward(*w, lb.targets, {}, dlogp.data(), once.data());
+    std::vector<float> twice = once;
+    run.forward(*w, lb.b, true);
+    run.backward(*w, lb.targets, {}, dlogp.data(), twice.data());
+    std::vector<double> doubled(once.size());
+    for (size_t i = 0; i < once.size(); ++i) doubled[i] = 2.0 * once[i];
+    // the same products added twice: exact where a parameter takes one contribution per call, a
+    // sum's rounding where it takes several (tied embeddings, norms over rows)
+    EXPECT_LE(fp8rl::tol::rel_norm_err(to_double(twice), doubled), fp8rl::tol::kFp32SumOrder) << pol;
+    for (const param_info& info : p.layout.infos) {  // every tensor, not only the norm over all
+      const auto at = [&](const auto& v) { return std::vector<double>(v.begin() + info.offset, v.begin() + info.offset + info.numel); };
+      EXPECT_LE(fp8rl::tol::rel_norm_err(at(to_double(twice)), at(doubled)), fp8rl::tol::kFp32SumOrder) << pol << " " << info.name;
+    }
+  }
+}
