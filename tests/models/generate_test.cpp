@@ -693,6 +693,54 @@ TEST(Generate, Fp8KvCacheMismatchIsMeasured) {
   EXPECT_NE(kv_only, kv_attn);  // two paths: FP8 queries change the scores again
 }
 
+namespace {
+// A scale s and a value x with x / s exactly `at` in FP32 and x * (1 / s) above it: where
+// dividing by the scale (fp8-numerics.md §4) and multiplying by its reciprocal part.
+std::pair<float, float> division_matters(float at) {
+  for (int i = 0; i < 4000; ++i) {
+    const float s = 0.01f + 0.000137f * float(i);
+    float x = std::nextafter(at * s, 0.0f);
+    for (int u = 0; u < 4; ++u, x = std::nextafter(x, INFINITY))
+      if (x / s == at && x * (1.0f / s) > at) return {s, x};
+  }
+  return {0.0f, 0.0f};
+}
+}  // namespace
+
+// The FP8 K/V cache and FP8 attention divide by the scale (fp8-numerics.md §4), as the
+// calibrated formats are defined: a value whose quotient is exactly 464 is no saturation (K and
+// V), one whose quotient is exactly 1.0625 (an E4M3 tie) is stored as 1.0 -- read back through
+// attention over that one key (P = 1) and through the training forward's FP8 rounding of V.
+// Multiplying by the reciprocal lands above both (465-ish saturates, 1.125 is stored).
+TEST(Generate, Fp8KvAndAttentionDivideByTheScale) {
+  const auto [s_sat, x_sat] = division_matters(464.0f);
+  const auto [s_tie, x_tie] = division_matters(1.0625f);
+  ASSERT_GT(s_sat, 0.0f) << "no value found where division and the reciprocal differ at 464";
+  ASSERT_GT(s_tie, 0.0f) << "no value found where division and the reciprocal differ at 1.0625";
+  auto be = make_cpu_backend();
+  const int64_t D = 32;
+  const int32_t slot = 0, pos = 0;
+  auto cache = be->kv_cache_create(1, 1, 1, D, 4, kv_dtype::fp8);
+  std::vector<float> a(static_cast<size_t>(D), 0.5f), b = a;
+  a[3] = x_sat;
+  EXPECT_EQ(be->kv_cache_write(*cache, 0, {1, &slot, &pos}, a.data(), b.data(), &s_sat, &s_sat), 0) << "K";
+  EXPECT_EQ(be->kv_cache_write(*cache, 0, {1, &slot, &pos}, b.data(), a.data(), &s_sat, &s_sat), 0) << "V";
+  const std::vector<float> v(static_cast<size_t>(D), x_tie), q = fp8rl::test::randn(D, 5);
+  be->kv_cache_write(*cache, 0, {1, &slot, &pos}, b.data(), v.data(), &s_tie, &s_tie);
+  std::vector<float> out(static_cast<size_t>(D));
+  be->attention_cached(*cache, 0, {1, &slot, &pos}, q.data(), 1, precision::bf16, nullptr, out.data());
+  const float want = fp8rl::quant::e4m3_to_float(fp8rl::quant::e4m3_from_float(1.0625f)) * s_tie;  // 1.0 * s
+  for (int64_t d = 0; d < D; ++d) EXPECT_EQ(out[d], want) << "cached attention, V[" << d << "]";
+  const int32_t seq_start[2] = {0, 1};
+  attn_params p;
+  p.T = 1; p.H = 1; p.KV = 1; p.D = D; p.seq_start = seq_start; p.S = 1; p.operand = precision::bf16;
+  const float qs = 0.01f;
+  p.q_scale = &qs, p.k_scale = &s_tie, p.v_scale = &s_tie;
+  float lse = 0.0f;
+  be->attention_forward(p, q.data(), b.data(), v.data(), out.data(), &lse);
+  for (int64_t d = 0; d < D; ++d) EXPECT_EQ(out[d], want) << "training forward, V[" << d << "]";
+}
+
 // fp8-numerics §0.2: NaN/Inf reaching the FP8 K/V cache is an error naming layer, head and
 // position (the encoder stored NaN as code 0x7F and Inf as 448 * scale, counted as saturation);
 // FP8 queries the same, naming the head.

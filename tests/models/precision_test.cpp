@@ -369,6 +369,25 @@ TEST(Precision, QkvStatsAreTheAmaxOfTheRotatedProjections) {
   }
 }
 
+// RMSNorm as Hugging Face's LlamaRMSNorm orders it: r = 1 / sqrt(mean(x^2) + eps), out = w * (x * r)
+// bit for bit (x * r first, then the weight; (w * x) * r differs in the last bit of ~1/3 of the
+// values), r within one FP32 ulp of the FP64 value (the kernel sums the squares in lanes, in FP64).
+TEST(Precision, RmsnormIsWeightTimesNormalizedX) {
+  auto be = make_cpu_backend();
+  const int64_t T = 3, C = 200;  // 200: whole 16-lane blocks and a tail
+  const auto x = randn(T * C, 81), w = randn(C, 82);
+  std::vector<float> out(x.size()), rstd(static_cast<size_t>(T));
+  be->rmsnorm_forward(x.data(), w.data(), T, C, 1e-5f, out.data(), rstd.data());
+  for (int64_t t = 0; t < T; ++t) {
+    double ss = 0.0;
+    for (int64_t c = 0; c < C; ++c) ss += double(x[t * C + c]) * x[t * C + c];
+    const double r = 1.0 / std::sqrt(ss / double(C) + double(1e-5f));
+    EXPECT_LE(std::fabs(rstd[t] - r), fp8rl::tol::fp32_ulps(r, 1)) << "row " << t;
+    for (int64_t c = 0; c < C; ++c)
+      ASSERT_EQ(float_bits(out[t * C + c]), float_bits(w[c] * (x[t * C + c] * rstd[t]))) << "row " << t << " col " << c;
+  }
+}
+
 // BF16 attention operands round where the kernels say (models/cpu/attention.cpp): q, k and v
 // to BF16, the probabilities P to BF16 before P.V (forward) and for dV (backward); dS from the
 // unrounded P, dK from the rounded q, dQ from the rounded k. Checked against an FP64 model that
