@@ -349,8 +349,9 @@ msg::controller_actor spawn_controller(caf::actor_system& sys, std::shared_ptr<c
           auto& s = self->state;
           trace_recv("controller", "step_report", r.trace, static_cast<int64_t>(r.version));
           s.learner_version = std::max(s.learner_version, r.version);
-          for (auto it = s.issued.begin(); it != s.issued.end();)  // trained steps need no re-issue
-            it = it->first.first < s.learner_version ? s.issued.erase(it) : std::next(it);
+          const auto trained = [&](const auto& e) { return e.first.first < s.learner_version; };
+          std::erase_if(s.issued, trained);  // trained steps need no re-issue,
+          std::erase_if(s.in_flight, trained);  // nor a lost rollout's groups of them
           const double el = std::chrono::duration<double>(std::chrono::steady_clock::now() - s.t0).count();
           step_metrics_add(s, r, el);
           try {
@@ -368,14 +369,14 @@ msg::controller_actor spawn_controller(caf::actor_system& sys, std::shared_ptr<c
           auto& s = self->state;
           trace_recv("controller", "admitted_msg", a.trace, static_cast<int64_t>(a.step));
           const auto key = std::make_pair(a.step, a.prompt_id);
-          if (a.dropped && a.reason.rfind("stale", 0) == 0) {  // regenerate with newer weights
-            auto it = s.issued.find(key);
-            if (it == s.issued.end()) return;
-            ++s.reissued;
-            issue(it->second);
-            return;
-          }
-          if (!a.dropped) s.in_flight.erase(key);
+          if (a.dropped && a.reason.rfind("stale", 0) == 0)  // regenerate with newer weights, unless trained
+            if (auto it = s.issued.find(key); it != s.issued.end()) {
+              ++s.reissued;
+              return issue(it->second);
+            }
+          // admitted, a duplicate (the buffer holds the group) or a trained step's: nothing to redo if
+          // its rollout is lost (a lost rollout's trained work was re-issued, and in_flight_groups grew)
+          s.in_flight.erase(key);
         },
         [self, issue_ready](msg::sync_report& r) {
           auto& s = self->state;

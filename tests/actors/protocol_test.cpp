@@ -944,7 +944,11 @@ class ControllerOnTestCoordinator : public ::testing::Test {
   msg::peers_msg p;
   msg::controller_actor ctrl;
   caf::actor r0, r1;
+  std::vector<caf::actor> extra;  // other actors a test spawns (stopped at teardown too)
   int done = -1;
+  std::function<void(actors::controller_options&)> options;  // a test's changes, before the spawn
+  caf::actor buffer;                                      // a test's own buffer, else a stand-in
+  std::function<void()> before_peers;                     // runs between the spawn and the wiring
 
   // A controller for B = 3 prompts per step, group size 2, max_staleness 1, from `start`.
   void wire(actors::run_start start, bool progress = false) {
@@ -958,9 +962,10 @@ class ControllerOnTestCoordinator : public ::testing::Test {
     actors::controller_options opts;
     opts.print_progress = progress;
     opts.on_done = [this](int code) { done = code; };
+    if (options) options(opts);
     ctrl = actors::spawn_controller(sys, actors::env_make(r, "test", run_dir.string(), init_dir(), start), opts);
     p.controller = ctrl;
-    p.buffer = caf::actor_cast<msg::buffer_actor>(stand_in(sys, "buffer", &work));
+    p.buffer = caf::actor_cast<msg::buffer_actor>(buffer ? buffer : stand_in(sys, "buffer", &work));
     p.reward = caf::actor_cast<msg::reward_actor>(stand_in(sys, "reward", &work));
     p.weight_sync = caf::actor_cast<msg::weight_sync_actor>(stand_in(sys, "weight_sync", &work));
     p.calibration = caf::actor_cast<msg::calibration_actor>(stand_in(sys, "calibration", &work));
@@ -970,6 +975,7 @@ class ControllerOnTestCoordinator : public ::testing::Test {
     p.rollouts = {caf::actor_cast<msg::rollout_actor>(r0), caf::actor_cast<msg::rollout_actor>(r1)};
     p.rollout_names = {"rollout0", "rollout1"};
     sched.run();
+    if (before_peers) before_peers();
     self->send(ctrl, p, std::vector<caf::actor>{}, std::vector<std::string>{});
     sched.run();
   }
@@ -990,6 +996,7 @@ class ControllerOnTestCoordinator : public ::testing::Test {
                                 caf::actor_cast<caf::actor>(p.reward), caf::actor_cast<caf::actor>(p.weight_sync),
                                 caf::actor_cast<caf::actor>(p.calibration), r0, r1})
       if (a) self->send_exit(a, caf::exit_reason::user_shutdown);
+    for (const auto& a : extra) self->send_exit(a, caf::exit_reason::user_shutdown);
     for (const auto& l : p.learners) self->send_exit(l, caf::exit_reason::user_shutdown);
     sched.run();
     fs::remove_all(run_dir);
@@ -1041,6 +1048,105 @@ TEST_F(ControllerOnTestCoordinator, IssuesWithinTheStalenessWindow) {
   }
   EXPECT_EQ(moved, r0_open);
   EXPECT_EQ(done, -1);  // the run goes on with one rollout
+}
+
+// What a lost rollout leaves to redo is only its groups the buffer holds nothing of: not a
+// trained step's (their stale drops and unanswered groups once the step is trained), not a group
+// the buffer dropped as a duplicate (it holds one). Trained steps' groups were re-issued, and
+// counted in in_flight_groups, for the rest of the run.
+TEST_F(ControllerOnTestCoordinator, ALostRolloutRedoesOnlyGroupsTheBufferLacks) {
+  wire(0);
+  sync(0);  // steps 0 and 1: rollout0 has prompts 0, 2 (step 0) and 4 (step 1)
+  ASSERT_EQ(work.size(), 6u);
+  self->send(ctrl, msg::step_report{{}, 1, {{"tokens", 10.0}}});  // step 0 trained
+  self->send(ctrl, msg::admitted_msg{{}, 1, 4, true, "duplicate"});
+  sched.run();
+  EXPECT_EQ(work.size(), 6u) << "a duplicate was re-issued";
+  self->send(ctrl, msg::admitted_msg{{}, 0, 0, true, "stale (test)"});
+  sched.run();
+  EXPECT_EQ(work.size(), 6u) << "a trained step's stale group was re-issued";
+  self->send_exit(r0, caf::exit_reason::kill);
+  sched.run();
+  for (size_t i = 6; i < work.size(); ++i) ADD_FAILURE() << "re-issued step " << work[i].w.step << " prompt " << work[i].w.prompt_id;
+  EXPECT_EQ(done, -1);
+}
+
+// Every rollout lost outside a stop fails the run (it would wait forever for samples).
+TEST_F(ControllerOnTestCoordinator, EveryRolloutLostFailsTheRun) {
+  wire(0);
+  sync(0);
+  self->send_exit(r0, caf::exit_reason::kill);
+  sched.run();
+  EXPECT_EQ(done, -1);
+  self->send_exit(r1, caf::exit_reason::kill);
+  sched.run();
+  EXPECT_EQ(done, 1);
+}
+
+// A lost rollout is restarted at most max_restarts times per name (its groups re-issued round
+// robin, the replacement among the rollouts); after that it is dropped and its work goes to the
+// others.
+TEST_F(ControllerOnTestCoordinator, ARolloutIsRestartedAtMostMaxRestartsTimes) {
+  int respawned = 0;
+  options = [&](actors::controller_options& o) {
+    o.max_restarts = 1;
+    o.respawn_rollout = [&](caf::actor_system& s, const std::string& name) {
+      ++respawned;
+      extra.push_back(stand_in(s, name + "'", &work));
+      return caf::actor_cast<msg::rollout_actor>(extra.back());
+    };
+  };
+  wire(0);
+  sync(0);
+  self->send_exit(r0, caf::exit_reason::kill);
+  sched.run();
+  ASSERT_EQ(respawned, 1);
+  ASSERT_EQ(extra.size(), 1u);
+  std::set<std::string> to;
+  for (size_t i = 6; i < work.size(); ++i) to.insert(work[i].to);
+  EXPECT_EQ(to.count("rollout0'"), 1u) << "the replacement takes rollout0's place in the rotation";
+  const size_t before = work.size();
+  self->send_exit(extra[0], caf::exit_reason::kill);
+  sched.run();
+  EXPECT_EQ(respawned, 1) << "restarted past max_restarts";
+  for (size_t i = before; i < work.size(); ++i) EXPECT_EQ(work[i].to, "rollout1");
+  EXPECT_GT(work.size(), before) << "the replacement's groups were not moved to rollout1";
+  EXPECT_EQ(done, -1);
+}
+
+// A buffer that does not answer the stop request fails the run, named, at the request's timeout.
+TEST_F(ControllerOnTestCoordinator, AStopTheBufferDoesNotAnswerFailsTheRun) {
+  auto pending = std::make_shared<std::vector<caf::response_promise>>();
+  buffer = sys.spawn([](caf::event_based_actor* b, std::shared_ptr<std::vector<caf::response_promise>> keep) -> caf::behavior {
+    b->set_default_handler([](caf::scheduled_actor*, caf::message_view&) -> caf::result<caf::message> { return caf::message{}; });
+    return {[=](msg::stop_atom) { keep->push_back(b->make_response_promise()); }};
+  }, pending);
+  extra.push_back(buffer);
+  wire(0);
+  sync(0);
+  self->send(ctrl, msg::stop_atom::value, std::string("SIGINT"), int32_t{130});
+  sched.run();
+  ASSERT_EQ(pending->size(), 1u);
+  EXPECT_EQ(done, -1);
+  sched.trigger_timeouts();
+  sched.run();
+  EXPECT_EQ(done, 1);
+}
+
+// A stop that comes before the wiring (a signal during the start) is asked of the buffer at the
+// wiring: no work past its step, and the run ends with the stop's code.
+TEST_F(ControllerOnTestCoordinator, AStopBeforeTheWiringIsAskedAtTheWiring) {
+  before_peers = [&] {
+    self->send(ctrl, msg::stop_atom::value, std::string("SIGTERM"), int32_t{143});
+    sched.run();
+  };
+  wire(0);
+  sync(3);  // the window would allow steps 0..4; the buffer's stop step is 2
+  EXPECT_EQ(steps_of(0), (std::vector<uint64_t>{0, 0, 0, 1, 1, 1}));
+  self->send(ctrl, msg::step_report{{}, 2, {{"tokens", 10.0}}});
+  self->send(ctrl, msg::stopped_atom::value, uint64_t{2}, (run_dir / "checkpoints" / "step_2").string());
+  sched.run();
+  EXPECT_EQ(done, 143);
 }
 
 // A resumed run (checkpoint at version 2 whose prompt_cursor is 17) issues step 2's groups from
