@@ -162,11 +162,33 @@ TEST(Messages, EveryWireTypeRoundTrips) {
       models::bundle_from_params(params, models::precision_policy::named("fp8-kv"), 3, 4, &sc));
   auto bm2 = round_trip(sys, bm);
   ASSERT_TRUE(bm2.bundle);
-  EXPECT_EQ(bm2.bundle->snapshot.weight_scales, bm.bundle->snapshot.weight_scales);
-  EXPECT_EQ(bm2.bundle->snapshot.k_scale, bm.bundle->snapshot.k_scale);
-  EXPECT_EQ(bm2.bundle->snapshot.policy, bm.bundle->snapshot.policy);
+  const quant::scale_snapshot &got = bm2.bundle->snapshot, &sent = bm.bundle->snapshot;
+  EXPECT_EQ(bm2.bundle->weight_version, 3u);
+  EXPECT_EQ(got.weight_version, 3u);
+  EXPECT_EQ(got.scale_version, 4u);  // every field: a bundle across processes arrived at scale version 0 unnoticed
+  EXPECT_EQ(got.mode, sent.mode);
+  EXPECT_EQ(got.policy, sent.policy);
+  EXPECT_EQ(got.weight_scales, sent.weight_scales);
+  EXPECT_EQ(std::make_tuple(got.layers, got.heads, got.kv_heads), std::make_tuple(sent.layers, sent.heads, sent.kv_heads));
+  EXPECT_EQ(got.q_scale, sent.q_scale);
+  EXPECT_EQ(got.k_scale, sent.k_scale);
+  EXPECT_EQ(got.v_scale, sent.v_scale);
   ASSERT_EQ(bm2.bundle->tensors.size(), bm.bundle->tensors.size());
-  for (size_t i = 0; i < bm.bundle->tensors.size(); ++i) EXPECT_EQ(bm2.bundle->tensors[i].bytes, bm.bundle->tensors[i].bytes);
+  for (size_t i = 0; i < bm.bundle->tensors.size(); ++i) {
+    const auto &a = bm2.bundle->tensors[i], &b = bm.bundle->tensors[i];
+    EXPECT_EQ(std::tie(a.name, a.dtype, a.shape, a.bytes), std::tie(b.name, b.dtype, b.shape, b.bytes)) << b.name;
+  }
+  std::set<quant::bundle_dtype> dtypes;  // every dtype travels; one past the last is refused by name
+  for (const auto& t : bm.bundle->tensors) dtypes.insert(t.dtype);
+  EXPECT_GE(dtypes.size(), 2u);
+  msg::bundle_wire bad = msg::bundle_to_wire(*bm.bundle);
+  bad.dtypes.at(1) = 3;
+  try {
+    msg::bundle_from_wire(std::move(bad));
+    ADD_FAILURE() << "dtype 3 accepted";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("tensor '" + bm.bundle->tensors[1].name + "' has unknown dtype"), std::string::npos) << e.what();
+  }
   // a quantized tensor: codes, scales, shape, layout and mode survive; a short scale array or an
   // unknown layout does not deserialize
   std::vector<float> x(200 * 300);
@@ -640,6 +662,8 @@ TEST(Protocol, RolloutFailuresAreNamed) {
   w.prompt = "12+3=";
   w.group_size = 3;  // the run's is 2
   expect_work_refused(ctl, ro, w, "prompt 3: work for groups of 3, the run's rollout.group_size is 2");
+  w.group_size = 1;  // smaller too: its completions would be filed under other prompts' groups
+  expect_work_refused(ctl, rollout_for(sys, ctl), w, "prompt 3: work for groups of 1, the run's rollout.group_size is 2");
   actors::run_config r;
   r.slots = 100000000;
   r.log_level = "off";
@@ -1248,6 +1272,22 @@ class RolloutOnTestCoordinator : public ::testing::Test {
     sched.run();
   }
 };
+
+// A refused bundle (an older scale version than the engine's) is reported refused once and
+// never staged: the next bundle is adopted without a `superseded` report of the refused one.
+TEST_F(RolloutOnTestCoordinator, ARefusedBundleIsReportedOnceAndNotStaged) {
+  self->send(ro, bundle(3));  // idle: adopted at once
+  sched.run();
+  self->send(ro, bundle(2));
+  sched.run();
+  self->send(ro, bundle(4));
+  sched.run();
+  ASSERT_EQ(adopted.size(), 3u);
+  EXPECT_EQ(std::make_tuple(adopted[0].weight_version, adopted[0].error.empty(), adopted[0].superseded), std::make_tuple(3u, true, false));
+  EXPECT_EQ(adopted[1].weight_version, 2u);
+  EXPECT_FALSE(adopted[1].error.empty());
+  EXPECT_EQ(std::make_tuple(adopted[2].weight_version, adopted[2].error.empty(), adopted[2].superseded), std::make_tuple(4u, true, false));
+}
 
 // A rollout reports a bundle adopted when a step first runs under it, on the test coordinator (the
 // mailbox order is the test's): work waits for weights; v1 and v2 arrive before the engine's next
