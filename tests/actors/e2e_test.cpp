@@ -225,6 +225,12 @@ TEST(E2E, BadInputAtAStartIsRefusedAndChangesNothing) {
                "records another task, model or seed (give the run's own):\n  task.name: \"builtin:add2\" -> \"builtin:add1\"");
   EXPECT_EQ(text_of(d / "recipe.conf"), recipe);  // a failed resume rewrote it with this invocation's recipe
   EXPECT_EQ(text_of(d / "metrics.jsonl"), before);
+  fails_naming("--resume --run-dir " + d.string() + kSmall + " --run.steps=8 --run.seed=7", "  run.seed: ");  // the seed too
+  // a resume to the step the run is at has nothing to do: said, rc 0, nothing written
+  const auto at_end = fp8rl::test::run_command(kBin + "/fp8rl train --resume --run-dir " + d.string() + kSmall + " --run.steps=6");
+  EXPECT_EQ(at_end.rc, 0) << at_end.out;
+  EXPECT_NE(at_end.out.find("is already at step 6 of 6"), std::string::npos) << at_end.out;
+  EXPECT_EQ(text_of(d / "metrics.jsonl"), before);
   // without recipe.conf nothing checks the task, model and seed: the resume trained another task
   // from this one's cursor and recorded it as the run's recipe
   fs::rename(d / "recipe.conf", d / "recipe.conf.away");
