@@ -1074,6 +1074,19 @@ TEST_F(ControllerOnTestCoordinator, IssuesWithinTheStalenessWindow) {
   EXPECT_EQ(done, -1);  // the run goes on with one rollout
 }
 
+// A group of a step not yet trained that the buffer drops as stale is issued again (the step
+// report before it trained only the steps before it).
+TEST_F(ControllerOnTestCoordinator, AStaleGroupOfTheNextStepIsReissued) {
+  wire(0);
+  sync(0);
+  self->send(ctrl, msg::step_report{{}, 1, {{"tokens", 10.0}}});  // step 0 trained, step 1 not
+  self->send(ctrl, msg::admitted_msg{{}, 1, 5, true, "stale (test)"});
+  sched.run();
+  ASSERT_EQ(work.size(), 7u);
+  EXPECT_EQ(work[6].w.prompt_id, 5u);
+  EXPECT_EQ(work[6].w.step, 1u);
+}
+
 // What a lost rollout leaves to redo is only its groups the buffer holds nothing of: not a
 // trained step's (their stale drops and unanswered groups once the step is trained), not a group
 // the buffer dropped as a duplicate (it holds one). Trained steps' groups were re-issued, and
@@ -1272,6 +1285,23 @@ class RolloutOnTestCoordinator : public ::testing::Test {
     sched.run();
   }
 };
+
+// A bundle adopted before the rollout knows its peers (weight-sync's first bundle can come before
+// the controller's wiring) is reported once the peers come, not lost: weight-sync would wait on it.
+TEST_F(RolloutOnTestCoordinator, AnAdoptionBeforeThePeersIsReportedWhenTheyCome) {
+  msg::rollout_actor early = actors::spawn_rollout(sys, env, "rollout1", actors::device_spec::parse("cpu:1", "test"));
+  self->send(early, bundle(1));  // idle: adopted at once, with nobody to tell
+  sched.run();
+  EXPECT_TRUE(adopted.empty());
+  self->send(early, rollout_peers(peer, peer, peer));
+  sched.run();
+  ASSERT_EQ(adopted.size(), 1u);
+  EXPECT_EQ(adopted[0].rollout, "rollout1");
+  EXPECT_EQ(adopted[0].weight_version, 1u);
+  EXPECT_TRUE(adopted[0].error.empty());
+  self->send_exit(early, caf::exit_reason::user_shutdown);
+  sched.run();
+}
 
 // A refused bundle (an older scale version than the engine's) is reported refused once and
 // never staged: the next bundle is adopted without a `superseded` report of the refused one.
