@@ -231,6 +231,13 @@ TEST(E2E, BadInputAtAStartIsRefusedAndChangesNothing) {
   EXPECT_EQ(at_end.rc, 0) << at_end.out;
   EXPECT_NE(at_end.out.find("is already at step 6 of 6"), std::string::npos) << at_end.out;
   EXPECT_EQ(text_of(d / "metrics.jsonl"), before);
+  // no checkpoints/latest: the refusal names the newest step directory (by number: step_10 > step_6)
+  fs::rename(d / "checkpoints" / "latest", d / "latest.away");
+  fs::create_directory(d / "checkpoints" / "step_10");
+  fails_naming("--resume --run-dir " + d.string() + kSmall + " --run.steps=12",
+               "no checkpoints/latest (yet " + (d / "checkpoints" / "step_10").string() + " is there");
+  fs::remove(d / "checkpoints" / "step_10");
+  fs::rename(d / "latest.away", d / "checkpoints" / "latest");
   // without recipe.conf nothing checks the task, model and seed: the resume trained another task
   // from this one's cursor and recorded it as the run's recipe
   fs::rename(d / "recipe.conf", d / "recipe.conf.away");
