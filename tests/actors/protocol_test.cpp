@@ -11,6 +11,7 @@
 #include <cmath>
 #include <filesystem>
 #include <map>
+#include <numeric>
 #include <set>
 #include <stdexcept>
 #include <thread>
@@ -1303,6 +1304,38 @@ TEST_F(RolloutOnTestCoordinator, AnAdoptionBeforeThePeersIsReportedWhenTheyCome)
   sched.run();
 }
 
+// An FP8 KV cache's saturation counts travel with the groups as increases: the groups' counts add
+// up to the engine's total (a count sent again with each group overcounted the buffer's totals).
+// K/V scales 1e-4 of the calibrated ones saturate most values.
+TEST_F(RolloutOnTestCoordinator, KvSaturationTravelsAsIncreases) {
+  const auto env8 = env_with(1, 2, 0, "fp8-kv");
+  msg::rollout_actor kv = actors::spawn_rollout(sys, env8, "rollout1", actors::device_spec::parse("cpu:1", "test"));
+  self->send(kv, rollout_peers(peer, peer, peer));
+  const int64_t L = params.cfg.num_hidden_layers, H = params.cfg.num_attention_heads, KV = params.cfg.num_key_value_heads;
+  const models::attn_fp8_scales sc{std::vector<float>(L * H, 1e-4f), std::vector<float>(L * KV, 1e-4f), std::vector<float>(L * KV, 1e-4f)};
+  self->send(kv, msg::bundle_msg{{}, std::make_shared<const quant::weight_bundle>(models::bundle_from_params(params, env8->rl.gen_policy, 1, 1, &sc))});
+  msg::work_msg w = work_12_plus_3(*env8);
+  self->send(kv, w);
+  sched.run();
+  w.prompt_id = 4;
+  w.prompt = "2+30=";
+  self->send(kv, w);
+  sched.run();
+  ASSERT_EQ(groups.size(), 2u);
+  int64_t sum = 0;
+  for (const auto& g : groups) {
+    const int64_t n = std::accumulate(g.kv_saturated.begin(), g.kv_saturated.end(), int64_t{0});
+    EXPECT_GT(n, 0) << "prompt " << g.prompt_id;
+    sum += n;
+  }
+  self->send(kv, msg::status_atom::value);
+  sched.run();
+  self->receive([&](msg::metrics_t& m) { EXPECT_EQ(m.at("kv_saturated"), double(sum)); },
+                caf::after(std::chrono::seconds(1)) >> [] { ADD_FAILURE() << "no status"; });
+  self->send_exit(kv, caf::exit_reason::user_shutdown);
+  sched.run();
+}
+
 // A refused bundle (an older scale version than the engine's) is reported refused once and
 // never staged: the next bundle is adopted without a `superseded` report of the refused one.
 TEST_F(RolloutOnTestCoordinator, ARefusedBundleIsReportedOnceAndNotStaged) {
@@ -1347,6 +1380,15 @@ TEST_F(RolloutOnTestCoordinator, ReportsAdoptionWhenAStepRunsUnderIt) {
   self->send(ro, msg::status_atom::value);  // the reply comes back as a message (a blocking request would never run it)
   sched.run();
   self->receive([&](msg::metrics_t& m) { EXPECT_EQ(m.at("weight_version"), 3.0); EXPECT_EQ(m.at("adoptions"), 2.0); },
+                caf::after(std::chrono::seconds(1)) >> [] { ADD_FAILURE() << "no status"; });
+  msg::work_msg w = work_12_plus_3(*env);  // another group, no new bundle: still two adoptions
+  w.prompt_id = 4;
+  self->send(ro, w);
+  sched.run();
+  ASSERT_EQ(groups.size(), 2u);
+  self->send(ro, msg::status_atom::value);
+  sched.run();
+  self->receive([&](msg::metrics_t& m) { EXPECT_EQ(m.at("adoptions"), 2.0); },
                 caf::after(std::chrono::seconds(1)) >> [] { ADD_FAILURE() << "no status"; });
 }
 
