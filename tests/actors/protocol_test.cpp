@@ -1336,6 +1336,25 @@ TEST_F(RolloutOnTestCoordinator, KvSaturationTravelsAsIncreases) {
   sched.run();
 }
 
+// A group's samples go out in group_index order whatever order its sequences finish in (here
+// some groups' second sequence finishes first: the checked mutant, unsorted, fails).
+TEST_F(RolloutOnTestCoordinator, GroupSamplesAreInGroupIndexOrder) {
+  self->send(ro, bundle(1));
+  for (uint64_t pid = 10; pid < 18; ++pid) {
+    msg::work_msg w = work_12_plus_3(*env);
+    w.prompt_id = pid;
+    w.prompt = std::to_string(pid) + "+" + std::to_string(pid * 7 % 13) + "=";
+    self->send(ro, w);
+  }
+  sched.run();
+  ASSERT_EQ(groups.size(), 8u);
+  for (const auto& g : groups) {
+    ASSERT_EQ(g.samples.size(), 2u);
+    EXPECT_EQ(g.samples[0].group_index, 0) << "prompt " << g.prompt_id;
+    EXPECT_EQ(g.samples[1].group_index, 1) << "prompt " << g.prompt_id;
+  }
+}
+
 // A refused bundle (an older scale version than the engine's) is reported refused once and
 // never staged: the next bundle is adopted without a `superseded` report of the refused one.
 TEST_F(RolloutOnTestCoordinator, ARefusedBundleIsReportedOnceAndNotStaged) {
