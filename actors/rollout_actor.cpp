@@ -21,11 +21,16 @@ namespace {
 
 // Supervision tests: with FP8RL_FAULT_ROLLOUT_EXIT_AT_STEP=S in the environment, rollout0 of
 // the process exits abnormally (once per process) when work of step S reaches it.
+// A value that is not a step number is refused (it fired at step 0).
 bool fault_exit_now(const std::string& name, uint64_t step) {
   static std::atomic<bool> fired{false};
   static const char* const at = std::getenv("FP8RL_FAULT_ROLLOUT_EXIT_AT_STEP");  // read once
-  if (!at || name != "rollout0" || std::strtoull(at, nullptr, 10) != step) return false;
-  return !fired.exchange(true);
+  if (!at || name != "rollout0") return false;
+  char* end = nullptr;
+  const uint64_t s = std::strtoull(at, &end, 10);
+  if (end == at || *end != '\0' || *at == '-')
+    throw std::invalid_argument(std::string("FP8RL_FAULT_ROLLOUT_EXIT_AT_STEP='") + at + "': not a step number");
+  return s == step && !fired.exchange(true);
 }
 
 // Per-layer counts grown since `sent` (then `sent` = total).

@@ -1109,6 +1109,19 @@ TEST_F(ControllerOnTestCoordinator, ALostRolloutRedoesOnlyGroupsTheBufferLacks) 
   EXPECT_EQ(done, -1);
 }
 
+// A metrics line that cannot be written (a full disk: /dev/full) fails the run, not a silent gap.
+TEST_F(ControllerOnTestCoordinator, AMetricsLineThatCannotBeWrittenFailsTheRun) {
+  if (!fs::exists("/dev/full")) GTEST_SKIP() << "no /dev/full here";
+  fs::create_directories(run_dir);
+  fs::create_symlink("/dev/full", run_dir / "metrics.jsonl");
+  wire(0);
+  sync(0);
+  EXPECT_EQ(done, -1);
+  self->send(ctrl, msg::step_report{{}, 1, {{"tokens", 10.0}}});
+  sched.run();
+  EXPECT_EQ(done, 1);
+}
+
 // Every rollout lost outside a stop fails the run (it would wait forever for samples).
 TEST_F(ControllerOnTestCoordinator, EveryRolloutLostFailsTheRun) {
   wire(0);
