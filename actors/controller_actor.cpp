@@ -369,14 +369,14 @@ msg::controller_actor spawn_controller(caf::actor_system& sys, std::shared_ptr<c
           auto& s = self->state;
           trace_recv("controller", "admitted_msg", a.trace, static_cast<int64_t>(a.step));
           const auto key = std::make_pair(a.step, a.prompt_id);
-          if (a.dropped && a.reason.rfind("stale", 0) == 0)  // regenerate with newer weights, unless trained
+          if (a.dropped && a.reason.rfind("stale", 0) == 0) {  // regenerate with newer weights, unless trained
             if (auto it = s.issued.find(key); it != s.issued.end()) {
               ++s.reissued;
-              return issue(it->second);
+              issue(it->second);
             }
-          // admitted, a duplicate (the buffer holds the group) or a trained step's: nothing to redo if
-          // its rollout is lost (a lost rollout's trained work was re-issued, and in_flight_groups grew)
-          s.in_flight.erase(key);
+            return;
+          }
+          s.in_flight.erase(key);  // admitted or a duplicate: the buffer holds the group, a lost rollout owes none
         },
         [self, issue_ready](msg::sync_report& r) {
           auto& s = self->state;

@@ -43,8 +43,13 @@ inline constexpr double kFp32SumOrder = 1e-5;
 // BF16-operand attention vs an FP64 model rounding q, k, v and P at the kernels' points (T = 20,
 // D <= 32): the kernels' FP32 sums and fast exp (a few 2^-24 roundings per value) and the rare P
 // whose FP32 and FP64 values round to different BF16 neighbours (2^-8 on one term of ~10);
-// normwise 1e-4. A missed rounding point moves every result by ~kUnitRmsBF16-scale errors (~1e-3).
+// normwise 1e-4. Measured 2e-8..1e-6; with one rounding point left out (P, or q in the backward)
+// the same test fails (a missed point adds kUnitRmsBF16-scale error to every term it feeds).
 inline constexpr double kAttnVsRoundedF64 = 1e-4;
+// A step of 1e-3 in parameter space against the gradient changes a function by -eta |g|^2 to first
+// order; its second-order terms (measured: 0.25% of it, the learner's FP32 GRPO loss) and FP32
+// logprob rounding (~1e-7 of a change of ~3e-3) stay within 2% of it.
+inline constexpr double kFirstOrderStep = 0.02;
 
 // FP32 central differences with h in [1e-3, 1e-2]: truncation ~h^2 |f'''| <= 1e-4 and rounding
 // ~2^-24 |L| / h <= 6e-5 relative; 5e-3 normwise leaves room for curvature of exp/softmax.

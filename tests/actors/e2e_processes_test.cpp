@@ -160,6 +160,11 @@ TEST(E2E, FailedRolloutIsRestartedAndItsWorkRequeued) {
   // eval_every = 0 validates the last step only (every run ends with a validation)
   EXPECT_TRUE(m.back().contains("val_accuracy")) << m.back().dump();
   EXPECT_FALSE(m.front().contains("val_accuracy")) << m.front().dump();
+  // the hook's value is a step number or refused, named (strtoull made "2x" step 2 and "x" step 0)
+  const auto bad = fp8rl::test::run_command("FP8RL_FAULT_ROLLOUT_EXIT_AT_STEP=2x " + kBin + "/fp8rl train --run-dir " +
+                                            (d / "bad").string() + " --run.steps=1 --model.sft_steps=2 --rollout.prompts_per_step=2");
+  EXPECT_NE(bad.rc, 0) << bad.out;
+  EXPECT_NE(bad.out.find("FP8RL_FAULT_ROLLOUT_EXIT_AT_STEP='2x': not a step number"), std::string::npos) << bad.out;
   fs::remove_all(d);
 }
 

@@ -7,9 +7,11 @@
 
 #include <caf/all.hpp>
 #include <caf/io/all.hpp>
+#include <nlohmann/json.hpp>
 #include <algorithm>
 #include <cmath>
 #include <filesystem>
+#include <fstream>
 #include <map>
 #include <numeric>
 #include <set>
@@ -1103,9 +1105,20 @@ TEST_F(ControllerOnTestCoordinator, ALostRolloutRedoesOnlyGroupsTheBufferLacks) 
   self->send(ctrl, msg::admitted_msg{{}, 0, 0, true, "stale (test)"});
   sched.run();
   EXPECT_EQ(work.size(), 6u) << "a trained step's stale group was re-issued";
+  sync(1);  // step 2: prompts 6 and 8 to rollout0, 7 to rollout1
+  ASSERT_EQ(steps_of(6), (std::vector<uint64_t>{2, 2, 2}));
   self->send_exit(r0, caf::exit_reason::kill);
   sched.run();
-  for (size_t i = 6; i < work.size(); ++i) ADD_FAILURE() << "re-issued step " << work[i].w.step << " prompt " << work[i].w.prompt_id;
+  std::set<std::pair<uint64_t, uint64_t>> redone;
+  for (size_t i = 9; i < work.size(); ++i) redone.insert({work[i].w.step, work[i].w.prompt_id});
+  EXPECT_EQ(redone, (std::set<std::pair<uint64_t, uint64_t>>{{2, 6}, {2, 8}}));
+  // step 1 trained: left in flight are step 2's three groups (rollout1's 3 and 5 were never admitted)
+  self->send(ctrl, msg::step_report{{}, 2, {{"tokens", 10.0}}});
+  sched.run();
+  std::ifstream m(run_dir / "metrics.jsonl");
+  std::string line, last;
+  while (std::getline(m, line)) last = line;
+  EXPECT_EQ(nlohmann::json::parse(last).at("in_flight_groups"), 3.0) << last;
   EXPECT_EQ(done, -1);
 }
 
@@ -1138,11 +1151,12 @@ TEST_F(ControllerOnTestCoordinator, EveryRolloutLostFailsTheRun) {
 // robin, the replacement among the rollouts); after that it is dropped and its work goes to the
 // others.
 TEST_F(ControllerOnTestCoordinator, ARolloutIsRestartedAtMostMaxRestartsTimes) {
-  int respawned = 0;
-  options = [&](actors::controller_options& o) {
+  auto respawned_count = std::make_shared<int>(0);  // the controller holds the function until teardown
+  const int& respawned = *respawned_count;
+  options = [this, respawned_count](actors::controller_options& o) {
     o.max_restarts = 1;
-    o.respawn_rollout = [&](caf::actor_system& s, const std::string& name) {
-      ++respawned;
+    o.respawn_rollout = [this, respawned_count](caf::actor_system& s, const std::string& name) {
+      ++*respawned_count;
       extra.push_back(stand_in(s, name + "'", &work));
       return caf::actor_cast<msg::rollout_actor>(extra.back());
     };
@@ -1289,6 +1303,7 @@ class RolloutOnTestCoordinator : public ::testing::Test {
   const std::shared_ptr<const actors::actor_env> env = env_with(1, 2);
   msg::rollout_actor ro = actors::spawn_rollout(sys, env, "rollout0", actors::device_spec::parse("cpu:1", "test"));
   const models::model_params params = models::model_load(init_dir());
+  std::vector<caf::actor> extra;  // other rollouts a test spawns (stopped at teardown too)
 
   void SetUp() override { self->send(ro, rollout_peers(peer, peer, peer)); }
   msg::bundle_msg bundle(uint64_t v) {
@@ -1296,6 +1311,7 @@ class RolloutOnTestCoordinator : public ::testing::Test {
   }
   void TearDown() override {
     for (const caf::actor& a : {caf::actor_cast<caf::actor>(ro), peer}) self->send_exit(a, caf::exit_reason::user_shutdown);
+    for (const auto& a : extra) self->send_exit(a, caf::exit_reason::user_shutdown);
     sched.run();
   }
 };
@@ -1304,6 +1320,7 @@ class RolloutOnTestCoordinator : public ::testing::Test {
 // the controller's wiring) is reported once the peers come, not lost: weight-sync would wait on it.
 TEST_F(RolloutOnTestCoordinator, AnAdoptionBeforeThePeersIsReportedWhenTheyCome) {
   msg::rollout_actor early = actors::spawn_rollout(sys, env, "rollout1", actors::device_spec::parse("cpu:1", "test"));
+  extra.push_back(caf::actor_cast<caf::actor>(early));
   self->send(early, bundle(1));  // idle: adopted at once, with nobody to tell
   sched.run();
   EXPECT_TRUE(adopted.empty());
@@ -1313,16 +1330,15 @@ TEST_F(RolloutOnTestCoordinator, AnAdoptionBeforeThePeersIsReportedWhenTheyCome)
   EXPECT_EQ(adopted[0].rollout, "rollout1");
   EXPECT_EQ(adopted[0].weight_version, 1u);
   EXPECT_TRUE(adopted[0].error.empty());
-  self->send_exit(early, caf::exit_reason::user_shutdown);
-  sched.run();
 }
 
 // An FP8 KV cache's saturation counts travel with the groups as increases: the groups' counts add
 // up to the engine's total (a count sent again with each group overcounted the buffer's totals).
-// K/V scales 1e-4 of the calibrated ones saturate most values.
+// K/V scales of 1e-4 (448 x 1e-4 = 0.045 the largest value stored) saturate most values.
 TEST_F(RolloutOnTestCoordinator, KvSaturationTravelsAsIncreases) {
   const auto env8 = env_with(1, 2, 0, "fp8-kv");
   msg::rollout_actor kv = actors::spawn_rollout(sys, env8, "rollout1", actors::device_spec::parse("cpu:1", "test"));
+  extra.push_back(caf::actor_cast<caf::actor>(kv));
   self->send(kv, rollout_peers(peer, peer, peer));
   const int64_t L = params.cfg.num_hidden_layers, H = params.cfg.num_attention_heads, KV = params.cfg.num_key_value_heads;
   const models::attn_fp8_scales sc{std::vector<float>(L * H, 1e-4f), std::vector<float>(L * KV, 1e-4f), std::vector<float>(L * KV, 1e-4f)};
@@ -1345,8 +1361,6 @@ TEST_F(RolloutOnTestCoordinator, KvSaturationTravelsAsIncreases) {
   sched.run();
   self->receive([&](msg::metrics_t& m) { EXPECT_EQ(m.at("kv_saturated"), double(sum)); },
                 caf::after(std::chrono::seconds(1)) >> [] { ADD_FAILURE() << "no status"; });
-  self->send_exit(kv, caf::exit_reason::user_shutdown);
-  sched.run();
 }
 
 // A group's samples go out in group_index order whatever order its sequences finish in (here
@@ -1361,6 +1375,9 @@ TEST_F(RolloutOnTestCoordinator, GroupSamplesAreInGroupIndexOrder) {
   }
   sched.run();
   ASSERT_EQ(groups.size(), 8u);
+  EXPECT_TRUE(std::any_of(groups.begin(), groups.end(), [](const msg::group_msg& g) {
+    return g.samples.size() == 2 && g.samples[1].response.size() < g.samples[0].response.size();
+  })) << "no group's second sequence finished first: the test tests nothing";
   for (const auto& g : groups) {
     ASSERT_EQ(g.samples.size(), 2u);
     EXPECT_EQ(g.samples[0].group_index, 0) << "prompt " << g.prompt_id;

@@ -726,7 +726,7 @@ TEST(Generate, Fp8KvAndAttentionDivideByTheScale) {
   EXPECT_EQ(be->kv_cache_write(*cache, 0, {1, &slot, &pos}, a.data(), b.data(), &s_sat, &s_sat), 0) << "K";
   EXPECT_EQ(be->kv_cache_write(*cache, 0, {1, &slot, &pos}, b.data(), a.data(), &s_sat, &s_sat), 0) << "V";
   const std::vector<float> v(static_cast<size_t>(D), x_tie), q = fp8rl::test::randn(D, 5);
-  be->kv_cache_write(*cache, 0, {1, &slot, &pos}, b.data(), v.data(), &s_tie, &s_tie);
+  EXPECT_EQ(be->kv_cache_write(*cache, 0, {1, &slot, &pos}, b.data(), v.data(), &s_tie, &s_tie), 0);
   std::vector<float> out(static_cast<size_t>(D));
   be->attention_cached(*cache, 0, {1, &slot, &pos}, q.data(), 1, precision::bf16, nullptr, out.data());
   const float want = fp8rl::quant::e4m3_to_float(fp8rl::quant::e4m3_from_float(1.0625f)) * s_tie;  // 1.0 * s

@@ -351,9 +351,9 @@ TEST(Precision, QkvStatsAreTheAmaxOfTheRotatedProjections) {
     buffer<float> y(*be, T * part.nh * D);
     be->linear_forward(*part.lin, xn.data(), T, y.data());
     std::vector<float> before(static_cast<size_t>(T * part.nh * D)), after(before.size());
-    be->to_host(before.data(), y.data(), before.size() * 4);
+    be->to_host(before.data(), y.data(), before.size() * sizeof(float));
     be->rope(y.data(), pos.data(), T, part.nh, D, w->rope_inv_freq, false);
-    be->to_host(after.data(), y.data(), after.size() * 4);
+    be->to_host(after.data(), y.data(), after.size() * sizeof(float));
     bool rope_mattered = false;
     for (int64_t h = 0; h < part.nh; ++h) {
       float amax = 0.0f, amax_unrotated = 0.0f;

@@ -46,15 +46,23 @@ TEST(Fp8Codec, E4M3SpecTable) {
   for (const auto& c : e4m3_spec_cases()) EXPECT_EQ(e4m3_from_float(c.x), c.code) << c.what;
 }
 
-// The array encoder (the FP8 KV cache writes through it) and the AVX-512 grid (quantize's
-// value-only path) on the table and on exact ties at every normal exponent, through whole
-// vectors and a masked tail; the exhaustive test sweeps every float through them, this one runs
-// in every build.
-TEST(Fp8Codec, ArrayEncoderAndGridFollowTheSpecTable) {
+namespace {
+// The spec table's inputs and exact ties at every normal exponent (1 + 1/16 to even: down,
+// 1 + 3/16: up; both signs), a count that leaves a masked tail after whole 16-lane vectors.
+std::vector<float> spec_and_ties() {
   std::vector<float> x;
   for (const auto& c : e4m3_spec_cases()) x.push_back(c.x);
-  for (int e = -6; e <= 8; ++e)  // ties: 1 + 1/16 to even (down), 1 + 3/16 to even (up), both signs
+  for (int e = -6; e <= 8; ++e)
     for (float m : {1.0625f, 1.1875f, -1.0625f, -1.1875f}) x.push_back(std::ldexp(m, e));
+  return x;
+}
+}  // namespace
+
+// The array encoder (the FP8 KV cache writes through it) on the table and the ties, whole vectors
+// and a masked tail, on each ISA path; the exhaustive test sweeps every float, this one runs in
+// every build.
+TEST(Fp8Codec, ArrayEncoderFollowsTheSpecTable) {
+  const std::vector<float> x = spec_and_ties();
   ASSERT_NE(x.size() % 16, 0u) << "the masked tail goes untested";
   for (cpu_isa isa : {cpu_isa::portable, cpu_isa_detected()}) {
     fp8rl::test::isa_limit_scope limit(isa);
@@ -64,7 +72,12 @@ TEST(Fp8Codec, ArrayEncoderAndGridFollowTheSpecTable) {
       EXPECT_EQ(codes[i], e4m3_from_float(x[i])) << cpu_isa_name(isa) << " x " << x[i] << " (" << i << ")";
     EXPECT_EQ(codes[x.size()], 0xAA) << "wrote past n";
   }
+}
+
+// The AVX-512 grid (quantize's value-only path): e4m3_to_float(e4m3_from_float(x)) on the same values.
+TEST(Fp8Codec, Avx512GridFollowsTheSpecTable) {
   if (cpu_isa_detected() < cpu_isa::avx512) GTEST_SKIP() << "no AVX-512: the grid is AVX-512 only";
+  const std::vector<float> x = spec_and_ties();
   std::vector<float> grid(x.size());
   fp8rl::quant::detail::e4m3_grid_array_avx512(x.data(), static_cast<int64_t>(x.size()), grid.data());
   for (size_t i = 0; i < x.size(); ++i)

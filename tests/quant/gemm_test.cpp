@@ -171,27 +171,32 @@ TEST(Gemm, Bf16FastEqualsReference) {
 // product of normal inputs that is denormal (1e-20 x 1e-20, FTZ: 0), and a denormal input times
 // 2^100 (2^-130 x 2^100 = 2^-30 without DAZ: 0 with it).
 TEST(Gemm, Bf16DenormalsFollowTheDazFtzModel) {
+  auto expect_every_kernel = [](const gemm_desc& d, const std::vector<uint16_t>& A, const std::vector<uint16_t>& B,
+                                const std::vector<float>& ref, const char* what) {
+    auto pb = gemm_pack_bf16(B.data(), d.N, d.K);
+    std::vector<float> fast(ref.size());
+    for (cpu_isa isa : kIsas)
+      for (gemm_kernel k : kKernels) {
+        if (!have(isa)) continue;
+        std::fill(fast.begin(), fast.end(), -1.0f);
+        gemm_bf16(d, A.data(), pb, fast.data(), force(isa, k));
+        EXPECT_EQ(first_diff(fast, ref), -1) << what << ", " << cpu_isa_name(isa) << " " << kernel_name(k);
+      }
+  };
   {
     const gemm_desc d{2, 32, 2};
     const std::vector<float> Af = {1e-20f, 0.0f, std::ldexp(1.0f, -130), 0.0f};
     std::vector<float> Bf(32 * 2, 0.0f);
     for (int n = 0; n < 32; ++n) Bf[n * 2] = n % 2 ? 1e-20f : std::ldexp(1.0f, 100);
     auto A = to_bf16(Af), B = to_bf16(Bf);
-    std::vector<float> ref(64), fast(64);
+    std::vector<float> ref(64);
     gemm_bf16_ref(d, A.data(), B.data(), ref.data());
     for (int n = 0; n < 32; n += 2) {
       EXPECT_EQ(ref[n + 1], 0.0f) << "FTZ, column " << n + 1;
       EXPECT_EQ(ref[32 + n], 0.0f) << "DAZ, column " << n;
       EXPECT_EQ(ref[n], bf16_to_float(A[0]) * std::ldexp(1.0f, 100)) << n;  // exact: a power of 2
     }
-    auto pb = gemm_pack_bf16(B.data(), d.N, d.K);
-    for (cpu_isa isa : kIsas)
-      for (gemm_kernel k : kKernels) {
-        if (!have(isa)) continue;
-        std::fill(fast.begin(), fast.end(), -1.0f);
-        gemm_bf16(d, A.data(), pb, fast.data(), force(isa, k));
-        EXPECT_EQ(first_diff(fast, ref), -1) << "decisive case, " << cpu_isa_name(isa) << " " << kernel_name(k);
-      }
+    expect_every_kernel(d, A, B, ref, "decisive case");
   }
   const gemm_desc d{2, 32, 4};
   std::vector<float> Af = {1e-39f, 1.0f, 1e-20f, 1e-20f, 2.0f, -1e-39f, 3.0f, 1e-19f};
@@ -200,15 +205,9 @@ TEST(Gemm, Bf16DenormalsFollowTheDazFtzModel) {
     Bf[n * 4 + 0] = 1.0f; Bf[n * 4 + 1] = 1e-30f * float(n + 1); Bf[n * 4 + 2] = 1e-20f; Bf[n * 4 + 3] = -1e-20f;
   }
   auto A = to_bf16(Af), B = to_bf16(Bf);
-  std::vector<float> ref(64), fast(64);
+  std::vector<float> ref(64);
   gemm_bf16_ref(d, A.data(), B.data(), ref.data());
-  auto pb = gemm_pack_bf16(B.data(), d.N, d.K);
-  for (cpu_isa isa : kIsas)
-    for (gemm_kernel k : kKernels) {
-      if (!have(isa)) continue;
-      gemm_bf16(d, A.data(), pb, fast.data(), force(isa, k));
-      EXPECT_EQ(first_diff(fast, ref), -1) << cpu_isa_name(isa) << " " << kernel_name(k);
-    }
+  expect_every_kernel(d, A, B, ref, "vanishing case");
 }
 
 TEST(Gemm, Fp8FastEqualsReference) {
@@ -257,6 +256,7 @@ TEST(Gemm, Fp8PanelScaleNeedsEveryColumnEqual) {
   for (cpu_isa isa : kIsas) {
     if (!have(isa)) continue;
     for (gemm_kernel k : kKernels) {
+      std::fill(fast.begin(), fast.end(), -1.0f);
       gemm_fp8(A, pb, fast.data(), force(isa, k));
       EXPECT_EQ(first_diff(fast, ref), -1) << cpu_isa_name(isa) << " " << kernel_name(k);
     }
