@@ -25,8 +25,9 @@ void gpu_quantize_device(const float* x, int64_t rows, int64_t cols, quant::qlay
 // E4M3 codes of n floats (device in, device out), the SATFINITE encoder of quant/fp8.cpp.
 void gpu_e4m3_encode(const float* x, int64_t n, uint8_t* out);
 // fp8-numerics.md §10.1: all 2^32 FP32 patterns through that encoder and through the hardware's
-// cvt.rn.satfinite (cuda_fp8.h); returns how many disagree and, if any, the lowest such pattern.
-uint64_t gpu_e4m3_encoder_sweep(uint32_t* first_mismatch);
+// cvt.rn.satfinite (cuda_fp8.h); returns how many disagree and, if any, the lowest such pattern;
+// nan_as_0xff: how many NaN inputs the hardware encoded 0xFF (-NaN; ours is 0x7F: both NaN, agreeing).
+uint64_t gpu_e4m3_encoder_sweep(uint32_t* first_mismatch, uint64_t* nan_as_0xff = nullptr);
 void gpu_dequantize(const quant::qtensor& q, float* out /* device [rows, cols] */);
 // C[M,N] = A·B^T with the CPU reference's FMA order (A 1x128 tiles, B any layout); C device.
 void gpu_gemm_fp8_own(const quant::qtensor& A, const quant::qtensor& B, float* C);

@@ -39,7 +39,7 @@ void bundle_validate(const weight_bundle& b, bool needs_attention_scales) {
     if (static_cast<int64_t>(t.bytes.size()) != t.numel() * esize)
       throw std::invalid_argument(tag + "tensor '" + t.name + "' holds " + std::to_string(t.bytes.size()) +
                                   " bytes, its shape needs " + std::to_string(t.numel() * esize));
-    if (t.dtype != bundle_dtype::fp8) {  // never a weight from non-finite values (fp8-numerics §0.2)
+    if (t.dtype != bundle_dtype::fp8) {  // never a weight from non-finite values (fp8-numerics §3.3)
       for (int64_t i = 0, n = t.numel(); i < n; ++i) {
         uint32_t u = 0;
         std::memcpy(reinterpret_cast<char*>(&u) + (esize == 2 ? 2 : 0), t.bytes.data() + i * esize, static_cast<size_t>(esize));

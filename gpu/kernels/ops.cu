@@ -206,8 +206,8 @@ void gpu_adamw_step(float* p, float* g, float* m, float* v, int64_t n, float lr,
   if (n) adamw_kernel<<<blocks(n), 256>>>(p, g, m, v, n, lr, b1, b2, eps, decay, clip, lr / bc1, sqrtf(bc2));
   check();
 }
-// Scans first, writes only clean input: a refused write leaves the cache as it was (the codes
-// of the finite elements were written before the error, over what the cache held).
+// Scans first, writes only clean input: a refused write leaves the cache as it was (an earlier
+// version wrote the finite elements' codes before the error, over what the cache held).
 void gpu_kv_write_fp8(const float* x, int64_t T, int64_t KV, int64_t D, const float* scale, uint8_t* codes) {
   if (T * KV * D == 0) return;
   auto first_bad = none_found();

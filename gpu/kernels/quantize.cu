@@ -186,13 +186,15 @@ void gpu_e4m3_encode(const float* x, int64_t n, uint8_t* out) {
 namespace {
 // Pattern i of 2^32: e4m3_encode against the hardware's SATFINITE conversion (cuda_fp8.h's
 // __nv_cvt_float_to_fp8, the cvt.rn.satfinite.e4m3x2.f32 instruction on sm_89 and later). A NaN
-// input agrees if the hardware gives either NaN code (ours is 0x7F, fp8-numerics.md §2.1).
+// input agrees if the hardware gives either NaN code (ours is 0x7F, fp8-numerics.md §2.1); the
+// NaN inputs it gives 0xFF (§10.1: watch -NaN) are counted apart, in count[1].
 __global__ void encoder_sweep_kernel(unsigned long long* count, unsigned long long* first) {
   const uint64_t i = blockIdx.x * uint64_t(blockDim.x) + threadIdx.x;
   const float x = __uint_as_float(static_cast<uint32_t>(i));
   const uint8_t hw = static_cast<uint8_t>(__nv_cvt_float_to_fp8(x, __NV_SATFINITE, __NV_E4M3));
   const uint8_t ours = e4m3_encode(x);
   const bool agree = isnan(x) ? (hw & 0x7f) == 0x7f && ours == 0x7f : hw == ours;
+  if (isnan(x) && hw == 0xff) atomicAdd(count + 1, 1ull);
   if (!agree) {
     atomicAdd(count, 1ull);
     atomicMin(first, static_cast<unsigned long long>(i));
@@ -200,14 +202,15 @@ __global__ void encoder_sweep_kernel(unsigned long long* count, unsigned long lo
 }
 }  // namespace
 
-uint64_t gpu_e4m3_encoder_sweep(uint32_t* first_mismatch) {
-  dbuf<unsigned long long> d(2);
-  const std::vector<unsigned long long> init = {0ull, ~0ull};
-  FP8RL_CUDA_CHECK(cudaMemcpy(d.data(), init.data(), sizeof(unsigned long long) * 2, cudaMemcpyHostToDevice));
-  encoder_sweep_kernel<<<1u << 24, 256>>>(d.data(), d.data() + 1);  // 2^24 x 256 = every pattern
+uint64_t gpu_e4m3_encoder_sweep(uint32_t* first_mismatch, uint64_t* nan_as_0xff) {
+  dbuf<unsigned long long> d(3);  // mismatches, NaN inputs the hardware gave 0xFF, the lowest mismatch
+  const std::vector<unsigned long long> init = {0ull, 0ull, ~0ull};
+  FP8RL_CUDA_CHECK(cudaMemcpy(d.data(), init.data(), sizeof(unsigned long long) * 3, cudaMemcpyHostToDevice));
+  encoder_sweep_kernel<<<1u << 24, 256>>>(d.data(), d.data() + 2);  // 2^24 x 256 = every pattern
   FP8RL_CUDA_CHECK(cudaGetLastError());
   const auto h = d.to_host();
-  if (first_mismatch) *first_mismatch = static_cast<uint32_t>(h[0] ? h[1] : 0);
+  if (first_mismatch) *first_mismatch = static_cast<uint32_t>(h[0] ? h[2] : 0);
+  if (nan_as_0xff) *nan_as_0xff = h[1];
   return h[0];
 }
 

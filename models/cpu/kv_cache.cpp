@@ -100,7 +100,7 @@ int64_t cpu_kv_cache_write(kv_cache& cache, int64_t layer, const kv_step& st, co
           scaled[D + d] = vt[d] / v_scale[g];
         }
         // clipped by the saturation: beyond 464 (448 < |x| <= 464 rounds to 448 in any mode; OCP's
-        // non-saturating encoders give NaN above it, fp8-numerics.md §2.1)
+        // non-saturating encoders give NaN above it, fp8-numerics.md §2.2 and the §2.3 table)
         for (int64_t d = 0; d < 2 * D; ++d) saturated[g] += std::fabs(scaled[d]) > 464.0f;
         quant::e4m3_encode_array(scaled, 2 * D, codes);
         for (int64_t d = 0; d < D; ++d) {

@@ -29,7 +29,7 @@ attn_fp8_scales calibrate_attention(model_runner& run, const model_weights& w, c
       std::vector<float> v;
       for (const auto& s : samples) {
         const float a = (s.*member)[i];
-        if (!std::isfinite(a))  // fp8-numerics §0.2: never a scale from non-finite data
+        if (!std::isfinite(a))  // fp8-numerics §3.3: never a scale from non-finite data
           throw std::invalid_argument("calibrate_attention: layer " + std::to_string(i / heads) + ", " + tensor + " head " +
                                       std::to_string(i % heads) + ": amax is " + std::to_string(a) +
                                       " (non-finite activations in the calibration forward)");

@@ -11,6 +11,7 @@
 #include <algorithm>
 #include <array>
 #include <cmath>
+#include <cstdio>
 #include <cstdlib>
 #include <string>
 #include <cuda_bf16.h>
@@ -125,9 +126,12 @@ TEST(GpuOps, EncoderMatchesCpuOnSampledFloatPatterns) {
 TEST(GpuOps, EncoderMatchesTheHardwareConversionOnEveryFloat) {
   REQUIRE_GPU();
   uint32_t first = 0;
-  const uint64_t bad = gpu::gpu_e4m3_encoder_sweep(&first);
+  uint64_t nan_ff = 0;
+  const uint64_t bad = gpu::gpu_e4m3_encoder_sweep(&first, &nan_ff);
   EXPECT_EQ(bad, 0u) << "lowest disagreeing pattern 0x" << std::hex << first << " ("
                      << quant::float_from_bits(first) << "): hardware vs ours differ";
+  RecordProperty("nan_inputs_hardware_encodes_0xff", std::to_string(nan_ff));  // §10.1's -NaN, reported
+  std::printf("NaN inputs the hardware encodes 0xFF (ours: 0x7F): %llu\n", static_cast<unsigned long long>(nan_ff));
 }
 
 TEST(GpuOps, OwnFp8GemmIsBitExactWithTheCpuReference) {

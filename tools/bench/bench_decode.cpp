@@ -15,7 +15,9 @@
 // "speedup" is the median per-round ratio, the number to read on a shared machine (see
 // run_decode_ratio); then one line per op (phase "ops": ms per step of each, and the GEMVs' GB/s)
 // from the same rounds (medians), and their summary (phase "ops_summary": the speedup were the
-// FP8 layer GEMVs streaming at the BF16 ones' bytes/s).
+// FP8 layer GEMVs streaming at the BF16 ones' bytes/s); with prefill on, "prefill_side_by_side":
+// one 512-token prefill of each per round, the prefill target's ratio. The grid's lines above are
+// measured one setting after another (minutes apart), not side by side.
 // Phase "attention_codes" (--only=attention_codes alone): FP8-cache decode attention with and
 // without subnormal codes against a BF16 cache (run_attention_codes). Every line carries phase,
 // weights, kv, batch, threads and tokens_per_s: side by side and per op, the FP8 step's tokens/s;
@@ -35,6 +37,7 @@
 
 #include "models/cpu/cpu_backend.hpp"
 #include "models/generate.hpp"
+#include "quant/aligned.hpp"
 #include "tools/bench/bench_util.hpp"
 
 using namespace fp8rl;
@@ -68,19 +71,21 @@ model_params random_params(const model_config& c) {
   return p;
 }
 
-// The machine's streaming-read bandwidth at `threads`, best of 3 over 1 GiB: 64 tasks, each
+// The machine's streaming-read bandwidth at `threads`, the best of 5 reads of 1 GiB (the peak the
+// fraction is of; a median came out below the decode GEMVs' bytes/s, fractions above 1) on huge
+// pages, as generation keeps its weights (4 KiB pages read slower and raised bw_fraction): 64 tasks, each
 // reading its 16 MiB as 4 concurrent streams in 64-byte vectors (integer OR) with a software
 // prefetch 1.5 KiB ahead, as the decode GEMVs read their weights. One plain stream per task
 // measured ~48 GB/s on the Zen 5 where this reads ~79 and the GEMVs 66-73 (2026-12-05): a core's
 // outstanding misses, not DRAM, bounded it, so bw_fraction came out above 1.
 double stream_read_gbps(int threads) {
   typedef uint64_t v8 __attribute__((vector_size(64)));
-  static std::vector<float> big(size_t(1) << 28, 1.0f);  // 1 GiB
+  static const fp8rl::avector<float> big(size_t(1) << 28, 1.0f, fp8rl::aligned_allocator<float>(true));  // 1 GiB
   constexpr int kTasks = 64, kStreams = 4;
   const size_t per_task = big.size() / kTasks, per_stream = per_task / kStreams;  // floats
   tbb::task_arena arena(threads);
   double best = 0;
-  for (int r = 0; r < 3; ++r) {
+  for (int r = 0; r < 5; ++r) {
     std::vector<uint64_t> part(kTasks, 0);
     auto t0 = std::chrono::steady_clock::now();
     arena.execute([&] {
@@ -153,6 +158,28 @@ struct decode_runner {
   }
 };
 
+// `batch` prompts of `plen` tokens in one prefill forward (rows: the last token of each).
+struct prefill_batch {
+  std::vector<int32_t> tok, slot, pos;
+  std::vector<int64_t> rows;
+};
+prefill_batch prefill_make(int64_t batch, int64_t plen) {
+  prefill_batch p;
+  for (int64_t i = 0; i < batch * plen; ++i) {
+    p.tok.push_back(static_cast<int32_t>((i * 7919) % 32000));
+    p.slot.push_back(static_cast<int32_t>(i / plen));
+    p.pos.push_back(static_cast<int32_t>(i % plen));
+  }
+  for (int64_t b = 0; b < batch; ++b) p.rows.push_back((b + 1) * plen - 1);
+  return p;
+}
+// Seconds of one prefill of p on run's weights and cache.
+double prefill_seconds(decode_runner& run, const prefill_batch& p) {
+  const auto t0 = std::chrono::steady_clock::now();
+  engine_forward(run.be, run.w, *run.cache, run.sc, p.tok, p.slot, p.pos, p.rows, run.logits, nullptr);
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
 // Weight bytes one decode step's op reads at `esize` bytes per layer weight (0: not a GEMV);
 // the lm_head is BF16 under the FP8 and BF16 policies, FP32 under FP32.
 double op_weight_bytes(const model_config& c, forward_op op, double esize) {
@@ -168,7 +195,6 @@ double op_weight_bytes(const model_config& c, forward_op op, double esize) {
   }
 }
 
-using json_fields = std::vector<std::pair<std::string, std::string>>;
 // A line of the side-by-side step's phases: bench and phase, the step's fields (weights, kv,
 // batch, threads, tokens_per_s -- the whole FP8 step's, also on a per-op line), then the rest.
 json_fields step_line(const char* phase, const json_fields& step, const json_fields& rest) {
@@ -227,10 +253,12 @@ void emit_op_profile(const bench_args& a, const model_config& cfg, const std::ve
 }
 
 // fp8 weights + fp8 KV against bf16 + bf16, `batch` sequences, side by side: rounds alternate one step of
-// each (a shared machine's bandwidth drifts over minutes; both models see the same moments), and
-// the line reports the median over rounds of the two step times' ratio.
+// each, bf16 first in odd rounds (a shared machine's bandwidth drifts over minutes; both models
+// see the same moments, neither always second), and the line reports the median over rounds of
+// the two step times' ratio. With prefill on, a "prefill_side_by_side" line likewise times one
+// 512-token prefill of each per round.
 void run_decode_ratio(const bench_args& a, backend& be, const model_config& cfg, const model_params& params,
-                      int64_t batch, int64_t ctx, int64_t steps, int t) {
+                      int64_t batch, int64_t ctx, int64_t steps, int t, bool prefill) {
   // long-lived (huge pages), as the generation engine keeps its weights (models/generate.cpp)
   const auto w8 = model_weights_build(be, cfg, bench_policy("fp8", "fp8"), {&params, nullptr, nullptr}, false, true);
   const auto w16 = model_weights_build(be, cfg, bench_policy("bf16", "bf16"), {&params, nullptr, nullptr}, false, true);
@@ -244,16 +272,15 @@ void run_decode_ratio(const bench_args& a, backend& be, const model_config& cfg,
     const int rounds = std::max(5, a.reps * 3);
     // per round; a clock read per op: well under a microsecond of ~100 per layer
     std::vector<forward_profile> prof8(static_cast<size_t>(rounds)), prof16(prof8.size());
-    for (int r = 0; r < rounds; ++r) {
-      auto t0 = std::chrono::steady_clock::now();
-      fp8.step(&prof8[r]);
-      auto t1 = std::chrono::steady_clock::now();
-      bf16.step(&prof16[r]);
-      auto t2 = std::chrono::steady_clock::now();
-      tf.push_back(std::chrono::duration<double>(t1 - t0).count());
-      tb.push_back(std::chrono::duration<double>(t2 - t1).count());
-      ratio.push_back(tb.back() / tf.back());
-    }
+    auto timed = [](decode_runner& run, forward_profile& prof) {
+      const auto t0 = std::chrono::steady_clock::now();
+      run.step(&prof);
+      return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    };
+    size_t i8 = 0, i16 = 0;  // each model's round
+    const bench_pair_times pt =
+        bench_side_by_side(rounds, [&] { return timed(fp8, prof8[i8++]); }, [&] { return timed(bf16, prof16[i16++]); });
+    tf = pt.a, tb = pt.b, ratio = pt.ratio;
     // what the side-by-side line and the per-op lines share: the step they time (tokens_per_s: the FP8 step's)
     const std::string fp8_tps = jnum(double(batch) / bench_median_of(tf));
     const json_fields step = {{"weights", jstr("fp8 vs bf16")}, {"kv", jstr("fp8 vs bf16")}, {"batch", jnum(double(batch))},
@@ -263,6 +290,18 @@ void run_decode_ratio(const bench_args& a, backend& be, const model_config& cfg,
                              {"fp8_tokens_per_s", fp8_tps}, {"bf16_tokens_per_s", jnum(double(batch) / bench_median_of(tb))},
                              {"speedup", jnum(bench_median_of(ratio))}, {"runs", jnum(rounds)}}));
     emit_op_profile(a, cfg, prof8, prof16, step);
+    if (!prefill) return;
+    const prefill_batch p = prefill_make(1, ctx);
+    prefill_seconds(fp8, p), prefill_seconds(bf16, p);  // warm-up
+    const bench_pair_times pp = bench_side_by_side(std::max(3, a.reps), [&] { return prefill_seconds(fp8, p); },
+                                                   [&] { return prefill_seconds(bf16, p); });
+    const std::string fp8_pps = jnum(double(ctx) / bench_median_of(pp.a));
+    bench_emit(a, step_line("prefill_side_by_side",
+                            {{"weights", jstr("fp8 vs bf16")}, {"kv", jstr("fp8 vs bf16")}, {"batch", jnum(1)}, {"threads", jnum(t)},
+                             {"tokens_per_s", fp8_pps}},
+                            {{"context", jnum(double(ctx))}, {"layers", jnum(double(cfg.num_hidden_layers))},
+                             {"fp8_tokens_per_s", fp8_pps}, {"bf16_tokens_per_s", jnum(double(ctx) / bench_median_of(pp.b))},
+                             {"speedup", jnum(bench_median_of(pp.ratio))}, {"runs", jnum(double(pp.ratio.size()))}}));
   });
 }
 
@@ -378,17 +417,8 @@ int main(int argc, char** argv) {
             // tokens/s hardly depends on the prompt length at these sizes)
             const int64_t plen = batch > 1 ? 64 : ctx;
             const int64_t T = batch * plen;
-            std::vector<int32_t> pt(static_cast<size_t>(T)), psl(static_cast<size_t>(T)), ppos(static_cast<size_t>(T));
-            std::vector<int64_t> prow(static_cast<size_t>(batch));
-            for (int64_t i = 0; i < T; ++i) {
-              pt[i] = static_cast<int32_t>((i * 7919) % 32000);
-              psl[i] = static_cast<int32_t>(i / plen);
-              ppos[i] = static_cast<int32_t>(i % plen);
-            }
-            for (int64_t b = 0; b < batch; ++b) prow[b] = (b + 1) * plen - 1;
-            const double psec = bench_median(std::min(a.reps, batch > 1 ? 1 : 3), [&] {
-              engine_forward(*be, *w, *run.cache, run.sc, pt, psl, ppos, prow, run.logits, nullptr);
-            }, 0.0);
+            const prefill_batch p = prefill_make(batch, plen);
+            const double psec = bench_median(std::min(a.reps, batch > 1 ? 1 : 3), [&] { prefill_seconds(run, p); }, 0.0);
             bench_emit(a, {{"bench", jstr("decode")}, {"phase", jstr("prefill")}, {"weights", jstr(wname)},
                            {"kv", jstr(kvname)}, {"batch", jnum(double(batch))}, {"threads", jnum(t)},
                            {"context", jnum(double(plen))}, {"layers", jnum(double(layers))},
@@ -399,7 +429,7 @@ int main(int argc, char** argv) {
     }
   }
   if (bench_selected(a, "side_by_side"))
-    for (int t : a.threads) run_decode_ratio(a, *be, cfg, params, side_batch, ctx, decode_steps, t);
+    for (int t : a.threads) run_decode_ratio(a, *be, cfg, params, side_batch, ctx, decode_steps, t, do_prefill);
   for (int t : a.threads)
     bench_emit(a, {{"bench", jstr("decode")}, {"phase", jstr("stream_read")}, {"weights", "null"}, {"kv", "null"},
                    {"batch", "null"}, {"threads", jnum(t)}, {"tokens_per_s", "null"}, {"gbps", jnum(bw[t])}});

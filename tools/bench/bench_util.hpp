@@ -91,15 +91,17 @@ inline bool bench_selected(const bench_args& a, const std::string& impl) {
   return a.only.empty() || impl.find(a.only) != std::string::npos;
 }
 
-// Median seconds per call of fn over `reps` repetitions; each repetition runs fn enough times to
-// last >= min_s (after one warm-up call), so short kernels are not timer-bound.
-// The median (upper middle) of v; 0 for none.
+// The median of v (an even count: the mean of the two middle values); 0 for none.
 inline double bench_median_of(std::vector<double> v) {
   if (v.empty()) return 0.0;
   std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
+  const size_t h = v.size() / 2;
+  return v.size() % 2 ? v[h] : 0.5 * (v[h - 1] + v[h]);
 }
 
+// Median seconds per call of fn over `reps` repetitions; each repetition runs fn enough times to
+// last >= min_s (after two untimed calls: a warm-up and the one that sizes the repetitions), so
+// short kernels are not timer-bound.
 inline double bench_median(int reps, const std::function<void()>& fn, double min_s = 0.05) {
   using clk = std::chrono::steady_clock;
   fn();
@@ -145,7 +147,8 @@ inline bench_pair_times bench_side_by_side(int rounds, const std::function<doubl
 }
 
 // One result line. fields: ordered key -> already-formatted JSON value.
-inline void bench_emit(const bench_args& a, const std::vector<std::pair<std::string, std::string>>& f) {
+using json_fields = std::vector<std::pair<std::string, std::string>>;
+inline void bench_emit(const bench_args& a, const json_fields& f) {
   if (a.json) {
     std::string s = "{";
     for (size_t i = 0; i < f.size(); ++i) s += (i ? ", \"" : "\"") + f[i].first + "\": " + f[i].second;
