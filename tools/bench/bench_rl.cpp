@@ -78,14 +78,16 @@ int main(int argc, char** argv) {
   // tiny model's rate (~1 us each), a cost of its own, measured in part 3 (trace_cost).
   const std::string base = " --run.steps=" + steps + " --run.eval_every=0 --run.checkpoint_every=0 --model.sft_steps=100";
   const std::string common = base + " --trace.enabled=false";
-  // 1. samples/s vs staleness, repetitions alternating k = 0, 1, 2 so that each ratio compares
-  //    runs minutes apart at most; medians over repetitions
+  // 1. samples/s vs staleness, each repetition one run of k = 0, 1, 2 (the order rotating from one
+  //    repetition to the next, so no k always runs first) so that each ratio compares runs minutes
+  //    apart at most; medians over repetitions
   if (bench_selected(a, "staleness")) {
     const int reps = a.quick ? 1 : a.reps;
     std::map<int, std::vector<double>> sps, ratio, calib, train, whole;
     std::vector<double> bound;
-    for (int r = 0; r < reps; ++r)
-      for (int k : {0, 1, 2}) {
+    for (int r = 0; r < reps; ++r) {
+      for (int i = 0; i < 3; ++i) {
+        const int k = (r + i) % 3;
         const auto m = run_train((bin / "fp8rl").string() + " train --topology " + (src / "configs/topologies/local.conf").string() +
                                      common + " --async.max_staleness=" + std::to_string(k),
                                  work / ("staleness" + std::to_string(k)));
@@ -98,10 +100,10 @@ int main(int argc, char** argv) {
           const double per_step = last["samples_per_s"].get<double>() * last["elapsed_s"].get<double>() / last["step"].get<double>();
           const double step_s = per_step / sps[0].back();
           bound.push_back(step_s / std::max(train[0].back(), step_s - train[0].back()));  // (rest + train) / max(rest, train)
-        } else {
-          ratio[k].push_back(sps[k].back() / sps[0].back());
         }
       }
+      for (int k : {1, 2}) ratio[k].push_back(sps[k].back() / sps[0].back());  // this repetition's runs
+    }
     for (int k : {0, 1, 2}) {
       const double c = bench_median_of(calib[k]), t = bench_median_of(train[k]);
       std::vector<std::pair<std::string, std::string>> f = {
