@@ -2,11 +2,12 @@
 // defines: precision, kv_dtype, precision_policy, precision_name, kv_dtype_name
 //
 // Generation and training are each given an object of this one type (a run's generation and
-// training policies, recipe.cpp; architecture.md §6 names them fp8-gen / fp8-e2e / fp8-e2e-kv, here
-// fp8 / fp8-kv); the generation-only part (FP8 KV cache and FP8 attention, fp8-numerics.md §8) is
-// what `training()` strips, and the scale mode is run-wide. Rules: embeddings, norms and lm_head are never FP8; a linear layer runs FP8 only if
-// both its dimensions are multiples of 128 (else BF16 on both sides, §3.3); layers can be kept
-// BF16 by index (first/last N) or by name substring.
+// training policies, recipe.cpp; architecture.md §6 names them fp8-gen / fp8-e2e / fp8-e2e-kv,
+// here fp8 / fp8-kv); the generation-only part (FP8 KV cache and FP8 attention,
+// fp8-numerics.md §8) is what `training()` strips, and the scale mode is run-wide. Rules:
+// embeddings, norms and lm_head are never FP8; a linear layer runs FP8 only if both its
+// dimensions are multiples of 128 (else BF16 on both sides, §3.3); layers can be kept BF16 by
+// index (first/last N) or by name substring.
 #pragma once
 #include <cstdint>
 #include <optional>
@@ -32,7 +33,8 @@ struct precision_policy {
   precision linear = precision::fp32;     // q, k, v, o, gate, up, down projections
   precision head = precision::fp32;       // embedding, norms, lm_head weights: fp32 or bf16
   precision attention = precision::fp32;  // QK^T and PV operands: fp32 or bf16
-  bool fp8_attention = false;             // generation: Q/K/V per-head FP8, P in `attention` (BF16; FA3's E4M3 P is not modelled)
+  bool fp8_attention = false;             // generation: Q/K/V per-head FP8, P in `attention` (BF16;
+                                          // FA3's E4M3 P is not modelled)
   kv_dtype kv = kv_dtype::f32;            // generation KV cache
   int64_t bf16_first = 0, bf16_last = 0;  // transformer layers kept BF16 when linear == fp8
   std::vector<std::string> bf16_names;    // tensor-name substrings kept BF16
