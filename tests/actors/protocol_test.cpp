@@ -976,6 +976,7 @@ class ControllerOnTestCoordinator : public ::testing::Test {
   std::function<void(actors::controller_options&)> options;  // a test's changes, before the spawn
   caf::actor buffer;                                      // a test's own buffer, else a stand-in
   std::function<void()> before_peers;                     // runs between the spawn and the wiring
+  std::string log_level = "off";                          // a test reading the controller's log raises it
 
   // A controller for B = 3 prompts per step, group size 2, max_staleness 1, from `start`.
   void wire(actors::run_start start, bool progress = false) {
@@ -985,7 +986,7 @@ class ControllerOnTestCoordinator : public ::testing::Test {
     r.prompts_per_step = 3;
     r.group_size = 2;
     r.steps = 10;
-    r.log_level = "off";
+    r.log_level = log_level;
     actors::controller_options opts;
     opts.print_progress = progress;
     opts.on_done = [this](int code) { done = code; };
@@ -1127,12 +1128,16 @@ TEST_F(ControllerOnTestCoordinator, AMetricsLineThatCannotBeWrittenFailsTheRun) 
   if (!fs::exists("/dev/full")) GTEST_SKIP() << "no /dev/full here";
   fs::create_directories(run_dir);
   fs::create_symlink("/dev/full", run_dir / "metrics.jsonl");
+  log_level = "error";
   wire(0);
   sync(0);
   EXPECT_EQ(done, -1);
+  ::testing::internal::CaptureStderr();
   self->send(ctrl, msg::step_report{{}, 1, {{"tokens", 10.0}}});
   sched.run();
+  const std::string log = ::testing::internal::GetCapturedStderr();
   EXPECT_EQ(done, 1);
+  EXPECT_NE(log.find("metrics.jsonl: writing step 1 failed"), std::string::npos) << log;
 }
 
 // Every rollout lost outside a stop fails the run (it would wait forever for samples).
