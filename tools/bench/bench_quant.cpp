@@ -43,7 +43,7 @@ int main(int argc, char** argv) {
     arena.execute([&] {
       if (bench_selected(a, "memcpy")) emit("memcpy", t, bench_median(a.reps, copy, 0.2));
       copy();
-      const int calls = std::max(1, static_cast<int>(0.2 / std::max(bench_time_calls(copy, 1), 1e-9)));  // ~0.2 s of copying per round
+      const int calls = bench_calls_for(copy, 0.2);  // ~0.2 s of copying per round
       const std::pair<const char*, qlayout> layouts[] = {{"rowwise_1x128", qlayout::rowwise_1x128},
                                                          {"block_128x128", qlayout::block_128x128},
                                                          {"colwise_1x128", qlayout::colwise_1x128}};

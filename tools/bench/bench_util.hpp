@@ -102,13 +102,18 @@ inline double bench_median_of(std::vector<double> v) {
 // Median seconds per call of fn over `reps` repetitions; each repetition runs fn enough times to
 // last >= min_s (after two untimed calls: a warm-up and the one that sizes the repetitions), so
 // short kernels are not timer-bound.
+// How many calls of fn last >= min_s (>= 1), from one timed call.
+inline int bench_calls_for(const std::function<void()>& fn, double min_s) {
+  const auto t0 = std::chrono::steady_clock::now();
+  fn();
+  const double one = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  return std::max(1, static_cast<int>(min_s / std::max(one, 1e-9)));
+}
+
 inline double bench_median(int reps, const std::function<void()>& fn, double min_s = 0.05) {
   using clk = std::chrono::steady_clock;
   fn();
-  auto t0 = clk::now();
-  fn();
-  double one = std::chrono::duration<double>(clk::now() - t0).count();
-  int inner = std::max(1, static_cast<int>(min_s / std::max(one, 1e-9)));
+  const int inner = bench_calls_for(fn, min_s);
   std::vector<double> v;
   for (int r = 0; r < reps; ++r) {
     auto a = clk::now();
