@@ -8,7 +8,8 @@
 // plus two lines about the machine, not GEMM results: {"bench":"gemm_peak","impl":"vdpbf16ps",
 // "threads":..,"gflops":..} (the instruction's measured peak) and {"bench":"gemm_dispatch",...}
 // (which large-M kernel the rate probe chose). Side by side (alternating rounds, median per-round
-// ratio): fp8_vs_onednn_bf16 and fp8_decoded_vs_onednn_bf16 (M >= 512; --only=side_by_side), gemv_dram_side_by_side
+// ratio): fp8_vs_onednn_bf16, fp8_vs_openblas_sgemm and fp8_decoded_vs_onednn_bf16 (M >= 512;
+// --only=side_by_side), gemv_dram_side_by_side
 // (--only=gemv_dram); gemv_call_cost_fp8/_bf16: a decode GEMV's fixed cost per call and streaming rate.
 // Usage: bench-gemm [--json] [--quick] [--threads=1,2] [--reps=N] [--only=IMPL]
 #include <cblas.h>
@@ -90,37 +91,49 @@ void emit(const bench_args& a, const std::string& impl, const shape& s, int t, d
   bench_emit(a, f);
 }
 
-// Our FP8 GEMM against oneDNN bf16 (default ISA) in alternating rounds of ~0.1 s each, the
-// order swapped every round and 50 ms idle before each (OpenMP's and oneTBB's threads spin a
-// while after their work; without the pause that spinning lands in the other's round):
-// "speedup" is the median per-round ratio oneDNN time / FP8 time.
-void run_fp8_vs_onednn(const bench_args& a, const shape& s, int t, const std::vector<float>& Af,
-                       const std::vector<float>& Bf, const std::vector<uint16_t>& Ab, const std::vector<uint16_t>& Bb) {
-  std::vector<float> C(size_t(s.M * s.N));
+// Our FP8 GEMM against oneDNN bf16 (default ISA) and OpenBLAS sgemm in alternating rounds of
+// ~0.1 s each, the order swapped every round and 50 ms idle before each (OpenMP's, OpenBLAS's and
+// oneTBB's threads spin a while after their work; without the pause that spinning lands in the
+// other's round): "speedup" is the median per-round ratio baseline time / FP8 time. Every side
+// takes A in its own input format, converted beforehand: FP8 codes + scales, BF16, FP32.
+void run_fp8_side_by_side(const bench_args& a, const shape& s, int t, const std::vector<float>& Af,
+                          const std::vector<float>& Bf, const std::vector<uint16_t>& Ab, const std::vector<uint16_t>& Bb) {
+  std::vector<float> C(size_t(s.M * s.N)), Cb(C.size());
   tbb::task_arena arena(t);
   omp_set_num_threads(t);
+  openblas_set_num_threads(t);
   onednn_bf16 o(s, Ab, Bb);
   const qtensor qa = quantize(Af.data(), s.M, s.K, qlayout::rowwise_1x128, scale_mode::pow2, "A");
   auto round_s = [](const std::function<void()>& fn, int n) {
     std::this_thread::sleep_for(std::chrono::milliseconds(50));  // the other pool's spinning threads go idle
     return bench_time_calls(fn, n);
   };
-  auto dnn = [&] { o.run(); };
+  const struct { const char* name; std::function<void()> run; std::string note; } baselines[] = {
+      {"onednn_bf16", [&] { o.run(); }, o.isa},
+      {"openblas_sgemm",
+       [&] {
+         cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, int(s.M), int(s.N), int(s.K), 1.0f, Af.data(), int(s.K),
+                     Bf.data(), int(s.K), 0.0f, Cb.data(), int(s.N));
+       },
+       "fp32"}};
   // B as the models pack it (codes decoded in registers), then with the decoded form
-  // (gemm_pack_forms::decoded: BF16 pairs decoded once at packing)
+  // (gemm_pack_forms::decoded: BF16 pairs decoded once at packing) against oneDNN
   for (bool decoded : {false, true}) {
     gemm_pack_forms forms;
     forms.decoded = decoded;
     const auto pb = gemm_pack_fp8(quantize(Bf.data(), s.N, s.K, qlayout::block_128x128, scale_mode::pow2, "B"), forms);
     auto fp8 = [&] { arena.execute([&] { gemm_fp8(qa, pb, C.data()); }); };
     const int n = std::max(1, static_cast<int>(0.1 / std::max(round_s(fp8, 1), 1e-6)));  // calls per round
-    round_s(fp8, n);  // warm-up rounds: scratch pools, pages, both thread pools started
-    round_s(dnn, n);
-    const auto ratio = bench_side_by_side(a.reps, [&] { return round_s(fp8, n); }, [&] { return round_s(dnn, n); }).ratio;
-    bench_emit(a, {{"bench", jstr("gemm")},
-                   {"impl", jstr(decoded ? "fp8_decoded_vs_onednn_bf16_side_by_side" : "fp8_vs_onednn_bf16_side_by_side")},
-                   {"M", jnum(double(s.M))}, {"N", jnum(double(s.N))}, {"K", jnum(double(s.K))}, {"threads", jnum(t)},
-                   {"speedup", jnum(bench_median_of(ratio))}, {"runs", jnum(double(ratio.size()))}, {"note", jstr(o.isa)}});
+    for (const auto& b : baselines) {
+      if (decoded && std::string(b.name) != "onednn_bf16") continue;
+      round_s(fp8, n);  // warm-up rounds: scratch pools, pages, both thread pools started
+      round_s(b.run, n);
+      const auto ratio = bench_side_by_side(a.reps, [&] { return round_s(fp8, n); }, [&] { return round_s(b.run, n); }).ratio;
+      bench_emit(a, {{"bench", jstr("gemm")},
+                     {"impl", jstr(std::string(decoded ? "fp8_decoded_vs_" : "fp8_vs_") + b.name + "_side_by_side")},
+                     {"M", jnum(double(s.M))}, {"N", jnum(double(s.N))}, {"K", jnum(double(s.K))}, {"threads", jnum(t)},
+                     {"speedup", jnum(bench_median_of(ratio))}, {"runs", jnum(double(ratio.size()))}, {"note", jstr(b.note)}});
+    }
   }
 }
 
@@ -193,7 +206,7 @@ void run_shape(const bench_args& a, const shape& s, int t) {
     const std::string impl = child ? "onednn_bf16_" + a.extra.at("onednn-isa") : "onednn_bf16";
     emit(a, impl, s, t, bench_median(a.reps, [&] { o.run(); }), o.isa);
   }
-  if (!child && s.M >= 512 && bench_selected(a, "side_by_side")) run_fp8_vs_onednn(a, s, t, Af, Bf, Ab, Bb);
+  if (!child && s.M >= 512 && bench_selected(a, "side_by_side")) run_fp8_side_by_side(a, s, t, Af, Bf, Ab, Bb);
 }
 
 // One decode GEMV (M = 1) with B streamed from DRAM, in both formats: copy_bytes of copies of B per
