@@ -444,12 +444,25 @@ void for_each_build_isa(Fn&& fn) {
     fn(limit);
   }
 }
+
+// The wide A's K padding [K, Kp) of every row is +-0 (the buffer is uninitialised memory): B's
+// padding is 0 too, so any finite garbage there vanishes, but a NaN/Inf bit pattern left by an
+// earlier user of the memory would turn its row of C into NaN.
+void expect_zero_k_padding(const gemm_wide_a& A, const std::string& what) {
+  for (int64_t m = 0; m < A.M; ++m)
+    for (int64_t k = A.K; k < A.Kp; ++k)
+      if (A.values[size_t(m * A.Kp + k)] != 0.0f) {
+        ADD_FAILURE() << what << ": A '" << A.name << "' row " << m << " k " << k << " (K " << A.K << ", Kp " << A.Kp
+                      << ") holds " << A.values[size_t(m * A.Kp + k)];
+        return;
+      }
+}
 }  // namespace
 
 // The wide kernel's operands made straight from FP32 (rowwise A, columnwise A = dY^T, columnwise
 // B = X^T) give the reference's bits on every kernel and ISA, in both scale modes and ragged
 // shapes (the narrow kernels convert them), and equal quantize + pack array for array; a
-// non-finite tile is quantize's error.
+// non-finite tile is quantize's error; A's K padding is zero.
 TEST(Gemm, Fp8WideOperandsFromActivationsEqualTheReference) {
   uint64_t seed = 1400;
   for_each_build_isa([&](cpu_isa build) {
@@ -463,6 +476,7 @@ TEST(Gemm, Fp8WideOperandsFromActivationsEqualTheReference) {
         std::vector<float> ref(M * N), fast(M * N, -1.0f);
         gemm_fp8_ref(quantize(Af.data(), M, K, qlayout::rowwise_1x128, mode, "A"), B, ref.data());
         const gemm_wide_a A = gemm_wide_a_fp8(Af.data(), M, K, mode, "A");
+        expect_zero_k_padding(A, gemm_desc{M, N, K}.str() + b);
         const auto pb = gemm_pack_fp8(B);
         for (cpu_isa isa : kIsas)
           for (gemm_kernel k : kKernels) {
@@ -488,7 +502,9 @@ TEST(Gemm, Fp8WideOperandsFromActivationsEqualTheReference) {
                              std::vector<float>(want_b.scale_inv.begin(), want_b.scale_inv.end())), -1) << "x^T scales " << what;
         std::vector<float> ref(C * 40), fast(C * 40, -1.0f);
         gemm_fp8_ref(qa, qb, ref.data());
-        gemm_fp8(gemm_wide_a_fp8_colwise(dy.data(), T, C, mode, "dy^T"), got_b, fast.data());
+        const gemm_wide_a got_a = gemm_wide_a_fp8_colwise(dy.data(), T, C, mode, "dy^T");
+        expect_zero_k_padding(got_a, what);
+        gemm_fp8(got_a, got_b, fast.data());
         ASSERT_EQ(first_diff(fast, ref), -1) << "dW " << what;
       }
     const auto col = fp8rl::test::nonfinite_colwise(scale_mode::pow2, "x^T");
