@@ -45,8 +45,9 @@ void gpu_adamw_step(float* p, float* g, float* m, float* v, int64_t n, float lr,
                     float decay, float clip, int64_t step);
 // FP8 KV cache entries: code = e4m3(x / scale[h]) for x [T, KV, D]; read back dec(code) * scale.
 // A NaN/Inf in x is an error naming token, KV head and element (std::invalid_argument), and
-// nothing is written.
-void gpu_kv_write_fp8(const float* x, int64_t T, int64_t KV, int64_t D, const float* scale, uint8_t* codes);
+// nothing is written. Returns the elements the saturation clipped (|x / scale| > 464, as the CPU
+// cache counts them).
+int64_t gpu_kv_write_fp8(const float* x, int64_t T, int64_t KV, int64_t D, const float* scale, uint8_t* codes);
 void gpu_kv_read_fp8(const uint8_t* codes, int64_t T, int64_t KV, int64_t D, const float* scale, float* x);
 // Causal GQA attention over one sequence: q [T,H,D], k/v [T,KV,D] -> out [T,H,D]; BF16 operand
 // rounding when bf16 is set (the CPU policy), FP32 softmax. H must be a multiple of KV.

@@ -111,9 +111,14 @@ __global__ void nonfinite_scan_kernel(const float* x, int64_t n, unsigned long l
   if (i < n && !isfinite(x[i])) atomicMin(first_bad, static_cast<unsigned long long>(i));
 }
 
-__global__ void kv_write_kernel(const float* x, int64_t n, int64_t KV, int64_t D, const float* scale, uint8_t* codes) {
+// saturated: elements beyond 464 after scaling, the CPU cache's rule (models/cpu/kv_cache.cpp)
+__global__ void kv_write_kernel(const float* x, int64_t n, int64_t KV, int64_t D, const float* scale, uint8_t* codes,
+                                unsigned long long* saturated) {
   const int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
-  if (i < n) codes[i] = e4m3_encode(__fdiv_rn(x[i], scale[(i / D) % KV]));
+  if (i >= n) return;
+  const float s = __fdiv_rn(x[i], scale[(i / D) % KV]);
+  codes[i] = e4m3_encode(s);
+  if (fabsf(s) > 464.0f) atomicAdd(saturated, 1ull);
 }
 
 __global__ void kv_read_kernel(const uint8_t* codes, int64_t n, int64_t KV, int64_t D, const float* scale, float* x) {
@@ -208,8 +213,8 @@ void gpu_adamw_step(float* p, float* g, float* m, float* v, int64_t n, float lr,
 }
 // Scans first, writes only clean input: a refused write leaves the cache as it was (an earlier
 // version wrote the finite elements' codes before the error, over what the cache held).
-void gpu_kv_write_fp8(const float* x, int64_t T, int64_t KV, int64_t D, const float* scale, uint8_t* codes) {
-  if (T * KV * D == 0) return;
+int64_t gpu_kv_write_fp8(const float* x, int64_t T, int64_t KV, int64_t D, const float* scale, uint8_t* codes) {
+  if (T * KV * D == 0) return 0;
   auto first_bad = none_found();
   nonfinite_scan_kernel<<<blocks(T * KV * D), 256>>>(x, T * KV * D, first_bad.data());
   check();
@@ -217,8 +222,10 @@ void gpu_kv_write_fp8(const float* x, int64_t T, int64_t KV, int64_t D, const fl
     throw std::invalid_argument("gpu_kv_write_fp8: token " + std::to_string(i / (KV * D)) + ", KV head " +
                                 std::to_string(i / D % KV) + ", element " + std::to_string(i % D) +
                                 ": not finite (FP8 K/V cache)");
-  kv_write_kernel<<<blocks(T * KV * D), 256>>>(x, T * KV * D, KV, D, scale, codes);
+  auto saturated = dbuf<unsigned long long>::from(std::vector<unsigned long long>{0});
+  kv_write_kernel<<<blocks(T * KV * D), 256>>>(x, T * KV * D, KV, D, scale, codes, saturated.data());
   check();
+  return static_cast<int64_t>(saturated.to_host()[0]);
 }
 void gpu_kv_read_fp8(const uint8_t* codes, int64_t T, int64_t KV, int64_t D, const float* scale, float* x) {
   if (T > 0 && KV > 0 && D > 0) kv_read_kernel<<<blocks(T * KV * D), 256>>>(codes, T * KV * D, KV, D, scale, x);
