@@ -60,10 +60,10 @@ std::vector<recipe_key> recipe_keys(run_config& r) {
       {"grpo", "clip_high", &r.clip_high, "PPO clip epsilon above"},
       {"grpo", "dual_clip", &r.dual_clip, "dual clip c (> 1 enables)"},
       {"grpo", "is_mode", &r.is_mode, "importance sampling: none, tis, icepop, seq-mask-tis"},
-      {"grpo", "is_lo", &r.is_lo, "lower IS bound"},
-      {"grpo", "is_hi", &r.is_hi, "upper IS bound C"},
+      {"grpo", "is_lo", &r.is_lo, "lower IS bound (>= 0; icepop and seq-mask-tis given neither bound take [0.5, 5] and [0.999, 1.002])"},
+      {"grpo", "is_hi", &r.is_hi, "upper IS bound C (> 0)"},
       {"grpo", "kl_beta", &r.kl_beta, "k3 KL penalty to the initial policy (0: off)"},
-      {"grpo", "seq_logprob_error_threshold", &r.seq_logprob_error_threshold, "drop sequences above (0: off)"},
+      {"grpo", "seq_logprob_error_threshold", &r.seq_logprob_error_threshold, "drop sequences whose error e_i is above (0: off; else >= 1)"},
       {"optim", "lr", &r.lr, "AdamW learning rate"},
       {"optim", "beta1", &r.beta1, "AdamW beta1"},
       {"optim", "beta2", &r.beta2, "AdamW beta2"},
@@ -338,7 +338,9 @@ void recipe_validate(const run_config& r) {
   if (!(r.clip_high >= 0 && std::isfinite(r.clip_high))) fail("grpo.clip_high", "must be a finite number >= 0");
   if (!(r.dual_clip == 0 || r.dual_clip > 1)) fail("grpo.dual_clip", "must be 0 (off) or > 1");
   if (!(r.kl_beta >= 0 && std::isfinite(r.kl_beta))) fail("grpo.kl_beta", "must be a finite number >= 0");
-  if (!(r.seq_logprob_error_threshold >= 0)) fail("grpo.seq_logprob_error_threshold", "must be >= 0 (0: off)");
+  if (!(r.seq_logprob_error_threshold == 0 || r.seq_logprob_error_threshold >= 1))  // e_i, a mean of exp(|g - p|), is >= 1
+    fail("grpo.seq_logprob_error_threshold", "must be 0 (off) or >= 1: a sequence's error e_i is a mean of exp(|g - p|) >= 1, "
+                                             "so a threshold below 1 drops every sequence");
   if (r.audit_every < 0) fail("audit.every", "must be >= 0");
   positive("audit.samples", r.audit_samples);
   if (!(r.margin >= 1 && std::isfinite(r.margin))) fail("calibration.margin", "must be a finite number >= 1");
@@ -348,6 +350,10 @@ void recipe_validate(const run_config& r) {
   if (!models::verifier_parse(r.verifier)) fail("task.verifier", "must be exact or numeric");
   if (!quant::scale_mode_parse(r.scale_mode)) fail("precision.scale_mode", "must be pow2 or fp32");
   if (!(r.is_lo <= r.is_hi)) fail("grpo.is_lo", "must be a number <= grpo.is_hi");  // NaN turned truncation off
+  // a negative bound made tis clamp weights below 0, turning the policy gradient around
+  if (r.is_lo < 0) fail("grpo.is_lo", "must be >= 0 (an importance weight is a ratio of probabilities)");
+  if (r.is_mode != "none" && !(r.is_hi > 0 && std::isfinite(r.is_hi)))  // tis clamped every weight to 0
+    fail("grpo.is_hi", "must be a finite number > 0 (grpo.is_mode = " + r.is_mode + ")");
   if (r.top_k > INT32_MAX) fail("rollout.top_k", std::to_string(r.top_k) + " is too large");  // cast first: "-1294967296 is negative"
   if (std::string why = models::logit_processing_problem({static_cast<float>(r.temperature), static_cast<int32_t>(r.top_k),
                                                          static_cast<float>(r.top_p)});
@@ -372,6 +378,18 @@ void recipe_validate(const run_config& r) {
   }
 }
 
+void recipe_finalize(run_config& r, const std::function<void(const std::string&)>& say) {
+  const bool lo = r.set_by.count("grpo.is_lo"), hi = r.set_by.count("grpo.is_hi");
+  const struct { const char* mode; double lo, hi; } refs[] = {{"icepop", 0.5, 5.0}, {"seq-mask-tis", 0.999, 1.002}};
+  for (const auto& m : refs)
+    if (r.is_mode == m.mode && !lo && !hi) {
+      r.is_lo = m.lo, r.is_hi = m.hi;
+      say(fmt::format("grpo.is_mode = {}: IS bounds [{}, {}], the mode's reference bounds (rl-algorithm.md section 3; "
+                      "set grpo.is_lo and grpo.is_hi to choose others)",
+                      m.mode, m.lo, m.hi));
+    }
+}
+
 std::vector<std::string> recipe_learning_problems(const run_config& r) {
   std::vector<std::string> out;
   const std::string none = r.kl_beta > 0 ? "the policy-gradient term is 0 (only grpo.kl_beta's KL term trains)"
@@ -381,13 +399,18 @@ std::vector<std::string> recipe_learning_problems(const run_config& r) {
   else if (r.temperature == 0 || r.top_k == 1)
     out.push_back(std::string(r.temperature == 0 ? "rollout.temperature = 0" : "rollout.top_k = 1") + ": greedy rollouts give a group " +
                   std::to_string(r.group_size) + " copies of one completion, whose advantages are 0: " + none);
+  // one policy for both sides (rl-algorithm.md section 10); FP8 generation with BF16 training
+  // (fp8-gen) is the one asymmetric baseline
+  const auto gen = models::precision_policy::named(r.generation), train = models::precision_policy::named(r.training);
+  const bool fp8_gen = gen.linear == models::precision::fp8 && train.linear == models::precision::bf16;
+  if ((gen.linear != train.linear || gen.head != train.head) && !fp8_gen)
+    out.push_back("precision.generation = " + r.generation + " and precision.training = " + r.training +
+                  " compute their layers in different precisions: the mismatch metrics measure that gap, not FP8's "
+                  "(fp8 generation with bf16 training is the one asymmetric baseline, recipes/fp8-gen.conf)");
   if (r.is_mode != "none" && !(r.is_lo <= 1 && 1 <= r.is_hi)) {
     const std::string range = "grpo.is_lo/is_hi = [" + fmt::format("{}", r.is_lo) + ", " + fmt::format("{}", r.is_hi) + "]";
-    out.push_back(r.is_mode == "tis" && r.is_hi == 0
-                      ? range + ": tis clamps every importance weight to 0: " + none
-                      : range + " excludes 1, the weight of a token its sampler and learner agree on: " +
-                            (r.is_mode == "tis" ? "tis clamps each such token's weight to the bound"
-                                                : r.is_mode + " drops every such token"));
+    out.push_back(range + " excludes 1, the weight of a token its sampler and learner agree on: " +
+                  (r.is_mode == "tis" ? "tis clamps each such token's weight to the bound" : r.is_mode + " drops every such token"));
   }
   return out;
 }

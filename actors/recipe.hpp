@@ -1,7 +1,7 @@
 // actors/recipe.hpp -- the run configuration ("recipe"): every key of a training run, read from
 // files in CAF's config syntax and from `--section.key=value` flags, strictly validated.
 // defines: run_config, recipe_key, recipe_keys, recipe_load_file, recipe_apply_cli,
-//          recipe_dump, recipe_to_json, recipe_from_json, recipe_validate, recipe_learning_problems,
+//          recipe_dump, recipe_to_json, recipe_from_json, recipe_finalize, recipe_validate, recipe_learning_problems,
 //          recipe_rl_config, recipe_engine_config,
 //          config_file_precheck, config_file_parse
 //
@@ -12,6 +12,7 @@
 #pragma once
 #include <caf/settings.hpp>
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <string>
 #include <variant>
@@ -87,6 +88,10 @@ void recipe_load_file(run_config& r, const std::string& path);
 void recipe_apply_cli(run_config& r, const std::string& arg);
 // Checks values (enums, ranges, policy names); throws std::invalid_argument naming the key.
 void recipe_validate(const run_config& r);
+// After the files and flags, before recipe_validate: icepop and seq-mask-tis without either IS
+// bound take their reference bounds (rl-algorithm.md section 3: [0.5, 5] and [0.999, 1.002];
+// tis's [0, 2] made seq-mask-tis nearly a no-op), each said through `say`.
+void recipe_finalize(run_config& r, const std::function<void(const std::string&)>& say);
 // Valid settings under which the policy loss has no gradient or ignores the sampled tokens (a
 // group of one, greedy groups, IS bounds excluding 1): one line each, naming the keys; train
 // warns with them.

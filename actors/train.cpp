@@ -371,6 +371,7 @@ run_config resume_recipe(const cli& c, const std::string& run_dir, const run_sta
   recipe_load_file(cfg, base.string());
   if (!c.recipe.empty()) recipe_load_file(cfg, c.recipe);
   for (const auto& o : c.overrides) recipe_apply_cli(cfg, o);
+  recipe_finalize(cfg, [](const std::string& m) { log_get("train")->info("{}", m); });
   recipe_validate(cfg);
   return cfg;
 }
@@ -588,6 +589,7 @@ int train_main(int argc, char** argv) {
   run_config cfg;
   if (!c.recipe.empty()) recipe_load_file(cfg, c.recipe);
   for (const auto& o : c.overrides) recipe_apply_cli(cfg, o);
+  recipe_finalize(cfg, [](const std::string& m) { log_get("train")->info("{}", m); });
   recipe_validate(cfg);
   topology topo = c.topology.empty() ? topology_local(1, 1) : topology_load(c.topology);
   if (c.dump) return train_dump_config(c, cfg, topo);

@@ -97,7 +97,11 @@ TEST(Recipe, MalformedFilesAndOutOfRangeValuesNameTheirKey) {
            {"--rollout.slots=100000000000", "rollout.slots"}, {"--model.max_context=1000000000000", "model.max_context"},
            {"--model.init=", "model.init"}, {"--rollout.top_k=3000000000", "rollout.top_k"},
            // beta2 = 1: the second moment never moves; no audited sample is no audit
-           {"--optim.beta2=1", "optim.beta2"}, {"--audit.samples=0", "audit.samples"}}) {
+           {"--optim.beta2=1", "optim.beta2"}, {"--audit.samples=0", "audit.samples"},
+           // a negative bound made tis clamp weights below 0 (the gradient turned around); a
+           // threshold below 1 dropped every sequence (e_i >= 1)
+           {"--grpo.is_lo=-1", "grpo.is_lo"}, {"--grpo.is_hi=0", "grpo.is_hi"}, {"--grpo.is_hi=-0.5", "grpo.is_lo"},
+           {"--grpo.seq_logprob_error_threshold=0.5", "grpo.seq_logprob_error_threshold"}}) {
     run_config x;
     recipe_apply_cli(x, arg);
     EXPECT_NE(error_of([&] { recipe_validate(x); }).find("'" + key + "'"), std::string::npos) << arg;
@@ -153,7 +157,7 @@ TEST(Recipe, RlConfigTakesEachKeyToItsField) {
   run_config r;
   for (const char* o : {"--rollout.group_size=3", "--grpo.normalize_std=false", "--grpo.share_prompts=false", "--grpo.clip_low=0.11",
                         "--grpo.clip_high=0.31", "--grpo.dual_clip=3.5", "--grpo.is_mode=icepop", "--grpo.is_lo=0.4",
-                        "--grpo.is_hi=1.7", "--grpo.kl_beta=0.05", "--grpo.seq_logprob_error_threshold=0.6", "--optim.lr=0.001",
+                        "--grpo.is_hi=1.7", "--grpo.kl_beta=0.05", "--grpo.seq_logprob_error_threshold=1.6", "--optim.lr=0.001",
                         "--optim.beta1=0.8", "--optim.beta2=0.95", "--optim.eps=1e-06", "--optim.weight_decay=0.01",
                         "--optim.grad_clip=0.5", "--rollout.prompts_per_step=7", "--rollout.max_new_tokens=9",
                         "--rollout.temperature=0.7", "--rollout.top_k=5", "--rollout.top_p=0.9", "--precision.generation=fp8-kv",
@@ -172,7 +176,7 @@ TEST(Recipe, RlConfigTakesEachKeyToItsField) {
   EXPECT_EQ(c.grpo.is_lo, 0.4f);
   EXPECT_EQ(c.grpo.is_hi, 1.7f);
   EXPECT_EQ(c.grpo.kl_beta, 0.05f);
-  EXPECT_EQ(c.grpo.seq_logprob_error_threshold, 0.6f);
+  EXPECT_EQ(c.grpo.seq_logprob_error_threshold, 1.6f);
   EXPECT_EQ(c.opt.lr, 0.001f);
   EXPECT_EQ(c.opt.beta1, 0.8f);
   EXPECT_EQ(c.opt.beta2, 0.95f);
@@ -216,13 +220,42 @@ TEST(Recipe, SettingsThatCannotLearnAreNamed) {
   };
   one({"--rollout.group_size=1"}, "rollout.group_size = 1: each completion is its own group");
   one({"--rollout.temperature=0"}, "rollout.temperature = 0: greedy rollouts give a group 8 copies of one completion");
-  one({"--grpo.is_hi=0"}, "grpo.is_lo/is_hi = [0, 0]: tis clamps every importance weight to 0");
   one({"--grpo.is_hi=0.5"}, "grpo.is_lo/is_hi = [0, 0.5] excludes 1, the weight of a token its sampler and learner agree on: tis clamps");
   one({"--grpo.is_mode=icepop", "--grpo.is_lo=1.2", "--grpo.is_hi=2"}, "[1.2, 2] excludes 1, the weight of a token its sampler and learner agree on: icepop drops every such token");
-  EXPECT_EQ(problems({"--rollout.group_size=1", "--grpo.is_hi=0"}).size(), 2u);
+  EXPECT_EQ(problems({"--rollout.group_size=1", "--grpo.is_hi=0.5"}).size(), 2u);
+  // generation and training in different precisions, but for FP8 generation with BF16 training
+  one({"--precision.generation=bf16"}, "precision.generation = bf16 and precision.training = fp8 compute their layers in "
+                                       "different precisions");
+  one({"--precision.generation=fp32", "--precision.training=bf16"}, "different precisions");
+  EXPECT_TRUE(problems({"--precision.training=bf16"}).empty());  // fp8-gen: the asymmetric baseline
+  EXPECT_TRUE(problems({"--precision.generation=fp8-kv"}).empty());  // fp8-e2e-kv: the cache is generation's alone
+  EXPECT_TRUE(problems({"--precision.generation=bf16", "--precision.training=bf16"}).empty());
   one({"--rollout.top_k=1"}, "rollout.top_k = 1: greedy rollouts give a group 8 copies of one completion, whose advantages are 0: "
                              "the policy loss has no gradient");
   one({"--rollout.group_size=1", "--grpo.kl_beta=0.1"}, "is 0: the policy-gradient term is 0 (only grpo.kl_beta's KL term trains)");
+}
+
+// icepop and seq-mask-tis given without IS bounds take the spec's reference bounds (tis's [0, 2]
+// left seq-mask-tis nearly a no-op), and say so; bounds given, or another mode, are kept.
+TEST(Recipe, IsModesWithoutBoundsTakeTheirReferenceBounds) {
+  auto finalized = [](std::vector<const char*> opts, std::vector<std::string>* said) {
+    run_config r;
+    for (const char* o : opts) recipe_apply_cli(r, o);
+    recipe_finalize(r, [&](const std::string& m) { said->push_back(m); });
+    recipe_validate(r);
+    return std::make_pair(r.is_lo, r.is_hi);
+  };
+  std::vector<std::string> said;
+  EXPECT_EQ(finalized({"--grpo.is_mode=icepop"}, &said), std::make_pair(0.5, 5.0));
+  EXPECT_EQ(finalized({"--grpo.is_mode=seq-mask-tis"}, &said), std::make_pair(0.999, 1.002));
+  ASSERT_EQ(said.size(), 2u);
+  EXPECT_NE(said[0].find("grpo.is_mode = icepop: IS bounds [0.5, 5]"), std::string::npos) << said[0];
+  EXPECT_NE(said[1].find("grpo.is_mode = seq-mask-tis: IS bounds [0.999, 1.002]"), std::string::npos) << said[1];
+  said.clear();
+  EXPECT_EQ(finalized({"--grpo.is_mode=icepop", "--grpo.is_hi=3"}, &said), std::make_pair(0.0, 3.0));
+  EXPECT_EQ(finalized({"--grpo.is_mode=seq-mask-tis", "--grpo.is_lo=0.9"}, &said), std::make_pair(0.9, 2.0));
+  EXPECT_EQ(finalized({}, &said), std::make_pair(0.0, 2.0));  // tis: C = 2, lo = 0
+  EXPECT_TRUE(said.empty());
 }
 
 // run.log_level reaches every component logger, those made before and after; a bad level is
