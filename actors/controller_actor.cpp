@@ -15,6 +15,7 @@
 #include <cstdio>
 #include <deque>
 #include <map>
+#include <optional>
 #include <set>
 #include <stdexcept>
 #include <string>
@@ -23,6 +24,7 @@
 #include "actors/run_dir.hpp"
 #include "actors/trace.hpp"
 #include "models/log.hpp"
+#include "models/rl/health.hpp"
 #include "models/rl/staleness_hist.hpp"
 
 namespace fp8rl::actors {
@@ -56,6 +58,8 @@ struct controller_state {
   bool shut_down = false;  // exits sent and on_done called: once, by finish or the exception handler
   std::chrono::steady_clock::time_point t0 = std::chrono::steady_clock::now();
   double tokens = 0;
+  std::optional<models::health_monitor> health;  // rl-algorithm.md section 7's gates
+  std::set<std::string> health_warned;           // gates already warned about (health.gates = warn)
 };
 
 // The staleness of a "staleness_hist/<versions>" metric; throws naming the key if it is not one.
@@ -110,6 +114,20 @@ void step_metrics_add(controller_state& s, msg::step_report& r, double elapsed_s
   r.metrics["elapsed_s"] = elapsed_s;
   r.metrics["samples_per_s"] =
       double((r.version - s.env->start_version) * s.env->cfg.prompts_per_step * s.env->cfg.group_size) / elapsed_s;
+}
+
+// Section 7's gates on a step: under health.gates = fail, the first gate failed ("" if none);
+// under warn each failed gate is logged once.
+std::string health_judge(controller_state& s, const msg::step_report& r) {
+  std::string stop;
+  for (const auto& f : s.health->add(r.version, r.metrics)) {
+    if (s.env->cfg.health_gates == "fail") {
+      if (stop.empty()) stop = f.text;
+    } else if (s.health_warned.insert(f.gate).second) {
+      log_get("controller")->warn("health gate (rl-algorithm.md section 7): {}", f.text);
+    }
+  }
+  return stop;
 }
 
 // A step's progress line on stderr (reward, accuracy, staleness, token_mult_prob_error, ETA).
@@ -185,6 +203,9 @@ msg::controller_actor spawn_controller(caf::actor_system& sys, std::shared_ptr<c
     st.train = models::task_load(models::task_spec_parse(env->cfg.task), false, env->cfg.train_size,
                                  static_cast<uint64_t>(env->cfg.seed));
     st.metrics.open(env->run_dir, env->start_version > 0);
+    st.health.emplace(recipe_health_config(env->cfg));
+    if (env->start_version > 0)  // a resumed run's gates count its earlier steps too (judged then)
+      for (const auto& [step, m] : metrics_rows_read(st.metrics.path())) st.health->add(step, m);
     auto log = log_get("controller");
     auto all_actors = [self] { return node_actors_all(self->state.peers); };
     auto shut_down = [self, all_actors](int code) {  // every actor and node agent stopped, the code reported
@@ -290,6 +311,15 @@ msg::controller_actor spawn_controller(caf::actor_system& sys, std::shared_ptr<c
                 finish(1, "stop (" + self->state.stop_why + "): the trajectory buffer did not answer: " + self->system().render(e));
               });
     };
+    // A stop asked (a signal, a node, a health gate): once; the buffer names the step it ends at.
+    auto stop_for = [self, request_stop](std::string why, int32_t code) {
+      auto& s = self->state;
+      if (s.stopping || s.stop_asked) return;  // under caf-run every node is signalled and asks
+      s.stop_asked = true;
+      s.stop_why = std::move(why);
+      s.stop_code = code;
+      if (s.peers.buffer) request_stop();
+    };
     self->set_down_handler([self, finish, issue, broadcast_peers, log](caf::down_msg& dm) {
       auto& s = self->state;
       if (s.stopping) return;
@@ -345,7 +375,7 @@ msg::controller_actor spawn_controller(caf::actor_system& sys, std::shared_ptr<c
           if (s.stop_asked) return request_stop();  // a stop before the wiring: the learners stop at their start
           issue_ready();
         },
-        [self, finish, issue_ready](msg::step_report& r) {
+        [self, finish, issue_ready, stop_for](msg::step_report& r) {
           auto& s = self->state;
           trace_recv("controller", "step_report", r.trace, static_cast<int64_t>(r.version));
           s.learner_version = std::max(s.learner_version, r.version);
@@ -362,6 +392,10 @@ msg::controller_actor spawn_controller(caf::actor_system& sys, std::shared_ptr<c
           }
           if (s.opts.print_progress && log_get("controller")->should_log(spdlog::level::info))  // progress is info
             progress_print(s, r, el);
+          if (const std::string why = health_judge(s, r); !why.empty()) {
+            log_get("controller")->error("health gate (rl-algorithm.md section 7): {}; the run stops", why);
+            stop_for("health gate: " + why + " (--health.gates=warn or off goes on)", 1);
+          }
           if (r.version >= s.end) return finish(0, "");
           issue_ready();
         },
@@ -398,14 +432,7 @@ msg::controller_actor spawn_controller(caf::actor_system& sys, std::shared_ptr<c
           models::flush_metrics_add(r.weights_flushed, r.worst_block_flushed, s.extras);
         },
         [finish](std::string& who, std::string& what) { finish(1, who + ": " + what); },
-        [self, request_stop, log](msg::stop_atom, std::string& why, int32_t code) {
-          auto& s = self->state;
-          if (s.stopping || s.stop_asked) return;  // under caf-run every node is signalled and asks
-          s.stop_asked = true;
-          s.stop_why = std::move(why);
-          s.stop_code = code;
-          if (s.peers.buffer) request_stop();
-        },
+        [stop_for](msg::stop_atom, std::string& why, int32_t code) { stop_for(std::move(why), code); },
         [self, finish](msg::stopped_atom, uint64_t version, std::string& dir) {
           auto& s = self->state;
           const std::string where = s.env->run_dir;

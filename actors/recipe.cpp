@@ -78,6 +78,13 @@ std::vector<recipe_key> recipe_keys(run_config& r) {
        "KL estimates of parts, not additive)"},
       {"audit", "samples", &r.audit_samples, "trajectories per audit"},
       {"trace", "enabled", &r.trace, "write per-process trace events (runs/<dir>/traces)"},
+      {"health", "gates", &r.health_gates, "mismatch gates (rl-algorithm.md section 7) on tokens sampled under the trained "
+       "weights: fail (the run stops, named), warn, or off"},
+      {"health", "min_steps", &r.health_min_steps, "the gates judge a run once it has this many steps with such tokens"},
+      {"health", "tmpe_median_max", &r.tmpe_median_max, "median token_mult_prob_error limit (0: 1.1, or 2.0 with an FP8 KV cache)"},
+      {"health", "tmpe_steps_above_max", &r.tmpe_steps_above_max, "fraction of steps allowed a token_mult_prob_error above 1.1 "
+       "(not with an FP8 KV cache)"},
+      {"health", "gen_kl_mean_max", &r.gen_kl_mean_max, "mean gen_kl_error limit over the first min_steps steps (not with an FP8 KV cache)"},
   };
 }
 
@@ -360,6 +367,13 @@ void recipe_validate(const run_config& r) {
       !why.empty())
     fail("rollout." + why.substr(0, why.find(' ')), why);  // the message starts with the key's name
   if (!(r.percentile > 0 && r.percentile <= 1)) fail("calibration.percentile", "must be in (0, 1]");  // NaN indexed nowhere
+  if (!models::health_mode_parse(r.health_gates)) fail("health.gates", "must be fail, warn or off");
+  positive("health.min_steps", r.health_min_steps);
+  // token_mult_prob_error is >= 1 (a mean of exp(|g - p|)): a limit at or below 1 fails every run
+  if (!(r.tmpe_median_max == 0 || (r.tmpe_median_max > 1 && std::isfinite(r.tmpe_median_max))))
+    fail("health.tmpe_median_max", "must be 0 (the spec's limit) or a finite number > 1");
+  if (!(r.tmpe_steps_above_max > 0 && r.tmpe_steps_above_max <= 1)) fail("health.tmpe_steps_above_max", "must be in (0, 1]");
+  if (!(r.gen_kl_mean_max > 0 && std::isfinite(r.gen_kl_mean_max))) fail("health.gen_kl_mean_max", "must be a finite number > 0");
   auto check = [&](const char* key, auto&& f) {
     try {
       f();
@@ -459,6 +473,17 @@ run_config recipe_from_json(const std::string& s) {
   }
   recipe_validate(r);
   return r;
+}
+
+models::health_config recipe_health_config(const run_config& r) {
+  models::health_config h;
+  h.mode = *models::health_mode_parse(r.health_gates);
+  h.min_steps = r.health_min_steps;
+  h.tmpe_median_max = r.tmpe_median_max;
+  h.tmpe_steps_above_max = r.tmpe_steps_above_max;
+  h.gen_kl_mean_max = r.gen_kl_mean_max;
+  h.fp8_kv = models::precision_policy::named(r.generation).kv == models::kv_dtype::fp8;
+  return h;
 }
 
 models::engine_config recipe_engine_config(const run_config& r) {

@@ -2,7 +2,7 @@
 // files in CAF's config syntax and from `--section.key=value` flags, strictly validated.
 // defines: run_config, recipe_key, recipe_keys, recipe_load_file, recipe_apply_cli,
 //          recipe_dump, recipe_to_json, recipe_from_json, recipe_finalize, recipe_validate, recipe_learning_problems,
-//          recipe_rl_config, recipe_engine_config,
+//          recipe_rl_config, recipe_health_config, recipe_engine_config,
 //          config_file_precheck, config_file_parse
 //
 // Every key, its type, default and meaning is listed once, in recipe_keys() (recipe.cpp), and
@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "models/generate.hpp"
+#include "models/rl/health.hpp"
 #include "models/rl/loop.hpp"
 
 namespace fp8rl::actors {
@@ -60,6 +61,10 @@ struct run_config {
   int64_t audit_every = 0, audit_samples = 16;
   // [trace]
   bool trace = true;
+  // [health] (rl-algorithm.md section 7, models/rl/health.hpp)
+  std::string health_gates = "fail";
+  int64_t health_min_steps = 20;
+  double tmpe_median_max = 0.0, tmpe_steps_above_max = 0.1, gen_kl_mean_max = 0.003;
   // "section.key" -> where its value came from: a recipe file's path or "--section.key=value"
   // (recipe_validate names it; a value out of range named neither file nor option)
   std::map<std::string, std::string> set_by;
@@ -105,6 +110,7 @@ run_config recipe_from_json(const std::string& json);
 
 // The derived objects the RL functions take.
 models::rl_run_config recipe_rl_config(const run_config& r);
+models::health_config recipe_health_config(const run_config& r);
 // A rollout's generation engine (also learner0's validation engine and the memory check's).
 models::engine_config recipe_engine_config(const run_config& r);
 

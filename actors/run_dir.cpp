@@ -217,6 +217,27 @@ void metrics_writer::write(uint64_t step, const std::map<std::string, double>& m
   if (!out_) throw std::runtime_error(path_ + ": writing step " + std::to_string(step) + " failed (disk full?)");
 }
 
+std::vector<std::pair<uint64_t, std::map<std::string, double>>> metrics_rows_read(const std::string& metrics_path) {
+  std::ifstream in(metrics_path, std::ios::binary);
+  if (!in) throw std::runtime_error(metrics_path + ": cannot open");
+  std::vector<std::pair<uint64_t, std::map<std::string, double>>> rows;
+  std::string line;
+  for (int64_t n = 1; std::getline(in, line); ++n) {
+    const auto j = nlohmann::json::parse(line, nullptr, false);
+    const std::string where = metrics_path + ":" + std::to_string(n);
+    if (!j.is_object() || !j.contains("step") || !j["step"].is_number_unsigned())
+      throw std::runtime_error(where + ": not a metrics row (an object with an unsigned \"step\")");
+    std::map<std::string, double> m;
+    for (const auto& [k, v] : j.items()) {
+      if (k == "step") continue;
+      if (!v.is_number() && !v.is_null()) throw std::runtime_error(where + ": metric '" + k + "' is not a number");
+      m[k] = v.is_null() ? std::nan("") : v.get<double>();
+    }
+    rows.emplace_back(j["step"].get<uint64_t>(), std::move(m));
+  }
+  return rows;
+}
+
 int64_t metrics_trim_for_resume(const std::string& metrics_path, uint64_t version) {
   std::ifstream in(metrics_path, std::ios::binary);
   if (!in) throw std::runtime_error(metrics_path + ": cannot open");

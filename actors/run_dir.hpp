@@ -1,5 +1,5 @@
 // actors/run_dir.hpp -- the run directory: metrics.jsonl, progress lines, gnuplot plots.
-// defines: metrics_writer, metrics_trim_for_resume, plots_write, run_dir_outputs, run_dir_choose, run_dir_stash,
+// defines: metrics_writer, metrics_rows_read, metrics_trim_for_resume, plots_write, run_dir_outputs, run_dir_choose, run_dir_stash,
 //          run_dir_recover
 //
 //   RUN_DIR/metrics.jsonl      one JSON object per learner step: "step", every metric (spec names)
@@ -27,6 +27,11 @@ class metrics_writer {
   std::ofstream out_;
   std::string path_;
 };
+
+// The rows of metrics.jsonl as written (null, a non-finite value, reads NaN); a resumed run's
+// controller reads them back (the health gates count the steps before the resume). Throws
+// naming file and line for a row that is not an object with an unsigned "step" and numbers.
+std::vector<std::pair<uint64_t, std::map<std::string, double>>> metrics_rows_read(const std::string& metrics_path);
 
 // --resume from the checkpoint of version K: metrics rows of steps after K (trained after that
 // checkpoint, then lost with the process; the resumed run writes them again) and a partial last

@@ -101,7 +101,11 @@ TEST(Recipe, MalformedFilesAndOutOfRangeValuesNameTheirKey) {
            // a negative bound made tis clamp weights below 0 (the gradient turned around); a
            // threshold below 1 dropped every sequence (e_i >= 1)
            {"--grpo.is_lo=-1", "grpo.is_lo"}, {"--grpo.is_hi=0", "grpo.is_hi"}, {"--grpo.is_hi=-0.5", "grpo.is_lo"},
-           {"--grpo.seq_logprob_error_threshold=0.5", "grpo.seq_logprob_error_threshold"}}) {
+           {"--grpo.seq_logprob_error_threshold=0.5", "grpo.seq_logprob_error_threshold"},
+           // token_mult_prob_error >= 1: a median limit at 1 failed every run
+           {"--health.gates=maybe", "health.gates"}, {"--health.min_steps=0", "health.min_steps"},
+           {"--health.tmpe_median_max=1", "health.tmpe_median_max"}, {"--health.tmpe_steps_above_max=0", "health.tmpe_steps_above_max"},
+           {"--health.tmpe_steps_above_max=1.5", "health.tmpe_steps_above_max"}, {"--health.gen_kl_mean_max=0", "health.gen_kl_mean_max"}}) {
     run_config x;
     recipe_apply_cli(x, arg);
     EXPECT_NE(error_of([&] { recipe_validate(x); }).find("'" + key + "'"), std::string::npos) << arg;
@@ -163,8 +167,17 @@ TEST(Recipe, RlConfigTakesEachKeyToItsField) {
                         "--rollout.temperature=0.7", "--rollout.top_k=5", "--rollout.top_p=0.9", "--precision.generation=fp8-kv",
                         "--precision.training=bf16", "--precision.scale_mode=fp32", "--precision.bf16_first=1",
                         "--precision.bf16_last=2", "--task.verifier=exact", "--run.seed=7", "--calibration.margin=1.2",
-                        "--calibration.percentile=0.99"})
+                        "--calibration.percentile=0.99", "--health.gates=warn", "--health.min_steps=7",
+                        "--health.tmpe_median_max=1.3", "--health.tmpe_steps_above_max=0.2", "--health.gen_kl_mean_max=0.01"})
     recipe_apply_cli(r, o);
+  const auto h = recipe_health_config(r);
+  EXPECT_EQ(h.mode, fp8rl::models::health_mode::warn);
+  EXPECT_EQ(h.min_steps, 7);
+  EXPECT_EQ(h.tmpe_median_max, 1.3);
+  EXPECT_EQ(h.tmpe_steps_above_max, 0.2);
+  EXPECT_EQ(h.gen_kl_mean_max, 0.01);
+  EXPECT_TRUE(h.fp8_kv);  // precision.generation = fp8-kv
+  EXPECT_FALSE(recipe_health_config(run_config{}).fp8_kv);
   const auto c = recipe_rl_config(r);
   EXPECT_EQ(c.grpo.group_size, 3);
   EXPECT_FALSE(c.grpo.normalize_std);

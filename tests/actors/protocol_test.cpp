@@ -977,6 +977,7 @@ class ControllerOnTestCoordinator : public ::testing::Test {
   caf::actor buffer;                                      // a test's own buffer, else a stand-in
   std::function<void()> before_peers;                     // runs between the spawn and the wiring
   std::string log_level = "off";                          // a test reading the controller's log raises it
+  std::function<void(actors::run_config&)> recipe;        // a test's recipe changes
 
   // A controller for B = 3 prompts per step, group size 2, max_staleness 1, from `start`.
   void wire(actors::run_start start, bool progress = false) {
@@ -987,6 +988,7 @@ class ControllerOnTestCoordinator : public ::testing::Test {
     r.group_size = 2;
     r.steps = 10;
     r.log_level = log_level;
+    if (recipe) recipe(r);
     actors::controller_options opts;
     opts.print_progress = progress;
     opts.on_done = [this](int code) { done = code; };
@@ -1263,6 +1265,64 @@ TEST_F(ControllerOnTestCoordinator, ProgressLineShowsTheStepsNumbers) {
   sched.run();
   const std::string line = ::testing::internal::GetCapturedStderr();
   EXPECT_NE(line.find("step    1/10  reward 0.500  acc 0.250  val_acc 0.750  staleness 0.25  tmpe 1.0625"), std::string::npos) << line;
+}
+
+// rl-algorithm.md section 7's gates on the steps' staleness-0 mismatch (health.min_steps = 2):
+// under health.gates = fail a median token_mult_prob_error at 1.1 stops the run where the buffer
+// says (step 2), checkpointed, with code 1 and the gate named; under warn the run goes on, the gate
+// logged once; a resumed run counts the steps its metrics.jsonl holds.
+TEST_F(ControllerOnTestCoordinator, AFailedHealthGateStopsTheRunNamed) {
+  recipe = [](actors::run_config& r) { r.health_min_steps = 2; };
+  log_level = "warn";
+  wire(0);
+  sync(0);
+  auto bad = [](uint64_t step, double tmpe) {
+    return msg::step_report{{}, step, {{"tokens", 10.0}, {"by_staleness/0/token_mult_prob_error", tmpe},
+                                       {"by_staleness/0/gen_kl_error", 0.0}}};
+  };
+  ::testing::internal::CaptureStderr();
+  self->send(ctrl, bad(1, 1.2));  // one step counted: not judged yet
+  sched.run();
+  EXPECT_EQ(::testing::internal::GetCapturedStderr(), "");
+  ::testing::internal::CaptureStderr();
+  self->send(ctrl, bad(2, 1.0));  // median (1.2 + 1.0) / 2 = 1.1: not below 1.1
+  sched.run();
+  sync(2);
+  EXPECT_EQ(work.size(), 6u) << "work issued past the stop step";
+  self->send(ctrl, msg::stopped_atom::value, uint64_t{2}, (run_dir / "checkpoints" / "step_2").string());
+  sched.run();
+  const std::string log = ::testing::internal::GetCapturedStderr();
+  EXPECT_EQ(done, 1);
+  EXPECT_NE(log.find("health gate (rl-algorithm.md section 7): median token_mult_prob_error (staleness 0) 1.1000 is not below "
+                     "1.1 over 2 step(s) 1..2"), std::string::npos) << log;
+  EXPECT_NE(log.find("run stopped: 2 steps"), std::string::npos) << log;
+  EXPECT_NE(log.find("; health gate: median token_mult_prob_error"), std::string::npos) << log;
+  EXPECT_NE(log.find("--health.gates=warn or off goes on"), std::string::npos) << log;
+  EXPECT_NE(log.find("checkpoints/step_2 is the latest checkpoint"), std::string::npos) << log;
+}
+
+TEST_F(ControllerOnTestCoordinator, AHealthGateUnderWarnIsLoggedOnceAndTheRunGoesOn) {
+  recipe = [](actors::run_config& r) { r.health_min_steps = 2, r.health_gates = "warn"; };
+  log_level = "warn";
+  fs::create_directories(run_dir);  // a resumed run (from step 1) whose step 1 had a bad mismatch
+  std::ofstream(run_dir / "metrics.jsonl")
+      << "{\"step\":1,\"by_staleness/0/token_mult_prob_error\":1.5,\"by_staleness/0/gen_kl_error\":0.0}\n";
+  wire(actors::run_start{1, 3});
+  sync(1);
+  ::testing::internal::CaptureStderr();
+  for (uint64_t v : {2, 3}) {
+    self->send(ctrl, msg::step_report{{}, v, {{"tokens", 10.0}, {"by_staleness/0/token_mult_prob_error", 1.5},
+                                              {"by_staleness/0/gen_kl_error", 0.0}}});
+    sched.run();
+  }
+  const std::string log = ::testing::internal::GetCapturedStderr();
+  EXPECT_EQ(done, -1);  // the run goes on
+  const std::string gate = "health gate (rl-algorithm.md section 7): median token_mult_prob_error (staleness 0) 1.5000 is not "
+                           "below 1.1 over 2 step(s) 1..2";  // step 1 from metrics.jsonl: judged at step 2
+  ASSERT_NE(log.find(gate), std::string::npos) << log;
+  EXPECT_EQ(log.find("median token_mult_prob_error", log.find(gate) + gate.size()), std::string::npos) << "warned twice: " << log;
+  EXPECT_NE(log.find("2 of 2 step(s) 1..2 with tokens sampled under the trained weights have token_mult_prob_error (staleness 0) "
+                     "above 1.1"), std::string::npos) << log;
 }
 
 // A stop (a signal): the controller asks the buffer where the run stops (step 2 here), issues no

@@ -13,6 +13,7 @@
 #include "models/cpu/cpu_backend.hpp"
 #include "models/params.hpp"
 #include "models/rl/grpo.hpp"
+#include "models/rl/health.hpp"
 #include "models/rl/loop.hpp"
 #include "models/rl/rl.hpp"
 #include "models/rl/task.hpp"
@@ -833,4 +834,86 @@ TEST(Grpo, ANonFiniteWeightKeepsTheTokensKlTerm) {
   EXPECT_EQ(r.dc[0], static_cast<float>(beta * (1.0 - std::exp(lr)) / N));  // the same double, rounded once
   EXPECT_EQ(r.dc[1], 0.0f);  // clamped: no gradient
   EXPECT_EQ(r.dc[2], 0.0f);
+}
+
+// rl-algorithm.md section 7's gates (models/rl/health.hpp): judged from min_steps counted steps on
+// (steps without staleness-0 tokens are not counted); the median limit 1.1 (2.0 with an FP8 KV
+// cache), the median of an even count the mean of the middle two; fewer than 10% of steps above
+// 1.1; the first min_steps steps' mean gen_kl_error below 0.003, judged once; a non-finite value
+// fails; off judges nothing.
+TEST(Health, GatesJudgeTheStalenessZeroMismatch) {
+  auto step = [](double tmpe, double kl) {
+    return std::map<std::string, double>{{"by_staleness/0/token_mult_prob_error", tmpe}, {"by_staleness/0/gen_kl_error", kl}};
+  };
+  auto gates = [](const std::vector<health_failure>& f) {
+    std::vector<std::string> g;
+    for (const auto& x : f) g.push_back(x.gate);
+    return g;
+  };
+  using names = std::vector<std::string>;
+  health_config c;
+  c.min_steps = 3;
+  {
+    health_monitor h(c);
+    EXPECT_TRUE(h.add(1, step(1.5, 0.1)).empty());
+    EXPECT_TRUE(h.add(2, {{"by_staleness/1/token_mult_prob_error", 9.0}, {"by_staleness/1/gen_kl_error", 9.0}}).empty());
+    EXPECT_EQ(h.counted(), 1u);  // a step without staleness-0 tokens is not counted
+    EXPECT_TRUE(h.add(3, step(1.5, 0.1)).empty());
+    const auto f = h.add(4, step(1.0, 0.1));  // median 1.5 of 3, 2 of 3 above 1.1, mean KL 0.1
+    EXPECT_EQ(gates(f), (names{"tmpe_median_max", "tmpe_steps_above_max", "gen_kl_mean_max"}));
+    ASSERT_EQ(f.size(), 3u);
+    EXPECT_EQ(f[0].text, "median token_mult_prob_error (staleness 0) 1.5000 is not below 1.1 over 3 step(s) 1..4 with tokens "
+                         "sampled under the trained weights (health.tmpe_median_max)");
+    EXPECT_NE(f[2].text.find("mean gen_kl_error (staleness 0) 0.10000 over the first 3 step(s) 1..4"), std::string::npos) << f[2].text;
+    EXPECT_EQ(gates(h.add(5, step(1.0, 0.1))), (names{"tmpe_median_max", "tmpe_steps_above_max"}));  // the KL gate: once
+  }
+  {  // the median of an even count: (1.0 + 1.15) / 2 = 1.075 passes, (1.0 + 1.25) / 2 fails
+    health_config k = c;
+    k.min_steps = 2, k.fp8_kv = true, k.tmpe_median_max = 1.1;
+    health_monitor a(k), b(k);
+    a.add(1, step(1.0, 0.5));
+    b.add(1, step(1.0, 0.5));
+    EXPECT_TRUE(a.add(2, step(1.15, 0.5)).empty());  // with an FP8 KV cache: the median only
+    EXPECT_EQ(gates(b.add(2, step(1.25, 0.5))), (names{"tmpe_median_max"}));
+  }
+  {  // an FP8 KV cache's limit is 2.0
+    health_config k = c;
+    k.fp8_kv = true;
+    health_monitor h(k);
+    for (uint64_t s = 1; s <= 2; ++s) h.add(s, step(1.9, 0.0));
+    EXPECT_TRUE(h.add(3, step(1.9, 0.0)).empty());
+    EXPECT_EQ(gates(h.add(4, step(2.5, 0.0))), names{});  // median of 1.9, 1.9, 1.9, 2.5: 1.9
+    EXPECT_EQ(gates(h.add(5, step(2.5, 0.0))), names{});
+    EXPECT_EQ(gates(h.add(6, step(2.5, 0.0))), (names{"tmpe_median_max"}));  // (1.9 + 2.5) / 2
+  }
+  {  // 10% of steps above 1.1 is not fewer than 10%: 1 of 10 fails, 1 of 11 passes
+    health_config k = c;
+    k.min_steps = 10;
+    health_monitor h(k);
+    for (uint64_t s = 1; s < 10; ++s) EXPECT_TRUE(h.add(s, step(1.0, 0.0)).empty());
+    EXPECT_EQ(gates(h.add(10, step(1.2, 0.0))), (names{"tmpe_steps_above_max"}));
+    EXPECT_TRUE(h.add(11, step(1.0, 0.0)).empty());
+  }
+  {  // mean KL 0.0029 passes, 0.003 fails
+    health_monitor a(c), b(c);
+    for (uint64_t s = 1; s <= 3; ++s) {
+      EXPECT_TRUE(a.add(s, step(1.0, 0.0029)).empty());
+      if (s < 3) b.add(s, step(1.0, 0.003));
+    }
+    EXPECT_EQ(gates(b.add(3, step(1.0, 0.003))), (names{"gen_kl_mean_max"}));
+  }
+  {  // a NaN fails the median (as +inf), not the ordering
+    health_monitor h(c);
+    h.add(1, step(NAN, 0.0));
+    h.add(2, step(NAN, 0.0));
+    EXPECT_EQ(gates(h.add(3, step(1.0, 0.0))), (names{"tmpe_median_max", "tmpe_steps_above_max"}));
+  }
+  {
+    health_config off = c;
+    off.mode = health_mode::off;
+    health_monitor h(off);
+    for (uint64_t s = 1; s <= 5; ++s) EXPECT_TRUE(h.add(s, step(9.0, 9.0)).empty());
+  }
+  EXPECT_EQ(health_mode_parse("warn"), health_mode::warn);
+  EXPECT_FALSE(health_mode_parse("Fail").has_value());
 }

@@ -1,0 +1,54 @@
+// models/rl/health.hpp -- rl-algorithm.md section 7's gates: NeMo RL's nightly limits on the
+// generation-vs-training mismatch, as hard failures (or warnings) of a long run.
+// defines: health_mode, health_mode_parse, health_config, health_monitor
+//
+// The gates read the mismatch of tokens sampled under the weights being trained
+// (by_staleness/0/...: precision and kernel mismatch alone; staleness has its own metrics and
+// would trip a precision gate in an asynchronous run); a step without such tokens is not counted.
+//   - median token_mult_prob_error < tmpe_median_max (1.1; 2.0 with an FP8 KV cache, NeMo RL's
+//     KV-cache nightly), judged from min_steps counted steps on;
+//   - fewer than tmpe_steps_above_max of the counted steps above 1.1 (not with an FP8 KV cache:
+//     that nightly asks the median only), from min_steps on;
+//   - mean gen_kl_error over the first min_steps counted steps < gen_kl_mean_max (0.003; not with
+//     an FP8 KV cache), judged once, at the min_steps-th.
+#pragma once
+#include <cstdint>
+#include <map>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+namespace fp8rl::models {
+
+enum class health_mode { fail, warn, off };
+std::optional<health_mode> health_mode_parse(std::string_view s);
+
+struct health_config {
+  health_mode mode = health_mode::fail;
+  int64_t min_steps = 20;
+  double tmpe_median_max = 0;  // 0: 1.1, or 2.0 with an FP8 KV cache
+  double tmpe_steps_above_max = 0.1;
+  double gen_kl_mean_max = 0.003;
+  bool fp8_kv = false;  // the generation policy has an FP8 KV cache
+};
+
+struct health_failure {
+  std::string gate;  // its limit's key: tmpe_median_max, tmpe_steps_above_max, gen_kl_mean_max
+  std::string text;  // the metric, its value, the limit and the steps it covers
+};
+
+class health_monitor {
+ public:
+  explicit health_monitor(health_config c) : c_(c) {}
+  // Adds step `step`'s metrics; returns the gates failed so far (empty: healthy, or not yet judged).
+  std::vector<health_failure> add(uint64_t step, const std::map<std::string, double>& metrics);
+  size_t counted() const { return tmpe_.size(); }
+
+ private:
+  health_config c_;
+  std::vector<double> tmpe_, gen_kl_;
+  uint64_t first_step_ = 0;
+};
+
+}  // namespace fp8rl::models
