@@ -43,7 +43,9 @@ struct controller_state {
   std::map<std::pair<uint64_t, uint64_t>, msg::work_msg> issued;  // until its step is trained
   size_t rr = 0;  // round-robin over live rollouts
   std::map<std::pair<uint64_t, uint64_t>, std::pair<std::string, msg::work_msg>> in_flight;
-  std::map<std::string, double> extras;  // calibration metrics not yet in a line
+  // calibration reports not yet in a line, oldest first: one per line (two arriving within one
+  // step overwrote each other, and a version's calibration record was lost)
+  std::deque<std::map<std::string, double>> calib_pending;
   // weight-sync reports not yet in a line, oldest first: one per line (two arriving within one
   // step -- at a checkpoint, an eval -- overwrote each other, and a version's record was lost)
   std::deque<std::map<std::string, double>> sync_pending;
@@ -99,12 +101,11 @@ std::string lost_actor_named(const controller_state& s, const caf::node_id& own,
 // written (each once, in the next line, with the version it is of: kept until then they were
 // repeated in every later line as if that step's), work in flight and lost, throughput.
 void step_metrics_add(controller_state& s, msg::step_report& r, double elapsed_s) {
-  for (const auto& [k, v] : s.extras) r.metrics.emplace(k, v);
-  s.extras.clear();
-  if (!s.sync_pending.empty()) {
-    for (const auto& [k, v] : s.sync_pending.front()) r.metrics.emplace(k, v);
-    s.sync_pending.pop_front();
-  }
+  for (auto* pending : {&s.calib_pending, &s.sync_pending})
+    if (!pending->empty()) {
+      for (const auto& [k, v] : pending->front()) r.metrics.emplace(k, v);
+      pending->pop_front();
+    }
   r.metrics["in_flight_groups"] = double(s.in_flight.size());
   r.metrics["reissued_groups_total"] = double(s.reissued);
   r.metrics["rollouts_lost_total"] = double(s.rollouts_lost);
@@ -427,9 +428,10 @@ msg::controller_actor spawn_controller(caf::actor_system& sys, std::shared_ptr<c
         [self](msg::calib_report& r) {
           auto& s = self->state;
           trace_recv("controller", "calib_report", r.trace, static_cast<int64_t>(r.version));
-          s.extras["calibration_s"] = r.seconds;
-          s.extras["calibration_version"] = double(r.version);
-          models::flush_metrics_add(r.weights_flushed, r.worst_block_flushed, s.extras);
+          auto& x = s.calib_pending.emplace_back();
+          x["calibration_s"] = r.seconds;
+          x["calibration_version"] = double(r.version);
+          models::flush_metrics_add(r.weights_flushed, r.worst_block_flushed, x);
         },
         [finish](std::string& who, std::string& what) { finish(1, who + ": " + what); },
         [stop_for](msg::stop_atom, std::string& why, int32_t code) { stop_for(std::move(why), code); },

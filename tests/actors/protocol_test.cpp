@@ -1267,6 +1267,31 @@ TEST_F(ControllerOnTestCoordinator, ProgressLineShowsTheStepsNumbers) {
   EXPECT_NE(line.find("step    1/10  reward 0.500  acc 0.250  val_acc 0.750  staleness 0.25  tmpe 1.0625"), std::string::npos) << line;
 }
 
+// Calibration and sync reports go into the next metrics lines, one report per line, oldest first:
+// two calibrations within one step (a busy machine) overwrote each other, and a version's
+// calibration record was lost (a later line had none).
+TEST_F(ControllerOnTestCoordinator, EachCalibrationAndSyncReportHasItsOwnMetricsLine) {
+  wire(0);
+  sync(0);
+  for (uint64_t v : {1, 2}) {
+    self->send(ctrl, msg::calib_report{{}, v, 0.5 * double(v), 0, 0.0});
+    self->send(ctrl, msg::sync_report{{}, v, 0.25 * double(v), 100.0, false, 0.0});
+  }
+  sched.run();
+  for (uint64_t v : {1, 2, 3}) self->send(ctrl, msg::step_report{{}, v, {{"tokens", 10.0}}});
+  sched.run();
+  std::ifstream in(run_dir / "metrics.jsonl");
+  std::vector<nlohmann::json> rows;
+  for (std::string line; std::getline(in, line);) rows.push_back(nlohmann::json::parse(line));
+  ASSERT_EQ(rows.size(), 3u);
+  for (size_t i = 0; i < 2; ++i) {
+    EXPECT_EQ(rows[i].value("calibration_version", -1.0), double(i + 1)) << rows[i].dump();
+    EXPECT_EQ(rows[i].value("calibration_s", -1.0), 0.5 * double(i + 1)) << rows[i].dump();
+  }
+  EXPECT_FALSE(rows[2].contains("calibration_version")) << rows[2].dump();
+  EXPECT_EQ(rows[0].value("sync_version", -1.0) + 1, rows[1].value("sync_version", -1.0)) << rows[0].dump() << rows[1].dump();
+}
+
 // rl-algorithm.md section 7's gates on the steps' staleness-0 mismatch (health.min_steps = 2):
 // under health.gates = fail a median token_mult_prob_error at 1.1 stops the run where the buffer
 // says (step 2), checkpointed, with code 1 and the gate named; under warn the run goes on, the gate
