@@ -422,17 +422,32 @@ void tokenizer_vocab_check(const tokenizer& tok, int64_t vocab_size, const std::
                                 " tokens, the model's vocab_size (config.json) is " + std::to_string(vocab_size));
 }
 
+namespace {
+constexpr const char* kCharFile = "fp8rl-char-tokenizer.json";
+bool is_char_tokenizer(const json& j) { return j.is_object() && j.value("type", "") == "fp8rl-char"; }
+
+// The tokenizer file `path` names: itself, or a directory's fp8rl-char-tokenizer.json, else its
+// tokenizer.json.
+std::string tokenizer_file(const std::string& path) {
+  if (!std::filesystem::is_directory(path)) return path;
+  const auto chr = std::filesystem::path(path) / kCharFile;
+  const std::string file = std::filesystem::exists(chr) ? chr.string() : (std::filesystem::path(path) / "tokenizer.json").string();
+  if (!std::filesystem::exists(file))
+    throw std::invalid_argument(path + ": no tokenizer (neither tokenizer.json nor " + kCharFile + ")");
+  return file;
+}
+}  // namespace
+
+void tokenizer_copy(const std::string& path, const std::string& dir) {
+  const std::string file = tokenizer_file(path);
+  const char* name = is_char_tokenizer(json_file_read(file)) ? kCharFile : "tokenizer.json";
+  std::filesystem::copy_file(file, std::filesystem::path(dir) / name, std::filesystem::copy_options::overwrite_existing);
+}
+
 std::unique_ptr<tokenizer> tokenizer_load(const std::string& path) {
-  std::string file = path;
-  if (std::filesystem::is_directory(path)) {
-    const auto chr = std::filesystem::path(path) / "fp8rl-char-tokenizer.json";
-    if (std::filesystem::exists(chr)) file = chr.string();
-    else file = (std::filesystem::path(path) / "tokenizer.json").string();
-    if (!std::filesystem::exists(file))
-      throw std::invalid_argument(path + ": no tokenizer (neither tokenizer.json nor fp8rl-char-tokenizer.json)");
-  }
+  const std::string file = tokenizer_file(path);
   const json j = json_file_read(file);
-  if (j.is_object() && j.value("type", "") == "fp8rl-char") {
+  if (is_char_tokenizer(j)) {
     if (!j.contains("alphabet") || !j["alphabet"].is_string()) throw std::invalid_argument(file + ": 'alphabet' missing");
     try {
       return char_tokenizer_make(j["alphabet"].get<std::string>());
@@ -448,9 +463,9 @@ std::unique_ptr<tokenizer> tokenizer_load(const std::string& path) {
 }
 
 void char_tokenizer_save(const std::string& dir, const std::string& alphabet) {
-  std::ofstream f(std::filesystem::path(dir) / "fp8rl-char-tokenizer.json");
+  std::ofstream f(std::filesystem::path(dir) / kCharFile);
   f << json{{"type", "fp8rl-char"}, {"alphabet", alphabet}}.dump() << "\n";
-  if (!f) throw std::runtime_error(dir + "/fp8rl-char-tokenizer.json: write failed");
+  if (!f) throw std::runtime_error(dir + "/" + kCharFile + ": write failed");
 }
 
 }  // namespace fp8rl::models

@@ -1,6 +1,6 @@
 // models/tokenizer.hpp -- tokenizers: a built-in character-level tokenizer for the built-in tasks,
 // and Hugging Face tokenizer.json byte-level BPE (Llama 3, SmolLM, Qwen2 format).
-// defines: tokenizer, char_tokenizer_make, tokenizer_load, tokenizer_vocab_check
+// defines: tokenizer, char_tokenizer_make, tokenizer_load, char_tokenizer_save, tokenizer_copy, tokenizer_vocab_check
 //
 // tokenizer.json support: added (special) tokens matched first; normalizer null or NFC (NFC is
 // the identity on ASCII; non-ASCII text with an NFC normalizer is an error, not silently
@@ -34,6 +34,11 @@ std::unique_ptr<tokenizer> char_tokenizer_make(const std::string& alphabet);
 // ({"type": "fp8rl-char", "alphabet": "..."}, written by char_tokenizer_save).
 std::unique_ptr<tokenizer> tokenizer_load(const std::string& path);
 void char_tokenizer_save(const std::string& dir, const std::string& alphabet);
+// Copies the tokenizer `path` names (a file, or a directory as tokenizer_load reads it) into dir,
+// named by its kind: fp8rl-char-tokenizer.json for fp8rl's character tokenizer (a char tokenizer
+// given by its file went in as tokenizer.json, a name Hugging Face tools read as theirs), else
+// tokenizer.json.
+void tokenizer_copy(const std::string& path, const std::string& dir);
 // Throws naming `where` (the tokenizer's file or directory) when its ids reach past the model's
 // vocabulary: a text encoding to one of them indexed no embedding row.
 void tokenizer_vocab_check(const tokenizer& tok, int64_t vocab_size, const std::string& where);

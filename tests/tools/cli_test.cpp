@@ -379,6 +379,15 @@ TEST_F(Cli, SftNeverDeletesWhatIsNotItsCheckpoint) {
   const result r = run(sft + (dir / "ck2").string() + " --model " + ck.string() + " --task '" + task.string() + "'");
   EXPECT_EQ(r.rc, 0) << r.out;
   EXPECT_TRUE(fs::exists(dir / "ck2" / "state.json")) << r.out;
+  // the character tokenizer keeps its own name however it is given (given by its file, it was
+  // written as tokenizer.json, which Hugging Face tools read as theirs)
+  for (const fs::path& t : {ck, ck / "fp8rl-char-tokenizer.json"}) {
+    const fs::path out = dir / ("ck3" + std::to_string(t == ck));
+    const result c = run(sft + out.string() + " --tokenizer " + t.string() + " --task '" + task.string() + "'");
+    ASSERT_EQ(c.rc, 0) << c.out;
+    EXPECT_TRUE(fs::exists(out / "fp8rl-char-tokenizer.json")) << t;
+    EXPECT_FALSE(fs::exists(out / "tokenizer.json")) << t;
+  }
   // a fresh model's context is an option (it was 64, fixed: a real dataset's prompts did not fit,
   // nor a train run's model.max_context); it shapes only a fresh model; --log-level off is quiet
   const result wide = run(sft + (dir / "wide").string() + " --max-context 96 --log-level off");

@@ -120,16 +120,8 @@ int cmd_sft(int argc, char** argv) {
   ck.state_json = nlohmann::json{{"phase", "sft"}, {"task", a.get("task", "builtin:add2")}}.dump();
   // the tokenizer goes into the checkpoint before it replaces `out` (which may be its source)
   models::checkpoint_save(out, ck, [&](const std::string& tmp) {
-    namespace fs = std::filesystem;
     if (!alphabet.empty()) return models::char_tokenizer_save(tmp, alphabet);
-    if (!a.has("tokenizer") && !a.has("model")) return;
-    const std::string src = a.has("tokenizer") ? a.get("tokenizer") : a.get("model");
-    const auto from = fs::is_directory(src) ? fs::path(src) / "tokenizer.json" : fs::path(src);
-    if (fs::exists(from))
-      fs::copy_file(from, fs::path(tmp) / "tokenizer.json", fs::copy_options::overwrite_existing);
-    else if (fs::exists(fs::path(src) / "fp8rl-char-tokenizer.json"))
-      fs::copy_file(fs::path(src) / "fp8rl-char-tokenizer.json", fs::path(tmp) / "fp8rl-char-tokenizer.json",
-                    fs::copy_options::overwrite_existing);
+    if (a.has("tokenizer") || a.has("model")) models::tokenizer_copy(a.has("tokenizer") ? a.get("tokenizer") : a.get("model"), tmp);
   });
   log_get("sft")->info("wrote {}", out);
   return 0;
