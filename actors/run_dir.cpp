@@ -325,7 +325,7 @@ std::string plots_write(const std::string& run_dir) {
   // names without a path: gnuplot runs in the plots directory (a run directory with a quote in its
   // name broke the script, and a shell command line built from it ran what followed the quote)
   std::ofstream gp(dir / "plots.gp");
-  gp << "set terminal pngcairo size 900,500\nset datafile missing 'NaN'\nset grid\nset xlabel 'step'\n"
+  gp << "set terminal pngcairo noenhanced size 900,500\nset datafile missing 'NaN'\nset grid\nset xlabel 'step'\n"
      << "set output 'reward.png'\nset title 'reward and validation accuracy'\n"
      << "plot 'metrics.dat' using 1:2 with lines title 'reward mean', '' using 1:3 with linespoints title 'val accuracy'\n"
      << "set output 'mismatch.png'\nset title 'generation vs training mismatch'\n"
