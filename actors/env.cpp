@@ -59,6 +59,12 @@ std::string device_problem(const device_spec& d) {
   return "device '" + d.str() + "': this build has no CUDA backend for actors (gpu/ is kernel-level only)";
 }
 
+std::string device_capacity_problem(const device_spec& d, int cpus) {
+  if (d.kind != "cpu" || d.index <= cpus) return "";
+  return "device '" + d.str() + "' asks for " + std::to_string(d.index) + " threads and this machine runs " + std::to_string(cpus) +
+         " (the CPUs oneTBB may use here): give it cpu:" + std::to_string(cpus) + " or fewer";
+}
+
 std::unique_ptr<tbb::task_arena> arena_for(const device_spec& d) {
   return std::make_unique<tbb::task_arena>(d.index > 0 ? static_cast<int>(d.index) : tbb::task_arena::automatic);
 }

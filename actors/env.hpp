@@ -1,7 +1,7 @@
 // actors/env.hpp -- what every actor of a process shares: the recipe, the run directory, the
 // policy model's config and tokenizer, and the initial checkpoint every learner starts from.
 // defines: run_start, actor_env, env_make, backend_for, arena_for, actor_exception_error, actor_failures_named,
-//          actor_fail, device_problem, node_tiles_problem
+//          actor_fail, device_problem, device_capacity_problem, node_tiles_problem
 #pragma once
 #include <caf/error.hpp>
 #include <caf/scheduled_actor.hpp>
@@ -78,6 +78,10 @@ std::unique_ptr<tbb::task_arena> arena_for(const device_spec& d);
 // "" if this build's actors can run on d, else why not (checked for every node of a topology
 // before a run writes anything: a cuda device failed only once the warm start was done).
 std::string device_problem(const device_spec& d);
+// Why this machine cannot run device d as asked ("" if it can): a cpu:K past the CPUs oneTBB may
+// use here (its default concurrency: the affinity mask) got fewer threads, with only TBB's own
+// warning. Checked on the node that runs d (another machine may have more).
+std::string device_capacity_problem(const device_spec& d, int cpus = tbb::info::default_concurrency());
 // "" if this CPU can run the tile GEMMs (AMX) that node n's work asks for, else why not, naming
 // the precision key: rollouts run precision.generation; learners, the calibration actor and the
 // built-in model's SFT warm start (`warm_start`) precision.training and precision.generation. A

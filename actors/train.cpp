@@ -481,6 +481,10 @@ void train_precheck(const cli& c, const run_config& cfg, const topology& topo, c
       for (const auto& d : *devs)
         if (const std::string why = device_problem(d); !why.empty())
           throw std::invalid_argument(topo.source + ": node '" + n.name + "': " + why);
+  for (const auto* devs : {&here.learners, &here.rollouts})
+    for (const auto& d : *devs)
+      if (const std::string why = device_capacity_problem(d); !why.empty())
+        throw std::invalid_argument(topo.source + ": node '" + here.name + "': " + why);
   const bool warm_start = here.has("controller") && !c.resume && cfg.init == "tiny";
   if (const std::string why = node_tiles_problem(cfg, here, warm_start); !why.empty()) throw std::invalid_argument(why);
   if (!c.resume && cfg.init == "tiny" && models::task_spec_parse(cfg.task).builtin) warm_start_check(cfg, topo, node);

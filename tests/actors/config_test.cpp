@@ -453,6 +453,17 @@ TEST(Topology, JsonFormsRoundTripAndAreValidatedOnTheNode) {
 // Tile GEMMs (AMX) are asked of the CPU only where a node runs them: a rollout-only node takes
 // precision.generation's, learners, calibration and the warm start both (every process of a run
 // was refused for either); where AMX exists nothing is refused.
+// A cpu:K past the CPUs oneTBB may use on the node's machine is refused, named (its arena got
+// fewer threads, with only TBB's own warning); cpu:0 (all) and devices that fit are fine.
+TEST(Topology, CpuDevicesPastThisMachinesCpusAreRefused) {
+  auto dev = [](const char* s) { return device_spec::parse(s, "test"); };
+  EXPECT_EQ(device_capacity_problem(dev("cpu:3"), 2),
+            "device 'cpu:3' asks for 3 threads and this machine runs 2 (the CPUs oneTBB may use here): give it cpu:2 or fewer");
+  EXPECT_EQ(device_capacity_problem(dev("cpu:2"), 2), "");
+  EXPECT_EQ(device_capacity_problem(dev("cpu:0"), 2), "");
+  EXPECT_EQ(device_capacity_problem(dev("cpu:1")), "");
+}
+
 TEST(Topology, TilePoliciesAreCheckedWhereANodeRunsThem) {
   run_config r;
   r.training = "bf16-tiles";
