@@ -917,3 +917,100 @@ TEST(Health, GatesJudgeTheStalenessZeroMismatch) {
   EXPECT_EQ(health_mode_parse("warn"), health_mode::warn);
   EXPECT_FALSE(health_mode_parse("Fail").has_value());
 }
+
+// seq-mask-tis drops a sequence whose geometric-mean weight is below lo, as one above C.
+TEST(Grpo, SeqMaskTisDropsASequenceBelowLo) {
+  grpo_config cfg;
+  cfg.is = is_mode::seq_mask_tis;
+  cfg.is_lo = 0.9f;
+  cfg.is_hi = 1.1f;
+  token_batch_rl b;
+  b.c = b.p = {-1.0f, -1.0f};
+  b.g = {-0.5f, -0.5f};  // p - g = -0.5: rho = e^-0.5 = 0.61 < 0.9
+  b.adv = b.mask = {1.0f, 1.0f};
+  b.seq = {0, 0};
+  b.n_seqs = 1;
+  const is_result is = is_weights(b, cfg);
+  EXPECT_EQ(is.oob_seqs, 1);
+  EXPECT_EQ(is.w[0], 0.0f);
+  EXPECT_EQ(is.w[1], 0.0f);
+}
+
+// The KL term's log-ratio is clamped to [-20, 20] before k3 (rl-algorithm.md section 3): at
+// ref - c = -14, k3 = e^-14 + 13, clamped to 10 (a clamp at -10 gives about 9).
+TEST(Grpo, KlLowerLogRatioClampIsMinus20) {
+  grpo_config cfg;
+  cfg.kl_beta = 0.1f;
+  token_batch_rl b;
+  b.c = b.p = b.g = {-1.0f};
+  b.ref = {-15.0f};  // ref - c = -14: k3 = e^-14 + 13 = 13 -> clamped to 10
+  b.adv = b.mask = {1.0f};
+  b.seq = {0};
+  b.n_seqs = 1;
+  const loss_result r = policy_loss(b, cfg, 1.0);
+  EXPECT_NEAR(r.kl, double(0.1f) * 10.0, fp8rl::tol::kFp64FewTerms);
+}
+
+// is_oob_ratio and clip_fraction count the tokens in the loss only (mask 1): a masked-out token
+// with a weight past C is neither.
+TEST(Grpo, OobAndClipFractionCountOnlyLossTokens) {
+  grpo_config cfg;  // tis, C = 2
+  token_batch_rl b;
+  b.p = {-1.0f, -1.0f, -1.0f};
+  b.c = {-1.0f + std::log(1.5f), -1.0f, -1.0f};  // token 0 clipped
+  b.g = {-1.0f, -1.0f, -3.0f};                   // token 2 (masked out): w = e^2 > C
+  b.adv = {1.0f, 1.0f, 1.0f};
+  b.mask = {1.0f, 1.0f, 0.0f};
+  b.seq = {0, 0, 0};
+  b.n_seqs = 1;
+  const loss_result r = policy_loss(b, cfg, 2.0);
+  EXPECT_EQ(r.metrics.at("is_oob_ratio"), 0.0);
+  EXPECT_EQ(r.metrics.at("clip_fraction"), 0.5);
+}
+
+// seq-mask-tis's is_oob_ratio is over the sequences with a token in the loss (section 6).
+TEST(Grpo, SeqOobRatioIsOverValidSequences) {
+  grpo_config cfg;
+  cfg.is = is_mode::seq_mask_tis;
+  cfg.is_lo = 0.9f;
+  cfg.is_hi = 1.1f;
+  token_batch_rl b;
+  b.c = b.p = {-1.0f, -1.0f, -1.0f};
+  b.g = {-1.5f, -1.0f, -1.0f};  // sequence 0 out (rho = e^0.5); sequence 1 in; sequence 2 all masked out
+  b.adv = {1.0f, 1.0f, 1.0f};
+  b.mask = {1.0f, 1.0f, 0.0f};
+  b.seq = {0, 1, 2};
+  b.n_seqs = 3;
+  EXPECT_EQ(policy_loss(b, cfg, 2.0).metrics.at("is_oob_ratio"), 0.5);
+}
+
+// A group's results given out of order come back in group-index order, each rewarded.
+TEST(Grpo, RolloutSamplesSortAGroupGivenOutOfOrder) {
+  auto tok = char_tokenizer_make("0123456789+=");
+  const std::vector<int32_t> stops = {tok->eos};
+  gen_result a, b;
+  a.id = 8, a.tokens = tok->encode("3", false);
+  b.id = 9, b.tokens = tok->encode("4", false);
+  grpo_config g;
+  g.group_size = 2;
+  const auto smp = rollout_samples({b, a}, {{4, "3"}}, *tok, stops, verifier_kind::numeric, g);
+  ASSERT_EQ(smp.size(), 2u);
+  EXPECT_EQ(smp[0].group_index, 0);
+  EXPECT_EQ(smp[0].reward, 1.0f);
+}
+
+// SFT takes an example whose fed rows exactly fill the model's positions.
+TEST(Grpo, SftTakesAnExampleThatExactlyFillsTheContext) {
+  auto tok = char_tokenizer_make("0123456789+=");
+  model_config c;
+  c.hidden_size = 32; c.intermediate_size = 64; c.num_hidden_layers = 1; c.num_attention_heads = 2;
+  c.num_key_value_heads = 1; c.head_dim = 16; c.vocab_size = tok->vocab_size(); c.max_position_embeddings = 8;
+  model_params p = model_params_init(c, 1);
+  dataset d;
+  d.items = {{"12+34=", "4"}};  // BOS + 6 + 1 + EOS = 9 tokens: rows fed = 8 = max_position_embeddings
+  adamw_state opt;
+  sft_config sc;
+  sc.steps = 1;
+  sc.batch = 1;
+  EXPECT_NO_THROW(sft_train(p, opt, d, *tok, sc));
+}

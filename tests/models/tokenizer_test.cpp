@@ -222,3 +222,33 @@ TEST(Tokenizer, MalformedFilesNameTheKey) {
   }
   std::filesystem::remove_all(dir);
 }
+
+namespace {
+std::unique_ptr<tokenizer> load_json(const nlohmann::json& j, const std::string& name) {
+  const auto f = std::filesystem::temp_directory_path() / (name + std::to_string(::getpid()) + ".json");
+  std::ofstream(f) << j.dump();
+  auto t = tokenizer_load(f.string());
+  std::filesystem::remove(f);
+  return t;
+}
+nlohmann::json tiny_bpe() {
+  return nlohmann::json::parse(R"({"model": {"type": "BPE", "vocab": {"a": 0, "b": 1, "c": 2, "bc": 3, "ab": 4, "abc": 5}, "merges": ["b c", "a b"]}})");
+}
+}  // namespace
+// BPE with ignore_merges (Llama 3): a word in the vocabulary is one token, whatever the merges
+// would make of it.
+TEST(Tokenizer, IgnoreMergesTakesAWholeVocabularyWord) {
+  auto j = tiny_bpe();
+  EXPECT_EQ(load_json(j, "im0")->encode("abc", false), (std::vector<int32_t>{0, 3}));  // by merges: a + bc
+  j["model"]["ignore_merges"] = true;
+  EXPECT_EQ(load_json(j, "im1")->encode("abc", false), (std::vector<int32_t>{5}));
+}
+// BOS is the post-processor template's leading special token, also one no known name marks.
+TEST(Tokenizer, BosIsTheTemplatesFirstSpecialToken) {
+  auto j = tiny_bpe();
+  j["added_tokens"] = nlohmann::json::parse(R"([{"id": 6, "content": "<start>", "special": true}])");
+  j["post_processor"] = nlohmann::json::parse(R"({"type": "TemplateProcessing", "single": [{"SpecialToken": {"id": "<start>", "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}]})");
+  auto t = load_json(j, "bos");
+  EXPECT_EQ(t->bos, 6);
+  EXPECT_EQ(t->encode("a", true), (std::vector<int32_t>{6, 0}));
+}

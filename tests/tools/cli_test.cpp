@@ -433,3 +433,40 @@ TEST_F(Cli, EveryProgramHasHelp) {
   const result b = fp8rl::test::run_command(kBin + "/bench-decode --layerz=2");
   EXPECT_EQ(b.rc, 2) << b.out;  // a mistyped benchmark option was stored and ignored
 }
+
+// score's logprob of token t depends on tokens up to t only (a causal model; rows never mix in
+// the GEMMs): a sequence and its extension agree bit for bit on the shared part, and every value
+// is a log-probability (a shift by one token went unseen: only the count was checked).
+TEST_F(Cli, ScoreValuesArePrefixConsistent) {
+  const result r = run("score --input " + write("pre.jsonl", "{\"tokens\": [1, 2, 3]}\n{\"tokens\": [1, 2, 3, 4]}\n").string() + m());
+  ASSERT_EQ(r.rc, 0) << r.out;
+  const auto out = json_lines(r.out);
+  ASSERT_EQ(out.size(), 2u);
+  for (int i = 0; i < 2; ++i) EXPECT_EQ(out[0]["logprobs"][i].get<double>(), out[1]["logprobs"][i].get<double>()) << i;
+  for (const auto& o : out) for (const auto& v : o["logprobs"]) EXPECT_LT(v.get<double>(), 0.0);
+}
+
+// Option edges: a real option's upper bound, a switch given a value, a last option without its
+// value, an empty token list.
+TEST_F(Cli, OptionEdgesAreRefusedNamed) {
+  refused("sft --out " + (dir / "o").string() + " --lr 11", "outside [1e-12, 10]");
+  refused("sft --out " + (dir / "o").string() + " --overwrite=1", "option --overwrite takes no value");
+  refused("score" + m() + " --input", "option --input needs a value");
+  refused("score" + m() + " --input " + write("e.jsonl", "{\"tokens\": []}\n").string(), "e.jsonl:1: 'tokens' is empty");
+}
+
+// generate --kv fp8 also runs FP8 attention (its query saturation is logged).
+TEST_F(Cli, GenerateKvFp8BringsFp8Attention) {
+  const fs::path calib = write("c.jsonl", "{\"tokens\": [1, 5, 6, 7]}\n");
+  const result r = run("generate --kv fp8 --max-tokens 2 --log-level info --calibration " + calib.string() + " --prompts " + prompts.string() + m());
+  ASSERT_EQ(r.rc, 0) << r.out;
+  EXPECT_NE(r.out.find("FP8 attention: query"), std::string::npos) << r.out;
+}
+
+// A prompt plus --max-tokens that exactly fill --max-context is not warned about.
+TEST_F(Cli, GenerateDoesNotWarnWhenTheAskedLengthExactlyFits) {
+  const result r = run("generate --temperature 0 --max-context 8 --max-tokens 5 --log-level warn --prompts " +
+                       write("s5.jsonl", "{\"tokens\": [1, 2, 3]}\n").string() + m());
+  ASSERT_EQ(r.rc, 0) << r.out;
+  EXPECT_EQ(r.out.find("leaves room"), std::string::npos) << r.out;
+}
