@@ -348,6 +348,12 @@ TEST_F(Cli, Fp8KvIsAGenerationPolicyOnly) {
   const result n2 = run("eval --n 2 --max-tokens 2 --task " + task.string() + " --model " + ck.string());
   ASSERT_EQ(n2.rc, 0) << n2.out;
   EXPECT_NE(n2.out.find("\"n\": 2}"), std::string::npos) << n2.out;
+  // without --n a file task is evaluated whole, also past the built-in tasks' default of 400
+  std::string many;
+  for (int i = 0; i < 401; ++i) many += "{\"prompt\": \"1+1=\", \"answer\": 2}\n";
+  const result all = run("eval --max-tokens 1 --task " + write("many.jsonl", many).string() + " --model " + ck.string());
+  ASSERT_EQ(all.rc, 0) << all.out;
+  EXPECT_NE(all.out.find("\"n\": 401}"), std::string::npos) << all.out;
   refused("sft --steps 1 --batch 2 --policy fp8-kv --out " + (dir / "ck3").string(), "--policy fp8-kv: FP8 attention");
   EXPECT_FALSE(fs::exists(dir / "ck3"));
   refused("score --policy fp8-kv --input " + prompts.string() + m(), "--policy fp8-kv: FP8 attention");
