@@ -22,6 +22,7 @@ struct pending_batch {
 
 struct buffer_state {
   std::shared_ptr<const actor_env> env;
+  std::string policy;  // the run's generation policy fingerprint: every group's must be it
   msg::peers_msg peers;
   uint64_t learner_version = 0;
   std::map<uint64_t, std::map<uint64_t, msg::group_msg>> steps;  // step -> prompt_id -> group
@@ -95,6 +96,7 @@ msg::buffer_actor spawn_buffer(caf::actor_system& sys, std::shared_ptr<const act
   return sys.spawn([](self_t self, std::shared_ptr<const actor_env> env) -> msg::buffer_actor::behavior_type {
     actor_failures_named(self, "the trajectory buffer");
     self->state.env = env;
+    self->state.policy = env->rl.gen_policy.fingerprint();
     self->state.next_step = env->start_version;
     auto log = log_get("buffer");
     auto tell_controller = [self](msg::admitted_msg a) {
@@ -160,6 +162,13 @@ msg::buffer_actor spawn_buffer(caf::actor_system& sys, std::shared_ptr<const act
         [self, try_deliver, tell_controller](msg::group_msg& g) {
           auto& s = self->state;
           trace_recv("buffer", "group_msg", g.trace, static_cast<int64_t>(g.step));
+          // one policy for both sides (rl-algorithm.md section 10): a group sampled under another
+          // (a node started with other settings) is refused, the run ended with both named
+          if (g.policy != s.policy)
+            return actor_fail(self, "the trajectory buffer",
+                              "group (step " + std::to_string(g.step) + ", prompt " + std::to_string(g.prompt_id) + ") from " +
+                                  g.rollout + " was sampled under precision policy '" + g.policy +
+                                  "'; this run generates under '" + s.policy + "'");
           add_per_layer(s.kv_saturated, g.kv_saturated);  // duplicates too: work done
           add_per_layer(s.q_saturated, g.q_saturated);
           // re-issued work finished twice: its step went to the learners already (steps go out in

@@ -79,6 +79,7 @@ struct group_msg {
   uint64_t step = 0, prompt_id = 0;
   std::string answer;
   std::string rollout;  // which rollout actor produced it (for accounting)
+  std::string policy;   // fingerprint of the precision policy it was sampled under (the buffer checks it)
   std::vector<models::rl_sample> samples;
   std::vector<int64_t> kv_saturated;  // per layer: FP8 K/V elements the rollout saturated since its previous group
   std::vector<int64_t> q_saturated;   // per layer: FP8 query elements likewise (FP8 attention)
@@ -215,7 +216,7 @@ namespace fp8rl::msg {
 
 template <class Inspector>
 typename Inspector::result_type inspect(Inspector& f, group_msg& x) {
-  return f(caf::meta::type_name("group_msg"), x.trace, x.step, x.prompt_id, x.answer, x.rollout, x.samples,
+  return f(caf::meta::type_name("group_msg"), x.trace, x.step, x.prompt_id, x.answer, x.rollout, x.policy, x.samples,
            x.kv_saturated, x.q_saturated);
 }
 template <class Inspector>

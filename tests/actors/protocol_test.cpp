@@ -91,10 +91,13 @@ msg::work_msg work_12_plus_3(const actors::actor_env& env) {
   return w;
 }
 
+// A group sampled under the default recipe's generation policy.
 msg::group_msg group(uint64_t step, uint64_t pid, uint64_t version) {
   msg::group_msg g;
   g.step = step;
   g.prompt_id = pid;
+  g.rollout = "rollout0";
+  g.policy = actors::recipe_rl_config(actors::run_config{}).gen_policy.fingerprint();
   for (int j = 0; j < 2; ++j) {
     models::rl_sample s;
     s.prompt_id = pid;
@@ -137,6 +140,7 @@ TEST(Messages, EveryWireTypeRoundTrips) {
   g.kv_saturated = {0, 7, 1};
   g.q_saturated = {2, 0, 9};
   auto g2 = round_trip(sys, g);
+  EXPECT_EQ(g2.policy, g.policy);
   EXPECT_EQ(g2.kv_saturated, g.kv_saturated);
   EXPECT_EQ(g2.q_saturated, g.q_saturated);
   ASSERT_EQ(g2.samples.size(), 2u);
@@ -731,6 +735,30 @@ TEST(Protocol, BufferRefusesShardRequestsItCannotServe) {
     (*l)->receive([&](msg::batch_msg& b) { EXPECT_EQ(b.samples.size(), 2u); },
                   caf::after(std::chrono::seconds(5)) >> [] { FAIL() << "no shard"; });
   self->send_exit(buf, caf::exit_reason::user_shutdown);
+}
+
+// A group sampled under another precision policy (a node started with other settings) is
+// refused: the buffer ends the run naming the group, its rollout and both policies, and admits
+// nothing (rl-algorithm.md section 10: the learner refuses trajectories of another policy).
+TEST(Protocol, BufferRefusesAGroupOfAnotherPolicy) {
+  test_config cfg;
+  caf::actor_system sys{cfg};
+  caf::scoped_actor self{sys};
+  auto buf = buffer_for(sys, self);
+  auto g = group(0, 1, 0);
+  g.policy = actors::recipe_rl_config([] {
+               actors::run_config r;
+               r.generation = "bf16";
+               return r;
+             }()).gen_policy.fingerprint();
+  self->send(buf, g);
+  self->receive([&](std::string& who, std::string& what) {
+    EXPECT_EQ(who, "the trajectory buffer");
+    EXPECT_NE(what.find("group (step 0, prompt 1) from rollout0 was sampled under precision policy '" + g.policy +
+                        "'; this run generates under '" + group(0, 1, 0).policy + "'"), std::string::npos) << what;
+  }, [&](msg::admitted_msg& a) { ADD_FAILURE() << "admitted: " << a.reason; },
+     caf::after(std::chrono::seconds(5)) >> [] { FAIL() << "no failure named"; });
+  EXPECT_NE(g.policy, group(0, 1, 0).policy);
 }
 
 // A stop (a signal to `fp8rl train`): the buffer answers the first step no rank was given, and
