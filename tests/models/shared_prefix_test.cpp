@@ -452,6 +452,59 @@ TEST(SharedPrefix, LearnerGradientIsTheLossGradientThroughTheLogprobs) {
   }
 }
 
+// Data-parallel learners sum their shards' gradients (rl-algorithm.md section 3): each shard's
+// loss is divided by the global N, so shard A's gradient plus shard B's is the whole batch's (FP32:
+// up to summation order), and so are the losses; a learner dividing by its own count -- or
+// learners averaging -- is off by the shards' token shares.
+TEST(SharedPrefix, ShardGradientsSumToTheBatchGradient) {
+  learner_fixture F;
+  auto& [c, p, be, run, samples] = F;
+  grpo_config cfg;
+  auto w = model_weights_build(*be, c, precision_policy::named("fp32"), {&p, nullptr, nullptr}, true);
+  double N = 0;
+  for (const auto& s : samples) N += double(s.response.size());
+  const size_t cut = 7;  // whole groups on each side (learner_samples: groups of 4 and 3 | 1, 2 and 2)
+  const std::vector<rl_sample> a(samples.begin(), samples.begin() + cut), b(samples.begin() + cut, samples.end());
+  const learner_out whole = learner_grpo(run, *w, samples, cfg, N, 5);
+  const learner_out sa = learner_grpo(run, *w, a, cfg, N, 5), sb = learner_grpo(run, *w, b, cfg, N, 5);
+  std::vector<double> sum(whole.grads.size());
+  for (size_t i = 0; i < sum.size(); ++i) sum[i] = double(sa.grads[i]) + double(sb.grads[i]);
+  const double e = fp8rl::tol::rel_norm_err(to_double(whole.grads), sum);
+  std::printf("shard A + shard B vs whole batch gradient rel err %.3g\n", e);
+  EXPECT_LE(e, fp8rl::tol::kFp32SumOrder);
+  EXPECT_NEAR(sa.loss.loss + sb.loss.loss, whole.loss.loss, fp8rl::tol::kFp32SumOrder * std::fabs(whole.loss.loss));
+  ASSERT_GT(fp8rl::tol::rel_norm_err(to_double(whole.grads), to_double(sa.grads)), 0.1) << "shard B adds nothing: the test tests nothing";
+}
+
+// The learner sets p := c (rl-algorithm.md section 4) with g from the rollouts unchanged: at g != c
+// the IS weight is exp(c - g) (tis: clamped to [0, 2]) and gen_kl_error is k3 of c - g, over the
+// step's tokens -- a learner taking p from g (weight 1, KL 0) or keeping a stale p fails it.
+TEST(SharedPrefix, TheLearnersWeightsAndMismatchUseItsOwnLogprobs) {
+  learner_fixture F;
+  auto& [c, p, be, run, samples] = F;
+  grpo_config cfg;  // tis, [0, 2]
+  auto w = model_weights_build(*be, c, precision_policy::named("fp32"), {&p, nullptr, nullptr}, true);
+  double N = 0;
+  for (const auto& s : samples) N += double(s.response.size());
+  const learner_out o = learner_grpo(run, *w, samples, cfg, N, 5);
+  ASSERT_EQ(o.tokens.c, o.tokens.p);
+  double w_sum = 0, kl = 0, n = 0, above = 0;
+  size_t k = 0;
+  for (const auto& s : samples)
+    for (float g : s.gen_logprobs) {
+      const double d = double(o.tokens.c[k++]) - g;  // p - g with p = c
+      w_sum += std::clamp(std::exp(d), 0.0, 2.0);
+      kl += std::exp(d) - d - 1;
+      above += std::exp(d) > 2;
+      n += 1;
+    }
+  ASSERT_EQ(k, o.tokens.c.size());
+  ASSERT_GT(kl / n, 1e-3) << "g is c: the test tests nothing";
+  ASSERT_GT(above, 0) << "no weight clamped: the truncation goes untested";
+  EXPECT_NEAR(o.loss.metrics.at("sampling_importance_ratio"), w_sum / n, fp8rl::tol::kMetricFromFloatInputs);
+  EXPECT_NEAR(o.loss.metrics.at("gen_kl_error"), kl / n, fp8rl::tol::kMetricFromFloatInputs);
+}
+
 // The e_i filter's token count with one learner: summing it over learners (a one-learner
 // all-reduce) or not gives the same N, so the same loss, gradients and metrics.
 TEST(SharedPrefix, FilteredTokensLeaveNTheSameWithOrWithoutTheLearnersSum) {
