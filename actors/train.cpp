@@ -30,6 +30,7 @@
 #include "models/generate.hpp"
 #include "models/json_io.hpp"
 #include "models/log.hpp"
+#include "models/params.hpp"
 
 namespace fp8rl::actors {
 namespace {
@@ -476,6 +477,13 @@ void learning_problems_warn(const run_config& r) {
 void train_precheck(const cli& c, const run_config& cfg, const topology& topo, const std::string& node) {
   const node_spec& here = *topo.find(node);
   if (!c.resume && here.has("controller")) learning_problems_warn(cfg);  // a resume warns with its own settings
+  if (!c.resume && cfg.init != "tiny") {  // before a run directory is chosen (it said "this run writes runs/x-3", then failed)
+    try {
+      models::model_dir_check(cfg.init);
+    } catch (const std::invalid_argument& e) {
+      throw std::invalid_argument(std::string("model.init: ") + e.what());
+    }
+  }
   for (const auto& n : topo.nodes)
     for (const auto* devs : {&n.learners, &n.rollouts})
       for (const auto& d : *devs)

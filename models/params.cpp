@@ -151,13 +151,37 @@ st_tensors model_params_to_tensors(const model_params& p) {
   return t;
 }
 
-model_params model_load(const std::string& dir) {
+namespace {
+// The newest checkpoint a `latest` file names ("" if f is not one): its one line, a directory beside it.
+std::string latest_names(const std::filesystem::path& f) {
+  std::ifstream in(f);
+  std::string name, rest;
+  if (!in || !std::getline(in, name) || std::getline(in, rest) || name.empty() || name.find('/') != std::string::npos) return "";
+  return std::filesystem::is_directory(f.parent_path() / name) ? (f.parent_path() / name).string() : "";
+}
+}  // namespace
+
+void model_dir_check(const std::string& dir) {
   namespace fs = std::filesystem;
-  if (fs::exists(dir) && !fs::is_directory(dir))  // e.g. checkpoints/latest, the file naming the newest
-    throw std::invalid_argument(dir + ": not a directory (a model directory holds config.json and *.safetensors)");
+  if (fs::exists(dir) && !fs::is_directory(dir)) {  // e.g. checkpoints/latest, the file naming the newest
+    const std::string newest = latest_names(dir);
+    throw std::invalid_argument(dir + ": not a directory (a model directory holds config.json and *.safetensors)" +
+                                (newest.empty() ? "" : "; this file names the newest checkpoint: give " + newest));
+  }
   if (!fs::exists(dir) && fs::exists(dir + ".old"))  // checkpoint_save's two-rename path was cut between them
     throw std::invalid_argument(dir + ": missing; a checkpoint save that was replacing it stopped midway and left the "
                                 "previous checkpoint at " + dir + ".old (rename it back)");
+  if (!fs::exists(dir)) throw std::invalid_argument(dir + ": no such model directory");
+  if (!fs::exists(fs::path(dir) / "config.json") && fs::exists(fs::path(dir) / "checkpoints" / "latest")) {  // a run directory
+    const std::string newest = latest_names(fs::path(dir) / "checkpoints" / "latest");
+    throw std::invalid_argument(dir + ": a run directory, not a model directory" +
+                                (newest.empty() ? std::string(": give one of its checkpoints/step_N") : "; its newest checkpoint is " + newest));
+  }
+}
+
+model_params model_load(const std::string& dir) {
+  namespace fs = std::filesystem;
+  model_dir_check(dir);
   const auto cfg = model_config_load((fs::path(dir) / "config.json").string());
   std::map<std::string, std::string> file_of;
   st_tensors t = safetensors_load_dir(dir, &file_of);

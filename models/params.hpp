@@ -1,6 +1,6 @@
 // models/params.hpp -- model parameters as one flat FP32 array with named views (HF names).
 // defines: param_info, param_layout, layer_params, model_params, model_params_init,
-//          model_params_from_tensors, model_params_to_tensors, model_load, model_save, rng
+//          model_params_from_tensors, model_params_to_tensors, model_load, model_dir_check, model_save, rng
 #pragma once
 #include <cstdint>
 #include <map>
@@ -62,6 +62,9 @@ model_params model_params_from_tensors(const model_config& c, const st_tensors& 
 st_tensors model_params_to_tensors(const model_params& p);
 // A Hugging Face model directory: config.json + model.safetensors (or sharded).
 model_params model_load(const std::string& dir);
+// What model_load refuses first, each named: no such directory, a file (a checkpoints/latest file:
+// the checkpoint it names), a run directory (its newest checkpoint), a save cut midway (DIR.old).
+void model_dir_check(const std::string& dir);
 // Writes config.json and model.safetensors, or with max_shard_bytes > 0 the Hugging Face
 // sharded form (model-0000i-of-0000n.safetensors, each up to that size, + the index json).
 void model_save(const std::string& dir, const model_params& p, st_dtype dtype = st_dtype::f32, int64_t max_shard_bytes = 0);

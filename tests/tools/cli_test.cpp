@@ -476,3 +476,19 @@ TEST_F(Cli, GenerateDoesNotWarnWhenTheAskedLengthExactlyFits) {
   ASSERT_EQ(r.rc, 0) << r.out;
   EXPECT_EQ(r.out.find("leaves room"), std::string::npos) << r.out;
 }
+
+// A --model / model.init that is not a model directory is named for what it is: missing, a run
+// directory (its newest checkpoint given), the checkpoints/latest file (the checkpoint it names);
+// train refuses it before choosing a run directory (it said "this run writes ...", then failed).
+TEST_F(Cli, AModelPathThatIsNoModelDirectoryIsNamed) {
+  const fs::path run = dir / "run", ck = run / "checkpoints";
+  fs::create_directories(ck / "step_2");
+  std::ofstream(ck / "latest") << "step_2\n";
+  refused("eval --model " + (dir / "nodir").string(), (dir / "nodir").string() + ": no such model directory");
+  refused("eval --model " + run.string(),
+          run.string() + ": a run directory, not a model directory; its newest checkpoint is " + (ck / "step_2").string());
+  refused("generate --prompts " + prompts.string() + " --model " + (ck / "latest").string(),
+          "this file names the newest checkpoint: give " + (ck / "step_2").string());
+  refused("train --model.init=" + run.string() + " --run-dir " + (dir / "t").string(), "model.init: " + run.string() + ": a run directory");
+  EXPECT_FALSE(fs::exists(dir / "t"));
+}
