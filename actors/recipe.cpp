@@ -2,6 +2,7 @@
 #include "actors/recipe.hpp"
 
 #include "models/log.hpp"
+#include "models/json_io.hpp"
 #include "models/sampling.hpp"
 
 #include <caf/actor_system_config.hpp>
@@ -139,7 +140,7 @@ void config_file_precheck(const std::string& path) {
   if (!fs::exists(path)) throw std::invalid_argument(path + ": no such file");
   if (!fs::is_regular_file(path)) throw std::invalid_argument(path + ": not a file");
   std::ifstream f(path);
-  if (!f) throw std::invalid_argument(path + ": cannot open");
+  if (!f) throw std::invalid_argument(models::open_failure(path));
   std::vector<std::pair<char, int>> open;  // unclosed '[' / '{' and their lines
   std::map<std::string, int> seen;         // "section.key" -> line
   std::map<std::string, int> groups;       // "name { ... }" groups -> line

@@ -1,6 +1,8 @@
 // models/json_io.cpp -- strict JSON parsing (duplicate keys refused) and file reading.
 #include "models/json_io.hpp"
 
+#include <cerrno>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <set>
@@ -31,11 +33,19 @@ nlohmann::json json_parse_strict(std::string_view text, const std::string& where
   return j;
 }
 
+std::string open_failure(const std::string& path) {
+  const int err = errno;
+  std::error_code ec;
+  if (!std::filesystem::exists(path, ec)) return path + ": no such file";
+  if (std::filesystem::is_directory(path, ec)) return path + ": is a directory, not a file";
+  return path + ": cannot open (" + std::strerror(err) + ")";
+}
+
 nlohmann::json json_file_read(const std::string& path) {
   if (!std::filesystem::is_regular_file(path))
     throw std::invalid_argument(path + (std::filesystem::exists(path) ? ": not a file" : ": missing"));
   std::ifstream f(path, std::ios::binary);
-  if (!f) throw std::invalid_argument(path + ": cannot open");
+  if (!f) throw std::invalid_argument(open_failure(path));
   const std::string text((std::istreambuf_iterator<char>(f)), {});
   if (f.bad()) throw std::invalid_argument(path + ": cannot read");
   return json_parse_strict(text, path);

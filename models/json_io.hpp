@@ -1,7 +1,7 @@
 // models/json_io.hpp -- JSON read strictly from user files: a key twice in one object is an error
 // naming it (nlohmann keeps the last one silently: a duplicated rope_theta changed the model, a
 // second safetensors entry replaced a tensor), and a directory or unreadable file is named.
-// defines: json_parse_strict, json_file_read, jsonl_errors
+// defines: json_parse_strict, json_file_read, jsonl_errors, open_failure
 #pragma once
 #include <nlohmann/json.hpp>
 #include <cstdint>
@@ -15,6 +15,11 @@ namespace fp8rl::models {
 nlohmann::json json_parse_strict(std::string_view text, const std::string& where);
 // Reads and parses the file at path (errors name it: "not a file", "cannot open", as above).
 nlohmann::json json_file_read(const std::string& path);
+
+// Why the file at path could not be opened for reading: "PATH: no such file", "PATH: is a
+// directory, not a file", else "PATH: cannot open (<errno's text>)" (call right after the failed
+// open). "cannot open" alone said neither what nor why.
+std::string open_failure(const std::string& path);
 
 // A JSONL reader's bad lines, so that one error names them all (the first 20).
 class jsonl_errors {

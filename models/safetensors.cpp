@@ -32,7 +32,7 @@ float f16_to_float(uint16_t h) {
 std::vector<uint8_t> read_file(const std::string& path) {
   if (!fs::is_regular_file(path)) throw st_error(path + ": not a file");
   std::ifstream f(path, std::ios::binary);
-  if (!f) throw st_error(path + ": cannot open");
+  if (!f) throw st_error(open_failure(path));
   f.seekg(0, std::ios::end);
   const std::streamoff n = f.tellg();
   if (n < 0) throw st_error(path + ": cannot read size");

@@ -19,7 +19,7 @@ namespace fp8rl::models {
 dataset dataset_load_jsonl(const std::string& path) {
   if (std::filesystem::is_directory(path)) throw std::invalid_argument(path + ": is a directory, not a JSONL file");
   std::ifstream f(path);
-  if (!f) throw std::invalid_argument(path + ": cannot open");
+  if (!f) throw std::invalid_argument(open_failure(path));
   dataset d;
   d.source = path;
   std::string line;

@@ -3,6 +3,7 @@
 // the safetensors parser (every corrupt image is an error, never a crash).
 #include <gtest/gtest.h>
 
+#include <cerrno>
 #include <cmath>
 #include <filesystem>
 #include <fstream>
@@ -13,6 +14,7 @@
 #include "models/checkpoint.hpp"
 #include "models/json_io.hpp"
 #include "models/params.hpp"
+#include "models/rl/task.hpp"
 #include "models/tokenizer.hpp"
 #include "quant/fp8.hpp"
 #include "tests/tolerances.hpp"
@@ -238,6 +240,12 @@ TEST(Json, DuplicateKeysAndDirectoriesAreRefusedByName) {
   EXPECT_EQ(error_of([&] { checkpoint_load(d.string()); }), (d / "state.json").string() + ": not a file");
   fs::create_directories(d / "tokenizer.json");
   EXPECT_EQ(error_of([&] { tokenizer_load(d.string()); }), (d / "tokenizer.json").string() + ": not a file");
+  // a file that cannot be opened is named with what it is ("cannot open" said neither what nor why)
+  EXPECT_EQ(open_failure((d / "nope.jsonl").string()), (d / "nope.jsonl").string() + ": no such file");
+  EXPECT_EQ(open_failure(d.string()), d.string() + ": is a directory, not a file");
+  EXPECT_EQ(error_of([&] { dataset_load_jsonl((d / "nope.jsonl").string()); }), (d / "nope.jsonl").string() + ": no such file");
+  errno = EACCES;  // an existing file that would not open: errno's reason, as after a failed open
+  EXPECT_EQ(open_failure((d / "config.json").string()), (d / "config.json").string() + ": cannot open (Permission denied)");
   fs::remove_all(d);
 }
 

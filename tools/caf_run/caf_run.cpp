@@ -50,6 +50,7 @@
 #include <vector>
 
 #include "actors/topology.hpp"
+#include "models/json_io.hpp"
 
 namespace {
 
@@ -64,7 +65,7 @@ struct host_entry {
 std::vector<host_entry> read_hostfile(const std::string& path) {
   if (std::filesystem::is_directory(path)) throw std::invalid_argument(path + ": is a directory, not a hostfile");
   std::ifstream f(path);
-  if (!f) throw std::invalid_argument(path + ": cannot open");
+  if (!f) throw std::invalid_argument(fp8rl::models::open_failure(path));
   std::vector<host_entry> hosts;
   std::map<std::string, std::pair<int, std::string>> line_of;  // a host listed again (also as another local name) took the last entry's slots, silently
   std::string line;

@@ -97,7 +97,7 @@ std::vector<jsonl_item> read_token_jsonl(const std::string& path, int64_t vocab,
                                          bool request_keys) {
   if (std::filesystem::is_directory(path)) throw std::invalid_argument(path + ": is a directory, not a JSONL file");
   std::ifstream f(path);
-  if (!f) throw std::invalid_argument(path + ": cannot open");
+  if (!f) throw std::invalid_argument(models::open_failure(path));
   std::vector<jsonl_item> out;
   std::string line;
   models::jsonl_errors errors(path);
