@@ -162,6 +162,9 @@ void topology_validate(const topology& t) {
   int64_t learners = 0, rollouts = 0;
   if (std::none_of(t.nodes.begin(), t.nodes.end(), [](const node_spec& n) { return n.has("controller"); }))
     throw std::invalid_argument(t.source + ": no node has the role 'controller'");
+  // before the per-node checks: without learners "calibration must run on the node of learner 0" blamed calibration
+  if (std::all_of(t.nodes.begin(), t.nodes.end(), [](const node_spec& n) { return n.learners.empty(); }))
+    throw std::invalid_argument(t.source + ": no learner (no node lists learners)");
   for (const auto& n : t.nodes) {
     const std::string where = t.source + ": node '" + n.name + "'";
     // the name becomes a file name (traces/NAME.jsonl): "../../x" wrote outside the run directory
@@ -191,7 +194,6 @@ void topology_validate(const topology& t) {
   }
   for (const auto& r : kRoles)
     if (!role_node.count(r)) throw std::invalid_argument(t.source + ": no node has the role '" + r + "'");
-  if (!learners) throw std::invalid_argument(t.source + ": no learner");
   if (!rollouts) throw std::invalid_argument(t.source + ": no rollout");
 }
 

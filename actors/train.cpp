@@ -606,7 +606,11 @@ int train_main(int argc, char** argv) {
   topology topo = c.topology.empty() ? topology_local(1, 1) : topology_load(c.topology);
   if (c.dump) return train_dump_config(c, cfg, topo);
   const std::string node = c.node.empty() ? topo.controller_node().name : c.node;
-  if (!topo.find(node)) throw std::invalid_argument(topo.source + ": no node named '" + node + "'");
+  if (!topo.find(node)) {
+    std::string names;
+    for (const auto& n : topo.nodes) names += (names.empty() ? "" : ", ") + n.name;
+    throw std::invalid_argument(topo.source + ": no node named '" + node + "' (its nodes: " + names + ")");
+  }
   const node_spec& here = *topo.find(node);
   train_precheck(c, cfg, topo, node);
   fp8rl_config ccfg;

@@ -353,6 +353,10 @@ TEST(Topology, BadFilesNameNodeAndKey) {
   EXPECT_NE(error_of([&] { topology_plan(topology_load(f4)); }).find("cuda:0 used twice"), std::string::npos);
   const auto f5 = write_tmp("t5.conf", "[cluster]\nnodes=[{name=\"a\", roles=[\"buffer\"], learners=[\"cpu:1\"], rollouts=[\"cpu:1\"]}]\n");
   EXPECT_NE(error_of([&] { topology_load(f5); }).find("no node has the role 'controller'"), std::string::npos);
+  // no learner anywhere is said so (it blamed calibration: "must run on the node of learner 0")
+  const auto f5b = write_tmp("t5b.conf", "[cluster]\nnodes=[{name=\"a\", roles=[\"controller\", \"buffer\", \"reward\", \"weight_sync\", \"calibration\"], learners=[], rollouts=[\"cpu:1\"]}]\n");
+  EXPECT_EQ(error_of([&] { topology_load(f5b); }), f5b + ": no learner (no node lists learners)");
+  fs::remove(f5b);
   // calibration beside learner 1 only: learner 0's one-message FP32 weights would cross processes
   const auto f7 = write_tmp("t7.conf",
                             "[cluster]\nnodes=[{name=\"a\", roles=[\"controller\", \"buffer\", \"reward\", \"weight_sync\"], "

@@ -492,3 +492,9 @@ TEST_F(Cli, AModelPathThatIsNoModelDirectoryIsNamed) {
   refused("train --model.init=" + run.string() + " --run-dir " + (dir / "t").string(), "model.init: " + run.string() + ": a run directory");
   EXPECT_FALSE(fs::exists(dir / "t"));
 }
+
+// train --node names a node of the topology; another name is refused with the topology's nodes.
+TEST_F(Cli, AnUnknownNodeIsRefusedWithTheTopologysNodes) {
+  refused("train --topology configs/topologies/two-process.conf --node rollout2",
+          "configs/topologies/two-process.conf: no node named 'rollout2' (its nodes: main, rollout1)");
+}
