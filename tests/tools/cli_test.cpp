@@ -426,6 +426,14 @@ TEST_F(Cli, EveryProgramHasHelp) {
     for (const auto& o : opts) EXPECT_NE(r.out.find(o), std::string::npos) << cmd << " lacks " << o << "\n" << r.out;
   }
   refused("score --bogus 1" + m(), "unknown option --bogus (--help lists the options)");
+  // fp8rl-trace says what is wrong before its usage (a mistyped subcommand only reprinted it)
+  for (const auto& [args, what] : std::vector<std::pair<std::string, std::string>>{
+           {"", "a subcommand and a run directory are needed"}, {" sumary runs/x", "unknown subcommand 'sumary'"},
+           {" merge", "the run directory is missing"}, {" merge a b", "one run directory, no more arguments"}}) {
+    const result t = fp8rl::test::run_command(kBin + "/fp8rl-trace" + args);
+    EXPECT_EQ(t.rc, 2) << args << "\n" << t.out;
+    EXPECT_EQ(t.out.rfind("fp8rl-trace: " + what + "\nusage: fp8rl-trace", 0), 0u) << args << "\n" << t.out;
+  }
   // caf-run: a command given without the -- before it is told where it goes
   const result c = fp8rl::test::run_command(kBin + "/caf-run --hostfile h --topology t.conf " + kBin + "/fp8rl train");
   EXPECT_EQ(c.rc, 2) << c.out;

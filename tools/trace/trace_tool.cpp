@@ -417,9 +417,15 @@ int main(int argc, char** argv) {
     std::fputs(usage, stdout);
     return 0;
   }
-  const std::string cmd = argc == 3 ? argv[1] : "";
-  if (cmd != "merge" && cmd != "summary" && cmd != "shiviz") {
-    std::fputs(usage, stderr);
+  const std::string cmd = argc >= 2 ? argv[1] : "";
+  // what is wrong, then the usage (a mistyped subcommand only reprinted the usage)
+  std::string wrong;
+  if (argc < 2) wrong = "a subcommand and a run directory are needed";
+  else if (cmd != "merge" && cmd != "summary" && cmd != "shiviz") wrong = "unknown subcommand '" + cmd + "'";
+  else if (argc == 2) wrong = "the run directory is missing";
+  else if (argc > 3) wrong = "one run directory, no more arguments";
+  if (!wrong.empty()) {
+    std::fprintf(stderr, "fp8rl-trace: %s\n%s", wrong.c_str(), usage);
     return 2;
   }
   try {
