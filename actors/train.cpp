@@ -19,6 +19,8 @@
 #include <sstream>
 #include <nlohmann/json.hpp>
 #include <thread>
+#include <netinet/in.h>
+#include <sys/socket.h>
 #include <unistd.h>
 
 #include "actors/actors.hpp"
@@ -34,6 +36,19 @@
 
 namespace fp8rl::actors {
 namespace {
+// Whether a TCP port is taken on this machine (bind on any address fails with EADDRINUSE): what
+// CAF's "tcp socket creation failed" did not say.
+bool port_in_use(uint16_t port) {
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  if (fd < 0) return false;
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_port = htons(port);
+  a.sin_addr.s_addr = htonl(INADDR_ANY);
+  const bool used = port != 0 && ::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) != 0 && errno == EADDRINUSE;
+  ::close(fd);
+  return used;
+}
 
 namespace fs = std::filesystem;
 using json = nlohmann::json;
@@ -413,7 +428,9 @@ int run_remote_node(fp8rl_config& cfg, const topology& t, const std::string& nam
     caf::actor_system sys{cfg};
     auto port = sys.middleman().open(static_cast<uint16_t>(n->port), n->host.c_str(), true);
     if (!port) {
-      std::fprintf(stderr, "fp8rl node %s: cannot open port %ld: %s\n", name.c_str(), long(n->port), sys.render(port.error()).c_str());
+      std::fprintf(stderr, "fp8rl node %s: cannot open port %ld on %s: %s%s\n", name.c_str(), long(n->port), n->host.c_str(),
+                   sys.render(port.error()).c_str(), port_in_use(static_cast<uint16_t>(n->port)) ?
+                   " -- the port is in use (another run or program listens there): free it, or give the node another port in the topology" : "");
       return 1;
     }
     std::fprintf(stdout, "fp8rl node %s ready on %s:%u\n", name.c_str(), n->host.c_str(), *port);

@@ -244,6 +244,8 @@ TEST(E2E, CafRunStopsItsGroup) {
   ::close(busy);
   EXPECT_EQ(r.rc, 1);
   EXPECT_NE(r.out.find("node rollout1 failed (exit 1); the group was stopped"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("cannot open port " + std::to_string(port) + " on 127.0.0.1: "), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("-- the port is in use (another run or program listens there)"), std::string::npos) << r.out;
   // a node without a host entry after one with it: refused before any node starts (the earlier
   // node was started and left running); a slots value that is not all a number is refused
   const fs::path three = d / "three.conf";
