@@ -246,8 +246,60 @@ caf::settings config_file_parse(const std::string& path) {
     what = "unexpected character";
   }
   throw std::invalid_argument(path + ":" + std::to_string(line) + (column > 0 ? ":" + std::to_string(column) : std::string()) +
-                              ": " + what + " (CAF config syntax: key=value, [section], \"string\", [list])");
+                              ": " + what + " (CAF config syntax: key=value, [section], strings in quotes: name=\"x\", booleans "
+                              "true or false, [list])");
 }
+
+namespace {
+size_t edit_distance(const std::string& a, const std::string& b) {
+  std::vector<size_t> d(b.size() + 1);
+  for (size_t j = 0; j <= b.size(); ++j) d[j] = j;
+  for (size_t i = 1; i <= a.size(); ++i) {
+    size_t diag = d[0];
+    d[0] = i;
+    for (size_t j = 1; j <= b.size(); ++j) {
+      const size_t up = d[j];
+      d[j] = std::min({d[j] + 1, d[j - 1] + 1, diag + (a[i - 1] == b[j - 1] ? 0 : 1)});
+      diag = up;
+    }
+  }
+  return d[b.size()];
+}
+
+// " (did you mean 'run.steps'?)" for the closest known key within 2 edits, or the same key name
+// in another section; "" for none.
+std::string key_suggestion(const std::string& key, const std::vector<recipe_key>& keys) {
+  std::string best;
+  size_t best_d = 3;
+  for (const auto& k : keys) {
+    const std::string full = std::string(k.section) + "." + k.name;
+    const size_t d = key.substr(key.find('.') + 1) == k.name ? 1 : edit_distance(key, full);
+    if (d < best_d) best_d = d, best = full;
+  }
+  return best.empty() ? "" : " (did you mean '" + best + "'?)";
+}
+
+// The line of `section.name = ...` in the file at path ("" if not found, e.g. in a { } group).
+std::string key_line(const std::string& path, const std::string& section, const std::string& name) {
+  std::ifstream f(path);
+  std::string line, at;
+  for (int n = 1; std::getline(f, line); ++n) {
+    const size_t b = line.find_first_not_of(" \t");
+    if (b == std::string::npos) continue;
+    if (line[b] == '[') {
+      const size_t e = line.find(']', b);
+      at = e == std::string::npos ? "" : line.substr(b + 1, e - b - 1);
+      at.erase(0, at.find_first_not_of(" \t"));
+      at.erase(at.find_last_not_of(" \t") + 1);
+    } else if (at == section && line.compare(b, name.size(), name) == 0 &&
+               line.find_first_not_of(" \t", b + name.size()) != std::string::npos &&
+               line[line.find_first_not_of(" \t", b + name.size())] == '=') {
+      return ":" + std::to_string(n);
+    }
+  }
+  return "";
+}
+}  // namespace
 
 void recipe_load_file(run_config& r, const std::string& path) {
   const caf::settings parsed = config_file_parse(path);
@@ -257,10 +309,14 @@ void recipe_load_file(run_config& r, const std::string& path) {
     if (!dict) throw std::invalid_argument(path + ": '" + section + "' is not a [section]");
     bool known_section = false;
     for (const auto& k : keys) known_section |= section == k.section;
-    if (!known_section) throw std::invalid_argument(path + ": unknown section [" + section + "]");
+    if (!known_section)
+      throw std::invalid_argument(path + ": unknown section [" + section + "]" +
+                                  (section == "cluster" ? " (a topology's section: give a topology with --topology)" : ""));
     for (const auto& [name, v] : *dict) {
       auto it = std::find_if(keys.begin(), keys.end(), [&](const recipe_key& k) { return section == k.section && name == k.name; });
-      if (it == keys.end()) throw std::invalid_argument(path + ": unknown key '" + section + "." + name + "'");
+      if (it == keys.end())
+        throw std::invalid_argument(path + key_line(path, section, name) + ": unknown key '" + section + "." + name + "'" +
+                                    key_suggestion(section + "." + name, keys));
       set_from_config_value(*it, v, path);
       r.set_by[section + "." + name] = path;
     }
@@ -294,7 +350,7 @@ void recipe_apply_cli(run_config& r, const std::string& arg) {
     r.set_by[key] = arg;
     return;
   }
-  throw std::invalid_argument("unknown option --" + key);
+  throw std::invalid_argument("unknown option --" + key + key_suggestion(key, recipe_keys(r)));
 }
 
 void recipe_validate(const run_config& r) {

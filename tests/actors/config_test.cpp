@@ -39,9 +39,17 @@ std::string error_of(const std::function<void()>& f) {
 
 TEST(Recipe, UnknownAndIllTypedKeysNameFileAndKey) {
   run_config r;
-  const auto f1 = write_tmp("a.conf", "[rollout]\nslotz=4\n");
-  EXPECT_NE(error_of([&] { recipe_load_file(r, f1); }).find("unknown key 'rollout.slotz'"), std::string::npos);
-  EXPECT_NE(error_of([&] { recipe_load_file(r, f1); }).find(f1), std::string::npos);
+  // an unknown key names its line and the closest key (within two edits, or its name in another
+  // section); a topology's section says where a topology goes
+  const auto f1 = write_tmp("a.conf", "[rollout]\ntop_k=2\n  slotz = 4\n");
+  EXPECT_EQ(error_of([&] { recipe_load_file(r, f1); }), f1 + ":3: unknown key 'rollout.slotz' (did you mean 'rollout.slots'?)");
+  EXPECT_EQ(error_of([&] { recipe_apply_cli(r, "--run.step=5"); }), "unknown option --run.step (did you mean 'run.steps'?)");
+  EXPECT_EQ(error_of([&] { recipe_apply_cli(r, "--run.lr=5"); }), "unknown option --run.lr (did you mean 'optim.lr'?)");
+  EXPECT_EQ(error_of([&] { recipe_apply_cli(r, "--grpo.zzzzzz=5"); }), "unknown option --grpo.zzzzzz");
+  const auto topo = write_tmp("topo.conf", "[cluster]\nnodes=[]\n");
+  EXPECT_EQ(error_of([&] { recipe_load_file(r, topo); }),
+            topo + ": unknown section [cluster] (a topology's section: give a topology with --topology)");
+  fs::remove(topo);
   const auto f2 = write_tmp("b.conf", "[rollout]\nslots=\"many\"\n");
   EXPECT_NE(error_of([&] { recipe_load_file(r, f2); }).find("'rollout.slots' must be an integer"), std::string::npos);
   const auto f3 = write_tmp("c.conf", "[rolout]\nslots=4\n");
@@ -353,6 +361,11 @@ TEST(Topology, BadFilesNameNodeAndKey) {
   EXPECT_NE(error_of([&] { topology_plan(topology_load(f4)); }).find("cuda:0 used twice"), std::string::npos);
   const auto f5 = write_tmp("t5.conf", "[cluster]\nnodes=[{name=\"a\", roles=[\"buffer\"], learners=[\"cpu:1\"], rollouts=[\"cpu:1\"]}]\n");
   EXPECT_NE(error_of([&] { topology_load(f5); }).find("no node has the role 'controller'"), std::string::npos);
+  // a recipe given as a topology is said to be one
+  const auto rec = write_tmp("rec.conf", "[async]\nmax_staleness=1\n");
+  EXPECT_EQ(error_of([&] { topology_load(rec); }),
+            rec + ": unknown section [async] (a topology holds [cluster] only; this looks like a recipe: give it with --recipe)");
+  fs::remove(rec);
   // no learner anywhere is said so (it blamed calibration: "must run on the node of learner 0")
   const auto f5b = write_tmp("t5b.conf", "[cluster]\nnodes=[{name=\"a\", roles=[\"controller\", \"buffer\", \"reward\", \"weight_sync\", \"calibration\"], learners=[], rollouts=[\"cpu:1\"]}]\n");
   EXPECT_EQ(error_of([&] { topology_load(f5b); }), f5b + ": no learner (no node lists learners)");
