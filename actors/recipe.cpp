@@ -55,6 +55,8 @@ std::vector<recipe_key> recipe_keys(run_config& r) {
       {"precision", "scale_mode", &r.scale_mode, "pow2 or fp32 (run-wide)"},
       {"precision", "bf16_first", &r.bf16_first, "first N transformer layers kept BF16 (both sides)"},
       {"precision", "bf16_last", &r.bf16_last, "last N transformer layers kept BF16 (both sides)"},
+      {"precision", "bf16_names", &r.bf16_names, "linear layers kept BF16 by name (both sides; NeMo RL's "
+       "quantization_ignored_layer_kws): comma-separated substrings of 'model.layers.L.PROJ', e.g. \"mlp.down_proj,layers.0.\""},
       {"grpo", "normalize_std", &r.normalize_std, "divide advantages by the group std"},
       {"grpo", "share_prompts", &r.share_prompts, "learner runs a group's common prompt once (logprobs unchanged bit for bit)"},
       {"grpo", "clip_low", &r.clip_low, "PPO clip epsilon below (binds only when r = exp(c - p) moves from 1: fp8rl takes one optimizer step per batch with p = c, rl-algorithm.md section 4, so r = 1 and the clip never binds; clip_fraction reads 0)"},
@@ -90,6 +92,18 @@ std::vector<recipe_key> recipe_keys(run_config& r) {
 }
 
 namespace {
+
+// "a,b" -> {"a", "b"}; "" -> {} (empty pieces kept: recipe_validate refuses them)
+std::vector<std::string> bf16_names_split(const std::string& s) {
+  std::vector<std::string> out;
+  if (s.empty()) return out;
+  for (size_t b = 0;;) {
+    const size_t e = s.find(',', b);
+    out.push_back(s.substr(b, e == std::string::npos ? std::string::npos : e - b));
+    if (e == std::string::npos) return out;
+    b = e + 1;
+  }
+}
 
 std::string type_name(const recipe_key& k) {
   switch (k.ptr.index()) {
@@ -385,6 +399,8 @@ void recipe_validate(const run_config& r) {
   // (the precision policy's own check named no recipe key, and ran after the SFT warm start)
   if (r.bf16_first < 0) fail("precision.bf16_first", "must be >= 0");
   if (r.bf16_last < 0) fail("precision.bf16_last", "must be >= 0");
+  for (const auto& n : bf16_names_split(r.bf16_names))
+    if (n.empty()) fail("precision.bf16_names", "'" + r.bf16_names + "' has an empty name (comma-separated, none empty)");
   if (r.eval_every < 0) fail("run.eval_every", "must be >= 0");
   if (r.checkpoint_every < 0) fail("run.checkpoint_every", "must be >= 0");
   if (r.val_size <= 0) fail("task.val_size", "must be > 0 (the run ends with a validation)");
@@ -578,6 +594,7 @@ models::rl_run_config recipe_rl_config(const run_config& r) {
     *p = models::precision_policy::named(p == &c.gen_policy ? r.generation : r.training);
     p->bf16_first = r.bf16_first;
     p->bf16_last = r.bf16_last;
+    p->bf16_names = bf16_names_split(r.bf16_names);
     p->scales = *quant::scale_mode_parse(r.scale_mode);
   }
   c.verifier = *models::verifier_parse(r.verifier);

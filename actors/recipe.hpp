@@ -45,6 +45,7 @@ struct run_config {
   // [precision]
   std::string generation = "fp8", training = "fp8", scale_mode = "pow2";
   int64_t bf16_first = 0, bf16_last = 0;
+  std::string bf16_names;  // comma-separated substrings of linear-layer names kept BF16 (both sides)
   // [grpo]
   bool normalize_std = true;
   bool share_prompts = true;

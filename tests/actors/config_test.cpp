@@ -110,6 +110,7 @@ TEST(Recipe, MalformedFilesAndOutOfRangeValuesNameTheirKey) {
            // threshold below 1 dropped every sequence (e_i >= 1)
            {"--grpo.is_lo=-1", "grpo.is_lo"}, {"--grpo.is_hi=0", "grpo.is_hi"}, {"--grpo.is_hi=-0.5", "grpo.is_lo"},
            {"--grpo.seq_logprob_error_threshold=0.5", "grpo.seq_logprob_error_threshold"},
+           {"--precision.bf16_names=a,,b", "precision.bf16_names"}, {"--precision.bf16_names=a,", "precision.bf16_names"},
            // token_mult_prob_error >= 1: a median limit at 1 failed every run
            {"--health.gates=maybe", "health.gates"}, {"--health.min_steps=0", "health.min_steps"},
            {"--health.tmpe_median_max=1", "health.tmpe_median_max"}, {"--health.tmpe_steps_above_max=0", "health.tmpe_steps_above_max"},
@@ -174,7 +175,7 @@ TEST(Recipe, RlConfigTakesEachKeyToItsField) {
                         "--optim.grad_clip=0.5", "--rollout.prompts_per_step=7", "--rollout.max_new_tokens=9",
                         "--rollout.temperature=0.7", "--rollout.top_k=5", "--rollout.top_p=0.9", "--precision.generation=fp8-kv",
                         "--precision.training=bf16", "--precision.scale_mode=fp32", "--precision.bf16_first=1",
-                        "--precision.bf16_last=2", "--task.verifier=exact", "--run.seed=7", "--calibration.margin=1.2",
+                        "--precision.bf16_last=2", "--precision.bf16_names=mlp.down_proj,layers.0.", "--task.verifier=exact", "--run.seed=7", "--calibration.margin=1.2",
                         "--calibration.percentile=0.99", "--health.gates=warn", "--health.min_steps=7",
                         "--health.tmpe_median_max=1.3", "--health.tmpe_steps_above_max=0.2", "--health.gen_kl_mean_max=0.01"})
     recipe_apply_cli(r, o);
@@ -215,6 +216,7 @@ TEST(Recipe, RlConfigTakesEachKeyToItsField) {
     EXPECT_EQ(p->scales, fp8rl::quant::scale_mode::fp32);
     EXPECT_EQ(p->bf16_first, 1);
     EXPECT_EQ(p->bf16_last, 2);
+    EXPECT_EQ(p->bf16_names, (std::vector<std::string>{"mlp.down_proj", "layers.0."}));
   }
   EXPECT_EQ(c.verifier, fp8rl::models::verifier_kind::exact);
   EXPECT_EQ(c.seed, 7u);
