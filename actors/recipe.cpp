@@ -58,6 +58,8 @@ std::vector<recipe_key> recipe_keys(run_config& r) {
       {"precision", "bf16_names", &r.bf16_names, "linear layers kept BF16 by name (both sides; NeMo RL's "
        "quantization_ignored_layer_kws): comma-separated substrings of 'model.layers.L.PROJ', e.g. \"mlp.down_proj,layers.0.\""},
       {"grpo", "normalize_std", &r.normalize_std, "divide advantages by the group std"},
+      {"grpo", "leave_one_out", &r.leave_one_out, "baseline and std of the group's other rewards (NeMo RL's "
+       "use_leave_one_out_baseline; its std is their population std)"},
       {"grpo", "share_prompts", &r.share_prompts, "learner runs a group's common prompt once (logprobs unchanged bit for bit)"},
       {"grpo", "clip_low", &r.clip_low, "PPO clip epsilon below (binds only when r = exp(c - p) moves from 1: fp8rl takes one optimizer step per batch with p = c, rl-algorithm.md section 4, so r = 1 and the clip never binds; clip_fraction reads 0)"},
       {"grpo", "clip_high", &r.clip_high, "PPO clip epsilon above (as clip_low: inert while r = 1)"},
@@ -572,6 +574,7 @@ models::rl_run_config recipe_rl_config(const run_config& r) {
   models::rl_run_config c;
   c.grpo.group_size = r.group_size;
   c.grpo.normalize_std = r.normalize_std;
+  c.grpo.leave_one_out = r.leave_one_out;
   c.grpo.share_prompts = r.share_prompts;
   c.grpo.clip_low = static_cast<float>(r.clip_low);
   c.grpo.clip_high = static_cast<float>(r.clip_high);

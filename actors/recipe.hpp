@@ -48,6 +48,7 @@ struct run_config {
   std::string bf16_names;  // comma-separated substrings of linear-layer names kept BF16 (both sides)
   // [grpo]
   bool normalize_std = true;
+  bool leave_one_out = false;
   bool share_prompts = true;
   double clip_low = 0.2, clip_high = 0.2, dual_clip = 0.0, is_lo = 0.0, is_hi = 2.0, kl_beta = 0.0,
          seq_logprob_error_threshold = 0.0;

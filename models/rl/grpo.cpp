@@ -25,7 +25,7 @@ std::string_view is_mode_name(is_mode m) {
   return "?";
 }
 
-std::vector<float> grpo_advantages(const std::vector<float>& r, int64_t G, bool normalize_std, float eps) {
+std::vector<float> grpo_advantages(const std::vector<float>& r, int64_t G, bool normalize_std, float eps, bool leave_one_out) {
   if (G <= 0 || r.size() % static_cast<size_t>(G))
     throw std::invalid_argument("grpo_advantages: " + std::to_string(r.size()) + " rewards are not groups of " + std::to_string(G));
   std::vector<float> a(r.size());
@@ -36,12 +36,21 @@ std::vector<float> grpo_advantages(const std::vector<float>& r, int64_t G, bool 
         throw std::invalid_argument("grpo_advantages: reward " + std::to_string(g0 + i) + " is " + std::to_string(r[g0 + i]));
       mean += r[g0 + i];
     }
+    const double sum = mean;
     mean /= double(G);
     for (int64_t i = 0; i < G; ++i) var += (r[g0 + i] - mean) * (r[g0 + i] - mean);
     const double sd = G > 1 ? std::sqrt(var / double(G - 1)) : 0.0;  // unbiased, as torch.std
     for (int64_t i = 0; i < G; ++i) {
-      const double d = r[g0 + i] - mean;  // identical rewards: A = 0 (also when eps = 0)
-      a[g0 + i] = static_cast<float>(!normalize_std || d == 0.0 ? d : d / (sd + eps));
+      double base = mean, s = sd;
+      if (leave_one_out && G > 1) {  // the others' mean and population std
+        base = (sum - r[g0 + i]) / double(G - 1);
+        double sq = 0;
+        for (int64_t j = 0; j < G; ++j)
+          if (j != i) sq += (r[g0 + j] - base) * (r[g0 + j] - base);
+        s = std::sqrt(sq / double(G - 1));
+      }
+      const double d = G > 1 ? r[g0 + i] - base : 0.0;  // identical rewards: A = 0 (also when eps = 0)
+      a[g0 + i] = static_cast<float>(!normalize_std || d == 0.0 ? d : d / (s + eps));
     }
   }
   return a;

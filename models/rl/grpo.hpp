@@ -24,6 +24,7 @@ std::string_view is_mode_name(is_mode m);
 struct grpo_config {
   int64_t group_size = 8;
   bool normalize_std = true;   // A = (r - mean) / (std + eps); false: r - mean
+  bool leave_one_out = false;  // NeMo RL's leave-one-out baseline (grpo_advantages)
   float adv_eps = 1e-6f;
   float clip_low = 0.2f, clip_high = 0.2f;
   float dual_clip = 0.0f;      // c > 1 enables the dual clip for A < 0
@@ -34,8 +35,13 @@ struct grpo_config {
   bool share_prompts = true;  // learner: a group's common prompt runs once (learner_batch_build)
 };
 
-// Advantages for rewards laid out as consecutive groups of `group_size`.
-std::vector<float> grpo_advantages(const std::vector<float>& rewards, int64_t group_size, bool normalize_std, float eps);
+// Advantages for rewards laid out as consecutive groups of `group_size` (rl-algorithm.md section 1):
+// A_i = (r_i - mean) / (std + eps), std the sample (G - 1) std as torch.std; with leave_one_out
+// NeMo RL's calculate_baseline_and_std_per_prompt: the mean and the population std of the group's
+// other rewards, sqrt(mean_{j!=i} r_j^2 - mean_{j!=i}^2) (RLOO's baseline). A reward equal to its
+// baseline has A = 0; a group of one has A = 0.
+std::vector<float> grpo_advantages(const std::vector<float>& rewards, int64_t group_size, bool normalize_std, float eps,
+                                   bool leave_one_out = false);
 
 // Flattened response tokens of a global batch.
 struct token_batch_rl {

@@ -59,7 +59,7 @@ void group_score(std::span<rl_sample> group, const std::string& answer, const to
     x.reward = verify(vk, tok.decode(response_body(x.response, stops), true), answer);
     rewards.push_back(x.reward);
   }
-  const auto adv = grpo_advantages(rewards, static_cast<int64_t>(rewards.size()), cfg.normalize_std, cfg.adv_eps);
+  const auto adv = grpo_advantages(rewards, static_cast<int64_t>(rewards.size()), cfg.normalize_std, cfg.adv_eps, cfg.leave_one_out);
   for (size_t i = 0; i < adv.size(); ++i) group[i].advantage = adv[i];
 }
 

@@ -168,7 +168,7 @@ TEST(Recipe, CliOverridesAndDumpRoundTrip) {
 // cancelled out).
 TEST(Recipe, RlConfigTakesEachKeyToItsField) {
   run_config r;
-  for (const char* o : {"--rollout.group_size=3", "--grpo.normalize_std=false", "--grpo.share_prompts=false", "--grpo.clip_low=0.11",
+  for (const char* o : {"--rollout.group_size=3", "--grpo.normalize_std=false", "--grpo.leave_one_out=true", "--grpo.share_prompts=false", "--grpo.clip_low=0.11",
                         "--grpo.clip_high=0.31", "--grpo.dual_clip=3.5", "--grpo.is_mode=icepop", "--grpo.is_lo=0.4",
                         "--grpo.is_hi=1.7", "--grpo.kl_beta=0.05", "--grpo.seq_logprob_error_threshold=1.6", "--optim.lr=0.001",
                         "--optim.beta1=0.8", "--optim.beta2=0.95", "--optim.eps=1e-06", "--optim.weight_decay=0.01",
@@ -190,6 +190,7 @@ TEST(Recipe, RlConfigTakesEachKeyToItsField) {
   const auto c = recipe_rl_config(r);
   EXPECT_EQ(c.grpo.group_size, 3);
   EXPECT_FALSE(c.grpo.normalize_std);
+  EXPECT_TRUE(c.grpo.leave_one_out);
   EXPECT_FALSE(c.grpo.share_prompts);
   EXPECT_EQ(c.grpo.clip_low, 0.11f);
   EXPECT_EQ(c.grpo.clip_high, 0.31f);

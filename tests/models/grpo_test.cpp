@@ -68,6 +68,29 @@ TEST(Grpo, AdvantagesAreGroupNormalized) {
   EXPECT_THROW(grpo_advantages({1, std::nanf(""), 0, 1}, 2, true, 0.0f), std::invalid_argument);  // a NaN group
 }
 
+// The leave-one-out baseline (NeMo RL's calculate_baseline_and_std_per_prompt): for {1, 0, 0, 1}
+// reward 1's others {0, 0, 1} have mean 1/3 and population std sqrt(1/3 - 1/9) = sqrt(2/9), so
+// A = (2/3) / sqrt(2/9) = sqrt(2); reward 0's others {1, 0, 1}: mean 2/3, the same std, A = -sqrt(2).
+// Unnormalized: r - the others' mean. Identical rewards and a group of one: 0.
+TEST(Grpo, LeaveOneOutAdvantagesByHand) {
+  const auto a = grpo_advantages({1, 0, 0, 1, 2, 2, 2, 2}, 4, true, 0.0f, true);
+  const double sd = std::sqrt(2.0 / 9.0);
+  EXPECT_FLOAT_EQ(a[0], static_cast<float>((2.0 / 3.0) / sd));  // FP64 sums of thirds: within an FP32 ulp of sqrt(2)
+  EXPECT_FLOAT_EQ(a[1], static_cast<float>(-(2.0 / 3.0) / sd));
+  EXPECT_EQ(a[0], a[3]);
+  EXPECT_EQ(a[1], a[2]);
+  for (int i = 4; i < 8; ++i) EXPECT_EQ(a[i], 0.0f);
+  const auto m = grpo_advantages({3, 1, 2}, 3, false, 0.0f, true);
+  EXPECT_EQ(m[0], 1.5f);   // 3 - (1 + 2) / 2
+  EXPECT_EQ(m[1], -1.5f);  // 1 - (3 + 2) / 2
+  EXPECT_EQ(m[2], 0.0f);
+  EXPECT_EQ(grpo_advantages({5}, 1, true, 0.0f, true)[0], 0.0f);
+  // eps joins the others' std: {1, 0}: each has one other, std 0, A = +-1 / eps
+  const auto e = grpo_advantages({1, 0}, 2, true, 0.5f, true);
+  EXPECT_EQ(e[0], 2.0f);
+  EXPECT_EQ(e[1], -2.0f);
+}
+
 // The batch metrics by hand: 4 samples, rewards {1, 0, 0, 1} (population std 0.5), responses of
 // 1, 2, 3 and 6 tokens sampled 1 behind the learner (no test read reward_std or response_length).
 TEST(Grpo, BatchMetricsByHand) {
@@ -1013,4 +1036,23 @@ TEST(Grpo, SftTakesAnExampleThatExactlyFillsTheContext) {
   sc.steps = 1;
   sc.batch = 1;
   EXPECT_NO_THROW(sft_train(p, opt, d, *tok, sc));
+}
+
+// The rollouts' groups take their advantages with the run's baseline: leave_one_out reaches
+// group scoring (rollout_samples -> group_score).
+TEST(Grpo, GroupScoringTakesTheLeaveOneOutBaseline) {
+  auto tok = char_tokenizer_make("0123456789+=");
+  const std::vector<int32_t> stops = {tok->eos};
+  std::vector<gen_result> rs(3);
+  for (uint64_t j = 0; j < 3; ++j) rs[j].id = 12 + j, rs[j].tokens = tok->encode(j == 0 ? "3" : "4", false);
+  for (bool loo : {false, true}) {
+    grpo_config g;
+    g.group_size = 3;
+    g.leave_one_out = loo;
+    const auto smp = rollout_samples(rs, {{4, "3"}}, *tok, stops, verifier_kind::numeric, g);
+    ASSERT_EQ(smp.size(), 3u);
+    const auto want = grpo_advantages({1, 0, 0}, 3, true, g.adv_eps, loo);
+    for (size_t j = 0; j < 3; ++j) EXPECT_EQ(smp[j].advantage, want[j]) << "leave_one_out " << loo << " sample " << j;
+  }
+  EXPECT_NE(grpo_advantages({1, 0, 0}, 3, true, 1e-6f, true)[1], grpo_advantages({1, 0, 0}, 3, true, 1e-6f, false)[1]);
 }
