@@ -201,6 +201,8 @@ void audit_into(learner_state& s, const std::vector<models::rl_sample>& samples,
     if (audited >= want) break;
     if (smp.response.empty()) continue;
     const uint64_t v = smp.weight_version.front();
+    // a sequence sampled across an adoption has no one behaviour version to re-score at (under
+    // kv_policy recompute one forward per version would do it; not done): audited are those of one
     if (std::any_of(smp.weight_version.begin(), smp.weight_version.end(), [&](uint64_t x) { return x != v; })) continue;
     const std::vector<float>* w = nullptr;
     if (v == s.version) w = &s.ck.params.data;

@@ -241,6 +241,9 @@ learner_out learner_grpo(model_runner& run, const model_weights& w, const std::v
   token_batch_rl& rl = out.tokens;
   rl = rl_tokens(samples);
   std::vector<float> all(targets.size());
+  // ref and c under the same logit processing as g (rl-algorithm.md section 2): the KL term is
+  // between the processed distributions (NeMo RL takes it on unfiltered logprobs; with top-k/top-p
+  // a token the learner's filter drops has c = -inf and only its clamped k3, no gradient)
   if (ref) {
     run.forward(*ref, b, false);
     run.logprobs(targets, proc, all.data());
