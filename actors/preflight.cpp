@@ -50,41 +50,43 @@ size_t answer_tokens(const models::tokenizer& tok, models::verifier_kind vk, con
   return best;
 }
 
-// An answer whose every accepted response is longer than rollout.max_new_tokens (or that the
-// tokenizer cannot encode) can never be rewarded: refused when no training answer fits
-// (builtin:mul6 under the default 5 tokens trained on reward 0), else counted in a warning.
-// Answers of a split no response can be rewarded for (`why(i)`: "" or the reason): refused when
-// that is every training answer (`fix` says what to change), else a warning with their count.
-void unrewardable_check(const models::dataset& d, bool val, const std::function<std::string(size_t)>& why, const std::string& fix) {
-  size_t count = 0;
-  std::string first;
-  for (size_t i = 0; i < d.items.size(); ++i)
-    if (std::string w = why(i); !w.empty() && count++ == 0) first = models::example_where(d, i) + ", '" + d.items[i].answer + "', " + w;
-  if (count == 0) return;
-  const std::string what = std::to_string(count) + " of " + std::to_string(d.items.size()) + (val ? " validation" : " training") +
-                           " answers can never be rewarded (the first: " + first + ")";
-  if (!val && count == d.items.size()) throw std::invalid_argument(what + ": " + fix);
-  log_get("train")->warn("{}", what);
-}
-
-// Answers under the numeric verifier that are no numbers, and answers whose every accepted
-// response is longer than rollout.max_new_tokens (or that the tokenizer cannot encode).
+// Answers no response can be rewarded for -- under the numeric verifier no number; longer than
+// rollout.max_new_tokens in every accepted form, or not encodable by the tokenizer -- each counted
+// once, by its first reason: refused when that is every training answer (builtin:mul6 under
+// the default 5 tokens trained on reward 0), else a warning with each reason's count and first
+// example ('two' was counted by both checks, a too-long answer's length not shown).
 void answers_fit(const run_config& cfg, const models::dataset& d, const models::tokenizer& tok, bool val) {
   const auto vk = recipe_rl_config(cfg).verifier;
-  if (vk == models::verifier_kind::numeric)
-    unrewardable_check(
-        d, val, [&](size_t i) { return models::answer_is_number(d.items[i].answer) ? "" : "not a number under task.verifier = numeric"; },
-        "use task.verifier = exact");
-  unrewardable_check(
-      d, val,
-      [&](size_t i) {
-        const size_t n = answer_tokens(tok, vk, d.items[i].answer);
-        if (n == 0) return std::string("not encodable by the tokenizer");
-        return static_cast<int64_t>(n) > cfg.max_new_tokens
-                   ? std::to_string(n) + " tokens, more than rollout.max_new_tokens " + std::to_string(cfg.max_new_tokens)
-                   : std::string();
-      },
-      "raise rollout.max_new_tokens (and model.max_context with it)");
+  struct kind { size_t count = 0; std::string first; const char* fix; };
+  kind kinds[2] = {{0, "", "use task.verifier = exact"}, {0, "", "raise rollout.max_new_tokens (and model.max_context with it)"}};
+  for (size_t i = 0; i < d.items.size(); ++i) {
+    const std::string& ans = d.items[i].answer;
+    std::string why;
+    int k = 0;
+    if (vk == models::verifier_kind::numeric && !models::answer_is_number(ans)) {
+      why = "not a number under task.verifier = numeric";
+    } else {
+      k = 1;
+      const size_t n = answer_tokens(tok, vk, ans);
+      if (n == 0) why = "not encodable by the tokenizer";
+      else if (static_cast<int64_t>(n) > cfg.max_new_tokens)
+        why = std::to_string(n) + " tokens, more than rollout.max_new_tokens " + std::to_string(cfg.max_new_tokens);
+    }
+    if (!why.empty() && kinds[k].count++ == 0) kinds[k].first = models::example_where(d, i) + ", '" + ans + "', " + why;
+  }
+  const size_t count = kinds[0].count + kinds[1].count;
+  if (count == 0) return;
+  std::string what = std::to_string(count) + " of " + std::to_string(d.items.size()) + (val ? " validation" : " training") +
+                     " answers can never be rewarded";
+  std::string fix;
+  for (const auto& k : kinds) {
+    if (!k.count) continue;
+    what += fix.empty() ? (k.count == count ? " (" : ": " + std::to_string(k.count) + " (") : " and " + std::to_string(k.count) + " (";
+    what += "the first: " + k.first + ")";
+    fix += (fix.empty() ? "" : "; ") + std::string(k.fix);
+  }
+  if (!val && count == d.items.size()) throw std::invalid_argument(what + ": " + fix);
+  log_get("train")->warn("{}", what);
 }
 
 }  // namespace

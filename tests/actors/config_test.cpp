@@ -836,4 +836,15 @@ TEST(Preflight, AnswersFitByTheirShortestAcceptedForm) {
   EXPECT_NE(error_of([&] { examples_fit_check(r, *tok); }).find("'100000', 5 tokens, more than rollout.max_new_tokens 4"), std::string::npos)
       << error_of([&] { examples_fit_check(r, *tok); });
   fs::remove(f);
+  // each answer is counted once, by its first reason, and each reason shows its first example
+  // ('two' was counted as no number and again as not encodable; a long answer's length unshown)
+  const auto mix = write_tmp("mix.jsonl", "{\"prompt\": \"1+1=\", \"answer\": \"two\"}\n"
+                                          "{\"prompt\": \"1+1=\", \"answer\": 123456789}\n");
+  run_config m;
+  m.task = mix;
+  EXPECT_EQ(error_of([&] { examples_fit_check(m, *tok); }),
+            "2 of 2 training answers can never be rewarded: 1 (the first: " + mix + ":1, 'two', not a number under "
+            "task.verifier = numeric) and 1 (the first: " + mix + ":2, '123456789', 9 tokens, more than rollout.max_new_tokens 5): "
+            "use task.verifier = exact; raise rollout.max_new_tokens (and model.max_context with it)");
+  fs::remove(mix);
 }
