@@ -11,6 +11,7 @@
 #include <sstream>
 
 #include "models/params.hpp"
+#include "models/tokenizer.hpp"
 #include "tests/test_util.hpp"
 
 namespace fs = std::filesystem;
@@ -505,4 +506,21 @@ TEST_F(Cli, AModelPathThatIsNoModelDirectoryIsNamed) {
 TEST_F(Cli, AnUnknownNodeIsRefusedWithTheTopologysNodes) {
   refused("train --topology configs/topologies/two-process.conf --node rollout2",
           "configs/topologies/two-process.conf: no node named 'rollout2' (its nodes: main, rollout1)");
+}
+
+// generate prints each response's text, decoded without special tokens, where the model directory
+// has a tokenizer (the output held token ids only, even for {"text": ...} prompts); without one,
+// no "text".
+TEST_F(Cli, GeneratePrintsTheDecodedTextWithATokenizer) {
+  const fs::path ck = dir / "ck";
+  ASSERT_EQ(run("sft --steps 1 --batch 2 --out " + ck.string()).rc, 0);
+  const std::string gen = "generate --temperature 0 --max-tokens 4 --log-level warn --prompts " +
+                          write("t.jsonl", "{\"text\": \"12+3=\"}\n").string();
+  const auto out = json_lines(run(gen + " --model " + ck.string()).out);
+  ASSERT_EQ(out.size(), 1u);
+  const auto tok = fp8rl::models::tokenizer_load(ck.string());
+  EXPECT_EQ(out[0].value("text", std::string("(none)")), tok->decode(out[0]["tokens"].get<std::vector<int32_t>>(), true));
+  const auto plain = json_lines(run("generate --temperature 0 --max-tokens 2 --prompts " + write("i.jsonl", "{\"tokens\": [3]}\n").string() + m()).out);
+  ASSERT_EQ(plain.size(), 1u);
+  EXPECT_FALSE(plain[0].contains("text"));
 }

@@ -24,7 +24,7 @@ const char* const kUsage =
     "(a model directory with a tokenizer), each optionally with its own \"max_tokens\": N and \"stop\": [ids...]\n"
     "(instead of --max-tokens / --stop); output one JSON line per prompt, in input order:\n"
     "  {\"tokens\": [...], \"logprobs\": [...], \"weight_version\": [...], \"scale_version\": [...],\n"
-    "   \"finish\": \"stop\"|\"length\"}\n"
+    "   \"finish\": \"stop\"|\"length\", \"text\": \"...\" (with a tokenizer: the tokens decoded, special ones left out)}\n"
     "logprobs are log p(token) under the distribution sampled from (after temperature, top-k, top-p;\n"
     "greedy -- temperature 0 -- reports temperature-1 logprobs after top-k/top-p). With an FP8 KV\n"
     "cache the Q/K/V scales (amax * 1.05 / 448; forward passes of at most 2048 tokens) come from\n"
@@ -162,6 +162,7 @@ int cmd_generate(int argc, char** argv) {
     for (const auto& r : eng.run_to_completion()) {
       nlohmann::json out = {{"tokens", r.tokens}, {"logprobs", r.logprobs}, {"weight_version", r.weight_version},
                             {"scale_version", r.scale_version}, {"finish", r.finish}};
+      if (tok) out["text"] = tok->decode(r.tokens, true);  // special tokens (the stop token) left out
       std::printf("%s\n", out.dump().c_str());
     }
     auto report = [](const char* what, const std::vector<int64_t>& sat) {  // fp8-numerics.md §8: per layer
