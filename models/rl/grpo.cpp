@@ -50,7 +50,9 @@ std::vector<float> grpo_advantages(const std::vector<float>& r, int64_t G, bool 
         s = std::sqrt(sq / double(G - 1));
       }
       const double d = G > 1 ? r[g0 + i] - base : 0.0;  // identical rewards: A = 0 (also when eps = 0)
-      a[g0 + i] = static_cast<float>(!normalize_std || d == 0.0 ? d : d / (s + eps));
+      // the others all equal (std 0; "1 right of G" under leave-one-out): r - baseline, as NeMo RL
+      // divides only where std > 0 (d / eps made it +-1e6)
+      a[g0 + i] = static_cast<float>(!normalize_std || d == 0.0 || s == 0.0 ? d : d / (s + eps));
     }
   }
   return a;

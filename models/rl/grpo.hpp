@@ -39,7 +39,8 @@ struct grpo_config {
 // A_i = (r_i - mean) / (std + eps), std the sample (G - 1) std as torch.std; with leave_one_out
 // NeMo RL's calculate_baseline_and_std_per_prompt: the mean and the population std of the group's
 // other rewards, sqrt(mean_{j!=i} r_j^2 - mean_{j!=i}^2) (RLOO's baseline). A reward equal to its
-// baseline has A = 0; a group of one has A = 0.
+// baseline has A = 0; a group of one has A = 0; where the std is 0 (under leave-one-out: the
+// others all equal) A = r - baseline, undivided, as NeMo RL's std > 0 guard.
 std::vector<float> grpo_advantages(const std::vector<float>& rewards, int64_t group_size, bool normalize_std, float eps,
                                    bool leave_one_out = false);
 

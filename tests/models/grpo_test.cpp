@@ -85,10 +85,16 @@ TEST(Grpo, LeaveOneOutAdvantagesByHand) {
   EXPECT_EQ(m[1], -1.5f);  // 1 - (3 + 2) / 2
   EXPECT_EQ(m[2], 0.0f);
   EXPECT_EQ(grpo_advantages({5}, 1, true, 0.0f, true)[0], 0.0f);
-  // eps joins the others' std: {1, 0}: each has one other, std 0, A = +-1 / eps
+  // the others all equal (std 0): r - baseline undivided (NeMo divides where std > 0 only; d / eps
+  // gave +-1e6 for "1 right of G", the common binary-reward group); eps joins a nonzero std
   const auto e = grpo_advantages({1, 0}, 2, true, 0.5f, true);
-  EXPECT_EQ(e[0], 2.0f);
-  EXPECT_EQ(e[1], -2.0f);
+  EXPECT_EQ(e[0], 1.0f);
+  EXPECT_EQ(e[1], -1.0f);
+  const auto one_right = grpo_advantages({1, 0, 0, 0}, 4, true, 1e-6f, true);
+  EXPECT_EQ(one_right[0], 1.0f);  // others {0, 0, 0}: std 0
+  const double sd3 = std::sqrt(2.0 / 9.0);  // others {1, 0, 0}: mean 1/3, population std sqrt(2/9)
+  EXPECT_FLOAT_EQ(one_right[1], static_cast<float>(-(1.0 / 3.0) / (sd3 + 1e-6)));
+  EXPECT_EQ(grpo_advantages({1, 0}, 2, true, 0.5f, false)[0], static_cast<float>(0.5 / (std::sqrt(0.5) + 0.5)));
 }
 
 // The batch metrics by hand: 4 samples, rewards {1, 0, 0, 1} (population std 0.5), responses of
