@@ -62,6 +62,7 @@ struct controller_state {
   double tokens = 0;
   std::optional<models::health_monitor> health;  // rl-algorithm.md section 7's gates
   std::set<std::string> health_warned;           // gates already warned about (health.gates = warn)
+  std::string health_failed;                      // the first gate failed under health.gates = fail
 };
 
 // The staleness of a "staleness_hist/<versions>" metric; throws naming the key if it is not one.
@@ -234,6 +235,10 @@ msg::controller_actor spawn_controller(caf::actor_system& sys, std::shared_ptr<c
       if (code == 0 || stopped) {
         const std::string perr = plots_write(s.env->run_dir);
         if (!perr.empty()) log->warn("plots: {}", perr);
+        if (s.env->cfg.health_gates != "off" && s.health->counted() < static_cast<size_t>(s.env->cfg.health_min_steps))
+          log->info("health gates not judged: {} of health.min_steps {} steps had tokens sampled under the weights being "
+                    "trained (only those measure the precision mismatch alone; asynchronous runs have few)",
+                    s.health->counted(), s.env->cfg.health_min_steps);
         // this process's steps (a resumed run's earlier ones took their own time); a stop's line
         // names the checkpoint to resume from: a warning, kept by run.log_level=warn
         const uint64_t from = s.env->start_version;
@@ -393,11 +398,13 @@ msg::controller_actor spawn_controller(caf::actor_system& sys, std::shared_ptr<c
           }
           if (s.opts.print_progress && log_get("controller")->should_log(spdlog::level::info))  // progress is info
             progress_print(s, r, el);
-          if (const std::string why = health_judge(s, r); !why.empty()) {
+          if (const std::string why = health_judge(s, r); !why.empty() && s.health_failed.empty()) {
             log_get("controller")->error("health gate (rl-algorithm.md section 7): {}; the run stops", why);
-            stop_for("health gate: " + why + " (--health.gates=warn or off goes on)", 1);
+            s.health_failed = "health gate: " + why + " (--health.gates=warn or off goes on)";
+            stop_for(s.health_failed, 1);
           }
-          if (r.version >= s.end) return finish(0, "");
+          // a gate failed at (or within the staleness window of) the last step fails the run too
+          if (r.version >= s.end) return s.health_failed.empty() ? finish(0, "") : finish(1, s.health_failed, true);
           issue_ready();
         },
         [self, issue](msg::admitted_msg& a) {

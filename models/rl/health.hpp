@@ -10,7 +10,7 @@
 //   - fewer than tmpe_steps_above_max of the counted steps above 1.1 (not with an FP8 KV cache:
 //     that nightly asks the median only), from min_steps on;
 //   - mean gen_kl_error over the first min_steps counted steps < gen_kl_mean_max (0.003; not with
-//     an FP8 KV cache), judged once, at the min_steps-th.
+//     an FP8 KV cache), fixed at the min_steps-th and reported failed at every step from there.
 #pragma once
 #include <cstdint>
 #include <map>
@@ -49,6 +49,8 @@ class health_monitor {
   health_config c_;
   std::vector<double> tmpe_, gen_kl_;
   uint64_t first_step_ = 0;
+  double kl_first_mean_ = 0;  // mean gen_kl_error of the first min_steps counted steps, once there
+  std::string kl_first_span_;
 };
 
 }  // namespace fp8rl::models

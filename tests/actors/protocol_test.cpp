@@ -1352,6 +1352,64 @@ TEST_F(ControllerOnTestCoordinator, AFailedHealthGateStopsTheRunNamed) {
   EXPECT_NE(log.find("; health gate: median token_mult_prob_error"), std::string::npos) << log;
   EXPECT_NE(log.find("--health.gates=warn or off goes on"), std::string::npos) << log;
   EXPECT_NE(log.find("checkpoints/step_2 is the latest checkpoint"), std::string::npos) << log;
+  const size_t first = log.find("; the run stops");
+  EXPECT_EQ(log.find("; the run stops", first + 1), std::string::npos) << "the gate logged again: " << log;
+}
+
+// A gate failing at the last step fails the run (it ended "finished", exit 0); the first gate is
+// logged once, not at every later report.
+TEST_F(ControllerOnTestCoordinator, AHealthGateFailingAtTheLastStepFailsTheRun) {
+  recipe = [](actors::run_config& r) { r.health_min_steps = 2, r.steps = 2; };
+  log_level = "info";
+  wire(0);
+  sync(0);
+  ::testing::internal::CaptureStderr();
+  for (uint64_t v : {1, 2}) {
+    self->send(ctrl, msg::step_report{{}, v, {{"tokens", 10.0}, {"by_staleness/0/token_mult_prob_error", 1.5},
+                                              {"by_staleness/0/gen_kl_error", 0.0}}});
+    sched.run();
+  }
+  const std::string log = ::testing::internal::GetCapturedStderr();
+  EXPECT_EQ(done, 1);
+  EXPECT_NE(log.find("run stopped: 2 steps"), std::string::npos) << log;
+  EXPECT_NE(log.find("; health gate: median token_mult_prob_error (staleness 0) 1.5000"), std::string::npos) << log;
+  EXPECT_EQ(log.find("health gates not judged"), std::string::npos) << log;
+}
+
+// A resumed run replays its metrics rows: a gate they fail (the first steps' mean gen_kl_error,
+// fixed once reached) stops the resumed run at its first step under health.gates = fail (the
+// replay went past it, and the run finished); a run too short to judge says so at its end.
+TEST_F(ControllerOnTestCoordinator, AResumedRunStopsOnAGateItsEarlierStepsFailed) {
+  recipe = [](actors::run_config& r) { r.health_min_steps = 1; };
+  log_level = "info";
+  fs::create_directories(run_dir);
+  std::ofstream(run_dir / "metrics.jsonl")
+      << "{\"step\":1,\"by_staleness/0/token_mult_prob_error\":1.0,\"by_staleness/0/gen_kl_error\":0.1}\n";
+  wire(actors::run_start{1, 3});
+  sync(1);
+  ::testing::internal::CaptureStderr();
+  self->send(ctrl, msg::step_report{{}, 2, {{"tokens", 10.0}, {"by_staleness/0/token_mult_prob_error", 1.0},
+                                            {"by_staleness/0/gen_kl_error", 0.0}}});
+  sched.run();
+  self->send(ctrl, msg::stopped_atom::value, uint64_t{2}, (run_dir / "checkpoints" / "step_2").string());
+  sched.run();
+  const std::string log = ::testing::internal::GetCapturedStderr();
+  EXPECT_EQ(done, 1);
+  EXPECT_NE(log.find("mean gen_kl_error (staleness 0) 0.10000 over the first 1 step(s) 1..1"), std::string::npos) << log;
+}
+
+TEST_F(ControllerOnTestCoordinator, ARunTooShortForTheGatesSaysSo) {
+  recipe = [](actors::run_config& r) { r.steps = 1; };
+  log_level = "info";
+  wire(0);
+  sync(0);
+  ::testing::internal::CaptureStderr();
+  self->send(ctrl, msg::step_report{{}, 1, {{"tokens", 10.0}}});
+  sched.run();
+  const std::string log = ::testing::internal::GetCapturedStderr();
+  EXPECT_EQ(done, 0);
+  EXPECT_NE(log.find("health gates not judged: 0 of health.min_steps 20 steps had tokens sampled under the weights being trained"),
+            std::string::npos) << log;
 }
 
 TEST_F(ControllerOnTestCoordinator, AHealthGateUnderWarnIsLoggedOnceAndTheRunGoesOn) {

@@ -894,7 +894,9 @@ TEST(Health, GatesJudgeTheStalenessZeroMismatch) {
     EXPECT_EQ(f[0].text, "median token_mult_prob_error (staleness 0) 1.5000 is not below 1.1 over 3 step(s) 1..4 with tokens "
                          "sampled under the trained weights (health.tmpe_median_max)");
     EXPECT_NE(f[2].text.find("mean gen_kl_error (staleness 0) 0.10000 over the first 3 step(s) 1..4"), std::string::npos) << f[2].text;
-    EXPECT_EQ(gates(h.add(5, step(1.0, 0.1))), (names{"tmpe_median_max", "tmpe_steps_above_max"}));  // the KL gate: once
+    // the KL gate's mean is the first 3 steps' (0.1), failed at every later step too (a resumed
+    // run replays its rows: judged once, the replay went past it)
+    EXPECT_EQ(gates(h.add(5, step(1.0, 0.0))), (names{"tmpe_median_max", "tmpe_steps_above_max", "gen_kl_mean_max"}));
   }
   {  // the median of an even count: (1.0 + 1.15) / 2 = 1.075 passes, (1.0 + 1.25) / 2 fails
     health_config k = c;
@@ -930,12 +932,23 @@ TEST(Health, GatesJudgeTheStalenessZeroMismatch) {
       if (s < 3) b.add(s, step(1.0, 0.003));
     }
     EXPECT_EQ(gates(b.add(3, step(1.0, 0.003))), (names{"gen_kl_mean_max"}));
+    EXPECT_TRUE(a.add(4, step(1.0, 0.5)).empty());  // the first 3 steps' mean only
+  }
+  {  // a median exactly at the limit fails (not below it)
+    health_config k = c;
+    k.min_steps = 1, k.fp8_kv = true;
+    health_monitor h(k);
+    EXPECT_EQ(gates(h.add(1, step(2.0, 0.0))), (names{"tmpe_median_max"}));
   }
   {  // a NaN fails the median (as +inf), not the ordering
-    health_monitor h(c);
-    h.add(1, step(NAN, 0.0));
-    h.add(2, step(NAN, 0.0));
-    EXPECT_EQ(gates(h.add(3, step(1.0, 0.0))), (names{"tmpe_median_max", "tmpe_steps_above_max"}));
+    health_config k = c;
+    k.min_steps = 5;
+    health_monitor h(k);
+    for (double x : {1.0, 1.0, double(NAN), double(NAN)}) h.add(1, step(x, 0.0));
+    const auto f = h.add(5, step(NAN, 0.0));
+    EXPECT_EQ(gates(f), (names{"tmpe_median_max", "tmpe_steps_above_max"}));
+    ASSERT_FALSE(f.empty());
+    EXPECT_NE(f[0].text.find("(staleness 0) inf is not below 1.1"), std::string::npos) << f[0].text;
   }
   {
     health_config off = c;
