@@ -89,6 +89,14 @@ void answers_fit(const run_config& cfg, const models::dataset& d, const models::
   log_get("train")->warn("{}", what);
 }
 
+// precision.bf16_names that keep nothing BF16 in `model` are refused, naming the model.
+void bf16_names_check(const models::precision_policy& p, const models::model_config& model, const std::string& which) {
+  if (const std::string n = p.bf16_name_unmatched(model); !n.empty())
+    throw std::invalid_argument("precision.bf16_names: '" + n + "' names no linear layer of " + which + " (" +
+                                std::to_string(model.num_hidden_layers) +
+                                " layers; names are parts of model.layers.L.self_attn.{q,k,v,o}_proj / mlp.{gate,up,down}_proj)");
+}
+
 }  // namespace
 
 // The KV caches the generation engines of this node's host allocate up front -- each rollout's,
@@ -150,6 +158,7 @@ models::dataset examples_fit_check(const run_config& cfg, const models::tokenize
 // caches against the host's memory (run_preflight checks other models').
 void warm_start_check(const run_config& cfg, const topology& t, const std::string& node) {
   const auto tok = models::char_tokenizer_make(models::arithmetic_alphabet());
+  bf16_names_check(recipe_rl_config(cfg).gen_policy, builtin_model_config(cfg, *tok), "the built-in model");
   examples_fit_check(cfg, *tok);
   kv_memory_check(cfg, builtin_model_config(cfg, *tok), t, node);
 }
@@ -194,6 +203,7 @@ void run_preflight(const actor_env& env, bool resume, bool restart) {
   if (env.cfg.max_context > env.model.max_position_embeddings)  // each rollout's engine refused it, and was restarted
     throw std::invalid_argument("model.max_context = " + std::to_string(env.cfg.max_context) + " exceeds " + env.init_dir +
                                 "/config.json's max_position_embeddings " + std::to_string(env.model.max_position_embeddings));
+  bf16_names_check(env.rl.gen_policy, env.model, env.init_dir + "/config.json");
   // layers kept BF16 beyond the model's: every rollout refused its bundle at the first step
   if (env.cfg.bf16_first > env.model.num_hidden_layers || env.cfg.bf16_last > env.model.num_hidden_layers)
     throw std::invalid_argument("precision.bf16_first/bf16_last (" + std::to_string(env.cfg.bf16_first) + ", " +

@@ -402,7 +402,8 @@ void recipe_validate(const run_config& r) {
   if (r.bf16_first < 0) fail("precision.bf16_first", "must be >= 0");
   if (r.bf16_last < 0) fail("precision.bf16_last", "must be >= 0");
   for (const auto& n : bf16_names_split(r.bf16_names))
-    if (n.empty()) fail("precision.bf16_names", "'" + r.bf16_names + "' has an empty name (comma-separated, none empty)");
+    if (n.empty() || n.find_first_of(" \t") != std::string::npos)  // "a, b": " b" matched nothing
+      fail("precision.bf16_names", "'" + r.bf16_names + "': names are comma-separated, none empty, without spaces");
   if (r.eval_every < 0) fail("run.eval_every", "must be >= 0");
   if (r.checkpoint_every < 0) fail("run.checkpoint_every", "must be >= 0");
   if (r.val_size <= 0) fail("task.val_size", "must be > 0 (the run ends with a validation)");

@@ -46,6 +46,18 @@ precision precision_policy::linear_for(const model_config& c, int64_t layer, std
   return precision::fp8;
 }
 
+std::string precision_policy::bf16_name_unmatched(const model_config& c) const {
+  static const char* const kProjs[] = {"self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+                                       "mlp.gate_proj",    "mlp.up_proj",      "mlp.down_proj"};
+  for (const auto& n : bf16_names) {
+    bool hit = false;
+    for (int64_t l = 0; l < c.num_hidden_layers && !hit; ++l)
+      for (const char* p : kProjs) hit = hit || ("model.layers." + std::to_string(l) + "." + p).find(n) != std::string::npos;
+    if (!hit) return n;
+  }
+  return "";
+}
+
 precision_policy precision_policy::training() const {
   precision_policy t = *this;
   t.fp8_attention = false;

@@ -51,6 +51,9 @@ struct precision_policy {
   precision_policy training() const;  // without the generation-only FP8 attention / KV cache
   std::string fingerprint() const;    // canonical text; scale snapshots and bundles record it
   void validate() const;              // throws std::invalid_argument naming the field
+  // The first of bf16_names that names no linear layer of c ("model.layers.L.PROJ" contains it
+  // for no L and projection), "" if each does: a name that matches nothing kept nothing BF16.
+  std::string bf16_name_unmatched(const model_config& c) const;
 
   // fp32, bf16, fp8 (FP8 linears, BF16 rest), fp8-kv (+ FP8 KV cache and attention);
   // a "-tiles" suffix on bf16/fp8/fp8-kv sets `tiles`

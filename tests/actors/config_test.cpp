@@ -111,6 +111,7 @@ TEST(Recipe, MalformedFilesAndOutOfRangeValuesNameTheirKey) {
            {"--grpo.is_lo=-1", "grpo.is_lo"}, {"--grpo.is_hi=0", "grpo.is_hi"}, {"--grpo.is_hi=-0.5", "grpo.is_lo"},
            {"--grpo.seq_logprob_error_threshold=0.5", "grpo.seq_logprob_error_threshold"},
            {"--precision.bf16_names=a,,b", "precision.bf16_names"}, {"--precision.bf16_names=a,", "precision.bf16_names"},
+           {"--precision.bf16_names=mlp.down_proj, layers.0.", "precision.bf16_names"},
            // token_mult_prob_error >= 1: a median limit at 1 failed every run
            {"--health.gates=maybe", "health.gates"}, {"--health.min_steps=0", "health.min_steps"},
            {"--health.tmpe_median_max=1", "health.tmpe_median_max"}, {"--health.tmpe_steps_above_max=0", "health.tmpe_steps_above_max"},

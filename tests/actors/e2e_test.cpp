@@ -529,6 +529,8 @@ TEST(E2E, BadRecipeKeyFailsWithItsName) {
            // no training answer fits the responses: trained on reward 0 (mul6 answers have 11-12 digits)
            {"--task.name=builtin:mul6 --model.sft_steps=5",
             "4000 of 4000 training answers can never be rewarded (the first: builtin:mul6 (train) example 0, "},
+           // a layer name that matches none of the built-in model's layers kept nothing BF16
+           {"--precision.bf16_names=layers.5.", "precision.bf16_names: 'layers.5.' names no linear layer of the built-in model (2 layers"},
            // a second recipe or topology silently replaced the first
            {"--recipe " + (d / "r.conf").string() + " --config-file " + (d / "r.conf").string(), "option --config-file given twice"},
            {"--topology a.conf --topology=b.conf", "option --topology given twice ('a.conf', 'b.conf')"},

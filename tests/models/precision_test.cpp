@@ -157,6 +157,13 @@ TEST(Precision, PolicyPicksFp8OnlyWhereAllowed) {
   EXPECT_EQ(p.linear_for(c, 1, "mlp.up_proj", 256, 192), precision::bf16);  // in: 64-multiple, not 128
   p.bf16_names = {"self_attn.o_proj"};
   EXPECT_EQ(p.linear_for(c, 1, "self_attn.o_proj", 256, 256), precision::bf16);
+  EXPECT_EQ(p.bf16_name_unmatched(c), "");
+  // a name that is part of no layer's projection keeps nothing BF16: named (c has 3 layers)
+  precision_policy q = p;
+  q.bf16_names = {"mlp.down_proj", "layers.2.", "layers.3.", "self_attn"};
+  EXPECT_EQ(q.bf16_name_unmatched(c), "layers.3.");
+  q.bf16_names = {"o_proj.weight"};
+  EXPECT_EQ(q.bf16_name_unmatched(c), "o_proj.weight");
   auto be = make_cpu_backend();
   model_params mp = model_params_init(c, 1);
   auto w = model_weights_build(*be, c, p, {&mp, nullptr, nullptr}, false);
