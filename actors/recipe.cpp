@@ -468,11 +468,14 @@ void recipe_validate(const run_config& r) {
   }
 }
 
-void recipe_finalize(run_config& r, const std::function<void(const std::string&)>& say) {
-  const bool lo = r.set_by.count("grpo.is_lo"), hi = r.set_by.count("grpo.is_hi");
+void recipe_finalize(run_config& r, const std::function<void(const std::string&)>& say, const std::string& stored) {
+  auto given = [&](const char* k) {  // by this command: a resumed run's stored recipe.conf sets every key
+    const auto it = r.set_by.find(k);
+    return it != r.set_by.end() && it->second != stored;
+  };
   const struct { const char* mode; double lo, hi; } refs[] = {{"icepop", 0.5, 5.0}, {"seq-mask-tis", 0.999, 1.002}};
   for (const auto& m : refs)
-    if (r.is_mode == m.mode && !lo && !hi) {
+    if (r.is_mode == m.mode && given("grpo.is_mode") && !given("grpo.is_lo") && !given("grpo.is_hi")) {
       r.is_lo = m.lo, r.is_hi = m.hi;
       say(fmt::format("grpo.is_mode = {}: IS bounds [{}, {}], the mode's reference bounds (rl-algorithm.md section 3; "
                       "set grpo.is_lo and grpo.is_hi to choose others)",

@@ -97,8 +97,9 @@ void recipe_apply_cli(run_config& r, const std::string& arg);
 void recipe_validate(const run_config& r);
 // After the files and flags, before recipe_validate: icepop and seq-mask-tis without either IS
 // bound take their reference bounds (rl-algorithm.md section 3: [0.5, 5] and [0.999, 1.002];
-// tis's [0, 2] made seq-mask-tis nearly a no-op), each said through `say`.
-void recipe_finalize(run_config& r, const std::function<void(const std::string&)>& say);
+// tis's [0, 2] made seq-mask-tis nearly a no-op), each said through `say`. `stored`: a resumed
+// run's recipe file, whose keys count as not given (a mode given on resume takes its bounds too).
+void recipe_finalize(run_config& r, const std::function<void(const std::string&)>& say, const std::string& stored = "");
 // Valid settings under which the policy loss has no gradient or ignores the sampled tokens (a
 // group of one, greedy groups, IS bounds excluding 1): one line each, naming the keys; train
 // warns with them.

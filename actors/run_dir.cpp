@@ -223,6 +223,7 @@ std::vector<std::pair<uint64_t, std::map<std::string, double>>> metrics_rows_rea
   std::vector<std::pair<uint64_t, std::map<std::string, double>>> rows;
   std::string line;
   for (int64_t n = 1; std::getline(in, line); ++n) {
+    if (line.find_first_not_of(" \t\r") == std::string::npos) continue;  // a blank line (resume's trim keeps it)
     const auto j = nlohmann::json::parse(line, nullptr, false);
     const std::string where = metrics_path + ":" + std::to_string(n);
     if (!j.is_object() || !j.contains("step") || !j["step"].is_number_unsigned())
@@ -314,6 +315,7 @@ std::string plots_write(const std::string& run_dir) {
     return j.contains(k) && j[k].is_number() ? std::to_string(j[k].get<double>()) : "NaN";
   };
   for (int64_t n = 1; std::getline(in, line); ++n) {
+    if (line.find_first_not_of(" \t\r") == std::string::npos) continue;  // as metrics_rows_read
     auto j = nlohmann::json::parse(line, nullptr, false);
     if (j.is_discarded() || !j.is_object() || !j.contains("step") || !j["step"].is_number_integer())
       return metrics.string() + ":" + std::to_string(n) + ": not a metrics row (an object with an integer \"step\")";

@@ -57,12 +57,13 @@ topology topology_load(const std::string& path) {
   topology t;
   t.source = path;
   for (const auto& [section, v] : parsed)
-    if (section != "cluster")  // a recipe given as a topology was "unknown section [async]", naming no way out
+    if (section != "cluster") {  // a recipe given as a topology was "unknown section [async]", naming no way out
+      run_config r;
+      const auto keys = recipe_keys(r);
+      const bool recipe = std::any_of(keys.begin(), keys.end(), [&](const recipe_key& k) { return section == k.section; });
       throw std::invalid_argument(path + ": unknown section [" + section + "] (a topology holds [cluster] only" +
-                                  (section == "run" || section == "grpo" || section == "rollout" || section == "async" ||
-                                           section == "model" || section == "precision" || section == "optim"
-                                       ? "; this looks like a recipe: give it with --recipe)"
-                                       : ")"));
+                                  (recipe ? "; this looks like a recipe: give it with --recipe)" : ")"));
+    }
   auto cit = parsed.find("cluster");
   auto cluster = cit == parsed.end() ? nullptr : caf::get_if<caf::config_value::dictionary>(&cit->second);
   if (!cluster) throw std::invalid_argument(path + ": [cluster] missing");

@@ -387,7 +387,7 @@ run_config resume_recipe(const cli& c, const std::string& run_dir, const run_sta
   recipe_load_file(cfg, base.string());
   if (!c.recipe.empty()) recipe_load_file(cfg, c.recipe);
   for (const auto& o : c.overrides) recipe_apply_cli(cfg, o);
-  recipe_finalize(cfg, [](const std::string& m) { log_get("train")->info("{}", m); });
+  recipe_finalize(cfg, [](const std::string& m) { log_get("train")->info("{}", m); }, base.string());
   recipe_validate(cfg);
   return cfg;
 }

@@ -36,7 +36,8 @@ nlohmann::json json_parse_strict(std::string_view text, const std::string& where
 std::string open_failure(const std::string& path) {
   const int err = errno;
   std::error_code ec;
-  if (!std::filesystem::exists(path, ec)) return path + ": no such file";
+  if (!std::filesystem::exists(path, ec))  // stat failing (a parent without search permission) is not "no such file"
+    return path + (ec ? ": cannot open (" + ec.message() + ")" : std::string(": no such file"));
   if (std::filesystem::is_directory(path, ec)) return path + ": is a directory, not a file";
   return path + ": cannot open (" + std::strerror(err) + ")";
 }

@@ -46,6 +46,17 @@ TEST(Recipe, UnknownAndIllTypedKeysNameFileAndKey) {
   EXPECT_EQ(error_of([&] { recipe_apply_cli(r, "--run.step=5"); }), "unknown option --run.step (did you mean 'run.steps'?)");
   EXPECT_EQ(error_of([&] { recipe_apply_cli(r, "--run.lr=5"); }), "unknown option --run.lr (did you mean 'optim.lr'?)");
   EXPECT_EQ(error_of([&] { recipe_apply_cli(r, "--grpo.zzzzzz=5"); }), "unknown option --grpo.zzzzzz");
+  EXPECT_EQ(error_of([&] { recipe_apply_cli(r, "--run.stpes=5"); }), "unknown option --run.stpes (did you mean 'run.steps'?)");  // 2 edits
+  EXPECT_EQ(error_of([&] { recipe_apply_cli(r, "--run.stqqs=5"); }), "unknown option --run.stqqs (did you mean 'run.steps'?)");  // 2 substitutions
+  EXPECT_EQ(error_of([&] { recipe_apply_cli(r, "--run.sxxxs=5"); }), "unknown option --run.sxxxs");  // 3 edits: none
+  // the line named is the key's own: "steps=" does not match "step", nor a key of another section
+  const auto lines = write_tmp("lines.conf", "[run]\nsteps=3\nstep=5\n");
+  EXPECT_EQ(error_of([&] { recipe_load_file(r, lines); }).rfind(lines + ":3: unknown key 'run.step'", 0), 0u)
+      << error_of([&] { recipe_load_file(r, lines); });
+  const auto sections = write_tmp("sections.conf", "[rollout]\nslots=4\n[model]\nslots=1\n");
+  EXPECT_EQ(error_of([&] { recipe_load_file(r, sections); }).rfind(sections + ":4: unknown key 'model.slots'", 0), 0u)
+      << error_of([&] { recipe_load_file(r, sections); });
+  for (const auto& f : {lines, sections}) fs::remove(f);
   const auto topo = write_tmp("topo.conf", "[cluster]\nnodes=[]\n");
   EXPECT_EQ(error_of([&] { recipe_load_file(r, topo); }),
             topo + ": unknown section [cluster] (a topology's section: give a topology with --topology)");
@@ -119,6 +130,14 @@ TEST(Recipe, MalformedFilesAndOutOfRangeValuesNameTheirKey) {
     run_config x;
     recipe_apply_cli(x, arg);
     EXPECT_NE(error_of([&] { recipe_validate(x); }).find("'" + key + "'"), std::string::npos) << arg;
+  }
+  {  // the edges that stay valid: a threshold of 1 (e_i >= 1), IS bounds [0, C] with no IS
+    run_config x;
+    recipe_apply_cli(x, "--grpo.seq_logprob_error_threshold=1");
+    EXPECT_EQ(error_of([&] { recipe_validate(x); }), "");
+    recipe_apply_cli(x, "--grpo.is_mode=none");
+    recipe_apply_cli(x, "--grpo.is_hi=0");
+    EXPECT_EQ(error_of([&] { recipe_validate(x); }), "");
   }
   // a number with trailing characters is no number, for integer keys as for real ones
   for (const char* arg : {"--run.steps=3x", "--optim.lr=1e-3x"}) {
@@ -281,6 +300,18 @@ TEST(Recipe, IsModesWithoutBoundsTakeTheirReferenceBounds) {
   EXPECT_EQ(finalized({"--grpo.is_mode=seq-mask-tis", "--grpo.is_lo=0.9"}, &said), std::make_pair(0.9, 2.0));
   EXPECT_EQ(finalized({}, &said), std::make_pair(0.0, 2.0));  // tis: C = 2, lo = 0
   EXPECT_TRUE(said.empty());
+  // a resume: its stored recipe sets every key; a mode given on the command takes its bounds, a
+  // stored mode keeps its stored bounds
+  const auto stored = write_tmp("stored.conf", "[grpo]\nis_mode=\"tis\"\nis_lo=0.0\nis_hi=2.0\n");
+  for (const bool cli_mode : {true, false}) {
+    run_config r;
+    recipe_load_file(r, stored);
+    if (cli_mode) recipe_apply_cli(r, "--grpo.is_mode=icepop");
+    else r.is_mode = "icepop", r.set_by["grpo.is_mode"] = stored;
+    recipe_finalize(r, [](const std::string&) {}, stored);
+    EXPECT_EQ(std::make_pair(r.is_lo, r.is_hi), cli_mode ? std::make_pair(0.5, 5.0) : std::make_pair(0.0, 2.0)) << cli_mode;
+  }
+  fs::remove(stored);
 }
 
 // run.log_level reaches every component logger, those made before and after; a bad level is
@@ -471,9 +502,6 @@ TEST(Topology, JsonFormsRoundTripAndAreValidatedOnTheNode) {
   fs::remove(f);
 }
 
-// Tile GEMMs (AMX) are asked of the CPU only where a node runs them: a rollout-only node takes
-// precision.generation's, learners, calibration and the warm start both (every process of a run
-// was refused for either); where AMX exists nothing is refused.
 // A cpu:K past the CPUs oneTBB may use on the node's machine is refused, named (its arena got
 // fewer threads, with only TBB's own warning); cpu:0 (all) and devices that fit are fine.
 TEST(Topology, CpuDevicesPastThisMachinesCpusAreRefused) {
@@ -485,6 +513,9 @@ TEST(Topology, CpuDevicesPastThisMachinesCpusAreRefused) {
   EXPECT_EQ(device_capacity_problem(dev("cpu:1")), "");
 }
 
+// Tile GEMMs (AMX) are asked of the CPU only where a node runs them: a rollout-only node takes
+// precision.generation's, learners, calibration and the warm start both (every process of a run
+// was refused for either); where AMX exists nothing is refused.
 TEST(Topology, TilePoliciesAreCheckedWhereANodeRunsThem) {
   run_config r;
   r.training = "bf16-tiles";
@@ -751,6 +782,19 @@ TEST(RunDir, ResumeMovesRowsAfterTheCheckpointAside) {
   EXPECT_EQ(text(m), "{\"step\":1}\n{\"step\":2}\n");
   EXPECT_EQ(text(m.string() + ".discarded"), "{\"step\":3}\n{\"step\":4,\"lo\n");
   EXPECT_EQ(metrics_trim_for_resume(m.string(), 2), 0);  // nothing left to move
+  // the kept rows read back (the health gates count them): a null (a non-finite value) reads NaN,
+  // a blank line is skipped, a row that is not one is named with its line
+  std::ofstream(m) << "{\"step\":1,\"a\":null,\"b\":0.5}\n\n{\"step\":2}\n";
+  const auto rows = metrics_rows_read(m.string());
+  ASSERT_EQ(rows.size(), 2u);
+  EXPECT_EQ(rows[0].first, 1u);
+  EXPECT_TRUE(std::isnan(rows[0].second.at("a")));
+  EXPECT_EQ(rows[0].second.at("b"), 0.5);
+  EXPECT_EQ(rows[1].first, 2u);
+  std::ofstream(m) << "{\"step\":1}\n{\"step\":-1}\n";
+  EXPECT_EQ(error_of([&] { metrics_rows_read(m.string()); }), m.string() + ":2: not a metrics row (an object with an unsigned \"step\")");
+  std::ofstream(m) << "{\"step\":1,\"x\":\"text\"}\n";
+  EXPECT_EQ(error_of([&] { metrics_rows_read(m.string()); }), m.string() + ":1: metric 'x' is not a number");
   fs::remove(m);
   fs::remove(m.string() + ".discarded");
 }
