@@ -1320,6 +1320,14 @@ TEST_F(ControllerOnTestCoordinator, EachCalibrationAndSyncReportHasItsOwnMetrics
   EXPECT_EQ(rows[0].value("sync_version", -1.0) + 1, rows[1].value("sync_version", -1.0)) << rows[0].dump() << rows[1].dump();
 }
 
+namespace {
+// A step report with the step's staleness-0 mismatch (what the health gates read).
+msg::step_report mismatch_report(uint64_t step, double tmpe, double kl) {
+  return msg::step_report{{}, step, {{"tokens", 10.0}, {"by_staleness/0/token_mult_prob_error", tmpe},
+                                     {"by_staleness/0/gen_kl_error", kl}}};
+}
+}  // namespace
+
 // rl-algorithm.md section 7's gates on the steps' staleness-0 mismatch (health.min_steps = 2):
 // under health.gates = fail a median token_mult_prob_error at 1.1 stops the run where the buffer
 // says (step 2), checkpointed, with code 1 and the gate named; under warn the run goes on, the gate
@@ -1329,16 +1337,12 @@ TEST_F(ControllerOnTestCoordinator, AFailedHealthGateStopsTheRunNamed) {
   log_level = "warn";
   wire(0);
   sync(0);
-  auto bad = [](uint64_t step, double tmpe) {
-    return msg::step_report{{}, step, {{"tokens", 10.0}, {"by_staleness/0/token_mult_prob_error", tmpe},
-                                       {"by_staleness/0/gen_kl_error", 0.0}}};
-  };
   ::testing::internal::CaptureStderr();
-  self->send(ctrl, bad(1, 1.2));  // one step counted: not judged yet
+  self->send(ctrl, mismatch_report(1, 1.2, 0.0));  // one step counted: not judged yet
   sched.run();
   EXPECT_EQ(::testing::internal::GetCapturedStderr(), "");
   ::testing::internal::CaptureStderr();
-  self->send(ctrl, bad(2, 1.0));  // median (1.2 + 1.0) / 2 = 1.1: not below 1.1
+  self->send(ctrl, mismatch_report(2, 1.0, 0.0));  // median (1.2 + 1.0) / 2 = 1.1: not below 1.1
   sched.run();
   sync(2);
   EXPECT_EQ(work.size(), 6u) << "work issued past the stop step";
@@ -1365,8 +1369,7 @@ TEST_F(ControllerOnTestCoordinator, AHealthGateFailingAtTheLastStepFailsTheRun) 
   sync(0);
   ::testing::internal::CaptureStderr();
   for (uint64_t v : {1, 2}) {
-    self->send(ctrl, msg::step_report{{}, v, {{"tokens", 10.0}, {"by_staleness/0/token_mult_prob_error", 1.5},
-                                              {"by_staleness/0/gen_kl_error", 0.0}}});
+    self->send(ctrl, mismatch_report(v, 1.5, 0.0));
     sched.run();
   }
   const std::string log = ::testing::internal::GetCapturedStderr();
@@ -1388,8 +1391,7 @@ TEST_F(ControllerOnTestCoordinator, AResumedRunStopsOnAGateItsEarlierStepsFailed
   wire(actors::run_start{1, 3});
   sync(1);
   ::testing::internal::CaptureStderr();
-  self->send(ctrl, msg::step_report{{}, 2, {{"tokens", 10.0}, {"by_staleness/0/token_mult_prob_error", 1.0},
-                                            {"by_staleness/0/gen_kl_error", 0.0}}});
+  self->send(ctrl, mismatch_report(2, 1.0, 0.0));
   sched.run();
   self->send(ctrl, msg::stopped_atom::value, uint64_t{2}, (run_dir / "checkpoints" / "step_2").string());
   sched.run();
@@ -1422,8 +1424,7 @@ TEST_F(ControllerOnTestCoordinator, AHealthGateUnderWarnIsLoggedOnceAndTheRunGoe
   sync(1);
   ::testing::internal::CaptureStderr();
   for (uint64_t v : {2, 3}) {
-    self->send(ctrl, msg::step_report{{}, v, {{"tokens", 10.0}, {"by_staleness/0/token_mult_prob_error", 1.5},
-                                              {"by_staleness/0/gen_kl_error", 0.0}}});
+    self->send(ctrl, mismatch_report(v, 1.5, 0.0));
     sched.run();
   }
   const std::string log = ::testing::internal::GetCapturedStderr();

@@ -960,12 +960,19 @@ TEST(Health, GatesJudgeTheStalenessZeroMismatch) {
   EXPECT_FALSE(health_mode_parse("Fail").has_value());
 }
 
-// seq-mask-tis drops a sequence whose geometric-mean weight is below lo, as one above C.
-TEST(Grpo, SeqMaskTisDropsASequenceBelowLo) {
+namespace {
+grpo_config seq_mask_tis_config(float lo, float hi) {
   grpo_config cfg;
   cfg.is = is_mode::seq_mask_tis;
-  cfg.is_lo = 0.9f;
-  cfg.is_hi = 1.1f;
+  cfg.is_lo = lo;
+  cfg.is_hi = hi;
+  return cfg;
+}
+}  // namespace
+
+// seq-mask-tis drops a sequence whose geometric-mean weight is below lo, as one above C.
+TEST(Grpo, SeqMaskTisDropsASequenceBelowLo) {
+  const grpo_config cfg = seq_mask_tis_config(0.9f, 1.1f);
   token_batch_rl b;
   b.c = b.p = {-1.0f, -1.0f};
   b.g = {-0.5f, -0.5f};  // p - g = -0.5: rho = e^-0.5 = 0.61 < 0.9
@@ -1012,10 +1019,7 @@ TEST(Grpo, OobAndClipFractionCountOnlyLossTokens) {
 
 // seq-mask-tis's is_oob_ratio is over the sequences with a token in the loss (section 6).
 TEST(Grpo, SeqOobRatioIsOverValidSequences) {
-  grpo_config cfg;
-  cfg.is = is_mode::seq_mask_tis;
-  cfg.is_lo = 0.9f;
-  cfg.is_hi = 1.1f;
+  const grpo_config cfg = seq_mask_tis_config(0.9f, 1.1f);
   token_batch_rl b;
   b.c = b.p = {-1.0f, -1.0f, -1.0f};
   b.g = {-1.5f, -1.0f, -1.0f};  // sequence 0 out (rho = e^0.5); sequence 1 in; sequence 2 all masked out
