@@ -660,3 +660,32 @@ TEST(E2E, TilesRecipeRunsWithAmxAndIsRefusedWithout) {
   }
   fs::remove_all(d);
 }
+
+// rl-algorithm.md section 7's gates in a real run: synchronous (every step's tokens at staleness
+// 0), FP8 KV cache generation against FP8 training (a real mismatch, ~1.03), a median limit just
+// above 1: the run stops at a checkpointed step with exit 1 and the gate named; resumed with the
+// same settings it stops again; with --health.gates=warn it goes on, warned.
+TEST(E2E, AFailedHealthGateStopsTheRunAndItsResume) {
+  const fs::path d = fresh_dir("health");
+  const std::string flags = " --run.steps=3 --run.eval_every=0 --run.checkpoint_every=0 --model.sft_steps=60"
+                            " --rollout.prompts_per_step=8 --async.max_staleness=0 --precision.generation=fp8-kv"
+                            " --health.min_steps=1 --health.tmpe_median_max=1.000001";
+  const auto first = fp8rl::test::run_command(kBin + "/fp8rl train --run-dir " + d.string() + flags);
+  EXPECT_EQ(first.rc, 1) << first.out;
+  EXPECT_NE(first.out.find("health gate (rl-algorithm.md section 7): median token_mult_prob_error (staleness 0) "),
+            std::string::npos) << first.out;
+  EXPECT_NE(first.out.find("is not below 1.000001 over 1 step(s) 1..1"), std::string::npos) << first.out;
+  const auto m = metrics(d);
+  ASSERT_GE(m.size(), 1u);
+  EXPECT_GT(m[0]["by_staleness/0/token_mult_prob_error"].get<double>(), 1.000001);
+  ASSERT_TRUE(fs::exists(d / "checkpoints" / "latest")) << first.out;
+  const auto again = fp8rl::test::run_command(kBin + "/fp8rl train --resume --run-dir " + d.string());
+  EXPECT_EQ(again.rc, 1) << again.out;
+  EXPECT_NE(again.out.find("run stopped"), std::string::npos) << again.out;
+  const auto warned = fp8rl::test::run_command(kBin + "/fp8rl train --resume --run-dir " + d.string() + " --health.gates=warn");
+  EXPECT_EQ(warned.rc, 0) << warned.out;
+  EXPECT_NE(warned.out.find("[warning] health gate (rl-algorithm.md section 7): median token_mult_prob_error"), std::string::npos)
+      << warned.out;
+  EXPECT_EQ(metrics(d).size(), 3u);
+  fs::remove_all(d);
+}
