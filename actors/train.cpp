@@ -552,6 +552,8 @@ void recipe_record(const run_config& cfg, const std::string& run_dir, bool resum
 // Connects to every node but the controller's, spawns its agent and has it start the node's
 // actors (init: what each is sent, but its name); appends to spawned, agents and agent_nodes.
 // Returns "" or why a node could not be started (the caller stops what was started).
+constexpr int kNodeConnectSeconds = 30;  // how long the controller tries to reach each remote node
+
 std::string nodes_start_remote(caf::actor_system& sys, const topology& topo, msg::node_start init,
                                const msg::controller_actor& ctrl,
                                std::vector<std::pair<const node_spec*, msg::node_actors>>& spawned,
@@ -561,13 +563,13 @@ std::string nodes_start_remote(caf::actor_system& sys, const topology& topo, msg
   for (const auto& n : topo.nodes) {
     if (n.has("controller")) continue;
     caf::expected<caf::node_id> nid = caf::sec::cannot_connect_to_node;
-    for (int attempt = 0; attempt < 60 && !nid; ++attempt) {  // the node may still be starting
+    for (int attempt = 0; attempt < 2 * kNodeConnectSeconds && !nid; ++attempt) {  // the node may still be starting
       nid = sys.middleman().connect(n.host, static_cast<uint16_t>(n.port));
       if (!nid) std::this_thread::sleep_for(std::chrono::milliseconds(500));
     }
     if (!nid) {  // a node that died after opening its port looks the same from here
       failure = "cannot connect to node '" + n.name + "' at " + n.host + ":" + std::to_string(n.port) +
-                " within 30 s (is its process running? under caf-run, its lines say whether it exited)";
+                " within " + std::to_string(kNodeConnectSeconds) + " s (is its process running? under caf-run, its lines say whether it exited)";
       break;
     }
     auto agent = sys.middleman().remote_spawn<msg::node_agent_actor>(*nid, "node_agent", caf::make_message(), std::chrono::seconds(30));
@@ -634,6 +636,10 @@ int train_main(int argc, char** argv) {
   caf_config_prepare(ccfg, c, here);
   const stop_signals signals;  // from here on a signal stops the start or the run (signals.hpp)
   if (!here.has("controller")) return run_remote_node(ccfg, topo, node);
+  if (c.node.empty() && topo.nodes.size() > 1)  // caf-run passes --node: started by hand, the other nodes are the user's to start
+    log_get("train")->warn("{}: this process runs node '{}'; its other {} node(s) must be started too (caf-run starts "
+                           "them all; by hand: fp8rl train --topology {} --node NAME): it waits {} s for them after the start",
+                           topo.source, node, topo.nodes.size() - 1, topo.source, kNodeConnectSeconds);
 
   const std::string run_dir = run_dir_choose(c.run_dir, cfg.name, c.resume, c.overwrite, cfg.init == "tiny" ? "" : cfg.init);
   if (c.run_dir.empty() && !c.resume && run_dir != "runs/" + cfg.name)

@@ -506,6 +506,12 @@ TEST_F(Cli, AModelPathThatIsNoModelDirectoryIsNamed) {
 TEST_F(Cli, AnUnknownNodeIsRefusedWithTheTopologysNodes) {
   refused("train --topology configs/topologies/two-process.conf --node rollout2",
           "configs/topologies/two-process.conf: no node named 'rollout2' (its nodes: main, rollout1)");
+  // started without --node (not by caf-run), the controller says at once that the other nodes are
+  // the user's to start (it said nothing until the connection timed out after the warm start)
+  const result r = fp8rl::test::run_command("timeout -s INT 3 " + kBin + "/fp8rl train --topology configs/topologies/two-process.conf "
+                                            "--run-dir " + (dir / "alone").string());
+  EXPECT_NE(r.out.find("configs/topologies/two-process.conf: this process runs node 'main'; its other 1 node(s) must be started "
+                       "too (caf-run starts them all"), std::string::npos) << r.out;
 }
 
 // generate prints each response's text, decoded without special tokens, where the model directory
