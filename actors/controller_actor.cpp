@@ -123,7 +123,7 @@ void step_metrics_add(controller_state& s, msg::step_report& r, double elapsed_s
 std::string health_judge(controller_state& s, const msg::step_report& r) {
   std::string stop;
   for (const auto& f : s.health->add(r.version, r.metrics)) {
-    if (s.env->cfg.health_gates == "fail") {
+    if (s.health->config().mode == models::health_mode::fail) {
       if (stop.empty()) stop = f.text;
     } else if (s.health_warned.insert(f.gate).second) {
       log_get("controller")->warn("health gate (rl-algorithm.md section 7): {}", f.text);
@@ -235,10 +235,11 @@ msg::controller_actor spawn_controller(caf::actor_system& sys, std::shared_ptr<c
       if (code == 0 || stopped) {
         const std::string perr = plots_write(s.env->run_dir);
         if (!perr.empty()) log->warn("plots: {}", perr);
-        if (s.env->cfg.health_gates != "off" && s.health->counted() < static_cast<size_t>(s.env->cfg.health_min_steps))
+        const auto& h = s.health->config();
+        if (h.mode != models::health_mode::off && s.health->counted() < static_cast<size_t>(h.min_steps))
           log->info("health gates not judged: {} of health.min_steps {} steps had tokens sampled under the weights being "
                     "trained (only those measure the precision mismatch alone; asynchronous runs have few)",
-                    s.health->counted(), s.env->cfg.health_min_steps);
+                    s.health->counted(), h.min_steps);
         // this process's steps (a resumed run's earlier ones took their own time); a stop's line
         // names the checkpoint to resume from: a warning, kept by run.log_level=warn
         const uint64_t from = s.env->start_version;

@@ -307,10 +307,9 @@ std::string key_line(const std::string& path, const std::string& section, const 
       at = e == std::string::npos ? "" : line.substr(b + 1, e - b - 1);
       at.erase(0, at.find_first_not_of(" \t"));
       at.erase(at.find_last_not_of(" \t") + 1);
-    } else if (at == section && line.compare(b, name.size(), name) == 0 &&
-               line.find_first_not_of(" \t", b + name.size()) != std::string::npos &&
-               line[line.find_first_not_of(" \t", b + name.size())] == '=') {
-      return ":" + std::to_string(n);
+    } else if (at == section && line.compare(b, name.size(), name) == 0) {
+      const size_t eq = line.find_first_not_of(" \t", b + name.size());  // "name =", not "names="
+      if (eq != std::string::npos && line[eq] == '=') return ":" + std::to_string(n);
     }
   }
   return "";

@@ -246,7 +246,8 @@ msg::rollout_actor spawn_rollout(caf::actor_system& sys, std::shared_ptr<const a
             g.answer = it->second.answer;
             g.rollout = s.name;
             const auto& pol = s.eng->config().policy;
-            g.policy = pol.fingerprint();  // FP8 K/V (and queries) saturated since this rollout's last group
+            g.policy = pol.fingerprint();
+            // FP8 K/V (and queries) saturated since this rollout's last group
             if (pol.kv == models::kv_dtype::fp8) g.kv_saturated = since_sent(s.eng->stats().kv_saturated, s.kv_sat_sent);
             if (pol.fp8_attention) g.q_saturated = since_sent(s.eng->stats().q_saturated, s.q_sat_sent);
             for (auto& x : d) g.samples.push_back(models::rl_sample_from_result(std::move(x), it->second.group_size));

@@ -44,6 +44,7 @@ class health_monitor {
   // Adds step `step`'s metrics; returns the gates failed so far (empty: healthy, or not yet judged).
   std::vector<health_failure> add(uint64_t step, const std::map<std::string, double>& metrics);
   size_t counted() const { return tmpe_.size(); }
+  const health_config& config() const { return c_; }
 
  private:
   health_config c_;
