@@ -201,6 +201,23 @@ void topology_validate(const topology& t) {
   for (const auto& r : kRoles)
     if (!role_node.count(r)) throw std::invalid_argument(t.source + ": no node has the role '" + r + "'");
   if (!rollouts) throw std::invalid_argument(t.source + ": no rollout");
+  // calibration hands weight-sync each bundle in one message; CAF 0.17 truncates one past 4 GiB
+  // in silence (caf-0.17.md section 4): only weight-sync's own sends cross processes, in chunks
+  if (role_node["weight_sync"] != role_node["calibration"])
+    throw std::invalid_argument(t.source + ": node '" + role_node["weight_sync"] + "': weight_sync must run on the node of calibration ('" +
+                                role_node["calibration"] + "'): calibration hands it each bundle in one message, which must not "
+                                "cross processes (weight-sync sends bundles to other processes in chunks)");
+  // the learners' Gloo all-reduce meets through a file store in the run directory and listens on
+  // 127.0.0.1: learners on two machines would wait for each other until Gloo's timeout
+  std::string learner_host;
+  for (const auto& n : t.nodes) {
+    if (n.learners.empty()) continue;
+    if (learner_host.empty()) learner_host = n.host;
+    else if (!(host_is_loopback(n.host) && host_is_loopback(learner_host)) && host_canonical(n.host) != host_canonical(learner_host))
+      throw std::invalid_argument(t.source + ": node '" + n.name + "': learners on host " + n.host + " and on host " + learner_host +
+                                  ": every learner must run on one host (their Gloo all-reduce meets through the run directory "
+                                  "and 127.0.0.1)");
+  }
 }
 
 std::map<std::string, node_indices> index_nodes(const topology& t) {

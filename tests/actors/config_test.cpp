@@ -412,6 +412,30 @@ TEST(Topology, BadFilesNameNodeAndKey) {
                             "learners=[\"cpu:1\"]}]\n");
   EXPECT_NE(error_of([&] { topology_load(f7); }).find("node 'b': calibration must run on the node of learner 0"), std::string::npos)
       << error_of([&] { topology_load(f7); });
+  // weight-sync away from calibration: each bundle would cross processes in one message (CAF 0.17
+  // truncates one past 4 GiB in silence); the shipped four-process topology keeps them together
+  const auto f7w = write_tmp("t7w.conf",
+                             "[cluster]\nnodes=[{name=\"a\", roles=[\"controller\", \"buffer\", \"reward\", \"weight_sync\"], "
+                             "rollouts=[\"cpu:1\"]},\n{name=\"b\", port=47301, roles=[\"calibration\"], learners=[\"cpu:1\"]}]\n");
+  EXPECT_EQ(error_of([&] { topology_load(f7w); }),
+            f7w + ": node 'a': weight_sync must run on the node of calibration ('b'): calibration hands it each bundle in one "
+                  "message, which must not cross processes (weight-sync sends bundles to other processes in chunks)");
+  EXPECT_NO_THROW(topology_load("configs/topologies/four-process.conf"));
+  // learners on two machines: their Gloo all-reduce meets through the run directory on 127.0.0.1
+  const auto f7h = write_tmp("t7h.conf",
+                             "[cluster]\nnodes=[{name=\"a\", host=\"10.0.0.1\", roles=[\"controller\", \"buffer\", \"reward\", "
+                             "\"weight_sync\", \"calibration\"], learners=[\"cpu:1\"], rollouts=[\"cpu:1\"]},\n"
+                             "{name=\"b\", host=\"10.0.0.2\", port=47301, learners=[\"cpu:1\"]}]\n");
+  EXPECT_EQ(error_of([&] { topology_load(f7h); }),
+            f7h + ": node 'b': learners on host 10.0.0.2 and on host 10.0.0.1: every learner must run on one host (their Gloo "
+                  "all-reduce meets through the run directory and 127.0.0.1)");
+  // on one machine under two loopback names they may
+  const auto f7l = write_tmp("t7l.conf",
+                             "[cluster]\nnodes=[{name=\"a\", host=\"127.0.0.1\", roles=[\"controller\", \"buffer\", \"reward\", "
+                             "\"weight_sync\", \"calibration\"], learners=[\"cpu:1\"], rollouts=[\"cpu:1\"]},\n"
+                             "{name=\"b\", host=\"localhost\", port=47301, learners=[\"cpu:1\"]}]\n");
+  EXPECT_NO_THROW(topology_load(f7l));
+  for (const auto& f : {f7w, f7h, f7l}) fs::remove(f);
   // a key twice in one node: CAF kept the last ("main" was planned as "other")
   const auto f8 = write_tmp("t8.conf", "[cluster]\nnodes=[{name=\"main\", name=\"other\", roles=[\"controller\"]}]\n");
   EXPECT_NE(error_of([&] { topology_load(f8); }).find("t8.conf:2: key 'name' given twice in one { ... }"), std::string::npos)
