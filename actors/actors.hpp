@@ -1,7 +1,7 @@
 // actors/actors.hpp -- spawn functions of every fp8rl actor (behaviors live in actors/*.cpp).
 // defines: spawn_rollout, spawn_reward, spawn_buffer, spawn_learner, spawn_calibration,
 //          spawn_weight_sync, spawn_controller, controller_options, node_actors_all,
-//          node_actors_problem, node_name_of
+//          node_actors_problem, node_name_of, node_connect
 //
 // Actors do no math themselves: they call models/ (engine, learner_grpo, AdamW, calibration)
 // inside a oneTBB arena sized by their device, and exchange the typed messages of messages/.
@@ -56,5 +56,9 @@ std::string node_name_of(const std::vector<caf::node_id>& agent_ids, const std::
                          const caf::node_id& own, const caf::node_id& n);
 msg::controller_actor spawn_controller(caf::actor_system& sys, std::shared_ptr<const actor_env> env,
                                        controller_options opts);
+// Connects this process to the CAF node at host:port, waiting at most `timeout` (an error then).
+// middleman().connect waits without a limit: a peer that accepted the TCP connection and never
+// answered (stopped, hung) held the controller for good (caf-0.17.md section 4, CAF #1240).
+caf::expected<caf::node_id> node_connect(caf::actor_system& sys, const std::string& host, uint16_t port, caf::timespan timeout);
 
 }  // namespace fp8rl::actors

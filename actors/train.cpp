@@ -563,8 +563,9 @@ std::string nodes_start_remote(caf::actor_system& sys, const topology& topo, msg
   for (const auto& n : topo.nodes) {
     if (n.has("controller")) continue;
     caf::expected<caf::node_id> nid = caf::sec::cannot_connect_to_node;
-    for (int attempt = 0; attempt < 2 * kNodeConnectSeconds && !nid; ++attempt) {  // the node may still be starting
-      nid = sys.middleman().connect(n.host, static_cast<uint16_t>(n.port));
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(kNodeConnectSeconds);
+    while (!nid && std::chrono::steady_clock::now() < deadline) {  // the node may still be starting
+      nid = node_connect(sys, n.host, static_cast<uint16_t>(n.port), std::chrono::seconds(5));
       if (!nid) std::this_thread::sleep_for(std::chrono::milliseconds(500));
     }
     if (!nid) {  // a node that died after opening its port looks the same from here

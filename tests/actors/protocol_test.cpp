@@ -18,6 +18,11 @@
 #include <stdexcept>
 #include <thread>
 
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
 #include "actors/actors.hpp"
 #include "models/checkpoint.hpp"
 #include "models/generate.hpp"
@@ -1683,4 +1688,35 @@ TEST(Protocol, NodeActorsAreCheckedAgainstTheTopologyEntry) {
   EXPECT_EQ(with([](msg::node_actors& y) { y.rollouts[1] = msg::rollout_actor{}; }), "an invalid handle for rollout3");
   self->send_exit(any, caf::exit_reason::user_shutdown);
   sched.run();
+}
+
+// Connecting to a peer that accepted the TCP connection and never answers (a stopped or hung
+// node) ends in an error after the timeout given: middleman().connect waited for good (CAF
+// #1240), and the controller with it. A node that answers is connected to, by its id.
+TEST(Protocol, NodeConnectGivesUpOnASilentPeer) {
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);  // listens, never accepts: the kernel's backlog
+  ASSERT_GE(fd, 0);                                  // completes the TCP handshake, nobody answers
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t len = sizeof a;
+  ASSERT_EQ(::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a), 0);
+  ASSERT_EQ(::listen(fd, 4), 0);
+  ASSERT_EQ(::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len), 0);
+  test_config cfg1, cfg2;
+  cfg1.load<caf::io::middleman>();
+  cfg2.load<caf::io::middleman>();
+  caf::actor_system sys{cfg1}, peer{cfg2};
+  const auto t0 = std::chrono::steady_clock::now();
+  const auto silent = actors::node_connect(sys, "127.0.0.1", ntohs(a.sin_port), std::chrono::seconds(1));
+  const double waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  ::close(fd);  // resets the waiting connection
+  ASSERT_FALSE(silent);
+  EXPECT_EQ(silent.error(), caf::sec::request_timeout) << sys.render(silent.error());
+  EXPECT_LT(waited, 10.0);  // the 1 s asked, with room for a loaded machine
+  const auto port = peer.middleman().open(0, "127.0.0.1");
+  ASSERT_TRUE(port) << peer.render(port.error());
+  const auto nid = actors::node_connect(sys, "127.0.0.1", *port, std::chrono::seconds(20));
+  ASSERT_TRUE(nid) << sys.render(nid.error());
+  EXPECT_EQ(*nid, peer.node());
 }
