@@ -57,6 +57,8 @@ using json = nlohmann::json;
 std::mutex g_mu;
 std::condition_variable g_cv;
 bool g_agent_started = false, g_agent_done = false;
+bool g_agent_asked = false;   // the controller's start reached the agent
+caf::actor_addr g_agent;      // this process's node agent (weak: stopped when the controller never starts it)
 std::string g_agent_failure;  // why the agent stopped, if not by the controller's stop
 std::string g_node_name;      // this process's topology node (set before its port opens)
 msg::controller_actor g_controller;  // the controller a node agent was started by (a node's stop request goes there)
@@ -104,6 +106,10 @@ msg::node_actors node_answer(const msg::node_actors& x) {
 }
 
 msg::node_agent_actor::behavior_type node_agent(msg::node_agent_actor::stateful_pointer<agent_state> self) {
+  {
+    std::lock_guard<std::mutex> g(g_mu);
+    g_agent = self->address();
+  }
   agent_signal(true, false);
   self->attach_functor([] { agent_signal(false, true); });
   self->set_down_handler([self](caf::down_msg& dm) {  // the controller is gone: stop this node, and say so
@@ -116,6 +122,10 @@ msg::node_agent_actor::behavior_type node_agent(msg::node_agent_actor::stateful_
   });
   return {
       [self](msg::start_atom, msg::node_start& init, msg::controller_actor& controller) -> caf::result<msg::node_actors> {
+        {
+          std::lock_guard<std::mutex> g(g_mu);
+          g_agent_asked = true;
+        }
         try {
           const run_config cfg = recipe_from_json(init.recipe_json);
           const topology t = topology_from_json(init.topology_json);
@@ -165,6 +175,7 @@ struct fp8rl_config : caf::actor_system_config {
 
 struct cli {
   std::string recipe, topology, node, run_dir;
+  int64_t node_wait_s = 120;  // a node waits this long for its controller to connect, and then to start it
   bool resume = false, overwrite = false, dump = false;
   std::vector<std::string> overrides;
   caf::actor_system_config::string_list caf_args;
@@ -216,6 +227,20 @@ void caf_options_parse(fp8rl_config& cfg, const std::vector<std::string>& args) 
   throw std::invalid_argument("CAF options: " + caf::actor_system_config::render(err));
 }
 
+// --node-wait SECONDS: a whole number in [1, 86400]
+int64_t node_wait_parse(const std::string& v) {
+  size_t used = 0;
+  long long n = 0;
+  try {
+    n = std::stoll(v, &used);
+  } catch (const std::exception&) {
+    used = 0;
+  }
+  if (used == 0 || used != v.size() || n < 1 || n > 86400)
+    throw std::invalid_argument("option --node-wait: '" + v + "' is not a whole number of seconds in [1, 86400]");
+  return n;
+}
+
 cli parse_cli(int argc, char** argv) {
   cli c;
   run_config probe;
@@ -238,6 +263,7 @@ cli parse_cli(int argc, char** argv) {
     else if (is("--topology")) once(c.topology, "--topology");
     else if (is("--node")) once(c.node, "--node");
     else if (is("--run-dir")) once(c.run_dir, "--run-dir");
+    else if (is("--node-wait")) c.node_wait_s = node_wait_parse(value("--node-wait"));
     else if (a == "--resume") c.resume = true;
     else if (a == "--overwrite") c.overwrite = true;
     else if (a == "--dump-config") c.dump = true;
@@ -247,10 +273,12 @@ cli parse_cli(int argc, char** argv) {
              a.rfind("--caf#", 0) == 0)
       c.caf_args.push_back(a);
     else if (a == "--help" || a == "-h") {
-      std::printf("usage: fp8rl train [--recipe FILE] [--topology FILE] [--node NAME] [--run-dir DIR] [--resume|--overwrite]\n"
+      std::printf("usage: fp8rl train [--recipe FILE] [--topology FILE] [--node NAME] [--node-wait S] [--run-dir DIR] [--resume|--overwrite]\n"
                   "                   [--dump-config] [--section.key=value ...] [--scheduler.*|--middleman.*|--logger.*|--caf#* ...]\n"
                   "--config-file FILE is --recipe FILE (CAF's name). --node NAME: the topology node this process runs\n"
-                  "(default: the controller's; caf-run passes it). CAF's own options pass through to CAF.\n"
+                  "(default: the controller's; caf-run passes it). --node-wait S: a node other than the controller's exits 1\n"
+                  "when its controller has not connected within S seconds (default 120; a long warm start or model load\n"
+                  "comes first), or has not started it S seconds after connecting. CAF's own options pass through to CAF.\n"
                   "The run directory defaults to runs/NAME (run.name), or runs/NAME-2, -3, ... while that holds an earlier\n"
                   "run; --resume continues the newest of them (or --run-dir) with the settings it ran with (recipe.conf,\n"
                   "or RUN_DIR/resumes/recipe-stepN.conf of the part that made its checkpoint), then the options given\n"
@@ -416,7 +444,7 @@ std::string resume_recipe_changes(const run_config& cfg, const std::string& run_
   return changed;
 }
 
-int run_remote_node(fp8rl_config& cfg, const topology& t, const std::string& name) {
+int run_remote_node(fp8rl_config& cfg, const topology& t, const std::string& name, int64_t wait_s) {
   const node_spec* n = t.find(name);
   {
     std::lock_guard<std::mutex> g(g_mu);
@@ -436,7 +464,9 @@ int run_remote_node(fp8rl_config& cfg, const topology& t, const std::string& nam
     std::fprintf(stdout, "fp8rl node %s ready on %s:%u\n", name.c_str(), n->host.c_str(), *port);
     std::fflush(stdout);
     std::unique_lock<std::mutex> lk(g_mu);
-    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(120);
+    const auto wait = std::chrono::seconds(wait_s);
+    const auto deadline = std::chrono::steady_clock::now() + wait;
+    std::optional<std::chrono::steady_clock::time_point> spawned_at;  // when this loop saw the agent
     while (!g_cv.wait_for(lk, std::chrono::milliseconds(100), [] { return g_agent_done; })) {
       const int sig = stop_signals::pending();
       // no controller to ask (none connected, or it never started this node's actors): the signal's
@@ -446,8 +476,18 @@ int run_remote_node(fp8rl_config& cfg, const topology& t, const std::string& nam
                      stop_signals::name(sig).c_str());
         stop_signals::die(sig);
       }
-      if (!g_agent_started && std::chrono::steady_clock::now() > deadline) {
-        std::fprintf(stderr, "fp8rl node %s: no controller connected within 120 s\n", name.c_str());
+      const auto now = std::chrono::steady_clock::now();
+      if (!g_agent_started && now > deadline) {
+        std::fprintf(stderr, "fp8rl node %s: no controller connected within %ld s (--node-wait)\n", name.c_str(), long(wait_s));
+        return 1;
+      }
+      if (g_agent_started && !spawned_at) spawned_at = now;
+      // a controller that spawned the agent and died before its start: nothing monitored it yet
+      if (spawned_at && !g_agent_asked && now > *spawned_at + wait) {
+        caf::anon_send_exit(g_agent, caf::exit_reason::user_shutdown);  // the actor system waits for it
+        g_agent = caf::actor_addr{};
+        std::fprintf(stderr, "fp8rl node %s: the controller connected and did not start this node within %ld s (it exited "
+                     "or stalled; --node-wait)\n", name.c_str(), long(wait_s));
         return 1;
       }
       if (sig && !stop_sent) {  // the run stops as a whole: the controller decides at which step
@@ -460,6 +500,7 @@ int run_remote_node(fp8rl_config& cfg, const topology& t, const std::string& nam
     if (!stop_sent) stop_sent = stop_signals::pending();  // a signal the controller's end overtook: still this node's code
     if (failure.empty() && stop_sent) failure = "stopped by " + stop_signals::name(stop_sent) + " (the controller ended the run)";
     g_controller = msg::controller_actor{};  // not past its actor system
+    g_agent = caf::actor_addr{};
   }  // the actor system is gone: its actors (exited asynchronously) emit no more trace events
   trace_writer::process().close();
   if (!failure.empty()) {  // it exited 0 in silence
@@ -636,7 +677,7 @@ int train_main(int argc, char** argv) {
   fp8rl_config ccfg;
   caf_config_prepare(ccfg, c, here);
   const stop_signals signals;  // from here on a signal stops the start or the run (signals.hpp)
-  if (!here.has("controller")) return run_remote_node(ccfg, topo, node);
+  if (!here.has("controller")) return run_remote_node(ccfg, topo, node, c.node_wait_s);
   if (c.node.empty() && topo.nodes.size() > 1)  // caf-run passes --node: started by hand, the other nodes are the user's to start
     log_get("train")->warn("{}: this process runs node '{}'; its other {} node(s) must be started too (caf-run starts "
                            "them all; by hand: fp8rl train --topology {} --node NAME): it waits {} s for them after the start",

@@ -1,7 +1,7 @@
 // actors/train.hpp -- `fp8rl train`: one binary for every node of a run.
 // defines: train_main
 //
-//   fp8rl train [--recipe FILE] [--topology FILE] [--node NAME] [--run-dir DIR] [--resume|--overwrite]
+//   fp8rl train [--recipe FILE] [--topology FILE] [--node NAME] [--node-wait S] [--run-dir DIR] [--resume|--overwrite]
 //               [--dump-config] [--section.key=value ...] [CAF options: --scheduler.*, ...]
 // With no arguments: the embedded default recipe, one process, every actor local, CPU, the
 // built-in task and a tiny model with its own SFT warm start. The controller node prepares the

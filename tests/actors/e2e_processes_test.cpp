@@ -4,6 +4,9 @@
 // of its group, lost nodes named, two learners all-reducing. One process: e2e_test.cpp.
 #include <gtest/gtest.h>
 
+#include <caf/all.hpp>
+#include <caf/io/all.hpp>
+
 #include <algorithm>
 #include <array>
 #include <chrono>
@@ -22,6 +25,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include "actors/actors.hpp"
 #include "models/checkpoint.hpp"
 #include "tests/actors/e2e_util.hpp"
 #include "tests/test_util.hpp"
@@ -435,6 +439,43 @@ TEST(E2E, ANodeAnsweringWithOtherActorsFailsTheStart) {
                        "where rollout1 belongs (another fp8rl build there?)"),
             std::string::npos) << r.out;
   EXPECT_EQ(metrics(d / "run").size(), 0u);  // no step ran
+  fs::remove_all(d);
+}
+
+// A node gives up on its controller after --node-wait: one that never connects, and one that
+// connects, spawns the node's agent and is gone before starting it (nothing monitored that
+// controller yet: the node waited for good).
+TEST(E2E, ANodeGivesUpOnAControllerThatNeverStartsIt) {
+  const fs::path d = fresh_dir("node_wait");
+  const int port = free_port();
+  const std::string topo = two_process_topology(d, port);
+  const std::string node = kBin + "/fp8rl train --topology " + topo + " --node rollout1";
+  const auto alone = fp8rl::test::run_command("timeout 60 " + node + " --node-wait 1");
+  EXPECT_EQ(alone.rc, 1) << alone.out;
+  EXPECT_NE(alone.out.find("fp8rl node rollout1: no controller connected within 1 s (--node-wait)"), std::string::npos) << alone.out;
+  const pid_t pid = spawn_logged(node + " --node-wait 3", d);
+  {
+    struct config : caf::actor_system_config {
+      config() { fp8rl::msg::messages_register(*this); load<caf::io::middleman>(); set("logger.console", caf::atom("none")); }
+    } cfg;
+    caf::actor_system sys{cfg};
+    caf::expected<caf::node_id> nid = caf::sec::cannot_connect_to_node;
+    for (int i = 0; i < 60 && !nid; ++i) {  // the node may still be opening its port
+      nid = fp8rl::actors::node_connect(sys, "127.0.0.1", static_cast<uint16_t>(port), std::chrono::seconds(5));
+      if (!nid) std::this_thread::sleep_for(std::chrono::milliseconds(250));
+    }
+    ASSERT_TRUE(nid) << sys.render(nid.error());
+    auto agent = sys.middleman().remote_spawn<fp8rl::msg::node_agent_actor>(*nid, "node_agent", caf::make_message(),
+                                                                            std::chrono::seconds(30));
+    ASSERT_TRUE(agent) << sys.render(agent.error());
+  }  // gone without a start
+  const int st = wait_exit(pid);
+  const std::string log = text_of(d / "log");
+  EXPECT_TRUE(WIFEXITED(st) && WEXITSTATUS(st) == 1) << st << "\n" << log;
+  EXPECT_NE(log.find("fp8rl node rollout1: the controller connected and did not start this node within 3 s (it exited or "
+                     "stalled; --node-wait)"), std::string::npos) << log;
+  const auto bad = fp8rl::test::run_command(node + " --node-wait 0");
+  EXPECT_NE(bad.out.find("option --node-wait: '0' is not a whole number of seconds in [1, 86400]"), std::string::npos) << bad.out;
   fs::remove_all(d);
 }
 
