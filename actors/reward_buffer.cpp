@@ -2,6 +2,7 @@
 // trajectory buffer (admission by max_staleness, de-duplication, per-learner batch shards).
 #include <map>
 #include <optional>
+#include <vector>
 
 #include "actors/actors.hpp"
 #include "actors/trace.hpp"
@@ -10,9 +11,13 @@
 namespace fp8rl::actors {
 namespace {
 
+// Reward and buffer get their peers from the controller and their groups from other senders (CAF
+// orders one sender's messages only): what they would send before the first peers_msg waits in
+// `unsent` (a send to the unset handle was dropped in silence).
 struct reward_state {
   std::shared_ptr<const actor_env> env;
   msg::peers_msg peers;
+  std::vector<msg::group_msg> unsent;  // scored before the peers came
 };
 
 struct pending_batch {
@@ -32,6 +37,7 @@ struct buffer_state {
   std::vector<int64_t> q_saturated;   // per layer, likewise (FP8 queries)
   uint64_t next_step = 0;              // the first step no learner was given yet
   std::optional<uint64_t> stop_at;     // set by a stop: steps from here on are answered `stop`
+  std::vector<msg::admitted_msg> unsent;  // admissions before the peers came
 };
 
 // The answer to a shard request of `step` once the run stops there: no samples, `stop` set.
@@ -76,14 +82,21 @@ msg::reward_actor spawn_reward(caf::actor_system& sys, std::shared_ptr<const act
     self->state.env = env;
     return {
         [self](msg::peers_msg& p) {
+          auto& s = self->state;
           trace_recv("reward", "peers_msg", p.trace);
-          self->state.peers = std::move(p);
+          s.peers = std::move(p);
+          for (auto& g : s.unsent) {
+            trace_send("reward", "group_msg", g.trace, static_cast<int64_t>(g.step));
+            self->send(s.peers.buffer, std::move(g));
+          }
+          s.unsent.clear();
         },
         [self](msg::group_msg& g) {
           auto& s = self->state;
           trace_recv("reward", "group_msg", g.trace, static_cast<int64_t>(g.step));
           trace_span span("reward", "score", -1, double(g.samples.size()));
           models::group_score(g.samples, g.answer, *s.env->tok, s.env->stops, s.env->rl.verifier, s.env->rl.grpo);
+          if (!s.peers.buffer) return s.unsent.push_back(std::move(g));
           trace_send("reward", "group_msg", g.trace, static_cast<int64_t>(g.step));
           self->send(s.peers.buffer, std::move(g));
         },
@@ -100,6 +113,7 @@ msg::buffer_actor spawn_buffer(caf::actor_system& sys, std::shared_ptr<const act
     self->state.next_step = env->start_version;
     auto log = log_get("buffer");
     auto tell_controller = [self](msg::admitted_msg a) {
+      if (!self->state.peers.controller) return self->state.unsent.push_back(std::move(a));
       trace_send("buffer", "admitted_msg", a.trace, static_cast<int64_t>(a.step));
       self->send(self->state.peers.controller, std::move(a));
     };
@@ -155,9 +169,13 @@ msg::buffer_actor spawn_buffer(caf::actor_system& sys, std::shared_ptr<const act
       s.steps.erase(step);
     };
     return {
-        [self](msg::peers_msg& p) {
+        [self, tell_controller](msg::peers_msg& p) {
+          auto& s = self->state;
           trace_recv("buffer", "peers_msg", p.trace);
-          self->state.peers = std::move(p);
+          s.peers = std::move(p);
+          auto unsent = std::move(s.unsent);
+          s.unsent.clear();
+          for (auto& a : unsent) tell_controller(std::move(a));
         },
         [self, try_deliver, tell_controller](msg::group_msg& g) {
           auto& s = self->state;

@@ -496,6 +496,30 @@ TEST(Protocol, WeightSyncSendsABundleThatCameBeforeItsPeers) {
   ctl->send_exit(ws, caf::exit_reason::user_shutdown);
 }
 
+// A rollout's group can reach the reward actor, and the reward actor's the buffer, before the
+// controller's peers_msg (CAF orders one sender's messages only): the scored group and the
+// admission went to unset handles, dropped in silence; now they wait for the peers.
+TEST(Protocol, RewardAndBufferKeepWhatCameBeforeTheirPeers) {
+  test_config cfg;
+  caf::actor_system sys{cfg};
+  caf::scoped_actor ctl{sys}, ro{sys}, buffer_stand_in{sys};
+  auto reward = actors::spawn_reward(sys, env_with(1, 2));
+  ro->send(reward, group(0, 4, 0));  // before the peers, from another sender
+  msg::peers_msg p;
+  p.controller = caf::actor_cast<msg::controller_actor>(ctl);
+  p.buffer = caf::actor_cast<msg::buffer_actor>(buffer_stand_in);
+  ctl->send(reward, p);
+  buffer_stand_in->receive([](msg::group_msg& g) { EXPECT_EQ(g.prompt_id, 4u); },
+                           caf::after(std::chrono::seconds(5)) >> [] { FAIL() << "the scored group was lost"; });
+  auto buf = actors::spawn_buffer(sys, env_with(1, 2));
+  ro->send(buf, group(0, 5, 0));
+  ctl->send(buf, p);
+  ctl->receive([](msg::admitted_msg& a) { EXPECT_EQ(a.prompt_id, 5u); EXPECT_FALSE(a.dropped) << a.reason; },
+               caf::after(std::chrono::seconds(5)) >> [] { FAIL() << "the admission was lost"; });
+  ctl->send_exit(reward, caf::exit_reason::user_shutdown);
+  ctl->send_exit(buf, caf::exit_reason::user_shutdown);
+}
+
 // Learner 0's weights can reach calibration before the controller's first peers_msg: the bundle
 // and the step report went to unset handles (CAF drops those sends) and no weights ever existed;
 // now the weights wait for the peers.
