@@ -61,7 +61,7 @@ extern "C" void stop_signal_caught(int sig, siginfo_t* info, void*) {
     // caf-run passes a signal on to the controller node; where the whole group got one as well
     // (systemd, scancel) the controller has two, and they are one stop, not the second signal
     const uint64_t first = g_first;
-    if ((from_parent || (first >> 8 & 1)) && now + 1 - (first >> 9) < kPassedOnMs) return;
+    if (signal_same_stop((first >> 9) - 1, first >> 8 & 1, now, from_parent)) return;
     say("fp8rl: a second signal: stopping at once (steps after the last checkpoint are redone on --resume)\n");
     die_now(sig);
   }
@@ -79,6 +79,13 @@ extern "C" void stop_pipe_caught(int) {
 }
 
 }  // namespace
+
+bool signal_same_stop(uint64_t first_ms, bool first_from_parent, uint64_t now_ms, bool from_parent) {
+  // async-signal-safe; the unsigned now - first wrapped where this handler read the clock first
+  // (a repeat taken for a second signal: the node died at once, unsaved)
+  const uint64_t apart = now_ms > first_ms ? now_ms - first_ms : first_ms - now_ms;
+  return (from_parent || first_from_parent) && apart < kPassedOnMs;
+}
 
 stop_signals::stop_signals() {
   g_first = 0;

@@ -1,5 +1,5 @@
 // actors/signals.hpp -- SIGINT, SIGTERM and SIGHUP while `fp8rl train` runs.
-// defines: stop_signals, interrupted
+// defines: stop_signals, interrupted, signal_same_stop
 //
 // The first one is recorded and said on stderr: a start unwinds at its next interruption point
 // (an --overwrite start gives the earlier run back first); a running run stops after the step in
@@ -11,6 +11,7 @@
 // scancel may have signalled too.
 #pragma once
 #include <csignal>
+#include <cstdint>
 #include <stdexcept>
 #include <string>
 
@@ -21,6 +22,11 @@ struct interrupted : std::runtime_error {
   int sig;
   interrupted(int s, const std::string& what) : std::runtime_error(what), sig(s) {}
 };
+
+// Whether a later signal (at now_ms, from the parent or not) is the first one again (recorded at
+// first_ms): one of the two came from the parent, within 2 s of each other -- either way round:
+// two threads take the two signals at once, and the later recorded can have read the clock first.
+bool signal_same_stop(uint64_t first_ms, bool first_from_parent, uint64_t now_ms, bool from_parent);
 
 class stop_signals {  // one at a time; the previous dispositions come back at its end
  public:

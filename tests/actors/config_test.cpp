@@ -728,6 +728,31 @@ TEST(RunDir, ASignalIgnoredOnEntryStaysIgnored) {
       ::testing::ExitedWithCode(0), "");
 }
 
+// A repeat of the first signal (caf-run passing on what the group got) is one stop: one of the
+// two from the parent, within 2 s either way round -- the later recorded may have read the clock
+// first (two threads; the unsigned difference wrapped and the node died unsaved).
+TEST(RunDir, ASignalPassedOnByTheParentIsTheSameStop) {
+  EXPECT_TRUE(signal_same_stop(10'000, false, 10'500, true));
+  EXPECT_TRUE(signal_same_stop(10'000, true, 10'500, false));
+  EXPECT_TRUE(signal_same_stop(10'000, true, 9'999, false));   // this handler read the clock first
+  EXPECT_TRUE(signal_same_stop(10'000, false, 8'001, true));
+  EXPECT_FALSE(signal_same_stop(10'000, false, 10'500, false));  // two of the user's own: a second signal
+  EXPECT_FALSE(signal_same_stop(10'000, true, 12'000, false));   // 2 s on: a second signal
+  EXPECT_FALSE(signal_same_stop(10'000, false, 8'000, true));
+}
+
+// While the actors are being wired a signal takes its own action at once, saying so.
+TEST(RunDir, ASignalWhileWiringStopsAtOnce) {
+  EXPECT_EXIT(
+      {
+        stop_signals signals;
+        stop_signals::immediate(true);
+        std::raise(SIGINT);
+        std::exit(0);
+      },
+      ::testing::KilledBySignal(SIGINT), "a signal while the run's actors are wired: stopping at once");
+}
+
 // plots_write reports what it cannot do and never throws: a plots path that is a file threw out
 // of the controller at the end of a run (the process then waited forever), and a metrics row
 // whose step is not an integer threw nlohmann's type_error naming neither file nor line.
