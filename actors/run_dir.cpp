@@ -130,8 +130,8 @@ run_dir_stash::run_dir_stash(std::string dir) : dir_(std::move(dir)) {
       if (ec) throw std::runtime_error((d / e).string() + ": --overwrite cannot move it aside: " + ec.message());
       moved_.emplace_back(e);
     }
-  } catch (...) {  // the destructor does not run for a half-built stash
-    restore();
+  } catch (...) {  // the destructor does not run for a half-built stash; nothing new was written:
+    restore(false);  // the entries not yet moved are the earlier run's (they were deleted with the rest)
     throw;
   }
 }
@@ -148,10 +148,11 @@ void run_dir_stash::drop_now() noexcept {
   if (ec) std::fprintf(stderr, "fp8rl: could not delete the replaced run in %s/%s: %s\n", dir_.c_str(), kStash, ec.message().c_str());
 }
 
-void run_dir_stash::restore() noexcept {
+void run_dir_stash::restore(bool start_wrote) noexcept {
   const fs::path d(dir_), st = d / kStash;
   std::error_code ec;
-  for (const char* e : kRunOutputs) fs::remove_all(d / e, ec);  // whatever the failed start wrote
+  if (start_wrote)
+    for (const char* e : kRunOutputs) fs::remove_all(d / e, ec);  // whatever the failed start wrote
   for (const auto& e : moved_) {
     fs::rename(st / e, d / e, ec);
     if (ec) std::fprintf(stderr, "fp8rl: could not move %s back to %s: %s\n", (st / e).c_str(), (d / e).c_str(), ec.message().c_str());
@@ -161,7 +162,7 @@ void run_dir_stash::restore() noexcept {
 
 run_dir_stash::~run_dir_stash() {
   if (dropped_) return;
-  restore();
+  restore(true);
   const int sig = stop_signals::pending();
   if (!sig || run_started_) {  // a run that stopped on a signal before its first step ended by the stop
     std::fprintf(stderr, "fp8rl: the new run did not record a step; the earlier run in %s is back\n", dir_.c_str());

@@ -100,7 +100,7 @@ class run_dir_stash {
   static void interruption_point();
 
  private:
-  void restore() noexcept;
+  void restore(bool start_wrote) noexcept;  // start_wrote: remove the run outputs in DIR first
   std::string dir_;
   std::vector<std::string> moved_;  // entry names now under DIR/.replaced/
   std::atomic<bool> dropped_{false};

@@ -651,6 +651,22 @@ TEST(RunDir, AnEarlierRunIsNeverOverwrittenUnasked) {
   EXPECT_FALSE(fs::exists("runs/x/checkpoints"));
   EXPECT_FALSE(fs::exists("runs/x/.replaced"));
   EXPECT_TRUE(fs::exists("runs/x/notes.txt"));
+  // a stash that cannot be made (here a dangling link named .replaced: run_dir_recover sees no
+  // stash) deletes nothing: its clean-up removed every run output, unmoved ones too -- the
+  // earlier run it was to keep
+  started("runs/s");
+  fs::create_symlink("nowhere", "runs/s/.replaced");
+  EXPECT_THROW(run_dir_stash("runs/s"), std::exception);
+  EXPECT_EQ(text("runs/s/metrics.jsonl"), "{\"step\":1}\n");
+  EXPECT_EQ(text("runs/s/recipe.conf"), "[run]\n");
+  // a start that passes keeps what it wrote after the drop (the run's own outputs now)
+  {
+    run_dir_stash st("runs/x");
+    st.drop();
+    std::ofstream("runs/x/metrics.jsonl") << "the new run\n";
+  }
+  EXPECT_EQ(text("runs/x/metrics.jsonl"), "the new run\n");
+  fs::remove("runs/x/metrics.jsonl");
   // --overwrite never deletes what the run starts from (model.init inside the directory)
   started("runs/x");
   fs::create_directories("runs/x/checkpoints/step_1");
