@@ -523,7 +523,31 @@ TEST(Topology, JsonFormsRoundTripAndAreValidatedOnTheNode) {
   ASSERT_EQ(::gethostname(self, sizeof self - 1), 0);
   EXPECT_TRUE(host_same_machine(self));  // this machine by its own name
   EXPECT_FALSE(host_is_local("127.0.1.1"));  // one address per name for the port check
+  for (const char* h : {"127.0.0.1", "localhost", "::1"}) EXPECT_EQ(host_canonical(h), "localhost") << h;
   fs::remove(f);
+}
+
+// More malformed topologies, each refused with the file, the node or key, and what is wrong.
+TEST(Topology, MoreBadFilesAreNamed) {
+  const std::string all = "roles=[\"controller\", \"buffer\", \"reward\", \"weight_sync\", \"calibration\"], learners=[\"cpu:1\"]";
+  const std::vector<std::pair<std::string, std::string>> cases = {
+      {"[cluster]\ncolour=1\nnodes=[{name=\"a\", " + all + ", rollouts=[\"cpu:1\"]}]\n", ": unknown key 'cluster.colour'"},
+      {"[cluster]\nnodes=[{" + all + ", rollouts=[\"cpu:1\"]}]\n", ": cluster.nodes[0]: key 'name' missing"},
+      {"[cluster]\nnodes=[{name=\"a\", " + all + ", rollouts=[\"cpu:1\"]},\n{name=\"b\", port=47301, rollouts=[\"tpu:0\"]}]\n",
+       ": cluster.nodes[1].rollouts: device 'tpu:0' must be cpu:N or cuda:K"},
+      {"[cluster]\nnodes=[{name=\"a\", " + all + ", rollouts=[\"cpu:1\"]},\n{name=\"b\", port=47301, roles=[\"buffer\"]}]\n",
+       ": node 'b': role 'buffer' is already on node 'a'"},
+      {"[cluster]\nnodes=[{name=\"a\", " + all + "}]\n", ": no rollout"},
+      {"[cluster]\nnodes=[{name=\"a\", " + all + ", rollouts=[\"cpu:65536\"]}]\n",
+       ": cluster.nodes[0].rollouts: device 'cpu:65536' has a bad index (an integer in [0, 65535])"},
+      {"[cluster]\nnodes=[{name=\"a\", " + all + ", rollouts=[\"cuda\"]}]\n",
+       ": cluster.nodes[0].rollouts: device 'cuda' needs a GPU index (cuda:K)"}};
+  for (const auto& [text, why] : cases) {
+    const auto f = write_tmp("more.conf", text);
+    EXPECT_EQ(error_of([&] { topology_load(f); }), f + why) << text;
+    fs::remove(f);
+  }
+  EXPECT_EQ(device_spec::parse("cpu:65535", "x").index, 65535);
 }
 
 // A cpu:K past the CPUs oneTBB may use on the node's machine is refused, named (its arena got
@@ -835,6 +859,32 @@ TEST(RunDir, PlotsReportWhatTheyCannotWrite) {
 // --resume from the checkpoint of v2 after a crash that followed step 3's metrics row: the row
 // stayed and the resumed run wrote step 3 again (steps 1, 2, 3, 3 in the file and the plots).
 // Rows after the checkpoint and a partial last line move aside; nothing is deleted.
+// A checkpoint's calibration batch (calibration.jsonl) comes back as saved; a line that is not
+// {"tokens": [ids >= 0]} is refused naming the file and line (a negative id reached the
+// embedding lookup), and so is a file without sequences. No file: an older checkpoint, none.
+TEST(RunDir, CalibrationBatchFilesAreChecked) {
+  const fs::path d = fs::temp_directory_path() / ("fp8rl_calib_" + std::to_string(::getpid()));
+  fs::remove_all(d);
+  fs::create_directories(d);
+  EXPECT_TRUE(calibration_batch_load(d.string()).empty());
+  const std::vector<std::vector<int32_t>> seqs = {{1, 2, 3}, {0}, {INT32_MAX}};
+  calibration_batch_save(d.string(), seqs);
+  EXPECT_EQ(calibration_batch_load(d.string()), seqs);
+  const std::string f = (d / "calibration.jsonl").string();
+  for (const auto& [line, why] : std::vector<std::pair<std::string, std::string>>{
+           {"{\"tokens\": [1, -1]}", ":2: token ids must be integers >= 0"},
+           {"{\"tokens\": [2.5]}", ":2: token ids must be integers >= 0"},
+           {"{\"tokens\": [2147483648]}", ":2: token ids must be integers >= 0"},
+           {"{\"tokens\": []}", ":2: expected {\"tokens\": [ids...]}"},
+           {"[1, 2]", ":2: expected {\"tokens\": [ids...]}"}}) {
+    std::ofstream(f) << "{\"tokens\": [4]}\n" << line << "\n";
+    EXPECT_EQ(error_of([&] { calibration_batch_load(d.string()); }), f + why) << line;
+  }
+  std::ofstream(f) << "";
+  EXPECT_EQ(error_of([&] { calibration_batch_load(d.string()); }), f + ": no sequences");
+  fs::remove_all(d);
+}
+
 TEST(RunDir, ResumeMovesRowsAfterTheCheckpointAside) {
   const fs::path m = fs::temp_directory_path() / ("fp8rl_trim_" + std::to_string(::getpid()) + ".jsonl");
   fs::remove(m.string() + ".discarded");
