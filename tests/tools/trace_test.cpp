@@ -67,9 +67,11 @@ TEST(Trace, VectorClocksFollowTheMessages) {
   for (const auto& e : t["traceEvents"])
     if (e["name"] == "thread_name") row[{e["pid"], e["tid"]}] = e["args"]["name"].get<std::string>() + "@" + process[e["pid"]];
   int64_t first_ts = INT64_MAX;
+  std::map<std::string, int64_t> arrow_ts;  // "work_msg s" -> its ts
   for (const auto& e : t["traceEvents"]) {
     starts += e["ph"] == "s";
     finishes += e["ph"] == "f";
+    if (e["ph"] == "s" || e["ph"] == "f") arrow_ts[e["name"].get<std::string>() + " " + e["ph"].get<std::string>()] = e["ts"];
     if (e["ph"] == "X") first_ts = std::min(first_ts, e["ts"].get<int64_t>());
     // each arrow starts on its sender's row and ends on its receiver's
     if (e["ph"] != "s" && e["ph"] != "f") continue;
@@ -80,9 +82,14 @@ TEST(Trace, VectorClocksFollowTheMessages) {
   EXPECT_EQ(starts, 2);
   EXPECT_EQ(finishes, 2);
   EXPECT_EQ(first_ts, 0);  // times from the earliest event of any process (B's clock is behind A's)
+  // each arrow starts at its send and ends at its receive, on that time line (B's recv is first)
+  EXPECT_EQ(arrow_ts, (std::map<std::string, int64_t>{
+                          {"work_msg s", 2000000 - 1000100}, {"work_msg f", 0}, {"group_msg s", 700}, {"group_msg f", 2000900 - 1000100}}));
   const auto s = fp8rl::test::run_command(kBin + "/fp8rl-trace summary " + run.string());
   EXPECT_NE(s.out.find("messages: 2 matched, 1 receives without their send, 0 sends not received"), std::string::npos) << s.out;
   EXPECT_EQ(s.out.find("not received, by type"), std::string::npos) << s.out;
+  // work_msg was received "before" it was sent by the wall clocks (B's is 1 s behind): said
+  EXPECT_NE(s.out.find("  1 received before their send by the wall clocks"), std::string::npos) << s.out;
   // sends nobody received (work issued past a stop, in flight at the end) are counted by type
   std::ofstream(run / "traces" / "D.jsonl") << line("D", "controller", "send", "work_msg", 2000950, 6, 21)
                                             << line("D", "controller", "send", "work_msg", 2000960, 7, 22)
@@ -190,6 +197,18 @@ TEST(Trace, SummaryWallTimeLeavesOutTheGapOfAResume) {
   ASSERT_EQ(s.rc, 0) << s.out;
   EXPECT_NE(s.out.find("wall time covered by traces: 2.00 s (2 processes)"), std::string::npos) << s.out;
   EXPECT_NE(s.out.find("A/learner0                        1.002    50.1%"), std::string::npos) << s.out;
+  // a process is alive until its latest end (a long span started before a short one ends after
+  // it); waiting for a batch is idle time
+  auto b_span = [](const char* actor, const char* name, int64_t ts, int64_t dur) {
+    return json{{"node", "B"}, {"actor", actor}, {"kind", "span"}, {"name", name}, {"ts", ts}, {"dur", dur}, {"pid", 3}}.dump() + "\n";
+  };
+  std::ofstream(run / "traces" / "B.jsonl") << b_span("rollout0", "generate", 200000000, 3000000)
+                                            << b_span("rollout0", "adopt", 200000010, 10)
+                                            << b_span("learner1", "wait_batch", 200000000, 2000000);
+  const auto b = fp8rl::test::run_command(kBin + "/fp8rl-trace summary " + run.string());
+  EXPECT_NE(b.out.find("wall time covered by traces: 5.00 s (3 processes)"), std::string::npos) << b.out;
+  EXPECT_EQ(b.out.find("B/learner1"), std::string::npos) << b.out;
+  fs::remove(run / "traces" / "B.jsonl");
   // weight-sync latency from the metrics: the median of an even count is the middle two's mean
   std::ofstream(run / "metrics.jsonl") << "{\"step\":1,\"sync_latency_s\":0.1}\n{\"step\":2,\"sync_latency_s\":0.4}\n"
                                           "{\"step\":3,\"sync_latency_s\":0.2}\n{\"step\":4,\"sync_latency_s\":0.3}\n";
@@ -241,6 +260,7 @@ TEST(Trace, BadInputIsRefusedByFileAndLine) {
             "A.jsonl:2: receive of message 4 has Lamport clock 5, not above its send's 5"},
            {line("A", "x", "send", "m", 10, 1, 4) + "hello world\n" + line("A", "y", "recv", "m", 20, 2, 4),
             "A.jsonl:2: not a JSON event line"},
+           {good + "hello\nworld\n", "A.jsonl:3: not a JSON event line"},  // only one last line is torn
            {huge.dump() + "\n", "A.jsonl:1: 'ts' is 1152921504606846976, not an integer >= 0 and <= 9007199254740992"}}) {
     write(text);
     for (const char* cmd : {"merge", "summary", "shiviz"}) {
