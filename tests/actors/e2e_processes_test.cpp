@@ -131,11 +131,15 @@ TEST(E2E, KillingTheRemoteRolloutMidRunIsSurvived) {
     const int st = std::system(("pkill -9 -f -- '" + topo + " --node [r]ollout1'").c_str());
     pkill_rc = WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
   });
-  const int rc = run(kBin + "/caf-run --hostfile " + (d / "hosts").string() + " --topology " + topo + " -- " + kBin +
-                     "/fp8rl train --run-dir " + (d / "run").string() + " --run.steps=" + std::to_string(steps) +
-                     " --run.eval_every=0 --run.checkpoint_every=0 --model.sft_steps=60 --rollout.prompts_per_step=8");
+  const auto r = fp8rl::test::run_command(kBin + "/caf-run --hostfile " + (d / "hosts").string() + " --topology " + topo + " -- " +
+                                          kBin + "/fp8rl train --run-dir " + (d / "run").string() + " --run.steps=" +
+                                          std::to_string(steps) + " --run.eval_every=0 --run.checkpoint_every=0 --model.sft_steps=60 "
+                                          "--rollout.prompts_per_step=8");
   killer.join();
-  EXPECT_EQ(rc, 0);
+  EXPECT_EQ(r.rc, 0) << r.out;
+  // the peer that disappeared is reported, and the group goes on
+  EXPECT_NE(r.out.find("caf-run: rollout1 failed (exit 137); the controller decides whether the run goes on"), std::string::npos)
+      << r.out;
   ASSERT_EQ(pkill_rc, 0) << "no rollout1 process was killed";
   ASSERT_LT(killed_after, static_cast<size_t>(steps)) << "the run ended before the kill";
   const auto m = metrics(d / "run");
@@ -343,6 +347,35 @@ TEST(E2E, CafRunStopsItsGroup) {
   EXPECT_EQ(deaf_log.find("(SIGTERM)", deaf_log.find("a second signal")), std::string::npos) << deaf_log;
   EXPECT_NE(deaf_log.find("rollout1 killed (SIGKILL)"), std::string::npos) << deaf_log;
   EXPECT_EQ(deaf_log.find("the controller decides"), std::string::npos) << deaf_log;
+  fs::remove_all(d);
+}
+
+// caf-run with script nodes: the nodes follow the controller node's exit (SIGTERM); slots past 8
+// give a node that many CAF workers; a hostfile names this machine by any of its names; slots=0 is
+// refused.
+TEST(E2E, CafRunWithScriptNodes) {
+  const fs::path d = fresh_dir("cafrun_scripts");
+  const std::string topo = two_process_topology(d, free_port());
+  const fs::path node = d / "node.sh";
+  std::ofstream(node) << "#!/bin/sh\necho \"args: $*\"\ncase \"$*\" in *'--node main'*) exit 0;; esac\nwhile :; do sleep 1; done\n";
+  fs::permissions(node, fs::perms::owner_all);
+  auto cafrun = [&](const std::string& hosts_line) {
+    std::ofstream(d / "h") << hosts_line << "\n";
+    return fp8rl::test::run_command("timeout 60 " + kBin + "/caf-run --grace 2 --hostfile " + (d / "h").string() + " --topology " +
+                                    topo + " -- " + node.string());
+  };
+  const auto nine = cafrun("localhost slots=9");  // the topology says 127.0.0.1
+  EXPECT_EQ(nine.rc, 0) << nine.out;
+  EXPECT_NE(nine.out.find("--node main --scheduler.max-threads=9"), std::string::npos) << nine.out;
+  EXPECT_NE(nine.out.find("caf-run: stopping rollout1 (SIGTERM)"), std::string::npos) << nine.out;
+  EXPECT_NE(nine.out.find("caf-run: rollout1 exited with 143 (killed by SIGTERM)"), std::string::npos) << nine.out;
+  const auto eight = cafrun("127.0.0.1 slots=8");
+  EXPECT_EQ(eight.rc, 0) << eight.out;
+  EXPECT_NE(eight.out.find("--node main\n"), std::string::npos) << eight.out;
+  EXPECT_EQ(eight.out.find("--scheduler.max-threads"), std::string::npos) << eight.out;
+  const auto zero = cafrun("127.0.0.1 slots=0");
+  EXPECT_EQ(zero.rc, 2) << zero.out;
+  EXPECT_NE(zero.out.find("h:1: slots must be an integer in [1, 2^20], got '0'"), std::string::npos) << zero.out;
   fs::remove_all(d);
 }
 
