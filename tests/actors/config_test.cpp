@@ -717,6 +717,46 @@ TEST(RunDir, AnEarlierRunIsNeverOverwrittenUnasked) {
   fs::remove_all(root);
 }
 
+// What counts as an earlier run, and the edges of choosing a directory: an empty metrics.jsonl
+// (a preflight's probe) is none, checkpoints/latest alone is one; --resume of a directory that is
+// not there is refused; --overwrite never deletes the directory a run starts from, nor goes on
+// over a stash of an earlier start; a signal before the drop gives the earlier run back.
+TEST(RunDir, WhatCountsAsAnEarlierRun) {
+  const fs::path root = fs::temp_directory_path() / ("fp8rl_earlier_" + std::to_string(::getpid()));
+  fs::remove_all(root);
+  fs::create_directories(root / "runs" / "x" / "checkpoints");
+  const fs::path cwd = fs::current_path();
+  fs::current_path(root);
+  std::ofstream("runs/x/metrics.jsonl") << "";
+  EXPECT_TRUE(run_dir_outputs("runs/x").empty());
+  EXPECT_EQ(run_dir_choose("", "x", false, false), "runs/x");
+  std::ofstream("runs/x/checkpoints/latest") << "step_2\n";
+  EXPECT_EQ(run_dir_outputs("runs/x"), (std::vector<std::string>{"checkpoints/latest"}));
+  EXPECT_EQ(run_dir_choose("", "x", false, false), "runs/x-2");
+  EXPECT_EQ(error_of([] { run_dir_choose("runs/nope", "x", true, false); }), "runs/nope: --resume but no such run directory");
+  EXPECT_NE(error_of([] { run_dir_choose("runs/x", "x", false, true, "runs/x"); }).find("--overwrite would delete runs/x"),
+            std::string::npos);
+  fs::create_directories("runs/x/.replaced/other");  // an earlier start's stash run_dir_recover did not take (not a run output)
+  EXPECT_NE(error_of([] { run_dir_stash st("runs/x"); }).find("runs/x/.replaced: holds an earlier run moved aside"), std::string::npos);
+  EXPECT_TRUE(fs::exists("runs/x/checkpoints/latest"));
+  fs::remove_all("runs/x/.replaced");
+  EXPECT_EXIT(
+      {
+        stop_signals signals;
+        try {
+          run_dir_stash st("runs/x");
+          std::raise(SIGTERM);
+          st.drop();
+        } catch (const interrupted& e) {
+          std::exit(fs::exists("runs/x/checkpoints/latest") ? 3 : 4);
+        }
+        std::exit(5);
+      },
+      ::testing::ExitedWithCode(3), "SIGTERM during the start; the earlier run in runs/x is back");
+  fs::current_path(cwd);
+  fs::remove_all(root);
+}
+
 // A start that fails with a signal pending: the stash gives the earlier run back and lets the
 // error reach the caller, who reports it; its destructor died by the signal, and the error that
 // was unwinding (a preflight's, naming the file at fault) was never said. With no exception on its
