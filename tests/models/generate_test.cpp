@@ -343,9 +343,46 @@ TEST(Generate, RefusedBundlesKeepTheOldWeights) {
               }).find("'" + up + "' holds a NaN code"),
               std::string::npos);
     EXPECT_NE(why([&](auto& b) { b.snapshot.weight_version = 3; }).find("snapshot weight_version differs"), std::string::npos);
+    EXPECT_NE(why([&](auto& b) {  // the other NaN code (sign set)
+                for (auto& t : b.tensors)
+                  if (t.name == up) t.bytes[2] = 0xff;
+              }).find("'" + up + "' holds a NaN code"),
+              std::string::npos);
+    EXPECT_NE(why([&](auto& b) {  // a 1-D FP8 tensor of the right size: its columns were read past the shape
+                for (auto& t : b.tensors)
+                  if (t.name == up) t.shape = {t.shape[0] * t.shape[1]};
+              }).find("FP8 tensor '" + up + "' is not a matrix"),
+              std::string::npos);
+    EXPECT_NE(why([&](auto& b) {  // a product that wraps to 0 elements (0 bytes "fit")
+                for (auto& t : b.tensors)
+                  if (t.name == up) t.shape = {int64_t{1} << 22, int64_t{1} << 21, int64_t{1} << 21}, t.bytes.clear();
+              }).find("'" + up + "' has a shape beyond any tensor"),
+              std::string::npos);
+    // a BF16 tensor (the policy's) declared F32 with bytes to match: refused, not read as F32
+    const auto bf16 = std::find_if(good.tensors.begin(), good.tensors.end(),
+                                   [](const auto& t) { return t.dtype == fp8rl::quant::bundle_dtype::bf16; });
+    ASSERT_NE(bf16, good.tensors.end());
+    const std::string bf16_name = bf16->name;
+    EXPECT_NE(why([&](auto& b) {
+                for (auto& t : b.tensors)
+                  if (t.name == bf16_name) t.dtype = fp8rl::quant::bundle_dtype::f32, t.bytes.resize(t.bytes.size() * 2);
+              }).find("tensor '" + bf16_name + "' is f32, the precision policy needs bf16"),
+              std::string::npos);
   }
   auto other = bundle_from_params(p, precision_policy::named("bf16"), 4, 4, nullptr);
-  EXPECT_NE(e.adopt(std::make_shared<fp8rl::quant::weight_bundle>(other)).find("precision policy"), std::string::npos);
+  const std::string other_why = e.adopt(std::make_shared<fp8rl::quant::weight_bundle>(other));
+  EXPECT_NE(other_why.find("made for precision policy '" + precision_policy::named("bf16").fingerprint() + "', this engine runs '" +
+                           ec.policy.fingerprint() + "'"),
+            std::string::npos)
+      << other_why;
+  {  // a policy that differs in no tensor's dtype (FP8 attention alone) is another policy all the same
+    precision_policy attn = ec.policy;
+    attn.fp8_attention = !attn.fp8_attention;
+    ASSERT_NE(attn.fingerprint(), ec.policy.fingerprint());
+    auto same_dtypes = good;
+    same_dtypes.snapshot.policy = attn.fingerprint();
+    EXPECT_NE(e.adopt(std::make_shared<fp8rl::quant::weight_bundle>(same_dtypes)).find("made for precision policy"), std::string::npos);
+  }
   auto shape = good;
   shape.tensors[1].shape = {3};
   EXPECT_NE(e.adopt(std::make_shared<fp8rl::quant::weight_bundle>(shape)), "");
@@ -620,6 +657,9 @@ TEST(Generate, MakeBundleScalesAnFp8KvCacheWithoutFp8Attention) {
   engine_config ec = ecfg("fp8", 1);
   ec.policy = rc.gen_policy;
   generation_engine e(*be, st.params.cfg, ec);
+  auto bad = std::make_shared<fp8rl::quant::weight_bundle>(*bundle);  // its K/V scales are checked too
+  bad->snapshot.k_scale[0] = 0.0f;
+  EXPECT_NE(e.adopt(bad).find("K scale of layer 0 head 0 is missing or invalid"), std::string::npos);
   ASSERT_EQ(e.adopt(bundle), "");
   e.submit(requests(1, 1.0f)[0]);
   EXPECT_EQ(e.run_to_completion().size(), 1u);
