@@ -204,7 +204,6 @@ msg::buffer_actor spawn_buffer(caf::actor_system& sys, std::shared_ptr<const act
         },
         [self, try_deliver](msg::batch_atom, uint64_t step, int32_t rank, int32_t world, uint64_t learner_version) {
           auto& s = self->state;
-          s.learner_version = std::max(s.learner_version, learner_version);
           auto rp = self->make_response_promise<msg::batch_msg>();
           // a shard request the step cannot be cut into (world 0 divided by zero; a rank twice or
           // outside the world delivered the step with one shard's samples nobody's) is refused
@@ -231,6 +230,8 @@ msg::buffer_actor spawn_buffer(caf::actor_system& sys, std::shared_ptr<const act
                                                                         std::to_string(s.next_step)));
             return rp;
           }
+          // a refused request's version counts for nothing (a bogus one made every later group stale)
+          s.learner_version = std::max(s.learner_version, learner_version);
           s.waiting[step].push_back({rp, rank, world});
           try_deliver(step);
           return rp;

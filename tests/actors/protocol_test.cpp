@@ -288,7 +288,9 @@ TEST(Protocol, BufferAdmitsDedupsShardsAndDropsStale) {
   g00.kv_saturated = {1, 2};  // per-layer FP8 K/V saturations since the rollout's previous group
   self->send(buf, g00);
   expect_admitted(0, 0, false);
-  self->send(buf, group(0, 0, 0));  // the same group again (re-issued work finished twice)
+  auto again = group(0, 0, 0);  // the same group again (re-issued work finished twice): its
+  again.kv_saturated = {0, 2};    // saturations count all the same (work done)
+  self->send(buf, again);
   expect_admitted(0, 0, true);
   auto g01 = group(0, 1, 0);
   g01.kv_saturated = {0, 5};
@@ -307,8 +309,8 @@ TEST(Protocol, BufferAdmitsDedupsShardsAndDropsStale) {
       EXPECT_EQ(b.samples[0].prompt_id, static_cast<uint64_t>(rank));
       EXPECT_EQ(b.n_global, 12.0);
       EXPECT_EQ(b.buffer_metrics.at("kv_saturated_total/layer0"), 1.0);  // summed over the rollouts' groups
-      EXPECT_EQ(b.buffer_metrics.at("kv_saturated_total/layer1"), 7.0);
-      EXPECT_EQ(b.buffer_metrics.at("kv_saturated_total"), 8.0);
+      EXPECT_EQ(b.buffer_metrics.at("kv_saturated_total/layer1"), 9.0);
+      EXPECT_EQ(b.buffer_metrics.at("kv_saturated_total"), 10.0);
       EXPECT_EQ(b.buffer_metrics.at("q_saturated_total/layer0"), 3.0);
       EXPECT_EQ(b.buffer_metrics.at("q_saturated_total"), 3.0);
       // rank 0 gets the whole step (metrics, calibration batch); each rank where its tokens go
@@ -351,6 +353,10 @@ TEST(Protocol, BufferAdmitsDedupsShardsAndDropsStale) {
   learner->receive([&](msg::batch_msg& b) {
     ASSERT_EQ(b.samples.size(), 4u);
     for (const auto& s : b.samples) EXPECT_GE(s.weight_version.front(), 1u);
+    EXPECT_TRUE(b.all_samples.empty());  // one learner: its samples are the step's
+    EXPECT_EQ(b.buffer_metrics.at("buffer/admitted_total"), 5.0);
+    EXPECT_EQ(b.buffer_metrics.at("buffer/dropped_duplicate_total"), 2.0);
+    EXPECT_EQ(b.buffer_metrics.at("buffer/dropped_stale_total"), 1.0);
   }, caf::after(std::chrono::seconds(5)) >> [] { FAIL() << "no batch"; });
   self->send_exit(buf, caf::exit_reason::user_shutdown);
 }
@@ -389,6 +395,12 @@ TEST_F(WeightSyncWithTwoRollouts, FansOutInProcessAndReportsFullAdoption) {
     (*r)->receive([&](msg::bundle_msg& m) { EXPECT_EQ(m.bundle.get(), b.get()); },  // zero copy: the same object
                   caf::after(std::chrono::seconds(5)) >> [] { FAIL() << "no bundle"; });
   ctl->send(ws, msg::adopted_msg{{}, "rollout0", 1, 1, ""});
+  // one adoption is not the version synced: the controller's staleness gate counts on every live
+  // rollout holding it (a status answered after the adoption: a report it caused would be here)
+  ctl->request(ws, std::chrono::seconds(5), msg::status_atom::value)
+      .receive([](msg::metrics_t&) {}, [&](caf::error& e) { FAIL() << sys.render(e); });
+  ctl->receive([&](msg::sync_report&) { FAIL() << "reported before rollout1 adopted"; },
+               caf::after(std::chrono::seconds(0)) >> [] {});
   ctl->send(ws, msg::adopted_msg{{}, "rollout1", 1, 1, ""});
   ctl->receive([&](msg::sync_report& s) {
     EXPECT_EQ(s.version, 1u);
@@ -398,6 +410,17 @@ TEST_F(WeightSyncWithTwoRollouts, FansOutInProcessAndReportsFullAdoption) {
     EXPECT_LT(s.latency_s, 10.0);
     EXPECT_FALSE(s.cross_process);
   }, caf::after(std::chrono::seconds(5)) >> [] { FAIL() << "no sync_report"; });
+}
+
+// The registry holds the last max_staleness + 1 bundles (a rollout may still ask for them), not
+// every one published (each is a whole model's weights).
+TEST_F(WeightSyncWithTwoRollouts, KeepsTheLastMaxStalenessPlusOneBundles) {
+  const auto params = models::model_load(init_dir());
+  for (uint64_t v = 1; v <= 4; ++v)
+    ctl->send(ws, msg::bundle_msg{{}, std::make_shared<const quant::weight_bundle>(models::bundle_from_params(
+                                          params, models::precision_policy::named("fp8"), v, v, nullptr))});
+  ctl->request(ws, std::chrono::seconds(5), msg::status_atom::value)
+      .receive([](msg::metrics_t& m) { EXPECT_EQ(m.at("versions_held"), 2.0); }, [&](caf::error& e) { FAIL() << sys.render(e); });
 }
 
 // A rollout refusing a bundle is told to the controller, naming the rollout and why (its run
@@ -565,6 +588,18 @@ TEST(Protocol, CalibrationKeepsWeightsThatCameBeforeItsPeers) {
     EXPECT_GT(r.weights_flushed, 100);
   },
                caf::after(std::chrono::seconds(5)) >> [] { FAIL() << "no calib_report v2"; });
+  // weights that cannot be quantized (a NaN) end the run naming why, and no bundle goes out (the
+  // run waited for a version that never came)
+  with.get("model.layers.0.mlp.up_proj.weight")[3] = std::nanf("");
+  pm.version = 3;
+  pm.params = std::make_shared<const std::vector<float>>(with.data);
+  ctl->send(cal, pm);
+  ctl->receive([&](std::string& who, std::string& what) {
+    EXPECT_EQ(who, "calibration");
+    EXPECT_NE(what.find("model.layers.0.mlp.up_proj.weight"), std::string::npos) << what;
+  }, caf::after(std::chrono::seconds(30)) >> [] { FAIL() << "the failed calibration was not told"; });
+  ws->receive([](msg::bundle_msg& m) { ADD_FAILURE() << "bundle v" << m.bundle->weight_version << " sent"; },
+              caf::after(std::chrono::seconds(0)) >> [] {});
   ctl->send_exit(cal, caf::exit_reason::user_shutdown);
 }
 
@@ -746,7 +781,9 @@ TEST(Protocol, BufferRefusesShardRequestsItCannotServe) {
   caf::scoped_actor self{sys};
   auto buf = buffer_for(sys, self);
   auto refused = [&](int32_t rank, int32_t world, const std::string& what) {
-    self->request(buf, std::chrono::seconds(5), msg::batch_atom::value, uint64_t{0}, rank, world, uint64_t{0}).receive(
+    // (at learner version 9: a refused request's version counts for nothing -- the groups below, of
+    // v0, would be stale)
+    self->request(buf, std::chrono::seconds(5), msg::batch_atom::value, uint64_t{0}, rank, world, uint64_t{9}).receive(
         [&](msg::batch_msg&) { ADD_FAILURE() << "served rank " << rank << " of world " << world; },
         [&](caf::error& e) { EXPECT_NE(sys.render(e).find(what), std::string::npos) << sys.render(e); });
   };
