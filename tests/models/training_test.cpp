@@ -180,6 +180,16 @@ TEST(Training, SaveLoadContinueIsBitIdentical) {
             std::string::npos) << load_error(checkpoint_kind::model_ok);
   std::filesystem::remove(dir / "optimizer.safetensors");
   EXPECT_EQ(load_error(checkpoint_kind::model_ok), "");  // a model directory: a fresh start
+  // ... but not where a training checkpoint is asked for (a --resume would restart its optimizer)
+  EXPECT_NE(load_error(checkpoint_kind::training).find("state.json: missing (not a training checkpoint)"), std::string::npos)
+      << load_error(checkpoint_kind::training);
+  std::ofstream(dir / "state.json") << "[]";
+  try {  // a state.json that is not an object read as weight version 0
+    checkpoint_weight_version(dir.string());
+    ADD_FAILURE() << "state.json [] was read";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("state.json: not a JSON object"), std::string::npos) << e.what();
+  }
   std::ofstream(dir / "state.json") << R"({"adam_step": 0, "weight_version": -1})";
   try {
     checkpoint_weight_version(dir.string());
