@@ -33,16 +33,21 @@
 using namespace fp8rl::test::e2e;
 
 // caf-run with the shipped one-node topology runs the job, and says nothing of "every other
-// node" (it said they had all exited as soon as the only node started).
+// node" (it said they had all exited as soon as the only node started). With no checkpoints
+// scheduled the last step is checkpointed all the same, with the batch its scales came from.
 TEST(E2E, CafRunWithOneNode) {
   const fs::path d = fresh_dir("one_node");
   std::ofstream(d / "hosts") << "127.0.0.1 slots=2\n";
   const auto r = fp8rl::test::run_command("cd " + d.string() + " && " + kBin + "/caf-run --hostfile hosts --topology " +
                                           fs::absolute("configs/topologies/local.conf").string() + " -- " + kBin +
-                                          "/fp8rl train --run-dir " + (d / "run").string() + kSmall + " --run.steps=2");
+                                          "/fp8rl train --run-dir " + (d / "run").string() + kSmall +
+                                          " --run.steps=3 --run.checkpoint_every=0");
   ASSERT_EQ(r.rc, 0) << r.out;
-  EXPECT_EQ(metrics(d / "run").size(), 2u);
+  EXPECT_EQ(metrics(d / "run").size(), 3u);
   EXPECT_EQ(r.out.find("every other node"), std::string::npos) << r.out;
+  EXPECT_EQ(text_of(d / "run" / "checkpoints" / "latest"), "step_3\n");
+  EXPECT_FALSE(fs::exists(d / "run" / "checkpoints" / "step_2"));
+  EXPECT_NE(text_of(d / "run" / "checkpoints" / "step_3" / "calibration.jsonl").find("{\"tokens\":["), std::string::npos);
   fs::remove_all(d);
 }
 
