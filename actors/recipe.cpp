@@ -9,6 +9,7 @@
 #include <caf/config_value.hpp>
 
 #include <algorithm>
+#include <charconv>
 #include <climits>
 #include <map>
 #include <fstream>
@@ -374,6 +375,12 @@ void recipe_validate(const run_config& r) {
     throw std::invalid_argument("recipe key '" + key + "'" + (by == r.set_by.end() ? "" : " (" + by->second + ")") + ": " + why);
   };
   auto positive = [&](const char* key, int64_t v) { if (v <= 0) fail(key, "must be > 0"); };
+  {  // every number finite (grpo.dual_clip = inf ran, and its recipe.conf held "inf.0": no resume)
+    run_config c = r;
+    for (const auto& k : recipe_keys(c))
+      if (double* const* d = std::get_if<double*>(&k.ptr); d && !std::isfinite(**d))
+        fail(std::string(k.section) + "." + k.name, "must be a finite number");
+  }
   if (r.name.empty() || r.name[0] == '.' ||
       r.name.find_first_not_of("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._-") != std::string::npos)
     fail("run.name", "'" + r.name + "' must be letters, digits, '.', '_' or '-', not starting with '.' (it names runs/NAME)");
@@ -507,6 +514,18 @@ std::vector<std::string> recipe_learning_problems(const run_config& r) {
   return out;
 }
 
+namespace {
+// The shortest text that reads back as the same double, with a '.' where it would read as an
+// integer ("3.0"); 10 digits rounded longer values on resume, and "1e+20" became "1e+20.0".
+std::string double_text(double v) {
+  char buf[64];
+  const auto res = std::to_chars(buf, buf + sizeof buf, v);
+  std::string t(buf, res.ptr);
+  if (t.find_first_of(".e") == std::string::npos) t += ".0";
+  return t;
+}
+}  // namespace
+
 std::string recipe_dump(const run_config& r0) {
   run_config r = r0;
   std::ostringstream os;
@@ -521,7 +540,7 @@ std::string recipe_dump(const run_config& r0) {
       using T = std::remove_pointer_t<decltype(p)>;
       if constexpr (std::is_same_v<T, std::string>) os << std::quoted(*p);
       else if constexpr (std::is_same_v<T, bool>) os << (*p ? "true" : "false");
-      else if constexpr (std::is_same_v<T, double>) os << std::setprecision(10) << *p << (*p == std::floor(*p) ? ".0" : "");
+      else if constexpr (std::is_same_v<T, double>) os << double_text(*p);
       else os << *p;
     }, k.ptr);
     os << "\n";

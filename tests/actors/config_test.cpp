@@ -91,8 +91,10 @@ TEST(Recipe, MalformedFilesAndOutOfRangeValuesNameTheirKey) {
   EXPECT_NE(error_of([&] { recipe_load_file(r, spaced); }).find(spaced + ":4: key 'run.steps' set again (first on line 2)"),
             std::string::npos) << error_of([&] { recipe_load_file(r, spaced); });
   const auto braces = write_tmp("braces.conf", "run{steps=5}\n[run]\nsteps=9\n");
-  EXPECT_NE(error_of([&] { recipe_load_file(r, braces); }).find(braces + ":2: section 'run' given again"), std::string::npos)
-      << error_of([&] { recipe_load_file(r, braces); });
+  EXPECT_EQ(error_of([&] { recipe_load_file(r, braces); }), braces + ":2: section 'run' given again (as 'run { ... }' on line 1)");
+  const auto header_then_braces = write_tmp("hb.conf", "[run]\nsteps=3\nrun{steps=9}\n");
+  EXPECT_EQ(error_of([&] { recipe_load_file(r, header_then_braces); }), header_then_braces + ":3: section 'run' given again (also as [run])");
+  fs::remove(header_then_braces);
   const auto fine = write_tmp("fine.conf", "[run]\nsteps=3 ; a comment with [ and {\n[rollout]\nsteps_note=\"]\"\n");
   EXPECT_EQ(error_of([&] { config_file_precheck(fine); }), "");  // brackets in comments and strings do not count
   for (const auto& [arg, key] : std::vector<std::pair<std::string, std::string>>{
@@ -106,7 +108,7 @@ TEST(Recipe, MalformedFilesAndOutOfRangeValuesNameTheirKey) {
            // NaN passed comparisons written as "bad if x <= 0 || x > 1"; a wide length wrapped to int32;
            // no validation set left the run's last validation reporting -nan
            {"--calibration.percentile=nan", "calibration.percentile"}, {"--grpo.is_lo=nan", "grpo.is_lo"},
-           {"--grpo.is_hi=nan", "grpo.is_lo"}, {"--rollout.max_new_tokens=4294967297", "rollout.max_new_tokens"},
+           {"--grpo.is_hi=nan", "grpo.is_hi"}, {"--rollout.max_new_tokens=4294967297", "rollout.max_new_tokens"},
            {"--task.val_size=0", "task.val_size"}, {"--rollout.group_size=4294967298", "rollout.group_size"},
            {"--precision.bf16_first=-1", "precision.bf16_first"}, {"--precision.bf16_last=-2", "precision.bf16_last"},
            // sizes allocated up front grew memory to bad_alloc, naming no key; an empty init read
@@ -126,23 +128,45 @@ TEST(Recipe, MalformedFilesAndOutOfRangeValuesNameTheirKey) {
            // token_mult_prob_error >= 1: a median limit at 1 failed every run
            {"--health.gates=maybe", "health.gates"}, {"--health.min_steps=0", "health.min_steps"},
            {"--health.tmpe_median_max=1", "health.tmpe_median_max"}, {"--health.tmpe_steps_above_max=0", "health.tmpe_steps_above_max"},
-           {"--health.tmpe_steps_above_max=1.5", "health.tmpe_steps_above_max"}, {"--health.gen_kl_mean_max=0", "health.gen_kl_mean_max"}}) {
+           {"--health.tmpe_steps_above_max=1.5", "health.tmpe_steps_above_max"}, {"--health.gen_kl_mean_max=0", "health.gen_kl_mean_max"},
+           // each bound of its own (a mutation audit found these unasserted)
+           {"--async.max_staleness=-1", "async.max_staleness"}, {"--run.eval_every=-1", "run.eval_every"},
+           {"--task.train_size=0", "task.train_size"}, {"--model.sft_steps=-1", "model.sft_steps"}, {"--model.sft_lr=0", "model.sft_lr"},
+           {"--optim.beta1=1", "optim.beta1"}, {"--optim.grad_clip=-1", "optim.grad_clip"}, {"--grpo.clip_high=-1", "grpo.clip_high"},
+           {"--rollout.kv_policy=drop", "rollout.kv_policy"}, {"--model.size=huge", "model.size"}, {"--task.verifier=fuzzy", "task.verifier"},
+           {"--precision.scale_mode=e8m0", "precision.scale_mode"}, {"--grpo.dual_clip=1", "grpo.dual_clip"}}) {
     run_config x;
     recipe_apply_cli(x, arg);
     EXPECT_NE(error_of([&] { recipe_validate(x); }).find("'" + key + "'"), std::string::npos) << arg;
   }
-  {  // the edges that stay valid: a threshold of 1 (e_i >= 1), IS bounds [0, C] with no IS
+  {  // an IS mode needs an upper bound > 0 (tis clamped every weight to 0)
+    run_config x;
+    recipe_apply_cli(x, "--grpo.is_mode=icepop");
+    recipe_apply_cli(x, "--grpo.is_hi=0");
+    EXPECT_EQ(error_of([&] { recipe_validate(x); }),
+              "recipe key 'grpo.is_hi' (--grpo.is_hi=0): must be a finite number > 0 (grpo.is_mode = icepop)");
+  }
+  {  // the edges that stay valid: a threshold of 1 (e_i >= 1), IS bounds [0, C] with no IS, the
+     // 100th percentile (the amax)
     run_config x;
     recipe_apply_cli(x, "--grpo.seq_logprob_error_threshold=1");
+    recipe_apply_cli(x, "--calibration.percentile=1");
     EXPECT_EQ(error_of([&] { recipe_validate(x); }), "");
     recipe_apply_cli(x, "--grpo.is_mode=none");
     recipe_apply_cli(x, "--grpo.is_hi=0");
     EXPECT_EQ(error_of([&] { recipe_validate(x); }), "");
   }
-  // a number with trailing characters is no number, for integer keys as for real ones
+  // a number with trailing characters is no number, for integer keys as for real ones; a switch is
+  // true or false; a string option may be quoted (the shell left the quotes in)
   for (const char* arg : {"--run.steps=3x", "--optim.lr=1e-3x"}) {
     run_config x;
     EXPECT_NE(error_of([&] { recipe_apply_cli(x, arg); }).find("' is not "), std::string::npos) << arg;
+  }
+  {
+    run_config x;
+    EXPECT_EQ(error_of([&] { recipe_apply_cli(x, "--grpo.normalize_std=yes"); }), "option --grpo.normalize_std: 'yes' is not true or false");
+    recipe_apply_cli(x, "--task.name=\"builtin:add1\"");
+    EXPECT_EQ(x.task, "builtin:add1");
   }
   // a value out of range names where it was set: the file (it named neither) or the option
   const auto range = write_tmp("range.conf", "[rollout]\ntemperature=-1\n");
@@ -174,10 +198,25 @@ TEST(Recipe, CliOverridesAndDumpRoundTrip) {
   recipe_apply_cli(r, "--grpo.normalize_std=false");
   EXPECT_EQ(r.group_size, 4);
   EXPECT_EQ(r.clip_high, 0.28);  // strtod is correctly rounded: the literal's double exactly
+  // digits past 10 and exponents come back as they were (10 digits rounded them; "1e+20.0")
+  recipe_apply_cli(r, "--optim.lr=1.2345678912345e-05");
+  recipe_apply_cli(r, "--grpo.dual_clip=1e20");
+  recipe_apply_cli(r, "--grpo.seq_logprob_error_threshold=3");
+  recipe_validate(r);
   const auto f = write_tmp("dump.conf", recipe_dump(r));
   run_config q;
   recipe_load_file(q, f);
   EXPECT_EQ(recipe_to_json(q), recipe_to_json(r));
+  EXPECT_EQ(q.lr, 1.2345678912345e-05);
+  EXPECT_EQ(q.dual_clip, 1e20);
+  EXPECT_NE(recipe_dump(r).find("\nseq_logprob_error_threshold=3.0\n"), std::string::npos);
+  // a number that no recipe.conf can hold is refused by its key (inf ran, and its resume failed)
+  for (const char* o : {"--grpo.dual_clip=inf", "--grpo.seq_logprob_error_threshold=inf", "--grpo.is_hi=inf"}) {
+    run_config bad;
+    recipe_apply_cli(bad, o);
+    const std::string key = std::string(o).substr(2, std::string(o).find('=') - 2);
+    EXPECT_EQ(error_of([&] { recipe_validate(bad); }), "recipe key '" + key + "' (" + o + "): must be a finite number") << o;
+  }
   EXPECT_EQ(recipe_to_json(recipe_from_json(recipe_to_json(r))), recipe_to_json(r));
   fs::remove(f);
 }
@@ -513,6 +552,11 @@ TEST(Topology, JsonFormsRoundTripAndAreValidatedOnTheNode) {
   far_port[1]["port"] = 65535;
   EXPECT_EQ(error_of([&] { topology_from_json(far_port.dump()); }), "");
   EXPECT_NE(error_of([&] { recipe_from_json("{\"run.steps\": "); }).find("recipe json: "), std::string::npos);
+  {  // a key the node's build knows and the controller's did not send is named, not defaulted
+    auto j = nlohmann::json::parse(recipe_to_json(run_config{}));
+    j.erase("run.seed");
+    EXPECT_EQ(error_of([&] { recipe_from_json(j.dump()); }), "recipe json: key 'run.seed' missing");
+  }
   run_config r;
   r.steps = 0;  // recipe_to_json does not check; the node does
   EXPECT_NE(error_of([&] { recipe_from_json(recipe_to_json(r)); }).find("recipe key 'run.steps': must be > 0"), std::string::npos)
@@ -577,6 +621,9 @@ TEST(Topology, TilePoliciesAreCheckedWhereANodeRunsThem) {
   EXPECT_EQ(node_tiles_problem(r, controller_only, false), "");
   EXPECT_EQ(node_tiles_problem(r, learner, false).rfind(amx ? "" : no_amx, 0), 0u) << node_tiles_problem(r, learner, false);
   EXPECT_EQ(node_tiles_problem(r, controller_only, true).rfind(amx ? "" : no_amx, 0), 0u);  // its SFT warm start
+  node_spec calibration_only;  // calibration quantizes under the training policy too
+  calibration_only.roles = {"calibration"};
+  EXPECT_EQ(node_tiles_problem(r, calibration_only, false).rfind(amx ? "" : no_amx, 0), 0u);
   r.training = "fp8";
   r.generation = "fp8-tiles";
   EXPECT_EQ(node_tiles_problem(r, rollout_only, false).rfind(amx ? "" : "precision.generation = fp8-tiles asks", 0), 0u);
