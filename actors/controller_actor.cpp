@@ -215,15 +215,6 @@ msg::controller_actor spawn_controller(caf::actor_system& sys, std::shared_ptr<c
     auto& st = self->state;
     st.env = env;
     st.opts = opts;
-    st.learner_version = env->start_version;
-    st.next_step = env->start_version;
-    st.end = static_cast<uint64_t>(env->cfg.steps);
-    st.train = models::task_load(models::task_spec_parse(env->cfg.task), false, env->cfg.train_size,
-                                 static_cast<uint64_t>(env->cfg.seed));
-    st.metrics.open(env->run_dir, env->start_version > 0);
-    st.health.emplace(recipe_health_config(env->cfg));
-    if (env->start_version > 0)  // a resumed run's gates count its earlier steps too (judged then)
-      for (const auto& [step, m] : metrics_rows_read(st.metrics.path())) st.health->add(step, m);
     auto log = log_get("controller");
     auto all_actors = [self] { return node_actors_all(self->state.peers); };
     auto shut_down = [self, all_actors](int code) {  // every actor and node agent stopped, the code reported
@@ -243,6 +234,17 @@ msg::controller_actor spawn_controller(caf::actor_system& sys, std::shared_ptr<c
       shut_down(1);
       return err;
     });
+    // what can throw comes after the handler: a throw from here on was CAF's "unhandled exception"
+    // and the process waited for good (a metrics row it could not read back, a task file)
+    st.learner_version = env->start_version;
+    st.next_step = env->start_version;
+    st.end = static_cast<uint64_t>(env->cfg.steps);
+    st.train = models::task_load(models::task_spec_parse(env->cfg.task), false, env->cfg.train_size,
+                                 static_cast<uint64_t>(env->cfg.seed));
+    st.metrics.open(env->run_dir, env->start_version > 0);
+    st.health.emplace(recipe_health_config(env->cfg));
+    if (env->start_version > 0)  // a resumed run's gates count its earlier steps too (judged then)
+      for (const auto& [step, m] : metrics_rows_read(st.metrics.path())) st.health->add(step, m);
     // code 0: the last step is done; `stopped`: a stop request ended the run (why: where it is saved)
     auto finish = [self, shut_down, log](int code, const std::string& why, bool stopped = false) {
       auto& s = self->state;

@@ -776,7 +776,7 @@ int train_main(int argc, char** argv) {
     init.start_cursor = start.prompt_cursor;
     const std::string failure = nodes_start_remote(sys, topo, init, ctrl, spawned, agents, agent_nodes);
     if (failure.empty()) {
-      caf::anon_send(ctrl, peers_merge(ctrl, spawned), std::move(agents), std::move(agent_nodes));
+      caf::anon_send(ctrl, peers_merge(ctrl, spawned), agents, std::move(agent_nodes));
       stop_signals::immediate(false);
       for (bool stop_sent = false; fut.wait_for(std::chrono::milliseconds(100)) != std::future_status::ready;)
         if (const int sig = stop_signals::pending(); sig && !stop_sent) {  // the controller stops the run at a step
@@ -786,11 +786,13 @@ int train_main(int argc, char** argv) {
       code = fut.get();
     } else {
       std::fprintf(stderr, "fp8rl train: %s\n", failure.c_str());
-      for (auto& [n, x] : spawned) for (auto& a : node_actors_all(x)) caf::anon_send_exit(a, caf::exit_reason::user_shutdown);
-      for (auto& a : agents) caf::anon_send(caf::actor_cast<msg::node_agent_actor>(a), msg::stop_atom::value);
       caf::anon_send_exit(ctrl, caf::exit_reason::user_shutdown);
       code = 1;
     }
+    // every actor and node agent stopped: the controller stops those it was told of, and one that
+    // failed before its wiring (or a start that failed) told none -- the actor system waited for them
+    for (auto& [n, x] : spawned) for (auto& a : node_actors_all(x)) caf::anon_send_exit(a, caf::exit_reason::user_shutdown);
+    for (auto& a : agents) caf::anon_send(caf::actor_cast<msg::node_agent_actor>(a), msg::stop_atom::value);
   }
   trace_writer::process().close();
   return code;

@@ -226,6 +226,19 @@ TEST(E2E, BadInputAtAStartIsRefusedAndChangesNothing) {
   EXPECT_EQ(text_of(d / "recipe.conf"), recipe);  // a failed resume rewrote it with this invocation's recipe
   EXPECT_EQ(text_of(d / "metrics.jsonl"), before);
   fails_naming("--resume --run-dir " + d.string() + kSmall + " --run.steps=8 --run.seed=7", "  run.seed: ");  // the seed too
+  fails_naming("--resume --run-dir " + d.string() + kSmall + " --run.steps=8 --model.max_context=48", "  model.max_context: 32 -> 48");
+  fails_naming("--resume --run-dir " + d.string() + kSmall + " --run.steps=8 --run.name=renamed", "  run.name: ");
+  {  // a kept metrics row the controller cannot read back (health gates): named, nothing changed
+    const std::string kept = text_of(d / "metrics.jsonl"), kept_state = text_of(state);
+    std::ofstream(state) << nlohmann::json{{"weight_version", 6}, {"prompt_cursor", 40}, {"adam_step", 6}}.dump();
+    std::ofstream(d / "metrics.jsonl") << "{\"step\":-1}\n" << kept.substr(kept.find('\n') + 1);
+    const std::string bad_rows = text_of(d / "metrics.jsonl");
+    fails_naming("--resume --run-dir " + d.string() + kSmall + " --run.steps=8", "metrics.jsonl:1: not a metrics row");
+    EXPECT_EQ(text_of(d / "metrics.jsonl"), bad_rows);
+    EXPECT_FALSE(fs::exists(d / "resumes" / "recipe-step6.conf"));  // refused before the start (the controller would fail it later)
+    std::ofstream(d / "metrics.jsonl") << kept;
+    std::ofstream(state) << kept_state;
+  }
   // a resume to the step the run is at has nothing to do: said, rc 0, nothing written
   const auto at_end = fp8rl::test::run_command(kBin + "/fp8rl train --resume --run-dir " + d.string() + kSmall + " --run.steps=6");
   EXPECT_EQ(at_end.rc, 0) << at_end.out;
@@ -306,6 +319,19 @@ TEST(E2E, ModelDirectoryStartsARunAndResumesCheckWhatTheyRead) {
       << nlohmann::json{{"weight_version", 2}, {"prompt_cursor", 16}, {"adam_step", 2}, {"train_set", 64}}.dump();
   std::ofstream(tr / "checkpoints" / "latest") << "step_2\n";
   fails_naming("--resume" + task_args + " --run.steps=3", "state.json: key 'train_set' must be {\"examples\": N");
+  std::ofstream(tr / "checkpoints" / "step_2" / "state.json")
+      << nlohmann::json{{"weight_version", 2}, {"prompt_cursor", 16}, {"adam_step", 2},
+                        {"train_set", {{"examples", "x"}, {"fingerprint", "ab"}}}}.dump();
+  fails_naming("--resume" + task_args + " --run.steps=3", "state.json: key 'train_set' must be {\"examples\": N");
+  // a model directory whose tokenizer has more tokens than the model's vocabulary, and BF16
+  // names that match no layer of it: refused before the run, naming the directory
+  const fs::path wide = d / "wide-tok";
+  fs::copy(hf, wide, fs::copy_options::recursive);
+  std::ofstream(wide / "fp8rl-char-tokenizer.json") << "{\"alphabet\":\"0123456789+*=abcd\",\"type\":\"fp8rl-char\"}";
+  fails_naming("--run-dir " + (d / "wide-run").string() + " --model.init=" + wide.string() + kSmall,
+               wide.string() + ": the tokenizer has 20 tokens, the model's vocab_size (config.json) is 16");
+  fails_naming("--run-dir " + (d / "names-run").string() + " --model.init=" + hf.string() + kSmall + " --precision.bf16_names=layers.5.",
+               "precision.bf16_names: 'layers.5.' names no linear layer of " + hf.string() + "/config.json");
   fs::remove_all(d);
 }
 

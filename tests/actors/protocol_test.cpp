@@ -1466,6 +1466,20 @@ TEST_F(ControllerOnTestCoordinator, AResumedRunStopsOnAGateItsEarlierStepsFailed
   EXPECT_NE(log.find("mean gen_kl_error (staleness 0) 0.10000 over the first 1 step(s) 1..1"), std::string::npos) << log;
 }
 
+// A failure while the controller starts (a metrics row it cannot read back) fails the run, named:
+// it was CAF's "unhandled exception" with no handler set yet, and the process waited for good.
+TEST_F(ControllerOnTestCoordinator, AControllerThatCannotStartFailsTheRun) {
+  log_level = "error";
+  fs::create_directories(run_dir);
+  std::ofstream(run_dir / "metrics.jsonl") << "{\"step\":-1}\n";
+  ::testing::internal::CaptureStderr();
+  wire(actors::run_start{1, 3});
+  const std::string log = ::testing::internal::GetCapturedStderr();
+  EXPECT_EQ(done, 1);
+  EXPECT_NE(log.find("run failed: "), std::string::npos) << log;
+  EXPECT_NE(log.find("metrics.jsonl:1: not a metrics row"), std::string::npos) << log;
+}
+
 TEST_F(ControllerOnTestCoordinator, ARunTooShortForTheGatesSaysSo) {
   recipe = [](actors::run_config& r) { r.steps = 1; };
   log_level = "info";
