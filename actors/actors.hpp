@@ -58,7 +58,8 @@ msg::controller_actor spawn_controller(caf::actor_system& sys, std::shared_ptr<c
                                        controller_options opts);
 // Connects this process to the CAF node at host:port, waiting at most `timeout` (an error then).
 // middleman().connect waits without a limit: a peer that accepted the TCP connection and never
-// answered (stopped, hung) held the controller for good (caf-0.17.md section 4, CAF #1240).
+// answered (stopped, hung) held the controller for good (caf-0.17.md section 4, CAF #1240). A try
+// again joins the middleman's pending handshake with that peer rather than dialing anew.
 caf::expected<caf::node_id> node_connect(caf::actor_system& sys, const std::string& host, uint16_t port, caf::timespan timeout);
 
 }  // namespace fp8rl::actors

@@ -10,9 +10,6 @@
 // and the buffer drops the duplicate if the lost one shows up after all. A lost rollout of the
 // controller's own process is restarted (at most opts.max_restarts times per name; weight sync
 // sends it the newest bundle); one in a lost process is not (the process is gone).
-#include <caf/io/middleman.hpp>
-#include <caf/scoped_actor.hpp>
-
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -184,19 +181,6 @@ std::string node_name_of(const std::vector<caf::node_id>& agent_ids, const std::
   for (size_t i = 0; i < agent_ids.size() && i < agent_nodes.size(); ++i)
     if (agent_ids[i] == n) return agent_nodes[i];
   return "another process";
-}
-
-caf::expected<caf::node_id> node_connect(caf::actor_system& sys, const std::string& host, uint16_t port, caf::timespan timeout) {
-  caf::expected<caf::node_id> out{caf::sec::cannot_connect_to_node};
-  caf::scoped_actor self{sys};
-  self->request(sys.middleman().actor_handle(), timeout, caf::connect_atom_v, host, port)
-      .receive(
-          [&](caf::node_id& nid, caf::strong_actor_ptr&, std::set<std::string>&) {
-            if (nid == caf::none) out = caf::make_error(caf::sec::invalid_argument, "no node id from " + host);  // as middleman::connect
-            else out = std::move(nid);
-          },
-          [&](caf::error& e) { out = std::move(e); });
-  return out;
 }
 
 std::vector<caf::actor> node_actors_all(const msg::node_actors& x) {

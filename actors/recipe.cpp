@@ -351,7 +351,10 @@ void recipe_apply_cli(run_config& r, const std::string& arg) {
       try {
         size_t pos = 0;
         if constexpr (std::is_same_v<T, int64_t>) { *p = std::stoll(val, &pos); ok = pos == val.size(); }
-        else if constexpr (std::is_same_v<T, double>) { *p = std::stod(val, &pos); ok = pos == val.size(); }
+        else if constexpr (std::is_same_v<T, double>) {  // 15 significant digits, as a recipe file's (recipe.conf:
+          *p = std::strtod(fmt15(std::stod(val, &pos)).c_str(), nullptr);  // a resume reads the value this run had)
+          ok = pos == val.size();
+        }
         else if constexpr (std::is_same_v<T, bool>) {
           ok = val == "true" || val == "false";
           *p = val == "true";
@@ -515,8 +518,10 @@ std::vector<std::string> recipe_learning_problems(const run_config& r) {
 }
 
 namespace {
-// The shortest text that reads back as the same double, with a '.' where it would read as an
-// integer ("3.0"); 10 digits rounded longer values on resume, and "1e+20" became "1e+20.0".
+// The shortest text of the double, with a '.' where it would read as an integer ("3.0"): a recipe
+// value has at most 15 significant digits (files and options are rounded to them), which this
+// text keeps and the reader's rounding gives back exactly; 10 digits rounded longer values on
+// resume, and "1e+20" became "1e+20.0".
 std::string double_text(double v) {
   char buf[64];
   const auto res = std::to_chars(buf, buf + sizeof buf, v);

@@ -63,8 +63,9 @@ std::string g_agent_failure;  // why the agent stopped, if not by the controller
 std::string g_node_name;      // this process's topology node (set before its port opens)
 msg::controller_actor g_controller;  // the controller a node agent was started by (a node's stop request goes there)
 
-void agent_signal(bool started, bool done, const std::string& failure = "") {
+void agent_signal(bool started, bool done, const std::string& failure = "", const caf::actor_addr& agent = {}) {
   std::lock_guard<std::mutex> g(g_mu);
+  if (started) g_agent = agent;  // with `started`, under one lock: the wait loop sees both or neither
   g_agent_started |= started;
   g_agent_done |= done;
   if (g_agent_failure.empty()) g_agent_failure = failure;
@@ -106,11 +107,7 @@ msg::node_actors node_answer(const msg::node_actors& x) {
 }
 
 msg::node_agent_actor::behavior_type node_agent(msg::node_agent_actor::stateful_pointer<agent_state> self) {
-  {
-    std::lock_guard<std::mutex> g(g_mu);
-    g_agent = self->address();
-  }
-  agent_signal(true, false);
+  agent_signal(true, false, "", self->address());
   self->attach_functor([] { agent_signal(false, true); });
   self->set_down_handler([self](caf::down_msg& dm) {  // the controller is gone: stop this node, and say so
     // a controller that exited and one that dropped this node after a stall read the same here
@@ -126,6 +123,7 @@ msg::node_agent_actor::behavior_type node_agent(msg::node_agent_actor::stateful_
           std::lock_guard<std::mutex> g(g_mu);
           g_agent_asked = true;
         }
+        self->monitor(controller);  // first: a start that fails leaves the node to the controller's stop, or its loss
         try {
           const run_config cfg = recipe_from_json(init.recipe_json);
           const topology t = topology_from_json(init.topology_json);
@@ -141,7 +139,6 @@ msg::node_agent_actor::behavior_type node_agent(msg::node_agent_actor::stateful_
           if (cfg.trace) trace_writer::process().open((fs::path(init.run_dir) / "traces" / (init.node + ".jsonl")).string(), init.node);
           const auto idx = index_nodes(t).at(init.node);
           self->state.spawned = spawn_node(self->system(), *t.find(init.node), env, idx.first_learner, learner_world(t), idx.first_rollout);
-          self->monitor(controller);
           {
             std::lock_guard<std::mutex> g(g_mu);
             g_controller = controller;
@@ -484,7 +481,9 @@ int run_remote_node(fp8rl_config& cfg, const topology& t, const std::string& nam
       if (g_agent_started && !spawned_at) spawned_at = now;
       // a controller that spawned the agent and died before its start: nothing monitored it yet
       if (spawned_at && !g_agent_asked && now > *spawned_at + wait) {
-        caf::anon_send_exit(g_agent, caf::exit_reason::user_shutdown);  // the actor system waits for it
+        // a stop, not an exit: handled after a start already queued, it stops what that spawned (the
+        // actor system waits for every actor)
+        caf::anon_send(caf::actor_cast<msg::node_agent_actor>(g_agent), msg::stop_atom::value);
         g_agent = caf::actor_addr{};
         std::fprintf(stderr, "fp8rl node %s: the controller connected and did not start this node within %ld s (it exited "
                      "or stalled; --node-wait)\n", name.c_str(), long(wait_s));
@@ -590,6 +589,23 @@ void recipe_record(const run_config& cfg, const std::string& run_dir, bool resum
     log_get("train")->info("{} at step {} with the run's settings (recorded in {})", what, start.version, f.string());
 }
 
+}  // namespace
+
+caf::expected<caf::node_id> node_connect(caf::actor_system& sys, const std::string& host, uint16_t port, caf::timespan timeout) {
+  caf::expected<caf::node_id> out{caf::sec::cannot_connect_to_node};
+  caf::scoped_actor self{sys};
+  self->request(sys.middleman().actor_handle(), timeout, caf::connect_atom_v, host, port)
+      .receive(
+          [&](caf::node_id& nid, caf::strong_actor_ptr&, std::set<std::string>&) {
+            if (nid == caf::none) out = caf::make_error(caf::sec::invalid_argument, "no node id from " + host);  // as middleman::connect
+            else out = std::move(nid);
+          },
+          [&](caf::error& e) { out = std::move(e); });
+  return out;
+}
+
+namespace {
+
 // Connects to every node but the controller's, spawns its agent and has it start the node's
 // actors (init: what each is sent, but its name); appends to spawned, agents and agent_nodes.
 // Returns "" or why a node could not be started (the caller stops what was started).
@@ -610,8 +626,9 @@ std::string nodes_start_remote(caf::actor_system& sys, const topology& topo, msg
       if (!nid) std::this_thread::sleep_for(std::chrono::milliseconds(500));
     }
     if (!nid) {  // a node that died after opening its port looks the same from here
-      failure = "cannot connect to node '" + n.name + "' at " + n.host + ":" + std::to_string(n.port) +
-                " within " + std::to_string(kNodeConnectSeconds) + " s (is its process running? under caf-run, its lines say whether it exited)";
+      failure = "cannot connect to node '" + n.name + "' at " + n.host + ":" + std::to_string(n.port) + " within " +
+                std::to_string(kNodeConnectSeconds) + " s (" + sys.render(nid.error()) +
+                "; is its process running? under caf-run, its lines say whether it exited)";
       break;
     }
     auto agent = sys.middleman().remote_spawn<msg::node_agent_actor>(*nid, "node_agent", caf::make_message(), std::chrono::seconds(30));
@@ -774,8 +791,12 @@ int train_main(int argc, char** argv) {
     init.run_id = run_id;
     init.start_version = start.version;
     init.start_cursor = start.prompt_cursor;
-    const std::string failure = nodes_start_remote(sys, topo, init, ctrl, spawned, agents, agent_nodes);
-    if (failure.empty()) {
+    // a controller that failed while starting (named in its log) needs no nodes started for it
+    const bool ctrl_failed = fut.wait_for(std::chrono::seconds(0)) == std::future_status::ready;
+    const std::string failure = ctrl_failed ? "" : nodes_start_remote(sys, topo, init, ctrl, spawned, agents, agent_nodes);
+    if (ctrl_failed) {
+      code = fut.get();
+    } else if (failure.empty()) {
       caf::anon_send(ctrl, peers_merge(ctrl, spawned), agents, std::move(agent_nodes));
       stop_signals::immediate(false);
       for (bool stop_sent = false; fut.wait_for(std::chrono::milliseconds(100)) != std::future_status::ready;)

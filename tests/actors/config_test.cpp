@@ -198,7 +198,10 @@ TEST(Recipe, CliOverridesAndDumpRoundTrip) {
   recipe_apply_cli(r, "--grpo.normalize_std=false");
   EXPECT_EQ(r.group_size, 4);
   EXPECT_EQ(r.clip_high, 0.28);  // strtod is correctly rounded: the literal's double exactly
-  // digits past 10 and exponents come back as they were (10 digits rounded them; "1e+20.0")
+  // digits past 10 and exponents come back as they were (10 digits rounded them; "1e+20.0"); an
+  // option keeps 15 significant digits, as a file does (the run and its resume had two values)
+  recipe_apply_cli(r, "--optim.weight_decay=0.3333333333333333");
+  EXPECT_EQ(r.weight_decay, 0.333333333333333);
   recipe_apply_cli(r, "--optim.lr=1.2345678912345e-05");
   recipe_apply_cli(r, "--grpo.dual_clip=1e20");
   recipe_apply_cli(r, "--grpo.seq_logprob_error_threshold=3");
@@ -858,7 +861,7 @@ TEST(RunDir, ASignalIgnoredOnEntryStaysIgnored) {
 // A repeat of the first signal (caf-run passing on what the group got) is one stop: one of the
 // two from the parent, within 2 s either way round -- the later recorded may have read the clock
 // first (two threads; the unsigned difference wrapped and the node died unsaved).
-TEST(RunDir, ASignalPassedOnByTheParentIsTheSameStop) {
+TEST(Signals, ASignalPassedOnByTheParentIsTheSameStop) {
   EXPECT_TRUE(signal_same_stop(10'000, false, 10'500, true));
   EXPECT_TRUE(signal_same_stop(10'000, true, 10'500, false));
   EXPECT_TRUE(signal_same_stop(10'000, true, 9'999, false));   // this handler read the clock first
@@ -869,7 +872,7 @@ TEST(RunDir, ASignalPassedOnByTheParentIsTheSameStop) {
 }
 
 // While the actors are being wired a signal takes its own action at once, saying so.
-TEST(RunDir, ASignalWhileWiringStopsAtOnce) {
+TEST(Signals, ASignalWhileWiringStopsAtOnce) {
   EXPECT_EXIT(
       {
         stop_signals signals;
@@ -943,9 +946,6 @@ TEST(RunDir, PlotsReportWhatTheyCannotWrite) {
   fs::remove_all(q);
 }
 
-// --resume from the checkpoint of v2 after a crash that followed step 3's metrics row: the row
-// stayed and the resumed run wrote step 3 again (steps 1, 2, 3, 3 in the file and the plots).
-// Rows after the checkpoint and a partial last line move aside; nothing is deleted.
 // A checkpoint's calibration batch (calibration.jsonl) comes back as saved; a line that is not
 // {"tokens": [ids >= 0]} is refused naming the file and line (a negative id reached the
 // embedding lookup), and so is a file without sequences. No file: an older checkpoint, none.
@@ -972,6 +972,9 @@ TEST(RunDir, CalibrationBatchFilesAreChecked) {
   fs::remove_all(d);
 }
 
+// --resume from the checkpoint of v2 after a crash that followed step 3's metrics row: the row
+// stayed and the resumed run wrote step 3 again (steps 1, 2, 3, 3 in the file and the plots).
+// Rows after the checkpoint and a partial last line move aside; nothing is deleted.
 TEST(RunDir, ResumeMovesRowsAfterTheCheckpointAside) {
   const fs::path m = fs::temp_directory_path() / ("fp8rl_trim_" + std::to_string(::getpid()) + ".jsonl");
   fs::remove(m.string() + ".discarded");
