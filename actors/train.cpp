@@ -5,6 +5,7 @@
 #include <caf/io/all.hpp>
 
 #include <algorithm>
+#include <charconv>
 #include <chrono>
 #include <csignal>
 #include <condition_variable>
@@ -226,14 +227,9 @@ void caf_options_parse(fp8rl_config& cfg, const std::vector<std::string>& args) 
 
 // --node-wait SECONDS: a whole number in [1, 86400]
 int64_t node_wait_parse(const std::string& v) {
-  size_t used = 0;
-  long long n = 0;
-  try {
-    n = std::stoll(v, &used);
-  } catch (const std::exception&) {
-    used = 0;
-  }
-  if (used == 0 || used != v.size() || n < 1 || n > 86400)
+  int64_t n = 0;
+  const auto [end, ec] = std::from_chars(v.data(), v.data() + v.size(), n);
+  if (ec != std::errc{} || end != v.data() + v.size() || n < 1 || n > 86400)
     throw std::invalid_argument("option --node-wait: '" + v + "' is not a whole number of seconds in [1, 86400]");
   return n;
 }
