@@ -565,6 +565,7 @@ TEST(E2E, BadRecipeKeyFailsWithItsName) {
     const auto c = fp8rl::test::run_command(kBin + "/fp8rl train --run-dir " + (d / "run").string() + " " + arg);
     EXPECT_NE(c.rc, 0) << arg;
     EXPECT_NE(c.out.find(what), std::string::npos) << arg << "\n" << c.out;
+    EXPECT_EQ(c.out.find("SFT warm start"), std::string::npos) << arg << "\n" << c.out;  // refused before it (seconds to minutes)
   }
   EXPECT_FALSE(fs::exists(d / "run" / "recipe.conf"));  // refused before the run starts
   // a bad caf-application.ini (CAF reads it from the working directory) is named, not the first
