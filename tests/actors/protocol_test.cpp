@@ -1049,6 +1049,11 @@ caf::actor stand_in(caf::actor_system& sys, std::string name, std::vector<issued
     return {[=](msg::work_msg& w) { log->push_back({name, w}); }, [](msg::stop_atom) { return uint64_t{2}; }};
   }, std::move(name), log);  // spawn arguments, not captures: actors.hpp
 }
+// A step report with the step's staleness-0 mismatch (what the health gates read).
+msg::step_report mismatch_report(uint64_t step, double tmpe, double kl) {
+  return msg::step_report{{}, step, {{"tokens", 10.0}, {"by_staleness/0/token_mult_prob_error", tmpe},
+                                     {"by_staleness/0/gen_kl_error", kl}}};
+}
 }  // namespace
 
 // The controller on the test coordinator, wired to stand-in peers (rollout0, rollout1 record
@@ -1106,6 +1111,15 @@ class ControllerOnTestCoordinator : public ::testing::Test {
   void sync(uint64_t v) {  // every rollout has adopted version v
     self->send(ctrl, msg::sync_report{{}, v, 0.0, 0.0, false, 0.0});
     sched.run();
+  }
+  // What the controller logs while it takes the reports of `steps`, each with mismatch `tmpe`, KL 0.
+  std::string log_of_reports(std::initializer_list<uint64_t> steps, double tmpe) {
+    ::testing::internal::CaptureStderr();
+    for (uint64_t v : steps) {
+      self->send(ctrl, mismatch_report(v, tmpe, 0.0));
+      sched.run();
+    }
+    return ::testing::internal::GetCapturedStderr();
   }
   // The steps of the work issued since entry `from`, which is sorted into prompt order.
   std::vector<uint64_t> steps_of(size_t from) {
@@ -1386,14 +1400,6 @@ TEST_F(ControllerOnTestCoordinator, EachCalibrationAndSyncReportHasItsOwnMetrics
   EXPECT_EQ(rows[0].value("sync_version", -1.0) + 1, rows[1].value("sync_version", -1.0)) << rows[0].dump() << rows[1].dump();
 }
 
-namespace {
-// A step report with the step's staleness-0 mismatch (what the health gates read).
-msg::step_report mismatch_report(uint64_t step, double tmpe, double kl) {
-  return msg::step_report{{}, step, {{"tokens", 10.0}, {"by_staleness/0/token_mult_prob_error", tmpe},
-                                     {"by_staleness/0/gen_kl_error", kl}}};
-}
-}  // namespace
-
 // rl-algorithm.md section 7's gates on the steps' staleness-0 mismatch (health.min_steps = 2):
 // under health.gates = fail a median token_mult_prob_error at 1.1 stops the run where the buffer
 // says (step 2), checkpointed, with code 1 and the gate named; under warn the run goes on, the gate
@@ -1403,10 +1409,7 @@ TEST_F(ControllerOnTestCoordinator, AFailedHealthGateStopsTheRunNamed) {
   log_level = "warn";
   wire(0);
   sync(0);
-  ::testing::internal::CaptureStderr();
-  self->send(ctrl, mismatch_report(1, 1.2, 0.0));  // one step counted: not judged yet
-  sched.run();
-  EXPECT_EQ(::testing::internal::GetCapturedStderr(), "");
+  EXPECT_EQ(log_of_reports({1}, 1.2), "");  // one step counted: not judged yet
   ::testing::internal::CaptureStderr();
   self->send(ctrl, mismatch_report(2, 1.0, 0.0));  // median (1.2 + 1.0) / 2 = 1.1: not below 1.1
   sched.run();
@@ -1433,12 +1436,7 @@ TEST_F(ControllerOnTestCoordinator, AHealthGateFailingAtTheLastStepFailsTheRun) 
   log_level = "info";
   wire(0);
   sync(0);
-  ::testing::internal::CaptureStderr();
-  for (uint64_t v : {1, 2}) {
-    self->send(ctrl, mismatch_report(v, 1.5, 0.0));
-    sched.run();
-  }
-  const std::string log = ::testing::internal::GetCapturedStderr();
+  const std::string log = log_of_reports({1, 2}, 1.5);
   EXPECT_EQ(done, 1);
   EXPECT_NE(log.find("run stopped: 2 steps"), std::string::npos) << log;
   EXPECT_NE(log.find("; health gate: median token_mult_prob_error (staleness 0) 1.5000"), std::string::npos) << log;
@@ -1502,12 +1500,7 @@ TEST_F(ControllerOnTestCoordinator, AHealthGateUnderWarnIsLoggedOnceAndTheRunGoe
       << "{\"step\":1,\"by_staleness/0/token_mult_prob_error\":1.5,\"by_staleness/0/gen_kl_error\":0.0}\n";
   wire(actors::run_start{1, 3});
   sync(1);
-  ::testing::internal::CaptureStderr();
-  for (uint64_t v : {2, 3}) {
-    self->send(ctrl, mismatch_report(v, 1.5, 0.0));
-    sched.run();
-  }
-  const std::string log = ::testing::internal::GetCapturedStderr();
+  const std::string log = log_of_reports({2, 3}, 1.5);
   EXPECT_EQ(done, -1);  // the run goes on
   const std::string gate = "health gate (rl-algorithm.md section 7): median token_mult_prob_error (staleness 0) 1.5000 is not "
                            "below 1.1 over 2 step(s) 1..2";  // step 1 from metrics.jsonl: judged at step 2
