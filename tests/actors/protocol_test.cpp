@@ -1,6 +1,7 @@
 // tests/actors/protocol_test.cpp -- message serialization round trips, and the protocols of the
 // buffer (admission by max_staleness, de-duplication, learner shards) and of weight-sync
-// (in-process fan-out, adoption accounting, a failed cross-process transfer) with explicit message ordering, and
+// (in-process fan-out, adoption accounting, a failed cross-process transfer), the learners' stop (one
+// checkpoint over ranks, a failed one named) with explicit message ordering, and
 // the controller's staleness window on CAF's deterministic test coordinator: the test is the
 // peer of the actor under test and drives it one message at a time.
 #include <gtest/gtest.h>
@@ -21,6 +22,7 @@
 #include <arpa/inet.h>
 #include <netinet/in.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include "actors/actors.hpp"
@@ -680,6 +682,115 @@ TEST(Protocol, ALearnerStoppedBeforeItsFirstStepNamesTheCheckpointItStartedFrom)
     ctl->send_exit(learner, caf::exit_reason::user_shutdown);
   }
   fs::remove_all(run);
+}
+
+namespace {
+// Learners rank 0..world-1 of one run (its directory `run`, 2 prompts of 2 per step, no
+// evaluation, a checkpoint every `every` steps) with a real trajectory buffer; the test is their
+// controller (ctl) and calibration (cal). one_step() feeds step 0 and waits for rank 0's report.
+struct learner_ranks {
+  fs::path run;
+  std::shared_ptr<const actors::actor_env> env;
+  caf::scoped_actor ctl, cal;
+  msg::buffer_actor buf;
+  std::vector<msg::learner_actor> learners;
+  learner_ranks(caf::actor_system& sys, const std::string& name, int32_t world, int64_t every)
+      : run(fs::temp_directory_path() / ("fp8rl_proto_" + name + "_" + std::to_string(::getpid()))), ctl(sys), cal(sys) {
+    fs::remove_all(run);
+    fs::create_directories(run);
+    actors::run_config r;
+    r.prompts_per_step = 2, r.group_size = 2, r.log_level = "off", r.eval_every = 0, r.checkpoint_every = every;
+    env = actors::env_make(r, "test", run.string(), init_dir(), 0, name);
+    buf = actors::spawn_buffer(sys, env);
+    msg::peers_msg bp;
+    bp.controller = caf::actor_cast<msg::controller_actor>(ctl);
+    ctl->send(buf, bp);
+    for (int32_t rank = 0; rank < world; ++rank) {
+      learners.push_back(actors::spawn_learner(sys, env, rank, world, actors::device_spec::parse("cpu:1", "test")));
+      msg::peers_msg p = bp;
+      p.buffer = buf;
+      p.calibration = caf::actor_cast<msg::calibration_actor>(cal);
+      ctl->send(learners.back(), p);
+      ctl->send(learners.back(), msg::start_atom::value, uint64_t{0});
+    }
+  }
+  ~learner_ranks() {
+    for (auto& l : learners) ctl->send_exit(l, caf::exit_reason::user_shutdown);
+    ctl->send_exit(buf, caf::exit_reason::user_shutdown);
+    std::error_code ec;
+    fs::remove_all(run, ec);
+  }
+  void one_step() {
+    ctl->send(buf, group(0, 0, 0));
+    ctl->send(buf, group(0, 1, 0));
+    ctl->receive([](msg::step_report& rep) { EXPECT_EQ(rep.version, 1u); },
+                 [](std::string& who, std::string& what) { FAIL() << who << ": " << what; },
+                 caf::after(std::chrono::seconds(120)) >> [] { FAIL() << "no step report"; });
+  }
+  uint64_t stop() {  // as a signal does: the buffer's stop step, which every rank is answered
+    uint64_t at = 99;
+    ctl->request(buf, std::chrono::seconds(5), msg::stop_atom::value)
+        .receive([&](uint64_t x) { at = x; }, [&](caf::error& e) { ADD_FAILURE() << caf::to_string(e); });
+    return at;
+  }
+};
+}  // namespace
+
+// Two learners stop at one step: rank 0 alone reports `stopped` and saves (rank 1 saving too raced
+// rank 0 over checkpoints/), and a stop right after the version's scheduled checkpoint leaves that
+// checkpoint as it was -- not replaced by a second save of the same version.
+TEST(Protocol, TwoLearnerRanksStopWithOneCheckpointTheScheduledOne) {
+  test_config cfg;
+  cfg.set("scheduler.max-threads", size_t{4});  // each rank blocks a worker in Gloo's all-reduce
+  caf::actor_system sys{cfg};
+  learner_ranks t(sys, "ranks", 2, 1);
+  t.one_step();
+  const fs::path ck = t.run / "checkpoints" / "step_1";
+  ASSERT_TRUE(fs::exists(ck / "state.json"));  // scheduled (checkpoint_every 1), saved before the report
+  struct ::stat before {}, after {};
+  ASSERT_EQ(::stat(ck.c_str(), &before), 0);
+  const auto state_time = fs::last_write_time(ck / "state.json");
+  EXPECT_EQ(t.stop(), 1u);
+  t.ctl->receive([&](msg::stopped_atom, uint64_t v, std::string& dir) {
+    EXPECT_EQ(v, 1u);
+    EXPECT_EQ(dir, ck.string());
+  }, [](std::string& who, std::string& what) { FAIL() << who << ": " << what; },
+     caf::after(std::chrono::seconds(30)) >> [] { FAIL() << "no stopped"; });
+  // (rank 1 asks for step 1 as soon as its step 0 is done, and is answered `stop` at once)
+  t.ctl->receive([](msg::stopped_atom, uint64_t v, std::string&) { ADD_FAILURE() << "a second `stopped`, v" << v; },
+                 caf::after(std::chrono::seconds(2)) >> [] {});
+  ASSERT_EQ(::stat(ck.c_str(), &after), 0);
+  EXPECT_EQ(after.st_ino, before.st_ino) << "step_1 was saved again at the stop";
+  EXPECT_EQ(fs::last_write_time(ck / "state.json"), state_time);
+  std::set<std::string> names;
+  for (const auto& e : fs::directory_iterator(t.run / "checkpoints")) names.insert(e.path().filename().string());
+  EXPECT_EQ(names, (std::set<std::string>{"latest", "step_1"}));
+}
+
+// A checkpoint at the stop that cannot be recorded (checkpoints/latest.tmp is in the way: as a
+// full disk, the write fails) fails the run naming the file, with no `stopped`: `latest` still
+// names the checkpoint it named, and the stop's own checkpoint directory is complete beside it.
+TEST(Protocol, ALearnerWhoseStopCheckpointCannotBeRecordedFailsNamingIt) {
+  test_config cfg;
+  caf::actor_system sys{cfg};
+  learner_ranks t(sys, "latest_fails", 1, 0);  // only at the end: none at step 1
+  t.one_step();
+  const fs::path ck = t.run / "checkpoints";
+  ASSERT_FALSE(fs::exists(ck / "step_1"));
+  fs::create_directories(ck / "latest.tmp");
+  std::ofstream(ck / "latest") << "step_0\n";
+  EXPECT_EQ(t.stop(), 1u);
+  t.ctl->receive([&](std::string& who, std::string& what) {
+    EXPECT_EQ(who, "learner0");
+    EXPECT_NE(what.find("checkpoint at the stop failed: " + (ck / "latest.tmp").string() + ": write failed (" +
+                        (ck / "latest").string() + " still names the previous checkpoint)"), std::string::npos) << what;
+  }, [](msg::stopped_atom, uint64_t v, std::string& dir) { FAIL() << "stopped at v" << v << ": " << dir; },
+     caf::after(std::chrono::seconds(30)) >> [] { FAIL() << "the failure was not reported"; });
+  std::ifstream latest(ck / "latest");
+  std::string named;
+  std::getline(latest, named);
+  EXPECT_EQ(named, "step_0");
+  EXPECT_EQ(models::checkpoint_weight_version((ck / "step_1").string()), 1u);
 }
 
 namespace {
