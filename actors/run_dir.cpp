@@ -177,7 +177,7 @@ void calibration_batch_save(const std::string& checkpoint_dir, const std::vector
   const fs::path p = fs::path(checkpoint_dir) / "calibration.jsonl";
   std::ofstream out(p);
   for (const auto& s : seqs) out << nlohmann::json{{"tokens", s}}.dump() << '\n';
-  if (!out) throw std::runtime_error(p.string() + ": cannot write");
+  models::write_close_checked(out, p.string());
 }
 
 std::vector<std::vector<int32_t>> calibration_batch_load(const std::string& checkpoint_dir) {
@@ -260,13 +260,11 @@ int64_t metrics_trim_for_resume(const std::string& metrics_path, uint64_t versio
   const std::string side = metrics_path + ".discarded";
   std::ofstream out(side, std::ios::app | std::ios::binary);
   out << drop;
-  out.close();
-  if (!out) throw std::runtime_error(side + ": cannot write (" + metrics_path + " left as it was)");
+  models::write_close_checked(out, side, metrics_path + " left as it was");
   const std::string tmp = metrics_path + ".tmp";
   std::ofstream t(tmp, std::ios::binary);
   t << keep;
-  t.close();
-  if (!t) throw std::runtime_error(tmp + ": cannot write (" + metrics_path + " left as it was)");
+  models::write_close_checked(t, tmp, metrics_path + " left as it was");
   fs::rename(tmp, metrics_path);
   return moved;
 }

@@ -571,13 +571,15 @@ void caf_config_prepare(fp8rl_config& ccfg, const cli& c, const node_spec& here)
 // before is replaced), and a line saying which settings changed.
 void recipe_record(const run_config& cfg, const std::string& run_dir, bool resume, const run_start& start,
                    const std::string& resumed_with) {
-  if (!resume) {  // a resume has one (resume_recipe_changes refuses it otherwise)
-    std::ofstream(fs::path(run_dir) / "recipe.conf") << recipe_dump(cfg);
-    return;
-  }
+  auto write = [&](const fs::path& p) {  // checked: a recipe cut by a full disk failed only the run's --resume
+    std::ofstream out(p);
+    out << recipe_dump(cfg);
+    models::write_close_checked(out, p.string());
+  };
+  if (!resume) return write(fs::path(run_dir) / "recipe.conf");  // a resume has one (resume_recipe_changes refuses it otherwise)
   const fs::path f = fs::path(run_dir) / "resumes" / ("recipe-step" + std::to_string(start.version) + ".conf");
   fs::create_directories(f.parent_path());
-  std::ofstream(f) << recipe_dump(cfg);
+  write(f);
   const char* what = start.restart ? "restarting" : "resuming";
   if (!resumed_with.empty())
     log_get("train")->warn("{} at step {} with other settings (recorded in {}):{}", what, start.version, f.string(), resumed_with);

@@ -27,7 +27,11 @@ namespace {
 // checkpoint (config.json) -- never a directory of the same name the user keeps there.
 constexpr const char* kUnfinished = ".fp8rl-unfinished-checkpoint";
 
-void mark_ours(const fs::path& p) { std::ofstream(p / kUnfinished) << "fp8rl's checkpoint save: safe to delete\n"; }
+void mark_ours(const fs::path& p) {
+  std::ofstream f(p / kUnfinished);
+  f << "fp8rl's checkpoint save: safe to delete\n";
+  write_close_checked(f, (p / kUnfinished).string());
+}
 
 // Removes `p` if absent or ours, else refuses naming it (what a save would have deleted).
 void remove_if_ours(const fs::path& p) {
@@ -90,8 +94,7 @@ void file_replace_durably(const std::string& path, const std::string& text, cons
   const std::string tmp = path + ".tmp";
   std::ofstream out(tmp);
   out << text;
-  out.close();
-  if (!out) throw std::runtime_error(tmp + ": write failed (" + kept + ")");
+  write_close_checked(out, tmp, kept);
   fsync_path(tmp);
   fs::rename(tmp, path);
   fsync_path(fs::absolute(path).parent_path().string());
@@ -121,8 +124,7 @@ void checkpoint_save(const std::string& dir_in, const checkpoint& c, const std::
   s["adam_step"] = c.opt.step;
   std::ofstream state(tmp / "state.json");
   state << s.dump(2) << "\n";
-  state.close();
-  if (!state) throw std::runtime_error((tmp / "state.json").string() + ": write failed (the previous " + dir + " is kept)");
+  write_close_checked(state, (tmp / "state.json").string(), "the previous " + dir + " is kept");
   if (extra) extra(tmp.string());
   fs::remove(tmp / kUnfinished);
   for (const auto& e : fs::directory_iterator(tmp)) if (e.is_regular_file()) fsync_path(e.path().string());  // (flat: no subdirectories)

@@ -1,4 +1,4 @@
-// models/json_io.cpp -- strict JSON parsing (duplicate keys refused) and file reading.
+// models/json_io.cpp -- strict JSON parsing (duplicate keys refused), file reading, checked writes.
 #include "models/json_io.hpp"
 
 #include <cerrno>
@@ -31,6 +31,15 @@ nlohmann::json json_parse_strict(std::string_view text, const std::string& where
   }
   if (!twice.empty()) throw std::invalid_argument(at + "key '" + twice + "' appears twice in one object");
   return j;
+}
+
+void write_close_checked(std::ofstream& f, const std::string& path, const std::string& kept) {
+  errno = 0;
+  f.close();
+  if (f) return;
+  const int err = errno;
+  throw std::runtime_error(path + ": write failed" + (err ? std::string(": ") + std::strerror(err) : std::string()) +
+                           (kept.empty() ? std::string() : " (" + kept + ")"));
 }
 
 std::string open_failure(const std::string& path) {

@@ -1,10 +1,12 @@
 // models/json_io.hpp -- JSON read strictly from user files: a key twice in one object is an error
 // naming it (nlohmann keeps the last one silently: a duplicated rope_theta changed the model, a
-// second safetensors entry replaced a tensor), and a directory or unreadable file is named.
-// defines: json_parse_strict, json_file_read, jsonl_errors, open_failure
+// second safetensors entry replaced a tensor), and a directory or unreadable file is named; and a
+// file written, checked at its close.
+// defines: json_parse_strict, json_file_read, jsonl_errors, open_failure, write_close_checked
 #pragma once
 #include <nlohmann/json.hpp>
 #include <cstdint>
+#include <iosfwd>
 #include <string>
 #include <string_view>
 
@@ -20,6 +22,11 @@ nlohmann::json json_file_read(const std::string& path);
 // directory, not a file", else "PATH: cannot open (<errno's text>)" (call right after the failed
 // open). "cannot open" alone said neither what nor why.
 std::string open_failure(const std::string& path);
+
+// Closes f (opened on path) and throws std::runtime_error "PATH: write failed[: <errno's text>][
+// (kept)]" when a write failed, the last buffered one's included: checked before the close, a disk
+// that filled at the final flush went unseen, and the cut file was renamed into place as whole.
+void write_close_checked(std::ofstream& f, const std::string& path, const std::string& kept = "");
 
 // A JSONL reader's bad lines, so that one error names them all (the first 20).
 class jsonl_errors {

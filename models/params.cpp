@@ -1,5 +1,6 @@
 // models/params.cpp -- parameter layout, init, and conversion to/from safetensors.
 #include "models/params.hpp"
+#include "models/json_io.hpp"
 
 #include <algorithm>
 #include <cmath>
@@ -198,7 +199,7 @@ void write_text(const std::filesystem::path& path, const std::string& text) {
   {
     std::ofstream f(tmp);
     f << text;
-    if (!f) throw std::runtime_error(tmp + ": write failed");
+    write_close_checked(f, tmp);
   }
   std::filesystem::rename(tmp, path);
 }

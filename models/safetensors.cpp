@@ -184,7 +184,7 @@ void safetensors_write(const std::string& path, const st_tensors& tensors, st_dt
         f.write(reinterpret_cast<const char*>(b.data()), static_cast<std::streamsize>(b.size() * 2));
       }
     }
-    if (!f) throw st_error(tmp + ": write failed");
+    write_close_checked(f, tmp);
   }
   fs::rename(tmp, path);
 }

@@ -463,9 +463,10 @@ std::unique_ptr<tokenizer> tokenizer_load(const std::string& path) {
 }
 
 void char_tokenizer_save(const std::string& dir, const std::string& alphabet) {
-  std::ofstream f(std::filesystem::path(dir) / kCharFile);
+  const std::string path = (std::filesystem::path(dir) / kCharFile).string();
+  std::ofstream f(path);
   f << json{{"type", "fp8rl-char"}, {"alphabet", alphabet}}.dump() << "\n";
-  if (!f) throw std::runtime_error(dir + "/" + kCharFile + ": write failed");
+  write_close_checked(f, path);
 }
 
 }  // namespace fp8rl::models
