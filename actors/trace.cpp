@@ -8,6 +8,9 @@
 #include <filesystem>
 #include <fstream>
 #include <cstdio>
+#include <stdexcept>
+
+#include "models/log.hpp"
 
 namespace fp8rl::actors {
 
@@ -50,6 +53,8 @@ void trace_writer::open(const std::string& path, const std::string& node) {
     torn = prev.get() != '\n';
   }
   out_.open(path, std::ios::app);
+  if (!out_) throw std::runtime_error(path + ": cannot open for writing (trace.enabled)");
+  path_ = path;
   if (torn) out_ << '\n';
   prefix_ = "{\"node\":";
   json_string(prefix_, node);  // escaped once, not per event
@@ -58,8 +63,15 @@ void trace_writer::open(const std::string& path, const std::string& node) {
 
 void trace_writer::close() {
   std::lock_guard<std::mutex> g(mu_);
-  if (out_.is_open()) out_.flush(), out_.close();
+  if (out_.is_open()) out_.flush(), check_written(), out_.close();
   enabled_ = false;
+}
+
+void trace_writer::check_written() {
+  if (out_ || !enabled_) return;
+  enabled_ = false;
+  log_get("trace")->warn("{}: writing trace events failed (disk full?); tracing stops here, the run goes on with its trace cut",
+                         path_);
 }
 
 uint64_t trace_writer::lamport_tick(const std::string& actor, uint64_t received) {
@@ -128,7 +140,7 @@ void trace_writer::event(const std::string& actor, const std::string& name, cons
   line += "}\n";
   std::lock_guard<std::mutex> g(mu_);
   out_ << line;
-  if (++pending_ % 256 == 0) out_.flush();
+  if (++pending_ % 256 == 0) out_.flush(), check_written();
 }
 
 }  // namespace fp8rl::actors

@@ -7,8 +7,10 @@
 // the sender's Lamport clock carried in the message's trace_ctx) give the causal order across
 // processes, from which fp8rl-trace computes vector clocks (caf-0.17.md §7).
 // Writes are buffered and flushed every few hundred events and at close; a disabled writer
-// costs one branch per event.
+// costs one branch per event. A file that cannot be opened is the start's error; one whose writes
+// fail (a full disk) stops tracing with a warning naming it -- the run goes on, its trace cut.
 #pragma once
+#include <atomic>
 #include <cstdint>
 #include <fstream>
 #include <mutex>
@@ -24,7 +26,7 @@ int64_t trace_now_us();
 class trace_writer {
  public:
   trace_writer() = default;
-  // path empty: disabled
+  // path empty: disabled; throws std::runtime_error naming a path it cannot open
   void open(const std::string& path, const std::string& node);
   void close();
   bool enabled() const { return enabled_; }
@@ -39,8 +41,9 @@ class trace_writer {
  private:
   std::mutex mu_;
   std::ofstream out_;
-  std::string prefix_;  // {"node":"<node, JSON-escaped>": every line starts with it
-  bool enabled_ = false;
+  std::string path_, prefix_;  // prefix_: {"node":"<node, JSON-escaped>": every line starts with it
+  std::atomic<bool> enabled_{false};
+  void check_written();  // (mu_ held) a failed write: tracing off, said once
   int64_t pending_ = 0;
   std::map<std::string, uint64_t> clocks_;
   uint64_t id_salt_ = 0, id_next_ = 0;

@@ -16,6 +16,7 @@
 #include "actors/run_dir.hpp"
 #include "actors/signals.hpp"
 #include "actors/topology.hpp"
+#include "actors/trace.hpp"
 #include "models/generate.hpp"
 #include "models/log.hpp"
 #include "models/rl/task.hpp"
@@ -1097,4 +1098,28 @@ TEST(Preflight, AnswersFitByTheirShortestAcceptedForm) {
             "task.verifier = numeric) and 1 (the first: " + mix + ":2, '123456789', 9 tokens, more than rollout.max_new_tokens 5): "
             "use task.verifier = exact; raise rollout.max_new_tokens (and model.max_context with it)");
   fs::remove(mix);
+}
+
+// A trace file that cannot be opened is the start's error naming it; one whose writes fail (a full
+// disk: /dev/full) stops tracing with one warning naming it, and events after it cost nothing.
+TEST(Trace, AWriterThatCannotWriteSaysSoOnce) {
+  trace_writer w;
+  const fs::path d = fs::temp_directory_path() / ("fp8rl_trace_" + std::to_string(::getpid()));
+  fs::create_directories(d / "n.jsonl");  // a directory where the file goes
+  EXPECT_EQ(error_of([&] { w.open((d / "n.jsonl").string(), "n"); }), (d / "n.jsonl").string() + ": cannot open for writing (trace.enabled)");
+  EXPECT_FALSE(w.enabled());
+  fs::remove_all(d);
+  if (!fs::exists("/dev/full")) GTEST_SKIP() << "no /dev/full here";
+  w.open("/dev/full", "n");
+  ASSERT_TRUE(w.enabled());
+  fp8rl::log_set_level("info");
+  testing::internal::CaptureStderr();
+  for (int i = 0; i < 1024; ++i) w.event("a", "e", "span", 0, 0);  // a flush every 256
+  EXPECT_FALSE(w.enabled());  // at the first failed flush, not only at the close
+  w.close();
+  const std::string err = testing::internal::GetCapturedStderr();
+  const std::string said = "/dev/full: writing trace events failed (disk full?); tracing stops here";
+  const size_t at = err.find(said);
+  EXPECT_NE(at, std::string::npos) << err;
+  EXPECT_EQ(err.find(said, at + 1), std::string::npos) << "said twice: " << err;
 }
