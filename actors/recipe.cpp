@@ -441,7 +441,7 @@ void recipe_validate(const run_config& r) {
   if (!models::is_mode_parse(r.is_mode)) fail("grpo.is_mode", "must be none, tis, icepop or seq-mask-tis");
   if (!models::verifier_parse(r.verifier)) fail("task.verifier", "must be exact or numeric");
   if (!quant::scale_mode_parse(r.scale_mode)) fail("precision.scale_mode", "must be pow2 or fp32");
-  if (!(r.is_lo <= r.is_hi)) fail("grpo.is_lo", "must be a number <= grpo.is_hi");  // NaN turned truncation off
+  if (!(r.is_lo <= r.is_hi)) fail("grpo.is_lo", "must be <= grpo.is_hi (" + fmt15(r.is_lo) + " > " + fmt15(r.is_hi) + ")");
   // a negative bound made tis clamp weights below 0, turning the policy gradient around
   if (r.is_lo < 0) fail("grpo.is_lo", "must be >= 0 (an importance weight is a ratio of probabilities)");
   if (r.is_mode != "none" && !(r.is_hi > 0 && std::isfinite(r.is_hi)))  // tis clamped every weight to 0

@@ -432,7 +432,7 @@ std::string resume_recipe_changes(const run_config& cfg, const std::string& run_
     (section == "task" || section == "model" || key == "run.seed" || key == "run.name" ? refused : changed) += line;
   }
   if (!refused.empty())
-    throw std::invalid_argument("--resume: " + stored.string() + " records another task, model or seed (give the run's own):" +
+    throw std::invalid_argument("--resume: " + stored.string() + " records another task, model, seed or run name (give the run's own):" +
                                 refused);
   return changed;
 }

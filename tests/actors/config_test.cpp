@@ -98,47 +98,81 @@ TEST(Recipe, MalformedFilesAndOutOfRangeValuesNameTheirKey) {
   fs::remove(header_then_braces);
   const auto fine = write_tmp("fine.conf", "[run]\nsteps=3 ; a comment with [ and {\n[rollout]\nsteps_note=\"]\"\n");
   EXPECT_EQ(error_of([&] { config_file_precheck(fine); }), "");  // brackets in comments and strings do not count
-  for (const auto& [arg, key] : std::vector<std::pair<std::string, std::string>>{
-           {"--optim.lr=-1", "optim.lr"}, {"--optim.beta1=2", "optim.beta1"}, {"--optim.eps=0", "optim.eps"},
-           {"--optim.weight_decay=-5", "optim.weight_decay"}, {"--grpo.kl_beta=-1", "grpo.kl_beta"},
-           {"--grpo.clip_low=-1", "grpo.clip_low"}, {"--grpo.dual_clip=0.5", "grpo.dual_clip"},
-           {"--audit.every=-1", "audit.every"}, {"--calibration.margin=0.5", "calibration.margin"},
-           {"--rollout.top_p=2", "rollout.top_p"}, {"--rollout.top_k=-1", "rollout.top_k"}, {"--rollout.temperature=-1", "rollout.temperature"},
-           {"--run.checkpoint_every=-1", "run.checkpoint_every"}, {"--precision.generation=fp9", "precision.generation"},
-           {"--task.name=builtin:add9", "task.name"}, {"--model.sft_batch=0", "model.sft_batch"},
+  // (flag, the key named, its rule's text: a message naming the key for another reason passed)
+  for (const auto& [arg, key, rule] : std::vector<std::tuple<std::string, std::string, std::string>>{
+           {"--optim.lr=-1", "optim.lr", "must be a finite number > 0"},
+           {"--optim.beta1=2", "optim.beta1", "must be in [0, 1)"},
+           {"--optim.eps=0", "optim.eps", "must be a finite number > 0"},
+           {"--optim.weight_decay=-5", "optim.weight_decay", "must be a finite number >= 0"},
+           {"--grpo.kl_beta=-1", "grpo.kl_beta", "must be a finite number >= 0"},
+           {"--grpo.clip_low=-1", "grpo.clip_low", "must be in [0, 1)"},
+           {"--grpo.dual_clip=0.5", "grpo.dual_clip", "must be 0 (off) or > 1"},
+           {"--audit.every=-1", "audit.every", "must be >= 0"},
+           {"--calibration.margin=0.5", "calibration.margin", "must be a finite number >= 1"},
+           {"--rollout.top_p=2", "rollout.top_p", "top_p 2.000000 is outside (0, 1]"},
+           {"--rollout.top_k=-1", "rollout.top_k", "top_k -1 is negative (0 keeps every token)"},
+           {"--rollout.temperature=-1", "rollout.temperature", "temperature -1 is not a finite number >= 0"},
+           {"--run.checkpoint_every=-1", "run.checkpoint_every", "must be >= 0"},
+           {"--precision.generation=fp9", "precision.generation", "unknown precision policy 'fp9' (fp32, bf16,"},
+           {"--task.name=builtin:add9", "task.name", "task 'builtin:add9': built-in tasks are"},
+           {"--model.sft_batch=0", "model.sft_batch", "must be > 0"},
            // NaN passed comparisons written as "bad if x <= 0 || x > 1"; a wide length wrapped to int32;
            // no validation set left the run's last validation reporting -nan
-           {"--calibration.percentile=nan", "calibration.percentile"}, {"--grpo.is_lo=nan", "grpo.is_lo"},
-           {"--grpo.is_hi=nan", "grpo.is_hi"}, {"--rollout.max_new_tokens=4294967297", "rollout.max_new_tokens"},
-           {"--task.val_size=0", "task.val_size"}, {"--rollout.group_size=4294967298", "rollout.group_size"},
-           {"--precision.bf16_first=-1", "precision.bf16_first"}, {"--precision.bf16_last=-2", "precision.bf16_last"},
+           {"--calibration.percentile=nan", "calibration.percentile", "must be a finite number"},
+           {"--grpo.is_lo=nan", "grpo.is_lo", "must be a finite number"},
+           {"--grpo.is_hi=nan", "grpo.is_hi", "must be a finite number"},
+           {"--rollout.max_new_tokens=4294967297", "rollout.max_new_tokens", "is too large (2^32 + 1 became 1)"},
+           {"--task.val_size=0", "task.val_size", "must be > 0 (the run ends with a validation)"},
+           {"--rollout.group_size=4294967298", "rollout.group_size", "is too large (work carries it as int32: 2^32 +"},
+           {"--precision.bf16_first=-1", "precision.bf16_first", "must be >= 0"},
+           {"--precision.bf16_last=-2", "precision.bf16_last", "must be >= 0"},
            // sizes allocated up front grew memory to bad_alloc, naming no key; an empty init read
            // ./config.json; a top_k past int32 was "-1294967296 is negative"
-           {"--task.train_size=1000000000000", "task.train_size"}, {"--task.val_size=1000000000000", "task.val_size"},
-           {"--rollout.prompts_per_step=1000000000000", "rollout.prompts_per_step"},
-           {"--rollout.slots=100000000000", "rollout.slots"}, {"--model.max_context=1000000000000", "model.max_context"},
-           {"--model.init=", "model.init"}, {"--rollout.top_k=3000000000", "rollout.top_k"},
+           {"--task.train_size=1000000000000", "task.train_size", "1000000000000 is beyond 67108864"},
+           {"--task.val_size=1000000000000", "task.val_size", "1000000000000 is beyond 16777216"},
+           {"--rollout.prompts_per_step=1000000000000", "rollout.prompts_per_step", "1000000000000 is beyond 1048576"},
+           {"--rollout.slots=100000000000", "rollout.slots", "100000000000 is beyond 65536"},
+           {"--model.max_context=1000000000000", "model.max_context", "1000000000000 is beyond 1048576"},
+           {"--model.init=", "model.init", "is empty (tiny, or a model directory)"},
+           {"--rollout.top_k=3000000000", "rollout.top_k", "3000000000 is too large"},
            // beta2 = 1: the second moment never moves; no audited sample is no audit
-           {"--optim.beta2=1", "optim.beta2"}, {"--audit.samples=0", "audit.samples"},
+           {"--optim.beta2=1", "optim.beta2", "must be in [0, 1)"},
+           {"--audit.samples=0", "audit.samples", "must be > 0"},
            // a negative bound made tis clamp weights below 0 (the gradient turned around); a
            // threshold below 1 dropped every sequence (e_i >= 1)
-           {"--grpo.is_lo=-1", "grpo.is_lo"}, {"--grpo.is_hi=0", "grpo.is_hi"}, {"--grpo.is_hi=-0.5", "grpo.is_lo"},
-           {"--grpo.seq_logprob_error_threshold=0.5", "grpo.seq_logprob_error_threshold"},
-           {"--precision.bf16_names=a,,b", "precision.bf16_names"}, {"--precision.bf16_names=a,", "precision.bf16_names"},
-           {"--precision.bf16_names=mlp.down_proj, layers.0.", "precision.bf16_names"},
+           {"--grpo.is_lo=-1", "grpo.is_lo", "must be >= 0 (an importance weight is a ratio"},
+           {"--grpo.is_hi=0", "grpo.is_hi", "must be a finite number > 0 (grpo.is_mode = tis)"},
+           {"--grpo.is_hi=-0.5", "grpo.is_lo", "must be <= grpo.is_hi (0 > -0.5)"},
+           {"--grpo.seq_logprob_error_threshold=0.5", "grpo.seq_logprob_error_threshold", "must be 0 (off) or >= 1: a sequence's error e_i"},
+           {"--precision.bf16_names=a,,b", "precision.bf16_names", "'a,,b': names are comma-separated, none empty,"},
+           {"--precision.bf16_names=a,", "precision.bf16_names", "'a,': names are comma-separated, none empty,"},
+           {"--precision.bf16_names=mlp.down_proj, layers.0.", "precision.bf16_names", "'mlp.down_proj, layers.0.': names are"},
            // token_mult_prob_error >= 1: a median limit at 1 failed every run
-           {"--health.gates=maybe", "health.gates"}, {"--health.min_steps=0", "health.min_steps"},
-           {"--health.tmpe_median_max=1", "health.tmpe_median_max"}, {"--health.tmpe_steps_above_max=0", "health.tmpe_steps_above_max"},
-           {"--health.tmpe_steps_above_max=1.5", "health.tmpe_steps_above_max"}, {"--health.gen_kl_mean_max=0", "health.gen_kl_mean_max"},
+           {"--health.gates=maybe", "health.gates", "must be fail, warn or off"},
+           {"--health.min_steps=0", "health.min_steps", "must be > 0"},
+           {"--health.tmpe_median_max=1", "health.tmpe_median_max", "must be 0 (the spec's limit) or a finite number"},
+           {"--health.tmpe_steps_above_max=0", "health.tmpe_steps_above_max", "must be in (0, 1]"},
+           {"--health.tmpe_steps_above_max=1.5", "health.tmpe_steps_above_max", "must be in (0, 1]"},
+           {"--health.gen_kl_mean_max=0", "health.gen_kl_mean_max", "must be a finite number > 0"},
            // each bound of its own (a mutation audit found these unasserted)
-           {"--async.max_staleness=-1", "async.max_staleness"}, {"--run.eval_every=-1", "run.eval_every"},
-           {"--task.train_size=0", "task.train_size"}, {"--model.sft_steps=-1", "model.sft_steps"}, {"--model.sft_lr=0", "model.sft_lr"},
-           {"--optim.beta1=1", "optim.beta1"}, {"--optim.grad_clip=-1", "optim.grad_clip"}, {"--grpo.clip_high=-1", "grpo.clip_high"},
-           {"--rollout.kv_policy=drop", "rollout.kv_policy"}, {"--model.size=huge", "model.size"}, {"--task.verifier=fuzzy", "task.verifier"},
-           {"--precision.scale_mode=e8m0", "precision.scale_mode"}, {"--grpo.dual_clip=1", "grpo.dual_clip"}}) {
+           {"--async.max_staleness=-1", "async.max_staleness", "must be >= 0"},
+           {"--run.eval_every=-1", "run.eval_every", "must be >= 0"},
+           {"--task.train_size=0", "task.train_size", "must be > 0"},
+           {"--model.sft_steps=-1", "model.sft_steps", "must be >= 0"},
+           {"--model.sft_lr=0", "model.sft_lr", "must be a finite number > 0"},
+           {"--optim.beta1=1", "optim.beta1", "must be in [0, 1)"},
+           {"--optim.grad_clip=-1", "optim.grad_clip", "must be a finite number >= 0 (0: off)"},
+           {"--grpo.clip_high=-1", "grpo.clip_high", "must be a finite number >= 0"},
+           {"--rollout.kv_policy=drop", "rollout.kv_policy", "must be recompute or keep"},
+           {"--model.size=huge", "model.size", "must be tiny or small"},
+           {"--task.verifier=fuzzy", "task.verifier", "must be exact or numeric"},
+           {"--precision.scale_mode=e8m0", "precision.scale_mode", "must be pow2 or fp32"},
+           {"--grpo.dual_clip=1", "grpo.dual_clip", "must be 0 (off) or > 1"}}) {
     run_config x;
     recipe_apply_cli(x, arg);
-    EXPECT_NE(error_of([&] { recipe_validate(x); }).find("'" + key + "'"), std::string::npos) << arg;
+    const std::string e = error_of([&] { recipe_validate(x); });
+    EXPECT_EQ(e.rfind("recipe key '" + key + "'", 0), 0u) << arg << ": " << e;
+    EXPECT_NE(e.find(": " + rule), std::string::npos) << arg << ": " << e;
   }
   {  // an IS mode needs an upper bound > 0 (tis clamped every weight to 0)
     run_config x;

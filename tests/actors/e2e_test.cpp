@@ -222,12 +222,13 @@ TEST(E2E, BadInputAtAStartIsRefusedAndChangesNothing) {
   std::ofstream(state) << nlohmann::json{{"weight_version", 6}, {"prompt_cursor", 40}}.dump();
   // another task on resume trained on it from the old task's prompt cursor, and rewrote recipe.conf
   fails_naming("--resume --run-dir " + d.string() + kSmall + " --run.steps=8 --task.name=builtin:add1",
-               "records another task, model or seed (give the run's own):\n  task.name: \"builtin:add2\" -> \"builtin:add1\"");
+               "records another task, model, seed or run name (give the run's own):\n  task.name: \"builtin:add2\" -> \"builtin:add1\"");
   EXPECT_EQ(text_of(d / "recipe.conf"), recipe);  // a failed resume rewrote it with this invocation's recipe
   EXPECT_EQ(text_of(d / "metrics.jsonl"), before);
-  fails_naming("--resume --run-dir " + d.string() + kSmall + " --run.steps=8 --run.seed=7", "  run.seed: ");  // the seed too
-  fails_naming("--resume --run-dir " + d.string() + kSmall + " --run.steps=8 --model.max_context=48", "  model.max_context: 32 -> 48");
-  fails_naming("--resume --run-dir " + d.string() + kSmall + " --run.steps=8 --run.name=renamed", "  run.name: ");
+  const std::string refused = "records another task, model, seed or run name (give the run's own):\n  ";
+  fails_naming("--resume --run-dir " + d.string() + kSmall + " --run.steps=8 --run.seed=7", refused + "run.seed: 1 -> 7");  // the seed too
+  fails_naming("--resume --run-dir " + d.string() + kSmall + " --run.steps=8 --model.max_context=48", refused + "model.max_context: 32 -> 48");
+  fails_naming("--resume --run-dir " + d.string() + kSmall + " --run.steps=8 --run.name=renamed", refused + "run.name: ");
   {  // a kept metrics row the controller cannot read back (health gates): named, nothing changed
     const std::string kept = text_of(d / "metrics.jsonl"), kept_state = text_of(state);
     std::ofstream(state) << nlohmann::json{{"weight_version", 6}, {"prompt_cursor", 40}, {"adam_step", 6}}.dump();
@@ -708,7 +709,8 @@ TEST(E2E, AFailedHealthGateStopsTheRunAndItsResume) {
   ASSERT_TRUE(fs::exists(d / "checkpoints" / "latest")) << first.out;
   const auto again = fp8rl::test::run_command(kBin + "/fp8rl train --resume --run-dir " + d.string());
   EXPECT_EQ(again.rc, 1) << again.out;
-  EXPECT_NE(again.out.find("run stopped"), std::string::npos) << again.out;
+  EXPECT_NE(again.out.find("health gate (rl-algorithm.md section 7): median token_mult_prob_error (staleness 0) "), std::string::npos)
+      << again.out;  // replayed from metrics.jsonl
   const auto warned = fp8rl::test::run_command(kBin + "/fp8rl train --resume --run-dir " + d.string() + " --health.gates=warn");
   EXPECT_EQ(warned.rc, 0) << warned.out;
   EXPECT_NE(warned.out.find("[warning] health gate (rl-algorithm.md section 7): median token_mult_prob_error"), std::string::npos)
