@@ -1063,6 +1063,8 @@ TEST(Grpo, RolloutSamplesSortAGroupGivenOutOfOrder) {
   ASSERT_EQ(smp.size(), 2u);
   EXPECT_EQ(smp[0].group_index, 0);
   EXPECT_EQ(smp[0].reward, 1.0f);
+  EXPECT_EQ(smp[1].group_index, 1);
+  EXPECT_EQ(smp[1].reward, 0.0f);
 }
 
 // SFT takes an example whose fed rows exactly fill the model's positions.
@@ -1097,5 +1099,6 @@ TEST(Grpo, GroupScoringTakesTheLeaveOneOutBaseline) {
     const auto want = grpo_advantages({1, 0, 0}, 3, true, g.adv_eps, loo);
     for (size_t j = 0; j < 3; ++j) EXPECT_EQ(smp[j].advantage, want[j]) << "leave_one_out " << loo << " sample " << j;
   }
-  EXPECT_NE(grpo_advantages({1, 0, 0}, 3, true, 1e-6f, true)[1], grpo_advantages({1, 0, 0}, 3, true, 1e-6f, false)[1]);
+  const float eps = grpo_config{}.adv_eps;  // (the premise: the two baselines differ here)
+  EXPECT_NE(grpo_advantages({1, 0, 0}, 3, true, eps, true)[1], grpo_advantages({1, 0, 0}, 3, true, eps, false)[1]);
 }
