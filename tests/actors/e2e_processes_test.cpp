@@ -187,12 +187,17 @@ TEST(E2E, FailedRolloutIsRestartedAndItsWorkRequeued) {
 // is up stops the group at once (the controller retried its connection for 60 s).
 TEST(E2E, CafRunStopsItsGroup) {
   const fs::path d = fresh_dir("cafrun");
+  // the group with its topology, run and log in dir/, rollout1 on `port` (each run gets one of its
+  // own: a port freed between runs could go to another test process's free_port()); a long
+  // --grace: the nodes stop by themselves (a step, a checkpoint), not by its SIGKILL
+  auto cafrun_in = [&](const fs::path& dir, int port) {
+    fs::create_directories(dir);
+    return kBin + "/caf-run --grace 30 --hostfile " + (dir / "hosts").string() + " --topology " +
+           two_process_topology(dir, port) + " -- " + kBin + "/fp8rl train --run-dir " + (dir / "run").string() +
+           " --run.steps=100000 --run.eval_every=0 --run.checkpoint_every=0 --model.sft_steps=20";
+  };
   const int port = free_port();
-  const std::string topo = two_process_topology(d, port);
-  // a long --grace: the nodes stop by themselves (a step, a checkpoint), not by its SIGKILL
-  const std::string cafrun = kBin + "/caf-run --grace 30 --hostfile " + (d / "hosts").string() + " --topology " + topo +
-                             " -- " + kBin + "/fp8rl train --run-dir " + (d / "run").string() +
-                             " --run.steps=100000 --run.eval_every=0 --run.checkpoint_every=0 --model.sft_steps=20";
+  const std::string cafrun = cafrun_in(d, port), topo = (d / "two-process.conf").string();
   const pid_t pid = start_until_two_steps(cafrun, d);
   ASSERT_GT(pid, 0) << "the run did not start";
   ::kill(pid, SIGTERM);
@@ -207,12 +212,7 @@ TEST(E2E, CafRunStopsItsGroup) {
   EXPECT_EQ(text_of(d / "run" / "checkpoints" / "latest"), "step_" + std::to_string(metrics(d / "run").size()) + "\n") << text;
   // the whole group signalled at once (systemd, scancel): caf-run and every node get SIGTERM; a node's
   // own is a stop request, caf-run adds no second one (it killed every node at once, unsaved)
-  auto start_in = [&](const fs::path& sub) {  // the same group with its run and log in sub/
-    fs::create_directories(sub);
-    return start_until_two_steps(cafrun.substr(0, cafrun.find(" --run-dir ")) + " --run-dir " + (sub / "run").string() +
-                                     cafrun.substr(cafrun.find(" --run.steps")),
-                                 sub);
-  };
+  auto start_in = [&](const fs::path& sub) { return start_until_two_steps(cafrun_in(sub, free_port()), sub); };
   const fs::path g = d / "group";
   const pid_t group = start_in(g);
   ASSERT_GT(group, 0) << "the second run did not start";
@@ -242,23 +242,23 @@ TEST(E2E, CafRunStopsItsGroup) {
   for (const pid_t node : node_pids(text))
     EXPECT_FALSE(fs::exists("/proc/" + std::to_string(node))) << "node pid " << node << " outlived caf-run";
   EXPECT_EQ(node_pids(text).size(), 2u) << text;  // caf-run's start lines name each node's pid
-  // the rollout node cannot open its port: the group stops, naming it
-  int busy = ::socket(AF_INET, SOCK_STREAM, 0), one = 1;
-  ::setsockopt(busy, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);  // past the first run's TIME_WAIT
+  // the rollout node cannot open its port (held here from the start: bound to port 0, then read)
+  const int busy = ::socket(AF_INET, SOCK_STREAM, 0);
   sockaddr_in a{};
   a.sin_family = AF_INET;
-  a.sin_port = htons(static_cast<uint16_t>(port));
   a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t len = sizeof a;
   ASSERT_EQ(::bind(busy, reinterpret_cast<sockaddr*>(&a), sizeof a), 0);
   ASSERT_EQ(::listen(busy, 1), 0);
-  fs::remove_all(d / "run");
+  ASSERT_EQ(::getsockname(busy, reinterpret_cast<sockaddr*>(&a), &len), 0);
+  const int held = ntohs(a.sin_port);
   // bounded: a caf-run that let the controller run on would otherwise train its 100000 steps (the
   // test hung); timeout's SIGTERM makes it stop the group, exit 143, and the check below fail
-  const auto r = fp8rl::test::run_command("timeout 120 " + cafrun);
+  const auto r = fp8rl::test::run_command("timeout 120 " + cafrun_in(d / "busy", held));
   ::close(busy);
   EXPECT_EQ(r.rc, 1);
   EXPECT_NE(r.out.find("node rollout1 failed (exit 1); the group was stopped"), std::string::npos) << r.out;
-  EXPECT_NE(r.out.find("cannot open port " + std::to_string(port) + " on 127.0.0.1: "), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("cannot open port " + std::to_string(held) + " on 127.0.0.1: "), std::string::npos) << r.out;
   EXPECT_NE(r.out.find("-- the port is in use (another run or program listens there)"), std::string::npos) << r.out;
   // a node without a host entry after one with it: refused before any node starts (the earlier
   // node was started and left running); a slots value that is not all a number is refused
