@@ -423,17 +423,16 @@ TEST(E2E, ALostNodeIsNamedWithItsActors) {
 TEST(E2E, NodeSaysWhenItsControllerDisappears) {
   const fs::path d = fresh_dir("lostctl");
   const std::string topo = two_process_topology(d, free_port());
-  const std::string node = kBin + "/fp8rl train --topology " + topo + " --node rollout1";
-  std::thread main_node([&] {  // the controller, killed -9 once the run is under way
-    std::system((kBin + "/fp8rl train --topology " + topo + " --node main --run-dir " + (d / "run").string() +
-                 " --run.steps=100000 --run.eval_every=0 --run.checkpoint_every=0 --model.sft_steps=20 > /dev/null 2>&1 &")
-                    .c_str());
-    for (int i = 0; i < 600 && metrics_rows_so_far(d / "run") < 2; ++i)
-      std::this_thread::sleep_for(std::chrono::milliseconds(100));
-    std::system(("pkill -9 -f -- '" + topo + " --node [m]ain'").c_str());  // [m]: not pkill's own shell
-  });
-  const auto r = fp8rl::test::run_command(node);
-  main_node.join();
+  fp8rl::test::command_result r;
+  std::thread node([&] { r = fp8rl::test::run_command(kBin + "/fp8rl train --topology " + topo + " --node rollout1"); });
+  // the controller, killed -9 once the run is under way (2 steps)
+  const pid_t main = start_until_two_steps(kBin + "/fp8rl train --topology " + topo + " --node main --run-dir " +
+                                               (d / "run").string() +
+                                               " --run.steps=100000 --run.eval_every=0 --run.checkpoint_every=0 --model.sft_steps=20",
+                                           d);
+  if (main > 0) ::kill(main, SIGKILL), ::waitpid(main, nullptr, 0);
+  node.join();
+  ASSERT_GT(main, 0) << "the run did not reach 2 steps: " << text_of(d / "log");
   EXPECT_EQ(r.rc, 1) << r.out;
   EXPECT_NE(r.out.find("fp8rl node rollout1: lost the controller ("), std::string::npos) << r.out;
   fs::remove_all(d);
