@@ -40,6 +40,7 @@ struct actor_env {
   std::string run_id;                   // unique per launch (rendezvous keys, e.g. Gloo)
   models::model_config model;
   std::shared_ptr<const models::tokenizer> tok;
+  models::tokenizer_file tok_file;  // its file, which every checkpoint of the run carries
   std::vector<int32_t> stops;  // what ends a response: models::stop_ids(model, *tok)
 
   // The first training prompt of `step` (>= start_version): a resumed run continues the prompt

@@ -161,9 +161,7 @@ void checkpoint(learner_state& s) {
   s.ck.state_json = j.dump();
   models::checkpoint_save(dir.string(), s.ck, [&](const std::string& tmp) {  // they arrive with the checkpoint
     calibration_batch_save(tmp, s.calib);
-    for (const char* f : {"fp8rl-char-tokenizer.json", "tokenizer.json"})
-      if (fs::exists(fs::path(s.env->init_dir) / f))
-        fs::copy_file(fs::path(s.env->init_dir) / f, fs::path(tmp) / f, fs::copy_options::overwrite_existing);
+    models::tokenizer_file_write(s.env->tok_file, tmp);
   });
   // latest is replaced atomically: rewritten in place, a crash or a full disk left it empty or
   // cut, and --resume failed although every checkpoint was intact

@@ -34,10 +34,14 @@ nlohmann::json json_parse_strict(std::string_view text, const std::string& where
 }
 
 void write_close_checked(std::ofstream& f, const std::string& path, const std::string& kept) {
+  // a write that failed before the close set errno then: kept where it is a write's error (a later
+  // call may have changed it; these codes come from writes), else the close's own
+  const int earlier = !f ? errno : 0;
   errno = 0;
   f.close();
   if (f) return;
-  const int err = errno;
+  int err = errno;
+  if (!err && (earlier == ENOSPC || earlier == EFBIG || earlier == EDQUOT || earlier == EIO)) err = earlier;
   throw std::runtime_error(path + ": write failed" + (err ? std::string(": ") + std::strerror(err) : std::string()) +
                            (kept.empty() ? std::string() : " (" + kept + ")"));
 }
@@ -51,15 +55,17 @@ std::string open_failure(const std::string& path) {
   return path + ": cannot open (" + std::strerror(err) + ")";
 }
 
-nlohmann::json json_file_read(const std::string& path) {
+std::string file_text_read(const std::string& path) {
   if (!std::filesystem::is_regular_file(path))
     throw std::invalid_argument(path + (std::filesystem::exists(path) ? ": not a file" : ": missing"));
   std::ifstream f(path, std::ios::binary);
   if (!f) throw std::invalid_argument(open_failure(path));
-  const std::string text((std::istreambuf_iterator<char>(f)), {});
+  std::string text((std::istreambuf_iterator<char>(f)), {});
   if (f.bad()) throw std::invalid_argument(path + ": cannot read");
-  return json_parse_strict(text, path);
+  return text;
 }
+
+nlohmann::json json_file_read(const std::string& path) { return json_parse_strict(file_text_read(path), path); }
 
 void jsonl_errors::add(const std::string& message) {
   if (++count_ <= 20) text_ += "\n  " + message;

@@ -2,7 +2,7 @@
 // naming it (nlohmann keeps the last one silently: a duplicated rope_theta changed the model, a
 // second safetensors entry replaced a tensor), and a directory or unreadable file is named; and a
 // file written, checked at its close.
-// defines: json_parse_strict, json_file_read, jsonl_errors, open_failure, write_close_checked
+// defines: json_parse_strict, json_file_read, file_text_read, jsonl_errors, open_failure, write_close_checked
 #pragma once
 #include <nlohmann/json.hpp>
 #include <cstdint>
@@ -17,6 +17,8 @@ namespace fp8rl::models {
 nlohmann::json json_parse_strict(std::string_view text, const std::string& where);
 // Reads and parses the file at path (errors name it: "not a file", "cannot open", as above).
 nlohmann::json json_file_read(const std::string& path);
+// The bytes of the regular file at path (errors as json_file_read's).
+std::string file_text_read(const std::string& path);
 
 // Why the file at path could not be opened for reading: "PATH: no such file", "PATH: is a
 // directory, not a file", else "PATH: cannot open (<errno's text>)" (call right after the failed

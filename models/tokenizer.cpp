@@ -428,7 +428,7 @@ bool is_char_tokenizer(const json& j) { return j.is_object() && j.value("type", 
 
 // The tokenizer file `path` names: itself, or a directory's fp8rl-char-tokenizer.json, else its
 // tokenizer.json.
-std::string tokenizer_file(const std::string& path) {
+std::string tokenizer_path(const std::string& path) {
   if (!std::filesystem::is_directory(path)) return path;
   const auto chr = std::filesystem::path(path) / kCharFile;
   const std::string file = std::filesystem::exists(chr) ? chr.string() : (std::filesystem::path(path) / "tokenizer.json").string();
@@ -438,14 +438,25 @@ std::string tokenizer_file(const std::string& path) {
 }
 }  // namespace
 
-void tokenizer_copy(const std::string& path, const std::string& dir) {
-  const std::string file = tokenizer_file(path);
-  const char* name = is_char_tokenizer(json_file_read(file)) ? kCharFile : "tokenizer.json";
-  std::filesystem::copy_file(file, std::filesystem::path(dir) / name, std::filesystem::copy_options::overwrite_existing);
+tokenizer_file tokenizer_file_read(const std::string& path) {
+  const std::string file = tokenizer_path(path);
+  tokenizer_file t;
+  t.bytes = file_text_read(file);
+  t.name = is_char_tokenizer(json_parse_strict(t.bytes, file)) ? kCharFile : "tokenizer.json";
+  return t;
 }
 
+void tokenizer_file_write(const tokenizer_file& t, const std::string& dir) {
+  const std::string path = (std::filesystem::path(dir) / t.name).string();
+  std::ofstream f(path, std::ios::binary);
+  f << t.bytes;
+  write_close_checked(f, path);
+}
+
+void tokenizer_copy(const std::string& path, const std::string& dir) { tokenizer_file_write(tokenizer_file_read(path), dir); }
+
 std::unique_ptr<tokenizer> tokenizer_load(const std::string& path) {
-  const std::string file = tokenizer_file(path);
+  const std::string file = tokenizer_path(path);
   const json j = json_file_read(file);
   if (is_char_tokenizer(j)) {
     if (!j.contains("alphabet") || !j["alphabet"].is_string()) throw std::invalid_argument(file + ": 'alphabet' missing");

@@ -1,6 +1,7 @@
 // models/tokenizer.hpp -- tokenizers: a built-in character-level tokenizer for the built-in tasks,
 // and Hugging Face tokenizer.json byte-level BPE (Llama 3, SmolLM, Qwen2 format).
-// defines: tokenizer, char_tokenizer_make, tokenizer_load, char_tokenizer_save, tokenizer_copy, tokenizer_vocab_check
+// defines: tokenizer, char_tokenizer_make, tokenizer_load, char_tokenizer_save, tokenizer_copy,
+//          tokenizer_file, tokenizer_file_read, tokenizer_file_write, tokenizer_vocab_check
 //
 // tokenizer.json support: added (special) tokens matched first; normalizer null or NFC (NFC is
 // the identity on ASCII; non-ASCII text with an NFC normalizer is an error, not silently
@@ -39,6 +40,14 @@ void char_tokenizer_save(const std::string& dir, const std::string& alphabet);
 // given by its file went in as tokenizer.json, a name Hugging Face tools read as theirs), else
 // tokenizer.json.
 void tokenizer_copy(const std::string& path, const std::string& dir);
+// A tokenizer's file as tokenizer_copy names it in a directory, and its bytes: read once at a run's
+// start, written into each checkpoint (copied at each save instead, a start directory's tokenizer
+// deleted during the run left the later checkpoints without one, and the run exited 0).
+struct tokenizer_file {
+  std::string name, bytes;
+};
+tokenizer_file tokenizer_file_read(const std::string& path);
+void tokenizer_file_write(const tokenizer_file& t, const std::string& dir);
 // Throws naming `where` (the tokenizer's file or directory) when its ids reach past the model's
 // vocabulary: a text encoding to one of them indexed no embedding row.
 void tokenizer_vocab_check(const tokenizer& tok, int64_t vocab_size, const std::string& where);

@@ -718,13 +718,13 @@ struct learner_ranks {
   caf::scoped_actor ctl, cal, told;
   msg::buffer_actor buf, relay;
   std::vector<msg::learner_actor> learners;
-  learner_ranks(caf::actor_system& sys, const std::string& name, int32_t world, int64_t every)
+  learner_ranks(caf::actor_system& sys, const std::string& name, int32_t world, int64_t every, const std::string& init = init_dir())
       : run(fs::temp_directory_path() / ("fp8rl_proto_" + name + "_" + std::to_string(::getpid()))), ctl(sys), cal(sys), told(sys) {
     fs::remove_all(run);
     fs::create_directories(run);
     actors::run_config r;
     r.prompts_per_step = 2, r.group_size = 2, r.log_level = "off", r.eval_every = 0, r.checkpoint_every = every;
-    env = actors::env_make(r, "test", run.string(), init_dir(), 0, name);
+    env = actors::env_make(r, "test", run.string(), init, 0, name);
     buf = actors::spawn_buffer(sys, env);
     msg::peers_msg bp;
     bp.controller = caf::actor_cast<msg::controller_actor>(ctl);
@@ -795,6 +795,25 @@ TEST(Protocol, TwoLearnerRanksStopWithOneCheckpointTheScheduledOne) {
   std::set<std::string> names;
   for (const auto& e : fs::directory_iterator(t.run / "checkpoints")) names.insert(e.path().filename().string());
   EXPECT_EQ(names, (std::set<std::string>{"latest", "step_1"}));
+}
+
+// Every checkpoint carries the run's tokenizer, read at the start: the start directory's file
+// deleted during the run (a disk cleaned up) left the later checkpoints without one (each save
+// copied it, skipped when missing), and the run unusable for eval or --resume, exiting 0.
+TEST(Protocol, CheckpointsCarryTheTokenizerReadAtTheStart) {
+  test_config cfg;
+  caf::actor_system sys{cfg};
+  const fs::path init = fs::temp_directory_path() / ("fp8rl_proto_tok_init_" + std::to_string(::getpid()));
+  fs::remove_all(init);
+  fs::copy(init_dir(), init, fs::copy_options::recursive);
+  {
+    learner_ranks t(sys, "tok", 1, 1, init.string());
+    ASSERT_TRUE(fs::remove(init / "fp8rl-char-tokenizer.json"));
+    t.one_step();
+    const auto tok = models::tokenizer_load((t.run / "checkpoints" / "step_1").string());
+    EXPECT_EQ(tok->encode("12+3=", false), t.env->tok->encode("12+3=", false));
+  }
+  fs::remove_all(init);
 }
 
 // A checkpoint at the stop that cannot be recorded (checkpoints/latest.tmp is in the way: as a

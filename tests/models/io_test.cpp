@@ -249,6 +249,19 @@ TEST(Json, DuplicateKeysAndDirectoriesAreRefusedByName) {
   fs::remove_all(d);
 }
 
+// A failed write names its file and why: failing at the close's final flush (a small write to a
+// full disk, /dev/full) or before it (a write larger than the stream's buffer goes through at once,
+// and its error was gone by the close).
+TEST(Json, AFailedWriteNamesTheFileAndWhy) {
+  if (!fs::exists("/dev/full")) GTEST_SKIP() << "no /dev/full here";
+  for (const size_t n : {size_t{10}, size_t{1} << 20}) {
+    std::ofstream f("/dev/full");
+    f << std::string(n, 'x');
+    EXPECT_EQ(error_of([&] { write_close_checked(f, "/dev/full", "the previous one is kept"); }),
+              "/dev/full: write failed: No space left on device (the previous one is kept)") << n << " bytes";
+  }
+}
+
 TEST(Safetensors, RoundTripF32AndBf16) {
   fs::path d = tmpdir("rt");
   model_config c = model_config_parse(kGoodConfig, "c");
