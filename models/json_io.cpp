@@ -2,6 +2,7 @@
 #include "models/json_io.hpp"
 
 #include <cerrno>
+#include <cstdio>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -44,6 +45,14 @@ void write_close_checked(std::ofstream& f, const std::string& path, const std::s
   if (!err && (earlier == ENOSPC || earlier == EFBIG || earlier == EDQUOT || earlier == EIO)) err = earlier;
   throw std::runtime_error(path + ": write failed" + (err ? std::string(": ") + std::strerror(err) : std::string()) +
                            (kept.empty() ? std::string() : " (" + kept + ")"));
+}
+
+int stdout_checked(const std::string& who, int rc) {
+  errno = 0;
+  if (std::fflush(stdout) == 0 && !std::ferror(stdout)) return rc;
+  const int err = errno;
+  std::fprintf(stderr, "%s: error: writing standard output failed%s%s\n", who.c_str(), err ? ": " : "", err ? std::strerror(err) : "");
+  return rc == 0 ? 1 : rc;
 }
 
 std::string open_failure(const std::string& path) {

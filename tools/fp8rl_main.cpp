@@ -4,7 +4,8 @@
 //   fp8rl generate ...   sampling with the rollout engine (tools/cli/cmd_generate.cpp)
 //   fp8rl sft | eval ... warm start / validation accuracy (tools/cli/cmd_sft.cpp)
 // `fp8rl CMD --help` prints a command's options. Errors go to stderr as "fp8rl CMD: <what>"
-// with exit code 2 (bad input) or "fp8rl CMD: error: <what>" with exit code 1 (failure).
+// with exit code 2 (bad input) or "fp8rl CMD: error: <what>" with exit code 1 (failure) -- also
+// standard output that could not be written (a full disk: the command's lines were cut, exit 0).
 #include <cstdio>
 #include <cstring>
 #include <stdexcept>
@@ -12,6 +13,7 @@
 
 #include "actors/signals.hpp"
 #include "actors/train.hpp"
+#include "models/json_io.hpp"
 #include "tools/cli/args.hpp"
 #include "tools/cli/commands.hpp"
 
@@ -26,14 +28,8 @@ void usage(std::FILE* to) {
                "  eval      validation accuracy (greedy and sampled pass@1) of a checkpoint\n"
                "fp8rl <command> --help lists a command's options.\n");
 }
-}  // namespace
 
-int main(int argc, char** argv) {
-  if (argc < 2 || !std::strcmp(argv[1], "--help") || !std::strcmp(argv[1], "-h")) {
-    usage(argc < 2 ? stderr : stdout);  // asked for: stdout, as every subcommand's --help
-    return argc < 2 ? 2 : 0;
-  }
-  const std::string cmd = argv[1];
+int run(int argc, char** argv, const std::string& cmd) {
   try {
     // `fp8rl --dump-config [options]` = `fp8rl train --dump-config [options]`: every option counts
     if (cmd == "--dump-config") return fp8rl::actors::train_main(argc, argv);
@@ -57,4 +53,13 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "fp8rl %s: error: %s\n", cmd.c_str(), e.what());
     return 1;
   }
+}
+}  // namespace
+
+int main(int argc, char** argv) {
+  if (argc < 2 || !std::strcmp(argv[1], "--help") || !std::strcmp(argv[1], "-h")) {
+    usage(argc < 2 ? stderr : stdout);  // asked for: stdout, as every subcommand's --help
+    return fp8rl::models::stdout_checked(argc < 2 ? "fp8rl" : "fp8rl --help", argc < 2 ? 2 : 0);
+  }
+  return fp8rl::models::stdout_checked("fp8rl " + std::string(argv[1]), run(argc, argv, argv[1]));
 }

@@ -190,9 +190,9 @@ TEST(E2E, CafRunStopsItsGroup) {
   // the group with its topology, run and log in dir/, rollout1 on `port` (each run gets one of its
   // own: a port freed between runs could go to another test process's free_port()); a long
   // --grace: the nodes stop by themselves (a step, a checkpoint), not by its SIGKILL
-  auto cafrun_in = [&](const fs::path& dir, int port) {
+  auto cafrun_in = [&](const fs::path& dir, int port, int grace = 30) {
     fs::create_directories(dir);
-    return kBin + "/caf-run --grace 30 --hostfile " + (dir / "hosts").string() + " --topology " +
+    return kBin + "/caf-run --grace " + std::to_string(grace) + " --hostfile " + (dir / "hosts").string() + " --topology " +
            two_process_topology(dir, port) + " -- " + kBin + "/fp8rl train --run-dir " + (dir / "run").string() +
            " --run.steps=100000 --run.eval_every=0 --run.checkpoint_every=0 --model.sft_steps=20";
   };
@@ -260,6 +260,14 @@ TEST(E2E, CafRunStopsItsGroup) {
   EXPECT_NE(r.out.find("node rollout1 failed (exit 1); the group was stopped"), std::string::npos) << r.out;
   EXPECT_NE(r.out.find("cannot open port " + std::to_string(held) + " on 127.0.0.1: "), std::string::npos) << r.out;
   EXPECT_NE(r.out.find("-- the port is in use (another run or program listens there)"), std::string::npos) << r.out;
+  // its standard output cannot be written (a full disk): a stop request, said on stderr (the nodes'
+  // lines were lost in silence and the run went on to its end, exit 0); stopped in its start, the
+  // rollout node waits for a controller until caf-run's --grace is over
+  const auto full = fp8rl::test::run_command("(timeout 120 " + cafrun_in(d / "full", free_port(), 2) + " > /dev/full)");
+  EXPECT_EQ(full.rc, 143) << full.out;  // the controller's, stopped as by a signal
+  EXPECT_NE(full.out.find("caf-run: writing standard output failed: No space left on device; stopping the run as on a signal"),
+            std::string::npos) << full.out;
+  EXPECT_NE(full.out.find("caf-run: stopped by its failed output; every node was stopped"), std::string::npos) << full.out;
   // a node without a host entry after one with it: refused before any node starts (the earlier
   // node was started and left running); a slots value that is not all a number is refused
   const fs::path three = d / "three.conf";

@@ -73,6 +73,20 @@ TEST_F(Cli, GoodInputGivesOneLinePerItem) {
   EXPECT_EQ(counts, (std::vector<size_t>{2, 3, 63})) << r.out;
 }
 
+// Output that does not get out (standard output on a full disk) fails the command, saying so: the
+// lines are its result (score and generate exited 0 with their lines cut); a benchmark's too.
+TEST_F(Cli, AFullStandardOutputFailsTheCommand) {
+  for (const std::string& cmd : {"score --input " + prompts.string() + m(), "generate --max-tokens 3 --prompts " + prompts.string() + m(),
+                                std::string("--dump-config")}) {
+    const result r = fp8rl::test::run_command("(" + kBin + "/fp8rl " + cmd + " > /dev/full)");
+    EXPECT_EQ(r.rc, 1) << cmd << "\n" << r.out;
+    EXPECT_NE(r.out.find(": error: writing standard output failed: No space left on device"), std::string::npos) << cmd << "\n" << r.out;
+  }
+  const result b = fp8rl::test::run_command("(" + kBin + "/bench-quant --quick --json > /dev/full)");
+  EXPECT_EQ(b.rc, 1) << b.out;
+  EXPECT_NE(b.out.find("bench: writing standard output failed: No space left on device"), std::string::npos) << b.out;
+}
+
 TEST_F(Cli, OptionsOutOfRangeOrRepeatedAreRefusedByName) {
   const std::string gen = "generate --prompts " + prompts.string() + m();
   refused(gen + " --threads 10000000", "--threads");  // was a segfault

@@ -15,6 +15,11 @@ using json = nlohmann::json;
 namespace {
 const std::string kBin = FP8RL_BIN_DIR;
 
+std::string text_of(const fs::path& f) {
+  std::ifstream in(f);
+  return std::string((std::istreambuf_iterator<char>(in)), {});
+}
+
 std::string line(const std::string& node, const std::string& actor, const char* kind, const char* name, int64_t ts,
                  uint64_t lamport, uint64_t msg) {
   return json{{"node", node}, {"actor", actor}, {"kind", kind}, {"name", name}, {"ts", ts}, {"dur", 0},
@@ -104,16 +109,32 @@ TEST(Trace, VectorClocksFollowTheMessages) {
   const auto c = fp8rl::test::run_command(kBin + "/fp8rl-trace shiviz " + run.string());
   EXPECT_NE(c.out.find("C.jsonl:1: recv event without msg/lamport; skipped"), std::string::npos) << c.out;
   EXPECT_NE(fp8rl::test::run_command(kBin + "/fp8rl-trace shiviz " + (run / "nope").string()).rc, 0);
-  // an output that cannot be written fails by name (it printed "wrote" and exited 0)
+  // an output that cannot be written fails by name, exit 1 (it printed "wrote" and exited 0): a
+  // directory in its place, a full disk (ulimit -f 0) -- where an earlier output stays as it was
+  // (written in place, it was left empty) -- and a full standard output
   for (const char* cmd : {"merge", "shiviz"}) {
     const fs::path out = run / (std::string(cmd) == "merge" ? "trace.json" : "trace.shiviz.log");
     fs::remove_all(out);
     fs::create_directories(out / "a-directory");
     const auto w = fp8rl::test::run_command(kBin + "/fp8rl-trace " + cmd + " " + run.string());
-    EXPECT_EQ(w.rc, 2) << w.out;
-    EXPECT_NE(w.out.find(out.string() + ": cannot write"), std::string::npos) << w.out;
+    EXPECT_EQ(w.rc, 1) << w.out;
+    EXPECT_NE(w.out.find("fp8rl-trace: error: "), std::string::npos) << w.out;
+    EXPECT_NE(w.out.find(out.string()), std::string::npos) << w.out;
     fs::remove_all(out);
+    ASSERT_EQ(fp8rl::test::run_command(kBin + "/fp8rl-trace " + cmd + " " + run.string()).rc, 0);
+    const std::string earlier = text_of(out);
+    // (its output through a pipe: the file-size limit holds for every file it writes, a log too)
+    const auto full = fp8rl::test::run_command("(trap '' XFSZ; ulimit -f 0; " + kBin + "/fp8rl-trace " + cmd + " " + run.string() +
+                                               "; echo rc=$?) 2>&1 | cat");
+    EXPECT_NE(full.out.find("rc=1\n"), std::string::npos) << full.out;
+    EXPECT_NE(full.out.find("fp8rl-trace: error: " + out.string() + ".tmp: write failed: File too large (" + out.string() +
+                            " left as it was)"), std::string::npos) << full.out;
+    EXPECT_EQ(text_of(out), earlier);
   }
+  const auto cut = fp8rl::test::run_command("(" + kBin + "/fp8rl-trace summary " + run.string() + " > /dev/full)");
+  EXPECT_EQ(cut.rc, 1) << cut.out;
+  EXPECT_NE(cut.out.find("fp8rl-trace summary: error: writing standard output failed: No space left on device"), std::string::npos)
+      << cut.out;
   // a line missing ts, of a wrong type, of an unknown kind, or not an object is named by file and
   // line (defaulted, a missing ts rebased the timeline to 0; a wrong type gave the JSON library's
   // words only); a metrics line with a bin that is not a number names its key

@@ -4,6 +4,7 @@
 #include <tbb/task_arena.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <chrono>
 #include <cstdio>
 #include <cstdint>
@@ -166,7 +167,11 @@ inline void bench_emit(const bench_args& a, const json_fields& f) {
     }
     std::printf("\n");
   }
-  std::fflush(stdout);
+  errno = 0;
+  if (std::fflush(stdout) != 0 || std::ferror(stdout)) {  // the results are the program's output: lost, it fails
+    std::fprintf(stderr, "bench: writing standard output failed%s%s\n", errno ? ": " : "", errno ? std::strerror(errno) : "");
+    std::exit(1);
+  }
 }
 
 inline std::string jstr(const std::string& s) { return "\"" + s + "\""; }

@@ -162,6 +162,22 @@ void on_signal(int sig, siginfo_t* info, void*) {
   g_signals = g_signals + 1;
 }
 
+// Standard output that cannot be written (a full disk; a closed pipe: SIGPIPE is ignored here) is
+// a stop request, as fp8rl train takes SIGPIPE, said once on stderr: every node's lines were lost
+// in silence and the run went on to its end, exit 0.
+bool g_output_failed = false;
+void output_checked() {
+  errno = 0;
+  if (g_output_failed || (std::fflush(stdout) == 0 && !std::ferror(stdout))) return;
+  g_output_failed = true;
+  const int err = errno;
+  std::fprintf(stderr, "caf-run: writing standard output failed%s%s; stopping the run as on a signal\n", err ? ": " : "",
+               err ? std::strerror(err) : "");
+  if (g_signal) return;
+  g_signal = SIGPIPE;
+  g_signals = g_signals + 1;
+}
+
 void relay(child& c, bool flush_all) {
   char buf[4096];
   for (;;) {
@@ -178,7 +194,7 @@ void relay(child& c, bool flush_all) {
     c.partial.erase(0, p + 1);
   }
   if (flush_all && !c.partial.empty()) { std::printf("[%s] %s\n", c.name.c_str(), c.partial.c_str()); c.partial.clear(); }
-  std::fflush(stdout);
+  output_checked();
 }
 
 // 128 + SIGHUP/SIGINT/SIGTERM/SIGPIPE: how fp8rl train exits after a stop on a signal (checkpointed)
@@ -452,7 +468,7 @@ int group_supervise(std::vector<child>& kids, const std::string& controller_name
     }
   }
   if (signalled)
-    std::fprintf(stderr, "caf-run: stopped by a signal; every node was stopped%s\n",
+    std::fprintf(stderr, "caf-run: stopped by %s; every node was stopped%s\n", g_output_failed ? "its failed output" : "a signal",
                  first_failure && failed != "caf-run" ? (" (node " + failed + " exited with " + std::to_string(first_failure) + ")").c_str() : "");
   else if (first_failure && failed == controller_name && stopped_on_signal(first_failure))  // a node's signal, passed on
     std::fprintf(stderr, "caf-run: the controller node %s stopped the run on a signal (exit %d); the group was stopped\n",

@@ -16,10 +16,13 @@
 #include <map>
 #include <nlohmann/json.hpp>
 #include <set>
+#include <sstream>
 #include <stdexcept>
 #include <string>
 #include <vector>
 
+#include "models/checkpoint.hpp"
+#include "models/json_io.hpp"
 #include "models/rl/staleness_hist.hpp"
 
 namespace fs = std::filesystem;
@@ -214,6 +217,12 @@ std::map<size_t, std::map<std::string, uint64_t>> vector_clocks(const std::vecto
   return at;
 }
 
+// An output file, replaced whole through p.tmp (written in place, a full disk left an earlier good
+// one empty); a failed write throws std::runtime_error naming it and why (exit 1).
+void output_write(const fs::path& p, const std::string& text) {
+  fp8rl::models::file_replace_durably(p.string(), text, p.string() + " left as it was");
+}
+
 int shiviz(const fs::path& run) {
   const auto ev = load_events(run);
   const auto mp = match_messages(ev);
@@ -222,7 +231,7 @@ int shiviz(const fs::path& run) {
   for (const auto& [i, c] : vc) order.push_back(i);
   std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) { return ev[a].lamport < ev[b].lamport; });
   const fs::path p = run / "trace.shiviz.log";
-  std::ofstream out(p);
+  std::ostringstream out;
   out << "(?<host>\\S+) (?<clock>\\{.*?\\}) (?<event>.*)\n\n";  // ShiViz: the parser regex, a blank line, events
   for (size_t i : order) {
     const event& e = ev[i];
@@ -231,8 +240,7 @@ int shiviz(const fs::path& run) {
     if (e.sv >= 0) out << " s" << e.sv;
     out << " msg=" << e.msg << " ts=" << e.ts << '\n';
   }
-  out.close();
-  if (!out) throw std::runtime_error(p.string() + ": cannot write");
+  output_write(p, out.str());
   std::printf("wrote %s (%zu events, %zu messages matched, %zu receives without their send)\n", p.c_str(), order.size(),
               mp.pairs.size(), mp.unmatched_recv);
   return 0;
@@ -272,10 +280,7 @@ int merge(const fs::path& run) {
                    {"pid", pid[r.node]}, {"tid", tid[r.node + "/" + r.actor]}});
   }
   const fs::path p = run / "trace.json";
-  std::ofstream f(p);
-  f << json{{"traceEvents", out}, {"displayTimeUnit", "ms"}}.dump();
-  f.close();
-  if (!f) throw std::runtime_error(p.string() + ": cannot write");  // it said "wrote" and exited 0
+  output_write(p, json{{"traceEvents", out}, {"displayTimeUnit", "ms"}}.dump());
   std::printf("wrote %s (%zu events, %zu nodes, %zu actors, %zu messages)\n", p.c_str(), ev.size(), pid.size(), tid.size(),
               mp.pairs.size());
   return 0;
@@ -428,11 +433,15 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "fp8rl-trace: %s\n%s", wrong.c_str(), usage);
     return 2;
   }
+  int rc = 0;
   try {
-    if (cmd == "shiviz") return shiviz(argv[2]);
-    return cmd == "merge" ? merge(argv[2]) : summary(argv[2]);
-  } catch (const std::exception& e) {
+    rc = cmd == "shiviz" ? shiviz(argv[2]) : cmd == "merge" ? merge(argv[2]) : summary(argv[2]);
+  } catch (const std::invalid_argument& e) {  // bad input
     std::fprintf(stderr, "fp8rl-trace: %s\n", e.what());
     return 2;
+  } catch (const std::exception& e) {  // an output that could not be written
+    std::fprintf(stderr, "fp8rl-trace: error: %s\n", e.what());
+    return 1;
   }
+  return fp8rl::models::stdout_checked("fp8rl-trace " + cmd, rc);
 }
