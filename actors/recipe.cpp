@@ -399,9 +399,15 @@ void recipe_validate(const run_config& r) {
   at_most("rollout.prompts_per_step", r.prompts_per_step, int64_t{1} << 20);
   at_most("rollout.slots", r.slots, int64_t{1} << 16);
   at_most("model.max_context", r.max_context, int64_t{1} << 20);
+  at_most("rollout.group_size", r.group_size, int64_t{1} << 16);  // (work carries it as int32: 2^32 + 2 became 2)
+  at_most("model.sft_batch", r.sft_batch, int64_t{1} << 16);
+  at_most("audit.samples", r.audit_samples, int64_t{1} << 16);
   positive("rollout.prompts_per_step", r.prompts_per_step);
   positive("rollout.group_size", r.group_size);
-  if (r.group_size > INT32_MAX) fail("rollout.group_size", "is too large (work carries it as int32: 2^32 + 2 became 2)");
+  if (r.prompts_per_step * r.group_size > (int64_t{1} << 22))  // (both bounded above: no overflow)
+    fail("rollout.group_size", std::to_string(r.prompts_per_step) + " prompts x " + std::to_string(r.group_size) +
+                                   " = " + std::to_string(r.prompts_per_step * r.group_size) + " samples a step is beyond " +
+                                   std::to_string(int64_t{1} << 22));
   positive("rollout.max_new_tokens", r.max_new_tokens);
   if (r.max_new_tokens > INT32_MAX) fail("rollout.max_new_tokens", "is too large (2^32 + 1 became 1)");
   positive("rollout.slots", r.slots);

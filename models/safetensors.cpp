@@ -6,6 +6,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <new>
 #include <tuple>
 #include <nlohmann/json.hpp>
 
@@ -37,7 +38,12 @@ std::vector<uint8_t> read_file(const std::string& path) {
   const std::streamoff n = f.tellg();
   if (n < 0) throw st_error(path + ": cannot read size");
   f.seekg(0);
-  std::vector<uint8_t> b(static_cast<size_t>(n));
+  std::vector<uint8_t> b;
+  try {  // (a bare std::bad_alloc named nothing)
+    b.resize(static_cast<size_t>(n));
+  } catch (const std::bad_alloc&) {
+    throw st_error(path + ": its " + std::to_string(n) + " bytes do not fit in memory");
+  }
   if (n && !f.read(reinterpret_cast<char*>(b.data()), n)) throw st_error(path + ": read failed");
   return b;
 }
@@ -103,7 +109,12 @@ st_tensors safetensors_parse(const std::vector<uint8_t>& bytes, const std::strin
       fail(source, where + "holds " + std::to_string(e - b) + " bytes, shape and dtype need " +
                        std::to_string(numel * esize));
     ranges.emplace_back(b, e, name);
-    st.data.resize(numel);
+    try {
+      st.data.resize(numel);
+    } catch (const std::bad_alloc&) {
+      fail(source, where + "its " + std::to_string(numel) + " values as FP32 (" + std::to_string(4 * numel) +
+                       " bytes) do not fit in memory");
+    }
     const uint8_t* p = data + b;
     for (uint64_t i = 0; i < numel; ++i) {
       if (esize == 4) {

@@ -123,7 +123,9 @@ TEST(Recipe, MalformedFilesAndOutOfRangeValuesNameTheirKey) {
            {"--grpo.is_hi=nan", "grpo.is_hi", "must be a finite number"},
            {"--rollout.max_new_tokens=4294967297", "rollout.max_new_tokens", "is too large (2^32 + 1 became 1)"},
            {"--task.val_size=0", "task.val_size", "must be > 0 (the run ends with a validation)"},
-           {"--rollout.group_size=4294967298", "rollout.group_size", "is too large (work carries it as int32: 2^32 +"},
+           {"--rollout.group_size=4294967298", "rollout.group_size", "4294967298 is beyond 65536"},
+           {"--model.sft_batch=1000000000", "model.sft_batch", "1000000000 is beyond 65536"},
+           {"--audit.samples=100000", "audit.samples", "100000 is beyond 65536"},
            {"--precision.bf16_first=-1", "precision.bf16_first", "must be >= 0"},
            {"--precision.bf16_last=-2", "precision.bf16_last", "must be >= 0"},
            // sizes allocated up front grew memory to bad_alloc, naming no key; an empty init read
@@ -173,6 +175,13 @@ TEST(Recipe, MalformedFilesAndOutOfRangeValuesNameTheirKey) {
     const std::string e = error_of([&] { recipe_validate(x); });
     EXPECT_EQ(e.rfind("recipe key '" + key + "'", 0), 0u) << arg << ": " << e;
     EXPECT_NE(e.find(": " + rule), std::string::npos) << arg << ": " << e;
+  }
+  {  // samples a step, each bound kept: allocated until bad_alloc, which named no key
+    run_config x;
+    recipe_apply_cli(x, "--rollout.prompts_per_step=1048576");
+    recipe_apply_cli(x, "--rollout.group_size=5");
+    EXPECT_EQ(error_of([&] { recipe_validate(x); }), "recipe key 'rollout.group_size' (--rollout.group_size=5): 1048576 prompts x 5 = "
+                                                     "5242880 samples a step is beyond 4194304");
   }
   {  // an IS mode needs an upper bound > 0 (tis clamped every weight to 0)
     run_config x;

@@ -11,6 +11,9 @@
 #include <nlohmann/json.hpp>
 #include <random>
 
+#include <sys/resource.h>
+#include <unistd.h>
+
 #include "models/checkpoint.hpp"
 #include "models/json_io.hpp"
 #include "models/params.hpp"
@@ -439,6 +442,38 @@ TEST(Safetensors, MissingAndMisshapenTensorsAreNamed) {
   EXPECT_EQ(error_of([&] { model_params_from_tensors(tied, t2, "ckpt"); }), "");
   t2["lm_head.weight"].data[3] += 1.0f;
   EXPECT_NE(error_of([&] { model_params_from_tensors(tied, t2, "ckpt"); }).find("lm_head.weight"), std::string::npos);
+}
+
+// A file, or a tensor's FP32 values, past the memory a process may take is an error naming the
+// file (and the tensor), not a bare std::bad_alloc. In a child whose address space is capped
+// (RLIMIT_AS) 48 MiB above what it uses: the file (32 MiB of BF16) fits, its values (64 MiB) do not;
+// then the file itself does not (under a cap 16 MiB above).
+TEST(Safetensors, WhatDoesNotFitInMemoryIsNamed) {
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  const fs::path d = tmpdir("memory");
+  const std::string f = (d / "big.safetensors").string();
+  st_tensors t;
+  t["big.weight"] = {{4096, 4096}, std::vector<float>(size_t{4096} * 4096, 1.0f)};
+  safetensors_write(f, t, st_dtype::bf16);
+  t.clear();
+  auto read_capped = [&](size_t above) {
+    size_t pages = 0;
+    std::ifstream("/proc/self/statm") >> pages;  // the address space in use, in pages
+    const rlim_t cap = pages * static_cast<size_t>(::sysconf(_SC_PAGESIZE)) + above;
+    const rlimit lim{cap, cap};
+    if (::setrlimit(RLIMIT_AS, &lim) != 0) std::_Exit(2);
+    try {
+      safetensors_read(f);
+    } catch (const std::exception& e) {
+      std::fprintf(stderr, "%s\n", e.what());
+      std::_Exit(3);
+    }
+    std::_Exit(0);
+  };
+  EXPECT_EXIT(read_capped(size_t{48} << 20), ::testing::ExitedWithCode(3),
+              "big.safetensors: tensor 'big.weight': its 16777216 values as FP32 \\(67108864 bytes\\) do not fit in memory");
+  EXPECT_EXIT(read_capped(size_t{16} << 20), ::testing::ExitedWithCode(3), "big.safetensors: its 33554[0-9]+ bytes do not fit in memory");
+  fs::remove_all(d);
 }
 
 TEST(Safetensors, CorruptFilesAreErrors) {
