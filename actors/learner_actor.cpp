@@ -42,6 +42,7 @@ struct learner_state {
   models::checkpoint ck;
   uint64_t version = 0, end_version = 0;
   uint64_t checkpointed = 0;                          // the version of the newest checkpoint (rank 0)
+  bool run_dir_was_there = false;                     // at the start (a node of its own may have none yet)
   std::vector<std::vector<int32_t>> calib;            // the batch that produced `version` (rank 0: its checkpoint's)
   models::dataset train, val;
   std::shared_ptr<gloo::Context> gloo;
@@ -154,6 +155,9 @@ fs::path checkpoint_dir(const learner_state& s) { return fs::path(s.env->run_dir
 // checkpoints/step_<version> with the batch that produced it (s.calib) and the next prompt; `latest` names it.
 void checkpoint(learner_state& s) {
   const fs::path dir = checkpoint_dir(s);
+  if (s.run_dir_was_there && !fs::is_directory(s.env->run_dir))  // (a save recreated it holding checkpoints/ alone, exit 0)
+    throw std::runtime_error(s.env->run_dir + ": the run directory is gone (deleted during the run?); step " +
+                             std::to_string(s.version) + "'s checkpoint is not written");
   nlohmann::json j = {{"weight_version", s.version},
                       {"prompt_cursor", s.env->prompt_cursor(s.version)},
                       {"run", s.env->cfg.name},
@@ -343,6 +347,7 @@ msg::learner_actor spawn_learner(caf::actor_system& sys, std::shared_ptr<const a
     st.ck = models::checkpoint_load(env->init_dir, models::checkpoint_kind::model_ok);  // run_preflight checked which kind
     st.version = env->start_version;
     st.checkpointed = env->start_version;  // a resume starts from its checkpoint; a fresh run has none to redo
+    st.run_dir_was_there = fs::is_directory(env->run_dir);
     if (env->cfg.kl_beta > 0) {
       st.ref = models::checkpoint_load(env->ref_dir, models::checkpoint_kind::model_ok).params;
       st.ref_w = models::model_weights_build(*st.be, st.ref.cfg, env->rl.train_policy.training(), {&st.ref, nullptr, nullptr}, false);

@@ -4,6 +4,7 @@
 #include <fcntl.h>
 #include <signal.h>
 #include <spawn.h>
+#include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -206,7 +207,9 @@ void metrics_writer::open(const std::string& run_dir, bool append) {
   fs::create_directories(run_dir);
   path_ = (fs::path(run_dir) / "metrics.jsonl").string();
   out_.open(path_, append ? std::ios::app : std::ios::trunc);
-  if (!out_) throw std::runtime_error(path_ + ": cannot open for writing");
+  struct ::stat st {};
+  if (!out_ || ::stat(path_.c_str(), &st) != 0) throw std::runtime_error(path_ + ": cannot open for writing");
+  dev_ = st.st_dev, ino_ = st.st_ino;
 }
 
 void metrics_writer::write(uint64_t step, const std::map<std::string, double>& m) {
@@ -216,6 +219,10 @@ void metrics_writer::write(uint64_t step, const std::map<std::string, double>& m
   out_ << j.dump() << '\n';
   out_.flush();
   if (!out_) throw std::runtime_error(path_ + ": writing step " + std::to_string(step) + " failed (disk full?)");
+  struct ::stat st {};
+  if (::stat(path_.c_str(), &st) != 0 || st.st_dev != dev_ || st.st_ino != ino_)
+    throw std::runtime_error(path_ + ": removed or replaced during the run (the run directory deleted?): step " + std::to_string(step) +
+                             "'s row went into the file this run opened, which is no longer there");
 }
 
 std::vector<std::pair<uint64_t, std::map<std::string, double>>> metrics_rows_read(const std::string& metrics_path) {

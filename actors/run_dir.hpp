@@ -26,6 +26,7 @@ class metrics_writer {
  private:
   std::ofstream out_;
   std::string path_;
+  uint64_t dev_ = 0, ino_ = 0;  // the file opened: one removed or replaced took the rows after it in silence
 };
 
 // The rows of metrics.jsonl as written (null, a non-finite value, reads NaN); a resumed run's

@@ -1019,6 +1019,24 @@ TEST(RunDir, CalibrationBatchFilesAreChecked) {
 // --resume from the checkpoint of v2 after a crash that followed step 3's metrics row: the row
 // stayed and the resumed run wrote step 3 again (steps 1, 2, 3, 3 in the file and the plots).
 // Rows after the checkpoint and a partial last line move aside; nothing is deleted.
+// metrics.jsonl removed or replaced during the run (its directory deleted) fails the next row's
+// write naming it: the rows went into the unlinked file, and the run said "metrics in ..." at its end.
+TEST(RunDir, MetricsWriterNamesAFileRemovedDuringTheRun) {
+  const fs::path d = fs::temp_directory_path() / ("fp8rl_metrics_gone_" + std::to_string(::getpid()));
+  fs::remove_all(d);
+  for (const bool replace : {false, true}) {
+    metrics_writer w;
+    w.open(d.string(), false);
+    w.write(1, {{"x", 1.0}});
+    fs::remove_all(d);
+    if (replace) fs::create_directories(d), std::ofstream(d / "metrics.jsonl") << "{\"step\":1}\n";
+    EXPECT_EQ(error_of([&] { w.write(2, {{"x", 2.0}}); }),
+              (d / "metrics.jsonl").string() + ": removed or replaced during the run (the run directory deleted?): step 2's row "
+                                               "went into the file this run opened, which is no longer there") << replace;
+  }
+  fs::remove_all(d);
+}
+
 TEST(RunDir, ResumeMovesRowsAfterTheCheckpointAside) {
   const fs::path m = fs::temp_directory_path() / ("fp8rl_trim_" + std::to_string(::getpid()) + ".jsonl");
   fs::remove(m.string() + ".discarded");

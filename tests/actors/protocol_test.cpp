@@ -816,6 +816,25 @@ TEST(Protocol, CheckpointsCarryTheTokenizerReadAtTheStart) {
   fs::remove_all(init);
 }
 
+// A run directory deleted during the run fails the learner's next checkpoint naming it (a save
+// recreated it holding checkpoints/ alone, and the run ended "finished", exit 0).
+TEST(Protocol, ALearnerFailsWhereItsRunDirectoryIsGone) {
+  test_config cfg;
+  caf::actor_system sys{cfg};
+  learner_ranks t(sys, "gone", 1, 1);
+  t.cal->receive([](msg::params_msg&) {}, caf::after(std::chrono::seconds(30)) >> [] { FAIL() << "no start"; });  // started
+  fs::remove_all(t.run);
+  t.ctl->send(t.buf, group(0, 0, 0));
+  t.ctl->send(t.buf, group(0, 1, 0));
+  t.ctl->receive([&](std::string& who, std::string& what) {
+    EXPECT_EQ(who, "learner0");
+    EXPECT_EQ(what, "step failed: " + t.run.string() + ": the run directory is gone (deleted during the run?); step 1's checkpoint is "
+                                                        "not written");
+  }, [](msg::step_report& r) { FAIL() << "step " << r.version << " reported"; },
+     caf::after(std::chrono::seconds(120)) >> [] { FAIL() << "no failure"; });
+  EXPECT_FALSE(fs::exists(t.run));
+}
+
 // A checkpoint at the stop that cannot be recorded (checkpoints/latest.tmp is in the way: as a
 // full disk, the write fails) fails the run naming the file, with no `stopped`: `latest` still
 // names the checkpoint it named, and the stop's own checkpoint directory is complete beside it.
