@@ -186,6 +186,7 @@ std::vector<std::vector<int32_t>> calibration_batch_load(const std::string& chec
   std::vector<std::vector<int32_t>> seqs;
   if (!fs::exists(p)) return seqs;
   std::ifstream in(p);
+  if (!in) throw std::invalid_argument(models::open_failure(p.string()));  // (read as empty: "an older checkpoint")
   std::string line;
   for (int n = 1; std::getline(in, line); ++n) {
     const auto j = models::json_parse_strict(line, p.string() + ":" + std::to_string(n));

@@ -58,9 +58,19 @@ const char* const kEvalUsage =
 
 // --out is written by replacing the directory (models/checkpoint.cpp): refused where that would
 // delete something that is not an earlier checkpoint of ours -- a file, any directory without
-// --overwrite, a directory without state.json, or the model or tokenizer this run reads.
+// --overwrite, a directory without state.json, or the model or tokenizer this run reads -- and
+// where OUT.tmp cannot be made (a read-only filesystem: the save failed after the whole training).
 void out_check(const std::string& out, const args& a) {
   namespace fs = std::filesystem;
+  std::string tmp = out;
+  while (tmp.size() > 1 && tmp.back() == '/') tmp.pop_back();
+  tmp += ".tmp";
+  if (!fs::exists(tmp)) {  // (one there is a cut save's, which the save replaces, or refuses by name)
+    std::error_code ec;
+    fs::create_directories(tmp, ec);
+    if (ec) throw std::runtime_error("option --out: cannot write " + tmp + " beside it: " + ec.message() + " (nothing trained)");
+    fs::remove(tmp);
+  }
   if (!fs::exists(out)) return;
   if (!fs::is_directory(out)) throw std::invalid_argument("option --out: " + out + " exists and is not a directory");
   if (!a.flags.count("overwrite"))
