@@ -185,8 +185,9 @@ std::vector<std::vector<int32_t>> calibration_batch_load(const std::string& chec
   const fs::path p = fs::path(checkpoint_dir) / "calibration.jsonl";
   std::vector<std::vector<int32_t>> seqs;
   if (!fs::exists(p)) return seqs;
+  if (!fs::is_regular_file(p)) throw std::invalid_argument(p.string() + ": not a file");  // (read as none: "an older checkpoint")
   std::ifstream in(p);
-  if (!in) throw std::invalid_argument(models::open_failure(p.string()));  // (read as empty: "an older checkpoint")
+  if (!in) throw std::invalid_argument(models::open_failure(p.string()));
   std::string line;
   for (int n = 1; std::getline(in, line); ++n) {
     const auto j = models::json_parse_strict(line, p.string() + ":" + std::to_string(n));

@@ -1013,6 +1013,9 @@ TEST(RunDir, CalibrationBatchFilesAreChecked) {
   }
   std::ofstream(f) << "";
   EXPECT_EQ(error_of([&] { calibration_batch_load(d.string()); }), f + ": no sequences");
+  fs::remove(f);
+  fs::create_directories(f);  // unreadable as a file: named (it read as no batch, "an older checkpoint")
+  EXPECT_EQ(error_of([&] { calibration_batch_load(d.string()); }), f + ": not a file");
   fs::remove_all(d);
 }
 
