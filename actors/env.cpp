@@ -25,8 +25,8 @@ std::shared_ptr<const actor_env> env_make(const run_config& cfg, const std::stri
   e->start_cursor = start.prompt_cursor;
   e->run_id = run_id;
   e->model = models::model_config_load((std::filesystem::path(init_dir) / "config.json").string());
-  e->tok = models::tokenizer_load(init_dir);
-  e->tok_file = models::tokenizer_file_read(init_dir);
+  e->tok_file = models::tokenizer_file_read(init_dir);  // read once: the bytes the run uses are the ones it saves
+  e->tok = models::tokenizer_make(e->tok_file);
   e->stops = models::stop_ids(e->model, *e->tok);
   return e;
 }

@@ -155,9 +155,12 @@ fs::path checkpoint_dir(const learner_state& s) { return fs::path(s.env->run_dir
 // checkpoints/step_<version> with the batch that produced it (s.calib) and the next prompt; `latest` names it.
 void checkpoint(learner_state& s) {
   const fs::path dir = checkpoint_dir(s);
-  if (s.run_dir_was_there && !fs::is_directory(s.env->run_dir))  // (a save recreated it holding checkpoints/ alone, exit 0)
-    throw std::runtime_error(s.env->run_dir + ": the run directory is gone (deleted during the run?); step " +
-                             std::to_string(s.version) + "'s checkpoint is not written");
+  std::error_code ec;
+  if (s.run_dir_was_there && !fs::is_directory(s.env->run_dir, ec))  // (a save recreated it holding checkpoints/ alone, exit 0)
+    throw std::runtime_error(s.env->run_dir + (ec && ec != std::errc::no_such_file_or_directory
+                                                   ? ": cannot stat the run directory (" + ec.message() + ")"
+                                                   : std::string(": the run directory is gone (deleted during the run?)")) +
+                             "; step " + std::to_string(s.version) + "'s checkpoint is not written");
   nlohmann::json j = {{"weight_version", s.version},
                       {"prompt_cursor", s.env->prompt_cursor(s.version)},
                       {"run", s.env->cfg.name},

@@ -222,7 +222,10 @@ void metrics_writer::write(uint64_t step, const std::map<std::string, double>& m
   out_.flush();
   if (!out_) throw std::runtime_error(path_ + ": writing step " + std::to_string(step) + " failed (disk full?)");
   struct ::stat st {};
-  if (::stat(path_.c_str(), &st) != 0 || st.st_dev != dev_ || st.st_ino != ino_)
+  const bool seen = ::stat(path_.c_str(), &st) == 0;
+  if (!seen && errno != ENOENT && errno != ENOTDIR)
+    throw std::runtime_error(path_ + ": cannot stat it after writing step " + std::to_string(step) + ": " + std::strerror(errno));
+  if (!seen || st.st_dev != dev_ || st.st_ino != ino_)
     throw std::runtime_error(path_ + ": removed or replaced during the run (the run directory deleted?): step " + std::to_string(step) +
                              "'s row went into the file this run opened, which is no longer there");
 }

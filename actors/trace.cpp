@@ -53,7 +53,7 @@ void trace_writer::open(const std::string& path, const std::string& node) {
     torn = prev.get() != '\n';
   }
   out_.open(path, std::ios::app);
-  if (!out_) throw std::runtime_error(path + ": cannot open for writing (trace.enabled)");
+  if (!out_) throw std::runtime_error(path + ": cannot open for writing (--trace.enabled=false runs without traces)");
   path_ = path;
   if (torn) out_ << '\n';
   prefix_ = "{\"node\":";
@@ -63,7 +63,7 @@ void trace_writer::open(const std::string& path, const std::string& node) {
 
 void trace_writer::close() {
   std::lock_guard<std::mutex> g(mu_);
-  if (out_.is_open()) out_.flush(), check_written(), out_.close();
+  if (out_.is_open()) out_.close(), check_written();  // (some filesystems say ENOSPC only at the close)
   enabled_ = false;
 }
 

@@ -10,6 +10,7 @@
 #include <cerrno>
 #include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <mutex>
@@ -33,12 +34,16 @@ void mark_ours(const fs::path& p) {
   write_close_checked(f, (p / kUnfinished).string());
 }
 
-// Removes `p` if absent or ours, else refuses naming it (what a save would have deleted).
+// Refuses `p` naming it unless absent or ours (what a save would delete).
+void refuse_unless_ours(const fs::path& p, const char* outcome) {
+  if (fs::exists(p) && !fs::exists(p / kUnfinished) && !fs::exists(p / "config.json"))
+    throw std::invalid_argument(p.string() + ": exists and is not a checkpoint save's own (move it away; " + outcome + ")");
+}
+
+// Removes `p` if absent or ours, else refuses naming it.
 void remove_if_ours(const fs::path& p) {
-  if (!fs::exists(p)) return;
-  if (!fs::exists(p / kUnfinished) && !fs::exists(p / "config.json"))
-    throw std::invalid_argument(p.string() + ": exists and is not a checkpoint save's own (move it away; the checkpoint was not saved)");
-  fs::remove_all(p);
+  refuse_unless_ours(p, "the checkpoint was not saved");
+  if (fs::exists(p)) fs::remove_all(p);
 }
 
 // "DIR/" is DIR: its DIR.tmp and DIR.old were DIR/.tmp and DIR/.old, inside it (`sft --out ck/`
@@ -98,6 +103,16 @@ void file_replace_durably(const std::string& path, const std::string& text, cons
   fsync_path(tmp);
   fs::rename(tmp, path);
   fsync_path(fs::absolute(path).parent_path().string());
+}
+
+void checkpoint_save_check(const std::string& dir_in) {
+  const std::string dir = without_trailing_slash(dir_in);
+  for (const char* aside : {".tmp", ".old"}) refuse_unless_ours(dir + aside, "nothing was done");
+  fs::path up = fs::absolute(dir).parent_path();  // where DIR.tmp goes, or the nearest directory above it
+  while (!fs::exists(up) && up != up.root_path()) up = up.parent_path();
+  if (!fs::is_directory(up)) throw std::invalid_argument(dir + ": " + up.string() + " is not a directory (nothing can be saved under it)");
+  if (::access(up.c_str(), W_OK) != 0)
+    throw std::invalid_argument(dir + ": cannot write in " + up.string() + " (" + std::strerror(errno) + ")");
 }
 
 void checkpoint_save(const std::string& dir_in, const checkpoint& c, const std::function<void(const std::string&)>& extra) {

@@ -1,6 +1,6 @@
 // models/checkpoint.hpp -- training checkpoints: model (HF layout) + optimizer state + run state.
 // defines: checkpoint, checkpoint_save, checkpoint_load, checkpoint_weight_version,
-//          checkpoint_dir_replace, fsync_path, file_replace_durably
+//          checkpoint_save_check, checkpoint_dir_replace, fsync_path, file_replace_durably
 //
 // Layout of a checkpoint directory:
 //   config.json, model.safetensors   the model, loadable by any HF-compatible tool
@@ -30,6 +30,11 @@ struct checkpoint {
   std::string state_json = "{}";  // caller's run state (step, versions, rng, data cursor)
 };
 
+// Throws std::invalid_argument where checkpoint_save(dir) would fail for want of a place: DIR.tmp
+// or DIR.old there and not a save's own, or no directory to write in (the nearest one above DIR is
+// a file, or not writable: a read-only filesystem). Changes nothing; for callers about to do work
+// whose result the save keeps (`fp8rl sft` trained, then failed saving).
+void checkpoint_save_check(const std::string& dir);
 // extra(tmp) writes the caller's files into the temporary directory before it becomes dir.
 void checkpoint_save(const std::string& dir, const checkpoint& c,
                      const std::function<void(const std::string& tmp)>& extra = {});

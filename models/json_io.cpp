@@ -2,7 +2,6 @@
 #include "models/json_io.hpp"
 
 #include <cerrno>
-#include <cstdio>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -35,6 +34,10 @@ nlohmann::json json_parse_strict(std::string_view text, const std::string& where
 }
 
 void write_close_checked(std::ofstream& f, const std::string& path, const std::string& kept) {
+  const std::string and_kept = kept.empty() ? std::string() : " (" + kept + ")";
+  if (!f.is_open())  // (writing to a stream never opened makes no call: errno is still the open's)
+    throw std::runtime_error(path + ": cannot open for writing" + (errno ? std::string(": ") + std::strerror(errno) : std::string()) +
+                             and_kept);
   // a write that failed before the close set errno then: kept where it is a write's error (a later
   // call may have changed it; these codes come from writes), else the close's own
   const int earlier = !f ? errno : 0;
@@ -43,16 +46,7 @@ void write_close_checked(std::ofstream& f, const std::string& path, const std::s
   if (f) return;
   int err = errno;
   if (!err && (earlier == ENOSPC || earlier == EFBIG || earlier == EDQUOT || earlier == EIO)) err = earlier;
-  throw std::runtime_error(path + ": write failed" + (err ? std::string(": ") + std::strerror(err) : std::string()) +
-                           (kept.empty() ? std::string() : " (" + kept + ")"));
-}
-
-int stdout_checked(const std::string& who, int rc) {
-  errno = 0;
-  if (std::fflush(stdout) == 0 && !std::ferror(stdout)) return rc;
-  const int err = errno;
-  std::fprintf(stderr, "%s: error: writing standard output failed%s%s\n", who.c_str(), err ? ": " : "", err ? std::strerror(err) : "");
-  return rc == 0 ? 1 : rc;
+  throw std::runtime_error(path + ": write failed" + (err ? std::string(": ") + std::strerror(err) : std::string()) + and_kept);
 }
 
 std::string open_failure(const std::string& path) {

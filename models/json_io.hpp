@@ -2,8 +2,7 @@
 // naming it (nlohmann keeps the last one silently: a duplicated rope_theta changed the model, a
 // second safetensors entry replaced a tensor), and a directory or unreadable file is named; and a
 // file written, checked at its close.
-// defines: json_parse_strict, json_file_read, file_text_read, jsonl_errors, open_failure, write_close_checked,
-//          stdout_checked
+// defines: json_parse_strict, json_file_read, file_text_read, jsonl_errors, open_failure, write_close_checked
 #pragma once
 #include <nlohmann/json.hpp>
 #include <cstdint>
@@ -28,11 +27,9 @@ std::string open_failure(const std::string& path);
 
 // Closes f (opened on path) and throws std::runtime_error "PATH: write failed[: <errno's text>][
 // (kept)]" when a write failed, the last buffered one's included: checked before the close, a disk
-// that filled at the final flush went unseen, and the cut file was renamed into place as whole.
+// that filled at the final flush went unseen, and the cut file was renamed into place as whole;
+// "PATH: cannot open for writing: <why>[ (kept)]" where f never opened (call it right after the writes).
 void write_close_checked(std::ofstream& f, const std::string& path, const std::string& kept = "");
-// A program's exit code: rc, or (rc 0) 1 with "WHO: error: writing standard output failed: <why>"
-// on stderr where what it printed did not get out (a full disk: its lines cut, and exit 0).
-int stdout_checked(const std::string& who, int rc);
 
 // A JSONL reader's bad lines, so that one error names them all (the first 20).
 class jsonl_errors {

@@ -439,10 +439,10 @@ std::string tokenizer_path(const std::string& path) {
 }  // namespace
 
 tokenizer_file tokenizer_file_read(const std::string& path) {
-  const std::string file = tokenizer_path(path);
   tokenizer_file t;
-  t.bytes = file_text_read(file);
-  t.name = is_char_tokenizer(json_parse_strict(t.bytes, file)) ? kCharFile : "tokenizer.json";
+  t.path = tokenizer_path(path);
+  t.bytes = file_text_read(t.path);
+  t.name = is_char_tokenizer(json_parse_strict(t.bytes, t.path)) ? kCharFile : "tokenizer.json";
   return t;
 }
 
@@ -455,9 +455,11 @@ void tokenizer_file_write(const tokenizer_file& t, const std::string& dir) {
 
 void tokenizer_copy(const std::string& path, const std::string& dir) { tokenizer_file_write(tokenizer_file_read(path), dir); }
 
-std::unique_ptr<tokenizer> tokenizer_load(const std::string& path) {
-  const std::string file = tokenizer_path(path);
-  const json j = json_file_read(file);
+std::unique_ptr<tokenizer> tokenizer_load(const std::string& path) { return tokenizer_make(tokenizer_file_read(path)); }
+
+std::unique_ptr<tokenizer> tokenizer_make(const tokenizer_file& t) {
+  const std::string& file = t.path;
+  const json j = json_parse_strict(t.bytes, file);
   if (is_char_tokenizer(j)) {
     if (!j.contains("alphabet") || !j["alphabet"].is_string()) throw std::invalid_argument(file + ": 'alphabet' missing");
     try {

@@ -1,7 +1,7 @@
 // models/tokenizer.hpp -- tokenizers: a built-in character-level tokenizer for the built-in tasks,
 // and Hugging Face tokenizer.json byte-level BPE (Llama 3, SmolLM, Qwen2 format).
 // defines: tokenizer, char_tokenizer_make, tokenizer_load, char_tokenizer_save, tokenizer_copy,
-//          tokenizer_file, tokenizer_file_read, tokenizer_file_write, tokenizer_vocab_check
+//          tokenizer_file, tokenizer_file_read, tokenizer_file_write, tokenizer_make, tokenizer_vocab_check
 //
 // tokenizer.json support: added (special) tokens matched first; normalizer null or NFC (NFC is
 // the identity on ASCII; non-ASCII text with an NFC normalizer is an error, not silently
@@ -45,9 +45,12 @@ void tokenizer_copy(const std::string& path, const std::string& dir);
 // deleted during the run left the later checkpoints without one, and the run exited 0).
 struct tokenizer_file {
   std::string name, bytes;
+  std::string path;  // where it was read (errors name it)
 };
 tokenizer_file tokenizer_file_read(const std::string& path);
 void tokenizer_file_write(const tokenizer_file& t, const std::string& dir);
+// The tokenizer of a file read (tokenizer_load = tokenizer_make(tokenizer_file_read(path))).
+std::unique_ptr<tokenizer> tokenizer_make(const tokenizer_file& t);
 // Throws naming `where` (the tokenizer's file or directory) when its ids reach past the model's
 // vocabulary: a text encoding to one of them indexed no embedding row.
 void tokenizer_vocab_check(const tokenizer& tok, int64_t vocab_size, const std::string& where);

@@ -1,12 +1,15 @@
 // tests/test_util.hpp -- seeded random data and small helpers shared by the test suites.
 #pragma once
+#include <csignal>
 #include <cstdint>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <sstream>
 #include <random>
+#include <stdexcept>
 #include <string>
+#include <sys/resource.h>
 #include <sys/wait.h>
 #include <unistd.h>
 #include <vector>
@@ -23,6 +26,31 @@ class isa_limit_scope {
   ~isa_limit_scope() { quant::cpu_isa_set_limit(quant::cpu_isa::amx); }  // amx: no limit
   isa_limit_scope(const isa_limit_scope&) = delete;
   isa_limit_scope& operator=(const isa_limit_scope&) = delete;
+};
+
+// For a scope: this process's soft limit on `resource` at `cur` (the hard limit kept), and SIGXFSZ
+// ignored (a write past RLIMIT_FSIZE fails with EFBIG rather than killing the process); both
+// restored however the scope ends. A full disk or a small memory, in this process, for one call.
+class rlimit_scope {
+ public:
+  rlimit_scope(int resource, rlim_t cur) : resource_(resource) {
+    if (::getrlimit(resource, &old_) != 0) throw std::runtime_error("getrlimit failed");
+    rlimit l = old_;
+    l.rlim_cur = cur;
+    old_xfsz_ = std::signal(SIGXFSZ, SIG_IGN);
+    if (::setrlimit(resource, &l) != 0) throw std::runtime_error("setrlimit failed");
+  }
+  ~rlimit_scope() {
+    ::setrlimit(resource_, &old_);
+    std::signal(SIGXFSZ, old_xfsz_);
+  }
+  rlimit_scope(const rlimit_scope&) = delete;
+  rlimit_scope& operator=(const rlimit_scope&) = delete;
+
+ private:
+  int resource_;
+  rlimit old_{};
+  void (*old_xfsz_)(int) = SIG_DFL;
 };
 
 // Normal(0, sigma) values with a few outliers (x outlier_mul) so blocks have varied amax.

@@ -4,8 +4,8 @@
 //   fp8rl generate ...   sampling with the rollout engine (tools/cli/cmd_generate.cpp)
 //   fp8rl sft | eval ... warm start / validation accuracy (tools/cli/cmd_sft.cpp)
 // `fp8rl CMD --help` prints a command's options. Errors go to stderr as "fp8rl CMD: <what>"
-// with exit code 2 (bad input) or "fp8rl CMD: error: <what>" with exit code 1 (failure) -- also
-// standard output that could not be written (a full disk: the command's lines were cut, exit 0).
+// with exit code 2 (bad input) or "fp8rl CMD: error: <what>" with exit code 1 (failure), standard
+// output that could not be written included (tools/stdout_check.hpp).
 #include <cstdio>
 #include <cstring>
 #include <stdexcept>
@@ -13,9 +13,9 @@
 
 #include "actors/signals.hpp"
 #include "actors/train.hpp"
-#include "models/json_io.hpp"
 #include "tools/cli/args.hpp"
 #include "tools/cli/commands.hpp"
+#include "tools/stdout_check.hpp"
 
 namespace {
 void usage(std::FILE* to) {
@@ -59,7 +59,7 @@ int run(int argc, char** argv, const std::string& cmd) {
 int main(int argc, char** argv) {
   if (argc < 2 || !std::strcmp(argv[1], "--help") || !std::strcmp(argv[1], "-h")) {
     usage(argc < 2 ? stderr : stdout);  // asked for: stdout, as every subcommand's --help
-    return fp8rl::models::stdout_checked(argc < 2 ? "fp8rl" : "fp8rl --help", argc < 2 ? 2 : 0);
+    return fp8rl::tools::stdout_checked(argc < 2 ? "fp8rl" : "fp8rl --help", argc < 2 ? 2 : 0);
   }
-  return fp8rl::models::stdout_checked("fp8rl " + std::string(argv[1]), run(argc, argv, argv[1]));
+  return fp8rl::tools::stdout_checked("fp8rl " + std::string(argv[1]), run(argc, argv, argv[1]));
 }

@@ -1170,7 +1170,7 @@ TEST(Trace, AWriterThatCannotWriteSaysSoOnce) {
   trace_writer w;
   const fs::path d = fs::temp_directory_path() / ("fp8rl_trace_" + std::to_string(::getpid()));
   fs::create_directories(d / "n.jsonl");  // a directory where the file goes
-  EXPECT_EQ(error_of([&] { w.open((d / "n.jsonl").string(), "n"); }), (d / "n.jsonl").string() + ": cannot open for writing (trace.enabled)");
+  EXPECT_EQ(error_of([&] { w.open((d / "n.jsonl").string(), "n"); }), (d / "n.jsonl").string() + ": cannot open for writing (--trace.enabled=false runs without traces)");
   EXPECT_FALSE(w.enabled());
   fs::remove_all(d);
   if (!fs::exists("/dev/full")) GTEST_SKIP() << "no /dev/full here";

@@ -835,8 +835,8 @@ TEST(Protocol, ALearnerFailsWhereItsRunDirectoryIsGone) {
   EXPECT_FALSE(fs::exists(t.run));
 }
 
-// A checkpoint at the stop that cannot be recorded (checkpoints/latest.tmp is in the way: as a
-// full disk, the write fails) fails the run naming the file, with no `stopped`: `latest` still
+// A checkpoint at the stop that cannot be recorded (a directory where checkpoints/latest.tmp goes:
+// it cannot be opened) fails the run naming the file and why, with no `stopped`: `latest` still
 // names the checkpoint it named, and the stop's own checkpoint directory is complete beside it.
 TEST(Protocol, ALearnerWhoseStopCheckpointCannotBeRecordedFailsNamingIt) {
   test_config cfg;
@@ -850,7 +850,7 @@ TEST(Protocol, ALearnerWhoseStopCheckpointCannotBeRecordedFailsNamingIt) {
   EXPECT_EQ(t.stop(), 1u);
   t.ctl->receive([&](std::string& who, std::string& what) {
     EXPECT_EQ(who, "learner0");
-    EXPECT_NE(what.find("checkpoint at the stop failed: " + (ck / "latest.tmp").string() + ": write failed (" +
+    EXPECT_NE(what.find("checkpoint at the stop failed: " + (ck / "latest.tmp").string() + ": cannot open for writing: Is a directory (" +
                         (ck / "latest").string() + " still names the previous checkpoint)"), std::string::npos) << what;
   }, [](msg::stopped_atom, uint64_t v, std::string& dir) { FAIL() << "stopped at v" << v << ": " << dir; },
      caf::after(std::chrono::seconds(30)) >> [] { FAIL() << "the failure was not reported"; });

@@ -5,16 +5,12 @@
 #include <tbb/task_arena.h>
 
 #include <cmath>
-#include <csignal>
-#include <cstdio>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <limits>
 #include <nlohmann/json.hpp>
 #include <system_error>
-
-#include <sys/resource.h>
 
 #include "models/checkpoint.hpp"
 #include "models/cpu/cpu_backend.hpp"
@@ -306,30 +302,20 @@ TEST(Training, CheckpointReplacementKeepsAWholeCheckpoint) {
 // A disk that fills while a checkpoint is written fails the save naming the file, and the previous
 // checkpoint stays whole. RLIMIT_FSIZE one byte short of model.safetensors makes the failure come
 // at the stream's final flush, in its close (a check before the close saw nothing; the cut file
-// was renamed into place and the checkpoint exchanged as whole). The save runs in a child: the
-// limit is per process.
+// was renamed into place and the checkpoint exchanged as whole).
 TEST(Training, ACheckpointSaveOnAFullDiskFailsNamingTheFileAndKeepsThePrevious) {
   namespace fs = std::filesystem;
-  GTEST_FLAG_SET(death_test_style, "threadsafe");  // (the child re-runs this test: no TBB threads forked)
   const fs::path dir = fs::temp_directory_path() / ("fp8rl_full_disk_" + std::to_string(::getpid()));
   trainer a(task_config(), "fp32", 12), b(task_config(), "fp32", 13);
   train(b, 2, 2);
   fs::remove_all(dir);
   checkpoint_save(dir.string(), a.ck);
   const auto size = fs::file_size(dir / "model.safetensors");  // b's is as large: the same shapes
-  auto save_on_a_full_disk = [&] {
-    std::signal(SIGXFSZ, SIG_IGN);  // (else the write past the limit kills the process)
-    const rlimit lim{size - 1, size - 1};
-    if (::setrlimit(RLIMIT_FSIZE, &lim) != 0) std::_Exit(2);
-    try {
-      checkpoint_save(dir.string(), b.ck);
-    } catch (const std::exception& e) {
-      std::fprintf(stderr, "%s\n", e.what());
-      std::_Exit(3);
-    }
-    std::_Exit(0);
-  };
-  EXPECT_EXIT(save_on_a_full_disk(), ::testing::ExitedWithCode(3), "model.safetensors.tmp: write failed: File too large");
+  {
+    fp8rl::test::rlimit_scope full(RLIMIT_FSIZE, size - 1);
+    EXPECT_EQ(fp8rl::test::thrown_text<std::runtime_error>([&] { checkpoint_save(dir.string(), b.ck); }),
+              dir.string() + ".tmp/model.safetensors.tmp: write failed: File too large");
+  }
   EXPECT_EQ(checkpoint_load(dir.string()).params.data, a.ck.params.data);
   checkpoint_save(dir.string(), b.ck);  // the next save takes over what the failed one left
   EXPECT_EQ(checkpoint_load(dir.string()).params.data, b.ck.params.data);

@@ -385,14 +385,14 @@ TEST_F(Cli, SftNeverDeletesWhatIsNotItsCheckpoint) {
   refused(sft + mine.string(), "exists (--overwrite replaces");
   refused(sft + mine.string() + " --overwrite", "not an fp8rl checkpoint");
   EXPECT_TRUE(fs::exists(mine / "notes.txt"));
-  // where its save cannot write (here under a file; a read-only filesystem alike), refused before
-  // training (the save failed after it); the probe leaves nothing behind
-  const result unwritable = run(sft + (mine / "notes.txt" / "m").string());
-  EXPECT_EQ(unwritable.rc, 1) << unwritable.out;
-  EXPECT_NE(unwritable.out.find("option --out: cannot write " + (mine / "notes.txt" / "m.tmp").string() +
-                                " beside it: Not a directory (nothing trained)"), std::string::npos) << unwritable.out;
-  ASSERT_EQ(run(sft + (dir / "probed").string() + " --steps 0").rc, 2);  // refused (steps >= 1) after the probe
-  EXPECT_FALSE(fs::exists(dir / "probed.tmp"));
+  // where its save cannot go (under a file; a read-only filesystem alike; a DIR.tmp not a save's
+  // own), refused before training (the save failed after it), nothing made
+  refused(sft + (mine / "notes.txt" / "m").string(), "option --out: " + (mine / "notes.txt" / "m").string() + ": " +
+                                                          (mine / "notes.txt").string() + " is not a directory (nothing can be saved under it)");
+  fs::create_directories(dir / "other.tmp");
+  refused(sft + (dir / "other").string(), "option --out: " + (dir / "other.tmp").string() +
+                                              ": exists and is not a checkpoint save's own (move it away; nothing was done)");
+  EXPECT_FALSE(fs::exists(dir / "other"));
   const fs::path ck = dir / "ck";
   ASSERT_EQ(run(sft + ck.string()).rc, 0);
   ASSERT_TRUE(fs::exists(ck / "state.json"));

@@ -130,6 +130,7 @@ TEST(Trace, VectorClocksFollowTheMessages) {
     EXPECT_NE(full.out.find("fp8rl-trace: error: " + out.string() + ".tmp: write failed: File too large (" + out.string() +
                             " left as it was)"), std::string::npos) << full.out;
     EXPECT_EQ(text_of(out), earlier);
+    EXPECT_FALSE(fs::exists(out.string() + ".tmp"));
   }
   const auto cut = fp8rl::test::run_command("(" + kBin + "/fp8rl-trace summary " + run.string() + " > /dev/full)");
   EXPECT_EQ(cut.rc, 1) << cut.out;

@@ -4,7 +4,6 @@
 #include <tbb/task_arena.h>
 
 #include <algorithm>
-#include <cerrno>
 #include <chrono>
 #include <cstdio>
 #include <cstdint>
@@ -15,6 +14,8 @@
 #include <map>
 #include <string>
 #include <vector>
+
+#include "tools/stdout_check.hpp"
 
 namespace fp8rl::bench {
 
@@ -167,9 +168,8 @@ inline void bench_emit(const bench_args& a, const json_fields& f) {
     }
     std::printf("\n");
   }
-  errno = 0;
-  if (std::fflush(stdout) != 0 || std::ferror(stdout)) {  // the results are the program's output: lost, it fails
-    std::fprintf(stderr, "bench: writing standard output failed%s%s\n", errno ? ": " : "", errno ? std::strerror(errno) : "");
+  if (const int err = fp8rl::tools::stdout_failure()) {  // the results are the program's output: lost, it fails
+    std::fprintf(stderr, "bench: writing standard output failed%s\n", fp8rl::tools::stdout_failure_why(err).c_str());
     std::exit(1);
   }
 }

@@ -51,6 +51,7 @@
 
 #include "actors/topology.hpp"
 #include "models/json_io.hpp"
+#include "tools/stdout_check.hpp"
 
 namespace {
 
@@ -164,18 +165,24 @@ void on_signal(int sig, siginfo_t* info, void*) {
 
 // Standard output that cannot be written (a full disk; a closed pipe: SIGPIPE is ignored here) is
 // a stop request, as fp8rl train takes SIGPIPE, said once on stderr: every node's lines were lost
-// in silence and the run went on to its end, exit 0.
-bool g_output_failed = false;
+// in silence and the run went on to its end, exit 0. It counts as no signal: one signal after it
+// is a first (the stop signals are held off while it is recorded, so none is lost or counted twice).
+bool g_output_failed = false, g_output_stop = false;  // g_output_stop: the failure was the first stop request
 void output_checked() {
-  errno = 0;
-  if (g_output_failed || (std::fflush(stdout) == 0 && !std::ferror(stdout))) return;
+  if (g_output_failed) return;
+  const int err = fp8rl::tools::stdout_failure();
+  if (err == 0) return;
   g_output_failed = true;
-  const int err = errno;
-  std::fprintf(stderr, "caf-run: writing standard output failed%s%s; stopping the run as on a signal\n", err ? ": " : "",
-               err ? std::strerror(err) : "");
-  if (g_signal) return;
-  g_signal = SIGPIPE;
-  g_signals = g_signals + 1;
+  std::fprintf(stderr, "caf-run: writing standard output failed%s; stopping the run as on a signal\n", fp8rl::tools::stdout_failure_why(err).c_str());
+  sigset_t stop, old;
+  sigemptyset(&stop);
+  for (int sig : kStopSignals) sigaddset(&stop, sig);
+  sigprocmask(SIG_BLOCK, &stop, &old);
+  if (!g_signal) {
+    g_signal = SIGPIPE;
+    g_output_stop = true;
+  }
+  sigprocmask(SIG_SETMASK, &old, nullptr);
 }
 
 void relay(child& c, bool flush_all) {
@@ -280,7 +287,7 @@ std::vector<int> stop_signals_install() {
   std::vector<int> caught;
   struct sigaction sa {};
   sa.sa_sigaction = on_signal;
-  sa.sa_flags = SA_SIGINFO;
+  sa.sa_flags = SA_SIGINFO | SA_RESTART;  // (an interrupted write of the relay failed with EINTR: output_checked)
   sigemptyset(&sa.sa_mask);
   for (int sig : kStopSignals) sigaddset(&sa.sa_mask, sig);
   for (int sig : kStopSignals) {
@@ -468,7 +475,7 @@ int group_supervise(std::vector<child>& kids, const std::string& controller_name
     }
   }
   if (signalled)
-    std::fprintf(stderr, "caf-run: stopped by %s; every node was stopped%s\n", g_output_failed ? "its failed output" : "a signal",
+    std::fprintf(stderr, "caf-run: stopped by %s; every node was stopped%s\n", g_output_stop ? "its failed output" : "a signal",
                  first_failure && failed != "caf-run" ? (" (node " + failed + " exited with " + std::to_string(first_failure) + ")").c_str() : "");
   else if (first_failure && failed == controller_name && stopped_on_signal(first_failure))  // a node's signal, passed on
     std::fprintf(stderr, "caf-run: the controller node %s stopped the run on a signal (exit %d); the group was stopped\n",

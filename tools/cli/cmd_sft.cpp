@@ -58,19 +58,9 @@ const char* const kEvalUsage =
 
 // --out is written by replacing the directory (models/checkpoint.cpp): refused where that would
 // delete something that is not an earlier checkpoint of ours -- a file, any directory without
-// --overwrite, a directory without state.json, or the model or tokenizer this run reads -- and
-// where OUT.tmp cannot be made (a read-only filesystem: the save failed after the whole training).
+// --overwrite, a directory without state.json, or the model or tokenizer this run reads.
 void out_check(const std::string& out, const args& a) {
   namespace fs = std::filesystem;
-  std::string tmp = out;
-  while (tmp.size() > 1 && tmp.back() == '/') tmp.pop_back();
-  tmp += ".tmp";
-  if (!fs::exists(tmp)) {  // (one there is a cut save's, which the save replaces, or refuses by name)
-    std::error_code ec;
-    fs::create_directories(tmp, ec);
-    if (ec) throw std::runtime_error("option --out: cannot write " + tmp + " beside it: " + ec.message() + " (nothing trained)");
-    fs::remove(tmp);
-  }
   if (!fs::exists(out)) return;
   if (!fs::is_directory(out)) throw std::invalid_argument("option --out: " + out + " exists and is not a directory");
   if (!a.flags.count("overwrite"))
@@ -122,6 +112,11 @@ int cmd_sft(int argc, char** argv) {
   sc.opt.lr = static_cast<float>(a.get_num("lr", 2e-3, 1e-12, 10.0));
   sc.seed = seed;
   sc.policy = training_policy_from_args(a, "fp8");
+  try {  // where the save cannot go (a read-only filesystem), before training: it failed after it
+    models::checkpoint_save_check(out);
+  } catch (const std::invalid_argument& e) {
+    throw std::invalid_argument(std::string("option --out: ") + e.what());
+  }
   with_threads(a, [&] {
     models::sft_train(ck.params, ck.opt, data, *tok, sc, [&](int64_t step, double loss) {
       if (step % 50 == 0 || step + 1 == sc.steps) log_get("sft")->info("sft step {}/{} loss {:.4f}", step + 1, sc.steps, loss);

@@ -22,8 +22,8 @@
 #include <vector>
 
 #include "models/checkpoint.hpp"
-#include "models/json_io.hpp"
 #include "models/rl/staleness_hist.hpp"
+#include "tools/stdout_check.hpp"
 
 namespace fs = std::filesystem;
 using json = nlohmann::json;
@@ -217,10 +217,21 @@ std::map<size_t, std::map<std::string, uint64_t>> vector_clocks(const std::vecto
   return at;
 }
 
+// An output that could not be written (exit 1; bad input exits 2).
+struct output_error : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
 // An output file, replaced whole through p.tmp (written in place, a full disk left an earlier good
-// one empty); a failed write throws std::runtime_error naming it and why (exit 1).
+// one empty); throws output_error naming it and why, p.tmp removed.
 void output_write(const fs::path& p, const std::string& text) {
-  fp8rl::models::file_replace_durably(p.string(), text, p.string() + " left as it was");
+  try {
+    fp8rl::models::file_replace_durably(p.string(), text, p.string() + " left as it was");
+  } catch (const std::exception& e) {
+    std::error_code ec;
+    fs::remove(p.string() + ".tmp", ec);
+    throw output_error(e.what());
+  }
 }
 
 int shiviz(const fs::path& run) {
@@ -420,7 +431,7 @@ int main(int argc, char** argv) {
   auto help = [](const char* a) { return !std::strcmp(a, "--help") || !std::strcmp(a, "-h"); };
   if ((argc == 2 && help(argv[1])) || (argc == 3 && help(argv[2]))) {  // `fp8rl-trace merge --help` too
     std::fputs(usage, stdout);
-    return 0;
+    return fp8rl::tools::stdout_checked("fp8rl-trace --help", 0);
   }
   const std::string cmd = argc >= 2 ? argv[1] : "";
   // what is wrong, then the usage (a mistyped subcommand only reprinted the usage)
@@ -436,12 +447,12 @@ int main(int argc, char** argv) {
   int rc = 0;
   try {
     rc = cmd == "shiviz" ? shiviz(argv[2]) : cmd == "merge" ? merge(argv[2]) : summary(argv[2]);
-  } catch (const std::invalid_argument& e) {  // bad input
-    std::fprintf(stderr, "fp8rl-trace: %s\n", e.what());
-    return 2;
-  } catch (const std::exception& e) {  // an output that could not be written
+  } catch (const output_error& e) {
     std::fprintf(stderr, "fp8rl-trace: error: %s\n", e.what());
     return 1;
+  } catch (const std::exception& e) {  // bad input (a run directory it cannot read too)
+    std::fprintf(stderr, "fp8rl-trace: %s\n", e.what());
+    return 2;
   }
-  return fp8rl::models::stdout_checked("fp8rl-trace " + cmd, rc);
+  return fp8rl::tools::stdout_checked("fp8rl-trace " + cmd, rc);
 }
