@@ -17,7 +17,9 @@
 //    the step in progress, checkpointed, and every node with it (then --grace as above); a second
 //    signal SIGKILLs every node (nodes run in their own process groups, so they would otherwise
 //    outlive caf-run and keep training);
-//  - a node failing as above stops the whole group: SIGTERM at once, SIGKILL --grace seconds later.
+//  - a node failing as above stops the whole group: SIGTERM at once, SIGKILL --grace seconds later;
+//  - its standard output that cannot be written (a full disk, a `| head` that ended) is a stop
+//    request as a first signal (said on stderr; it is no signal: one after it is a first).
 // --scheduler.max-threads=slots where a host's slots exceed fp8rl's default 8 CAF workers (fp8rl
 // itself raises its default to a worker per learner and rollout plus two; a value passed here
 // below that need is refused, so none is passed for slots <= 8).
@@ -227,7 +229,8 @@ const char* const kUsage =
     "  --fail-fast         any node's failure stops the group (default: only before the run is up,\n"
     "                      or the controller's; afterwards the controller decides)\n"
     "Ctrl-C (SIGINT, SIGTERM, SIGHUP): the controller node stops the run after the step in progress,\n"
-    "checkpointed, and the other nodes with it; a second one SIGKILLs every node.\n"
+    "checkpointed, and the other nodes with it; a second one SIGKILLs every node. Its standard output\n"
+    "failing (a full disk, a | head that ended) stops the run alike (no signal; said on stderr).\n"
     "Exit code: the controller's (or the first failing node's; under a signal the controller's own,\n"
     "128+signal where it stopped at it), 128+signal when caf-run was signalled with no controller\n"
     "running, 2 for bad input.\n";
