@@ -9,14 +9,17 @@
 
 namespace fp8rl::tools {
 
-// 0 where standard output flushed and holds no error; else the flush's errno, or -1 where an
-// earlier write failed (its errno gone).
+// 0 where standard output flushed and holds no error; else the flush's errno, or a write's that
+// failed before it (errno at the call, where it is a write's error: call right after the writes),
+// or -1 (unknown).
 inline int stdout_failure() {
+  const int before = errno;
   errno = 0;
   const bool flushed = std::fflush(stdout) == 0;
   const int err = errno;
   if (flushed && !std::ferror(stdout)) return 0;
-  return !flushed && err ? err : -1;
+  if (!flushed && err) return err;
+  return before == ENOSPC || before == EFBIG || before == EPIPE || before == EIO || before == EDQUOT ? before : -1;
 }
 
 // ": <errno's text>" for stdout_failure()'s value (nothing where it is unknown)

@@ -358,7 +358,7 @@ child node_spawn(const fp8rl::actors::node_spec* n, const host_entry* h, const r
   k.pid = pid;
   k.fd = pfd[0];
   std::printf("caf-run: started %s (pid %d) on %s\n", n->name.c_str(), pid, n->host.c_str());
-  std::fflush(stdout);
+  output_checked();
   return k;
 }
 
@@ -402,7 +402,7 @@ int group_supervise(std::vector<child>& kids, const std::string& controller_name
         std::printf("caf-run: SIG%s; stopping the group (SIGKILL in %d s or at a second signal)\n", sigabbrev_np(g_signal), grace);
         stop_group(clk::now());
       }
-      std::fflush(stdout);
+      output_checked();
     }
     if (g_signals >= 2 && !kill_sent && kill_at > clk::now()) {
       std::printf("caf-run: a second signal; SIGKILL now\n");
@@ -423,7 +423,7 @@ int group_supervise(std::vector<child>& kids, const std::string& controller_name
         const char* sig = WIFSIGNALED(st) ? sigabbrev_np(WTERMSIG(st)) : nullptr;
         std::printf("caf-run: %s exited with %d%s%s%s\n", k.name.c_str(), k.code, sig ? " (killed by SIG" : "", sig ? sig : "",
                     sig ? ")" : "");
-        std::fflush(stdout);
+        output_checked();
         const bool is_controller = k.name == controller_name;
         // not up yet: the run cannot start; after the controller, the others only follow it
         const bool decisive = !controller_done && (fail_fast || is_controller || !k.ready);
@@ -454,7 +454,7 @@ int group_supervise(std::vector<child>& kids, const std::string& controller_name
       waiting_said = true;
       std::printf("caf-run: every other node has exited; waiting for the controller node %s (Ctrl-C stops it)\n",
                   controller_name.c_str());
-      std::fflush(stdout);
+      output_checked();
     }
     const auto now = clk::now();
     if (!term_sent && now >= term_at) {
@@ -464,7 +464,7 @@ int group_supervise(std::vector<child>& kids, const std::string& controller_name
           std::printf("caf-run: stopping %s (SIGTERM)\n", o.name.c_str());
           kill(-o.pid, SIGTERM);
         }
-      std::fflush(stdout);
+      output_checked();
     }
     if (!kill_sent && now >= kill_at) {
       kill_sent = true;
@@ -474,7 +474,7 @@ int group_supervise(std::vector<child>& kids, const std::string& controller_name
           else std::printf("caf-run: %s did not exit within %d s of SIGTERM (SIGKILL)\n", o.name.c_str(), grace);
           kill(-o.pid, SIGKILL);
         }
-      std::fflush(stdout);
+      output_checked();
     }
   }
   if (signalled)
