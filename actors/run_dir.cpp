@@ -274,9 +274,7 @@ int64_t metrics_trim_for_resume(const std::string& metrics_path, uint64_t versio
   out << drop;
   models::write_close_checked(out, side, metrics_path + " left as it was");
   const std::string tmp = metrics_path + ".tmp";
-  std::ofstream t(tmp, std::ios::binary);
-  t << keep;
-  models::write_close_checked(t, tmp, metrics_path + " left as it was");
+  models::file_write_checked(tmp, keep, metrics_path + " left as it was");
   fs::rename(tmp, metrics_path);
   return moved;
 }

@@ -572,9 +572,7 @@ void caf_config_prepare(fp8rl_config& ccfg, const cli& c, const node_spec& here)
 void recipe_record(const run_config& cfg, const std::string& run_dir, bool resume, const run_start& start,
                    const std::string& resumed_with) {
   auto write = [&](const fs::path& p) {  // checked: a recipe cut by a full disk failed only the run's --resume
-    std::ofstream out(p);
-    out << recipe_dump(cfg);
-    models::write_close_checked(out, p.string());
+    models::file_write_checked(p.string(), recipe_dump(cfg));
   };
   if (!resume) return write(fs::path(run_dir) / "recipe.conf");  // a resume has one (resume_recipe_changes refuses it otherwise)
   const fs::path f = fs::path(run_dir) / "resumes" / ("recipe-step" + std::to_string(start.version) + ".conf");

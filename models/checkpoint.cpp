@@ -28,11 +28,7 @@ namespace {
 // checkpoint (config.json) -- never a directory of the same name the user keeps there.
 constexpr const char* kUnfinished = ".fp8rl-unfinished-checkpoint";
 
-void mark_ours(const fs::path& p) {
-  std::ofstream f(p / kUnfinished);
-  f << "fp8rl's checkpoint save: safe to delete\n";
-  write_close_checked(f, (p / kUnfinished).string());
-}
+void mark_ours(const fs::path& p) { file_write_checked((p / kUnfinished).string(), "fp8rl's checkpoint save: safe to delete\n"); }
 
 // Refuses `p` naming it unless absent or ours (what a save would delete).
 void refuse_unless_ours(const fs::path& p, const char* outcome) {
@@ -97,9 +93,7 @@ void fsync_path(const std::string& path) {
 
 void file_replace_durably(const std::string& path, const std::string& text, const std::string& kept) {
   const std::string tmp = path + ".tmp";
-  std::ofstream out(tmp);
-  out << text;
-  write_close_checked(out, tmp, kept);
+  file_write_checked(tmp, text, kept);
   fsync_path(tmp);
   fs::rename(tmp, path);
   fsync_path(fs::absolute(path).parent_path().string());
@@ -137,9 +131,7 @@ void checkpoint_save(const std::string& dir_in, const checkpoint& c, const std::
   }
   nlohmann::json s = nlohmann::json::parse(c.state_json);
   s["adam_step"] = c.opt.step;
-  std::ofstream state(tmp / "state.json");
-  state << s.dump(2) << "\n";
-  write_close_checked(state, (tmp / "state.json").string(), "the previous " + dir + " is kept");
+  file_write_checked((tmp / "state.json").string(), s.dump(2) + "\n", "the previous " + dir + " is kept");
   if (extra) extra(tmp.string());
   fs::remove(tmp / kUnfinished);
   for (const auto& e : fs::directory_iterator(tmp)) if (e.is_regular_file()) fsync_path(e.path().string());  // (flat: no subdirectories)

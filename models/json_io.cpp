@@ -45,8 +45,14 @@ void write_close_checked(std::ofstream& f, const std::string& path, const std::s
   f.close();
   if (f) return;
   int err = errno;
-  if (!err && (earlier == ENOSPC || earlier == EFBIG || earlier == EDQUOT || earlier == EIO)) err = earlier;
+  if (!err && errno_of_a_write(earlier)) err = earlier;
   throw std::runtime_error(path + ": write failed" + (err ? std::string(": ") + std::strerror(err) : std::string()) + and_kept);
+}
+
+void file_write_checked(const std::string& path, std::string_view text, const std::string& kept) {
+  std::ofstream f(path, std::ios::binary);
+  f.write(text.data(), static_cast<std::streamsize>(text.size()));
+  write_close_checked(f, path, kept);
 }
 
 std::string open_failure(const std::string& path) {

@@ -2,9 +2,11 @@
 // naming it (nlohmann keeps the last one silently: a duplicated rope_theta changed the model, a
 // second safetensors entry replaced a tensor), and a directory or unreadable file is named; and a
 // file written, checked at its close.
-// defines: json_parse_strict, json_file_read, file_text_read, jsonl_errors, open_failure, write_close_checked
+// defines: json_parse_strict, json_file_read, file_text_read, jsonl_errors, open_failure, write_close_checked,
+//          file_write_checked, errno_of_a_write
 #pragma once
 #include <nlohmann/json.hpp>
+#include <cerrno>
 #include <cstdint>
 #include <iosfwd>
 #include <string>
@@ -30,6 +32,11 @@ std::string open_failure(const std::string& path);
 // that filled at the final flush went unseen, and the cut file was renamed into place as whole;
 // "PATH: cannot open for writing: <why>[ (kept)]" where f never opened (call it right after the writes).
 void write_close_checked(std::ofstream& f, const std::string& path, const std::string& kept = "");
+// `text` as the whole file at path (created or truncated), through write_close_checked.
+void file_write_checked(const std::string& path, std::string_view text, const std::string& kept = "");
+// Whether errno value e is one a failed write sets: errno read after the failure (a later call may
+// have changed it) is that write's where it is one of these.
+inline bool errno_of_a_write(int e) { return e == ENOSPC || e == EFBIG || e == EDQUOT || e == EIO || e == EPIPE; }
 
 // A JSONL reader's bad lines, so that one error names them all (the first 20).
 class jsonl_errors {

@@ -196,11 +196,7 @@ namespace {
 // Writes `text` to path via path.tmp + rename.
 void write_text(const std::filesystem::path& path, const std::string& text) {
   const std::string tmp = path.string() + ".tmp";
-  {
-    std::ofstream f(tmp);
-    f << text;
-    write_close_checked(f, tmp);
-  }
+  file_write_checked(tmp, text);
   std::filesystem::rename(tmp, path);
 }
 }  // namespace

@@ -447,10 +447,7 @@ tokenizer_file tokenizer_file_read(const std::string& path) {
 }
 
 void tokenizer_file_write(const tokenizer_file& t, const std::string& dir) {
-  const std::string path = (std::filesystem::path(dir) / t.name).string();
-  std::ofstream f(path, std::ios::binary);
-  f << t.bytes;
-  write_close_checked(f, path);
+  file_write_checked((std::filesystem::path(dir) / t.name).string(), t.bytes);
 }
 
 void tokenizer_copy(const std::string& path, const std::string& dir) { tokenizer_file_write(tokenizer_file_read(path), dir); }
@@ -476,10 +473,8 @@ std::unique_ptr<tokenizer> tokenizer_make(const tokenizer_file& t) {
 }
 
 void char_tokenizer_save(const std::string& dir, const std::string& alphabet) {
-  const std::string path = (std::filesystem::path(dir) / kCharFile).string();
-  std::ofstream f(path);
-  f << json{{"type", "fp8rl-char"}, {"alphabet", alphabet}}.dump() << "\n";
-  write_close_checked(f, path);
+  file_write_checked((std::filesystem::path(dir) / kCharFile).string(),
+                     json{{"type", "fp8rl-char"}, {"alphabet", alphabet}}.dump() + "\n");
 }
 
 }  // namespace fp8rl::models

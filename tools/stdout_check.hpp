@@ -7,6 +7,8 @@
 #include <cstring>
 #include <string>
 
+#include "models/json_io.hpp"
+
 namespace fp8rl::tools {
 
 // 0 where standard output flushed and holds no error; else the flush's errno, or a write's that
@@ -19,7 +21,7 @@ inline int stdout_failure() {
   const int err = errno;
   if (flushed && !std::ferror(stdout)) return 0;
   if (!flushed && err) return err;
-  return before == ENOSPC || before == EFBIG || before == EPIPE || before == EIO || before == EDQUOT ? before : -1;
+  return fp8rl::models::errno_of_a_write(before) ? before : -1;
 }
 
 // ": <errno's text>" for stdout_failure()'s value (nothing where it is unknown)
