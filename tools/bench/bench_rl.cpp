@@ -19,6 +19,7 @@
 #include <map>
 #include <nlohmann/json.hpp>
 
+#include "models/json_io.hpp"
 #include "tools/bench/bench_util.hpp"
 
 namespace fs = std::filesystem;
@@ -142,11 +143,12 @@ int main(int argc, char** argv) {
   // 2. bundle sync latency and MB/s, FP8 vs BF16, in process and across processes
   if (bench_selected(a, "sync")) {
     const int port = 43000 + ::getpid() % 5000;
-    std::ofstream(work / "two.conf")
-        << "[cluster]\nnodes=[{name=\"main\", host=\"127.0.0.1\", port=0, roles=[\"controller\", \"buffer\", \"reward\", "
-           "\"weight_sync\", \"calibration\"], learners=[\"cpu:1\"], rollouts=[]},\n{name=\"gen\", host=\"127.0.0.1\", port="
-        << port << ", roles=[], learners=[], rollouts=[\"cpu:1\"]}]\n";
-    std::ofstream(work / "hosts") << "127.0.0.1 slots=2\n";
+    fp8rl::models::file_write_checked(
+        (work / "two.conf").string(),
+        "[cluster]\nnodes=[{name=\"main\", host=\"127.0.0.1\", port=0, roles=[\"controller\", \"buffer\", \"reward\", "
+        "\"weight_sync\", \"calibration\"], learners=[\"cpu:1\"], rollouts=[]},\n{name=\"gen\", host=\"127.0.0.1\", port=" +
+            std::to_string(port) + ", roles=[], learners=[], rollouts=[\"cpu:1\"]}]\n");
+    fp8rl::models::file_write_checked((work / "hosts").string(), "127.0.0.1 slots=2\n");
     const std::string small = " --model.size=small --model.sft_steps=0 --run.steps=6 --run.eval_every=0"
                               " --run.checkpoint_every=0 --rollout.prompts_per_step=4 --rollout.group_size=2"
                               " --task.train_size=200";
