@@ -262,6 +262,14 @@ msg::weight_sync_actor spawn_weight_sync(caf::actor_system& sys, std::shared_ptr
           auto& s = self->state;
           const uint64_t v = bm.bundle->weight_version;
           trace_recv_bundle("weight_sync", bm);
+          // one bundle per version, in order (one calibration actor, one learner publishing): a
+          // version again replaced the bundle its rollouts may hold and was never reported again
+          if (!s.versions.empty() && v <= s.versions.rbegin()->first) {
+            self->send(s.peers.controller, std::string("weight_sync"),
+                       "bundle v" + std::to_string(v) + " arrived after v" + std::to_string(s.versions.rbegin()->first) +
+                           ": each version is published once, in order (not sent to the rollouts)");
+            return;
+          }
           log_get("weight_sync")->debug("publishing v{} to {} rollouts", v, s.peers.rollouts.size());
           trace_span span("weight_sync", "publish", static_cast<int64_t>(v), static_cast<double>(bm.bundle->bytes()),
                           static_cast<int64_t>(bm.bundle->snapshot.scale_version));

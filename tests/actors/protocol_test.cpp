@@ -425,6 +425,33 @@ TEST_F(WeightSyncWithTwoRollouts, KeepsTheLastMaxStalenessPlusOneBundles) {
       .receive([](msg::metrics_t& m) { EXPECT_EQ(m.at("versions_held"), 2.0); }, [&](caf::error& e) { FAIL() << sys.render(e); });
 }
 
+// Each version is published once, in order: a bundle for v1 again, or for an older version, is
+// a fault told to the controller (it fails the run naming it) and goes to no rollout; the
+// bundle the rollouts hold stays v2's.
+TEST_F(WeightSyncWithTwoRollouts, RefusesAVersionPublishedAgainOrOutOfOrder) {
+  const auto b1 = fp8_bundle_v1();
+  auto b2 = std::make_shared<quant::weight_bundle>(*b1);
+  b2->weight_version = b2->snapshot.weight_version = 2;
+  b2->snapshot.scale_version = 2;
+  ctl->send(ws, msg::bundle_msg{{}, b1});
+  ctl->send(ws, msg::bundle_msg{{}, b1});
+  ctl->receive([](std::string& who, std::string& why) {
+    EXPECT_EQ(who, "weight_sync");
+    EXPECT_EQ(why, "bundle v1 arrived after v1: each version is published once, in order (not sent to the rollouts)");
+  }, caf::after(std::chrono::seconds(5)) >> [] { FAIL() << "v1 published twice was not told"; });
+  ctl->send(ws, msg::bundle_msg{{}, b2});
+  ctl->send(ws, msg::bundle_msg{{}, b1});
+  ctl->receive([](std::string&, std::string& why) {
+    EXPECT_EQ(why, "bundle v1 arrived after v2: each version is published once, in order (not sent to the rollouts)");
+  }, caf::after(std::chrono::seconds(5)) >> [] { FAIL() << "v1 after v2 was not told"; });
+  for (auto* r : {&r0, &r1}) {
+    std::vector<uint64_t> got;
+    for (int i = 0; i < 3; ++i)
+      (*r)->receive([&](msg::bundle_msg& m) { got.push_back(m.bundle->weight_version); }, caf::after(std::chrono::milliseconds(200)) >> [] {});
+    EXPECT_EQ(got, (std::vector<uint64_t>{1, 2}));
+  }
+}
+
 // A rollout refusing a bundle is told to the controller, naming the rollout and why (its run
 // waits on that version's report otherwise); a second peers_msg reports nothing twice; a rollout
 // that left (the peers no longer name it) holds up no version's report; the latency is the time
