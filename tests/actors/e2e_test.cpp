@@ -59,7 +59,7 @@ TEST(E2E, EmbeddedDefaultRunsAndResumes) {
     if (x.contains("calibration_version")) {
       EXPECT_TRUE(calibrated.insert(x["calibration_version"].get<double>()).second) << x.dump();
       EXPECT_GT(x["calibration_s"].get<double>(), 0.0) << x.dump();
-      EXPECT_GE(x["fp8_weights_flushed"].get<double>(), 0.0) << x.dump();  // counts: tests/actors/protocol_test.cpp
+      EXPECT_GE(x["fp8_weights_flushed"].get<double>(), 0.0) << x.dump();  // counts: tests/actors/protocol_sync_test.cpp
       EXPECT_LT(x["fp8_weights_flushed_worst_block"].get<double>(), fp8rl::models::kFlushWarnFraction) << x.dump();
     }
   EXPECT_GE(calibrated.size(), 2u);
