@@ -4,6 +4,7 @@
 #include <cstdint>
 #include <cstring>
 #include <filesystem>
+#include <functional>
 #include <fstream>
 #include <sstream>
 #include <random>
@@ -103,5 +104,7 @@ std::string thrown_text(Fn&& fn) {
   }
   return "";
 }
+// The message of the std::exception that `fn` throws ("" if it throws none).
+inline std::string error_of(const std::function<void()>& fn) { return thrown_text<std::exception>(fn); }
 
 }  // namespace fp8rl::test

@@ -24,6 +24,7 @@
 #include "tests/tolerances.hpp"
 
 using namespace fp8rl::models;
+using fp8rl::test::error_of;
 namespace fs = std::filesystem;
 
 namespace {
@@ -32,10 +33,6 @@ const char* kGoodConfig = R"({"hidden_size": 64, "intermediate_size": 96, "num_h
   "rope_theta": 10000.0, "max_position_embeddings": 128, "tie_word_embeddings": false,
   "architectures": ["LlamaForCausalLM"], "torch_dtype": "bfloat16", "hidden_act": "silu"})";
 
-std::string error_of(const std::function<void()>& fn) {
-  try { fn(); } catch (const std::exception& e) { return e.what(); }
-  return "";
-}
 
 fs::path tmpdir(const char* name) {
   fs::path p = fs::temp_directory_path() / ("fp8rl_io_" + std::string(name) + "_" + std::to_string(::getpid()));
