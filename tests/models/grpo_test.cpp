@@ -873,6 +873,34 @@ TEST(Grpo, ANonFiniteWeightKeepsTheTokensKlTerm) {
 // cache), the median of an even count the mean of the middle two; fewer than 10% of steps above
 // 1.1; the first min_steps steps' mean gen_kl_error below 0.003, judged once; a non-finite value
 // fails; off judges nothing.
+// The running median (two heaps, O(log n) a step) is the sorted counted values' middle one, or the
+// mean of the middle two, after every step: ties, infinities (a NaN counts as +inf) and runs
+// that rise, fall or jump between halves; steps without staleness-0 tokens leave it alone.
+TEST(Health, RunningMedianIsTheSortedMiddle) {
+  std::mt19937_64 rng(7);
+  for (int trial = 0; trial < 50; ++trial) {
+    health_config c;
+    c.min_steps = 1000000;  // never judged: the median alone
+    health_monitor h(c);
+    std::vector<double> seen;
+    const int n = 1 + static_cast<int>(rng() % 300);
+    for (int i = 0; i < n; ++i) {
+      const uint64_t kind = rng() % 10;
+      double x = kind == 0 ? 1.0 : kind == 1 ? std::nan("") : kind == 2 ? INFINITY : kind < 6 ? double(i) : 0.5 + double(rng() % 1000) / 500;
+      if (kind == 9) x = -x;
+      h.add(uint64_t(i), {{"by_staleness/0/token_mult_prob_error", x}, {"by_staleness/0/gen_kl_error", 0.0}});
+      if (rng() % 7 == 0) h.add(uint64_t(i), {{"by_staleness/1/token_mult_prob_error", 5.0}});
+      seen.push_back(std::isnan(x) ? INFINITY : x);
+      std::vector<double> s = seen;
+      std::sort(s.begin(), s.end());
+      const size_t m = s.size() / 2;
+      const double want = s.size() % 2 ? s[m] : (s[m] + s[m - 1]) / 2;
+      ASSERT_EQ(h.counted(), seen.size());
+      ASSERT_EQ(h.tmpe_median(), want) << "trial " << trial << " step " << i;
+    }
+  }
+}
+
 TEST(Health, GatesJudgeTheStalenessZeroMismatch) {
   auto step = [](double tmpe, double kl) {
     return std::map<std::string, double>{{"by_staleness/0/token_mult_prob_error", tmpe}, {"by_staleness/0/gen_kl_error", kl}};
