@@ -228,7 +228,7 @@ msg::controller_actor spawn_controller(caf::actor_system& sys, std::shared_ptr<c
     st.metrics.open(env->run_dir, env->start_version > 0);
     st.health.emplace(recipe_health_config(env->cfg));
     if (env->start_version > 0)  // a resumed run's gates count its earlier steps too (judged then)
-      for (const auto& [step, m] : metrics_rows_read(st.metrics.path())) st.health->add(step, m);
+      metrics_rows_each(st.metrics.path(), [&st](uint64_t step, const auto& m) { st.health->add(step, m); });
     // code 0: the last step is done; `stopped`: a stop request ended the run (why: where it is saved)
     auto finish = [self, shut_down, log](int code, const std::string& why, bool stopped = false) {
       auto& s = self->state;

@@ -234,7 +234,7 @@ void run_preflight(const actor_env& env, bool resume, bool restart) {
                                      : fmt::format("after checkpoint v{} (or cut by an interrupted run)", env.start_version),
                              metrics.string());
   // the controller reads the kept rows back (health gates): a line it cannot read is named here
-  if (resume && env.start_version > 0 && fs::exists(metrics)) metrics_rows_read(metrics.string());
+  if (resume && env.start_version > 0 && fs::exists(metrics)) metrics_rows_each(metrics.string(), [](uint64_t, const auto&) {});
   std::ofstream probe(metrics, std::ios::app);
   if (!probe) throw std::invalid_argument(metrics.string() + ": cannot open for writing");
 }

@@ -32,6 +32,7 @@ std::vector<recipe_key> recipe_keys(run_config& r) {
       {"run", "steps", &r.steps, "optimizer steps (GRPO steps) to run"},
       {"run", "eval_every", &r.eval_every, "validation accuracy every N steps (0: only at the end)"},
       {"run", "checkpoint_every", &r.checkpoint_every, "checkpoint every N steps (0: only at the end); also at the step where a signal stops the run"},
+      {"run", "keep_checkpoints", &r.keep_checkpoints, "checkpoints kept: the newest N (by step) in checkpoints/, older ones removed after each save (0: all)"},
       {"run", "log_level", &r.log_level, "trace, debug, info, warn, error, off"},
       {"model", "init", &r.init, "'tiny' (built-in model + SFT warm start) or a Hugging Face model directory"},
       {"model", "size", &r.size, "built-in model size for init = tiny: tiny (hidden 128, 2 layers) or small (hidden 512, 8 layers)"},
@@ -421,6 +422,7 @@ void recipe_validate(const run_config& r) {
       fail("precision.bf16_names", "'" + r.bf16_names + "': names are comma-separated, none empty, without spaces");
   if (r.eval_every < 0) fail("run.eval_every", "must be >= 0");
   if (r.checkpoint_every < 0) fail("run.checkpoint_every", "must be >= 0");
+  if (r.keep_checkpoints < 0) fail("run.keep_checkpoints", "must be >= 0 (0 keeps all)");
   if (r.val_size <= 0) fail("task.val_size", "must be > 0 (the run ends with a validation)");
   if (r.train_size <= 0) fail("task.train_size", "must be > 0");
   positive("model.sft_batch", r.sft_batch);

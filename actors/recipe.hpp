@@ -27,7 +27,7 @@ namespace fp8rl::actors {
 struct run_config {
   // [run]
   std::string name = "fp8rl";
-  int64_t seed = 1, steps = 200, eval_every = 25, checkpoint_every = 50;
+  int64_t seed = 1, steps = 200, eval_every = 25, checkpoint_every = 50, keep_checkpoints = 5;
   std::string log_level = "info";
   // [model]
   std::string init = "tiny";  // "tiny" (built-in, SFT warm start) or a HF model directory

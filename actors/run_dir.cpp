@@ -8,6 +8,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <csignal>
 #include <cstdio>
@@ -230,10 +231,10 @@ void metrics_writer::write(uint64_t step, const std::map<std::string, double>& m
                              "'s row went into the file this run opened, which is no longer there");
 }
 
-std::vector<std::pair<uint64_t, std::map<std::string, double>>> metrics_rows_read(const std::string& metrics_path) {
+void metrics_rows_each(const std::string& metrics_path,
+                       const std::function<void(uint64_t step, const std::map<std::string, double>& metrics)>& row) {
   std::ifstream in(metrics_path, std::ios::binary);
   if (!in) throw std::runtime_error(metrics_path + ": cannot open");
-  std::vector<std::pair<uint64_t, std::map<std::string, double>>> rows;
   std::string line;
   for (int64_t n = 1; std::getline(in, line); ++n) {
     if (line.find_first_not_of(" \t\r") == std::string::npos) continue;  // a blank line (resume's trim keeps it)
@@ -247,9 +248,8 @@ std::vector<std::pair<uint64_t, std::map<std::string, double>>> metrics_rows_rea
       if (!v.is_number() && !v.is_null()) throw std::runtime_error(where + ": metric '" + k + "' is not a number");
       m[k] = v.is_null() ? std::nan("") : v.get<double>();
     }
-    rows.emplace_back(j["step"].get<uint64_t>(), std::move(m));
+    row(j["step"].get<uint64_t>(), m);
   }
-  return rows;
 }
 
 int64_t metrics_trim_for_resume(const std::string& metrics_path, uint64_t version) {
@@ -310,6 +310,28 @@ std::string plots_run_gnuplot(const fs::path& dir) {
 }
 }  // namespace
 
+std::string checkpoints_prune(const std::string& checkpoints_dir, int64_t keep, const std::string& current) {
+  if (keep <= 0) return "";
+  std::vector<std::pair<uint64_t, fs::path>> steps;  // step_<digits> only
+  std::error_code ec;
+  for (fs::directory_iterator it(checkpoints_dir, ec), end; !ec && it != end; it.increment(ec)) {
+    const std::string name = it->path().filename().string();
+    if (name.size() <= 5 || name.compare(0, 5, "step_") != 0 || name.size() > 5 + 19 ||
+        name.find_first_not_of("0123456789", 5) != std::string::npos || !it->is_directory())
+      continue;
+    steps.emplace_back(std::stoull(name.substr(5)), it->path());
+  }
+  if (ec) return checkpoints_dir + ": cannot list it (" + ec.message() + ")";
+  std::sort(steps.begin(), steps.end(), [](const auto& a, const auto& b) { return a.first > b.first; });
+  std::string failed;
+  for (size_t i = static_cast<size_t>(keep); i < steps.size(); ++i) {
+    if (steps[i].second.filename() == current) continue;
+    fs::remove_all(steps[i].second, ec);
+    if (ec) failed += (failed.empty() ? "" : "; ") + steps[i].second.string() + ": " + ec.message();
+  }
+  return failed.empty() ? "" : "could not remove an old checkpoint (run.keep_checkpoints): " + failed;
+}
+
 std::string plots_write(const std::string& run_dir) {
   const fs::path dir = fs::path(run_dir) / "plots", metrics = fs::path(run_dir) / "metrics.jsonl";
   std::error_code ec;
@@ -324,7 +346,7 @@ std::string plots_write(const std::string& run_dir) {
     return j.contains(k) && j[k].is_number() ? std::to_string(j[k].get<double>()) : "NaN";
   };
   for (int64_t n = 1; std::getline(in, line); ++n) {
-    if (line.find_first_not_of(" \t\r") == std::string::npos) continue;  // as metrics_rows_read
+    if (line.find_first_not_of(" \t\r") == std::string::npos) continue;  // as metrics_rows_each
     auto j = nlohmann::json::parse(line, nullptr, false);
     if (j.is_discarded() || !j.is_object() || !j.contains("step") || !j["step"].is_number_integer())
       return metrics.string() + ":" + std::to_string(n) + ": not a metrics row (an object with an integer \"step\")";

@@ -1,5 +1,5 @@
 // actors/run_dir.hpp -- the run directory: metrics.jsonl, progress lines, gnuplot plots.
-// defines: metrics_writer, metrics_rows_read, metrics_trim_for_resume, plots_write, run_dir_outputs, run_dir_choose, run_dir_stash,
+// defines: metrics_writer, metrics_rows_each, metrics_trim_for_resume, checkpoints_prune, plots_write, run_dir_outputs, run_dir_choose, run_dir_stash,
 //          run_dir_recover
 //
 //   RUN_DIR/metrics.jsonl      one JSON object per learner step: "step", every metric (spec names)
@@ -11,6 +11,7 @@
 #include <cstdint>
 #include <exception>
 #include <fstream>
+#include <functional>
 #include <map>
 #include <string>
 #include <vector>
@@ -29,15 +30,23 @@ class metrics_writer {
   uint64_t dev_ = 0, ino_ = 0;  // the file opened: one removed or replaced took the rows after it in silence
 };
 
-// The rows of metrics.jsonl as written (null, a non-finite value, reads NaN); a resumed run's
-// controller reads them back (the health gates count the steps before the resume). Throws
-// naming file and line for a row that is not an object with an unsigned "step" and numbers.
-std::vector<std::pair<uint64_t, std::map<std::string, double>>> metrics_rows_read(const std::string& metrics_path);
+// Calls row(step, metrics) for each row of metrics.jsonl as written (null, a non-finite value, reads
+// NaN), one row in memory at a time (a day's run writes millions; all of them held at once took
+// ~10 KB a row at a resume); a resumed run's controller replays them into the health gates (they
+// count the steps before the resume). Throws naming file and line for a row that is not an object
+// with an unsigned "step" and numbers.
+void metrics_rows_each(const std::string& metrics_path,
+                       const std::function<void(uint64_t step, const std::map<std::string, double>& metrics)>& row);
 
 // --resume from the checkpoint of version K: metrics rows of steps after K (trained after that
 // checkpoint, then lost with the process; the resumed run writes them again) and a partial last
 // line move to metrics.jsonl.discarded (appended, nothing deleted). Returns how many lines moved.
 int64_t metrics_trim_for_resume(const std::string& metrics_path, uint64_t version);
+
+// Removes the step_<N> directories of CHECKPOINTS_DIR but the `keep` of the highest N and `current`
+// (keep 0: none removed); other entries (latest, a save's .tmp/.old) stay. Returns "" or what could
+// not be removed and why (the caller warns: the run goes on).
+std::string checkpoints_prune(const std::string& checkpoints_dir, int64_t keep, const std::string& current);
 
 // Writes RUN_DIR/plots/{reward,mismatch}.png from metrics.jsonl with gnuplot; returns "" or why not.
 std::string plots_write(const std::string& run_dir);

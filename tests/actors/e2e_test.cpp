@@ -507,15 +507,26 @@ TEST(E2E, SignalStopsTheRunAtACheckpointedStep) {
 
 // A resumed run continues exactly where the uninterrupted one would be, FP8 K/V cache included:
 // the checkpoint keeps the batch its K/V scales are calibrated on (calibration.jsonl); the
-// resumed run calibrated on the next step's prompts and its metrics differed from step 3 on.
+// resumed run calibrated on the next step's prompts and its metrics differed from step 3 on. The
+// uninterrupted run checkpoints every step and keeps the newest 2 (run.keep_checkpoints); the
+// resumed part keeps 1 from its resume on (a key a resume may change); init (the SFT warm start) stays.
 TEST(E2E, ResumeReproducesTheUninterruptedRun) {
   const fs::path d = fresh_dir("resume");
   const std::string f = " --run.eval_every=0 --run.checkpoint_every=2 --model.sft_steps=60 --rollout.prompts_per_step=8"
                         " --async.max_staleness=0 --precision.generation=fp8-kv";
-  ASSERT_EQ(run(kBin + "/fp8rl train --run-dir " + (d / "full").string() + f + " --run.steps=4"), 0);
+  ASSERT_EQ(run(kBin + "/fp8rl train --run-dir " + (d / "full").string() + f +
+                " --run.steps=4 --run.checkpoint_every=1 --run.keep_checkpoints=2"),
+            0);
+  auto entries = [](const fs::path& dir) {
+    std::set<std::string> names;
+    for (const auto& e : fs::directory_iterator(dir)) names.insert(e.path().filename().string());
+    return names;
+  };
+  EXPECT_EQ(entries(d / "full" / "checkpoints"), (std::set<std::string>{"init", "latest", "step_3", "step_4"}));
   ASSERT_EQ(run(kBin + "/fp8rl train --run-dir " + (d / "part").string() + f + " --run.steps=2"), 0);
   ASSERT_TRUE(fs::exists(d / "part" / "checkpoints" / "step_2" / "calibration.jsonl"));
-  ASSERT_EQ(run(kBin + "/fp8rl train --resume --run-dir " + (d / "part").string() + f + " --run.steps=4"), 0);
+  ASSERT_EQ(run(kBin + "/fp8rl train --resume --run-dir " + (d / "part").string() + f + " --run.steps=4 --run.keep_checkpoints=1"), 0);
+  EXPECT_EQ(entries(d / "part" / "checkpoints"), (std::set<std::string>{"init", "latest", "step_4"}));
   const auto a = metrics(d / "full"), b = metrics(d / "part");
   ASSERT_EQ(a.size(), 4u);
   ASSERT_EQ(b.size(), 4u);

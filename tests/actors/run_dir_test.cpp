@@ -8,6 +8,7 @@
 #include <csignal>
 #include <filesystem>
 #include <fstream>
+#include <set>
 #include <nlohmann/json.hpp>
 
 #include "actors/env.hpp"
@@ -379,18 +380,42 @@ TEST(RunDir, ResumeMovesRowsAfterTheCheckpointAside) {
   // the kept rows read back (the health gates count them): a null (a non-finite value) reads NaN,
   // a blank line is skipped, a row that is not one is named with its line
   std::ofstream(m) << "{\"step\":1,\"a\":null,\"b\":0.5}\n\n{\"step\":2}\n";
-  const auto rows = metrics_rows_read(m.string());
+  std::vector<std::pair<uint64_t, std::map<std::string, double>>> rows;
+  metrics_rows_each(m.string(), [&](uint64_t step, const auto& x) { rows.emplace_back(step, x); });
   ASSERT_EQ(rows.size(), 2u);
   EXPECT_EQ(rows[0].first, 1u);
   EXPECT_TRUE(std::isnan(rows[0].second.at("a")));
   EXPECT_EQ(rows[0].second.at("b"), 0.5);
   EXPECT_EQ(rows[1].first, 2u);
   std::ofstream(m) << "{\"step\":1}\n{\"step\":-1}\n";
-  EXPECT_EQ(error_of([&] { metrics_rows_read(m.string()); }), m.string() + ":2: not a metrics row (an object with an unsigned \"step\")");
+  EXPECT_EQ(error_of([&] { metrics_rows_each(m.string(), [](uint64_t, const auto&) {}); }), m.string() + ":2: not a metrics row (an object with an unsigned \"step\")");
   std::ofstream(m) << "{\"step\":1,\"x\":\"text\"}\n";
-  EXPECT_EQ(error_of([&] { metrics_rows_read(m.string()); }), m.string() + ":1: metric 'x' is not a number");
+  EXPECT_EQ(error_of([&] { metrics_rows_each(m.string(), [](uint64_t, const auto&) {}); }), m.string() + ":1: metric 'x' is not a number");
   fs::remove(m);
   fs::remove(m.string() + ".discarded");
+}
+
+// Pruning keeps the newest `keep` step_N by number (step_10 is newer than step_9), and the one just
+// saved whatever its number; `latest`, a save's step_N.tmp and other names stay; keep 0 removes none.
+TEST(RunDir, CheckpointsPruneKeepsTheNewestByStep) {
+  const fs::path d = fs::temp_directory_path() / ("fp8rl_prune_" + std::to_string(::getpid()));
+  fs::remove_all(d);
+  for (const char* n : {"step_1", "step_2", "step_9", "step_10", "step_7.tmp", "step_x", "step_"}) fs::create_directories(d / n);
+  std::ofstream(d / "latest") << "step_10\n";
+  std::ofstream(d / "step_3");  // a file, not a checkpoint
+  auto names = [&] {
+    std::set<std::string> out;
+    for (const auto& e : fs::directory_iterator(d)) out.insert(e.path().filename().string());
+    return out;
+  };
+  EXPECT_EQ(checkpoints_prune(d.string(), 0, "step_10"), "");
+  EXPECT_EQ(names().size(), 9u);
+  EXPECT_EQ(checkpoints_prune(d.string(), 2, "step_1"), "");
+  EXPECT_EQ(names(), (std::set<std::string>{"latest", "step_1", "step_10", "step_9", "step_7.tmp", "step_x", "step_", "step_3"}));
+  EXPECT_EQ(checkpoints_prune(d.string(), 1, "step_10"), "");
+  EXPECT_EQ(names(), (std::set<std::string>{"latest", "step_10", "step_7.tmp", "step_x", "step_", "step_3"}));
+  fs::remove_all(d);
+  EXPECT_EQ(checkpoints_prune(d.string(), 1, "step_10"), d.string() + ": cannot list it (No such file or directory)");
 }
 
 // A trace file that cannot be opened is the start's error naming it; one whose writes fail (a full
