@@ -85,6 +85,7 @@ std::vector<recipe_key> recipe_keys(run_config& r) {
        "KL estimates of parts, not additive)"},
       {"audit", "samples", &r.audit_samples, "trajectories per audit"},
       {"trace", "enabled", &r.trace, "write per-process trace events (runs/<dir>/traces)"},
+      {"trace", "max_mb", &r.trace_max_mb, "a process's trace file stops at this size (MiB; ~50 KB a step of the default run), one warning says so (0: no cap)"},
       {"health", "gates", &r.health_gates, "mismatch gates (rl-algorithm.md section 7) on tokens sampled under the trained "
        "weights: fail (the run stops, named), warn, or off"},
       {"health", "min_steps", &r.health_min_steps, "the gates judge a run once it has this many steps with such tokens"},
@@ -422,6 +423,7 @@ void recipe_validate(const run_config& r) {
       fail("precision.bf16_names", "'" + r.bf16_names + "': names are comma-separated, none empty, without spaces");
   if (r.eval_every < 0) fail("run.eval_every", "must be >= 0");
   if (r.checkpoint_every < 0) fail("run.checkpoint_every", "must be >= 0");
+  if (r.trace_max_mb < 0 || r.trace_max_mb > (int64_t(1) << 40)) fail("trace.max_mb", "must be in [0, 2^40] (0: no cap)");
   if (r.keep_checkpoints < 0) fail("run.keep_checkpoints", "must be >= 0 (0 keeps all)");
   if (r.val_size <= 0) fail("task.val_size", "must be > 0 (the run ends with a validation)");
   if (r.train_size <= 0) fail("task.train_size", "must be > 0");

@@ -63,6 +63,7 @@ struct run_config {
   int64_t audit_every = 0, audit_samples = 16;
   // [trace]
   bool trace = true;
+  int64_t trace_max_mb = 1024;
   // [health] (rl-algorithm.md section 7, models/rl/health.hpp)
   std::string health_gates = "fail";
   int64_t health_min_steps = 20;

@@ -41,24 +41,28 @@ void json_string(std::string& out, const std::string& s) {
 }
 }  // namespace
 
-void trace_writer::open(const std::string& path, const std::string& node) {
+void trace_writer::open(const std::string& path, const std::string& node, uint64_t max_bytes) {
   std::lock_guard<std::mutex> g(mu_);
   if (path.empty()) return;
   std::filesystem::create_directories(std::filesystem::path(path).parent_path());
   // a process killed mid-write (a resumed run appends to its file) left a torn last line: end it,
   // so this process's first event starts a line of its own
   bool torn = false;
+  bytes_ = 0;
   if (std::ifstream prev(path, std::ios::binary | std::ios::ate); prev && prev.tellg() > 0) {
+    bytes_ = static_cast<uint64_t>(prev.tellg());
     prev.seekg(-1, std::ios::end);
     torn = prev.get() != '\n';
   }
   out_.open(path, std::ios::app);
   if (!out_) throw std::runtime_error(path + ": cannot open for writing (--trace.enabled=false runs without traces)");
   path_ = path;
-  if (torn) out_ << '\n';
+  if (torn) out_ << '\n', ++bytes_;
   prefix_ = "{\"node\":";
   json_string(prefix_, node);  // escaped once, not per event
+  max_bytes_ = max_bytes;
   enabled_ = static_cast<bool>(out_);
+  check_cap();  // a resumed run's file may be there already
 }
 
 void trace_writer::close() {
@@ -72,6 +76,13 @@ void trace_writer::check_written() {
   enabled_ = false;
   log_get("trace")->warn("{}: writing trace events failed (disk full?); tracing stops here, the run goes on with its trace cut",
                          path_);
+}
+
+void trace_writer::check_cap() {
+  if (max_bytes_ == 0 || bytes_ < max_bytes_ || !enabled_) return;
+  enabled_ = false;
+  log_get("trace")->warn("{}: {} bytes, its cap trace.max_mb = {} reached; tracing stops here, the run goes on (0: no cap)", path_,
+                         bytes_, max_bytes_ >> 20);
 }
 
 uint64_t trace_writer::lamport_tick(const std::string& actor, uint64_t received) {
@@ -139,8 +150,11 @@ void trace_writer::event(const std::string& actor, const std::string& name, cons
   if (msg) line.append(b, static_cast<size_t>(std::snprintf(b, sizeof b, ",\"msg\":%llu", static_cast<unsigned long long>(msg))));
   line += "}\n";
   std::lock_guard<std::mutex> g(mu_);
+  if (!enabled_) return;  // (another thread's event may have reached the cap)
   out_ << line;
+  bytes_ += line.size();
   if (++pending_ % 256 == 0) out_.flush(), check_written();
+  check_cap();
 }
 
 }  // namespace fp8rl::actors

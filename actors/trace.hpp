@@ -8,7 +8,8 @@
 // processes, from which fp8rl-trace computes vector clocks (caf-0.17.md §7).
 // Writes are buffered and flushed every few hundred events and at close; a disabled writer
 // costs one branch per event. A file that cannot be opened is the start's error; one whose writes
-// fail (a full disk) stops tracing with a warning naming it -- the run goes on, its trace cut.
+// fail (a full disk), or that reaches its cap (trace.max_mb: ~50 KB a step of the default run, ~4.6
+// GB an hour uncapped), stops tracing with a warning naming it -- the run goes on, its trace cut.
 #pragma once
 #include <atomic>
 #include <cstdint>
@@ -26,8 +27,9 @@ int64_t trace_now_us();
 class trace_writer {
  public:
   trace_writer() = default;
-  // path empty: disabled; throws std::runtime_error naming a path it cannot open
-  void open(const std::string& path, const std::string& node);
+  // path empty: disabled; throws std::runtime_error naming a path it cannot open. max_bytes: the
+  // file's cap, what it held before (a resumed run appends) included (0: none)
+  void open(const std::string& path, const std::string& node, uint64_t max_bytes = 0);
   void close();
   bool enabled() const { return enabled_; }
   void event(const std::string& actor, const std::string& name, const char* kind, int64_t ts_us, int64_t dur_us,
@@ -44,7 +46,9 @@ class trace_writer {
   std::string path_, prefix_;  // prefix_: {"node":"<node, JSON-escaped>": every line starts with it
   std::atomic<bool> enabled_{false};
   void check_written();  // (mu_ held) a failed write: tracing off, said once
+  void check_cap();      // (mu_ held) the cap reached: tracing off, said once
   int64_t pending_ = 0;
+  uint64_t bytes_ = 0, max_bytes_ = 0;  // the file's size (what this process found and wrote), its cap
   std::map<std::string, uint64_t> clocks_;
   uint64_t id_salt_ = 0, id_next_ = 0;
 };

@@ -137,7 +137,9 @@ msg::node_agent_actor::behavior_type node_agent(msg::node_agent_actor::stateful_
           }
           auto env = env_make(cfg, init.node, init.run_dir, init.init_dir, run_start{init.start_version, init.start_cursor}, init.run_id);
           kv_memory_check(cfg, env->model, t, init.node);  // this host's engines, before any is allocated
-          if (cfg.trace) trace_writer::process().open((fs::path(init.run_dir) / "traces" / (init.node + ".jsonl")).string(), init.node);
+          if (cfg.trace)
+            trace_writer::process().open((fs::path(init.run_dir) / "traces" / (init.node + ".jsonl")).string(), init.node,
+                                         uint64_t(cfg.trace_max_mb) << 20);
           const auto idx = index_nodes(t).at(init.node);
           self->state.spawned = spawn_node(self->system(), *t.find(init.node), env, idx.first_learner, learner_world(t), idx.first_rollout);
           {
@@ -752,7 +754,8 @@ int train_main(int argc, char** argv) {
   else stop_signals::interruption_point("before the run started; nothing was trained");
   created.armed = false;
   recipe_record(cfg, run_dir, c.resume, start, resumed_with);
-  if (cfg.trace) trace_writer::process().open((fs::path(run_dir) / "traces" / (node + ".jsonl")).string(), node);
+  if (cfg.trace)
+    trace_writer::process().open((fs::path(run_dir) / "traces" / (node + ".jsonl")).string(), node, uint64_t(cfg.trace_max_mb) << 20);
   int code = 1;
   stop_signals::immediate(true);  // until the actors are wired (signals.hpp); one pending already is sent after
   if (replaced) replaced->run_started();

@@ -8,6 +8,7 @@
 #include <csignal>
 #include <filesystem>
 #include <fstream>
+#include <iterator>
 #include <set>
 #include <nlohmann/json.hpp>
 
@@ -440,4 +441,46 @@ TEST(Trace, AWriterThatCannotWriteSaysSoOnce) {
   const size_t at = err.find(said);
   EXPECT_NE(at, std::string::npos) << err;
   EXPECT_EQ(err.find(said, at + 1), std::string::npos) << "said twice: " << err;
+}
+
+// A trace file stops at its cap (trace.max_mb), what it held before included: the last event is
+// whole and ends past the cap by less than one line; one warning says so; a resumed run finding
+// the file at its cap writes nothing and says so at the open.
+TEST(Trace, AWriterStopsAtItsCapAndSaysSoOnce) {
+  const fs::path p = fs::temp_directory_path() / ("fp8rl_trace_cap_" + std::to_string(::getpid()) + ".jsonl");
+  fs::remove(p);
+  std::ofstream(p) << "{\"node\":\"n\",\"torn";  // a killed run's cut last line: ended by the next open
+  const uint64_t cap = 4096;
+  fp8rl::log_set_level("info");
+  testing::internal::CaptureStderr();
+  {
+    trace_writer w;
+    w.open(p.string(), "n", cap);
+    int events = 0;
+    while (w.enabled() && events < 1000) w.event("actor", "e", "span", 1, 2), ++events;
+    EXPECT_LT(events, 1000);
+    w.close();
+  }
+  std::string err = testing::internal::GetCapturedStderr();
+  const std::string said = p.string() + ": ";
+  EXPECT_NE(err.find("its cap trace.max_mb = 0 reached; tracing stops here, the run goes on (0: no cap)"), std::string::npos) << err;
+  EXPECT_EQ(err.find(said, err.find(said) + 1), std::string::npos) << "said twice: " << err;
+  const std::string text = [&] { std::ifstream in(p); return std::string(std::istreambuf_iterator<char>(in), {}); }();
+  EXPECT_GE(text.size(), cap);
+  const size_t last = text.rfind('\n', text.size() - 2);
+  EXPECT_LT(text.size() - cap, text.size() - last) << "past the cap by more than its last line";
+  EXPECT_EQ(text.back(), '\n');
+  EXPECT_EQ(text.find("{\"node\":\"n\",\"torn\n{\"node\":\"n\",\"actor\""), 0u) << text.substr(0, 80);
+  testing::internal::CaptureStderr();
+  {
+    trace_writer w;
+    w.open(p.string(), "n", cap);
+    EXPECT_FALSE(w.enabled());
+    w.event("actor", "e", "span", 1, 2);
+    w.close();
+  }
+  err = testing::internal::GetCapturedStderr();
+  EXPECT_NE(err.find(said + std::to_string(text.size()) + " bytes, its cap"), std::string::npos) << err;
+  EXPECT_EQ(fs::file_size(p), text.size());
+  fs::remove(p);
 }
