@@ -299,6 +299,12 @@ TEST(Protocol, CalibrationScalesTheKvCacheOnTheBatchItIsSent) {
 }
 
 namespace {
+// Two actor systems in this process with their middlemen: `remote` holds a stand-in rollout that
+// `sys` reaches over loopback (remote_rollout).
+struct two_systems {
+  test_config cfg1, cfg2;
+  caf::actor_system sys{cfg1.load<caf::io::middleman>()}, remote{cfg2.load<caf::io::middleman>()};
+};
 // `fake`, spawned in `remote`, as a rollout of another node: published on a loopback port and
 // reached from `sys` through its middleman, so weight-sync sends it bundles as chunks.
 msg::rollout_actor remote_rollout(caf::actor_system& sys, caf::actor_system& remote, const caf::actor& fake) {
@@ -323,10 +329,8 @@ msg::peers_msg one_rollout_peers(caf::scoped_actor& ctl, const msg::rollout_acto
 // the version, the rollout and the cause. Two actor systems in this process, joined over
 // loopback, make the rollout remote, so the bundle travels as chunks.
 TEST(Protocol, WeightSyncReportsAFailedTransferToALiveRollout) {
-  test_config cfg1, cfg2;
-  cfg1.load<caf::io::middleman>();
-  cfg2.load<caf::io::middleman>();
-  caf::actor_system sys{cfg1}, remote{cfg2};
+  two_systems both;
+  caf::actor_system &sys = both.sys, &remote = both.remote;
   // (an argument for the spawn: CAF 0.17 dereferences a missing argument tuple; actors.hpp)
   auto fake = remote.spawn([](caf::event_based_actor*, std::string why) -> caf::behavior {
     return {[why](msg::bundle_chunk& c) -> caf::result<msg::chunk_ack> {
@@ -355,10 +359,8 @@ TEST(Protocol, WeightSyncReportsAFailedTransferToALiveRollout) {
 // bytes deserializing to the bundle sent; its report is cross-process with the transfer's time
 // (the rollout acks its last chunk before it says it adopted, as a real one does).
 TEST(Protocol, WeightSyncSendsALargeBundleInOrderedChunks) {
-  test_config cfg1, cfg2;
-  cfg1.load<caf::io::middleman>();
-  cfg2.load<caf::io::middleman>();
-  caf::actor_system sys{cfg1}, remote{cfg2};
+  two_systems both;
+  caf::actor_system &sys = both.sys, &remote = both.remote;
   const auto params = models::model_load(init_dir());
   auto b = std::make_shared<const quant::weight_bundle>(models::bundle_from_params(params, models::precision_policy::named("fp8"), 1, 1, nullptr));
   std::vector<char> wire;
@@ -416,10 +418,8 @@ TEST(Protocol, WeightSyncSendsALargeBundleInOrderedChunks) {
 // nor waited for: weight-sync stops sending it and reports it without a latency (NaN: no rollout
 // adopted it), and the version the rollout adopted with one.
 TEST(Protocol, WeightSyncStopsASupersededTransfer) {
-  test_config cfg1, cfg2;
-  cfg1.load<caf::io::middleman>();
-  cfg2.load<caf::io::middleman>();
-  caf::actor_system sys{cfg1}, remote{cfg2};
+  two_systems both;
+  caf::actor_system &sys = both.sys, &remote = both.remote;
   auto fake = remote.spawn([](caf::event_based_actor*, uint64_t superseded) -> caf::behavior {
     return {[superseded](msg::bundle_chunk& c) { return msg::chunk_ack{{}, c.version, c.seq, c.version == superseded}; }};
   }, uint64_t{1});
