@@ -587,6 +587,39 @@ void recipe_record(const run_config& cfg, const std::string& run_dir, bool resum
     log_get("train")->info("{} at step {} with the run's settings (recorded in {})", what, start.version, f.string());
 }
 
+// Where a topology runs learners and rollouts, node by node ("main: learners cpu:1 cpu:1, rollouts
+// cpu:1"): what a resume compares (hosts and ports may change between parts).
+std::string topology_placement(const topology& t) {
+  std::string out;
+  for (const auto& n : t.nodes) {
+    if (!out.empty()) out += "; ";
+    out.append(n.name).append(": learners");
+    for (const auto& d : n.learners) out.append(" ").append(d.str());
+    out += ", rollouts";
+    for (const auto& d : n.rollouts) out.append(" ").append(d.str());
+  }
+  return out;
+}
+
+// RUN_DIR/topology.json: the topology of the run's latest part. A resume placed otherwise is said
+// (a resume without --topology ran a two-learner run on the embedded one-learner default unsaid:
+// the steps are sharded otherwise), then recorded.
+void topology_record(const topology& t, const std::string& run_dir, bool resume) {
+  const fs::path p = fs::path(run_dir) / "topology.json";
+  if (resume && fs::exists(p)) {
+    std::string was;
+    try {
+      was = topology_placement(topology_from_json(models::file_text_read(p.string())));
+    } catch (const std::exception& e) {
+      was = std::string("unreadable: ") + e.what();
+    }
+    if (const std::string now = topology_placement(t); was != now)
+      log_get("train")->warn("resuming on another placement than the run's last part ({}): was {}; now {}, from {} "
+                             "(--topology FILE runs it as before)", p.string(), was, now, t.source);
+  }
+  models::file_replace_durably(p.string(), topology_to_json(t) + "\n", "");
+}
+
 }  // namespace
 
 caf::expected<caf::node_id> node_connect(caf::actor_system& sys, const std::string& host, uint16_t port, caf::timespan timeout) {
@@ -754,6 +787,7 @@ int train_main(int argc, char** argv) {
   else stop_signals::interruption_point("before the run started; nothing was trained");
   created.armed = false;
   recipe_record(cfg, run_dir, c.resume, start, resumed_with);
+  topology_record(topo, run_dir, c.resume);
   if (cfg.trace)
     trace_writer::process().open((fs::path(run_dir) / "traces" / (node + ".jsonl")).string(), node, uint64_t(cfg.trace_max_mb) << 20);
   int code = 1;

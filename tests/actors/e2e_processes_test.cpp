@@ -596,6 +596,18 @@ TEST(E2E, TwoLearnersAllReduceAndAuditMode) {
     EXPECT_GT(g1, 0.0) << "step " << i + 1;
     EXPECT_LE(std::abs(g2 - g1), fp8rl::tol::kFp32SumOrder * g1) << "step " << i + 1 << ": " << g2 << " vs " << g1;
   }
+  // a resume placed otherwise than the run's last part is said (without --topology the embedded
+  // one-learner default runs); one placed as the last part is not
+  const auto moved = fp8rl::test::run_command(kBin + "/fp8rl train --resume --run-dir " + (d / "two").string() + sync + " --run.steps=3");
+  EXPECT_EQ(moved.rc, 0) << moved.out;
+  EXPECT_NE(moved.out.find("resuming on another placement than the run's last part (" + (d / "two" / "topology.json").string() +
+                           "): was main: learners cpu:1 cpu:1, rollouts cpu:1; now local: learners cpu:1, rollouts cpu:1, from "
+                           "(embedded local) (--topology FILE runs it as before)"),
+            std::string::npos)
+      << moved.out;
+  const auto same = fp8rl::test::run_command(kBin + "/fp8rl train --resume --run-dir " + (d / "two").string() + sync + " --run.steps=4");
+  EXPECT_EQ(same.rc, 0) << same.out;
+  EXPECT_EQ(same.out.find("another placement"), std::string::npos) << same.out;
   // BF16 on both sides, staleness 0: the staleness part of the split is 0 exactly at every step
   // (the audit used the weights after the update, 1.29 at step 1; with max_staleness 0 it
   // reported nothing)
