@@ -175,8 +175,7 @@ void checkpoint(learner_state& s) {
   const fs::path latest = fs::path(s.env->run_dir) / "checkpoints" / "latest";
   models::file_replace_durably(latest.string(), dir.filename().string() + "\n", latest.string() + " still names the previous checkpoint");
   s.checkpointed = s.version;
-  if (const std::string err = checkpoints_prune(latest.parent_path().string(), s.env->cfg.keep_checkpoints, dir.filename().string());
-      !err.empty())
+  if (const std::string err = checkpoints_prune(latest.parent_path().string(), s.env->cfg.keep_checkpoints, s.version); !err.empty())
     log_get("learner")->warn("{}", err);
 }
 

@@ -21,6 +21,7 @@
 
 #include "actors/signals.hpp"
 #include "models/json_io.hpp"
+#include "models/log.hpp"
 
 namespace fp8rl::actors {
 namespace fs = std::filesystem;
@@ -56,8 +57,8 @@ std::string run_dir_default(const std::string& name, int k) {
 
 namespace {
 // what a run writes (the timeline files at its end: an --overwrite left the earlier run's beside the new traces)
-const char* const kRunOutputs[] = {"recipe.conf", "resumes", "checkpoints", "metrics.jsonl", "traces",
-                                   "plots",       "gloo",    "trace.json",  "trace.shiviz.log"};
+const char* const kRunOutputs[] = {"recipe.conf", "resumes", "checkpoints",   "metrics.jsonl",   "traces",
+                                   "plots",       "gloo",    "topology.json", "trace.json", "trace.shiviz.log"};
 const char* const kStash = ".replaced";
 }  // namespace
 
@@ -310,24 +311,30 @@ std::string plots_run_gnuplot(const fs::path& dir) {
 }
 }  // namespace
 
-std::string checkpoints_prune(const std::string& checkpoints_dir, int64_t keep, const std::string& current) {
+std::optional<uint64_t> checkpoint_step_of(const std::string& name) {
+  if (name.size() <= 5 || name.size() > 5 + 19 || name.compare(0, 5, "step_") != 0 ||
+      name.find_first_not_of("0123456789", 5) != std::string::npos)
+    return std::nullopt;
+  return std::stoull(name.substr(5));  // 19 digits fit: < 10^19 < 2^64
+}
+
+std::string checkpoints_prune(const std::string& checkpoints_dir, int64_t keep, uint64_t current) {
   if (keep <= 0) return "";
-  std::vector<std::pair<uint64_t, fs::path>> steps;  // step_<digits> only
+  std::vector<std::pair<uint64_t, fs::path>> steps;  // this branch's step_<N>: N <= current
   std::error_code ec;
   for (fs::directory_iterator it(checkpoints_dir, ec), end; !ec && it != end; it.increment(ec)) {
-    const std::string name = it->path().filename().string();
-    if (name.size() <= 5 || name.compare(0, 5, "step_") != 0 || name.size() > 5 + 19 ||
-        name.find_first_not_of("0123456789", 5) != std::string::npos || !it->is_directory())
-      continue;
-    steps.emplace_back(std::stoull(name.substr(5)), it->path());
+    std::error_code dir_ec;
+    const auto n = checkpoint_step_of(it->path().filename().string());
+    if (n && *n <= current && it->is_directory(dir_ec)) steps.emplace_back(*n, it->path());
   }
   if (ec) return checkpoints_dir + ": cannot list it (" + ec.message() + ")";
   std::sort(steps.begin(), steps.end(), [](const auto& a, const auto& b) { return a.first > b.first; });
   std::string failed;
   for (size_t i = static_cast<size_t>(keep); i < steps.size(); ++i) {
-    if (steps[i].second.filename() == current) continue;
+    if (steps[i].first == current) continue;  // (keep >= 1: it is the first)
     fs::remove_all(steps[i].second, ec);
     if (ec) failed += (failed.empty() ? "" : "; ") + steps[i].second.string() + ": " + ec.message();
+    else log_get("learner")->info("removed {} (run.keep_checkpoints = {})", steps[i].second.string(), keep);
   }
   return failed.empty() ? "" : "could not remove an old checkpoint (run.keep_checkpoints): " + failed;
 }

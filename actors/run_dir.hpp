@@ -1,5 +1,5 @@
 // actors/run_dir.hpp -- the run directory: metrics.jsonl, progress lines, gnuplot plots.
-// defines: metrics_writer, metrics_rows_each, metrics_trim_for_resume, checkpoints_prune, plots_write, run_dir_outputs, run_dir_choose, run_dir_stash,
+// defines: metrics_writer, metrics_rows_each, metrics_trim_for_resume, checkpoint_step_of, checkpoints_prune, plots_write, run_dir_outputs, run_dir_choose, run_dir_stash,
 //          run_dir_recover
 //
 //   RUN_DIR/metrics.jsonl      one JSON object per learner step: "step", every metric (spec names)
@@ -13,6 +13,7 @@
 #include <fstream>
 #include <functional>
 #include <map>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -43,10 +44,14 @@ void metrics_rows_each(const std::string& metrics_path,
 // line move to metrics.jsonl.discarded (appended, nothing deleted). Returns how many lines moved.
 int64_t metrics_trim_for_resume(const std::string& metrics_path, uint64_t version);
 
-// Removes the step_<N> directories of CHECKPOINTS_DIR but the `keep` of the highest N and `current`
-// (keep 0: none removed); other entries (latest, a save's .tmp/.old) stay. Returns "" or what could
-// not be removed and why (the caller warns: the run goes on).
-std::string checkpoints_prune(const std::string& checkpoints_dir, int64_t keep, const std::string& current);
+// N for a checkpoint directory's name "step_<N>" (1 to 19 digits), else none (a save's step_N.tmp,
+// latest, init).
+std::optional<uint64_t> checkpoint_step_of(const std::string& name);
+// After the save of step `current`: removes the step_<N> directories of CHECKPOINTS_DIR with N <=
+// current but the `keep` highest (keep 0: none removed), each named in the log; steps past current
+// (a branch a resume from an older checkpoint left) and other entries (latest, init, a save's
+// .tmp/.old) stay. Returns "" or what could not be removed and why (the caller warns: the run goes on).
+std::string checkpoints_prune(const std::string& checkpoints_dir, int64_t keep, uint64_t current);
 
 // Writes RUN_DIR/plots/{reward,mismatch}.png from metrics.jsonl with gnuplot; returns "" or why not.
 std::string plots_write(const std::string& run_dir);

@@ -61,6 +61,7 @@ void trace_writer::open(const std::string& path, const std::string& node, uint64
   prefix_ = "{\"node\":";
   json_string(prefix_, node);  // escaped once, not per event
   max_bytes_ = max_bytes;
+  write_failed_ = false;
   enabled_ = static_cast<bool>(out_);
   check_cap();  // a resumed run's file may be there already
 }
@@ -72,7 +73,8 @@ void trace_writer::close() {
 }
 
 void trace_writer::check_written() {
-  if (out_ || !enabled_) return;
+  if (out_ || write_failed_) return;  // (also after the cap: the close's flush of the last events)
+  write_failed_ = true;
   enabled_ = false;
   log_get("trace")->warn("{}: writing trace events failed (disk full?); tracing stops here, the run goes on with its trace cut",
                          path_);
@@ -81,8 +83,8 @@ void trace_writer::check_written() {
 void trace_writer::check_cap() {
   if (max_bytes_ == 0 || bytes_ < max_bytes_ || !enabled_) return;
   enabled_ = false;
-  log_get("trace")->warn("{}: {} bytes, its cap trace.max_mb = {} reached; tracing stops here, the run goes on (0: no cap)", path_,
-                         bytes_, max_bytes_ >> 20);
+  log_get("trace")->warn("{}: {} bytes, its cap of {} bytes (trace.max_mb) reached; tracing stops here, the run goes on "
+                         "(0: no cap)", path_, bytes_, max_bytes_);
 }
 
 uint64_t trace_writer::lamport_tick(const std::string& actor, uint64_t received) {

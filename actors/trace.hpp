@@ -49,6 +49,7 @@ class trace_writer {
   void check_cap();      // (mu_ held) the cap reached: tracing off, said once
   int64_t pending_ = 0;
   uint64_t bytes_ = 0, max_bytes_ = 0;  // the file's size (what this process found and wrote), its cap
+  bool write_failed_ = false;           // said once
   std::map<std::string, uint64_t> clocks_;
   uint64_t id_salt_ = 0, id_next_ = 0;
 };

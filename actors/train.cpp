@@ -304,11 +304,10 @@ cli parse_cli(int argc, char** argv) {
 std::string newest_step_dir(const fs::path& ck) {
   std::error_code ec;
   std::string step;
+  std::optional<uint64_t> newest;
   for (const auto& e : fs::directory_iterator(ck, ec)) {
     const std::string n = e.path().filename().string();
-    if (n.size() > 5 && n.size() < 24 && n.rfind("step_", 0) == 0 && n.find_first_not_of("0123456789", 5) == std::string::npos &&
-        (step.empty() || std::stoull(n.substr(5)) > std::stoull(step.substr(5))))
-      step = n;
+    if (const auto k = checkpoint_step_of(n); k && (!newest || *k > *newest)) newest = k, step = n;
   }
   return step;
 }

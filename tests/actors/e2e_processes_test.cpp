@@ -590,7 +590,9 @@ TEST(E2E, TwoLearnersAllReduceAndAuditMode) {
   // is the telling one: step 1's only rewarded sample falls in rank 0's shard, and without the
   // all-reduce step 2 reported 0.186 against 0.453. Step 2 ran the same rollouts in both (its loss
   // is equal: the FP8 weights of version 1 did not tell the two runs' tiny differences apart).
-  EXPECT_EQ(two[1]["loss"].get<double>(), one[1]["loss"].get<double>());
+  for (const char* k : {"tokens", "reward_mean", "loss"})  // the precondition, not the all-reduce
+    EXPECT_EQ(two[1][k].get<double>(), one[1][k].get<double>()) << k << ": step 2 ran other rollouts in the two runs (a "
+                                                                << "rounding of version 1's weights told them apart?)";
   for (size_t i = 0; i < 2; ++i) {
     const double g1 = one[i]["grad_norm"].get<double>(), g2 = two[i]["grad_norm"].get<double>();
     EXPECT_GT(g1, 0.0) << "step " << i + 1;

@@ -70,15 +70,19 @@ TEST(RunDir, AnEarlierRunIsNeverOverwrittenUnasked) {
   EXPECT_EQ(run_dir_choose("runs/x", "x", false, true), "runs/x");
   EXPECT_TRUE(fs::exists("runs/x/metrics.jsonl"));
   auto text = [](const char* p) { std::ifstream f(p); return std::string(std::istreambuf_iterator<char>(f), {}); };
+  std::ofstream("runs/x/topology.json") << "earlier\n";  // the placement a later --resume compares with
   {  // a start that fails after the stash (its preflight) gets the earlier run back, byte for byte
     run_dir_stash st("runs/x");
     EXPECT_FALSE(fs::exists("runs/x/metrics.jsonl"));
     EXPECT_FALSE(fs::exists("runs/x/checkpoints"));
+    EXPECT_FALSE(fs::exists("runs/x/topology.json"));
     EXPECT_TRUE(fs::exists("runs/x/notes.txt"));
     fs::create_directories("runs/x/checkpoints/step_0");  // what the failed start wrote
     std::ofstream("runs/x/metrics.jsonl") << "new\n";
+    std::ofstream("runs/x/topology.json") << "new\n";
   }
   EXPECT_EQ(text("runs/x/metrics.jsonl"), "{\"step\":1}\n");
+  EXPECT_EQ(text("runs/x/topology.json"), "earlier\n");
   EXPECT_EQ(text("runs/x/recipe.conf"), "[run]\n");
   EXPECT_FALSE(fs::exists("runs/x/checkpoints/step_0"));
   EXPECT_TRUE(fs::exists("runs/x/checkpoints/init"));  // the earlier run's, moved back
@@ -91,6 +95,7 @@ TEST(RunDir, AnEarlierRunIsNeverOverwrittenUnasked) {
   }
   EXPECT_FALSE(fs::exists("runs/x/trace.json"));
   EXPECT_FALSE(fs::exists("runs/x/trace.shiviz.log"));
+  EXPECT_FALSE(fs::exists("runs/x/topology.json"));
   EXPECT_FALSE(fs::exists("runs/x/metrics.jsonl"));
   EXPECT_FALSE(fs::exists("runs/x/checkpoints"));
   EXPECT_FALSE(fs::exists("runs/x/.replaced"));
@@ -396,8 +401,9 @@ TEST(RunDir, ResumeMovesRowsAfterTheCheckpointAside) {
   fs::remove(m.string() + ".discarded");
 }
 
-// Pruning keeps the newest `keep` step_N by number (step_10 is newer than step_9), and the one just
-// saved whatever its number; `latest`, a save's step_N.tmp and other names stay; keep 0 removes none.
+// Pruning keeps the newest `keep` step_N by number (step_10 is newer than step_9) up to the step just
+// saved; steps past it (a branch left by a resume from an older checkpoint), `latest`, a save's
+// step_N.tmp and other names stay; keep 0 removes none.
 TEST(RunDir, CheckpointsPruneKeepsTheNewestByStep) {
   const fs::path d = fs::temp_directory_path() / ("fp8rl_prune_" + std::to_string(::getpid()));
   fs::remove_all(d);
@@ -409,14 +415,21 @@ TEST(RunDir, CheckpointsPruneKeepsTheNewestByStep) {
     for (const auto& e : fs::directory_iterator(d)) out.insert(e.path().filename().string());
     return out;
   };
-  EXPECT_EQ(checkpoints_prune(d.string(), 0, "step_10"), "");
+  EXPECT_EQ(checkpoints_prune(d.string(), 0, 10), "");
   EXPECT_EQ(names().size(), 9u);
-  EXPECT_EQ(checkpoints_prune(d.string(), 2, "step_1"), "");
-  EXPECT_EQ(names(), (std::set<std::string>{"latest", "step_1", "step_10", "step_9", "step_7.tmp", "step_x", "step_", "step_3"}));
-  EXPECT_EQ(checkpoints_prune(d.string(), 1, "step_10"), "");
+  EXPECT_EQ(checkpoints_prune(d.string(), 1, 2), "");  // resumed from step_1: step_9 and step_10 are another branch
+  EXPECT_EQ(names(), (std::set<std::string>{"latest", "step_2", "step_10", "step_9", "step_7.tmp", "step_x", "step_", "step_3"}));
+  fs::create_directories(d / "step_1");
+  EXPECT_EQ(checkpoints_prune(d.string(), 2, 10), "");
+  EXPECT_EQ(names(), (std::set<std::string>{"latest", "step_10", "step_9", "step_7.tmp", "step_x", "step_", "step_3"}));
+  EXPECT_EQ(checkpoints_prune(d.string(), 1, 10), "");
   EXPECT_EQ(names(), (std::set<std::string>{"latest", "step_10", "step_7.tmp", "step_x", "step_", "step_3"}));
+  EXPECT_EQ(checkpoint_step_of("step_0"), 0u);
+  EXPECT_EQ(checkpoint_step_of("step_9999999999999999999"), 9999999999999999999ull);
+  EXPECT_FALSE(checkpoint_step_of("step_99999999999999999999"));  // 20 digits: past 2^64
+  EXPECT_FALSE(checkpoint_step_of("step_1.tmp"));
   fs::remove_all(d);
-  EXPECT_EQ(checkpoints_prune(d.string(), 1, "step_10"), d.string() + ": cannot list it (No such file or directory)");
+  EXPECT_EQ(checkpoints_prune(d.string(), 1, 10), d.string() + ": cannot list it (No such file or directory)");
 }
 
 // A trace file that cannot be opened is the start's error naming it; one whose writes fail (a full
@@ -463,7 +476,7 @@ TEST(Trace, AWriterStopsAtItsCapAndSaysSoOnce) {
   }
   std::string err = testing::internal::GetCapturedStderr();
   const std::string said = p.string() + ": ";
-  EXPECT_NE(err.find("its cap trace.max_mb = 0 reached; tracing stops here, the run goes on (0: no cap)"), std::string::npos) << err;
+  EXPECT_NE(err.find("its cap of 4096 bytes (trace.max_mb) reached; tracing stops here, the run goes on (0: no cap)"), std::string::npos) << err;
   EXPECT_EQ(err.find(said, err.find(said) + 1), std::string::npos) << "said twice: " << err;
   const std::string text = [&] { std::ifstream in(p); return std::string(std::istreambuf_iterator<char>(in), {}); }();
   EXPECT_GE(text.size(), cap);

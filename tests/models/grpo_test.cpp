@@ -868,11 +868,6 @@ TEST(Grpo, ANonFiniteWeightKeepsTheTokensKlTerm) {
   EXPECT_EQ(r.dc[2], 0.0f);
 }
 
-// rl-algorithm.md section 7's gates (models/rl/health.hpp): judged from min_steps counted steps on
-// (steps without staleness-0 tokens are not counted); the median limit 1.1 (2.0 with an FP8 KV
-// cache), the median of an even count the mean of the middle two; fewer than 10% of steps above
-// 1.1; the first min_steps steps' mean gen_kl_error below 0.003, judged once; a non-finite value
-// fails; off judges nothing.
 // The running median (two heaps, O(log n) a step) is the sorted counted values' middle one, or the
 // mean of the middle two, after every step: ties, infinities (a NaN counts as +inf) and runs
 // that rise, fall or jump between halves; steps without staleness-0 tokens leave it alone.
@@ -901,6 +896,11 @@ TEST(Health, RunningMedianIsTheSortedMiddle) {
   }
 }
 
+// rl-algorithm.md section 7's gates (models/rl/health.hpp): judged from min_steps counted steps on
+// (steps without staleness-0 tokens are not counted); the median limit 1.1 (2.0 with an FP8 KV
+// cache), the median of an even count the mean of the middle two; fewer than 10% of steps above
+// 1.1; the first min_steps steps' mean gen_kl_error below 0.003, judged once; a non-finite value
+// fails; off judges nothing.
 TEST(Health, GatesJudgeTheStalenessZeroMismatch) {
   auto step = [](double tmpe, double kl) {
     return std::map<std::string, double>{{"by_staleness/0/token_mult_prob_error", tmpe}, {"by_staleness/0/gen_kl_error", kl}};

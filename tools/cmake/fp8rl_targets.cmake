@@ -38,9 +38,11 @@ function(fp8rl_add_test name)
   # joined by '_' ("quant_exhaustive"); ctest -L takes a regex, so -L exhaustive and -L quant
   # both select it.
   string(REPLACE ";" "_" labels "${T_LABELS}")
-  gtest_discover_tests(${name} DISCOVERY_MODE PRE_TEST
-    PROPERTIES LABELS "${labels}" TIMEOUT ${T_TIMEOUT}
-    WORKING_DIRECTORY ${CMAKE_SOURCE_DIR})
+  set(props LABELS "${labels}" TIMEOUT ${T_TIMEOUT})
+  if(FP8RL_SANITIZE STREQUAL "address")  # CAF's own leaks at exit (tests/lsan.supp says which)
+    list(APPEND props ENVIRONMENT "LSAN_OPTIONS=suppressions=${CMAKE_SOURCE_DIR}/tests/lsan.supp")
+  endif()
+  gtest_discover_tests(${name} DISCOVERY_MODE PRE_TEST PROPERTIES ${props} WORKING_DIRECTORY ${CMAKE_SOURCE_DIR})
 endfunction()
 
 # fp8rl_add_tool(name SOURCES ... LIBS ...) -> build/bin/name
