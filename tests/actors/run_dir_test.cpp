@@ -5,11 +5,13 @@
 #include <gtest/gtest.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <csignal>
 #include <filesystem>
 #include <fstream>
 #include <iterator>
 #include <set>
+#include <thread>
 #include <nlohmann/json.hpp>
 
 #include "actors/env.hpp"
@@ -495,5 +497,44 @@ TEST(Trace, AWriterStopsAtItsCapAndSaysSoOnce) {
   err = testing::internal::GetCapturedStderr();
   EXPECT_NE(err.find(said + std::to_string(text.size()) + " bytes, its cap"), std::string::npos) << err;
   EXPECT_EQ(fs::file_size(p), text.size());
+  fs::remove(p);
+}
+
+// Events from several threads at once (actors on CAF's workers, TBB's kernels' spans): the cap is
+// counted under the writer's lock, so the file holds whole lines only, ends within one line past
+// the cap, and the warning is said once.
+TEST(Trace, ThreadsReachingTheCapTogetherLeaveWholeLines) {
+  const fs::path p = fs::temp_directory_path() / ("fp8rl_trace_mt_" + std::to_string(::getpid()) + ".jsonl");
+  fs::remove(p);
+  const uint64_t cap = 64 * 1024;
+  fp8rl::log_set_level("info");
+  testing::internal::CaptureStderr();
+  {
+    trace_writer w;
+    w.open(p.string(), "n", cap);
+    std::vector<std::thread> threads;
+    for (int t = 0; t < 4; ++t)
+      threads.emplace_back([&w, t] {
+        for (int i = 0; i < 5000 && w.enabled(); ++i) w.event("actor" + std::to_string(t), "e", "span", i, 1);
+      });
+    for (auto& th : threads) th.join();
+    EXPECT_FALSE(w.enabled());
+    w.close();
+  }
+  const std::string err = testing::internal::GetCapturedStderr();
+  const std::string said = "its cap of 65536 bytes (trace.max_mb) reached";
+  EXPECT_NE(err.find(said), std::string::npos) << err;
+  EXPECT_EQ(err.find(said, err.find(said) + 1), std::string::npos) << "said twice: " << err;
+  std::ifstream in(p);
+  std::string line;
+  uint64_t bytes = 0, longest = 0;
+  while (std::getline(in, line)) {
+    bytes += line.size() + 1;
+    longest = std::max<uint64_t>(longest, line.size() + 1);
+    ASSERT_TRUE(nlohmann::json::parse(line, nullptr, false).is_object()) << line;
+  }
+  EXPECT_EQ(bytes, fs::file_size(p));
+  EXPECT_GE(bytes, cap);
+  EXPECT_LT(bytes, cap + longest);
   fs::remove(p);
 }
