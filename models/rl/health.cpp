@@ -3,7 +3,6 @@
 
 #include <algorithm>
 #include <cmath>
-#include <functional>
 #include <fmt/format.h>
 
 namespace fp8rl::models {
@@ -20,7 +19,7 @@ constexpr double kTmpeStepLimit = 1.1;  // NeMo RL's FP8 nightlies: steps above 
 }  // namespace
 
 double health_monitor::tmpe_median() const {
-  return low_.size() > high_.size() ? low_.front() : (low_.front() + high_.front()) / 2;
+  return low_.size() > high_.size() ? low_.top() : (low_.top() + high_.top()) / 2;
 }
 
 std::vector<health_failure> health_monitor::add(uint64_t step, const std::map<std::string, double>& m) {
@@ -31,15 +30,10 @@ std::vector<health_failure> health_monitor::add(uint64_t step, const std::map<st
   auto finite_or_inf = [](double x) { return std::isfinite(x) ? x : INFINITY; };  // NaN would break the ordering
   const double t = finite_or_inf(tmpe->second);
   // into the half it belongs to, then the halves rebalanced (low_ holds ceil(n / 2))
-  if (low_.empty() || t <= low_.front()) low_.push_back(t), std::push_heap(low_.begin(), low_.end());
-  else high_.push_back(t), std::push_heap(high_.begin(), high_.end(), std::greater<>());
-  if (low_.size() > high_.size() + 1) {
-    std::pop_heap(low_.begin(), low_.end());
-    high_.push_back(low_.back()), low_.pop_back(), std::push_heap(high_.begin(), high_.end(), std::greater<>());
-  } else if (high_.size() > low_.size()) {
-    std::pop_heap(high_.begin(), high_.end(), std::greater<>());
-    low_.push_back(high_.back()), high_.pop_back(), std::push_heap(low_.begin(), low_.end());
-  }
+  if (low_.empty() || t <= low_.top()) low_.push(t);
+  else high_.push(t);
+  if (low_.size() > high_.size() + 1) high_.push(low_.top()), low_.pop();
+  else if (high_.size() > low_.size()) low_.push(high_.top()), high_.pop();
   above_ += !(t <= kTmpeStepLimit);
   const size_t n = counted(), min_n = static_cast<size_t>(std::max<int64_t>(1, c_.min_steps));
   if (n <= min_n) kl_first_sum_ += finite_or_inf(kl->second);

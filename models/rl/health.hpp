@@ -13,8 +13,10 @@
 //     an FP8 KV cache), fixed at the min_steps-th and reported failed at every step from there.
 #pragma once
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <optional>
+#include <queue>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -52,7 +54,8 @@ class health_monitor {
   // the counted steps' token_mult_prob_error as a running median: low_ a max-heap of the smaller
   // half (one more for an odd count), high_ a min-heap of the rest -- O(log n) a step (the whole
   // vector copied and partitioned at every step made a resume replaying 60k rows spend 20% there)
-  std::vector<double> low_, high_;
+  std::priority_queue<double> low_;
+  std::priority_queue<double, std::vector<double>, std::greater<>> high_;
   size_t above_ = 0;           // counted steps with token_mult_prob_error above 1.1
   double kl_first_sum_ = 0;    // gen_kl_error summed over the first min_steps counted steps
   uint64_t first_step_ = 0;
