@@ -30,12 +30,8 @@ msg::step_report mismatch_report(uint64_t step, double tmpe, double kl) {
 // The controller on the test coordinator, wired to stand-in peers (rollout0, rollout1 record
 // their work). TearDown stops every actor: under the test coordinator actors run only inside
 // sched.run(), and the system's destructor waits for them (an ASSERT returning early would hang).
-class ControllerOnTestCoordinator : public ::testing::Test {
+class ControllerOnTestCoordinator : public ::testing::Test, protected coordinated_system {
  protected:
-  coordinated_config cfg;
-  caf::actor_system sys{cfg};
-  caf::scheduler::test_coordinator& sched = dynamic_cast<caf::scheduler::test_coordinator&>(sys.scheduler());
-  caf::scoped_actor self{sys, true};
   fs::path run_dir = fs::temp_directory_path() / ("fp8rl_ctrl_" + std::to_string(::getpid()));
   std::vector<issued_work> work;
   msg::peers_msg p;

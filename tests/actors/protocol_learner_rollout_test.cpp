@@ -309,12 +309,8 @@ TEST(Protocol, RolloutAnswersChunksOfASupersededVersion) {
 
 // A rollout (rollout0 of env_with(1, 2)) on the test coordinator, whose peers are one recorder of
 // the adoptions and groups it sends; bundle(v) is the initial weights as version v.
-class RolloutOnTestCoordinator : public ::testing::Test {
+class RolloutOnTestCoordinator : public ::testing::Test, protected coordinated_system {
  protected:
-  coordinated_config cfg;
-  caf::actor_system sys{cfg};
-  caf::scheduler::test_coordinator& sched = dynamic_cast<caf::scheduler::test_coordinator&>(sys.scheduler());
-  caf::scoped_actor self{sys, true};
   std::vector<msg::adopted_msg> adopted;
   std::vector<msg::group_msg> groups;
   caf::actor peer = sys.spawn([](caf::event_based_actor* a, std::vector<msg::adopted_msg>* ad, std::vector<msg::group_msg>* gs) -> caf::behavior {

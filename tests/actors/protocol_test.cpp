@@ -398,10 +398,8 @@ TEST(Protocol, ALostActorsNodeIsNamedByItsAgent) {
 // A node's answer (node_actors) is checked against its topology entry: every role it runs and no
 // other, as many learners and rollouts, valid handles, rollouts named in the run's order.
 TEST(Protocol, NodeActorsAreCheckedAgainstTheTopologyEntry) {
-  coordinated_config cfg;
-  caf::actor_system sys{cfg};
-  auto& sched = dynamic_cast<caf::scheduler::test_coordinator&>(sys.scheduler());
-  caf::scoped_actor self{sys, true};
+  coordinated_system cs;
+  auto& [cfg, sys, sched, self] = cs;
   // a spawn argument: CAF 0.17's init_fun_factory dereferences a null empty-argument tuple (UBSan)
   auto any = sys.spawn([](caf::event_based_actor*, int32_t) -> caf::behavior { return {[](int32_t) {}}; }, 0);
   actors::node_spec n;

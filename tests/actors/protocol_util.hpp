@@ -1,7 +1,7 @@
 // tests/actors/protocol_util.hpp -- what the actor protocol tests share (protocol_*_test.cpp): the
 // actor system configs (threaded, and CAF's deterministic test coordinator), the tiny model
 // checkpoint actors load their env from, a run's env, a rollout's peers, a work item and a group.
-// defines: test_config, coordinated_config, init_dir, env_with, rollout_peers, work_12_plus_3, group
+// defines: test_config, coordinated_config, coordinated_system, init_dir, env_with, rollout_peers, work_12_plus_3, group
 #pragma once
 #include <gtest/gtest.h>
 
@@ -127,6 +127,14 @@ struct coordinated_config : caf::actor_system_config {
     set("logger.console", caf::atom("none"));
     set("logger.file-verbosity", caf::atom("quiet"));
   }
+};
+// An actor system on the test coordinator, its scheduler (sched.run() runs what is queued) and the
+// test's own actor in it (hidden: no actor of the run waits for it).
+struct coordinated_system {
+  coordinated_config cfg;
+  caf::actor_system sys{cfg};
+  caf::scheduler::test_coordinator& sched = dynamic_cast<caf::scheduler::test_coordinator&>(sys.scheduler());
+  caf::scoped_actor self{sys, true};
 };
 
 }  // namespace fp8rl::proto_test
