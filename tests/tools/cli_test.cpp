@@ -113,7 +113,8 @@ TEST_F(Cli, OptionsOutOfRangeOrRepeatedAreRefusedByName) {
   // silent 5 for "5x", inf in the JSON for --reps=0 before)
   for (const std::string bad : {"/bench-decode --layers=abc", "/bench-decode --batch=3abc", "/bench-quant --reps=0",
                                 "/bench-quant --threads=1,,2", "/bench-gemm --shapes=64x-128x128",
-                                "/bench-gemm --shapes=64x128x128abc", "/bench-gemm --shapes=64x128"}) {
+                                "/bench-gemm --shapes=64x128x128abc", "/bench-gemm --shapes=64x128",
+                                "/bench-rl --target=1.5", "/bench-rl --target=0.9x", "/bench-rl --target=", "/bench-rl --target=nan"}) {
     const result r = fp8rl::test::run_command(kBin + bad);
     EXPECT_EQ(r.rc, 2) << bad << "\n" << r.out;
     EXPECT_NE(r.out.find("option --"), std::string::npos) << bad << "\n" << r.out;

@@ -5,6 +5,8 @@
 //    k = 0, 1, 2; calibration time as % of the learner step; for staleness > 0 the speedup over
 //    the synchronous run of the same repetition (median, min, max) and the bound perfect overlap
 //    would give, (rest + train) / max(rest, train) from the synchronous step's parts
+//  * matched reward (anchors.md §3.8): FP8 end to end + async against the synchronous BF16
+//    baseline -- wall time until greedy validation accuracy holds a target, and where each ends
 //  * bundle sync: publish -> adopted latency and MB/s, in process and across processes (two
 //    processes on loopback via caf-run), for FP8 and BF16 bundles of the "small" built-in model
 // Runs build/bin/fp8rl (and caf-run) as users do and reads each run's metrics.jsonl; medians
@@ -17,9 +19,11 @@
 #include <filesystem>
 #include <fstream>
 #include <map>
+#include <optional>
 #include <nlohmann/json.hpp>
 
 #include "models/json_io.hpp"
+#include "tools/bench/rl_curve.hpp"
 #include "tools/bench/bench_util.hpp"
 
 namespace fs = std::filesystem;
@@ -64,10 +68,96 @@ double steady_samples_per_s(const std::vector<json>& m, size_t skip) {
   return (done(e) - done(skip)) / (m[e]["elapsed_s"].get<double>() - m[skip]["elapsed_s"].get<double>());
 }
 
+void system_checked(const std::string& cmd) {
+  if (const int rc = std::system(cmd.c_str()); rc != 0) throw std::runtime_error("command failed (" + std::to_string(rc) + "): " + cmd);
+}
+
+// --target: an accuracy in (0, 1); anything else ends the program with status 2
+double target_parse(const bench_args& a) {
+  const auto it = a.extra.find("target");
+  if (it == a.extra.end()) return 0.9;
+  size_t used = 0;
+  double v = 0;
+  try {
+    v = std::stod(it->second, &used);
+  } catch (const std::exception&) {
+    used = 0;
+  }
+  if (it->second.empty() || used != it->second.size() || !(v > 0 && v < 1)) {
+    std::fprintf(stderr, "option --target: '%s' is not an accuracy in (0, 1)\n", it->second.c_str());
+    std::exit(2);
+  }
+  return v;
+}
+
+std::string jnum_or_null(const std::vector<double>& v) { return v.empty() ? "null" : jnum(bench_median_of(v)); }
+
+// 4. anchors.md §3.8 (no peer reports FP8 rollout + FP8 training + async against a synchronous
+//    BF16 baseline at matched reward): bf16 and fp8-e2e, each synchronous (max_staleness 0) and
+//    asynchronous (1), from one SFT checkpoint (BF16 training) with one seed. Per run: the wall
+//    time (evaluations included, the same cadence in all) until greedy validation accuracy
+//    averaged over 3 consecutive evaluations reaches `target`, and the accuracy it ends at (mean
+//    of its last 5 evaluations). Repetitions rotate the order of the four runs; each speedup is
+//    the median of per-repetition ratios to that repetition's BF16 synchronous run.
+void matched_reward(const bench_args& a, double target, const fs::path& bin, const fs::path& src, const fs::path& work) {
+  const int reps = a.quick ? 1 : a.reps;
+  const size_t window = 3, last = 5;
+  const fs::path init = work / "init";
+  fs::remove_all(init);
+  system_checked((bin / "fp8rl").string() + " sft --out " + init.string() + " --policy bf16 --log-level warn > " +
+                 (work / "sft.log").string() + " 2>&1");
+  const std::string eval_out = (work / "start_eval.json").string();
+  system_checked((bin / "fp8rl").string() + " eval --model " + init.string() + " --n 200 --policy bf16 > " + eval_out);
+  const double start_acc = fp8rl::models::json_file_read(eval_out).at("greedy_accuracy").get<double>();
+  struct config {
+    const char* recipe;
+    int staleness;
+  };
+  const config cfgs[] = {{"bf16", 0}, {"bf16", 1}, {"fp8-e2e", 0}, {"fp8-e2e", 1}};  // [0]: the baseline
+  std::vector<double> t[4], steps[4], fin[4], sps[4], speed[4], thr[4];
+  for (int r = 0; r < reps; ++r) {
+    std::optional<double> rep_t[4];
+    double rep_sps[4] = {};
+    for (int i = 0; i < 4; ++i) {
+      const int c = (r + i) % 4;
+      const std::string cmd = (bin / "fp8rl").string() + " train --recipe " + (src / "configs/recipes").string() + "/" + cfgs[c].recipe +
+                              ".conf --topology " + (src / "configs/topologies/local.conf").string() + " --model.init=" + init.string() +
+                              " --run.steps=" + (a.quick ? "60" : "200") + " --run.eval_every=10 --run.checkpoint_every=0" +
+                              " --trace.enabled=false --async.max_staleness=" + std::to_string(cfgs[c].staleness);
+      const auto m = run_train(cmd, work / ("matched_" + std::to_string(c)));
+      const auto curve = curve_of(m);
+      fin[c].push_back(curve_final(curve, last));
+      rep_sps[c] = m.back()["samples_per_s"].get<double>();
+      sps[c].push_back(rep_sps[c]);
+      if (const auto p = curve_reach(curve, target, window)) {
+        rep_t[c] = p->elapsed_s;
+        t[c].push_back(p->elapsed_s);
+        steps[c].push_back(p->step);
+      }
+    }
+    for (int c = 0; c < 4; ++c) {
+      if (rep_t[0] && rep_t[c]) speed[c].push_back(*rep_t[0] / *rep_t[c]);
+      thr[c].push_back(rep_sps[c] / rep_sps[0]);
+    }
+  }
+  for (int c = 0; c < 4; ++c)
+    bench_emit(a, {{"bench", jstr("rl")}, {"impl", jstr("matched_reward")}, {"recipe", jstr(cfgs[c].recipe)},
+                   {"max_staleness", jnum(cfgs[c].staleness)}, {"target_accuracy", jnum(target)}, {"start_accuracy", jnum(start_acc)},
+                   {"runs", jnum(reps)}, {"runs_reaching_target", jnum(double(t[c].size()))},
+                   {"time_to_target_s", jnum_or_null(t[c])}, {"steps_to_target", jnum_or_null(steps[c])},
+                   {"speedup_to_target_vs_bf16_sync", jnum_or_null(speed[c])},
+                   {"final_accuracy", jnum(bench_median_of(fin[c]))},
+                   {"final_accuracy_delta_vs_bf16_sync", jnum(bench_median_of(fin[c]) - bench_median_of(fin[0]))},
+                   {"samples_per_s_whole_run", jnum(bench_median_of(sps[c]))},
+                   {"throughput_vs_bf16_sync", jnum(bench_median_of(thr[c]))}});
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
-  bench_args a = bench_parse(argc, argv, {}, {.threads = false, .max_reps = 5});  // a repetition: whole runs
+  bench_args a = bench_parse(argc, argv, {{"target", "matched_reward's greedy validation accuracy to reach (default 0.9)"}},
+                             {.threads = false, .max_reps = 5});  // a repetition: whole runs
+  const double target = target_parse(a);  // before any run (a typo found minutes in)
   const fs::path bin = self_dir(), work = fs::temp_directory_path() / ("fp8rl_bench_rl_" + std::to_string(::getpid()));
   fs::create_directories(work);
   const fs::path src = bin.parent_path().parent_path();  // repository root (build/bin/..)
@@ -140,6 +230,7 @@ int main(int argc, char** argv) {
                    {"samples_per_s_trace_on", jnum(bench_median_of(on))}, {"samples_per_s_trace_off", jnum(bench_median_of(off))},
                    {"on_over_off", jnum(bench_median_of(ratio))}, {"runs", jnum(reps)}});
   }
+  if (bench_selected(a, "matched_reward")) matched_reward(a, target, bin, src, work);
   // 2. bundle sync latency and MB/s, FP8 vs BF16, in process and across processes
   if (bench_selected(a, "sync")) {
     const int port = 43000 + ::getpid() % 5000;
