@@ -207,7 +207,7 @@ loss_result policy_loss(const token_batch_rl& b, const grpo_config& cfg, double 
 void mismatch_metrics(const token_batch_rl& b, const is_result& is, const grpo_config& cfg, double N,
                       const std::string& prefix, metric_map& out) {
   const int64_t n = b.size();
-  double tmpe = 0, gkl = 0, pkl = 0, js = 0, sir = 0, ent = 0, ntok = 0;
+  double tmpe = 0, gkl = 0, pkl = 0, js = 0, sir = 0, sir2 = 0, ent = 0, ntok = 0;
   // N counts the tokens whose logprob or weight was not finite (the loss keeps them, w~ = 0), but
   // they have no mismatch term: over N they read a perfect match as 1 - their share.
   double nonfinite_in_n = 0;
@@ -233,6 +233,7 @@ void mismatch_metrics(const token_batch_rl& b, const is_result& is, const grpo_c
     const double hi = std::max(p, g), l = hi + std::log(0.5 * std::exp(p - hi) + 0.5 * std::exp(g - hi));
     js += m * 0.5 * (k3(p - l) + k3(g - l));
     sir += m * is.w[t];
+    sir2 += m * double(is.w[t]) * is.w[t];
     ent += -m * std::exp(static_cast<double>(b.c[t]) - g) * b.c[t];
     ntok += m;
     e[b.seq[t]] += std::exp(std::fabs(g - p));
@@ -246,6 +247,10 @@ void mismatch_metrics(const token_batch_rl& b, const is_result& is, const grpo_c
   out[prefix + "js_divergence_error"] = per_token(js);
   out[prefix + "sampling_importance_ratio"] = sir / N;  // w~ = 0 is their weight: over N, as the loss
   out[prefix + "approx_entropy"] = per_token(ent);
+  // Kish's effective sample size of the weights the loss uses, as a share of the tokens with a
+  // term: 1 when all are equal (on policy), 1/n when one token carries the step (PipelineRL logs
+  // its ratio sums for this); 0 when no weight is left
+  out[prefix + "is_ess"] = sir2 > 0 ? sir * sir / (ntok * sir2) : 0.0;
   auto seq_stats = [&](const std::vector<double>& es_sum, const std::vector<double>& es_cnt, const std::string& suffix) {
     double emax = 0, emin = 0, esum = 0, nseq = 0;
     for (size_t s = 0; s < S; ++s) {

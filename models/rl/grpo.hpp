@@ -92,6 +92,7 @@ loss_result policy_loss(const token_batch_rl& b, const grpo_config& cfg, double 
 // or weight have no term: the token metrics divide by N less them (sampling_importance_ratio,
 // where their w~ = 0 is a term, by N); where no token has a term they read 0 (rl-algorithm.md §6
 // divides by N: fp8rl's departure, so that a perfect match reads 1 with such tokens present).
+// Beyond §6: is_ess, (sum w~)^2 / (n sum w~^2) over the n tokens with a term.
 void mismatch_metrics(const token_batch_rl& b, const is_result& is, const grpo_config& cfg, double N,
                       const std::string& prefix, metric_map& out);
 

@@ -230,7 +230,7 @@ TEST(Grpo, MetricsMatchTheSpecFormulasOnAHandExample) {
   // rl-algorithm.md §6's formulas, written out here in FP64 over the same FP32 inputs (N = 3 tokens;
   // sequences {0, 1} and {2}; every weight exp(p - g) <= e^0.5 < C, so tis leaves it as it is)
   const double N = 3.0;
-  double tmpe = 0, gkl = 0, pkl = 0, js = 0, sir = 0, ent = 0;
+  double tmpe = 0, gkl = 0, pkl = 0, js = 0, sir = 0, ent = 0, sw = 0, sw2 = 0;
   auto k3 = [](double x) { return std::exp(x) - x - 1.0; };
   for (int t = 0; t < 3; ++t) {
     const double g = b.g[t], p = b.p[t], c = b.c[t], l = std::log(0.5 * std::exp(p) + 0.5 * std::exp(g));
@@ -239,6 +239,8 @@ TEST(Grpo, MetricsMatchTheSpecFormulasOnAHandExample) {
     pkl += k3(g - p) / N;
     js += 0.5 * (k3(p - l) + k3(g - l)) / N;
     sir += double(static_cast<float>(std::exp(p - g))) / N;  // w~ is held in FP32
+    sw += double(static_cast<float>(std::exp(p - g)));
+    sw2 += std::pow(double(static_cast<float>(std::exp(p - g))), 2);
     ent += -std::exp(c - g) * c / N;
   }
   const double e0 = (std::exp(std::fabs(double(b.g[0]) - b.p[0])) + std::exp(std::fabs(double(b.g[1]) - b.p[1]))) / 2,
@@ -250,6 +252,8 @@ TEST(Grpo, MetricsMatchTheSpecFormulasOnAHandExample) {
   EXPECT_NEAR(r.metrics.at("js_divergence_error"), js, tol);
   EXPECT_NEAR(r.metrics.at("sampling_importance_ratio"), sir, tol);
   EXPECT_NEAR(r.metrics.at("approx_entropy"), ent, tol);
+  EXPECT_NEAR(r.metrics.at("is_ess"), sw * sw / (N * sw2), tol);
+  EXPECT_LT(r.metrics.at("is_ess"), 0.98);  // weights e^-0.1, 1, e^0.5: visibly unequal
   EXPECT_NEAR(r.metrics.at("seq_mult_prob_error_max"), std::max(e0, e1), tol);
   EXPECT_NEAR(r.metrics.at("seq_mult_prob_error_mean"), (e0 + e1) / 2, tol);
   EXPECT_NEAR(r.metrics.at("seq_mult_prob_error_min"), std::min(e0, e1), tol);
@@ -268,6 +272,27 @@ TEST(Grpo, MetricsMatchTheSpecFormulasOnAHandExample) {
   // one out-of-bounds token under tis with C = 1.2: w = exp(0.5) = 1.65 > 1.2
   cfg.is_hi = 1.2f;
   EXPECT_NEAR(policy_loss(b, cfg, 3.0).metrics.at("is_oob_ratio"), 1.0 / 3.0, fp8rl::tol::kFp64FewTerms);
+}
+
+// is_ess = (sum w~)^2 / (n sum w~^2) by hand: equal weights 1; icepop zeroing one of three
+// (w~ = 1, 1, 0): 4 / 6; every weight zeroed: 0; tokens without a term (mask 0) are not among n
+TEST(Grpo, IsEssByHand) {
+  token_batch_rl b;
+  b.g = {-1.0f, -1.0f, -1.0f};
+  b.p = b.c = {-1.0f, -1.0f, -1.0f};
+  b.adv = {1, 1, 1};
+  b.mask = {1, 1, 1};
+  b.seq = {0, 0, 1};
+  b.n_seqs = 2;
+  grpo_config cfg;
+  EXPECT_EQ(policy_loss(b, cfg, 3.0).metrics.at("is_ess"), 1.0);
+  cfg.is = is_mode::icepop;  // [is_lo, is_hi] = [0, 2]: w = e^1.5 drops to 0
+  b.p[2] = b.c[2] = 0.5f;
+  EXPECT_NEAR(policy_loss(b, cfg, 3.0).metrics.at("is_ess"), 4.0 / 6.0, fp8rl::tol::kFp64FewTerms);
+  b.mask[2] = 0;  // out of the loss: not a token of the ESS either (N, other ranks' tokens too, is not n)
+  EXPECT_EQ(policy_loss(b, cfg, 3.0).metrics.at("is_ess"), 1.0);
+  b.p = b.c = {0.5f, 0.5f, 0.5f};
+  EXPECT_EQ(policy_loss(b, cfg, 2.0).metrics.at("is_ess"), 0.0);
 }
 
 // Each branch of the weights and the clipped objective on one-token cases computed by hand (the
