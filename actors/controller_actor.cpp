@@ -9,7 +9,10 @@
 // (monitor; remote peers via middleman heartbeats) has its groups re-issued to live rollouts,
 // and the buffer drops the duplicate if the lost one shows up after all. A lost rollout of the
 // controller's own process is restarted (at most opts.max_restarts times per name; weight sync
-// sends it the newest bundle); one in a lost process is not (the process is gone).
+// sends it the newest bundle); one in a lost process is not (the process is gone). A failure the
+// learners outlive (the last rollout, the reward, calibration or weight-sync actor) fails the run
+// through the stop path: learner0 checkpoints the step it is at first (fail_saved).
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -329,7 +332,18 @@ msg::controller_actor spawn_controller(caf::actor_system& sys, std::shared_ptr<c
       s.stop_code = code;
       if (s.peers.buffer) request_stop();
     };
-    self->set_down_handler([self, finish, issue, broadcast_peers, log](caf::down_msg& dm) {
+    // A failure the learners outlive (every rollout gone; the reward, calibration or weight-sync
+    // actor lost or failing): the run fails with exit 1, but through the stop path, so that
+    // learner0 checkpoints the step it is at (up to checkpoint_every - 1 trained steps were lost
+    // otherwise); during a stop already under way it makes that stop's exit code 1.
+    auto fail_saved = [self, stop_for, log](const std::string& why) {
+      auto& s = self->state;
+      if (s.stopping) return;
+      log->error("{}; the run fails once the learners have stopped at their step, checkpointed", why);
+      if (s.stop_asked) s.stop_code = 1;
+      else stop_for(why, 1);
+    };
+    self->set_down_handler([self, finish, fail_saved, issue, broadcast_peers, log](caf::down_msg& dm) {
       auto& s = self->state;
       if (s.stopping) return;
       for (size_t i = 0; i < s.peers.rollouts.size(); ++i) {
@@ -354,7 +368,7 @@ msg::controller_actor spawn_controller(caf::actor_system& sys, std::shared_ptr<c
         }
         if (s.stop_asked) return;
         if (s.peers.rollouts.empty())
-          return finish(1, "every rollout actor is gone (the last, " + name + ": " + self->system().render(dm.reason) + ")");
+          return fail_saved("every rollout actor is gone (the last, " + name + ": " + self->system().render(dm.reason) + ")");
         broadcast_peers();
         std::vector<msg::work_msg> redo;
         for (auto& [key, v] : s.in_flight) if (v.first == name) redo.push_back(v.second);
@@ -366,7 +380,11 @@ msg::controller_actor spawn_controller(caf::actor_system& sys, std::shared_ptr<c
           log->warn("node '{}' is down ({})", node_of(s, self->node(), dm.source.node()), self->system().render(dm.reason));
           return;
         }
-      finish(1, lost_actor_named(s, self->node(), dm.source) + " went down: " + self->system().render(dm.reason));
+      const std::string lost = lost_actor_named(s, self->node(), dm.source) + " went down: " + self->system().render(dm.reason);
+      const auto& l = s.peers.learners;
+      const bool learner = std::any_of(l.begin(), l.end(), [&](const auto& a) { return a.address() == dm.source; });
+      if (learner || dm.source == s.peers.buffer.address()) return finish(1, lost);  // the stop path needs both
+      fail_saved(lost);
     });
     return {
         [self, all_actors, issue_ready, broadcast_peers, request_stop](msg::peers_msg& p, std::vector<caf::actor>& agents,
@@ -443,7 +461,10 @@ msg::controller_actor spawn_controller(caf::actor_system& sys, std::shared_ptr<c
           x["calibration_version"] = double(r.version);
           models::flush_metrics_add(r.weights_flushed, r.worst_block_flushed, x);
         },
-        [finish](std::string& who, std::string& what) { finish(1, who + ": " + what); },
+        [finish, fail_saved](std::string& who, std::string& what) {  // a learner's own failure ends it: no stop path
+          if (who.rfind("learner", 0) == 0) return finish(1, who + ": " + what);
+          fail_saved(who + ": " + what);
+        },
         [stop_for](msg::stop_atom, std::string& why, int32_t code) { stop_for(std::move(why), code); },
         [self, finish](msg::stopped_atom, uint64_t version, std::string& dir) {
           auto& s = self->state;

@@ -123,25 +123,35 @@ TEST(E2E, TwoProcessesOnLoopbackViaCafRun) {
   fs::remove_all(d);
 }
 
+namespace {
+// kill -9 of the rollout1 process of `topo` once `run` has 3 metrics lines (rows: how many it had,
+// pkill_rc: pkill's status)
+std::thread rollout1_killer(const fs::path& run, const std::string& topo, size_t& rows, int& pkill_rc) {
+  return std::thread([&rows, &pkill_rc, run, topo] {
+    for (int i = 0; i < 600 && rows < 3; ++i) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(100));
+      rows = metrics_rows_so_far(run);
+    }
+    // "[r]ollout1": the pattern must not match the shell running pkill (that was killed too)
+    const int st = std::system(("pkill -9 -f -- '" + topo + " --node [r]ollout1'").c_str());
+    pkill_rc = WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
+  });
+}
+std::string cafrun_train(const fs::path& d, const std::string& topo, int steps) {
+  return kBin + "/caf-run --hostfile " + (d / "hosts").string() + " --topology " + topo + " -- " + kBin + "/fp8rl train --run-dir " +
+         (d / "run").string() + " --run.steps=" + std::to_string(steps) +
+         " --run.eval_every=0 --run.checkpoint_every=0 --model.sft_steps=60 --rollout.prompts_per_step=8";
+}
+}  // namespace
+
 TEST(E2E, KillingTheRemoteRolloutMidRunIsSurvived) {
   const fs::path d = fresh_dir("kill");
   const std::string topo = two_process_topology(d, free_port());
   const int steps = 60;  // the kill lands after step 3, with room to spare on a busy machine
   int pkill_rc = -1;
   size_t killed_after = 0;
-  std::thread killer([&] {  // once a few steps are done, kill -9 the rollout process
-    for (int i = 0; i < 600 && killed_after < 3; ++i) {
-      std::this_thread::sleep_for(std::chrono::milliseconds(100));
-      killed_after = metrics_rows_so_far(d / "run");
-    }
-    // "[r]ollout1": the pattern must not match the shell running pkill (that was killed too)
-    const int st = std::system(("pkill -9 -f -- '" + topo + " --node [r]ollout1'").c_str());
-    pkill_rc = WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
-  });
-  const auto r = fp8rl::test::run_command(kBin + "/caf-run --hostfile " + (d / "hosts").string() + " --topology " + topo + " -- " +
-                                          kBin + "/fp8rl train --run-dir " + (d / "run").string() + " --run.steps=" +
-                                          std::to_string(steps) + " --run.eval_every=0 --run.checkpoint_every=0 --model.sft_steps=60 "
-                                          "--rollout.prompts_per_step=8");
+  std::thread killer = rollout1_killer(d / "run", topo, killed_after, pkill_rc);
+  const auto r = fp8rl::test::run_command(cafrun_train(d, topo, steps));
   killer.join();
   EXPECT_EQ(r.rc, 0) << r.out;
   // the peer that disappeared is reported, and the group goes on
@@ -154,6 +164,34 @@ TEST(E2E, KillingTheRemoteRolloutMidRunIsSurvived) {
   EXPECT_EQ(m.back()["rollouts_lost_total"], 1.0);
   EXPECT_EQ(m.back()["rollouts_live"], 1.0);
   EXPECT_EQ(m.back()["buffer/admitted_total"], steps * 8.0);  // every group counted exactly once
+  fs::remove_all(d);
+}
+
+// The only rollout's process killed: the run fails (exit 1), but learner0 checkpoints the step it
+// is at first, and --resume goes on from there (the run ended at once, and only checkpoints/init
+// was left with checkpoint_every = 0).
+TEST(E2E, LosingEveryRolloutFailsTheRunCheckpointed) {
+  const fs::path d = fresh_dir("kill_all");
+  const std::string topo = two_process_topology(d, free_port(), false);
+  const int steps = 60;
+  int pkill_rc = -1;
+  size_t killed_after = 0;
+  std::thread killer = rollout1_killer(d / "run", topo, killed_after, pkill_rc);
+  const auto r = fp8rl::test::run_command(cafrun_train(d, topo, steps));
+  killer.join();
+  ASSERT_EQ(pkill_rc, 0) << "no rollout1 process was killed";
+  ASSERT_LT(killed_after, static_cast<size_t>(steps)) << "the run ended before the kill";
+  EXPECT_NE(r.rc, 0) << r.out;
+  EXPECT_NE(r.out.find("every rollout actor is gone"), std::string::npos) << r.out;
+  const auto m = metrics(d / "run");
+  ASSERT_GE(m.size(), killed_after);
+  const std::string at = "step_" + std::to_string(m.size());
+  EXPECT_EQ(text_of(d / "run" / "checkpoints" / "latest"), at + "\n") << r.out;
+  EXPECT_NE(r.out.find(at + " is the latest checkpoint; to continue"), std::string::npos) << r.out;
+  const auto again = fp8rl::test::run_command(kBin + "/caf-run --hostfile " + (d / "hosts").string() + " --topology " + topo +
+                                              " -- " + kBin + "/fp8rl train --resume --run-dir " + (d / "run").string());
+  EXPECT_EQ(again.rc, 0) << again.out;
+  EXPECT_EQ(metrics(d / "run").size(), static_cast<size_t>(steps));
   fs::remove_all(d);
 }
 

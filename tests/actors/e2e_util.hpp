@@ -100,10 +100,11 @@ inline size_t metrics_rows_so_far(const fs::path& run_dir) {
   return n;
 }
 
-inline std::string two_process_topology(const fs::path& dir, int port) {
+inline std::string two_process_topology(const fs::path& dir, int port, bool main_rollout = true) {  // false: rollout1's only
   const fs::path p = dir / "two-process.conf";
   std::ofstream(p) << "[cluster]\nnodes=[{name=\"main\", host=\"127.0.0.1\", port=0, roles=[\"controller\", \"buffer\", "
-                      "\"reward\", \"weight_sync\", \"calibration\"], learners=[\"cpu:1\"], rollouts=[\"cpu:1\"]},\n"
+                      "\"reward\", \"weight_sync\", \"calibration\"], learners=[\"cpu:1\"], rollouts=["
+                   << (main_rollout ? "\"cpu:1\"" : "") << "]},\n"
                       "{name=\"rollout1\", host=\"127.0.0.1\", port=" << port << ", roles=[], learners=[], rollouts=[\"cpu:1\"]}]\n";
   std::ofstream(dir / "hosts") << "127.0.0.1 slots=2\n";
   return p.string();

@@ -217,15 +217,84 @@ TEST_F(ControllerOnTestCoordinator, AMetricsLineThatCannotBeWrittenFailsTheRun) 
   EXPECT_NE(log.find("metrics.jsonl: writing step 1 failed"), std::string::npos) << log;
 }
 
-// Every rollout lost outside a stop fails the run (it would wait forever for samples).
-TEST_F(ControllerOnTestCoordinator, EveryRolloutLostFailsTheRun) {
+// Every rollout lost outside a stop fails the run (it would wait forever for samples), but through
+// the stop path: the buffer names the step (2), learner0 checkpoints it, then exit 1 with the
+// failure and the checkpoint to resume from named. It ended the run at once before, and a run of
+// 29 steps kept only checkpoints/init (checkpoint_every 50).
+TEST_F(ControllerOnTestCoordinator, EveryRolloutLostFailsTheRunAfterTheLearnersCheckpoint) {
+  log_level = "warn";
   wire(0);
   sync(0);
   self->send_exit(r0, caf::exit_reason::kill);
   sched.run();
   EXPECT_EQ(done, -1);
+  ::testing::internal::CaptureStderr();
   self->send_exit(r1, caf::exit_reason::kill);
   sched.run();
+  EXPECT_EQ(done, -1) << "the run ended before the learners stopped";
+  self->send(ctrl, msg::step_report{{}, 1, {{"tokens", 10.0}}});
+  sync(1);
+  self->send(ctrl, msg::stopped_atom::value, uint64_t{2}, (run_dir / "checkpoints" / "step_2").string());
+  sched.run();
+  const std::string log = ::testing::internal::GetCapturedStderr();
+  EXPECT_EQ(done, 1);
+  EXPECT_NE(log.find("every rollout actor is gone"), std::string::npos) << log;
+  EXPECT_NE(log.find("step_2 is the latest checkpoint; to continue"), std::string::npos) << log;
+}
+
+// The same for the reward, calibration and weight-sync actors, lost or naming their own failure;
+// a learner's or the buffer's loss, or a learner's failure, ends the run at once (the stop path
+// needs them); a failure during a stop makes its exit code 1.
+TEST_F(ControllerOnTestCoordinator, AFailureTheLearnersOutliveStopsThemCheckpointedFirst) {
+  const auto stopped = [&] {
+    self->send(ctrl, msg::stopped_atom::value, uint64_t{2}, (run_dir / "checkpoints" / "step_2").string());
+    sched.run();
+  };
+  log_level = "error";
+  for (const std::string lose : {"reward", "weight_sync", "calibration", "learner0", "buffer"}) {
+    SCOPED_TRACE(lose);
+    done = -1;
+    wire(0);
+    sync(0);
+    const caf::actor who = lose == "reward" ? caf::actor_cast<caf::actor>(p.reward)
+                           : lose == "weight_sync" ? caf::actor_cast<caf::actor>(p.weight_sync)
+                           : lose == "calibration" ? caf::actor_cast<caf::actor>(p.calibration)
+                           : lose == "learner0" ? caf::actor_cast<caf::actor>(p.learners[0])
+                                                : caf::actor_cast<caf::actor>(p.buffer);
+    ::testing::internal::CaptureStderr();
+    self->send_exit(who, caf::exit_reason::kill);
+    sched.run();
+    const std::string log = ::testing::internal::GetCapturedStderr();
+    if (lose == "buffer") {  // named as lost, not as a stop request it could not answer
+      EXPECT_NE(log.find("run failed: the trajectory buffer went down"), std::string::npos) << log;
+    }
+    const bool at_once = lose == "learner0" || lose == "buffer";
+    EXPECT_EQ(done, at_once ? 1 : -1);
+    if (!at_once) stopped();
+    EXPECT_EQ(done, 1);
+    TearDown();
+  }
+  for (const std::string who : {"weight_sync", "learner0"}) {  // (who, what) errors
+    SCOPED_TRACE(who);
+    done = -1;
+    wire(0);
+    sync(0);
+    self->send(ctrl, who, std::string("transfer failed"));
+    sched.run();
+    EXPECT_EQ(done, who == "learner0" ? 1 : -1);
+    stopped();
+    EXPECT_EQ(done, 1);
+    TearDown();
+  }
+  done = -1;
+  wire(0);  // a signal's stop, then a failure: the stop goes on, its exit code 1
+  sync(0);
+  self->send(ctrl, msg::stop_atom::value, std::string("SIGINT"), int32_t{130});
+  sched.run();
+  self->send(ctrl, std::string("calibration"), std::string("NaN in a scale"));
+  sched.run();
+  EXPECT_EQ(done, -1);
+  stopped();
   EXPECT_EQ(done, 1);
 }
 
