@@ -266,7 +266,7 @@ msg::controller_actor spawn_controller(caf::actor_system& sys, std::shared_ptr<c
       auto& s = self->state;
       if (s.peers.rollouts.empty()) return;
       const size_t i = s.rr++ % s.peers.rollouts.size();
-      trace_send("controller", "work_msg", w.trace, static_cast<int64_t>(w.step));
+      trace_send_step("controller", "work_msg", w.trace, w.step);
       s.issued[{w.step, w.prompt_id}] = w;
       s.in_flight[{w.step, w.prompt_id}] = {s.peers.rollout_names[i], w};
       self->send(s.peers.rollouts[i], std::move(w));
@@ -430,7 +430,7 @@ msg::controller_actor spawn_controller(caf::actor_system& sys, std::shared_ptr<c
         },
         [self, issue](msg::admitted_msg& a) {
           auto& s = self->state;
-          trace_recv("controller", "admitted_msg", a.trace, static_cast<int64_t>(a.step));
+          trace_recv_step("controller", "admitted_msg", a.trace, a.step);
           const auto key = std::make_pair(a.step, a.prompt_id);
           if (a.dropped && a.reason.rfind("stale", 0) == 0) {  // regenerate with newer weights, unless trained
             if (auto it = s.issued.find(key); it != s.issued.end()) {

@@ -377,7 +377,7 @@ msg::learner_actor spawn_learner(caf::actor_system& sys, std::shared_ptr<const a
           .then(
               [self, fail, request_batch, t_wait, t0](msg::batch_msg& b) {
                 auto& s = self->state;
-                trace_recv("learner" + std::to_string(s.rank), "batch_msg", b.trace, static_cast<int64_t>(b.step));
+                trace_recv_step("learner" + std::to_string(s.rank), "batch_msg", b.trace, b.step);
                 trace_writer::process().event("learner" + std::to_string(s.rank), "wait_batch", "span", t0, trace_now_us() - t0);
                 if (b.stop) return stop_at_version(self, fail);  // the run is stopping: no further step
                 try {  // the step's span covers rank 0's publishing too (its validation and checkpoint)

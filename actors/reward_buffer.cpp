@@ -45,7 +45,7 @@ msg::batch_msg stop_batch(uint64_t step) {
   msg::batch_msg b;
   b.step = step;
   b.stop = true;
-  trace_send("buffer", "batch_msg", b.trace, static_cast<int64_t>(step));
+  trace_send_step("buffer", "batch_msg", b.trace, step);
   return b;
 }
 
@@ -86,18 +86,18 @@ msg::reward_actor spawn_reward(caf::actor_system& sys, std::shared_ptr<const act
           trace_recv("reward", "peers_msg", p.trace);
           s.peers = std::move(p);
           for (auto& g : s.unsent) {
-            trace_send("reward", "group_msg", g.trace, static_cast<int64_t>(g.step));
+            trace_send_group("reward", g);
             self->send(s.peers.buffer, std::move(g));
           }
           s.unsent.clear();
         },
         [self](msg::group_msg& g) {
           auto& s = self->state;
-          trace_recv("reward", "group_msg", g.trace, static_cast<int64_t>(g.step));
+          trace_recv_group("reward", g);
           trace_span span("reward", "score", -1, double(g.samples.size()));
           models::group_score(g.samples, g.answer, *s.env->tok, s.env->stops, s.env->rl.verifier, s.env->rl.grpo);
           if (!s.peers.buffer) return s.unsent.push_back(std::move(g));
-          trace_send("reward", "group_msg", g.trace, static_cast<int64_t>(g.step));
+          trace_send_group("reward", g);
           self->send(s.peers.buffer, std::move(g));
         },
     };
@@ -114,7 +114,7 @@ msg::buffer_actor spawn_buffer(caf::actor_system& sys, std::shared_ptr<const act
     auto log = log_get("buffer");
     auto tell_controller = [self](msg::admitted_msg a) {
       if (!self->state.peers.controller) return self->state.unsent.push_back(std::move(a));
-      trace_send("buffer", "admitted_msg", a.trace, static_cast<int64_t>(a.step));
+      trace_send_step("buffer", "admitted_msg", a.trace, a.step);
       self->send(self->state.peers.controller, std::move(a));
     };
     // Delivers step `step` to its waiting learners once all its groups are in and fresh.
@@ -161,7 +161,7 @@ msg::buffer_actor spawn_buffer(caf::actor_system& sys, std::shared_ptr<const act
                             {"buffer/dropped_duplicate_total", double(s.dropped_dup)}};
         metrics_per_layer(b.buffer_metrics, "kv_saturated_total", s.kv_saturated);  // rl-algorithm.md: per-layer K/V saturation counts
         metrics_per_layer(b.buffer_metrics, "q_saturated_total", s.q_saturated);
-        trace_send("buffer", "batch_msg", b.trace, static_cast<int64_t>(step));
+        trace_send_step("buffer", "batch_msg", b.trace, step);
         pb.rp.deliver(std::move(b));
       }
       s.next_step = std::max(s.next_step, step + 1);
@@ -179,7 +179,7 @@ msg::buffer_actor spawn_buffer(caf::actor_system& sys, std::shared_ptr<const act
         },
         [self, try_deliver, tell_controller](msg::group_msg& g) {
           auto& s = self->state;
-          trace_recv("buffer", "group_msg", g.trace, static_cast<int64_t>(g.step));
+          trace_recv_group("buffer", g);
           // one policy for both sides (rl-algorithm.md section 10): a group sampled under another
           // (a node started with other settings) is refused, the run ended with both named
           if (g.policy != s.policy)

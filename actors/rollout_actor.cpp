@@ -145,7 +145,7 @@ msg::rollout_actor spawn_rollout(caf::actor_system& sys, std::shared_ptr<const a
         [self, schedule, fatal](msg::work_msg& w) {
           auto& s = self->state;
           if (fault_exit_now(s.name, w.step)) return self->quit(caf::make_error(caf::sec::runtime_error, "fault injection"));
-          trace_recv(s.name, "work_msg", w.trace, static_cast<int64_t>(w.step));
+          trace_recv_step(s.name, "work_msg", w.trace, w.step);
           // a re-issue (a stale drop) of a group this rollout is generating: submitting its
           // requests again made a group with duplicate indices
           if (s.work.count(w.prompt_id)) {
@@ -253,7 +253,7 @@ msg::rollout_actor spawn_rollout(caf::actor_system& sys, std::shared_ptr<const a
             for (auto& x : d) g.samples.push_back(models::rl_sample_from_result(std::move(x), it->second.group_size));
             std::sort(g.samples.begin(), g.samples.end(), [](const auto& a, const auto& b) { return a.group_index < b.group_index; });
             ++s.groups;
-            trace_send(s.name, "group_msg", g.trace, static_cast<int64_t>(g.step));
+            trace_send_group(s.name, g);
             self->send(s.peers.reward, std::move(g));
             s.done.erase(pid);
             s.work.erase(it);

@@ -9,6 +9,7 @@
 #include <fstream>
 #include <cstdio>
 #include <stdexcept>
+#include <utility>
 
 #include "models/log.hpp"
 
@@ -100,21 +101,22 @@ uint64_t trace_writer::next_message_id() {
   return id_salt_ + ++id_next_;
 }
 
-void trace_send(const std::string& actor, const char* type, msg::trace_ctx& ctx, int64_t wv, double bytes, int64_t sv) {
+void trace_send(const std::string& actor, const char* type, msg::trace_ctx& ctx, int64_t wv, double bytes, int64_t sv,
+                int64_t step) {
   auto& w = trace_writer::process();
   if (!w.enabled()) return;
   ctx.span_id = w.next_message_id();
   if (ctx.trace_id == 0) ctx.trace_id = ctx.span_id;
   ctx.lamport = w.lamport_tick(actor);
-  w.event(actor, type, "send", trace_now_us(), 0, bytes, wv, sv, ctx.lamport, ctx.span_id);
+  w.event(actor, type, "send", trace_now_us(), 0, bytes, wv, sv, ctx.lamport, ctx.span_id, step);
 }
 
 void trace_recv(const std::string& actor, const char* type, const msg::trace_ctx& ctx, int64_t wv, double bytes,
-                int64_t sv) {
+                int64_t sv, int64_t step) {
   auto& w = trace_writer::process();
   if (!w.enabled() || ctx.span_id == 0) return;  // an untraced sender (or tracing off there)
   const uint64_t clock = w.lamport_tick(actor, ctx.lamport);
-  w.event(actor, type, "recv", trace_now_us(), 0, bytes, wv, sv, clock, ctx.span_id);
+  w.event(actor, type, "recv", trace_now_us(), 0, bytes, wv, sv, clock, ctx.span_id, step);
 }
 
 
@@ -128,10 +130,35 @@ void trace_recv_bundle(const std::string& actor, const msg::bundle_msg& m) {
              static_cast<int64_t>(m.bundle->snapshot.scale_version));
 }
 
+namespace {
+// The oldest weight and scale versions of a group's tokens (-1: no token)
+std::pair<int64_t, int64_t> group_oldest_versions(const msg::group_msg& g) {
+  int64_t wv = -1, sv = -1;
+  auto oldest = [](int64_t& at, uint64_t v) { at = at < 0 ? static_cast<int64_t>(v) : std::min(at, static_cast<int64_t>(v)); };
+  for (const auto& s : g.samples) {
+    for (uint64_t v : s.weight_version) oldest(wv, v);
+    for (uint64_t v : s.scale_version) oldest(sv, v);
+  }
+  return {wv, sv};
+}
+}  // namespace
+
+void trace_send_group(const std::string& actor, msg::group_msg& g) {
+  if (!trace_writer::process().enabled()) return;
+  const auto [wv, sv] = group_oldest_versions(g);
+  trace_send(actor, "group_msg", g.trace, wv, 0, sv, static_cast<int64_t>(g.step));
+}
+
+void trace_recv_group(const std::string& actor, const msg::group_msg& g) {
+  if (!trace_writer::process().enabled()) return;
+  const auto [wv, sv] = group_oldest_versions(g);
+  trace_recv(actor, "group_msg", g.trace, wv, 0, sv, static_cast<int64_t>(g.step));
+}
+
 // Formatted by hand, not through nlohmann::json: ~300 events per step of the default run, and
 // building a json object per event took ~5% off the asynchronous run's samples/s.
 void trace_writer::event(const std::string& actor, const std::string& name, const char* kind, int64_t ts_us,
-                         int64_t dur_us, double bytes, int64_t wv, int64_t sv, uint64_t lamport, uint64_t msg) {
+                         int64_t dur_us, double bytes, int64_t wv, int64_t sv, uint64_t lamport, uint64_t msg, int64_t step) {
   if (!enabled_) return;
   static const long pid = ::getpid();
   thread_local std::string line;
@@ -148,6 +175,7 @@ void trace_writer::event(const std::string& actor, const std::string& name, cons
   if (bytes > 0) line.append(b, static_cast<size_t>(std::snprintf(b, sizeof b, ",\"bytes\":%.17g", bytes)));
   if (wv >= 0) line.append(b, static_cast<size_t>(std::snprintf(b, sizeof b, ",\"wv\":%lld", static_cast<long long>(wv))));
   if (sv >= 0) line.append(b, static_cast<size_t>(std::snprintf(b, sizeof b, ",\"sv\":%lld", static_cast<long long>(sv))));
+  if (step >= 0) line.append(b, static_cast<size_t>(std::snprintf(b, sizeof b, ",\"step\":%lld", static_cast<long long>(step))));
   if (lamport) line.append(b, static_cast<size_t>(std::snprintf(b, sizeof b, ",\"lamport\":%llu", static_cast<unsigned long long>(lamport))));
   if (msg) line.append(b, static_cast<size_t>(std::snprintf(b, sizeof b, ",\"msg\":%llu", static_cast<unsigned long long>(msg))));
   line += "}\n";

@@ -2,7 +2,8 @@
 // defines: trace_writer, trace_span, trace_now_us, trace_send, trace_recv, trace_send_bundle, trace_recv_bundle
 //
 // One line per event: {"node", "actor", "name", "ts" (µs since epoch), "dur" (µs), "bytes",
-// "wv" (weight version), "sv" (scale version of a bundle, an adoption, a decode step), "lamport", "msg" (message id, send/recv),
+// "wv" (weight version), "sv" (scale version of a bundle, an adoption, a decode step), "step" (the
+// learner step a message is for: work, groups, admissions, batches), "lamport", "msg" (message id, send/recv),
 // "pid", "kind": "span"|"send"|"recv"}. Spans time what an actor does; send/recv pairs (one "msg" id,
 // the sender's Lamport clock carried in the message's trace_ctx) give the causal order across
 // processes, from which fp8rl-trace computes vector clocks (caf-0.17.md §7).
@@ -33,7 +34,7 @@ class trace_writer {
   void close();
   bool enabled() const { return enabled_; }
   void event(const std::string& actor, const std::string& name, const char* kind, int64_t ts_us, int64_t dur_us,
-             double bytes = 0, int64_t wv = -1, int64_t sv = -1, uint64_t lamport = 0, uint64_t msg = 0);
+             double bytes = 0, int64_t wv = -1, int64_t sv = -1, uint64_t lamport = 0, uint64_t msg = 0, int64_t step = -1);
   // The Lamport clock of `actor` (per actor name in this process): tick for a send, or
   // max(own, received) + 1 for a receive; returns the new value.
   uint64_t lamport_tick(const std::string& actor, uint64_t received = 0);
@@ -56,11 +57,22 @@ class trace_writer {
 
 // Message events: trace_send stamps ctx (a fresh id, the sender's clock) and records the send;
 // trace_recv records the receive of a message stamped so. No-ops while tracing is off.
-// wv / sv: the weight / scale version the message is of (-1: none).
+// wv / sv: the weight / scale version the message is of (-1: none); step: the learner step it is
+// for (-1: none) -- a step is not a version: step s's groups are sampled under versions s - k .. s.
 void trace_send(const std::string& actor, const char* type, msg::trace_ctx& ctx, int64_t wv = -1, double bytes = 0,
-                int64_t sv = -1);
+                int64_t sv = -1, int64_t step = -1);
 void trace_recv(const std::string& actor, const char* type, const msg::trace_ctx& ctx, int64_t wv = -1, double bytes = 0,
-                int64_t sv = -1);
+                int64_t sv = -1, int64_t step = -1);
+// A message for a learner step (work, admissions, batches): its step, no version.
+inline void trace_send_step(const std::string& actor, const char* type, msg::trace_ctx& ctx, uint64_t step) {
+  trace_send(actor, type, ctx, -1, 0, -1, static_cast<int64_t>(step));
+}
+inline void trace_recv_step(const std::string& actor, const char* type, const msg::trace_ctx& ctx, uint64_t step) {
+  trace_recv(actor, type, ctx, -1, 0, -1, static_cast<int64_t>(step));
+}
+// A group_msg's events: its step, and the oldest weight and scale versions its tokens were sampled under.
+void trace_send_group(const std::string& actor, msg::group_msg& g);
+void trace_recv_group(const std::string& actor, const msg::group_msg& g);
 
 // A bundle_msg's events, with the bundle's weight and scale versions.
 void trace_send_bundle(const std::string& actor, msg::bundle_msg& m);

@@ -67,6 +67,26 @@ TEST(E2E, EmbeddedDefaultRunsAndResumes) {
   EXPECT_TRUE(fs::exists(d / "checkpoints" / "step_4" / "optimizer.safetensors"));
   EXPECT_TRUE(fs::exists(d / "plots" / "reward.png"));
   EXPECT_TRUE(fs::exists(d / "traces" / "local.jsonl"));
+  {  // a message for a step carries the step; a group also the oldest versions its tokens were sampled
+     // under, within the staleness window (default 1) -- not the step in the version's place
+    std::ifstream in(d / "traces" / "local.jsonl");
+    int groups = 0, work = 0;
+    for (std::string l; std::getline(in, l);) {
+      const json e = json::parse(l);
+      const std::string name = e["name"];
+      if (name == "work_msg" || name == "batch_msg" || name == "admitted_msg") {
+        EXPECT_TRUE(e.contains("step") && !e.contains("wv")) << l;
+        work += name == "work_msg";
+      }
+      if (name != "group_msg") continue;
+      ++groups;
+      ASSERT_TRUE(e.contains("step") && e.contains("wv") && e.contains("sv")) << l;
+      EXPECT_LE(e["wv"].get<int64_t>(), e["step"].get<int64_t>()) << l;
+      EXPECT_GE(e["wv"].get<int64_t>(), e["step"].get<int64_t>() - 1) << l;
+    }
+    EXPECT_EQ(work, 2 * 4 * 8) << "a work_msg send and receive per group of the 4 steps";
+    EXPECT_GT(groups, 0);
+  }
   // --resume continues from checkpoints/latest (step 4) to step 6, and the prompt sequence from
   // the checkpoint's cursor (4 x 8 prompts) also with another prompts_per_step: 32 + 2 x 4
   auto cursor = [&](int step) {

@@ -147,6 +147,8 @@ TEST(Trace, VectorClocksFollowTheMessages) {
             "C.jsonl:1: 'lamport' is -1, not an integer >= 0"},
            {json{{"node", "C"}, {"actor", "x"}, {"kind", "span"}, {"name", "m"}, {"ts", 1}, {"sv", "2"}},
             "C.jsonl:1: 'sv' is \"2\", not an integer >= -1"},
+           {json{{"node", "C"}, {"actor", "x"}, {"kind", "send"}, {"name", "m"}, {"ts", 1}, {"step", 1.5}},
+            "C.jsonl:1: 'step' is 1.5, not an integer >= -1"},
            {json::array({1, 2, 3}), "C.jsonl:1: not an event object"}}) {
     std::ofstream(run / "traces" / "C.jsonl") << bad.dump() << "\n";
     for (const char* cmd : {"merge", "summary", "shiviz"}) {
@@ -183,23 +185,29 @@ TEST(Trace, WeightAndScaleVersionsReachTheTimeline) {
   json send = json::parse(line("A", "weight_sync", "send", "bundle_msg", 100, 1, 5)), recv = json::parse(line("A", "rollout0", "recv", "bundle_msg", 110, 2, 5));
   send["wv"] = recv["wv"] = 3;
   send["sv"] = recv["sv"] = 2;
-  std::ofstream(run / "traces" / "A.jsonl") << send.dump() << "\n" << recv.dump() << "\n" << line("A", "controller", "send", "peers_msg", 120, 1, 6);
+  json group = json::parse(line("A", "rollout0", "send", "group_msg", 130, 3, 7));
+  group["wv"] = 3, group["sv"] = 2, group["step"] = 4;  // step 4's group, sampled under version 3
+  std::ofstream(run / "traces" / "A.jsonl") << send.dump() << "\n" << recv.dump() << "\n" << line("A", "controller", "send", "peers_msg", 120, 1, 6)
+                                            << group.dump() << "\n";
   ASSERT_EQ(fp8rl::test::run_command(kBin + "/fp8rl-trace shiviz " + run.string()).rc, 0);
   std::ifstream in(run / "trace.shiviz.log");
   const std::string text((std::istreambuf_iterator<char>(in)), {});
   EXPECT_NE(text.find("send bundle_msg v3 s2 msg=5"), std::string::npos) << text;
   EXPECT_NE(text.find("recv bundle_msg v3 s2 msg=5"), std::string::npos) << text;
   EXPECT_NE(text.find("send peers_msg msg=6"), std::string::npos) << text;
+  EXPECT_NE(text.find("send group_msg v3 s2 step 4 msg=7"), std::string::npos) << text;
   ASSERT_EQ(fp8rl::test::run_command(kBin + "/fp8rl-trace merge " + run.string()).rc, 0);
   const json t = json::parse(std::ifstream(run / "trace.json"));
-  int versioned = 0, bare = 0;
+  int versioned = 0, bare = 0, stepped = 0;
   for (const auto& e : t["traceEvents"]) {
     if (e["ph"] != "X") continue;
     if (e["name"] == "bundle_msg") versioned += e["args"] == json{{"weight_version", 3}, {"scale_version", 2}};
     if (e["name"] == "peers_msg") bare += e["args"] == json::object();
+    if (e["name"] == "group_msg") stepped += e["args"] == json{{"weight_version", 3}, {"scale_version", 2}, {"step", 4}};
   }
   EXPECT_EQ(versioned, 2);
   EXPECT_EQ(bare, 1);
+  EXPECT_EQ(stepped, 1);
   fs::remove_all(run);
 }
 

@@ -35,6 +35,7 @@ struct event {
   int64_t ts = 0, dur = 0;
   double bytes = 0;
   int64_t wv = -1, sv = -1;  // weight / scale version (-1: none)
+  int64_t step = -1;         // the learner step a message is for (-1: none)
   uint64_t lamport = 0, msg = 0;  // send/recv: Lamport clock, message id
   int64_t pid = 0;
   std::string who;    // actor@node, plus #pid where a node's file holds several processes (a resumed run)
@@ -82,6 +83,7 @@ event event_from(const json& j, const std::string& where) {
   e.pid = integer("pid", false, 0, 0);  // traces written before pids were: one process per file
   e.wv = integer("wv", false, -1, -1);
   e.sv = integer("sv", false, -1, -1);
+  e.step = integer("step", false, -1, -1);
   e.lamport = uinteger("lamport");
   e.msg = uinteger("msg");
   if (j.contains("bytes") && !j["bytes"].is_number()) fail("'bytes' is not a number");
@@ -249,6 +251,7 @@ int shiviz(const fs::path& run) {
     out << e.who << ' ' << json(vc.at(i)).dump() << ' ' << e.kind << ' ' << e.name;
     if (e.wv >= 0) out << " v" << e.wv;
     if (e.sv >= 0) out << " s" << e.sv;
+    if (e.step >= 0) out << " step " << e.step;
     out << " msg=" << e.msg << " ts=" << e.ts << '\n';
   }
   output_write(p, out.str());
@@ -274,6 +277,7 @@ int merge(const fs::path& run) {
     json args = json::object();
     if (e.wv >= 0) args["weight_version"] = e.wv;
     if (e.sv >= 0) args["scale_version"] = e.sv;
+    if (e.step >= 0) args["step"] = e.step;
     if (e.bytes > 0) args["bytes"] = e.bytes;
     out.push_back({{"name", e.name}, {"ph", "X"}, {"ts", e.ts - ev.front().ts}, {"dur", std::max<int64_t>(e.dur, 1)},
                    {"pid", pid[e.node]}, {"tid", tid[key]}, {"args", args}});
