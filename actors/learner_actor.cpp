@@ -199,22 +199,13 @@ void audit_into(learner_state& s, const std::vector<models::rl_sample>& samples,
     bf.bf16_first = bf.bf16_last = 0;
   }
   models::audit_sums sums;
-  int64_t audited = 0;  // trajectories
-  const int64_t want = s.env->cfg.audit_samples;
   auto wc = models::model_weights_build(*s.be, s.ck.params.cfg, s.env->rl.train_policy.training(), {&s.ck.params, nullptr, nullptr}, false);
-  // BF16 (and FP8) weights of each behaviour version
+  // BF16 (and FP8) weights of each behaviour version still held (the last max_staleness + 1)
   std::map<uint64_t, std::pair<std::unique_ptr<models::model_weights>, std::unique_ptr<models::model_weights>>> w_of;
-  for (const auto& smp : samples) {
-    if (audited >= want) break;
-    if (smp.response.empty()) continue;
-    const uint64_t v = smp.weight_version.front();
-    // a sequence sampled across an adoption has no one behaviour version to re-score at (under
-    // kv_policy recompute one forward per version would do it; not done): audited are those of one
-    if (std::any_of(smp.weight_version.begin(), smp.weight_version.end(), [&](uint64_t x) { return x != v; })) continue;
-    const std::vector<float>* w = nullptr;
-    if (v == s.version) w = &s.ck.params.data;
+  auto at_version = [&](uint64_t v) -> models::audit_weights {
+    const std::vector<float>* w = v == s.version ? &s.ck.params.data : nullptr;
     for (const auto& [pv, pw] : s.past) if (pv == v) w = &pw;
-    if (!w) continue;
+    if (!w) return {};
     auto& [wq, w8] = w_of[v];
     if (!wq) {
       models::model_params p = s.ck.params;
@@ -222,28 +213,11 @@ void audit_into(learner_state& s, const std::vector<models::rl_sample>& samples,
       wq = models::model_weights_build(*s.be, p.cfg, bf, {&p, nullptr, nullptr}, false);
       if (split_fp8) w8 = models::model_weights_build(*s.be, p.cfg, g8, {&p, nullptr, nullptr}, false);
     }
-    models::token_batch b;
-    auto seq = smp.prompt;
-    seq.insert(seq.end(), smp.response.begin(), smp.response.end());
-    b.add(seq);
-    const auto targets = b.next_targets();
-    std::vector<float> q(targets.size()), c(targets.size()), q8(targets.size());
-    s.run->forward(*wq, b, false);
-    s.run->logprobs(targets, s.env->rl.proc, q.data());
-    s.run->forward(*wc, b, false);
-    s.run->logprobs(targets, s.env->rl.proc, c.data());
-    if (w8) {
-      s.run->forward(*w8, b, false);
-      s.run->logprobs(targets, s.env->rl.proc, q8.data());
-    }
-    for (size_t j = 0; j < smp.response.size(); ++j) {
-      const size_t t = smp.prompt.size() - 1 + j;
-      sums.add(c[t], q[t], w8 ? double(q8[t]) : std::nan(""), smp.gen_logprobs[j]);
-    }
-    ++audited;
-  }
+    return {wq.get(), w8.get()};
+  };
+  const auto n = models::audit_rescore(*s.run, *wc, at_version, samples, s.env->cfg.audit_samples, s.env->rl.proc, sums);
   sums.write(m);
-  if (sums.n + sums.nonfinite > 0) m["audit/trajectories"] = double(audited);
+  n.write(m);
 }
 
 // The whole step's samples: every rank's shard on rank 0 of several learners, else this rank's.

@@ -82,7 +82,9 @@ std::vector<recipe_key> recipe_keys(run_config& r) {
       {"calibration", "margin", &r.margin, "scale = amax * margin / 448"},
       {"audit", "every", &r.audit_every, "re-score sampled trajectories at their behaviour version every N steps (0: off): audit/staleness_kl, "
        "audit/precision_kl, and with FP8 generation audit/weight_quant_kl and audit/kernel_kv_kl (its two parts; "
-       "KL estimates of parts, not additive)"},
+       "KL estimates of parts, not additive); each token at the version it was sampled under (one forward per version of "
+       "a trajectory); a trajectory whose KV cache was kept across an adoption, or with a version no longer held, is "
+       "skipped, counted (audit/skipped_kept_kv, audit/skipped_not_held)"},
       {"audit", "samples", &r.audit_samples, "trajectories per audit"},
       {"trace", "enabled", &r.trace, "write per-process trace events (runs/<dir>/traces)"},
       {"trace", "max_mb", &r.trace_max_mb, "a process's trace file stops at this size (MiB; ~50 KB a step of the default run), one warning says so (0: no cap)"},

@@ -154,6 +154,8 @@ void rl_sample_check(const rl_sample& s, size_t i, int64_t vocab) {
   same(s.gen_logprobs.size(), "gen_logprobs");
   same(s.weight_version.size(), "weight_version");
   same(s.scale_version.size(), "scale_version");
+  same(s.oldest_kv_version.size(), "oldest_kv_version");  // audit mode tells a kept KV cache by it
+  same(s.oldest_kv_scale_version.size(), "oldest_kv_scale_version");
   if (vocab <= 0) return;
   auto ids = [&](const std::vector<int32_t>& v, const char* what) {
     for (size_t j = 0; j < v.size(); ++j)
@@ -298,6 +300,59 @@ void audit_sums::write(metric_map& out) const {
   if (n8 == 0) return;
   out["audit/weight_quant_kl"] = wq_kl / n8;
   out["audit/kernel_kv_kl"] = kern_kl / n8;
+}
+
+void audit_count::write(metric_map& out) const {
+  out["audit/trajectories"] = double(trajectories);
+  out["audit/trajectories_spanning"] = double(spanning);
+  out["audit/skipped_kept_kv"] = double(skipped_kept_kv);
+  out["audit/skipped_not_held"] = double(skipped_not_held);
+}
+
+audit_count audit_rescore(model_runner& run, const model_weights& current, const std::function<audit_weights(uint64_t)>& at_version,
+                          const std::vector<rl_sample>& samples, int64_t want, const logit_processing& proc, audit_sums& sums) {
+  audit_count n;
+  for (const auto& smp : samples) {
+    if (n.trajectories >= want) break;
+    if (smp.response.empty()) continue;
+    if (smp.oldest_kv_version != smp.weight_version) {
+      ++n.skipped_kept_kv;
+      continue;
+    }
+    std::map<uint64_t, audit_weights> w;  // the trajectory's versions
+    for (uint64_t v : smp.weight_version) w.emplace(v, audit_weights{});
+    bool held = true;
+    for (auto& [v, wv] : w) held = held && (wv = at_version(v)).q != nullptr;
+    if (!held) {
+      ++n.skipped_not_held;
+      continue;
+    }
+    token_batch b;  // [T = prompt + response]
+    auto seq = smp.prompt;
+    seq.insert(seq.end(), smp.response.begin(), smp.response.end());
+    b.add(seq);
+    const auto targets = b.next_targets();
+    const size_t T = targets.size();
+    std::vector<float> c(T), q(T), q8(T);
+    run.forward(current, b, false);
+    run.logprobs(targets, proc, c.data());
+    for (const auto& [v, wv] : w) {
+      run.forward(*wv.q, b, false);
+      run.logprobs(targets, proc, q.data());
+      if (wv.q8) {
+        run.forward(*wv.q8, b, false);
+        run.logprobs(targets, proc, q8.data());
+      }
+      for (size_t j = 0; j < smp.response.size(); ++j) {
+        if (smp.weight_version[j] != v) continue;
+        const size_t t = smp.prompt.size() - 1 + j;  // the target of position t is response token j
+        sums.add(c[t], q[t], wv.q8 ? double(q8[t]) : std::nan(""), smp.gen_logprobs[j]);
+      }
+    }
+    ++n.trajectories;
+    n.spanning += w.size() > 1;
+  }
+  return n;
 }
 
 void rl_batch_metrics(const std::vector<rl_sample>& s, uint64_t learner_version, int64_t max_staleness, metric_map& out) {

@@ -123,6 +123,24 @@ struct audit_sums {
   void write(metric_map& out) const;  // audit/* (nothing where no token was audited)
 };
 
+// Audit mode's re-scoring of up to `want` trajectories: each token under the weights it was sampled
+// under -- one forward per weight version of the trajectory (a sequence sampled across adoptions
+// under kv_policy recompute: every token's context was computed under its own version) -- with
+// the re-score weights `at_version(v)` gives (q: BF16 linear weights; q8: FP8, or none), beside c
+// under `current`, into `sums`. Skipped and counted: a trajectory with a token whose KV cache came
+// from older weights (kv_policy keep after an adoption: no forward reproduces its context), and
+// one with a version whose weights are no longer held (at_version's q is null).
+struct audit_weights {
+  const model_weights* q = nullptr;
+  const model_weights* q8 = nullptr;
+};
+struct audit_count {
+  int64_t trajectories = 0, spanning = 0, skipped_kept_kv = 0, skipped_not_held = 0;
+  void write(metric_map& out) const;  // audit/trajectories, audit/trajectories_spanning, audit/skipped_*
+};
+audit_count audit_rescore(model_runner& run, const model_weights& current, const std::function<audit_weights(uint64_t)>& at_version,
+                          const std::vector<rl_sample>& samples, int64_t want, const logit_processing& proc, audit_sums& sums);
+
 // Reward mean/std, accuracy (reward > 0.5), response length, and token counts by staleness
 // (staleness_hist/Δ, Δ = learner_version - weight_version; every bin 0..max_staleness, empty
 // ones too) and by scale-version lag (scale_lag_hist/Δ).

@@ -579,6 +579,10 @@ TEST(E2E, TwoLearnersAllReduceAndAuditMode) {
   bool audited = false;
   double weight_quant = 0;
   for (const auto& x : m) {
+    // every step audited: trajectories sampled across an adoption too (re-scored per version; all
+    // of a step's were skipped before), none with a kept KV cache (kv_policy recompute)
+    EXPECT_GE(x.value("audit/trajectories", 0.0), 1.0) << x.dump();
+    EXPECT_EQ(x.value("audit/skipped_kept_kv", -1.0), 0.0) << x.dump();
     audited |= x.contains("audit/precision_kl") && x.contains("audit/staleness_kl");
     if (!x.contains("audit/kernel_kv_kl")) continue;
     EXPECT_GE(x["audit/trajectories"].get<double>(), 1.0);

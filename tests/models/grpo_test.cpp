@@ -1155,3 +1155,60 @@ TEST(Grpo, GroupScoringTakesTheLeaveOneOutBaseline) {
   const float eps = grpo_config{}.adv_eps;  // (the premise: the two baselines differ here)
   EXPECT_NE(grpo_advantages({1, 0, 0}, 3, true, eps, true)[1], grpo_advantages({1, 0, 0}, 3, true, eps, false)[1]);
 }
+
+// Audit mode re-scores each token under the weights it was sampled under: a trajectory spanning
+// versions 1 and 2 (an adoption mid-sequence, kv_policy recompute) whose g are exactly each
+// version's logprobs reads precision_kl 0 (one version for all tokens made it > 0, and such
+// trajectories were skipped before); staleness_kl is nonzero for version 1's token only. A token
+// whose KV came from older weights (keep), or a version no longer held, skips its trajectory, counted.
+TEST(Grpo, AuditRescoresEachTokenUnderItsOwnVersion) {
+  model_config c;
+  c.hidden_size = 32; c.intermediate_size = 64; c.num_hidden_layers = 1; c.num_attention_heads = 2;
+  c.num_key_value_heads = 1; c.head_dim = 16; c.vocab_size = 20; c.max_position_embeddings = 16;
+  model_params v1 = model_params_init(c, 1), v2 = model_params_init(c, 2);  // [P] each
+  auto be = make_cpu_backend();
+  model_runner run(*be);
+  const precision_policy fp32 = precision_policy::named("fp32");
+  auto w1 = model_weights_build(*be, c, fp32.training(), {&v1, nullptr, nullptr}, false);
+  auto w2 = model_weights_build(*be, c, fp32.training(), {&v2, nullptr, nullptr}, false);
+  const logit_processing proc;
+  rl_sample s;
+  s.prompt = {1, 5, 7};
+  s.response = {3, 9, 4};
+  s.weight_version = s.oldest_kv_version = {1, 2, 2};
+  s.scale_version = s.oldest_kv_scale_version = s.weight_version;
+  {  // g: each token's logprob under its own version (targets of rows 2..4 are the response)
+    token_batch b;
+    b.add({1, 5, 7, 3, 9, 4});
+    const auto targets = b.next_targets();  // [T = 6]
+    std::vector<float> l1(targets.size()), l2(targets.size());
+    run.forward(*w1, b, false);
+    run.logprobs(targets, proc, l1.data());
+    run.forward(*w2, b, false);
+    run.logprobs(targets, proc, l2.data());
+    s.gen_logprobs = {l1[2], l2[3], l2[4]};
+  }
+  auto at = [&](uint64_t v) { return v == 1 ? audit_weights{w1.get()} : v == 2 ? audit_weights{w2.get()} : audit_weights{}; };
+  audit_sums sums;
+  const audit_count n = audit_rescore(run, *w2, at, {s}, 4, proc, sums);
+  EXPECT_EQ(n.trajectories, 1);
+  EXPECT_EQ(n.spanning, 1);
+  metric_map m;
+  sums.write(m);
+  EXPECT_EQ(m.at("audit/tokens"), 3.0);
+  EXPECT_EQ(m.at("audit/precision_kl"), 0.0);  // the same forward, the same bits
+  EXPECT_GT(m.at("audit/staleness_kl"), 0.0);  // token 0: current (v2) vs its version (v1)
+  // kept KV after the adoption (token 1's context from v1), a version not held, and `want`
+  rl_sample kept = s, gone = s;
+  kept.oldest_kv_version = {1, 1, 2};
+  gone.weight_version = gone.oldest_kv_version = {0, 2, 2};
+  audit_sums other;
+  const audit_count k = audit_rescore(run, *w2, at, {kept, gone, s, s}, 1, proc, other);
+  EXPECT_EQ(k.skipped_kept_kv, 1);
+  EXPECT_EQ(k.skipped_not_held, 1);
+  EXPECT_EQ(k.trajectories, 1) << "want = 1";
+  metric_map km;
+  k.write(km);
+  EXPECT_EQ(km.at("audit/skipped_kept_kv"), 1.0);
+  EXPECT_EQ(km.at("audit/trajectories_spanning"), 1.0);
+}

@@ -198,6 +198,7 @@ std::vector<rl_sample> learner_samples() {
         s.weight_version.push_back(4);
         s.scale_version.push_back(4);
         s.oldest_kv_version.push_back(4);
+        s.oldest_kv_scale_version.push_back(4);
       }
       s.advantage = 0.5f * noise[n % 64];
       out.push_back(s);
@@ -386,6 +387,9 @@ TEST(SharedPrefix, LearnerRefusesSamplesItCannotRead) {
   bad = samples;
   bad[0].weight_version.clear();
   EXPECT_NE(refused(bad).find("weight_version"), std::string::npos) << refused(bad);
+  bad = samples;
+  bad[0].oldest_kv_version.pop_back();  // audit mode reads it beside weight_version
+  EXPECT_NE(refused(bad).find("oldest_kv_version"), std::string::npos) << refused(bad);
   EXPECT_EQ(refused(samples), "");
   // the runner itself: one target per token, each -1 or an id
   const learner_batch lb = learner_batch_build(samples, true);
@@ -411,7 +415,7 @@ TEST(SharedPrefix, ASampleWithoutResponseTokensIsAnEmptyShard) {
   auto& [c, p, be, run, samples] = F;
   std::vector<rl_sample> empty(1, samples[0]);  // one sample: no shared prompt row either
   for (auto& s : empty) s.response.clear(), s.gen_logprobs.clear(), s.weight_version.clear(), s.scale_version.clear(),
-                        s.oldest_kv_version.clear();
+                        s.oldest_kv_version.clear(), s.oldest_kv_scale_version.clear();
   grpo_config cfg;
   cfg.seq_logprob_error_threshold = 2.0f;
   int joined = 0;
