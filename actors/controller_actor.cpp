@@ -46,6 +46,9 @@ struct controller_state {
   std::map<std::pair<uint64_t, uint64_t>, msg::work_msg> issued;  // until its step is trained
   size_t rr = 0;  // round-robin over live rollouts
   std::map<std::pair<uint64_t, uint64_t>, std::pair<std::string, msg::work_msg>> in_flight;
+  // rollouts without a group in flight, since when; their idle seconds summed since the last line
+  std::map<std::string, std::chrono::steady_clock::time_point> idle_since;
+  double idle_s = 0;
   // calibration reports not yet in a line, oldest first: one per line (two arriving within one
   // step overwrote each other, and a version's calibration record was lost)
   std::deque<std::map<std::string, double>> calib_pending;
@@ -101,6 +104,25 @@ std::string lost_actor_named(const controller_state& s, const caf::node_id& own,
   return who + (node.empty() ? "" : " (node '" + node + "'" + (with.empty() ? "" : ", which also runs " + with) + ")");
 }
 
+// Which rollouts are idle (no group in flight: waiting for the weights the staleness window
+// needs, or for the run's end), after in_flight or the rollouts changed; their idle time so far
+// into s.idle_s. Recomputed from in_flight: at most (max_staleness + 1) x prompts_per_step groups.
+void idle_update(controller_state& s, std::chrono::steady_clock::time_point now = std::chrono::steady_clock::now()) {
+  std::set<std::string> busy;
+  for (const auto& [key, v] : s.in_flight) busy.insert(v.first);
+  for (auto it = s.idle_since.begin(); it != s.idle_since.end();) {  // busy again, or gone
+    const auto& names = s.peers.rollout_names;
+    if (!busy.count(it->first) && std::find(names.begin(), names.end(), it->first) != names.end()) {
+      ++it;
+      continue;
+    }
+    s.idle_s += std::chrono::duration<double>(now - it->second).count();
+    it = s.idle_since.erase(it);
+  }
+  for (const auto& name : s.peers.rollout_names)
+    if (!busy.count(name)) s.idle_since.emplace(name, now);
+}
+
 // The controller's part of a step's metrics line: the calibration and sync reports not yet
 // written (each once, in the next line, with the version it is of: kept until then they were
 // repeated in every later line as if that step's), work in flight and lost, throughput.
@@ -111,6 +133,13 @@ void step_metrics_add(controller_state& s, msg::step_report& r, double elapsed_s
       pending->pop_front();
     }
   r.metrics["in_flight_groups"] = double(s.in_flight.size());
+  // generation's wait: mean seconds a rollout had no group in flight since the previous line
+  // (brief: generation never waits for training; max_staleness 0 waits the whole learner step)
+  const auto now = std::chrono::steady_clock::now();
+  idle_update(s, now);
+  for (auto& [name, since] : s.idle_since) s.idle_s += std::chrono::duration<double>(now - std::exchange(since, now)).count();
+  r.metrics["rollout_idle_s"] = s.peers.rollout_names.empty() ? 0.0 : s.idle_s / double(s.peers.rollout_names.size());
+  s.idle_s = 0;
   r.metrics["reissued_groups_total"] = double(s.reissued);
   r.metrics["rollouts_lost_total"] = double(s.rollouts_lost);
   r.metrics["rollouts_restarted_total"] = double(s.rollouts_restarted);
@@ -270,6 +299,7 @@ msg::controller_actor spawn_controller(caf::actor_system& sys, std::shared_ptr<c
       s.issued[{w.step, w.prompt_id}] = w;
       s.in_flight[{w.step, w.prompt_id}] = {s.peers.rollout_names[i], w};
       self->send(s.peers.rollouts[i], std::move(w));
+      idle_update(s);
     };
     auto issue_ready = [self, issue] {
       auto& s = self->state;
@@ -440,6 +470,7 @@ msg::controller_actor spawn_controller(caf::actor_system& sys, std::shared_ptr<c
             return;
           }
           s.in_flight.erase(key);  // admitted or a duplicate: the buffer holds the group, a lost rollout owes none
+          idle_update(s);
         },
         [self, issue_ready](msg::sync_report& r) {
           auto& s = self->state;

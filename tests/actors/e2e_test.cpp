@@ -43,7 +43,7 @@ TEST(E2E, EmbeddedDefaultRunsAndResumes) {
   for (size_t i = 0; i < m.size(); ++i) {
     EXPECT_EQ(m[i]["step"], i + 1);
     for (const char* k : {"token_mult_prob_error", "gen_kl_error", "policy_kl_error", "js_divergence_error",
-                          "sampling_importance_ratio", "is_oob_ratio", "is_ess", "reward_mean", "accuracy", "clip_fraction",
+                          "sampling_importance_ratio", "is_oob_ratio", "is_ess", "rollout_idle_s", "reward_mean", "accuracy", "clip_fraction",
                           "staleness_hist/0", "staleness_hist/1", "seq_mult_prob_error_max_after_mask", "masked_correct_pct"})
       EXPECT_TRUE(m[i].contains(k)) << k;
   }

@@ -439,6 +439,27 @@ TEST_F(ControllerOnTestCoordinator, EachCalibrationAndSyncReportHasItsOwnMetrics
   }
 }
 
+// Generation's wait, rollout_idle_s: the mean seconds a rollout had no group in flight since the
+// previous line -- 0 when both held work throughout; at least the time both sat without work
+// (their groups trained, the staleness window closed until the next sync) otherwise.
+TEST_F(ControllerOnTestCoordinator, RolloutIdleTimeIsTheTimeWithoutWorkInFlight) {
+  wire(0);
+  sync(0);  // steps 0 and 1 issued round robin: both rollouts hold groups of each
+  auto line = [&](uint64_t v) {
+    self->send(ctrl, msg::step_report{{}, v, {{"tokens", 10.0}}});
+    sched.run();
+    std::ifstream in(run_dir / "metrics.jsonl");
+    nlohmann::json last;
+    for (std::string l; std::getline(in, l);) last = nlohmann::json::parse(l);
+    return last.value("rollout_idle_s", -1.0);
+  };
+  EXPECT_GE(line(1), 0.0);  // (the wait for the first sync)
+  std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  EXPECT_EQ(line(2), 0.0);  // step 1's groups in flight on both until this line trained them
+  std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  EXPECT_GE(line(3), 0.05);  // nothing issued since: version 1 was never synced
+}
+
 // rl-algorithm.md section 7's gates on the steps' staleness-0 mismatch (health.min_steps = 2):
 // under health.gates = fail a median token_mult_prob_error at 1.1 stops the run where the buffer
 // says (step 2), checkpointed, with code 1 and the gate named; under warn the run goes on, the gate

@@ -2,7 +2,8 @@
 //  * samples/s of the default recipe with max_staleness 0, 1, 2 (rollout and learner each own
 //    one core: topology configs/topologies/local.conf), steady state (60 steps, after 5 warm-up
 //    steps, before the final evaluation) and over the whole run, in repetitions that alternate
-//    k = 0, 1, 2; calibration time as % of the learner step; for staleness > 0 the speedup over
+//    k = 0, 1, 2; calibration time as % of the learner step; the seconds per step a rollout sat
+//    without work (generation waiting for weights); for staleness > 0 the speedup over
 //    the synchronous run of the same repetition (median, min, max) and the bound perfect overlap
 //    would give, (rest + train) / max(rest, train) from the synchronous step's parts
 //  * matched reward (anchors.md §3.8): FP8 end to end + async against the synchronous BF16
@@ -174,7 +175,7 @@ int main(int argc, char** argv) {
   //    apart at most; medians over repetitions
   if (bench_selected(a, "staleness")) {
     const int reps = a.quick ? 1 : a.reps;
-    std::map<int, std::vector<double>> sps, ratio, calib, train, whole;
+    std::map<int, std::vector<double>> sps, ratio, calib, train, whole, idle;
     std::vector<double> bound;
     for (int r = 0; r < reps; ++r) {
       for (int i = 0; i < 3; ++i) {
@@ -186,6 +187,7 @@ int main(int argc, char** argv) {
         whole[k].push_back(m.back()["samples_per_s"].get<double>());
         calib[k].push_back(median_of(m, "calibration_s", skip));
         train[k].push_back(median_of(m, "train_s", skip));
+        idle[k].push_back(median_of(m, "rollout_idle_s", skip));
         if (k == 0) {  // a synchronous step = the learner's step + the rest (generation, sync, ...)
           const json& last = m.back();
           const double per_step = last["samples_per_s"].get<double>() * last["elapsed_s"].get<double>() / last["step"].get<double>();
@@ -201,7 +203,8 @@ int main(int argc, char** argv) {
           {"bench", jstr("rl")}, {"impl", jstr("staleness")}, {"max_staleness", jnum(k)},
           {"samples_per_s", jnum(bench_median_of(sps[k]))}, {"samples_per_s_whole_run", jnum(bench_median_of(whole[k]))},
           {"steps", jnum(std::stod(steps))}, {"runs", jnum(reps)}, {"calibration_s", jnum(c)}, {"learner_step_s", jnum(t)},
-          {"calibration_pct_of_step", jnum(t > 0 ? 100.0 * c / t : 0.0)}};
+          {"calibration_pct_of_step", jnum(t > 0 ? 100.0 * c / t : 0.0)},
+          {"rollout_idle_s", jnum(bench_median_of(idle[k]))}};  // generation's wait per step
       if (k > 0) {  // the gain over synchronous (median of per-repetition ratios, and their range),
                     // and what perfect overlap would give
         const auto [lo, hi] = std::minmax_element(ratio[k].begin(), ratio[k].end());
