@@ -119,6 +119,15 @@ TEST_F(Cli, OptionsOutOfRangeOrRepeatedAreRefusedByName) {
     EXPECT_EQ(r.rc, 2) << bad << "\n" << r.out;
     EXPECT_NE(r.out.find("option --"), std::string::npos) << bad << "\n" << r.out;
   }
+  {  // bench-rl away from the build tree finds no configs: said at once (each run failed in turn)
+    const fs::path away = fs::temp_directory_path() / ("fp8rl_away_" + std::to_string(::getpid())) / "a" / "b";
+    fs::create_directories(away);
+    fs::copy_file(kBin + "/bench-rl", away / "bench-rl");
+    const result r = fp8rl::test::run_command((away / "bench-rl").string() + " --only=staleness");
+    EXPECT_EQ(r.rc, 2) << r.out;
+    EXPECT_NE(r.out.find("run it from the build tree"), std::string::npos) << r.out;
+    fs::remove_all(away.parent_path().parent_path());
+  }
   // options a benchmark does not read are refused, not ignored (bench-rl ran its default threads
   // for --threads=1 and capped --reps=9 at 5 without a word)
   for (const std::string bad : {"/bench-rl --threads=1", "/bench-rl --reps=9"}) {

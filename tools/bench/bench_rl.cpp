@@ -147,21 +147,16 @@ void matched_reward(const bench_args& a, double target, const fs::path& bin, con
                    {"runs", jnum(reps)}, {"runs_reaching_target", jnum(double(t[c].size()))},
                    {"time_to_target_s", jnum_or_null(t[c])}, {"steps_to_target", jnum_or_null(steps[c])},
                    {"speedup_to_target_vs_bf16_sync", jnum_or_null(speed[c])},
+                   {"speedup_min", speed[c].empty() ? "null" : jnum(*std::min_element(speed[c].begin(), speed[c].end()))},
+                   {"speedup_max", speed[c].empty() ? "null" : jnum(*std::max_element(speed[c].begin(), speed[c].end()))},
                    {"final_accuracy", jnum(bench_median_of(fin[c]))},
                    {"final_accuracy_delta_vs_bf16_sync", jnum(bench_median_of(fin[c]) - bench_median_of(fin[0]))},
                    {"samples_per_s_whole_run", jnum(bench_median_of(sps[c]))},
                    {"throughput_vs_bf16_sync", jnum(bench_median_of(thr[c]))}});
 }
 
-}  // namespace
-
-int main(int argc, char** argv) {
-  bench_args a = bench_parse(argc, argv, {{"target", "matched_reward's greedy validation accuracy to reach (default 0.9)"}},
-                             {.threads = false, .max_reps = 5});  // a repetition: whole runs
-  const double target = target_parse(a);  // before any run (a typo found minutes in)
-  const fs::path bin = self_dir(), work = fs::temp_directory_path() / ("fp8rl_bench_rl_" + std::to_string(::getpid()));
-  fs::create_directories(work);
-  const fs::path src = bin.parent_path().parent_path();  // repository root (build/bin/..)
+// Every selected part; throws (a run that failed names its log in `work`).
+void bench_run(const bench_args& a, double target, const fs::path& bin, const fs::path& src, const fs::path& work) {
   // 60 steps, the first 5 skipped: 30-step runs (25 measured steps, ~1 s) swung 1.56-1.81x
   // on this shared machine, a transient of ~40 ms in one run moving the ratio by 4%
   const std::string steps = a.quick ? "10" : "60";
@@ -267,6 +262,28 @@ int main(int argc, char** argv) {
         bench_emit(a, f);
       }
     }
+  }
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  bench_args a = bench_parse(argc, argv, {{"target", "matched_reward's greedy validation accuracy to reach (default 0.9)"}},
+                             {.threads = false, .max_reps = 5});  // a repetition: whole runs
+  const double target = target_parse(a);  // before any run (a typo found minutes in)
+  const fs::path bin = self_dir(), work = fs::temp_directory_path() / ("fp8rl_bench_rl_" + std::to_string(::getpid()));
+  const fs::path src = bin.parent_path().parent_path();  // repository root (build/bin/..)
+  if (!fs::exists(src / "configs/topologies/local.conf")) {  // a copied binary: its runs would fail one by one
+    std::fprintf(stderr, "bench-rl: %s not found: run it from the build tree (build/bin/bench-rl)\n",
+                 (src / "configs/topologies/local.conf").c_str());
+    return 2;
+  }
+  fs::create_directories(work);
+  try {
+    bench_run(a, target, bin, src, work);
+  } catch (const std::exception& e) {  // (an uncaught one aborted, leaving the directory unnamed)
+    std::fprintf(stderr, "bench-rl: %s; its runs' files are kept in %s\n", e.what(), work.c_str());
+    return 1;
   }
   fs::remove_all(work);
   return 0;
