@@ -22,6 +22,7 @@
 #include <set>
 #include <stdexcept>
 #include <string>
+#include <utility>
 
 #include "actors/actors.hpp"
 #include "actors/run_dir.hpp"
@@ -46,9 +47,13 @@ struct controller_state {
   std::map<std::pair<uint64_t, uint64_t>, msg::work_msg> issued;  // until its step is trained
   size_t rr = 0;  // round-robin over live rollouts
   std::map<std::pair<uint64_t, uint64_t>, std::pair<std::string, msg::work_msg>> in_flight;
-  // rollouts without a group in flight, since when; their idle seconds summed since the last line
+  std::map<std::string, int64_t> in_flight_n;  // groups in flight per rollout name
+  // live rollouts without a group in flight, since when; idle rollout-seconds since the last line,
+  // and the rollouts lost since then (they count in the line's mean)
   std::map<std::string, std::chrono::steady_clock::time_point> idle_since;
   double idle_s = 0;
+  size_t idle_lost = 0;
+  std::string failed;  // the first failure the learners outlived (fail_saved): the run exits 1
   // calibration reports not yet in a line, oldest first: one per line (two arriving within one
   // step overwrote each other, and a version's calibration record was lost)
   std::deque<std::map<std::string, double>> calib_pending;
@@ -104,29 +109,61 @@ std::string lost_actor_named(const controller_state& s, const caf::node_id& own,
   return who + (node.empty() ? "" : " (node '" + node + "'" + (with.empty() ? "" : ", which also runs " + with) + ")");
 }
 
-// Which rollouts are idle (no group in flight: waiting for the weights the staleness window
-// needs, or for the run's end), after in_flight or the rollouts changed; their idle time so far
-// into s.idle_s. Recomputed from in_flight: at most (max_staleness + 1) x prompts_per_step groups.
-void idle_update(controller_state& s, std::chrono::steady_clock::time_point now = std::chrono::steady_clock::now()) {
-  std::set<std::string> busy;
-  for (const auto& [key, v] : s.in_flight) busy.insert(v.first);
-  for (auto it = s.idle_since.begin(); it != s.idle_since.end();) {  // busy again, or gone
-    const auto& names = s.peers.rollout_names;
-    if (!busy.count(it->first) && std::find(names.begin(), names.end(), it->first) != names.end()) {
+// Work in flight, with each rollout's count and idle time (no group in flight: waiting for the
+// weights the staleness window needs, or for the run's end). In flight = issued until the buffer
+// admits it (reward scoring included); a duplicate admitted while a re-issued copy is still being
+// generated ends both (the copy is waste).
+using clk = std::chrono::steady_clock;
+// How long a failed run waits for its learners to stop, checkpointed (a step and a save of a large model)
+constexpr std::chrono::seconds kFailedStopWait{600};
+bool rollout_live(const controller_state& s, const std::string& name) {
+  return std::find(s.peers.rollout_names.begin(), s.peers.rollout_names.end(), name) != s.peers.rollout_names.end();
+}
+void in_flight_dec(controller_state& s, const std::string& name, clk::time_point now) {
+  if (--s.in_flight_n[name] == 0 && rollout_live(s, name)) s.idle_since.emplace(name, now);
+}
+void in_flight_put(controller_state& s, std::pair<uint64_t, uint64_t> key, const std::string& name, const msg::work_msg& w) {
+  const auto now = clk::now();
+  auto [it, fresh] = s.in_flight.try_emplace(key);
+  if (!fresh) in_flight_dec(s, it->second.first, now);  // re-issued: the earlier rollout owes it no more
+  it->second = {name, w};
+  if (s.in_flight_n[name]++ > 0) return;
+  if (const auto i = s.idle_since.find(name); i != s.idle_since.end()) {
+    s.idle_s += std::chrono::duration<double>(now - i->second).count();
+    s.idle_since.erase(i);
+  }
+}
+template <class Pred>
+void in_flight_erase_if(controller_state& s, Pred pred, clk::time_point now) {
+  for (auto it = s.in_flight.begin(); it != s.in_flight.end();) {
+    if (!pred(*it)) {
       ++it;
       continue;
     }
-    s.idle_s += std::chrono::duration<double>(now - it->second).count();
-    it = s.idle_since.erase(it);
+    in_flight_dec(s, it->second.first, now);
+    it = s.in_flight.erase(it);
   }
+}
+// Every live rollout without work idle from now (the wiring: none has any yet).
+void idle_start(controller_state& s) {
+  const auto now = clk::now();
   for (const auto& name : s.peers.rollout_names)
-    if (!busy.count(name)) s.idle_since.emplace(name, now);
+    if (s.in_flight_n[name] == 0) s.idle_since.emplace(name, now);
+}
+// A rollout no longer live: its idle time so far counted, and it in the next line's mean.
+void idle_gone(controller_state& s, const std::string& name) {
+  if (const auto i = s.idle_since.find(name); i != s.idle_since.end()) {
+    s.idle_s += std::chrono::duration<double>(clk::now() - i->second).count();
+    s.idle_since.erase(i);
+  }
+  ++s.idle_lost;
 }
 
 // The controller's part of a step's metrics line: the calibration and sync reports not yet
 // written (each once, in the next line, with the version it is of: kept until then they were
 // repeated in every later line as if that step's), work in flight and lost, throughput.
-void step_metrics_add(controller_state& s, msg::step_report& r, double elapsed_s) {
+void step_metrics_add(controller_state& s, msg::step_report& r, clk::time_point now) {
+  const double elapsed_s = std::chrono::duration<double>(now - s.t0).count();
   for (auto* pending : {&s.calib_pending, &s.sync_pending})
     if (!pending->empty()) {
       for (const auto& [k, v] : pending->front()) r.metrics.emplace(k, v);
@@ -135,11 +172,11 @@ void step_metrics_add(controller_state& s, msg::step_report& r, double elapsed_s
   r.metrics["in_flight_groups"] = double(s.in_flight.size());
   // generation's wait: mean seconds a rollout had no group in flight since the previous line
   // (brief: generation never waits for training; max_staleness 0 waits the whole learner step)
-  const auto now = std::chrono::steady_clock::now();
-  idle_update(s, now);
   for (auto& [name, since] : s.idle_since) s.idle_s += std::chrono::duration<double>(now - std::exchange(since, now)).count();
-  r.metrics["rollout_idle_s"] = s.peers.rollout_names.empty() ? 0.0 : s.idle_s / double(s.peers.rollout_names.size());
+  const size_t n = s.peers.rollout_names.size() + s.idle_lost;
+  r.metrics["rollout_idle_s"] = n ? s.idle_s / double(n) : 0.0;
   s.idle_s = 0;
+  s.idle_lost = 0;
   r.metrics["reissued_groups_total"] = double(s.reissued);
   r.metrics["rollouts_lost_total"] = double(s.rollouts_lost);
   r.metrics["rollouts_restarted_total"] = double(s.rollouts_restarted);
@@ -297,9 +334,8 @@ msg::controller_actor spawn_controller(caf::actor_system& sys, std::shared_ptr<c
       const size_t i = s.rr++ % s.peers.rollouts.size();
       trace_send_step("controller", "work_msg", w.trace, w.step);
       s.issued[{w.step, w.prompt_id}] = w;
-      s.in_flight[{w.step, w.prompt_id}] = {s.peers.rollout_names[i], w};
+      in_flight_put(s, {w.step, w.prompt_id}, s.peers.rollout_names[i], w);
       self->send(s.peers.rollouts[i], std::move(w));
-      idle_update(s);
     };
     auto issue_ready = [self, issue] {
       auto& s = self->state;
@@ -369,7 +405,12 @@ msg::controller_actor spawn_controller(caf::actor_system& sys, std::shared_ptr<c
     auto fail_saved = [self, stop_for, log](const std::string& why) {
       auto& s = self->state;
       if (s.stopping) return;
+      if (!s.failed.empty()) return log->warn("also: {}", why);  // one error line (a lost node: several actors)
+      s.failed = why;
       log->error("{}; the run fails once the learners have stopped at their step, checkpointed", why);
+      // learners that never stop (a collective wedged on a live peer) do not hold the run for good
+      self->delayed_send(self, kFailedStopWait, std::string("controller"),
+                         "the learners did not stop within " + std::to_string(kFailedStopWait.count()) + " s of: " + why);
       if (s.stop_asked) s.stop_code = 1;
       else stop_for(why, 1);
     };
@@ -395,6 +436,7 @@ msg::controller_actor spawn_controller(caf::actor_system& sys, std::shared_ptr<c
         } else {
           s.peers.rollouts.erase(s.peers.rollouts.begin() + static_cast<long>(i));
           s.peers.rollout_names.erase(s.peers.rollout_names.begin() + static_cast<long>(i));
+          idle_gone(s, name);
         }
         if (s.stop_asked) return;
         if (s.peers.rollouts.empty())
@@ -427,6 +469,7 @@ msg::controller_actor spawn_controller(caf::actor_system& sys, std::shared_ptr<c
           log_get("controller")->debug("wired: {} learners, {} rollouts", s.peers.learners.size(), s.peers.rollouts.size());
           for (auto& a : all_actors()) self->monitor(a);
           for (auto& a : s.agents) self->monitor(a);
+          idle_start(s);
           broadcast_peers();
           for (auto& l : s.peers.learners) self->send(l, msg::start_atom::value, s.learner_version);
           if (s.stop_asked) return request_stop();  // a stop before the wiring: the learners stop at their start
@@ -438,9 +481,10 @@ msg::controller_actor spawn_controller(caf::actor_system& sys, std::shared_ptr<c
           s.learner_version = std::max(s.learner_version, r.version);
           const auto trained = [&](const auto& e) { return e.first.first < s.learner_version; };
           std::erase_if(s.issued, trained);  // trained steps need no re-issue,
-          std::erase_if(s.in_flight, trained);  // nor a lost rollout's groups of them
-          const double el = std::chrono::duration<double>(std::chrono::steady_clock::now() - s.t0).count();
-          step_metrics_add(s, r, el);
+          const auto now = clk::now();  // one instant: the trained groups' rollouts idle from the line on
+          in_flight_erase_if(s, trained, now);  // nor a lost rollout's groups of them
+          const double el = std::chrono::duration<double>(now - s.t0).count();
+          step_metrics_add(s, r, now);
           try {
             s.metrics.write(r.version, r.metrics);
             if (s.opts.on_first_step) std::exchange(s.opts.on_first_step, nullptr)();  // the new run holds a step
@@ -455,7 +499,10 @@ msg::controller_actor spawn_controller(caf::actor_system& sys, std::shared_ptr<c
             stop_for(s.health_failed, 1);
           }
           // a gate failed at (or within the staleness window of) the last step fails the run too
-          if (r.version >= s.end) return s.health_failed.empty() ? finish(0, "") : finish(1, s.health_failed, true);
+          if (r.version >= s.end) {
+            const std::string& bad = s.failed.empty() ? s.health_failed : s.failed;
+            return bad.empty() ? finish(0, "") : finish(1, bad, true);
+          }
           issue_ready();
         },
         [self, issue](msg::admitted_msg& a) {
@@ -469,8 +516,11 @@ msg::controller_actor spawn_controller(caf::actor_system& sys, std::shared_ptr<c
             }
             return;
           }
-          s.in_flight.erase(key);  // admitted or a duplicate: the buffer holds the group, a lost rollout owes none
-          idle_update(s);
+          // admitted or a duplicate: the buffer holds the group, a lost rollout owes none
+          if (const auto it = s.in_flight.find(key); it != s.in_flight.end()) {
+            in_flight_dec(s, it->second.first, clk::now());
+            s.in_flight.erase(it);
+          }
         },
         [self, issue_ready](msg::sync_report& r) {
           auto& s = self->state;
@@ -492,8 +542,10 @@ msg::controller_actor spawn_controller(caf::actor_system& sys, std::shared_ptr<c
           x["calibration_version"] = double(r.version);
           models::flush_metrics_add(r.weights_flushed, r.worst_block_flushed, x);
         },
-        [finish, fail_saved](std::string& who, std::string& what) {  // a learner's own failure ends it: no stop path
-          if (who.rfind("learner", 0) == 0) return finish(1, who + ": " + what);
+        [finish, fail_saved](std::string& who, std::string& what) {
+          if (who == "controller") return finish(1, what);  // fail_saved's deadline
+          // a learner's or the buffer's own failure ends it at once: the stop path needs both
+          if (who.rfind("learner", 0) == 0 || who == "the trajectory buffer") return finish(1, who + ": " + what);
           fail_saved(who + ": " + what);
         },
         [stop_for](msg::stop_atom, std::string& why, int32_t code) { stop_for(std::move(why), code); },

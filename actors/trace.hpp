@@ -1,5 +1,6 @@
 // actors/trace.hpp -- cheap per-process trace events (JSONL), merged offline by fp8rl-trace.
-// defines: trace_writer, trace_span, trace_now_us, trace_send, trace_recv, trace_send_bundle, trace_recv_bundle
+// defines: trace_writer, trace_span, trace_now_us, trace_send, trace_recv, trace_send_step, trace_recv_step,
+//          trace_send_bundle, trace_recv_bundle, trace_send_group, trace_recv_group
 //
 // One line per event: {"node", "actor", "name", "ts" (µs since epoch), "dur" (µs), "bytes",
 // "wv" (weight version), "sv" (scale version of a bundle, an adoption, a decode step), "step" (the

@@ -2,7 +2,7 @@
 // rewards, the learner's GRPO gradient, SFT warm start and evaluation. The actors call exactly
 // these; the synchronous loop in tests calls them directly.
 // defines: rl_sample, rl_sample_check, group_requests, rl_sample_from_result, group_score, rollout_requests,
-//          rollout_samples, learner_grpo, rl_batch_metrics,
+//          rollout_samples, learner_grpo, audit_sums, audit_weights, audit_count, audit_rescore, rl_batch_metrics,
 //          example_encode, sft_config, sft_train, eval_result, evaluate
 #pragma once
 #include <cstdint>

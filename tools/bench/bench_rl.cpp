@@ -95,7 +95,8 @@ std::string jnum_or_null(const std::vector<double>& v) { return v.empty() ? "nul
 
 // 4. anchors.md §3.8 (no peer reports FP8 rollout + FP8 training + async against a synchronous
 //    BF16 baseline at matched reward): bf16 and fp8-e2e, each synchronous (max_staleness 0) and
-//    asynchronous (1), from one SFT checkpoint (BF16 training) with one seed. Per run: the wall
+//    asynchronous (1), from one SFT checkpoint (BF16 training), repetition r's four runs with seed
+//    r + 1 (with one seed the synchronous runs repeat one trajectory: medians of one). Per run: the wall
 //    time (evaluations included, the same cadence in all) until greedy validation accuracy
 //    averaged over 3 consecutive evaluations reaches `target`, and the accuracy it ends at (mean
 //    of its last 5 evaluations). Repetitions rotate the order of the four runs; each speedup is
@@ -110,24 +111,28 @@ void matched_reward(const bench_args& a, double target, const fs::path& bin, con
   const std::string eval_out = (work / "start_eval.json").string();
   system_checked((bin / "fp8rl").string() + " eval --model " + init.string() + " --n 200 --policy bf16 > " + eval_out);
   const double start_acc = fp8rl::models::json_file_read(eval_out).at("greedy_accuracy").get<double>();
+  if (start_acc >= target)  // every run "reaches" it at its third evaluation: a race of nothing
+    std::fprintf(stderr, "bench-rl: matched_reward: the SFT checkpoint already has accuracy %.3f >= --target=%g\n", start_acc, target);
   struct config {
     const char* recipe;
     int staleness;
   };
   const config cfgs[] = {{"bf16", 0}, {"bf16", 1}, {"fp8-e2e", 0}, {"fp8-e2e", 1}};  // [0]: the baseline
-  std::vector<double> t[4], steps[4], fin[4], sps[4], speed[4], thr[4];
+  std::vector<double> t[4], steps[4], fin[4], sps[4], speed[4], thr[4], dacc[4];
   for (int r = 0; r < reps; ++r) {
     std::optional<double> rep_t[4];
-    double rep_sps[4] = {};
+    double rep_sps[4] = {}, rep_fin[4] = {};
     for (int i = 0; i < 4; ++i) {
       const int c = (r + i) % 4;
       const std::string cmd = (bin / "fp8rl").string() + " train --recipe " + (src / "configs/recipes").string() + "/" + cfgs[c].recipe +
                               ".conf --topology " + (src / "configs/topologies/local.conf").string() + " --model.init=" + init.string() +
                               " --run.steps=" + (a.quick ? "60" : "200") + " --run.eval_every=10 --run.checkpoint_every=0" +
-                              " --trace.enabled=false --async.max_staleness=" + std::to_string(cfgs[c].staleness);
+                              " --trace.enabled=false --async.max_staleness=" + std::to_string(cfgs[c].staleness) +
+                              " --run.seed=" + std::to_string(r + 1);  // a seed per repetition, the same for its four runs
       const auto m = run_train(cmd, work / ("matched_" + std::to_string(c)));
       const auto curve = curve_of(m);
-      fin[c].push_back(curve_final(curve, last));
+      rep_fin[c] = curve_final(curve, last);
+      fin[c].push_back(rep_fin[c]);
       rep_sps[c] = m.back()["samples_per_s"].get<double>();
       sps[c].push_back(rep_sps[c]);
       if (const auto p = curve_reach(curve, target, window)) {
@@ -139,6 +144,7 @@ void matched_reward(const bench_args& a, double target, const fs::path& bin, con
     for (int c = 0; c < 4; ++c) {
       if (rep_t[0] && rep_t[c]) speed[c].push_back(*rep_t[0] / *rep_t[c]);
       thr[c].push_back(rep_sps[c] / rep_sps[0]);
+      dacc[c].push_back(rep_fin[c] - rep_fin[0]);
     }
   }
   for (int c = 0; c < 4; ++c)
@@ -146,11 +152,12 @@ void matched_reward(const bench_args& a, double target, const fs::path& bin, con
                    {"max_staleness", jnum(cfgs[c].staleness)}, {"target_accuracy", jnum(target)}, {"start_accuracy", jnum(start_acc)},
                    {"runs", jnum(reps)}, {"runs_reaching_target", jnum(double(t[c].size()))},
                    {"time_to_target_s", jnum_or_null(t[c])}, {"steps_to_target", jnum_or_null(steps[c])},
-                   {"speedup_to_target_vs_bf16_sync", jnum_or_null(speed[c])},
+                   {"speedup_to_target_vs_bf16_sync", jnum_or_null(speed[c])},  // over repetitions where both reached it
+                   {"speedup_runs", jnum(double(speed[c].size()))},
                    {"speedup_min", speed[c].empty() ? "null" : jnum(*std::min_element(speed[c].begin(), speed[c].end()))},
                    {"speedup_max", speed[c].empty() ? "null" : jnum(*std::max_element(speed[c].begin(), speed[c].end()))},
                    {"final_accuracy", jnum(bench_median_of(fin[c]))},
-                   {"final_accuracy_delta_vs_bf16_sync", jnum(bench_median_of(fin[c]) - bench_median_of(fin[0]))},
+                   {"final_accuracy_delta_vs_bf16_sync", jnum(bench_median_of(dacc[c]))},  // per repetition, as the speedups
                    {"samples_per_s_whole_run", jnum(bench_median_of(sps[c]))},
                    {"throughput_vs_bf16_sync", jnum(bench_median_of(thr[c]))}});
 }
