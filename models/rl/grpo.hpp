@@ -50,6 +50,9 @@ struct token_batch_rl {
   std::vector<float> adv, mask;      // [n]
   std::vector<int32_t> seq;          // [n] sequence index, non-decreasing
   std::vector<uint64_t> weight_version;  // [n] optional: per-token behaviour version
+  // [n] optional: the oldest weights the token's context (KV cache) was computed under: older than
+  // weight_version after an adoption under kv_policy keep; the staleness breakdown's version
+  std::vector<uint64_t> oldest_kv_version;
   std::vector<float> reward;             // [n_seqs] optional: masked_correct_pct (reward > 0.5 correct)
   int64_t n_seqs = 0;
   int64_t size() const { return static_cast<int64_t>(c.size()); }

@@ -2,8 +2,9 @@
 // generation-vs-training mismatch, as hard failures (or warnings) of a long run.
 // defines: health_mode, health_mode_parse, health_config, health_monitor
 //
-// The gates read the mismatch of tokens sampled under the weights being trained
-// (by_staleness/0/...: precision and kernel mismatch alone; staleness has its own metrics and
+// The gates read the mismatch of tokens sampled under the weights being trained, their KV cache
+// computed under them too (by_staleness/0/...: precision and kernel mismatch alone -- a cache kept
+// across an adoption, kv_policy keep, counts at its oldest weights; staleness has its own metrics and
 // would trip a precision gate in an asynchronous run); a step without such tokens is not counted.
 //   - median token_mult_prob_error < tmpe_median_max (1.1; 2.0 with an FP8 KV cache, NeMo RL's
 //     KV-cache nightly), judged from min_steps counted steps on;

@@ -178,6 +178,7 @@ token_batch_rl rl_tokens(const std::vector<rl_sample>& samples) {
       rl.mask.push_back(1.0f);
       rl.seq.push_back(static_cast<int32_t>(i));
       rl.weight_version.push_back(s.weight_version[j]);
+      rl.oldest_kv_version.push_back(s.oldest_kv_version[j]);
     }
     rl.reward.push_back(s.reward);
   }
@@ -186,34 +187,48 @@ token_batch_rl rl_tokens(const std::vector<rl_sample>& samples) {
 }
 
 namespace {
-// Per-version and per-staleness mismatch (Δ = learner_version - weight_version) into out.
+// The mismatch of the tokens `idx` into out as PREFIX/token_mult_prob_error and PREFIX/gen_kl_error
+// (PREFIX/tokens too if `count`).
+void subset_metrics(const token_batch_rl& rl, const is_result& is, const grpo_config& cfg, const std::vector<int64_t>& idx,
+                    const std::string& prefix, bool count, metric_map& out) {
+  token_batch_rl sub;
+  is_result sis;
+  sub.n_seqs = rl.n_seqs;
+  for (int64_t t : idx) {
+    sub.c.push_back(rl.c[t]); sub.p.push_back(rl.p[t]); sub.g.push_back(rl.g[t]);
+    sub.adv.push_back(rl.adv[t]); sub.mask.push_back(rl.mask[t]); sub.seq.push_back(rl.seq[t]);
+    sis.w.push_back(is.w[t]); sis.mask.push_back(is.mask[t]); sis.filtered.push_back(is.filtered[t]);
+  }
+  double n = 0;  // the subset's tokens left in the step
+  for (int64_t t : idx) n += rl.mask[t] > 0 && !is.filtered[t];
+  if (count) out[prefix + "/tokens"] = n;
+  // every sequence of this subset filtered out, or no token with a finite term: no value (a
+  // mean over no term read 0, better than a perfect 1)
+  if (n == 0 || std::none_of(sis.mask.begin(), sis.mask.end(), [](float x) { return x > 0; })) return;
+  metric_map m;
+  mismatch_metrics(sub, sis, cfg, n, "", m);
+  out[prefix + "/token_mult_prob_error"] = m["token_mult_prob_error"];
+  out[prefix + "/gen_kl_error"] = m["gen_kl_error"];
+}
+
+// Per-version (by_version/v: the weights a token was sampled under) and per-staleness mismatch
+// (by_staleness/Δ, Δ = learner_version - the oldest weights its context came from: a token sampled
+// under the trained weights on a KV cache kept from older ones is not a precision-only token --
+// the health gates read Δ = 0) into out.
 void version_metrics(const token_batch_rl& rl, const is_result& is, const grpo_config& cfg, uint64_t learner_version,
                      metric_map& out) {
-  std::map<uint64_t, std::vector<int64_t>> by_v;
-  for (int64_t t = 0; t < rl.size(); ++t) by_v[rl.weight_version[t]].push_back(t);
-  for (const auto& [v, idx] : by_v) {
-    token_batch_rl sub;
-    is_result sis;
-    sub.n_seqs = rl.n_seqs;
-    for (int64_t t : idx) {
-      sub.c.push_back(rl.c[t]); sub.p.push_back(rl.p[t]); sub.g.push_back(rl.g[t]);
-      sub.adv.push_back(rl.adv[t]); sub.mask.push_back(rl.mask[t]); sub.seq.push_back(rl.seq[t]);
-      sis.w.push_back(is.w[t]); sis.mask.push_back(is.mask[t]); sis.filtered.push_back(is.filtered[t]);
-    }
-    double n = 0;  // the version's tokens left in the step
-    for (int64_t t : idx) n += rl.mask[t] > 0 && !is.filtered[t];
-    const uint64_t delta = learner_version >= v ? learner_version - v : 0;
-    out["by_version/" + std::to_string(v) + "/tokens"] = n;
-    // every sequence of this version filtered out, or no token with a finite term: no value (a
-    // mean over no term read 0, better than a perfect 1)
-    if (n == 0 || std::none_of(sis.mask.begin(), sis.mask.end(), [](float x) { return x > 0; })) continue;
-    metric_map m;
-    mismatch_metrics(sub, sis, cfg, n, "", m);
-    out["by_version/" + std::to_string(v) + "/token_mult_prob_error"] = m["token_mult_prob_error"];
-    out["by_version/" + std::to_string(v) + "/gen_kl_error"] = m["gen_kl_error"];
-    out["by_staleness/" + std::to_string(delta) + "/token_mult_prob_error"] = m["token_mult_prob_error"];
-    out["by_staleness/" + std::to_string(delta) + "/gen_kl_error"] = m["gen_kl_error"];
+  const size_t n = static_cast<size_t>(rl.size());
+  if (rl.weight_version.size() != n || rl.oldest_kv_version.size() != n)  // (rl_tokens fills both)
+    throw std::invalid_argument("version_metrics: " + std::to_string(n) + " tokens, " + std::to_string(rl.weight_version.size()) +
+                                " weight versions, " + std::to_string(rl.oldest_kv_version.size()) + " oldest KV versions");
+  std::map<uint64_t, std::vector<int64_t>> by_v, by_kv;
+  for (size_t t = 0; t < n; ++t) {
+    by_v[rl.weight_version[t]].push_back(static_cast<int64_t>(t));
+    by_kv[rl.oldest_kv_version[t]].push_back(static_cast<int64_t>(t));
   }
+  for (const auto& [v, idx] : by_v) subset_metrics(rl, is, cfg, idx, "by_version/" + std::to_string(v), true, out);
+  for (const auto& [v, idx] : by_kv)
+    subset_metrics(rl, is, cfg, idx, "by_staleness/" + std::to_string(learner_version >= v ? learner_version - v : 0), false, out);
 }
 }  // namespace
 

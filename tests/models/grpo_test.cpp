@@ -443,7 +443,7 @@ TEST(Grpo, NonFiniteWeightsAreZeroedAndCounted) {
     EXPECT_EQ(r.metrics.at("gen_kl_error"), 0.0) << is_mode_name(mode);
     EXPECT_NEAR(r.metrics.at("approx_entropy"), (1.0 + 0.5) / 2, fp8rl::tol::kFp64FewTerms) << is_mode_name(mode);
     EXPECT_NEAR(r.metrics.at("sampling_importance_ratio"), 2.0 / 3, fp8rl::tol::kFp64FewTerms) << is_mode_name(mode);
-    k.weight_version = {4, 4, 4};
+    k.weight_version = k.oldest_kv_version = {4, 4, 4};
     const metric_map m = learner_metrics(k, cfg, 3.0, 5);
     EXPECT_EQ(m.at("by_version/4/token_mult_prob_error"), 1.0) << is_mode_name(mode);
     EXPECT_EQ(m.at("by_staleness/1/token_mult_prob_error"), 1.0) << is_mode_name(mode);
@@ -482,7 +482,7 @@ TEST(Grpo, FilteredSequencesLeaveTheTokenCount) {
   b.mask = {1, 1, 1, 1, 1};
   b.seq = {0, 0, 1, 1, 1};
   b.n_seqs = 2;
-  b.weight_version = {3, 3, 3, 3, 3};
+  b.weight_version = b.oldest_kv_version = {3, 3, 3, 3, 3};
   grpo_config cfg;
   cfg.seq_logprob_error_threshold = 2.0f;
   const is_result is = is_weights(b, cfg);
@@ -1154,6 +1154,29 @@ TEST(Grpo, GroupScoringTakesTheLeaveOneOutBaseline) {
   }
   const float eps = grpo_config{}.adv_eps;  // (the premise: the two baselines differ here)
   EXPECT_NE(grpo_advantages({1, 0, 0}, 3, true, eps, true)[1], grpo_advantages({1, 0, 0}, 3, true, eps, false)[1]);
+}
+
+// by_version/v groups tokens by the weights they were sampled under; by_staleness/Δ by the oldest
+// weights their KV cache came from: two tokens sampled under the trained version 5 on a KV cache
+// kept from version 4 (kv_policy keep) are not Δ = 0's precision-only tokens the health gates
+// read. Token 0 matches exactly (Δ = 0: 1); tokens 1, 2 are off by 0.5 (e^0.5 at Δ = 1).
+TEST(Grpo, StalenessBinsTakeTheOldestWeightsOfATokensContext) {
+  token_batch_rl b;
+  b.g = {-1.0f, -1.0f, -1.0f};
+  b.p = b.c = {-1.0f, -0.5f, -0.5f};
+  b.adv = {1, 1, 1};
+  b.mask = {1, 1, 1};
+  b.seq = {0, 0, 0};
+  b.n_seqs = 1;
+  b.weight_version = {5, 5, 5};
+  b.oldest_kv_version = {5, 4, 4};
+  grpo_config cfg;
+  const metric_map m = learner_metrics(b, cfg, 3.0, 5);
+  EXPECT_EQ(m.at("by_version/5/tokens"), 3.0);
+  EXPECT_EQ(m.at("by_staleness/0/token_mult_prob_error"), 1.0);
+  EXPECT_NEAR(m.at("by_staleness/1/token_mult_prob_error"), std::exp(0.5), fp8rl::tol::kMetricFromFloatInputs);
+  b.oldest_kv_version.pop_back();  // the breakdown needs both per token
+  EXPECT_NE(fp8rl::test::error_of([&] { (void)learner_metrics(b, cfg, 3.0, 5); }).find("oldest KV versions"), std::string::npos);
 }
 
 // Audit mode re-scores each token under the weights it was sampled under: a trajectory spanning
