@@ -595,6 +595,15 @@ TEST(E2E, TwoLearnersAllReduceAndAuditMode) {
   }
   EXPECT_TRUE(audited);
   EXPECT_GT(weight_quant, 0.0);
+  // kv_policy keep: the run goes on; a trajectory on a cache kept across an adoption is not
+  // re-scored (no forward reproduces its context), counted
+  ASSERT_EQ(run(kBin + "/fp8rl train --run-dir " + (d / "keep").string() + kSmall +
+                " --audit.every=1 --audit.samples=4 --run.steps=3 --run.eval_every=0 --rollout.kv_policy=keep"),
+            0);
+  for (const auto& x : metrics(d / "keep")) {
+    EXPECT_TRUE(x.contains("audit/skipped_kept_kv")) << x.dump();
+    EXPECT_GE(x.value("audit/trajectories", 0.0) + x.value("audit/skipped_kept_kv", 0.0), 1.0) << x.dump();
+  }
   // with the FP8 KV cache and attention the kernel/KV part is no longer 0
   ASSERT_EQ(run(kBin + "/fp8rl train --run-dir " + (d / "kv").string() + kSmall +
                 " --audit.every=2 --audit.samples=4 --run.steps=2 --run.eval_every=0 --precision.generation=fp8-kv"),
