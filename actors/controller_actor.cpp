@@ -133,16 +133,14 @@ void in_flight_put(controller_state& s, std::pair<uint64_t, uint64_t> key, const
     s.idle_since.erase(i);
   }
 }
+// Erases in-flight entry `it`; the next one.
+auto in_flight_erase(controller_state& s, decltype(controller_state::in_flight)::iterator it, clk::time_point now) {
+  in_flight_dec(s, it->second.first, now);
+  return s.in_flight.erase(it);
+}
 template <class Pred>
 void in_flight_erase_if(controller_state& s, Pred pred, clk::time_point now) {
-  for (auto it = s.in_flight.begin(); it != s.in_flight.end();) {
-    if (!pred(*it)) {
-      ++it;
-      continue;
-    }
-    in_flight_dec(s, it->second.first, now);
-    it = s.in_flight.erase(it);
-  }
+  for (auto it = s.in_flight.begin(); it != s.in_flight.end();) it = pred(*it) ? in_flight_erase(s, it, now) : std::next(it);
 }
 // Every live rollout without work idle from now (the wiring: none has any yet).
 void idle_start(controller_state& s) {
@@ -517,10 +515,7 @@ msg::controller_actor spawn_controller(caf::actor_system& sys, std::shared_ptr<c
             return;
           }
           // admitted or a duplicate: the buffer holds the group, a lost rollout owes none
-          if (const auto it = s.in_flight.find(key); it != s.in_flight.end()) {
-            in_flight_dec(s, it->second.first, clk::now());
-            s.in_flight.erase(it);
-          }
+          if (const auto it = s.in_flight.find(key); it != s.in_flight.end()) in_flight_erase(s, it, clk::now());
         },
         [self, issue_ready](msg::sync_report& r) {
           auto& s = self->state;

@@ -227,8 +227,17 @@ void version_metrics(const token_batch_rl& rl, const is_result& is, const grpo_c
     by_kv[rl.oldest_kv_version[t]].push_back(static_cast<int64_t>(t));
   }
   for (const auto& [v, idx] : by_v) subset_metrics(rl, is, cfg, idx, "by_version/" + std::to_string(v), true, out);
-  for (const auto& [v, idx] : by_kv)
-    subset_metrics(rl, is, cfg, idx, "by_staleness/" + std::to_string(learner_version >= v ? learner_version - v : 0), false, out);
+  for (const auto& [v, idx] : by_kv) {
+    const std::string to = "by_staleness/" + std::to_string(learner_version >= v ? learner_version - v : 0);
+    const auto same = by_v.find(v);
+    if (same == by_v.end() || same->second != idx) {
+      subset_metrics(rl, is, cfg, idx, to, false, out);
+      continue;
+    }
+    // the version's own tokens (kv_policy recompute: every version): its by_version values, not computed again
+    for (const char* k : {"/token_mult_prob_error", "/gen_kl_error"})
+      if (const auto it = out.find("by_version/" + std::to_string(v) + k); it != out.end()) out[to + k] = it->second;
+  }
 }
 }  // namespace
 

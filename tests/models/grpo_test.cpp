@@ -45,6 +45,18 @@ token_batch_rl random_batch(uint64_t seed, int64_t nseq, bool kl) {
   return b;
 }
 
+// Three tokens in the loss with g = -1 and A = 1; p = c as given; the sequences they belong to.
+token_batch_rl three_tokens(std::vector<float> p, std::vector<int32_t> seq) {
+  token_batch_rl b;
+  b.g = {-1.0f, -1.0f, -1.0f};
+  b.p = b.c = std::move(p);
+  b.adv = {1, 1, 1};
+  b.mask = {1, 1, 1};
+  b.n_seqs = seq.back() + 1;
+  b.seq = std::move(seq);
+  return b;
+}
+
 // true if c_t sits within h of a kink of the clipped objective (r at a clip bound)
 bool near_kink(const token_batch_rl& b, const grpo_config& cfg, int64_t t, double h) {
   const double r = std::exp(double(b.c[t]) - b.p[t]);
@@ -277,13 +289,7 @@ TEST(Grpo, MetricsMatchTheSpecFormulasOnAHandExample) {
 // is_ess = (sum w~)^2 / (n sum w~^2) by hand: equal weights 1; icepop zeroing one of three
 // (w~ = 1, 1, 0): 4 / 6; every weight zeroed: 0; tokens without a term (mask 0) are not among n
 TEST(Grpo, IsEssByHand) {
-  token_batch_rl b;
-  b.g = {-1.0f, -1.0f, -1.0f};
-  b.p = b.c = {-1.0f, -1.0f, -1.0f};
-  b.adv = {1, 1, 1};
-  b.mask = {1, 1, 1};
-  b.seq = {0, 0, 1};
-  b.n_seqs = 2;
+  token_batch_rl b = three_tokens({-1.0f, -1.0f, -1.0f}, {0, 0, 1});
   grpo_config cfg;
   EXPECT_EQ(policy_loss(b, cfg, 3.0).metrics.at("is_ess"), 1.0);
   cfg.is = is_mode::icepop;  // [is_lo, is_hi] = [0, 2]: w = e^1.5 drops to 0
@@ -1161,13 +1167,7 @@ TEST(Grpo, GroupScoringTakesTheLeaveOneOutBaseline) {
 // kept from version 4 (kv_policy keep) are not Δ = 0's precision-only tokens the health gates
 // read. Token 0 matches exactly (Δ = 0: 1); tokens 1, 2 are off by 0.5 (e^0.5 at Δ = 1).
 TEST(Grpo, StalenessBinsTakeTheOldestWeightsOfATokensContext) {
-  token_batch_rl b;
-  b.g = {-1.0f, -1.0f, -1.0f};
-  b.p = b.c = {-1.0f, -0.5f, -0.5f};
-  b.adv = {1, 1, 1};
-  b.mask = {1, 1, 1};
-  b.seq = {0, 0, 0};
-  b.n_seqs = 1;
+  token_batch_rl b = three_tokens({-1.0f, -0.5f, -0.5f}, {0, 0, 0});
   b.weight_version = {5, 5, 5};
   b.oldest_kv_version = {5, 4, 4};
   grpo_config cfg;
