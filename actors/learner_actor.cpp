@@ -185,8 +185,10 @@ void checkpoint(learner_state& s) {
 // (q8_t; rl-algorithm.md "re-scoring with the FP8 bundle itself"), which splits q - g into weight
 // quantization (q - q8) and kernel / FP8 attention / KV-cache effects (q8 - g). The log-ratios
 // add up; their k3 KL estimates do not (each is >= 0 and convex), so the two parts are reported
-// beside precision_kl, not as its decomposition. Up to audit.samples trajectories (every shard's
-// on rank 0), each sampled under one version still held.
+// beside precision_kl, not as its decomposition. And under the learner's own policy (ql_t: c_t
+// had the learner been at the token's version; the health gates' quantity for tokens of every
+// staleness, health.source = audit), sharing q's or q8's weights where the policy is the same.
+// Up to audit.samples trajectories (every shard's on rank 0), each sampled under one version still held.
 void audit_into(learner_state& s, const std::vector<models::rl_sample>& samples, msg::metrics_t& m) {
   models::precision_policy g8 = s.env->rl.gen_policy.training();  // FP8 weights, dense attention
   const bool split_fp8 = s.env->rl.gen_policy.linear == models::precision::fp8;
@@ -199,21 +201,27 @@ void audit_into(learner_state& s, const std::vector<models::rl_sample>& samples,
     bf.bf16_first = bf.bf16_last = 0;
   }
   models::audit_sums sums;
-  auto wc = models::model_weights_build(*s.be, s.ck.params.cfg, s.env->rl.train_policy.training(), {&s.ck.params, nullptr, nullptr}, false);
-  // BF16 (and FP8) weights of each behaviour version still held (the last max_staleness + 1)
-  std::map<uint64_t, std::pair<std::unique_ptr<models::model_weights>, std::unique_ptr<models::model_weights>>> w_of;
+  const models::precision_policy lp = s.env->rl.train_policy.training();
+  const bool l_is_q = lp.fingerprint() == bf.fingerprint(), l_is_q8 = split_fp8 && lp.fingerprint() == g8.fingerprint();
+  auto wc = models::model_weights_build(*s.be, s.ck.params.cfg, lp, {&s.ck.params, nullptr, nullptr}, false);
+  // BF16, FP8 and learner-policy weights of each behaviour version still held (the last max_staleness + 1)
+  struct version_weights {
+    std::unique_ptr<models::model_weights> q, q8, learner;
+  };
+  std::map<uint64_t, version_weights> w_of;
   auto at_version = [&](uint64_t v) -> models::audit_weights {
     const std::vector<float>* w = v == s.version ? &s.ck.params.data : nullptr;
     for (const auto& [pv, pw] : s.past) if (pv == v) w = &pw;
     if (!w) return {};
-    auto& [wq, w8] = w_of[v];
-    if (!wq) {
+    auto& vw = w_of[v];
+    if (!vw.q) {
       models::model_params p = s.ck.params;
       p.data = *w;
-      wq = models::model_weights_build(*s.be, p.cfg, bf, {&p, nullptr, nullptr}, false);
-      if (split_fp8) w8 = models::model_weights_build(*s.be, p.cfg, g8, {&p, nullptr, nullptr}, false);
+      vw.q = models::model_weights_build(*s.be, p.cfg, bf, {&p, nullptr, nullptr}, false);
+      if (split_fp8) vw.q8 = models::model_weights_build(*s.be, p.cfg, g8, {&p, nullptr, nullptr}, false);
+      if (!l_is_q && !l_is_q8) vw.learner = models::model_weights_build(*s.be, p.cfg, lp, {&p, nullptr, nullptr}, false);
     }
-    return {wq.get(), w8.get()};
+    return {vw.q.get(), vw.q8.get(), l_is_q ? vw.q.get() : l_is_q8 ? vw.q8.get() : vw.learner.get()};
   };
   const auto n = models::audit_rescore(*s.run, *wc, at_version, samples, s.env->cfg.audit_samples, s.env->rl.proc, sums);
   sums.write(m);

@@ -82,14 +82,20 @@ std::vector<recipe_key> recipe_keys(run_config& r) {
       {"calibration", "margin", &r.margin, "scale = amax * margin / 448"},
       {"audit", "every", &r.audit_every, "re-score sampled trajectories at their behaviour version every N steps (0: off): audit/staleness_kl, "
        "audit/precision_kl, and with FP8 generation audit/weight_quant_kl and audit/kernel_kv_kl (its two parts; "
-       "KL estimates of parts, not additive); each token at the version it was sampled under (one forward per version of "
-       "a trajectory); a trajectory whose KV cache was kept across an adoption, or with a version no longer held, is "
+       "KL estimates of parts, not additive), and audit/learner_token_mult_prob_error and audit/learner_gen_kl_error "
+       "(under the learner's own policy: what the health gates read); each token at the version it was sampled under "
+       "(one forward per version of a trajectory; the learner keeps a copy of the last max_staleness + 1 versions' master "
+       "weights); a trajectory whose KV cache was kept across an adoption, or with a version no longer held, is "
        "skipped, counted (audit/skipped_kept_kv, audit/skipped_not_held)"},
       {"audit", "samples", &r.audit_samples, "trajectories per audit"},
       {"trace", "enabled", &r.trace, "write per-process trace events (runs/<dir>/traces)"},
       {"trace", "max_mb", &r.trace_max_mb, "a process's trace file stops at this size (MiB; ~50 KB a step of the default run), one warning says so (0: no cap)"},
       {"health", "gates", &r.health_gates, "mismatch gates (rl-algorithm.md section 7) on tokens sampled under the trained "
        "weights: fail (the run stops, named), warn, or off"},
+      {"health", "source", &r.health_source, "what the gates read: trained (by_staleness/0/*: the tokens sampled under the "
+       "trained weights; an asynchronous run has them in few steps), audit (audit/learner_*: audited tokens of every "
+       "staleness re-scored under the learner's policy at their own version; needs audit.every, and every = 1 judges every "
+       "step), or auto (audit where audit.every is set, else trained)"},
       {"health", "min_steps", &r.health_min_steps, "the gates judge a run once it has this many steps with such tokens"},
       {"health", "tmpe_median_max", &r.tmpe_median_max, "median token_mult_prob_error limit (0: 1.1, or 2.0 with an FP8 KV cache)"},
       {"health", "tmpe_steps_above_max", &r.tmpe_steps_above_max, "fraction of steps allowed a token_mult_prob_error above 1.1 "
@@ -465,6 +471,10 @@ void recipe_validate(const run_config& r) {
     fail("rollout." + why.substr(0, why.find(' ')), why);  // the message starts with the key's name
   if (!(r.percentile > 0 && r.percentile <= 1)) fail("calibration.percentile", "must be in (0, 1]");  // NaN indexed nowhere
   if (!models::health_mode_parse(r.health_gates)) fail("health.gates", "must be fail, warn or off");
+  if (r.health_source != "auto" && !models::health_source_parse(r.health_source))
+    fail("health.source", "must be auto, trained or audit");
+  if (r.health_source == "audit" && r.audit_every == 0 && r.health_gates != "off")
+    fail("health.source", "audit reads audit mode's re-score: set audit.every (1 judges every step)");
   positive("health.min_steps", r.health_min_steps);
   // token_mult_prob_error is >= 1 (a mean of exp(|g - p|)): a limit at or below 1 fails every run
   if (!(r.tmpe_median_max == 0 || (r.tmpe_median_max > 1 && std::isfinite(r.tmpe_median_max))))
@@ -592,6 +602,8 @@ run_config recipe_from_json(const std::string& s) {
 models::health_config recipe_health_config(const run_config& r) {
   models::health_config h;
   h.mode = *models::health_mode_parse(r.health_gates);
+  h.source = r.health_source == "auto" ? (r.audit_every > 0 ? models::health_source::audit : models::health_source::trained)
+                                       : *models::health_source_parse(r.health_source);
   h.min_steps = r.health_min_steps;
   h.tmpe_median_max = r.tmpe_median_max;
   h.tmpe_steps_above_max = r.tmpe_steps_above_max;

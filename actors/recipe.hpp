@@ -60,12 +60,12 @@ struct run_config {
   // [calibration]
   double percentile = 0.999, margin = 1.05;
   // [audit]
-  int64_t audit_every = 0, audit_samples = 16;
+  int64_t audit_every = 1, audit_samples = 16;
   // [trace]
   bool trace = true;
   int64_t trace_max_mb = 1024;
   // [health] (rl-algorithm.md section 7, models/rl/health.hpp)
-  std::string health_gates = "fail";
+  std::string health_gates = "fail", health_source = "auto";
   int64_t health_min_steps = 20;
   double tmpe_median_max = 0.0, tmpe_steps_above_max = 0.1, gen_kl_mean_max = 0.003;
   // "section.key" -> where its value came from: a recipe file's path or "--section.key=value"

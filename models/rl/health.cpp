@@ -14,6 +14,12 @@ std::optional<health_mode> health_mode_parse(std::string_view s) {
   return std::nullopt;
 }
 
+std::optional<health_source> health_source_parse(std::string_view s) {
+  if (s == "trained") return health_source::trained;
+  if (s == "audit") return health_source::audit;
+  return std::nullopt;
+}
+
 namespace {
 constexpr double kTmpeStepLimit = 1.1;  // NeMo RL's FP8 nightlies: steps above it counted
 }  // namespace
@@ -24,7 +30,9 @@ double health_monitor::tmpe_median() const {
 
 std::vector<health_failure> health_monitor::add(uint64_t step, const std::map<std::string, double>& m) {
   std::vector<health_failure> out;
-  const auto tmpe = m.find("by_staleness/0/token_mult_prob_error"), kl = m.find("by_staleness/0/gen_kl_error");
+  const bool audit = c_.source == health_source::audit;
+  const auto tmpe = m.find(audit ? "audit/learner_token_mult_prob_error" : "by_staleness/0/token_mult_prob_error");
+  const auto kl = m.find(audit ? "audit/learner_gen_kl_error" : "by_staleness/0/gen_kl_error");
   if (c_.mode == health_mode::off || tmpe == m.end() || kl == m.end()) return out;
   if (counted() == 0) first_step_ = step;
   auto finite_or_inf = [](double x) { return std::isfinite(x) ? x : INFINITY; };  // NaN would break the ordering
@@ -38,25 +46,27 @@ std::vector<health_failure> health_monitor::add(uint64_t step, const std::map<st
   const size_t n = counted(), min_n = static_cast<size_t>(std::max<int64_t>(1, c_.min_steps));
   if (n <= min_n) kl_first_sum_ += finite_or_inf(kl->second);
   if (n < min_n) return out;
-  const std::string span = fmt::format("{} step(s) {}..{} with tokens sampled under the trained weights", n, first_step_, step);
+  const std::string span = fmt::format("{} step(s) {}..{} {}", n, first_step_, step,
+                                       audit ? "audited" : "with tokens sampled under the trained weights");
+  const char* which = audit ? "audit, every staleness" : "staleness 0";
   const double limit = c_.tmpe_median_max > 0 ? c_.tmpe_median_max : (c_.fp8_kv ? 2.0 : kTmpeStepLimit);
   // NaN compares false: a non-finite median fails the gate
   if (const double med = tmpe_median(); !(med < limit))
-    out.push_back({"tmpe_median_max", fmt::format("median token_mult_prob_error (staleness 0) {:.4f} is not below {} over {} "
-                                                  "(health.tmpe_median_max)", med, limit, span)});
+    out.push_back({"tmpe_median_max", fmt::format("median token_mult_prob_error ({}) {:.4f} is not below {} over {} "
+                                                  "(health.tmpe_median_max)", which, med, limit, span)});
   if (!c_.fp8_kv) {
     if (!(double(above_) < c_.tmpe_steps_above_max * double(n)))
-      out.push_back({"tmpe_steps_above_max", fmt::format("{} of {} have token_mult_prob_error (staleness 0) above {}: not fewer "
+      out.push_back({"tmpe_steps_above_max", fmt::format("{} of {} have token_mult_prob_error ({}) above {}: not fewer "
                                                          "than {:.0f}% (health.tmpe_steps_above_max)",
-                                                         above_, span, kTmpeStepLimit, 100 * c_.tmpe_steps_above_max)});
+                                                         above_, span, which, kTmpeStepLimit, 100 * c_.tmpe_steps_above_max)});
     if (n == min_n) {  // the first min_steps steps' mean, fixed from here on
       kl_first_mean_ = kl_first_sum_ / double(n);
       kl_first_span_ = span;
     }
     // failed from then on at every step (judged once, a resumed run replaying its rows went past it)
     if (!(kl_first_mean_ < c_.gen_kl_mean_max))
-      out.push_back({"gen_kl_mean_max", fmt::format("mean gen_kl_error (staleness 0) {:.5f} over the first {} is not below {} "
-                                                    "(health.gen_kl_mean_max)", kl_first_mean_, kl_first_span_, c_.gen_kl_mean_max)});
+      out.push_back({"gen_kl_mean_max", fmt::format("mean gen_kl_error ({}) {:.5f} over the first {} is not below {} "
+                                                    "(health.gen_kl_mean_max)", which, kl_first_mean_, kl_first_span_, c_.gen_kl_mean_max)});
   }
   return out;
 }

@@ -1,11 +1,15 @@
 // models/rl/health.hpp -- rl-algorithm.md section 7's gates: NeMo RL's nightly limits on the
 // generation-vs-training mismatch, as hard failures (or warnings) of a long run.
-// defines: health_mode, health_mode_parse, health_config, health_monitor
+// defines: health_mode, health_mode_parse, health_source, health_source_parse, health_config, health_monitor
 //
 // The gates read the mismatch of tokens sampled under the weights being trained, their KV cache
 // computed under them too (by_staleness/0/...: precision and kernel mismatch alone -- a cache kept
 // across an adoption, kv_policy keep, counts at its oldest weights; staleness has its own metrics and
 // would trip a precision gate in an asynchronous run); a step without such tokens is not counted.
+// An asynchronous run has them in a fraction of its steps (~25-30% of the default run's); with
+// source = audit the gates read audit mode's re-score instead (audit/learner_*: every audited token
+// under the learner's policy at the version it was sampled under -- the same quantity at every
+// staleness), so that with audit.every = 1 every step is judged.
 //   - median token_mult_prob_error < tmpe_median_max (1.1; 2.0 with an FP8 KV cache, NeMo RL's
 //     KV-cache nightly), judged from min_steps counted steps on;
 //   - fewer than tmpe_steps_above_max of the counted steps above 1.1 (not with an FP8 KV cache:
@@ -26,9 +30,12 @@ namespace fp8rl::models {
 
 enum class health_mode { fail, warn, off };
 std::optional<health_mode> health_mode_parse(std::string_view s);
+enum class health_source { trained, audit };  // by_staleness/0/*, or audit/learner_*
+std::optional<health_source> health_source_parse(std::string_view s);
 
 struct health_config {
   health_mode mode = health_mode::fail;
+  health_source source = health_source::trained;
   int64_t min_steps = 20;
   double tmpe_median_max = 0;  // 0: 1.1, or 2.0 with an FP8 KV cache
   double tmpe_steps_above_max = 0.1;

@@ -293,7 +293,7 @@ learner_out learner_grpo(model_runner& run, const model_weights& w, const std::v
   return out;
 }
 
-void audit_sums::add(double c, double q, double q8, double g) {
+void audit_sums::add(double c, double q, double q8, double ql, double g) {
   if (!(std::isfinite(c) && std::isfinite(q) && std::isfinite(g))) {
     nonfinite += 1;
     return;
@@ -302,6 +302,13 @@ void audit_sums::add(double c, double q, double q8, double g) {
   prec_kl += k3(q - g);
   prec_tmpe += std::exp(std::fabs(q - g));
   n += 1;
+  if (std::isinf(ql)) {  // the learner policy's re-score dropped it (top-k/top-p): no gate terms, counted
+    nonfinitel += 1;
+  } else if (!std::isnan(ql)) {  // NaN: not measured
+    learner_kl += k3(ql - g);
+    learner_tmpe += std::exp(std::fabs(ql - g));
+    nl += 1;
+  }
   if (std::isnan(q8)) return;  // not measured
   if (std::isinf(q8)) {        // the FP8 re-score's top-k dropped it: no split terms, counted
     nonfinite8 += 1;
@@ -321,6 +328,11 @@ void audit_sums::write(metric_map& out) const {
   out["audit/staleness_kl"] = stale_kl / n;
   out["audit/precision_kl"] = prec_kl / n;
   out["audit/precision_token_mult_prob_error"] = prec_tmpe / n;
+  if (nl + nonfinitel > 0) out["audit/nonfinite_learner_tokens"] = nonfinitel;
+  if (nl > 0) {
+    out["audit/learner_token_mult_prob_error"] = learner_tmpe / nl;
+    out["audit/learner_gen_kl_error"] = learner_kl / nl;
+  }
   if (n8 == 0) return;
   out["audit/weight_quant_kl"] = wq_kl / n8;
   out["audit/kernel_kv_kl"] = kern_kl / n8;
@@ -357,7 +369,7 @@ audit_count audit_rescore(model_runner& run, const model_weights& current, const
     b.add(seq);
     const auto targets = b.next_targets();
     const size_t T = targets.size();
-    std::vector<float> c(T), q(T), q8(T);
+    std::vector<float> c(T), q(T), q8(T), ql(T);
     run.forward(current, b, false);
     run.logprobs(targets, proc, c.data());
     for (const auto& [v, wv] : w) {
@@ -367,10 +379,17 @@ audit_count audit_rescore(model_runner& run, const model_weights& current, const
         run.forward(*wv.q8, b, false);
         run.logprobs(targets, proc, q8.data());
       }
+      // the learner policy's re-score: q's or q8's where those are its weights, else its own forward
+      const float* l = !wv.learner ? nullptr : wv.learner == wv.q ? q.data() : wv.learner == wv.q8 ? q8.data() : ql.data();
+      if (l == ql.data()) {
+        run.forward(*wv.learner, b, false);
+        run.logprobs(targets, proc, ql.data());
+      }
       for (size_t j = 0; j < smp.response.size(); ++j) {
         if (smp.weight_version[j] != v) continue;
         const size_t t = smp.prompt.size() - 1 + j;  // the target of position t is response token j
-        sums.add(c[t], q[t], wv.q8 ? double(q8[t]) : std::nan(""), smp.gen_logprobs[j]);
+        sums.add(c[t], q[t], wv.q8 ? double(q8[t]) : std::nan(""), l ? double(l[t]) : std::nan(""),
+                 smp.gen_logprobs[j]);
       }
     }
     ++n.trajectories;

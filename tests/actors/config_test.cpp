@@ -152,6 +152,7 @@ TEST(Recipe, MalformedFilesAndOutOfRangeValuesNameTheirKey) {
            {"--health.tmpe_steps_above_max=0", "health.tmpe_steps_above_max", "must be in (0, 1]"},
            {"--health.tmpe_steps_above_max=1.5", "health.tmpe_steps_above_max", "must be in (0, 1]"},
            {"--health.gen_kl_mean_max=0", "health.gen_kl_mean_max", "must be a finite number > 0"},
+           {"--health.source=audited", "health.source", "must be auto, trained or audit"},
            // each bound of its own (a mutation audit found these unasserted)
            {"--async.max_staleness=-1", "async.max_staleness", "must be >= 0"},
            {"--run.eval_every=-1", "run.eval_every", "must be >= 0"},
@@ -187,8 +188,18 @@ TEST(Recipe, MalformedFilesAndOutOfRangeValuesNameTheirKey) {
               "recipe key 'grpo.is_hi' (--grpo.is_hi=0): must be a finite number > 0 (grpo.is_mode = icepop)");
   }
   {  // the edges that stay valid: a threshold of 1 (e_i >= 1), IS bounds [0, C] with no IS, the
-     // 100th percentile (the amax)
+     // 100th percentile (the amax); the audit source with audit mode on, or with the gates off
     run_config x;
+    recipe_apply_cli(x, "--health.source=audit");
+    recipe_apply_cli(x, "--audit.every=0");
+    EXPECT_EQ(error_of([&] { recipe_validate(x); }),
+              "recipe key 'health.source' (--health.source=audit): audit reads audit mode's re-score: set audit.every (1 judges "
+              "every step)");
+    recipe_apply_cli(x, "--health.gates=off");  // judges nothing: no audit needed
+    EXPECT_EQ(error_of([&] { recipe_validate(x); }), "");
+    recipe_apply_cli(x, "--health.gates=fail");
+    recipe_apply_cli(x, "--audit.every=3");
+    EXPECT_EQ(error_of([&] { recipe_validate(x); }), "");
     recipe_apply_cli(x, "--grpo.seq_logprob_error_threshold=1");
     recipe_apply_cli(x, "--calibration.percentile=1");
     EXPECT_EQ(error_of([&] { recipe_validate(x); }), "");
@@ -279,10 +290,18 @@ TEST(Recipe, RlConfigTakesEachKeyToItsField) {
                         "--precision.training=bf16", "--precision.scale_mode=fp32", "--precision.bf16_first=1",
                         "--precision.bf16_last=2", "--precision.bf16_names=mlp.down_proj,layers.0.", "--task.verifier=exact", "--run.seed=7", "--calibration.margin=1.2",
                         "--calibration.percentile=0.99", "--health.gates=warn", "--health.min_steps=7",
-                        "--health.tmpe_median_max=1.3", "--health.tmpe_steps_above_max=0.2", "--health.gen_kl_mean_max=0.01"})
+                        "--health.tmpe_median_max=1.3", "--health.tmpe_steps_above_max=0.2", "--health.gen_kl_mean_max=0.01",
+                        "--health.source=audit", "--audit.every=1"})
     recipe_apply_cli(r, o);
   const auto h = recipe_health_config(r);
   EXPECT_EQ(h.mode, fp8rl::models::health_mode::warn);
+  EXPECT_EQ(h.source, fp8rl::models::health_source::audit);
+  run_config dflt, no_audit;  // auto: the audit where audit mode is on (the default), else staleness 0
+  no_audit.audit_every = 0;
+  EXPECT_EQ(recipe_health_config(dflt).source, fp8rl::models::health_source::audit);
+  EXPECT_EQ(recipe_health_config(no_audit).source, fp8rl::models::health_source::trained);
+  no_audit.health_source = "audit";
+  EXPECT_EQ(recipe_health_config(no_audit).source, fp8rl::models::health_source::audit);  // named: as named
   EXPECT_EQ(h.min_steps, 7);
   EXPECT_EQ(h.tmpe_median_max, 1.3);
   EXPECT_EQ(h.tmpe_steps_above_max, 0.2);

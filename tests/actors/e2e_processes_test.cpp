@@ -603,6 +603,9 @@ TEST(E2E, TwoLearnersAllReduceAndAuditMode) {
     // FP8 generation without an FP8 KV cache: the engine's logprobs are the training forward's under
     // the same FP8 weights bit for bit, so the whole precision mismatch is weight quantization
     EXPECT_EQ(x["audit/kernel_kv_kl"].get<double>(), 0.0) << x.dump();
+    // the learner's policy is the generation's FP8 one: its re-score is q8's, no mismatch
+    EXPECT_EQ(x["audit/learner_gen_kl_error"].get<double>(), 0.0) << x.dump();
+    EXPECT_EQ(x["audit/learner_token_mult_prob_error"].get<double>(), 1.0) << x.dump();
     EXPECT_EQ(x["audit/weight_quant_kl"].get<double>(), x["audit/precision_kl"].get<double>()) << x.dump();
     weight_quant += x["audit/weight_quant_kl"].get<double>();
   }
@@ -625,6 +628,7 @@ TEST(E2E, TwoLearnersAllReduceAndAuditMode) {
   ASSERT_EQ(kv.size(), 2u);
   EXPECT_FALSE(kv[0].contains("audit/kernel_kv_kl")) << "audit.every=2 audits steps 2, 4, ...: " << kv[0].dump();
   EXPECT_GT(kv[1].value("audit/kernel_kv_kl", 0.0), 0.0) << kv[1].dump();
+  EXPECT_EQ(kv[1].value("audit/learner_gen_kl_error", -1.0), kv[1].value("audit/kernel_kv_kl", 0.0)) << kv[1].dump();
   // the step metrics cover the whole step whatever the sharding: one learner and two, staleness 0,
   // agree exactly at step 1 (same rollouts from the same weights; rank 0 reported its own shard:
   // token_mult_prob_error ~0.5, half the staleness histogram)

@@ -728,7 +728,7 @@ TEST(E2E, AFailedHealthGateStopsTheRunAndItsResume) {
   const fs::path d = fresh_dir("health");
   const std::string flags = " --run.steps=3 --run.eval_every=0 --run.checkpoint_every=0 --model.sft_steps=60"
                             " --rollout.prompts_per_step=8 --async.max_staleness=0 --precision.generation=fp8-kv"
-                            " --health.min_steps=1 --health.tmpe_median_max=1.000001";
+                            " --health.min_steps=1 --health.tmpe_median_max=1.000001 --health.source=trained";
   const auto first = fp8rl::test::run_command(kBin + "/fp8rl train --run-dir " + d.string() + flags);
   EXPECT_EQ(first.rc, 1) << first.out;
   EXPECT_NE(first.out.find("health gate (rl-algorithm.md section 7): median token_mult_prob_error (staleness 0) "),
@@ -747,5 +747,34 @@ TEST(E2E, AFailedHealthGateStopsTheRunAndItsResume) {
   EXPECT_NE(warned.out.find("[warning] health gate (rl-algorithm.md section 7): median token_mult_prob_error"), std::string::npos)
       << warned.out;
   EXPECT_EQ(metrics(d).size(), 3u);
+  fs::remove_all(d);
+}
+
+// health.source = audit: audit mode re-scores each token under the learner's policy at the version
+// it was sampled under. Synchronous, every trajectory audited: audit/learner_* are the staleness-0
+// metrics bit for bit (the same quantity over the same tokens). Asynchronous: the gates read the
+// audit at every audited step, Δ > 0 tokens included -- a median limit just above 1 fails at
+// health.min_steps = 3 over steps 1..3, each counted.
+TEST(E2E, TheAuditSourceJudgesEveryAuditedStep) {
+  const fs::path d = fresh_dir("health-audit");
+  const std::string flags = " --run.steps=3 --run.eval_every=0 --run.checkpoint_every=0 --model.sft_steps=60"
+                            " --rollout.prompts_per_step=8 --precision.generation=fp8-kv --audit.every=1 --health.source=audit";
+  ASSERT_EQ(run(kBin + "/fp8rl train --run-dir " + (d / "sync").string() + flags +
+                " --async.max_staleness=0 --audit.samples=64 --health.gates=warn"),
+            0);
+  const auto m = metrics(d / "sync");
+  ASSERT_EQ(m.size(), 3u);
+  for (const auto& x : m) {
+    ASSERT_EQ(x.value("audit/trajectories", 0.0), 64.0) << x.dump();  // 8 prompts x 8: all of them
+    EXPECT_GT(x["audit/learner_token_mult_prob_error"].get<double>(), 1.0) << x.dump();  // the FP8 KV cache's mismatch
+    EXPECT_EQ(x["audit/learner_token_mult_prob_error"], x["by_staleness/0/token_mult_prob_error"]) << x.dump();
+    EXPECT_EQ(x["audit/learner_gen_kl_error"], x["by_staleness/0/gen_kl_error"]) << x.dump();
+  }
+  const auto async = fp8rl::test::run_command(kBin + "/fp8rl train --run-dir " + (d / "async").string() + flags +
+                                              " --async.max_staleness=1 --health.min_steps=3 --health.tmpe_median_max=1.000001");
+  EXPECT_EQ(async.rc, 1) << async.out;
+  EXPECT_NE(async.out.find("health gate (rl-algorithm.md section 7): median token_mult_prob_error (audit, every staleness) "),
+            std::string::npos) << async.out;
+  EXPECT_NE(async.out.find("is not below 1.000001 over 3 step(s) 1..3 audited"), std::string::npos) << async.out;
   fs::remove_all(d);
 }

@@ -53,6 +53,7 @@ class ControllerOnTestCoordinator : public ::testing::Test, protected coordinate
     r.prompts_per_step = 3;
     r.group_size = 2;
     r.steps = 10;
+    r.audit_every = 0;  // the test's reports carry staleness-0 mismatch, no audit: the gates read it (health.source auto)
     r.log_level = log_level;
     if (recipe) recipe(r);
     actors::controller_options opts;
@@ -73,6 +74,19 @@ class ControllerOnTestCoordinator : public ::testing::Test, protected coordinate
     sched.run();
     if (before_peers) before_peers();
     self->send(ctrl, p, std::vector<caf::actor>{}, std::vector<std::string>{});
+    sched.run();
+  }
+  // The step report of version v (step v - 1 trained), then its metrics line's rollout_idle_s.
+  double idle_line(uint64_t v) {
+    self->send(ctrl, msg::step_report{{}, v, {{"tokens", 10.0}}});
+    sched.run();
+    std::ifstream in(run_dir / "metrics.jsonl");
+    nlohmann::json last;
+    for (std::string l; std::getline(in, l);) last = nlohmann::json::parse(l);
+    return last.value("rollout_idle_s", -1.0);
+  }
+  void admit(uint64_t step, std::initializer_list<uint64_t> prompts) {  // the buffer holds these groups
+    for (uint64_t pid : prompts) self->send(ctrl, msg::admitted_msg{{}, step, pid, false, ""});
     sched.run();
   }
   void sync(uint64_t v) {  // every rollout has adopted version v
@@ -286,12 +300,16 @@ TEST_F(ControllerOnTestCoordinator, AFailureTheLearnersOutliveStopsThemCheckpoin
     EXPECT_EQ(done, 1);
     TearDown();
   }
-  {  // learners that never stop: the run fails at the deadline all the same
+  {  // learners that never stop: the run fails at the deadline all the same; a second failure
+     // (a lost node: several actors) is one more warning, not a second error and deadline
     done = -1;
+    log_level = "warn";
     wire(0);
     sync(0);
     ::testing::internal::CaptureStderr();
     self->send(ctrl, std::string("calibration"), std::string("NaN in a scale"));
+    sched.run();
+    self->send(ctrl, std::string("reward"), std::string("verifier crashed"));
     sched.run();
     EXPECT_EQ(done, -1);
     sched.trigger_timeouts();
@@ -299,20 +317,34 @@ TEST_F(ControllerOnTestCoordinator, AFailureTheLearnersOutliveStopsThemCheckpoin
     const std::string log = ::testing::internal::GetCapturedStderr();
     EXPECT_EQ(done, 1);
     EXPECT_NE(log.find("the learners did not stop within 600 s of: calibration: NaN in a scale"), std::string::npos) << log;
+    const size_t first = log.find("the run fails once the learners have stopped");
+    EXPECT_NE(first, std::string::npos) << log;
+    EXPECT_EQ(log.find("the run fails once the learners have stopped", first + 1), std::string::npos) << log;
+    EXPECT_NE(log.find("also: reward: verifier crashed"), std::string::npos) << log;
+    EXPECT_EQ(log.find("did not stop within 600 s of: reward"), std::string::npos) << log;
     TearDown();
+    log_level = "error";
   }
-  {  // a failure during the last step: the step ends the run, and it fails (it exited 0)
+  {  // a failure during the last step: the step ends the run, and it fails (it exited 0) -- as a
+     // stop with the failure named (its summary line and plots), not a bare "run failed"
     recipe = [](actors::run_config& r) { r.steps = 2; };
+    log_level = "warn";
     done = -1;
     wire(0);
     sync(0);
+    ::testing::internal::CaptureStderr();
     self->send(ctrl, std::string("weight_sync"), std::string("transfer failed"));
     sched.run();
     for (uint64_t v : {1, 2}) self->send(ctrl, msg::step_report{{}, v, {{"tokens", 10.0}}});
     sched.run();
+    const std::string log = ::testing::internal::GetCapturedStderr();
     EXPECT_EQ(done, 1);
+    EXPECT_NE(log.find("run stopped: 2 steps"), std::string::npos) << log;
+    EXPECT_NE(log.find("; weight_sync: transfer failed"), std::string::npos) << log;
+    EXPECT_EQ(log.find("run failed:"), std::string::npos) << log;
     TearDown();
     recipe = nullptr;
+    log_level = "error";
   }
   done = -1;
   wire(0);  // a signal's stop, then a failure: the stop goes on, its exit code 1
@@ -474,19 +506,90 @@ TEST_F(ControllerOnTestCoordinator, RolloutIdleTimeIsTheTimeWithoutWorkInFlight)
   wire(0);
   std::this_thread::sleep_for(std::chrono::milliseconds(30));  // idle from the wiring to the first sync
   sync(0);  // steps 0 and 1 issued round robin: both rollouts hold groups of each
-  auto line = [&](uint64_t v) {
-    self->send(ctrl, msg::step_report{{}, v, {{"tokens", 10.0}}});
-    sched.run();
-    std::ifstream in(run_dir / "metrics.jsonl");
-    nlohmann::json last;
-    for (std::string l; std::getline(in, l);) last = nlohmann::json::parse(l);
-    return last.value("rollout_idle_s", -1.0);
-  };
-  EXPECT_GE(line(1), 0.03);
+  EXPECT_GE(idle_line(1), 0.03);
   std::this_thread::sleep_for(std::chrono::milliseconds(20));
-  EXPECT_EQ(line(2), 0.0);  // step 1's groups in flight on both until this line trained them
+  EXPECT_EQ(idle_line(2), 0.0);  // step 1's groups in flight on both until this line trained them
   std::this_thread::sleep_for(std::chrono::milliseconds(50));
-  EXPECT_GE(line(3), 0.05);  // nothing issued since: version 1 was never synced
+  EXPECT_GE(idle_line(3), 0.05);  // nothing issued since: version 1 was never synced
+}
+
+// The bounds below are the test's own clock readings around the messages (the controller reads
+// its clock inside them), so they hold on a slow machine. Admission ends work in flight: both
+// rollouts idle from their last group's admission to the line (at least the time between); the
+// next line counts only the time since this one.
+namespace {
+double secs_between(std::chrono::steady_clock::time_point a, std::chrono::steady_clock::time_point b) {
+  return std::chrono::duration<double>(b - a).count();
+}
+}  // namespace
+TEST_F(ControllerOnTestCoordinator, RolloutIdleTimeStartsAtAdmissionAndIsCountedOnce) {
+  using sclk = std::chrono::steady_clock;
+  wire(0);
+  sync(0);
+  idle_line(1);  // step 0 trained: rollout0 holds prompt 4, rollout1 prompts 3 and 5 (step 1)
+  admit(1, {3, 4, 5});
+  const auto t_admitted = sclk::now();
+  std::this_thread::sleep_for(std::chrono::milliseconds(40));
+  const auto t_line = sclk::now();
+  EXPECT_GE(idle_line(2), secs_between(t_admitted, t_line));
+  const double again = idle_line(3);
+  EXPECT_LE(again, secs_between(t_line, sclk::now())) << "idle time before the previous line counted again";
+}
+
+// A stale group re-issued to another rollout is no longer the first one's: rollout1 (prompts 3
+// and 5) loses 5 to rollout0, is idle once 3 is admitted; both idle until the line.
+TEST_F(ControllerOnTestCoordinator, AReissuedGroupLeavesItsFirstRolloutIdle) {
+  using sclk = std::chrono::steady_clock;
+  wire(0);
+  sync(0);
+  idle_line(1);
+  self->send(ctrl, msg::admitted_msg{{}, 1, 5, true, "stale (test)"});
+  sched.run();
+  ASSERT_EQ(work.size(), 7u);
+  ASSERT_EQ(work.back().to, "rollout0");  // round robin's next
+  ASSERT_EQ(work.back().w.prompt_id, 5u);
+  admit(1, {3, 4, 5});
+  const auto t_admitted = sclk::now();
+  std::this_thread::sleep_for(std::chrono::milliseconds(40));
+  const auto t_line = sclk::now();
+  EXPECT_GE(idle_line(2), secs_between(t_admitted, t_line));
+}
+
+// A lost rollout: its idle time until the loss counts, it counts in the line's mean once, and it
+// is never idle after (its groups moved to the live one).
+TEST_F(ControllerOnTestCoordinator, ALostRolloutsIdleTimeEndsWithIt) {
+  using sclk = std::chrono::steady_clock;
+  wire(0);
+  sync(0);
+  idle_line(1);  // rollout0 holds prompt 4, rollout1 3 and 5
+  const auto t_admit0 = sclk::now();
+  admit(1, {4});  // rollout0 idle from here
+  const auto t_admit1 = sclk::now();
+  std::this_thread::sleep_for(std::chrono::milliseconds(30));
+  const auto t_kill0 = sclk::now();
+  self->send_exit(r0, caf::exit_reason::kill);
+  sched.run();
+  const auto t_kill1 = sclk::now();
+  std::this_thread::sleep_for(std::chrono::milliseconds(30));
+  const auto t_line0 = sclk::now();
+  const double idle = idle_line(2);  // trains step 1: rollout1 idle from here, ~0 in this line
+  const auto t_line1 = sclk::now();
+  // rollout0's idle time (admission to loss) over 2 rollouts: the live one and the lost one
+  EXPECT_GE(idle, secs_between(t_admit1, t_kill0) / 2);
+  EXPECT_LE(idle, (secs_between(t_admit0, t_kill1) + secs_between(t_line0, t_line1)) / 2);
+}
+TEST_F(ControllerOnTestCoordinator, ALostRolloutWithWorkIsNeverIdle) {
+  using sclk = std::chrono::steady_clock;
+  wire(0);
+  sync(0);
+  idle_line(1);
+  self->send_exit(r0, caf::exit_reason::kill);  // prompt 4 goes to rollout1
+  sched.run();
+  ASSERT_EQ(work.back().to, "rollout1");
+  std::this_thread::sleep_for(std::chrono::milliseconds(30));
+  const auto t_line0 = sclk::now();
+  const double idle = idle_line(2);  // rollout1 busy until this line trained step 1
+  EXPECT_LE(idle, secs_between(t_line0, sclk::now()) / 2) << "the lost rollout counted idle after its loss";
 }
 
 // rl-algorithm.md section 7's gates on the steps' staleness-0 mismatch (health.min_steps = 2):

@@ -434,6 +434,38 @@ TEST(RunDir, CheckpointsPruneKeepsTheNewestByStep) {
   EXPECT_EQ(checkpoints_prune(d.string(), 1, 10), d.string() + ": cannot list it (No such file or directory)");
 }
 
+// A group's events carry its step and the OLDEST weight and scale versions of its tokens (the e2e
+// run's window [step - 1, step] holds the newest too); a span has no step.
+TEST(Trace, AGroupsEventsCarryItsStepAndOldestVersions) {
+  const fs::path p = fs::temp_directory_path() / ("fp8rl_trace_group_" + std::to_string(::getpid()) + ".jsonl");
+  fs::remove(p);
+  trace_writer& w = trace_writer::process();
+  ASSERT_FALSE(w.enabled());
+  w.open(p.string(), "n");
+  fp8rl::msg::group_msg g;
+  g.step = 9;
+  g.samples.resize(2);
+  g.samples[0].weight_version = {4, 5};
+  g.samples[0].scale_version = {7, 8};
+  g.samples[1].weight_version = {3};
+  g.samples[1].scale_version = {6};
+  trace_send_group("rollout0", g);
+  trace_recv_group("buffer", g);
+  w.event("learner0", "train", "span", 1, 2);
+  w.close();
+  std::ifstream in(p);
+  std::vector<nlohmann::json> ev;
+  for (std::string l; std::getline(in, l);) ev.push_back(nlohmann::json::parse(l));
+  ASSERT_EQ(ev.size(), 3u);
+  for (size_t i = 0; i < 2; ++i) {
+    EXPECT_EQ(ev[i].value("wv", -1), 3) << ev[i].dump();
+    EXPECT_EQ(ev[i].value("sv", -1), 6) << ev[i].dump();
+    EXPECT_EQ(ev[i].value("step", -1), 9) << ev[i].dump();
+  }
+  EXPECT_FALSE(ev[2].contains("step")) << ev[2].dump();
+  fs::remove(p);
+}
+
 // A trace file that cannot be opened is the start's error naming it; one whose writes fail (a full
 // disk: /dev/full) stops tracing with one warning naming it, and events after it cost nothing.
 TEST(Trace, AWriterThatCannotWriteSaysSoOnce) {

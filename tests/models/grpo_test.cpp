@@ -849,12 +849,14 @@ TEST(Grpo, ResponsesStopAtEveryModelEosIdAndTheVerifierSkipsIt) {
 // Audit mode's KLs are k3 in gen_kl_error's form, d = learner side - rollout side (so precision_kl
 // at staleness 0 reads on gen_kl_error's scale); q - g = 0.5 gives e^0.5 - 1.5 = 0.1487 (the other
 // direction, e^-0.5 - 0.5, gave 0.1065). A token one side's top-k dropped has no term and is counted.
+// The learner-policy re-score ql (the health gates' audit source) in the same form, d = ql - g.
 TEST(Grpo, AuditKlsTakeGenKlErrorsFormAndCountNonFiniteTokens) {
   audit_sums a;
-  a.add(/*c=*/-0.9, /*q=*/-1.0, /*q8=*/-1.2, /*g=*/-1.5);  // d: staleness 0.1, precision 0.5, weights 0.2, kernels 0.3
-  a.add(-1.0, -1.0, std::nan(""), -1.5);  // q8 not measured: no weight/kernel split term
-  a.add(-1.0, -1.0, -INFINITY, -1.5);     // the FP8 re-score's top-k dropped it: the split only
-  a.add(-INFINITY, -1.0, -1.0, -1.0);     // the learner's top-k no longer keeps it: no term
+  // d: staleness 0.1, precision 0.5, weights 0.2, kernels 0.3, learner policy 0.4
+  a.add(/*c=*/-0.9, /*q=*/-1.0, /*q8=*/-1.2, /*ql=*/-1.1, /*g=*/-1.5);
+  a.add(-1.0, -1.0, std::nan(""), std::nan(""), -1.5);  // q8 and ql not measured: no split or learner term
+  a.add(-1.0, -1.0, -INFINITY, -INFINITY, -1.5);        // the FP8 / learner re-scores' top-k dropped it: counted apart
+  a.add(-INFINITY, -1.0, -1.0, -1.0, -1.0);             // the learner's top-k no longer keeps it: no term
   metric_map m;
   a.write(m);
   auto k3 = [](double d) { return std::exp(d) - d - 1.0; };
@@ -867,6 +869,14 @@ TEST(Grpo, AuditKlsTakeGenKlErrorsFormAndCountNonFiniteTokens) {
   EXPECT_NEAR(m.at("audit/precision_token_mult_prob_error"), std::exp(0.5), tol);
   EXPECT_NEAR(m.at("audit/weight_quant_kl"), k3(-1.0 + 1.2), tol);    // over the one token with q8
   EXPECT_NEAR(m.at("audit/kernel_kv_kl"), k3(-1.2 + 1.5), tol);
+  EXPECT_EQ(m.at("audit/nonfinite_learner_tokens"), 1.0);
+  EXPECT_NEAR(m.at("audit/learner_gen_kl_error"), k3(-1.1 + 1.5), tol);  // over the one token with ql
+  EXPECT_NEAR(m.at("audit/learner_token_mult_prob_error"), std::exp(0.4), tol);
+  audit_sums unmeasured;  // no ql anywhere: no learner keys (the gates count no step)
+  unmeasured.add(-1.0, -1.0, std::nan(""), std::nan(""), -1.5);
+  metric_map um;
+  unmeasured.write(um);
+  EXPECT_EQ(um.count("audit/learner_token_mult_prob_error") + um.count("audit/nonfinite_learner_tokens"), 0u);
   metric_map none;
   audit_sums().write(none);
   EXPECT_TRUE(none.empty());
@@ -1020,6 +1030,29 @@ TEST(Health, GatesJudgeTheStalenessZeroMismatch) {
   }
   EXPECT_EQ(health_mode_parse("warn"), health_mode::warn);
   EXPECT_FALSE(health_mode_parse("Fail").has_value());
+}
+
+// health.source = audit: the gates read audit mode's learner-policy re-score (every staleness)
+// and count the audited steps; the staleness-0 keys are not theirs then (and the reverse).
+TEST(Health, AuditSourceReadsTheLearnerPolicyRescore) {
+  health_config c;
+  c.min_steps = 2;
+  c.source = health_source::audit;
+  health_monitor h(c), t(health_config{});
+  const std::map<std::string, double> stale0{{"by_staleness/0/token_mult_prob_error", 1.5}, {"by_staleness/0/gen_kl_error", 0.1}};
+  const std::map<std::string, double> audited{{"audit/learner_token_mult_prob_error", 1.5}, {"audit/learner_gen_kl_error", 0.1}};
+  EXPECT_TRUE(h.add(1, stale0).empty());
+  EXPECT_EQ(h.counted(), 0u);  // not audited: not counted
+  EXPECT_TRUE(t.add(1, audited).empty());
+  EXPECT_EQ(t.counted(), 0u);  // the default source reads staleness 0 only
+  EXPECT_TRUE(h.add(2, audited).empty());
+  const auto f = h.add(3, audited);
+  ASSERT_EQ(f.size(), 3u);
+  EXPECT_EQ(f[0].text, "median token_mult_prob_error (audit, every staleness) 1.5000 is not below 1.1 over 2 step(s) 2..3 "
+                       "audited (health.tmpe_median_max)");
+  EXPECT_EQ(health_source_parse("audit"), health_source::audit);
+  EXPECT_EQ(health_source_parse("trained"), health_source::trained);
+  EXPECT_FALSE(health_source_parse("Audit").has_value());
 }
 
 namespace {
@@ -1177,6 +1210,33 @@ TEST(Grpo, StalenessBinsTakeTheOldestWeightsOfATokensContext) {
   EXPECT_NEAR(m.at("by_staleness/1/token_mult_prob_error"), std::exp(0.5), fp8rl::tol::kMetricFromFloatInputs);
   b.oldest_kv_version.pop_back();  // the breakdown needs both per token
   EXPECT_NE(fp8rl::test::error_of([&] { (void)learner_metrics(b, cfg, 3.0, 5); }).find("oldest KV versions"), std::string::npos);
+  // rl_tokens takes each token's oldest KV version from its sample (the weight version in its
+  // place put kept-cache tokens back into the staleness-0 bin the health gates read)
+  rl_sample s;
+  s.prompt = {1};
+  s.response = {2, 3, 4};
+  s.gen_logprobs = {-1.0f, -1.0f, -1.0f};
+  s.weight_version = s.scale_version = s.oldest_kv_scale_version = {5, 5, 5};
+  s.oldest_kv_version = {5, 4, 4};
+  const token_batch_rl r = rl_tokens({s});
+  EXPECT_EQ(r.weight_version, (std::vector<uint64_t>{5, 5, 5}));
+  EXPECT_EQ(r.oldest_kv_version, (std::vector<uint64_t>{5, 4, 4}));
+}
+
+// by_staleness takes by_version's values only where a version's tokens are exactly its oldest-KV
+// tokens: with three versions under kv_policy keep, version 4 has as many sampled tokens as it
+// has oldest-KV tokens, but other ones -- its bins are computed on their own tokens.
+TEST(Grpo, StalenessBinsReuseAVersionsValuesOnlyForTheSameTokens) {
+  token_batch_rl b = three_tokens({-1.0f, -0.5f, -0.2f}, {0, 0, 0});
+  b.weight_version = {5, 4, 3};
+  b.oldest_kv_version = {4, 3, 3};  // KV 4: token 0 (sampled under 5); version 4: token 1
+  grpo_config cfg;
+  const metric_map m = learner_metrics(b, cfg, 3.0, 5);
+  const double tol = fp8rl::tol::kMetricFromFloatInputs;
+  EXPECT_NEAR(m.at("by_version/4/token_mult_prob_error"), std::exp(0.5), tol);   // token 1: p - g = 0.5
+  EXPECT_NEAR(m.at("by_staleness/1/token_mult_prob_error"), std::exp(0.0), tol);  // token 0: p - g = 0
+  EXPECT_NEAR(m.at("by_staleness/2/token_mult_prob_error"), (std::exp(0.5) + std::exp(0.8)) / 2, tol);  // tokens 1, 2
+  EXPECT_EQ(m.count("by_staleness/0/token_mult_prob_error"), 0u);  // no token's context is all version 5
 }
 
 // Audit mode re-scores each token under the weights it was sampled under: a trajectory spanning
@@ -1234,4 +1294,66 @@ TEST(Grpo, AuditRescoresEachTokenUnderItsOwnVersion) {
   k.write(km);
   EXPECT_EQ(km.at("audit/skipped_kept_kv"), 1.0);
   EXPECT_EQ(km.at("audit/trajectories_spanning"), 1.0);
+  {  // each count its own (all 1 above): an empty response neither counts nor uses up `want`;
+     // 2 kept, 3 not held, 2 re-scored of which 1 spans two versions
+    rl_sample empty = s, single = s;
+    empty.response.clear();
+    empty.gen_logprobs.clear();
+    empty.weight_version = empty.scale_version = empty.oldest_kv_version = empty.oldest_kv_scale_version = {};
+    single.weight_version = single.oldest_kv_version = {2, 2, 2};
+    audit_sums sums7;
+    const audit_count c7 = audit_rescore(run, *w2, at, {empty, kept, gone, gone, kept, gone, single, s}, 9, proc, sums7);
+    metric_map m7;
+    c7.write(m7);
+    sums7.write(m7);
+    EXPECT_EQ(m7.at("audit/skipped_kept_kv"), 2.0);
+    EXPECT_EQ(m7.at("audit/skipped_not_held"), 3.0);
+    EXPECT_EQ(m7.at("audit/trajectories"), 2.0);
+    EXPECT_EQ(m7.at("audit/trajectories_spanning"), 1.0);
+    EXPECT_EQ(m7.at("audit/tokens"), 6.0);
+    audit_sums sums1;
+    EXPECT_EQ(audit_rescore(run, *w2, at, {empty, single}, 1, proc, sums1).trajectories, 1) << "the empty one used up want = 1";
+  }
+  // the learner policy's re-score, at each token's own version: BF16 weights here (its own
+  // forward), by hand from each version's BF16 logprobs; the FP32 weights' pointer shares q's
+  // forward and reads 0 exactly
+  const precision_policy bf16 = precision_policy::named("bf16");
+  auto b1 = model_weights_build(*be, c, bf16.training(), {&v1, nullptr, nullptr}, false);
+  auto b2 = model_weights_build(*be, c, bf16.training(), {&v2, nullptr, nullptr}, false);
+  double want_kl = 0, want_tmpe = 0;
+  {
+    token_batch b;
+    b.add({1, 5, 7, 3, 9, 4});
+    const auto targets = b.next_targets();  // [T = 6]
+    std::vector<float> l1(targets.size()), l2(targets.size());
+    run.forward(*b1, b, false);
+    run.logprobs(targets, proc, l1.data());
+    run.forward(*b2, b, false);
+    run.logprobs(targets, proc, l2.data());
+    const double ql[3] = {l1[2], l2[3], l2[4]};
+    for (int j = 0; j < 3; ++j) {
+      const double d = ql[j] - s.gen_logprobs[size_t(j)];
+      want_kl += (std::exp(d) - d - 1) / 3;
+      want_tmpe += std::exp(std::fabs(d)) / 3;
+    }
+  }
+  ASSERT_GT(want_kl, 0.0);  // BF16 differs from FP32 here: the check can tell the versions apart
+  auto at_l = [&](uint64_t v) {
+    return v == 1 ? audit_weights{w1.get(), nullptr, b1.get()} : v == 2 ? audit_weights{w2.get(), nullptr, b2.get()} : audit_weights{};
+  };
+  audit_sums ls;
+  audit_rescore(run, *w2, at_l, {s}, 4, proc, ls);
+  metric_map lm;
+  ls.write(lm);
+  EXPECT_NEAR(lm.at("audit/learner_gen_kl_error"), want_kl, fp8rl::tol::kFp64FewTerms);
+  EXPECT_NEAR(lm.at("audit/learner_token_mult_prob_error"), want_tmpe, fp8rl::tol::kFp64FewTerms);
+  auto at_q = [&](uint64_t v) {
+    return v == 1 ? audit_weights{w1.get(), nullptr, w1.get()} : v == 2 ? audit_weights{w2.get(), nullptr, w2.get()} : audit_weights{};
+  };
+  audit_sums qs;
+  audit_rescore(run, *w2, at_q, {s}, 4, proc, qs);
+  metric_map qm;
+  qs.write(qm);
+  EXPECT_EQ(qm.at("audit/learner_gen_kl_error"), 0.0);
+  EXPECT_EQ(qm.at("audit/learner_token_mult_prob_error"), 1.0);
 }

@@ -390,6 +390,12 @@ TEST(SharedPrefix, LearnerRefusesSamplesItCannotRead) {
   bad = samples;
   bad[0].oldest_kv_version.pop_back();  // audit mode reads it beside weight_version
   EXPECT_NE(refused(bad).find("oldest_kv_version"), std::string::npos) << refused(bad);
+  bad = samples;
+  bad[1].oldest_kv_scale_version.pop_back();
+  EXPECT_NE(refused(bad).find("oldest_kv_scale_version"), std::string::npos) << refused(bad);
+  bad = samples;
+  bad[0].scale_version.push_back(0);
+  EXPECT_NE(refused(bad).find("scale_version has"), std::string::npos) << refused(bad);
   EXPECT_EQ(refused(samples), "");
   // the runner itself: one target per token, each -1 or an id
   const learner_batch lb = learner_batch_build(samples, true);

@@ -70,6 +70,9 @@ TEST(BenchCurve, OfReadsTheEvaluationRowsOfOneRun) {
   const std::string e = fp8rl::test::error_of([&] { (void)curve_of(twice); });
   EXPECT_NE(e.find("step 10"), std::string::npos) << e;
   EXPECT_NE(e.find("after step 20"), std::string::npos) << e;
+  std::vector<json> same = rows;  // two evaluations at one step: refused as well
+  same.push_back({{"step", 20}, {"elapsed_s", 1.9}, {"val_accuracy", 0.8}});
+  EXPECT_NE(fp8rl::test::error_of([&] { (void)curve_of(same); }).find("evaluation at step 20.0 after step 20.0"), std::string::npos);
 }
 
 }  // namespace

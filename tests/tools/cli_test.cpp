@@ -114,7 +114,8 @@ TEST_F(Cli, OptionsOutOfRangeOrRepeatedAreRefusedByName) {
   for (const std::string bad : {"/bench-decode --layers=abc", "/bench-decode --batch=3abc", "/bench-quant --reps=0",
                                 "/bench-quant --threads=1,,2", "/bench-gemm --shapes=64x-128x128",
                                 "/bench-gemm --shapes=64x128x128abc", "/bench-gemm --shapes=64x128",
-                                "/bench-rl --target=1.5", "/bench-rl --target=0.9x", "/bench-rl --target=", "/bench-rl --target=nan"}) {
+                                "/bench-rl --target=1.5", "/bench-rl --target=0.9x", "/bench-rl --target=", "/bench-rl --target=nan",
+                                "/bench-rl --target=1", "/bench-rl --target=0"}) {  // 1: a race no run can win
     const result r = fp8rl::test::run_command(kBin + bad);
     EXPECT_EQ(r.rc, 2) << bad << "\n" << r.out;
     EXPECT_NE(r.out.find("option --"), std::string::npos) << bad << "\n" << r.out;
@@ -126,6 +127,20 @@ TEST_F(Cli, OptionsOutOfRangeOrRepeatedAreRefusedByName) {
     const result r = fp8rl::test::run_command((away / "bench-rl").string() + " --only=staleness");
     EXPECT_EQ(r.rc, 2) << r.out;
     EXPECT_NE(r.out.find("run it from the build tree"), std::string::npos) << r.out;
+    // a run that fails (here an fp8rl that exits 1) ends bench-rl with rc 1, its files kept, named
+    fs::create_directories(away.parent_path().parent_path() / "configs" / "topologies");
+    std::ofstream(away.parent_path().parent_path() / "configs" / "topologies" / "local.conf") << "[cluster]\n";
+    std::ofstream(away / "fp8rl") << "#!/bin/sh\necho failing on purpose\nexit 1\n";
+    fs::permissions(away / "fp8rl", fs::perms::owner_all);
+    const result failed = fp8rl::test::run_command((away / "bench-rl").string() + " --only=staleness --reps=1");
+    EXPECT_EQ(failed.rc, 1) << failed.out;
+    const std::string kept = "its runs' files are kept in ";
+    const size_t at = failed.out.find(kept);
+    ASSERT_NE(at, std::string::npos) << failed.out;
+    const std::string dir = failed.out.substr(at + kept.size(), failed.out.find('\n', at) - at - kept.size());
+    EXPECT_TRUE(fs::is_directory(dir)) << dir;
+    EXPECT_NE(failed.out.find("command failed"), std::string::npos) << failed.out;
+    fs::remove_all(dir);
     fs::remove_all(away.parent_path().parent_path());
   }
   // options a benchmark does not read are refused, not ignored (bench-rl ran its default threads

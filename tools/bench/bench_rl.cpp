@@ -43,7 +43,10 @@ fs::path self_dir() {
 
 std::vector<json> run_train(const std::string& cmd, const fs::path& run_dir) {
   fs::remove_all(run_dir);
-  const int rc = std::system((cmd + " --run-dir " + run_dir.string() + " > " + (run_dir.string() + ".log") + " 2>&1").c_str());
+  // audit mode off: the runs measure the training system (the health gates then read staleness 0),
+  // as the numbers recorded before audit mode was on by default did
+  const int rc = std::system((cmd + " --audit.every=0 --run-dir " + run_dir.string() + " > " + (run_dir.string() + ".log") +
+                              " 2>&1").c_str());
   if (rc != 0) throw std::runtime_error("command failed (" + std::to_string(rc) + "): " + cmd + " (log: " + run_dir.string() + ".log)");
   std::vector<json> m;
   std::ifstream f(run_dir / "metrics.jsonl");
