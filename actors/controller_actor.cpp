@@ -305,6 +305,10 @@ msg::controller_actor spawn_controller(caf::actor_system& sys, std::shared_ptr<c
         const std::string perr = plots_write(s.env->run_dir);
         if (!perr.empty()) log->warn("plots: {}", perr);
         const auto& h = s.health->config();
+        if (h.mode != models::health_mode::off && s.health->counted() >= static_cast<size_t>(h.min_steps)) {
+          if (s.health_failed.empty() && s.health_warned.empty()) log->info("health gates passed ({})", s.health->summary());
+          else if (!s.health_warned.empty()) log->warn("health gates failed (health.gates=warn, said above): {}", s.health->summary());
+        }
         if (h.mode != models::health_mode::off && s.health->counted() < static_cast<size_t>(h.min_steps))
           log->info("health gates not judged: {} of health.min_steps {} steps {}", s.health->counted(), h.min_steps,
                     h.source == models::health_source::audit

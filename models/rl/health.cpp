@@ -22,7 +22,18 @@ std::optional<health_source> health_source_parse(std::string_view s) {
 
 namespace {
 constexpr double kTmpeStepLimit = 1.1;  // NeMo RL's FP8 nightlies: steps above it counted
+const char* source_label(health_source s) { return s == health_source::audit ? "audit, every staleness" : "staleness 0"; }
+size_t min_counted(const health_config& c) { return static_cast<size_t>(std::max<int64_t>(1, c.min_steps)); }
 }  // namespace
+
+std::string health_monitor::summary() const {
+  const size_t n = counted();
+  if (n < min_counted(c_)) return "";
+  std::string s = fmt::format("{}: median token_mult_prob_error {:.4f} over {} step(s)", source_label(c_.source), tmpe_median(), n);
+  if (!c_.fp8_kv)
+    s += fmt::format(", {} above {}, mean gen_kl_error of the first {} {:.5f}", above_, kTmpeStepLimit, min_counted(c_), kl_first_mean_);
+  return s;
+}
 
 double health_monitor::tmpe_median() const {
   return low_.size() > high_.size() ? low_.top() : (low_.top() + high_.top()) / 2;
@@ -43,12 +54,12 @@ std::vector<health_failure> health_monitor::add(uint64_t step, const std::map<st
   if (low_.size() > high_.size() + 1) high_.push(low_.top()), low_.pop();
   else if (high_.size() > low_.size()) low_.push(high_.top()), high_.pop();
   above_ += !(t <= kTmpeStepLimit);
-  const size_t n = counted(), min_n = static_cast<size_t>(std::max<int64_t>(1, c_.min_steps));
+  const size_t n = counted(), min_n = min_counted(c_);
   if (n <= min_n) kl_first_sum_ += finite_or_inf(kl->second);
   if (n < min_n) return out;
   const std::string span = fmt::format("{} step(s) {}..{} {}", n, first_step_, step,
                                        audit ? "audited" : "with tokens sampled under the trained weights");
-  const char* which = audit ? "audit, every staleness" : "staleness 0";
+  const char* which = source_label(c_.source);
   const double limit = c_.tmpe_median_max > 0 ? c_.tmpe_median_max : (c_.fp8_kv ? 2.0 : kTmpeStepLimit);
   // NaN compares false: a non-finite median fails the gate
   if (const double med = tmpe_median(); !(med < limit))

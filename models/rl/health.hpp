@@ -56,6 +56,9 @@ class health_monitor {
   size_t counted() const { return low_.size() + high_.size(); }
   const health_config& config() const { return c_; }
   double tmpe_median() const;  // of the counted steps (the mean of the middle two for an even count); counted() > 0
+  // What the gates judged, in one line (the source, the median, the steps above 1.1 and the first
+  // steps' mean KL where those gates apply); "" before min_steps counted steps.
+  std::string summary() const;
 
  private:
   health_config c_;

@@ -700,6 +700,24 @@ TEST_F(ControllerOnTestCoordinator, AHealthGateUnderWarnIsLoggedOnceAndTheRunGoe
   EXPECT_EQ(log.find("median token_mult_prob_error", log.find(gate) + gate.size()), std::string::npos) << "warned twice: " << log;
   EXPECT_NE(log.find("2 of 2 step(s) 1..2 with tokens sampled under the trained weights have token_mult_prob_error (staleness 0) "
                      "above 1.1"), std::string::npos) << log;
+  // the last step: the run's summary says so again (step 1, from metrics.jsonl, counted too)
+  const std::string end = log_of_reports({4, 5, 6, 7, 8, 9, 10}, 1.5);
+  EXPECT_EQ(done, 0);
+  EXPECT_NE(end.find("health gates failed (health.gates=warn, said above): staleness 0: median token_mult_prob_error 1.5000 over 10 "
+                     "step(s), 10 above 1.1, mean gen_kl_error of the first 2 0.00000"), std::string::npos) << end;
+}
+
+// A judged run that no gate failed says so at its end, with what the gates read.
+TEST_F(ControllerOnTestCoordinator, AJudgedRunSaysItsGatesPassed) {
+  recipe = [](actors::run_config& r) { r.health_min_steps = 2, r.steps = 3; };
+  log_level = "info";
+  wire(0);
+  sync(0);
+  const std::string log = log_of_reports({1, 2, 3}, 1.02);
+  EXPECT_EQ(done, 0);
+  EXPECT_NE(log.find("health gates passed (staleness 0: median token_mult_prob_error 1.0200 over 3 step(s), 0 above 1.1, mean "
+                     "gen_kl_error of the first 2 0.00000)"), std::string::npos) << log;
+  EXPECT_EQ(log.find("not judged"), std::string::npos) << log;
 }
 
 // A stop (a signal): the controller asks the buffer where the run stops (step 2 here), issues no
