@@ -312,7 +312,8 @@ msg::controller_actor spawn_controller(caf::actor_system& sys, std::shared_ptr<c
         if (h.mode != models::health_mode::off && s.health->counted() < static_cast<size_t>(h.min_steps))
           log->info("health gates not judged: {} of health.min_steps {} steps {}", s.health->counted(), h.min_steps,
                     h.source == models::health_source::audit
-                        ? "were audited (audit.every)"
+                        ? "had audited tokens (audit.every; a trajectory on a KV cache kept across an adoption is "
+                          "skipped, audit/skipped_kept_kv)"
                         : "had tokens sampled under the weights being trained (only those measure the precision mismatch "
                           "alone; asynchronous runs have few: health.source=audit with audit.every=1 judges every step)");
         // this process's steps (a resumed run's earlier ones took their own time); a stop's line

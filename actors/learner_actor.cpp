@@ -31,6 +31,14 @@ namespace {
 
 namespace fs = std::filesystem;
 
+// A weight version audit mode may re-score under (rank 0): its master weights (a past version's;
+// the current one's are s.ck.params) and its re-score weights, each built once and kept while the
+// version is held -- this step's builds serve the next max_staleness steps' audits too.
+struct audit_version {
+  std::vector<float> data;
+  std::unique_ptr<models::model_weights> q, q8, learner;
+};
+
 struct learner_state {
   std::shared_ptr<const actor_env> env;
   std::shared_ptr<std::vector<float>> snapshot;  // master weights last sent to calibration
@@ -46,7 +54,7 @@ struct learner_state {
   std::vector<std::vector<int32_t>> calib;            // the batch that produced `version` (rank 0: its checkpoint's)
   models::dataset train, val;
   std::shared_ptr<gloo::Context> gloo;
-  std::deque<std::pair<uint64_t, std::vector<float>>> past;  // audit: recent master weights by version
+  std::map<uint64_t, audit_version> audit_held;  // (rank 0) this version's and the last max_staleness versions'
   models::model_params ref;                                  // KL reference (grpo.kl_beta > 0) and
   std::unique_ptr<models::model_weights> ref_w;              // its compute weights, built once
 };
@@ -188,8 +196,10 @@ void checkpoint(learner_state& s) {
 // beside precision_kl, not as its decomposition. And under the learner's own policy (ql_t: c_t
 // had the learner been at the token's version; the health gates' quantity for tokens of every
 // staleness, health.source = audit), sharing q's or q8's weights where the policy is the same.
-// Up to audit.samples trajectories (every shard's on rank 0), each sampled under one version still held.
-void audit_into(learner_state& s, const std::vector<models::rl_sample>& samples, msg::metrics_t& m) {
+// Up to audit.samples trajectories (every shard's on rank 0), one of each prompt's group in turn,
+// each sampled under versions still held. w: the training weights of this step (c, and ql at it).
+void audit_into(learner_state& s, const models::model_weights& w, const std::vector<models::rl_sample>& samples,
+                msg::metrics_t& m) {
   models::precision_policy g8 = s.env->rl.gen_policy.training();  // FP8 weights, dense attention
   const bool split_fp8 = s.env->rl.gen_policy.linear == models::precision::fp8;
   // q: BF16 linear weights; with the split, otherwise the generation policy's (its kernels: -tiles),
@@ -203,27 +213,27 @@ void audit_into(learner_state& s, const std::vector<models::rl_sample>& samples,
   models::audit_sums sums;
   const models::precision_policy lp = s.env->rl.train_policy.training();
   const bool l_is_q = lp.fingerprint() == bf.fingerprint(), l_is_q8 = split_fp8 && lp.fingerprint() == g8.fingerprint();
-  auto wc = models::model_weights_build(*s.be, s.ck.params.cfg, lp, {&s.ck.params, nullptr, nullptr}, false);
-  // BF16, FP8 and learner-policy weights of each behaviour version still held (the last max_staleness + 1)
-  struct version_weights {
-    std::unique_ptr<models::model_weights> q, q8, learner;
-  };
-  std::map<uint64_t, version_weights> w_of;
+  // BF16, FP8 and learner-policy weights of each behaviour version held (this step's, built once
+  // into s.audit_held, and the last max_staleness); at this step's version the learner's are w
   auto at_version = [&](uint64_t v) -> models::audit_weights {
-    const std::vector<float>* w = v == s.version ? &s.ck.params.data : nullptr;
-    for (const auto& [pv, pw] : s.past) if (pv == v) w = &pw;
-    if (!w) return {};
-    auto& vw = w_of[v];
-    if (!vw.q) {
-      models::model_params p = s.ck.params;
-      p.data = *w;
-      vw.q = models::model_weights_build(*s.be, p.cfg, bf, {&p, nullptr, nullptr}, false);
-      if (split_fp8) vw.q8 = models::model_weights_build(*s.be, p.cfg, g8, {&p, nullptr, nullptr}, false);
-      if (!l_is_q && !l_is_q8) vw.learner = models::model_weights_build(*s.be, p.cfg, lp, {&p, nullptr, nullptr}, false);
+    if (v != s.version && !s.audit_held.count(v)) return {};
+    audit_version& av = s.audit_held[v];
+    const bool build_q = !av.q, build_l = v != s.version && !l_is_q && !l_is_q8 && !av.learner;
+    models::model_params held;  // a past version's master weights with this model's layout
+    const models::model_params* p = &s.ck.params;
+    if ((build_q || build_l) && v != s.version) {
+      held = {s.ck.params.cfg, s.ck.params.layout, av.data};
+      p = &held;
     }
-    return {vw.q.get(), vw.q8.get(), l_is_q ? vw.q.get() : l_is_q8 ? vw.q8.get() : vw.learner.get()};
+    if (build_q) {
+      av.q = models::model_weights_build(*s.be, p->cfg, bf, {p, nullptr, nullptr}, false);
+      if (split_fp8) av.q8 = models::model_weights_build(*s.be, p->cfg, g8, {p, nullptr, nullptr}, false);
+    }
+    if (build_l) av.learner = models::model_weights_build(*s.be, p->cfg, lp, {p, nullptr, nullptr}, false);
+    const models::model_weights* l = v == s.version ? &w : l_is_q ? av.q.get() : l_is_q8 ? av.q8.get() : av.learner.get();
+    return {av.q.get(), av.q8.get(), l};
   };
-  const auto n = models::audit_rescore(*s.run, *wc, at_version, samples, s.env->cfg.audit_samples, s.env->rl.proc, sums);
+  const auto n = models::audit_rescore(*s.run, w, at_version, samples, s.env->cfg.audit_samples, s.env->rl.proc, sums);
   sums.write(m);
   n.write(m);
 }
@@ -254,12 +264,18 @@ msg::metrics_t learner_train_step(learner_state& s, const msg::batch_msg& b, clk
                               sum_over_learners);
     allreduce(s, lo.grads);
     if (s.world > 1) gather_metrics(s, b, lo);
-    if (s.env->cfg.audit_every > 0 && s.env->cfg.max_staleness > 0) {
-      s.past.emplace_back(s.version, s.ck.params.data);
-      while (s.past.size() > static_cast<size_t>(s.env->cfg.max_staleness + 1)) s.past.pop_front();
+    if (s.rank == 0 && s.env->cfg.audit_every > 0) {  // (rank 0 audits every shard's trajectories)
+      if ((s.version + 1) % static_cast<uint64_t>(s.env->cfg.audit_every) == 0) {
+        const auto t_audit = clk::now();
+        audit_into(s, *w, batch_samples(b), audit);  // before the update: s.ck.params is version s.version
+        audit["audit_s"] = secs(t_audit);  // (inside train_s)
+      }
+      // this version kept for the next max_staleness steps' audits (their trajectories may hold its
+      // tokens), its builds too; this version itself is s.ck.params until the update
+      const auto keep = static_cast<uint64_t>(s.env->cfg.max_staleness);
+      if (keep > 0) s.audit_held[s.version].data = s.ck.params.data;
+      std::erase_if(s.audit_held, [&](const auto& e) { return e.first + keep <= s.version; });
     }
-    if (s.rank == 0 && s.env->cfg.audit_every > 0 && (s.version + 1) % static_cast<uint64_t>(s.env->cfg.audit_every) == 0)
-      audit_into(s, batch_samples(b), audit);  // every shard; before the update
     gnorm = models::adamw_step(s.env->rl.opt, s.ck.params.layout, s.ck.params.data.data(), lo.grads.data(), s.ck.opt);
   });
   msg::metrics_t m = lo.loss.metrics;

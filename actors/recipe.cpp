@@ -90,13 +90,14 @@ std::vector<recipe_key> recipe_keys(run_config& r) {
       {"audit", "samples", &r.audit_samples, "trajectories per audit"},
       {"trace", "enabled", &r.trace, "write per-process trace events (runs/<dir>/traces)"},
       {"trace", "max_mb", &r.trace_max_mb, "a process's trace file stops at this size (MiB; ~50 KB a step of the default run), one warning says so (0: no cap)"},
-      {"health", "gates", &r.health_gates, "mismatch gates (rl-algorithm.md section 7) on tokens sampled under the trained "
-       "weights: fail (the run stops, named), warn, or off"},
+      {"health", "gates", &r.health_gates, "generation-vs-training mismatch gates (rl-algorithm.md section 7) on precision and "
+       "kernels alone (health.source): fail (the run stops, named), warn, or off"},
       {"health", "source", &r.health_source, "what the gates read: trained (by_staleness/0/*: the tokens sampled under the "
        "trained weights; an asynchronous run has them in few steps), audit (audit/learner_*: audited tokens of every "
        "staleness re-scored under the learner's policy at their own version; needs audit.every, and every = 1 judges every "
-       "step), or auto (audit where audit.every is set, else trained)"},
-      {"health", "min_steps", &r.health_min_steps, "the gates judge a run once it has this many steps with such tokens"},
+       "step), or auto (audit where audit.every is set and async.max_staleness > 0, else trained)"},
+      {"health", "min_steps", &r.health_min_steps, "the gates judge a run once it has this many steps counted (steps with what "
+       "health.source reads)"},
       {"health", "tmpe_median_max", &r.tmpe_median_max, "median token_mult_prob_error limit (0: 1.1, or 2.0 with an FP8 KV cache)"},
       {"health", "tmpe_steps_above_max", &r.tmpe_steps_above_max, "fraction of steps allowed a token_mult_prob_error above 1.1 "
        "(not with an FP8 KV cache)"},
@@ -602,8 +603,9 @@ run_config recipe_from_json(const std::string& s) {
 models::health_config recipe_health_config(const run_config& r) {
   models::health_config h;
   h.mode = *models::health_mode_parse(r.health_gates);
-  h.source = r.health_source == "auto" ? (r.audit_every > 0 ? models::health_source::audit : models::health_source::trained)
-                                       : *models::health_source_parse(r.health_source);
+  // auto: a synchronous run's every token is a staleness-0 one (the whole batch, not the audit's sample)
+  const bool audit = r.health_source == "auto" ? r.audit_every > 0 && r.max_staleness > 0 : r.health_source == "audit";
+  h.source = audit ? models::health_source::audit : models::health_source::trained;
   h.min_steps = r.health_min_steps;
   h.tmpe_median_max = r.tmpe_median_max;
   h.tmpe_steps_above_max = r.tmpe_steps_above_max;

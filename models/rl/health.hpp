@@ -6,10 +6,11 @@
 // computed under them too (by_staleness/0/...: precision and kernel mismatch alone -- a cache kept
 // across an adoption, kv_policy keep, counts at its oldest weights; staleness has its own metrics and
 // would trip a precision gate in an asynchronous run); a step without such tokens is not counted.
-// An asynchronous run has them in a fraction of its steps (~25-30% of the default run's); with
+// An asynchronous run has them in few of its steps (7-10 of the default run's 200); with
 // source = audit the gates read audit mode's re-score instead (audit/learner_*: every audited token
 // under the learner's policy at the version it was sampled under -- the same quantity at every
-// staleness), so that with audit.every = 1 every step is judged.
+// staleness, on a sample of audit.samples trajectories a step), so that with audit.every = 1
+// every step is judged (the default for asynchronous runs: health.source auto).
 //   - median token_mult_prob_error < tmpe_median_max (1.1; 2.0 with an FP8 KV cache, NeMo RL's
 //     KV-cache nightly), judged from min_steps counted steps on;
 //   - fewer than tmpe_steps_above_max of the counted steps above 1.1 (not with an FP8 KV cache:

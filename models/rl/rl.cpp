@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <set>
 #include <stdexcept>
 
 #include "models/cpu/cpu_backend.hpp"
@@ -293,7 +294,16 @@ learner_out learner_grpo(model_runner& run, const model_weights& w, const std::v
   return out;
 }
 
-void audit_sums::add(double c, double q, double q8, double ql, double g) {
+void audit_sums::add(double c, double q, double q8, std::optional<double> ql, double g) {
+  // the learner policy's term on ql and g alone (the staleness-0 metrics' rule: c = ql there): a
+  // token only the BF16 re-score or the current weights dropped is still the gates'
+  if (ql && std::isfinite(*ql) && std::isfinite(g)) {
+    learner_kl += k3(*ql - g);
+    learner_tmpe += std::exp(std::fabs(*ql - g));
+    nl += 1;
+  } else if (ql) {
+    nonfinitel += 1;
+  }
   if (!(std::isfinite(c) && std::isfinite(q) && std::isfinite(g))) {
     nonfinite += 1;
     return;
@@ -302,13 +312,6 @@ void audit_sums::add(double c, double q, double q8, double ql, double g) {
   prec_kl += k3(q - g);
   prec_tmpe += std::exp(std::fabs(q - g));
   n += 1;
-  if (std::isinf(ql)) {  // the learner policy's re-score dropped it (top-k/top-p): no gate terms, counted
-    nonfinitel += 1;
-  } else if (!std::isnan(ql)) {  // NaN: not measured
-    learner_kl += k3(ql - g);
-    learner_tmpe += std::exp(std::fabs(ql - g));
-    nl += 1;
-  }
   if (std::isnan(q8)) return;  // not measured
   if (std::isinf(q8)) {        // the FP8 re-score's top-k dropped it: no split terms, counted
     nonfinite8 += 1;
@@ -320,6 +323,11 @@ void audit_sums::add(double c, double q, double q8, double ql, double g) {
 }
 
 void audit_sums::write(metric_map& out) const {
+  if (nl + nonfinitel > 0) out["audit/nonfinite_learner_tokens"] = nonfinitel;
+  if (nl > 0) {
+    out["audit/learner_token_mult_prob_error"] = learner_tmpe / nl;
+    out["audit/learner_gen_kl_error"] = learner_kl / nl;
+  }
   if (n + nonfinite == 0) return;
   out["audit/tokens"] = n;
   out["audit/nonfinite_tokens"] = nonfinite;
@@ -328,11 +336,6 @@ void audit_sums::write(metric_map& out) const {
   out["audit/staleness_kl"] = stale_kl / n;
   out["audit/precision_kl"] = prec_kl / n;
   out["audit/precision_token_mult_prob_error"] = prec_tmpe / n;
-  if (nl + nonfinitel > 0) out["audit/nonfinite_learner_tokens"] = nonfinitel;
-  if (nl > 0) {
-    out["audit/learner_token_mult_prob_error"] = learner_tmpe / nl;
-    out["audit/learner_gen_kl_error"] = learner_kl / nl;
-  }
   if (n8 == 0) return;
   out["audit/weight_quant_kl"] = wq_kl / n8;
   out["audit/kernel_kv_kl"] = kern_kl / n8;
@@ -345,55 +348,101 @@ void audit_count::write(metric_map& out) const {
   out["audit/skipped_not_held"] = double(skipped_not_held);
 }
 
+namespace {
+// Sample indices taking one trajectory of each prompt's group in turn (first appearance order):
+// the first `want` in batch order were the first few prompts' groups -- correlated tokens, a noisy
+// per-step reading for the health gates.
+std::vector<size_t> prompts_in_turn(const std::vector<rl_sample>& samples) {
+  std::map<uint64_t, std::vector<size_t>> of;
+  std::vector<uint64_t> prompts;
+  for (size_t i = 0; i < samples.size(); ++i) {
+    auto& g = of[samples[i].prompt_id];
+    if (g.empty()) prompts.push_back(samples[i].prompt_id);
+    g.push_back(i);
+  }
+  std::vector<size_t> order;
+  order.reserve(samples.size());
+  for (size_t k = 0; order.size() < samples.size(); ++k)
+    for (uint64_t id : prompts)
+      if (k < of[id].size()) order.push_back(of[id][k]);
+  return order;
+}
+}  // namespace
+
 audit_count audit_rescore(model_runner& run, const model_weights& current, const std::function<audit_weights(uint64_t)>& at_version,
                           const std::vector<rl_sample>& samples, int64_t want, const logit_processing& proc, audit_sums& sums) {
   audit_count n;
-  for (const auto& smp : samples) {
+  std::map<uint64_t, audit_weights> held;  // at_version's answer for every version met
+  std::vector<const rl_sample*> picked;
+  std::set<uint64_t> used;  // the versions of the picked trajectories' tokens
+  for (size_t i : prompts_in_turn(samples)) {
+    const rl_sample& smp = samples[i];
     if (n.trajectories >= want) break;
     if (smp.response.empty()) continue;
     if (smp.oldest_kv_version != smp.weight_version) {
       ++n.skipped_kept_kv;
       continue;
     }
-    std::map<uint64_t, audit_weights> w;  // the trajectory's versions
-    for (uint64_t v : smp.weight_version) w.emplace(v, audit_weights{});
-    bool held = true;
-    for (auto& [v, wv] : w) held = held && (wv = at_version(v)).q != nullptr;
-    if (!held) {
+    const std::set<uint64_t> mine(smp.weight_version.begin(), smp.weight_version.end());
+    bool all_held = true;
+    for (uint64_t v : mine) {
+      auto it = held.find(v);
+      if (it == held.end()) it = held.emplace(v, at_version(v)).first;
+      all_held = all_held && it->second.q != nullptr;
+    }
+    if (!all_held) {
       ++n.skipped_not_held;
       continue;
     }
-    token_batch b;  // [T = prompt + response]
-    auto seq = smp.prompt;
-    seq.insert(seq.end(), smp.response.begin(), smp.response.end());
+    picked.push_back(&smp);
+    used.insert(mine.begin(), mine.end());
+    ++n.trajectories;
+    n.spanning += mine.size() > 1;
+  }
+  if (picked.empty()) return n;
+  // one batch of every picked trajectory (rows never mix: each token's logprob is what a forward
+  // of its sequence alone gives), one forward per weight set: the current weights, then each
+  // version's re-score weights
+  token_batch b;  // [T = each picked trajectory's prompt + response]
+  std::vector<size_t> at;  // the row whose target is picked trajectory k's first response token
+  for (const rl_sample* smp : picked) {
+    auto seq = smp->prompt;
+    seq.insert(seq.end(), smp->response.begin(), smp->response.end());
+    at.push_back(static_cast<size_t>(b.T()) + smp->prompt.size() - 1);
     b.add(seq);
-    const auto targets = b.next_targets();
-    const size_t T = targets.size();
-    std::vector<float> c(T), q(T), q8(T), ql(T);
-    run.forward(current, b, false);
-    run.logprobs(targets, proc, c.data());
-    for (const auto& [v, wv] : w) {
-      run.forward(*wv.q, b, false);
-      run.logprobs(targets, proc, q.data());
-      if (wv.q8) {
-        run.forward(*wv.q8, b, false);
-        run.logprobs(targets, proc, q8.data());
-      }
-      // the learner policy's re-score: q's or q8's where those are its weights, else its own forward
-      const float* l = !wv.learner ? nullptr : wv.learner == wv.q ? q.data() : wv.learner == wv.q8 ? q8.data() : ql.data();
-      if (l == ql.data()) {
-        run.forward(*wv.learner, b, false);
-        run.logprobs(targets, proc, ql.data());
-      }
+  }
+  const auto targets = b.next_targets();
+  const size_t T = targets.size();
+  std::vector<float> c(T), q(T), q8(T), ql(T);
+  run.forward(current, b, false);
+  run.logprobs(targets, proc, c.data());
+  for (uint64_t v : used) {
+    const audit_weights& wv = held.at(v);
+    run.forward(*wv.q, b, false);
+    run.logprobs(targets, proc, q.data());
+    if (wv.q8) {
+      run.forward(*wv.q8, b, false);
+      run.logprobs(targets, proc, q8.data());
+    }
+    // the learner policy's re-score: c's, q's or q8's where those are its weights, else its own forward
+    const float* l = !wv.learner               ? nullptr
+                     : wv.learner == &current ? c.data()
+                     : wv.learner == wv.q     ? q.data()
+                     : wv.learner == wv.q8    ? q8.data()
+                                              : ql.data();
+    if (l == ql.data()) {
+      run.forward(*wv.learner, b, false);
+      run.logprobs(targets, proc, ql.data());
+    }
+    for (size_t k = 0; k < picked.size(); ++k) {
+      const rl_sample& smp = *picked[k];
       for (size_t j = 0; j < smp.response.size(); ++j) {
         if (smp.weight_version[j] != v) continue;
-        const size_t t = smp.prompt.size() - 1 + j;  // the target of position t is response token j
-        sums.add(c[t], q[t], wv.q8 ? double(q8[t]) : std::nan(""), l ? double(l[t]) : std::nan(""),
+        const size_t t = at[k] + j;  // the target of row t is response token j
+        sums.add(c[t], q[t], wv.q8 ? double(q8[t]) : std::nan(""), l ? std::optional<double>(l[t]) : std::nullopt,
                  smp.gen_logprobs[j]);
       }
     }
-    ++n.trajectories;
-    n.spanning += w.size() > 1;
   }
   return n;
 }

@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <functional>
 #include <map>
+#include <optional>
 #include <span>
 #include <string>
 #include <vector>
@@ -117,23 +118,25 @@ learner_out learner_grpo(model_runner& run, const model_weights& w, const std::v
 // (§7: at or below BF16-vs-BF16 levels). A token with a non-finite logprob (top-k/top-p dropped it
 // on one side) has no term: counted apart (audit/nonfinite_tokens), as in the step's metrics; one
 // only the FP8 re-score dropped keeps its staleness and precision terms (audit/nonfinite_fp8_tokens).
-// ql (NaN: not measured) re-scores under the learner's own precision policy at the behaviour
+// ql (nullopt: not measured) re-scores under the learner's own precision policy at the behaviour
 // version: ql - g is what by_staleness/0 measures (c = ql there), for tokens of every staleness --
 // audit/learner_token_mult_prob_error and audit/learner_gen_kl_error, which the health gates can
-// read (health.source = audit); a token only it dropped counts in audit/nonfinite_learner_tokens.
+// read (health.source = audit); a token with ql or g non-finite counts in
+// audit/nonfinite_learner_tokens, whatever c and q are. Unlike by_staleness/0 it keeps sequences
+// grpo.seq_logprob_error_threshold drops (their worst tokens) and tokens whose IS weight overflows.
 struct audit_sums {
   double stale_kl = 0, prec_kl = 0, prec_tmpe = 0, wq_kl = 0, kern_kl = 0, n = 0, n8 = 0, nonfinite = 0, nonfinite8 = 0;
   double learner_kl = 0, learner_tmpe = 0, nl = 0, nonfinitel = 0;
-  void add(double c, double q, double q8, double ql, double g);
+  void add(double c, double q, double q8, std::optional<double> ql, double g);
   void write(metric_map& out) const;  // audit/* (nothing where no token was audited)
 };
 
-// Audit mode's re-scoring of up to `want` trajectories: each token under the weights it was sampled
+// Audit mode's re-scoring of up to `want` trajectories, one of each prompt's group in turn: each token under the weights it was sampled
 // under -- one forward per weight version of the trajectory (a sequence sampled across adoptions
 // under kv_policy recompute: every token's context was computed under its own version) -- with
 // the re-score weights `at_version(v)` gives (q: BF16 linear weights; q8: FP8, or none), beside c
-// under `current`, and ql under `learner` (the learner's precision policy; may be q's or q8's
-// pointer, then not forwarded again), into `sums`. Skipped and counted: a trajectory with a token whose KV cache came
+// under `current`, and ql under `learner` (the learner's precision policy; may be `current`'s, q's
+// or q8's pointer, then not forwarded again), into `sums`. Skipped and counted: a trajectory with a token whose KV cache came
 // from older weights (kv_policy keep after an adoption: no forward reproduces its context), and
 // one with a version whose weights are no longer held (at_version's q is null).
 struct audit_weights {

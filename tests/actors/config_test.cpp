@@ -299,6 +299,9 @@ TEST(Recipe, RlConfigTakesEachKeyToItsField) {
   run_config dflt, no_audit;  // auto: the audit where audit mode is on (the default), else staleness 0
   no_audit.audit_every = 0;
   EXPECT_EQ(recipe_health_config(dflt).source, fp8rl::models::health_source::audit);
+  run_config sync_run;  // synchronous: every token a staleness-0 one, the whole batch read
+  sync_run.max_staleness = 0;
+  EXPECT_EQ(recipe_health_config(sync_run).source, fp8rl::models::health_source::trained);
   EXPECT_EQ(recipe_health_config(no_audit).source, fp8rl::models::health_source::trained);
   no_audit.health_source = "audit";
   EXPECT_EQ(recipe_health_config(no_audit).source, fp8rl::models::health_source::audit);  // named: as named

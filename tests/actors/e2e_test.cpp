@@ -752,7 +752,9 @@ TEST(E2E, AFailedHealthGateStopsTheRunAndItsResume) {
 
 // health.source = audit: audit mode re-scores each token under the learner's policy at the version
 // it was sampled under. Synchronous, every trajectory audited: audit/learner_* are the staleness-0
-// metrics bit for bit (the same quantity over the same tokens). Asynchronous: the gates read the
+// metrics (the same quantity over the same tokens, each term bit for bit; the sums in another order,
+// one of each prompt's group in turn) -- with top-p too, where the BF16 re-score or the current
+// weights drop tokens the learner's policy keeps. Asynchronous: the gates read the
 // audit at every audited step, Δ > 0 tokens included -- a median limit just above 1 fails at
 // health.min_steps = 3 over steps 1..3, each counted.
 TEST(E2E, TheAuditSourceJudgesEveryAuditedStep) {
@@ -760,21 +762,32 @@ TEST(E2E, TheAuditSourceJudgesEveryAuditedStep) {
   const std::string flags = " --run.steps=3 --run.eval_every=0 --run.checkpoint_every=0 --model.sft_steps=60"
                             " --rollout.prompts_per_step=8 --precision.generation=fp8-kv --audit.every=1 --health.source=audit";
   ASSERT_EQ(run(kBin + "/fp8rl train --run-dir " + (d / "sync").string() + flags +
-                " --async.max_staleness=0 --audit.samples=64 --health.gates=warn"),
+                " --async.max_staleness=0 --audit.samples=64 --health.gates=warn --rollout.top_p=0.5"),
             0);
   const auto m = metrics(d / "sync");
   ASSERT_EQ(m.size(), 3u);
+  double bf16_only_drops = 0;  // tokens top-p dropped under the BF16 re-score alone (step 1: 3)
   for (const auto& x : m) {
+    EXPECT_EQ(x["audit/nonfinite_learner_tokens"], x["nonfinite_is_weights"]) << x.dump();
+    bf16_only_drops += x["audit/nonfinite_tokens"].get<double>() - x["audit/nonfinite_learner_tokens"].get<double>();
     ASSERT_EQ(x.value("audit/trajectories", 0.0), 64.0) << x.dump();  // 8 prompts x 8: all of them
     EXPECT_GT(x["audit/learner_token_mult_prob_error"].get<double>(), 1.0) << x.dump();  // the FP8 KV cache's mismatch
-    EXPECT_EQ(x["audit/learner_token_mult_prob_error"], x["by_staleness/0/token_mult_prob_error"]) << x.dump();
-    EXPECT_EQ(x["audit/learner_gen_kl_error"], x["by_staleness/0/gen_kl_error"]) << x.dump();
+    for (const char* k : {"token_mult_prob_error", "gen_kl_error"})
+      EXPECT_NEAR(x[std::string("audit/learner_") + k].get<double>(), x[std::string("by_staleness/0/") + k].get<double>(),
+                  fp8rl::tol::kFp64FewTerms) << k << " " << x.dump();
   }
+  EXPECT_GT(bf16_only_drops, 0.0) << "the case the learner term must not skip did not occur";
   const auto async = fp8rl::test::run_command(kBin + "/fp8rl train --run-dir " + (d / "async").string() + flags +
                                               " --async.max_staleness=1 --health.min_steps=3 --health.tmpe_median_max=1.000001");
   EXPECT_EQ(async.rc, 1) << async.out;
   EXPECT_NE(async.out.find("health gate (rl-algorithm.md section 7): median token_mult_prob_error (audit, every staleness) "),
             std::string::npos) << async.out;
   EXPECT_NE(async.out.find("is not below 1.000001 over 3 step(s) 1..3 audited"), std::string::npos) << async.out;
+  size_t stale_audited = 0;  // the learner holds every version a trajectory was sampled under (max_staleness of them)
+  for (const auto& x : metrics(d / "async")) {
+    EXPECT_EQ(x.value("audit/skipped_not_held", -1.0), 0.0) << x.dump();
+    stale_audited += x.value("staleness_hist/1", 0.0) > 0;
+  }
+  EXPECT_GT(stale_audited, 0u) << "no step had stale tokens to audit";
   fs::remove_all(d);
 }

@@ -854,9 +854,11 @@ TEST(Grpo, AuditKlsTakeGenKlErrorsFormAndCountNonFiniteTokens) {
   audit_sums a;
   // d: staleness 0.1, precision 0.5, weights 0.2, kernels 0.3, learner policy 0.4
   a.add(/*c=*/-0.9, /*q=*/-1.0, /*q8=*/-1.2, /*ql=*/-1.1, /*g=*/-1.5);
-  a.add(-1.0, -1.0, std::nan(""), std::nan(""), -1.5);  // q8 and ql not measured: no split or learner term
+  a.add(-1.0, -1.0, std::nan(""), std::nullopt, -1.5);  // q8 and ql not measured: no split or learner term
   a.add(-1.0, -1.0, -INFINITY, -INFINITY, -1.5);        // the FP8 / learner re-scores' top-k dropped it: counted apart
-  a.add(-INFINITY, -1.0, -1.0, -1.0, -1.0);             // the learner's top-k no longer keeps it: no term
+  // the current weights' top-k no longer keeps it: no staleness/precision term, but the learner
+  // policy's at its own version does (d = 0): the gates' term is ql's and g's alone
+  a.add(-INFINITY, -1.0, -1.0, -1.0, -1.0);
   metric_map m;
   a.write(m);
   auto k3 = [](double d) { return std::exp(d) - d - 1.0; };
@@ -870,10 +872,11 @@ TEST(Grpo, AuditKlsTakeGenKlErrorsFormAndCountNonFiniteTokens) {
   EXPECT_NEAR(m.at("audit/weight_quant_kl"), k3(-1.0 + 1.2), tol);    // over the one token with q8
   EXPECT_NEAR(m.at("audit/kernel_kv_kl"), k3(-1.2 + 1.5), tol);
   EXPECT_EQ(m.at("audit/nonfinite_learner_tokens"), 1.0);
-  EXPECT_NEAR(m.at("audit/learner_gen_kl_error"), k3(-1.1 + 1.5), tol);  // over the one token with ql
-  EXPECT_NEAR(m.at("audit/learner_token_mult_prob_error"), std::exp(0.4), tol);
+  EXPECT_NEAR(m.at("audit/learner_gen_kl_error"), k3(-1.1 + 1.5) / 2, tol);  // over the two tokens with ql and g finite
+  EXPECT_NEAR(m.at("audit/learner_token_mult_prob_error"), (std::exp(0.4) + 1) / 2, tol);
   audit_sums unmeasured;  // no ql anywhere: no learner keys (the gates count no step)
-  unmeasured.add(-1.0, -1.0, std::nan(""), std::nan(""), -1.5);
+  unmeasured.add(-1.0, -1.0, std::nan(""), std::nullopt, -1.5);
+  unmeasured.add(-INFINITY, -1.0, std::nan(""), std::nullopt, -1.5);
   metric_map um;
   unmeasured.write(um);
   EXPECT_EQ(um.count("audit/learner_token_mult_prob_error") + um.count("audit/nonfinite_learner_tokens"), 0u);
@@ -1313,6 +1316,18 @@ TEST(Grpo, AuditRescoresEachTokenUnderItsOwnVersion) {
     EXPECT_EQ(m7.at("audit/tokens"), 6.0);
     audit_sums sums1;
     EXPECT_EQ(audit_rescore(run, *w2, at, {empty, single}, 1, proc, sums1).trajectories, 1) << "the empty one used up want = 1";
+    // one of each prompt's group in turn: with want = 2 prompt 0's first (3 tokens) and prompt 1's
+    // first (2 tokens), not prompt 0's two
+    rl_sample b0 = single, b1 = single;
+    b0.prompt_id = b1.prompt_id = 1;
+    b0.response.pop_back();
+    b0.gen_logprobs.pop_back();
+    for (auto* v : {&b0.weight_version, &b0.scale_version, &b0.oldest_kv_version, &b0.oldest_kv_scale_version}) v->pop_back();
+    audit_sums turn;
+    EXPECT_EQ(audit_rescore(run, *w2, at, {single, single, b0, b1}, 2, proc, turn).trajectories, 2);
+    metric_map tm;
+    turn.write(tm);
+    EXPECT_EQ(tm.at("audit/tokens"), 5.0);
   }
   // the learner policy's re-score, at each token's own version: BF16 weights here (its own
   // forward), by hand from each version's BF16 logprobs; the FP32 weights' pointer shares q's
@@ -1347,7 +1362,7 @@ TEST(Grpo, AuditRescoresEachTokenUnderItsOwnVersion) {
   ls.write(lm);
   EXPECT_NEAR(lm.at("audit/learner_gen_kl_error"), want_kl, fp8rl::tol::kFp64FewTerms);
   EXPECT_NEAR(lm.at("audit/learner_token_mult_prob_error"), want_tmpe, fp8rl::tol::kFp64FewTerms);
-  auto at_q = [&](uint64_t v) {
+  auto at_q = [&](uint64_t v) {  // (at the current version 2 the current weights' pointer: c's forward)
     return v == 1 ? audit_weights{w1.get(), nullptr, w1.get()} : v == 2 ? audit_weights{w2.get(), nullptr, w2.get()} : audit_weights{};
   };
   audit_sums qs;
