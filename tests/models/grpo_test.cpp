@@ -1263,17 +1263,20 @@ TEST(Grpo, AuditRescoresEachTokenUnderItsOwnVersion) {
   s.response = {3, 9, 4};
   s.weight_version = s.oldest_kv_version = {1, 2, 2};
   s.scale_version = s.oldest_kv_scale_version = s.weight_version;
-  {  // g: each token's logprob under its own version (targets of rows 2..4 are the response)
+  // each response token's logprob under its own version's weights (x1: version 1, x2: version 2;
+  // the targets of rows 2..4 are the response)
+  auto own_versions = [&](const model_weights& x1, const model_weights& x2) {
     token_batch b;
     b.add({1, 5, 7, 3, 9, 4});
     const auto targets = b.next_targets();  // [T = 6]
     std::vector<float> l1(targets.size()), l2(targets.size());
-    run.forward(*w1, b, false);
+    run.forward(x1, b, false);
     run.logprobs(targets, proc, l1.data());
-    run.forward(*w2, b, false);
+    run.forward(x2, b, false);
     run.logprobs(targets, proc, l2.data());
-    s.gen_logprobs = {l1[2], l2[3], l2[4]};
-  }
+    return std::vector<float>{l1[2], l2[3], l2[4]};
+  };
+  s.gen_logprobs = own_versions(*w1, *w2);  // g
   auto at = [&](uint64_t v) { return v == 1 ? audit_weights{w1.get()} : v == 2 ? audit_weights{w2.get()} : audit_weights{}; };
   audit_sums sums;
   const audit_count n = audit_rescore(run, *w2, at, {s}, 4, proc, sums);
@@ -1336,21 +1339,11 @@ TEST(Grpo, AuditRescoresEachTokenUnderItsOwnVersion) {
   auto b1 = model_weights_build(*be, c, bf16.training(), {&v1, nullptr, nullptr}, false);
   auto b2 = model_weights_build(*be, c, bf16.training(), {&v2, nullptr, nullptr}, false);
   double want_kl = 0, want_tmpe = 0;
-  {
-    token_batch b;
-    b.add({1, 5, 7, 3, 9, 4});
-    const auto targets = b.next_targets();  // [T = 6]
-    std::vector<float> l1(targets.size()), l2(targets.size());
-    run.forward(*b1, b, false);
-    run.logprobs(targets, proc, l1.data());
-    run.forward(*b2, b, false);
-    run.logprobs(targets, proc, l2.data());
-    const double ql[3] = {l1[2], l2[3], l2[4]};
-    for (int j = 0; j < 3; ++j) {
-      const double d = ql[j] - s.gen_logprobs[size_t(j)];
-      want_kl += (std::exp(d) - d - 1) / 3;
-      want_tmpe += std::exp(std::fabs(d)) / 3;
-    }
+  const std::vector<float> ql = own_versions(*b1, *b2);
+  for (size_t j = 0; j < 3; ++j) {
+    const double d = double(ql[j]) - s.gen_logprobs[j];
+    want_kl += (std::exp(d) - d - 1) / 3;
+    want_tmpe += std::exp(std::fabs(d)) / 3;
   }
   ASSERT_GT(want_kl, 0.0);  // BF16 differs from FP32 here: the check can tell the versions apart
   auto at_l = [&](uint64_t v) {
