@@ -199,6 +199,23 @@ std::string health_judge(controller_state& s, const msg::step_report& r) {
   return stop;
 }
 
+// At a run's end: what the gates judged and their verdict (a failure under fail was said when it
+// stopped the run), or that too few steps were counted.
+void health_verdict_log(const controller_state& s) {
+  const auto& h = s.health->config();
+  const auto log = log_get("controller");
+  if (h.mode == models::health_mode::off) return;
+  if (s.health->counted() < static_cast<size_t>(h.min_steps))
+    return log->info("health gates not judged: {} of health.min_steps {} steps {}", s.health->counted(), h.min_steps,
+                     h.source == models::health_source::audit
+                         ? "had audited tokens (audit.every; a trajectory on a KV cache kept across an adoption is "
+                           "skipped, audit/skipped_kept_kv)"
+                         : "had tokens sampled under the weights being trained (only those measure the precision mismatch "
+                           "alone; asynchronous runs have few: health.source=audit with audit.every=1 judges every step)");
+  if (s.health_failed.empty() && s.health_warned.empty()) log->info("health gates passed ({})", s.health->summary());
+  else if (!s.health_warned.empty()) log->warn("health gates failed (health.gates=warn, said above): {}", s.health->summary());
+}
+
 // A step's progress line on stderr (reward, accuracy, staleness, token_mult_prob_error, ETA).
 void progress_print(const controller_state& s, msg::step_report& r, double elapsed_s) {
   double stale = 0, cnt = 0;
@@ -304,18 +321,7 @@ msg::controller_actor spawn_controller(caf::actor_system& sys, std::shared_ptr<c
       if (code == 0 || stopped) {
         const std::string perr = plots_write(s.env->run_dir);
         if (!perr.empty()) log->warn("plots: {}", perr);
-        const auto& h = s.health->config();
-        if (h.mode != models::health_mode::off && s.health->counted() >= static_cast<size_t>(h.min_steps)) {
-          if (s.health_failed.empty() && s.health_warned.empty()) log->info("health gates passed ({})", s.health->summary());
-          else if (!s.health_warned.empty()) log->warn("health gates failed (health.gates=warn, said above): {}", s.health->summary());
-        }
-        if (h.mode != models::health_mode::off && s.health->counted() < static_cast<size_t>(h.min_steps))
-          log->info("health gates not judged: {} of health.min_steps {} steps {}", s.health->counted(), h.min_steps,
-                    h.source == models::health_source::audit
-                        ? "had audited tokens (audit.every; a trajectory on a KV cache kept across an adoption is "
-                          "skipped, audit/skipped_kept_kv)"
-                        : "had tokens sampled under the weights being trained (only those measure the precision mismatch "
-                          "alone; asynchronous runs have few: health.source=audit with audit.every=1 judges every step)");
+        health_verdict_log(s);
         // this process's steps (a resumed run's earlier ones took their own time); a stop's line
         // names the checkpoint to resume from: a warning, kept by run.log_level=warn
         const uint64_t from = s.env->start_version;

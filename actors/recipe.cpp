@@ -84,8 +84,8 @@ std::vector<recipe_key> recipe_keys(run_config& r) {
        "audit/precision_kl, and with FP8 generation audit/weight_quant_kl and audit/kernel_kv_kl (its two parts; "
        "KL estimates of parts, not additive), and audit/learner_token_mult_prob_error and audit/learner_gen_kl_error "
        "(under the learner's own policy: what the health gates read); each token at the version it was sampled under "
-       "(one forward per version of a trajectory; the learner keeps a copy of the last max_staleness + 1 versions' master "
-       "weights); a trajectory whose KV cache was kept across an adoption, or with a version no longer held, is "
+       "(one trajectory of each prompt's group in turn, one batched forward per version; learner0 keeps a copy of the last "
+       "max_staleness versions' master weights); a trajectory whose KV cache was kept across an adoption, or with a version no longer held, is "
        "skipped, counted (audit/skipped_kept_kv, audit/skipped_not_held)"},
       {"audit", "samples", &r.audit_samples, "trajectories per audit"},
       {"trace", "enabled", &r.trace, "write per-process trace events (runs/<dir>/traces)"},
