@@ -131,14 +131,16 @@ struct audit_sums {
   void write(metric_map& out) const;  // audit/* (nothing where no token was audited)
 };
 
-// Audit mode's re-scoring of up to `want` trajectories, one of each prompt's group in turn: each token under the weights it was sampled
-// under -- one forward per weight version of the trajectory (a sequence sampled across adoptions
-// under kv_policy recompute: every token's context was computed under its own version) -- with
-// the re-score weights `at_version(v)` gives (q: BF16 linear weights; q8: FP8, or none), beside c
-// under `current`, and ql under `learner` (the learner's precision policy; may be `current`'s, q's
-// or q8's pointer, then not forwarded again), into `sums`. Skipped and counted: a trajectory with a token whose KV cache came
-// from older weights (kv_policy keep after an adoption: no forward reproduces its context), and
-// one with a version whose weights are no longer held (at_version's q is null).
+// Audit mode's re-scoring of up to `want` trajectories, one of each prompt's group in turn: each
+// token under the weights it was sampled under (a sequence sampled across adoptions under
+// kv_policy recompute: every token's context was computed under its own version), all picked
+// trajectories in one batch forwarded once per version met (rows never mix), with the re-score
+// weights `at_version(v)` gives (q: BF16 linear weights; q8: FP8, or none), beside c under
+// `current`, and ql under `learner` (the learner's precision policy; may be `current`'s, q's or
+// q8's pointer, then not forwarded again), into `sums`. Skipped and counted: a trajectory with a
+// token whose KV cache came from older weights (kv_policy keep after an adoption: no forward
+// reproduces its context), and one with a version whose weights are no longer held (at_version's
+// q is null).
 struct audit_weights {
   const model_weights* q = nullptr;
   const model_weights* q8 = nullptr;
