@@ -119,6 +119,13 @@ constexpr std::chrono::seconds kFailedStopWait{600};
 bool rollout_live(const controller_state& s, const std::string& name) {
   return std::find(s.peers.rollout_names.begin(), s.peers.rollout_names.end(), name) != s.peers.rollout_names.end();
 }
+// Rollout `name`'s idle time, if it was idle, counted up to `now` and ended.
+void idle_end(controller_state& s, const std::string& name, clk::time_point now) {
+  if (const auto i = s.idle_since.find(name); i != s.idle_since.end()) {
+    s.idle_s += std::chrono::duration<double>(now - i->second).count();
+    s.idle_since.erase(i);
+  }
+}
 void in_flight_dec(controller_state& s, const std::string& name, clk::time_point now) {
   if (--s.in_flight_n[name] == 0 && rollout_live(s, name)) s.idle_since.emplace(name, now);
 }
@@ -127,11 +134,7 @@ void in_flight_put(controller_state& s, std::pair<uint64_t, uint64_t> key, const
   auto [it, fresh] = s.in_flight.try_emplace(key);
   if (!fresh) in_flight_dec(s, it->second.first, now);  // re-issued: the earlier rollout owes it no more
   it->second = {name, w};
-  if (s.in_flight_n[name]++ > 0) return;
-  if (const auto i = s.idle_since.find(name); i != s.idle_since.end()) {
-    s.idle_s += std::chrono::duration<double>(now - i->second).count();
-    s.idle_since.erase(i);
-  }
+  if (s.in_flight_n[name]++ == 0) idle_end(s, name, now);
 }
 // Erases in-flight entry `it`; the next one.
 auto in_flight_erase(controller_state& s, decltype(controller_state::in_flight)::iterator it, clk::time_point now) {
@@ -150,10 +153,7 @@ void idle_start(controller_state& s) {
 }
 // A rollout no longer live: its idle time so far counted, and it in the next line's mean.
 void idle_gone(controller_state& s, const std::string& name) {
-  if (const auto i = s.idle_since.find(name); i != s.idle_since.end()) {
-    s.idle_s += std::chrono::duration<double>(clk::now() - i->second).count();
-    s.idle_since.erase(i);
-  }
+  idle_end(s, name, clk::now());
   ++s.idle_lost;
 }
 
