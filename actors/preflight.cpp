@@ -1,6 +1,6 @@
 // actors/preflight.cpp -- what a run's start checks before its warm start, its run directory and
-// its actors: the task's prompts and answers against the model, the KV caches against the host's
-// memory, a resumed run's training set and files (run_preflight).
+// its actors: the task's prompts and answers against the model, the KV caches and the learners'
+// state against the host's memory, a resumed run's training set and files (run_preflight).
 #include "actors/preflight.hpp"
 
 #include <fmt/format.h>
@@ -15,6 +15,7 @@
 #include "models/generate.hpp"
 #include "models/json_io.hpp"
 #include "models/log.hpp"
+#include "models/params.hpp"
 
 namespace fp8rl::actors {
 namespace {
@@ -99,38 +100,64 @@ void bf16_names_check(const models::precision_policy& p, const models::model_con
 
 }  // namespace
 
-// The KV caches the generation engines of this node's host allocate up front -- each rollout's,
-// and learner0's validation engine -- within the machine's memory, named by the keys that size
-// them: each engine checks its own, and two that each fit were killed by the OOM killer. Nodes
-// on one host (loopback topologies) add up: a host is its topology name, this machine's names
-// (127/8, ::1, localhost, its hostname) one. Loopback names are the machine caf-run runs on (it
-// starts those nodes itself, the others by ssh): this machine only for a node on loopback itself
-// -- a remote node counted the controller's engines, left at 127.0.0.1, as its own. (A node that
-// names the launcher by its hostname leaves out the loopback ones; their own check counts it.)
-void kv_memory_check(const run_config& cfg, const models::model_config& model, const topology& t, const std::string& node) {
+// What a host's memory holds up front for a run, named by the keys that size it: the KV caches
+// its generation engines allocate (each rollout's, and learner0's validation engine) and the
+// learners' FP32 state -- each rank's master weights, AdamW's two moments and gradients (16 bytes a
+// parameter), rank 0's copy of the weights for calibration, the audit's copies of the last
+// async.max_staleness versions (rank 0, audit.every > 0) and grpo.kl_beta's reference (each
+// rank). A lower bound: compute weights, activations and the rollouts' weights come on top. Each
+// engine checked its own cache, and two that each fit were killed by the OOM killer; a learner
+// ran out of memory only at its first steps. Nodes on one host (loopback topologies) add up: a
+// host is its topology name, this machine's names (127/8, ::1, localhost, its hostname) one.
+// Loopback names are the machine caf-run runs on (it starts those nodes itself, the others by
+// ssh): this machine only for a node on loopback itself -- a remote node counted the
+// controller's engines, left at 127.0.0.1, as its own. (A node that names the launcher by its
+// hostname leaves out the loopback ones; their own check counts it.)
+void host_memory_check(const run_config& cfg, const models::model_config& model, const topology& t, const std::string& node) {
   const std::string own = t.find(node)->host, host = host_is_loopback(own) ? "127.0.0.1" : own;
   auto host_of = [&](const std::string& h) -> std::string {
     if (host_is_loopback(h)) return host_is_loopback(own) ? host : "loopback (caf-run's machine)";
     return host_same_machine(h) ? host : h;
   };
   const auto idx = index_nodes(t);
-  size_t rollouts = 0, evals = 0;
+  size_t rollouts = 0, evals = 0, learners = 0;
   std::string names;
   for (const auto& n : t.nodes)
     if (host_of(n.host) == host) {
       rollouts += n.rollouts.size();
-      evals += !n.learners.empty() && idx.at(n.name).first_learner == 0;  // rank 0 validates
+      learners += n.learners.size();
+      evals += !n.learners.empty() && idx.at(n.name).first_learner == 0;  // rank 0 validates, calibrates and audits
       names += (names.empty() ? "" : ", ") + n.name;
     }
-  const double need = double(rollouts + evals) * models::engine_kv_bytes(model, recipe_engine_config(cfg));
-  const double ram = models::machine_memory_bytes();
+  const double param = 4.0 * double(models::model_param_layout(model).total);  // one FP32 copy of the weights
+  const double kv = double(rollouts + evals) * models::engine_kv_bytes(model, recipe_engine_config(cfg));
+  const double state = double(learners) * 4 * param + double(evals) * param;
+  const double held = cfg.audit_every > 0 ? double(evals) * double(cfg.max_staleness) * param : 0;
+  const double ref = cfg.kl_beta > 0 ? double(learners) * param : 0;
+  const double need = kv + state + held + ref, ram = models::machine_memory_bytes();
   if (ram <= 0 || need <= ram) return;
   const double gib = double(1 << 30);
-  throw std::invalid_argument(fmt::format(
-      "rollout.slots {} x model.max_context {}: the KV caches of the {} generation engine(s) on host {} (node(s) {}: {} rollout(s){}) "
-      "need {:.1f} GiB, more than its {:.1f} GiB: lower rollout.slots or model.max_context",
-      cfg.slots, cfg.max_context, rollouts + evals, host, names, rollouts, evals ? ", learner0's validation" : "", need / gib,
-      ram / gib));
+  std::string parts, fixes;  // every part; the fixes of those that are a tenth of the need or more
+  auto part = [&](double bytes, const std::string& what, const char* fix) {
+    if (bytes <= 0) return;
+    parts += fmt::format("{}{} {}", parts.empty() ? "" : "; ", what,
+                         bytes < gib / 10 ? fmt::format("{:.1f} MiB", bytes / (1 << 20)) : fmt::format("{:.1f} GiB", bytes / gib));
+    if (bytes >= need / 10) fixes += (fixes.empty() ? "" : "; ") + std::string(fix);
+  };
+  part(kv,
+       fmt::format("rollout.slots {} x model.max_context {}: the KV caches of the {} generation engine(s) ({} rollout(s){})",
+                   cfg.slots, cfg.max_context, rollouts + evals, rollouts, evals ? ", learner0's validation" : ""),
+       "lower rollout.slots or model.max_context");
+  part(state,
+       fmt::format("the FP32 state of {} learner(s) ({:.0f} parameters: master weights, AdamW moments, gradients{})", learners,
+                   param / 4, evals ? ", rank 0's copy for calibration" : ""),
+       "place learners on other hosts");
+  part(held, fmt::format("audit.every {}: the audit's copies of the last async.max_staleness {} versions", cfg.audit_every,
+                         cfg.max_staleness),
+       "set audit.every = 0 or lower async.max_staleness");
+  part(ref, "grpo.kl_beta: the reference weights of each learner", "set grpo.kl_beta = 0");
+  throw std::invalid_argument(fmt::format("host {} (node(s) {}) needs at least {:.1f} GiB, more than its {:.1f} GiB: {}: {}", host,
+                                          names, need / gib, ram / gib, parts, fixes));
 }
 
 // The built-in model (model.init = tiny) of a run: its size, the built-in task's characters, and
@@ -155,12 +182,12 @@ models::dataset examples_fit_check(const run_config& cfg, const models::tokenize
 
 // What the built-in model's SFT warm start (seconds to minutes) would only be followed by a
 // refusal of: the task's prompts and answers against the context and responses, and the KV
-// caches against the host's memory (run_preflight checks other models').
+// caches and learners against the host's memory (run_preflight checks other models').
 void warm_start_check(const run_config& cfg, const topology& t, const std::string& node) {
   const auto tok = models::char_tokenizer_make(models::arithmetic_alphabet());
   bf16_names_check(recipe_rl_config(cfg).gen_policy, builtin_model_config(cfg, *tok), "the built-in model");
   examples_fit_check(cfg, *tok);
-  kv_memory_check(cfg, builtin_model_config(cfg, *tok), t, node);
+  host_memory_check(cfg, builtin_model_config(cfg, *tok), t, node);
 }
 
 // A resumed run goes on at its checkpoint's prompt cursor: in another training set (a task file

@@ -1,6 +1,6 @@
 // actors/preflight.hpp -- the checks of a run's start: what would otherwise fail only after the
 // SFT warm start, or inside an actor's behavior (CAF's "unhandled exception", a run left hanging).
-// defines: builtin_model_config, kv_memory_check, examples_fit_check, warm_start_check,
+// defines: builtin_model_config, host_memory_check, examples_fit_check, warm_start_check,
 //          train_set_check, run_preflight
 #pragma once
 #include <string>
@@ -16,13 +16,14 @@ namespace fp8rl::actors {
 
 // The built-in tiny model's config (model.init = tiny) for a recipe and its tokenizer.
 models::model_config builtin_model_config(const run_config& cfg, const models::tokenizer& tok);
-// The KV caches of the generation engines on node's host (every node of the topology there)
-// within the host's memory; throws std::invalid_argument naming rollout.slots and model.max_context.
-void kv_memory_check(const run_config& cfg, const models::model_config& model, const topology& t, const std::string& node);
+// The KV caches of the generation engines and the learners' FP32 state on node's host (every node
+// of the topology there) within the host's memory; throws std::invalid_argument naming the keys
+// that size each part (rollout.slots, model.max_context, audit.every, grpo.kl_beta).
+void host_memory_check(const run_config& cfg, const models::model_config& model, const topology& t, const std::string& node);
 // Both task splits' prompts fit the context with a response; some training answer can be
 // rewarded (none: refused; some not: warned). Returns the training split. Throws naming the example.
 models::dataset examples_fit_check(const run_config& cfg, const models::tokenizer& tok);
-// What the built-in model's warm start would be followed by a refusal of (tasks and KV memory).
+// What the built-in model's warm start would be followed by a refusal of (tasks, host memory).
 void warm_start_check(const run_config& cfg, const topology& t, const std::string& node);
 // A resumed run's training set (now) is the one its checkpoint recorded.
 void train_set_check(const actor_env& env, const models::dataset& now);

@@ -15,6 +15,7 @@
 #include "actors/topology.hpp"
 #include "models/generate.hpp"
 #include "models/log.hpp"
+#include "models/params.hpp"
 #include "models/rl/task.hpp"
 #include "models/tokenizer.hpp"
 #include "quant/gemm.hpp"
@@ -754,12 +755,16 @@ TEST(Preflight, KvMemoryCountsTheEnginesOfThisMachinesNodes) {
   huge.slots = 65536, huge.max_context = 1048576;
   const auto model = builtin_model_config(huge, *tok);
   auto why = [&](const run_config& cfg, const topology& top, const std::string& node) {
-    return error_of([&] { kv_memory_check(cfg, model, top, node); });
+    return error_of([&] { host_memory_check(cfg, model, top, node); });
   };
-  EXPECT_NE(why(huge, t, "a").find("the KV caches of the 4 generation engine(s) on host 127.0.0.1 (node(s) a, b, c: 3 rollout(s), "
-                                   "learner0's validation)"), std::string::npos) << why(huge, t, "a");
-  EXPECT_NE(why(huge, t, "c").find("the KV caches of the 1 generation engine(s) on host " + std::string(self) + " (node(s) c: 1 rollout(s))"),
-            std::string::npos) << why(huge, t, "c");
+  EXPECT_NE(why(huge, t, "a").find("host 127.0.0.1 (node(s) a, b, c) needs at least "), std::string::npos) << why(huge, t, "a");
+  EXPECT_NE(why(huge, t, "a").find("the KV caches of the 4 generation engine(s) (3 rollout(s), learner0's validation)"),
+            std::string::npos) << why(huge, t, "a");
+  EXPECT_NE(why(huge, t, "a").find("the FP32 state of 2 learner(s) ("), std::string::npos) << why(huge, t, "a");
+  EXPECT_NE(why(huge, t, "c").find("host " + std::string(self) + " (node(s) c) needs at least "), std::string::npos) << why(huge, t, "c");
+  EXPECT_NE(why(huge, t, "c").find("the KV caches of the 1 generation engine(s) (1 rollout(s))"), std::string::npos) << why(huge, t, "c");
+  EXPECT_NE(why(huge, t, "c").find("the FP32 state of 1 learner(s) ("), std::string::npos) << why(huge, t, "c");
+  EXPECT_EQ(why(huge, t, "c").find("copy for calibration"), std::string::npos) << why(huge, t, "c");  // rank 1's host
   // the sum is what is checked: one engine at 3/4 of the memory fits, a rollout and learner0's
   // validation engine (topology_local) do not; two at 2/5 each do
   run_config one = huge;
@@ -769,6 +774,47 @@ TEST(Preflight, KvMemoryCountsTheEnginesOfThisMachinesNodes) {
   EXPECT_NE(why(one, topology_local(1, 1), "local").find("2 generation engine(s)"), std::string::npos) << why(one, topology_local(1, 1), "local");
   one.slots = static_cast<int64_t>(0.4 * ram / slot);
   EXPECT_EQ(why(one, topology_local(1, 1), "local"), "");
+}
+
+// The learners' FP32 state counts against the host too: each rank's master weights, AdamW's
+// moments and gradients (4 copies), rank 0's copy for calibration, the audit's copies of the last
+// async.max_staleness versions, each rank's grpo.kl_beta reference. A model whose one FP32 copy
+// is ~1/7.5 of the memory: rank 0 alone (5 copies) fits, with one audited version (6) too; three
+// audited versions (8) do not, nor two with the KL reference (8), nor a second learner (9); the
+// audit off, any staleness fits.
+TEST(Preflight, HostMemoryCountsTheLearnersStateAndTheAuditsCopies) {
+  const auto tok = fp8rl::models::char_tokenizer_make(fp8rl::models::arithmetic_alphabet());
+  run_config cfg;
+  cfg.slots = 1;  // the KV caches: a few MiB beside the weights
+  auto model = builtin_model_config(cfg, *tok);
+  const double ram = fp8rl::models::machine_memory_bytes();
+  auto copy_bytes = [&] { return 4.0 * double(fp8rl::models::model_param_layout(model).total); };
+  const double base = copy_bytes();
+  model.vocab_size += 1;
+  const double per_token = copy_bytes() - base;  // the embedding's and lm_head's row
+  model.vocab_size += static_cast<int64_t>((ram / 7.5 - copy_bytes()) / per_token);
+  ASSERT_NEAR(copy_bytes() / ram, 1 / 7.5, 0.01);
+  auto why = [&](const run_config& c, const topology& top) { return error_of([&] { host_memory_check(c, model, top, "local"); }); };
+  const topology local = topology_local(1, 1);
+  cfg.max_staleness = 1;
+  EXPECT_EQ(why(cfg, local), "");
+  cfg.max_staleness = 3;
+  const std::string three = why(cfg, local);
+  EXPECT_NE(three.find("the FP32 state of 1 learner(s) (" + std::to_string(fp8rl::models::model_param_layout(model).total) +
+                       " parameters: master weights, AdamW moments, gradients, rank 0's copy for calibration)"),
+            std::string::npos) << three;
+  EXPECT_NE(three.find("audit.every 1: the audit's copies of the last async.max_staleness 3 versions"), std::string::npos) << three;
+  EXPECT_NE(three.find("set audit.every = 0 or lower async.max_staleness"), std::string::npos) << three;
+  EXPECT_EQ(three.find("grpo.kl_beta"), std::string::npos) << three;
+  EXPECT_EQ(three.find("lower rollout.slots"), std::string::npos) << three;  // the KV caches' fix: under a tenth of the need
+  cfg.audit_every = 0;
+  EXPECT_EQ(why(cfg, local), "");
+  cfg.audit_every = 2, cfg.max_staleness = 2, cfg.kl_beta = 0.01;
+  EXPECT_NE(why(cfg, local).find("grpo.kl_beta: the reference weights of each learner"), std::string::npos) << why(cfg, local);
+  cfg.max_staleness = 1, cfg.kl_beta = 0;
+  topology two = local;
+  two.nodes[0].learners.push_back(two.nodes[0].learners[0]);
+  EXPECT_NE(why(cfg, two).find("the FP32 state of 2 learner(s)"), std::string::npos) << why(cfg, two);
 }
 
 // Prompts must leave room for the longest response: builtin:add2's longest prompt ("99+99=" after

@@ -579,11 +579,11 @@ TEST(E2E, BadRecipeKeyFailsWithItsName) {
            // KV caches beyond any machine's memory, named by the keys that size them, before the warm
            // start (each engine checked its own; two that each fit were killed by the OOM killer)
            {"--model.max_context=1048576 --rollout.slots=65536",
-            "rollout.slots 65536 x model.max_context 1048576: the KV caches of the 2 generation engine(s) on host 127.0.0.1 "
-            "(node(s) local: 1 rollout(s), learner0's validation) need "},
+            "rollout.slots 65536 x model.max_context 1048576: the KV caches of the 2 generation engine(s) (1 rollout(s), "
+            "learner0's validation) "},
            // ... adding up the processes of one host (each process checked its own)
            {"--topology configs/topologies/two-process.conf --model.max_context=1048576 --rollout.slots=65536",
-            "the KV caches of the 3 generation engine(s) on host 127.0.0.1 (node(s) main, rollout1: 2 rollout(s), learner0's validation)"},
+            "the KV caches of the 3 generation engine(s) (2 rollout(s), learner0's validation)"},
            // no training answer fits the responses: trained on reward 0 (mul6 answers have 11-12 digits)
            {"--task.name=builtin:mul6 --model.sft_steps=5",
             "4000 of 4000 training answers can never be rewarded (the first: builtin:mul6 (train) example 0, "},
