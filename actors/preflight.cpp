@@ -11,6 +11,7 @@
 #include <nlohmann/json.hpp>
 
 #include "actors/run_dir.hpp"
+#include "models/bundle.hpp"
 #include "models/checkpoint.hpp"
 #include "models/generate.hpp"
 #include "models/json_io.hpp"
@@ -101,8 +102,8 @@ void bf16_names_check(const models::precision_policy& p, const models::model_con
 }  // namespace
 
 // What a host's memory holds up front for a run, named by the keys that size it: the KV caches
-// its generation engines allocate (each rollout's, and learner0's validation engine) and the
-// learners' FP32 state -- each rank's master weights, AdamW's two moments and gradients (16 bytes a
+// its generation engines allocate (each rollout's, and learner0's validation engine), their
+// weights (at least the bundle's bytes under the generation policy) and the learners' FP32 state -- each rank's master weights, AdamW's two moments and gradients (16 bytes a
 // parameter), rank 0's copy of the weights for calibration, the audit's copies of the last
 // async.max_staleness versions (rank 0, audit.every > 0) and grpo.kl_beta's reference (each
 // rank). A lower bound: compute weights, activations and the rollouts' weights come on top. Each
@@ -130,11 +131,13 @@ void host_memory_check(const run_config& cfg, const models::model_config& model,
       names += (names.empty() ? "" : ", ") + n.name;
     }
   const double param = 4.0 * double(models::model_param_layout(model).total);  // one FP32 copy of the weights
-  const double kv = double(rollouts + evals) * models::engine_kv_bytes(model, recipe_engine_config(cfg));
+  const auto ec = recipe_engine_config(cfg);
+  const double kv = double(rollouts + evals) * models::engine_kv_bytes(model, ec);
+  const double weights = double(rollouts + evals) * models::bundle_bytes(model, ec.policy);
   const double state = double(learners) * 4 * param + double(evals) * param;
   const double held = cfg.audit_every > 0 ? double(evals) * double(cfg.max_staleness) * param : 0;
   const double ref = cfg.kl_beta > 0 ? double(learners) * param : 0;
-  const double need = kv + state + held + ref, ram = models::machine_memory_bytes();
+  const double need = kv + weights + state + held + ref, ram = models::machine_memory_bytes();
   if (ram <= 0 || need <= ram) return;
   const double gib = double(1 << 30);
   std::string parts, fixes;  // every part; the fixes of those that are a tenth of the need or more
@@ -148,6 +151,9 @@ void host_memory_check(const run_config& cfg, const models::model_config& model,
        fmt::format("rollout.slots {} x model.max_context {}: the KV caches of the {} generation engine(s) ({} rollout(s){})",
                    cfg.slots, cfg.max_context, rollouts + evals, rollouts, evals ? ", learner0's validation" : ""),
        "lower rollout.slots or model.max_context");
+  part(weights, fmt::format("the weights of the {} generation engine(s) under precision.generation {}", rollouts + evals,
+                            ec.policy.name),
+       "place rollouts on other hosts");
   part(state,
        fmt::format("the FP32 state of {} learner(s) ({:.0f} parameters: master weights, AdamW moments, gradients{})", learners,
                    param / 4, evals ? ", rank 0's copy for calibration" : ""),

@@ -79,6 +79,25 @@ quant::weight_bundle bundle_from_params(const model_params& p, const precision_p
   return b;
 }
 
+double bundle_bytes(const model_config& c, const precision_policy& policy) {
+  double n = 0;
+  for (const auto& info : model_param_layout(c).infos) {
+    switch (dtype_for(c, policy, info)) {
+      case bundle_dtype::f32: n += 4.0 * double(info.numel); break;
+      case bundle_dtype::bf16: n += 2.0 * double(info.numel); break;
+      case bundle_dtype::fp8: {  // the codes and the block scales in their padded layout
+        quant::qtensor q;
+        q.rows = info.shape[0], q.cols = info.shape[1], q.layout = quant::qlayout::block_128x128;
+        n += double(info.numel) + 4.0 * double(q.scale_count());
+        break;
+      }
+    }
+  }
+  if (policy.kv == kv_dtype::fp8 || policy.fp8_attention)  // Q, K, V scales [L][H], [L][KV], [L][KV]
+    n += 4.0 * double(c.num_hidden_layers) * double(c.num_attention_heads + 2 * c.num_key_value_heads);
+  return n;
+}
+
 bundle_contents bundle_unpack(const quant::weight_bundle& b, const model_config& cfg, const precision_policy& policy) {
   const std::string tag = "bundle v" + std::to_string(b.weight_version) + ": ";
   if (b.snapshot.policy != policy.fingerprint())

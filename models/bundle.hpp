@@ -1,5 +1,5 @@
 // models/bundle.hpp -- converting between model parameters and weight bundles.
-// defines: bundle_from_params, bundle_contents, bundle_unpack
+// defines: bundle_from_params, bundle_bytes, bundle_contents, bundle_unpack
 //
 // The learner side quantizes/rounds FP32 master weights under the generation policy into an
 // immutable bundle (quant/bundle.hpp); the rollout side unpacks a bundle into the compute weights
@@ -22,6 +22,11 @@ namespace fp8rl::models {
 quant::weight_bundle bundle_from_params(const model_params& p, const precision_policy& policy, uint64_t weight_version,
                                         uint64_t scale_version, const attn_fp8_scales* attn,
                                         quant::flush_report* flushed = nullptr);
+
+// The payload bytes (weight_bundle::bytes) of c's bundle under policy: FP8 tensors 1 byte a weight
+// and a 4-byte scale per 128x128 block (the layout's padding too), BF16 2, FP32 4, the FP8 attention scales where the policy
+// needs them. Also the least a generation engine's prepared weights take (host_memory_check).
+double bundle_bytes(const model_config& c, const precision_policy& policy);
 
 struct bundle_contents {
   std::map<std::string, std::vector<float>> values;  // non-FP8 tensors as FP32 values

@@ -776,13 +776,15 @@ TEST(Preflight, KvMemoryCountsTheEnginesOfThisMachinesNodes) {
   EXPECT_EQ(why(one, topology_local(1, 1), "local"), "");
 }
 
-// The learners' FP32 state counts against the host too: each rank's master weights, AdamW's
-// moments and gradients (4 copies), rank 0's copy for calibration, the audit's copies of the last
-// async.max_staleness versions, each rank's grpo.kl_beta reference. A model whose one FP32 copy
-// is ~1/7.5 of the memory: rank 0 alone (5 copies) fits, with one audited version (6) too; three
-// audited versions (8) do not, nor two with the KL reference (8), nor a second learner (9); the
-// audit off, any staleness fits.
-TEST(Preflight, HostMemoryCountsTheLearnersStateAndTheAuditsCopies) {
+// The engines' weights and the learners' FP32 state count against the host too: each rank's
+// master weights, AdamW's moments and gradients (4 copies), rank 0's copy for calibration, the
+// audit's copies of the last async.max_staleness versions, each rank's grpo.kl_beta reference;
+// each engine's bundle (the rollout's and learner0's validation engine: FP8 generation keeps the
+// embedding and lm_head BF16, half a copy each, ~1 copy in all; FP32 generation 2 copies). A
+// model whose one FP32 copy is 1/8.5 of the memory (the vocabulary: nearly all of it): 7 copies
+// (one audited version) fit, 8 (two) too; 9 -- three audited versions, two with the KL reference,
+// two under FP32 generation -- do not, nor a second learner (11); the audit off, any staleness fits.
+TEST(Preflight, HostMemoryCountsTheEnginesWeightsTheLearnersAndTheAuditsCopies) {
   const auto tok = fp8rl::models::char_tokenizer_make(fp8rl::models::arithmetic_alphabet());
   run_config cfg;
   cfg.slots = 1;  // the KV caches: a few MiB beside the weights
@@ -792,17 +794,20 @@ TEST(Preflight, HostMemoryCountsTheLearnersStateAndTheAuditsCopies) {
   const double base = copy_bytes();
   model.vocab_size += 1;
   const double per_token = copy_bytes() - base;  // the embedding's and lm_head's row
-  model.vocab_size += static_cast<int64_t>((ram / 7.5 - copy_bytes()) / per_token);
-  ASSERT_NEAR(copy_bytes() / ram, 1 / 7.5, 0.01);
+  model.vocab_size += static_cast<int64_t>((ram / 8.5 - copy_bytes()) / per_token);
+  ASSERT_NEAR(copy_bytes() / ram, 1 / 8.5, 1e-4);
   auto why = [&](const run_config& c, const topology& top) { return error_of([&] { host_memory_check(c, model, top, "local"); }); };
   const topology local = topology_local(1, 1);
-  cfg.max_staleness = 1;
-  EXPECT_EQ(why(cfg, local), "");
+  for (const int64_t staleness : {1, 2}) {
+    cfg.max_staleness = staleness;
+    EXPECT_EQ(why(cfg, local), "") << staleness;
+  }
   cfg.max_staleness = 3;
   const std::string three = why(cfg, local);
   EXPECT_NE(three.find("the FP32 state of 1 learner(s) (" + std::to_string(fp8rl::models::model_param_layout(model).total) +
                        " parameters: master weights, AdamW moments, gradients, rank 0's copy for calibration)"),
             std::string::npos) << three;
+  EXPECT_NE(three.find("the weights of the 2 generation engine(s) under precision.generation fp8"), std::string::npos) << three;
   EXPECT_NE(three.find("audit.every 1: the audit's copies of the last async.max_staleness 3 versions"), std::string::npos) << three;
   EXPECT_NE(three.find("set audit.every = 0 or lower async.max_staleness"), std::string::npos) << three;
   EXPECT_EQ(three.find("grpo.kl_beta"), std::string::npos) << three;
@@ -811,7 +816,10 @@ TEST(Preflight, HostMemoryCountsTheLearnersStateAndTheAuditsCopies) {
   EXPECT_EQ(why(cfg, local), "");
   cfg.audit_every = 2, cfg.max_staleness = 2, cfg.kl_beta = 0.01;
   EXPECT_NE(why(cfg, local).find("grpo.kl_beta: the reference weights of each learner"), std::string::npos) << why(cfg, local);
-  cfg.max_staleness = 1, cfg.kl_beta = 0;
+  cfg.kl_beta = 0, cfg.generation = "fp32";
+  EXPECT_NE(why(cfg, local).find("the weights of the 2 generation engine(s) under precision.generation fp32"), std::string::npos)
+      << why(cfg, local);
+  cfg.generation = "fp8", cfg.max_staleness = 1;
   topology two = local;
   two.nodes[0].learners.push_back(two.nodes[0].learners[0]);
   EXPECT_NE(why(cfg, two).find("the FP32 state of 2 learner(s)"), std::string::npos) << why(cfg, two);

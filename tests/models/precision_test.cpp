@@ -226,6 +226,26 @@ double grads_err(const model_output& x, const model_output& ref) {
 }
 }  // namespace
 
+// bundle_bytes (what host_memory_check counts per generation engine) is the payload of the bundle
+// bundle_from_params makes, for every policy kind: FP32/BF16 tensors, FP8 ones with their block
+// scales, layers kept BF16 by index and name, the FP8 attention scales of fp8-kv.
+TEST(Precision, BundleBytesIsTheBundlesPayload) {
+  const model_config c = small_config();
+  const model_params mp = model_params_init(c, 1);
+  precision_policy kept = precision_policy::named("fp8");
+  kept.bf16_first = 1, kept.bf16_names = {"self_attn.o_proj"};
+  attn_fp8_scales sc;
+  sc.q.assign(static_cast<size_t>(c.num_hidden_layers * c.num_attention_heads), 0.01f);
+  sc.k.assign(static_cast<size_t>(c.num_hidden_layers * c.num_key_value_heads), 0.01f);
+  sc.v = sc.k;
+  for (const precision_policy& p : {precision_policy::named("fp32"), precision_policy::named("bf16"), precision_policy::named("fp8"),
+                                    kept, precision_policy::named("fp8-kv")}) {
+    const bool attn = p.kv == kv_dtype::fp8;
+    EXPECT_EQ(bundle_bytes(c, p), double(bundle_from_params(mp, p, 1, 1, attn ? &sc : nullptr).bytes())) << p.fingerprint();
+  }
+  EXPECT_LT(bundle_bytes(c, precision_policy::named("fp8")), bundle_bytes(c, kept));  // (the kept layers count 2 bytes a weight)
+}
+
 TEST(Precision, ModelLogitsAndGradientsNearFp32) {
   const model_output o32 = run_policy("fp32"), o16 = run_policy("bf16"), o8 = run_policy("fp8");
   const double e16 = logits_err(o16, o32), e8 = logits_err(o8, o32);
