@@ -5,6 +5,8 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
+#include <cstdint>
 #include <filesystem>
 #include <fstream>
 #include <functional>
@@ -99,44 +101,64 @@ void bf16_names_check(const models::precision_policy& p, const models::model_con
                                 " layers; names are parts of model.layers.L.self_attn.{q,k,v,o}_proj / mlp.{gate,up,down}_proj)");
 }
 
-}  // namespace
+// The generation engines and learners of the nodes on one host: a host is its topology name,
+// this machine's names (127/8, ::1, localhost, its hostname) one. Loopback names are the machine
+// caf-run runs on (it starts those nodes itself, the others by ssh): this machine only for a node
+// on loopback itself -- a remote node counted the controller's engines, left at 127.0.0.1, as its
+// own. (A node that names the launcher by its hostname leaves out the loopback ones; their own
+// check counts it.)
+struct host_tally {
+  std::string host, names;  // the host as named in messages; its nodes
+  double rollouts = 0, learners = 0;
+  bool rank0 = false;  // learner0 (validation engine, calibration snapshot, the audit) is here
+};
 
-// What a host's memory holds up front for a run, named by the keys that size it: the KV caches
-// its generation engines allocate (each rollout's, and learner0's validation engine), their
-// weights (at least the bundle's bytes under the generation policy) and the learners' FP32 state -- each rank's master weights, AdamW's two moments and gradients (16 bytes a
-// parameter), rank 0's copy of the weights for calibration, the audit's copies of the last
-// async.max_staleness versions (rank 0, audit.every > 0) and grpo.kl_beta's reference (each
-// rank). A lower bound: compute weights, activations and the rollouts' weights come on top. Each
-// engine checked its own cache, and two that each fit were killed by the OOM killer; a learner
-// ran out of memory only at its first steps. Nodes on one host (loopback topologies) add up: a
-// host is its topology name, this machine's names (127/8, ::1, localhost, its hostname) one.
-// Loopback names are the machine caf-run runs on (it starts those nodes itself, the others by
-// ssh): this machine only for a node on loopback itself -- a remote node counted the
-// controller's engines, left at 127.0.0.1, as its own. (A node that names the launcher by its
-// hostname leaves out the loopback ones; their own check counts it.)
-void host_memory_check(const run_config& cfg, const models::model_config& model, const topology& t, const std::string& node) {
-  const std::string own = t.find(node)->host, host = host_is_loopback(own) ? "127.0.0.1" : own;
-  auto host_of = [&](const std::string& h) -> std::string {
-    if (host_is_loopback(h)) return host_is_loopback(own) ? host : "loopback (caf-run's machine)";
-    return host_same_machine(h) ? host : h;
+host_tally host_tally_of(const topology& t, const std::string& node) {
+  const std::string own = t.find(node)->host;
+  host_tally h;
+  h.host = host_is_loopback(own) ? "127.0.0.1" : own;
+  auto host_of = [&](const std::string& name) -> std::string {
+    if (host_is_loopback(name)) return host_is_loopback(own) ? h.host : "loopback (caf-run's machine)";
+    return host_same_machine(name) ? h.host : name;
   };
   const auto idx = index_nodes(t);
-  size_t rollouts = 0, evals = 0, learners = 0;
-  std::string names;
   for (const auto& n : t.nodes)
-    if (host_of(n.host) == host) {
-      rollouts += n.rollouts.size();
-      learners += n.learners.size();
-      evals += !n.learners.empty() && idx.at(n.name).first_learner == 0;  // rank 0 validates, calibrates and audits
-      names += (names.empty() ? "" : ", ") + n.name;
+    if (host_of(n.host) == h.host) {
+      h.rollouts += double(n.rollouts.size());
+      h.learners += double(n.learners.size());
+      h.rank0 = h.rank0 || (!n.learners.empty() && idx.at(n.name).first_learner == 0);
+      h.names += (h.names.empty() ? "" : ", ") + n.name;
     }
-  const double param = 4.0 * double(models::model_param_layout(model).total);  // one FP32 copy of the weights
+  return h;
+}
+
+}  // namespace
+
+// What a host's memory must hold for a run, at the least and at its peak, named by the keys that
+// size it: each rollout's generation engine (its KV cache, allocated up front, and its weights: at
+// least the bundle's bytes under the generation policy); each learner rank's master weights and
+// AdamW's two moments (FP32), the KL reference (grpo.kl_beta > 0); rank 0's copy of the weights
+// for calibration and the audit's copies of the last async.max_staleness versions (audit.every >
+// 0; as many as steps are left). On top, the larger of a step's gradients (one FP32 copy a rank)
+// and learner0's validation -- its engine and a copy of the weights, after its step (its gradients
+// freed), while with eval.every > 0 the other ranks may hold their next step's. Compute weights,
+// activations and messages come on top. Each engine checked its own cache, and two that each fit
+// were killed by the OOM killer; a learner ran out of memory only at its first steps. (Devices
+// other than cpu are refused before: a GPU backend's state would not all be host memory.)
+void host_memory_check(const run_config& cfg, const models::model_config& model, const topology& t, const std::string& node,
+                       uint64_t start_version) {
+  const host_tally h = host_tally_of(t, node);
   const auto ec = recipe_engine_config(cfg);
-  const double kv = double(rollouts + evals) * models::engine_kv_bytes(model, ec);
-  const double weights = double(rollouts + evals) * models::bundle_bytes(model, ec.policy);
-  const double state = double(learners) * 4 * param + double(evals) * param;
-  const double held = cfg.audit_every > 0 ? double(evals) * double(cfg.max_staleness) * param : 0;
-  const double ref = cfg.kl_beta > 0 ? double(learners) * param : 0;
+  const double copy = 4.0 * double(models::model_param_layout(model).total);  // one FP32 copy of the weights
+  const double kv1 = models::engine_kv_bytes(model, ec), w1 = models::bundle_bytes(model, ec.policy), r0 = h.rank0;
+  const uint64_t left = static_cast<uint64_t>(cfg.steps) > start_version ? static_cast<uint64_t>(cfg.steps) - start_version : 0;
+  const double audited = cfg.audit_every > 0 ? r0 * double(std::min(static_cast<uint64_t>(cfg.max_staleness), left)) : 0;
+  const double step = h.learners * copy, eval = r0 * (kv1 + w1 + copy) + (cfg.eval_every > 0 ? (h.learners - r0) * copy : 0);
+  const bool at_eval = h.rank0 && eval >= step;
+  const double engines = h.rollouts + (at_eval ? 1 : 0);
+  const double kv = engines * kv1, weights = engines * w1;
+  const double state = h.learners * 3 * copy + r0 * copy + (at_eval ? eval - kv1 - w1 : step);
+  const double held = audited * copy, ref = cfg.kl_beta > 0 ? h.learners * copy : 0;
   const double need = kv + weights + state + held + ref, ram = models::machine_memory_bytes();
   if (ram <= 0 || need <= ram) return;
   const double gib = double(1 << 30);
@@ -145,25 +167,28 @@ void host_memory_check(const run_config& cfg, const models::model_config& model,
     if (bytes <= 0) return;
     parts += fmt::format("{}{} {}", parts.empty() ? "" : "; ", what,
                          bytes < gib / 10 ? fmt::format("{:.1f} MiB", bytes / (1 << 20)) : fmt::format("{:.1f} GiB", bytes / gib));
-    if (bytes >= need / 10) fixes += (fixes.empty() ? "" : "; ") + std::string(fix);
+    if (bytes >= need / 10 && *fix) fixes += (fixes.empty() ? "" : "; ") + std::string(fix);
   };
+  const std::string validation = at_eval ? ", learner0's validation" : "";
   part(kv,
        fmt::format("rollout.slots {} x model.max_context {}: the KV caches of the {} generation engine(s) ({} rollout(s){})",
-                   cfg.slots, cfg.max_context, rollouts + evals, rollouts, evals ? ", learner0's validation" : ""),
+                   cfg.slots, cfg.max_context, engines, h.rollouts, validation),
        "lower rollout.slots or model.max_context");
-  part(weights, fmt::format("the weights of the {} generation engine(s) under precision.generation {}", rollouts + evals,
-                            ec.policy.name),
-       "place rollouts on other hosts");
+  part(weights, fmt::format("the weights of the {} generation engine(s) under precision.generation {}", engines, ec.policy.name),
+       h.rollouts > 0 ? "place rollouts on other hosts" : "");
+  const std::string transient = !at_eval                                     ? "gradients"
+                                : cfg.eval_every > 0 && h.learners > r0 ? "learner0's copy for validation, the other ranks' gradients"
+                                                                          : "learner0's copy for validation";
   part(state,
-       fmt::format("the FP32 state of {} learner(s) ({:.0f} parameters: master weights, AdamW moments, gradients{})", learners,
-                   param / 4, evals ? ", rank 0's copy for calibration" : ""),
+       fmt::format("the FP32 state of {} learner(s) ({:.0f} parameters: master weights, AdamW moments, {}{})", h.learners, copy / 4,
+                   transient, h.rank0 ? ", rank 0's copy for calibration" : ""),
        "place learners on other hosts");
-  part(held, fmt::format("audit.every {}: the audit's copies of the last async.max_staleness {} versions", cfg.audit_every,
+  part(held, fmt::format("audit.every {}: the audit's copies of {} version(s) (async.max_staleness {})", cfg.audit_every, audited,
                          cfg.max_staleness),
        "set audit.every = 0 or lower async.max_staleness");
   part(ref, "grpo.kl_beta: the reference weights of each learner", "set grpo.kl_beta = 0");
-  throw std::invalid_argument(fmt::format("host {} (node(s) {}) needs at least {:.1f} GiB, more than its {:.1f} GiB: {}: {}", host,
-                                          names, need / gib, ram / gib, parts, fixes));
+  throw std::invalid_argument(fmt::format("host {} (node(s) {}) needs at least {:.1f} GiB, more than its {:.1f} GiB: {}: {}", h.host,
+                                          h.names, need / gib, ram / gib, parts, fixes));
 }
 
 // The built-in model (model.init = tiny) of a run: its size, the built-in task's characters, and
@@ -193,7 +218,7 @@ void warm_start_check(const run_config& cfg, const topology& t, const std::strin
   const auto tok = models::char_tokenizer_make(models::arithmetic_alphabet());
   bf16_names_check(recipe_rl_config(cfg).gen_policy, builtin_model_config(cfg, *tok), "the built-in model");
   examples_fit_check(cfg, *tok);
-  host_memory_check(cfg, builtin_model_config(cfg, *tok), t, node);
+  host_memory_check(cfg, builtin_model_config(cfg, *tok), t, node, 0);  // (a fresh run)
 }
 
 // A resumed run goes on at its checkpoint's prompt cursor: in another training set (a task file

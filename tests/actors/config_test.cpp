@@ -755,7 +755,7 @@ TEST(Preflight, KvMemoryCountsTheEnginesOfThisMachinesNodes) {
   huge.slots = 65536, huge.max_context = 1048576;
   const auto model = builtin_model_config(huge, *tok);
   auto why = [&](const run_config& cfg, const topology& top, const std::string& node) {
-    return error_of([&] { host_memory_check(cfg, model, top, node); });
+    return error_of([&] { host_memory_check(cfg, model, top, node, 0); });
   };
   EXPECT_NE(why(huge, t, "a").find("host 127.0.0.1 (node(s) a, b, c) needs at least "), std::string::npos) << why(huge, t, "a");
   EXPECT_NE(why(huge, t, "a").find("the KV caches of the 4 generation engine(s) (3 rollout(s), learner0's validation)"),
@@ -764,7 +764,9 @@ TEST(Preflight, KvMemoryCountsTheEnginesOfThisMachinesNodes) {
   EXPECT_NE(why(huge, t, "c").find("host " + std::string(self) + " (node(s) c) needs at least "), std::string::npos) << why(huge, t, "c");
   EXPECT_NE(why(huge, t, "c").find("the KV caches of the 1 generation engine(s) (1 rollout(s))"), std::string::npos) << why(huge, t, "c");
   EXPECT_NE(why(huge, t, "c").find("the FP32 state of 1 learner(s) ("), std::string::npos) << why(huge, t, "c");
-  EXPECT_EQ(why(huge, t, "c").find("copy for calibration"), std::string::npos) << why(huge, t, "c");  // rank 1's host
+  // rank 1's host: its gradients; neither validation, calibration's copy nor the audit
+  EXPECT_NE(why(huge, t, "c").find("master weights, AdamW moments, gradients)"), std::string::npos) << why(huge, t, "c");
+  EXPECT_EQ(why(huge, t, "c").find("audit"), std::string::npos) << why(huge, t, "c");
   // the sum is what is checked: one engine at 3/4 of the memory fits, a rollout and learner0's
   // validation engine (topology_local) do not; two at 2/5 each do
   run_config one = huge;
@@ -776,53 +778,80 @@ TEST(Preflight, KvMemoryCountsTheEnginesOfThisMachinesNodes) {
   EXPECT_EQ(why(one, topology_local(1, 1), "local"), "");
 }
 
-// The engines' weights and the learners' FP32 state count against the host too: each rank's
-// master weights, AdamW's moments and gradients (4 copies), rank 0's copy for calibration, the
-// audit's copies of the last async.max_staleness versions, each rank's grpo.kl_beta reference;
-// each engine's bundle (the rollout's and learner0's validation engine: FP8 generation keeps the
-// embedding and lm_head BF16, half a copy each, ~1 copy in all; FP32 generation 2 copies). A
-// model whose one FP32 copy is 1/8.5 of the memory (the vocabulary: nearly all of it): 7 copies
-// (one audited version) fit, 8 (two) too; 9 -- three audited versions, two with the KL reference,
-// two under FP32 generation -- do not, nor a second learner (11); the audit off, any staleness fits.
+// The engines' weights and the learners' FP32 state count against the host too. With the built-in
+// model's vocabulary grown until one FP32 copy of its weights is `copies_fit` times less than the
+// memory (the vocabulary: nearly all of it), in copies: each engine's FP8 bundle ~1/2 (the
+// embedding and lm_head BF16; FP32 generation 1); each rank's master weights and AdamW moments 3,
+// a step's gradients 1 a rank, or instead learner0's validation (its engine and a copy of the
+// weights, beside the other ranks' gradients with eval.every > 0); rank 0's copy for calibration 1
+// and the audit's copies 1 a held version; each rank's grpo.kl_beta reference 1.
 TEST(Preflight, HostMemoryCountsTheEnginesWeightsTheLearnersAndTheAuditsCopies) {
   const auto tok = fp8rl::models::char_tokenizer_make(fp8rl::models::arithmetic_alphabet());
   run_config cfg;
   cfg.slots = 1;  // the KV caches: a few MiB beside the weights
-  auto model = builtin_model_config(cfg, *tok);
+  cfg.steps = 200, cfg.eval_every = 25, cfg.audit_every = 1;
   const double ram = fp8rl::models::machine_memory_bytes();
-  auto copy_bytes = [&] { return 4.0 * double(fp8rl::models::model_param_layout(model).total); };
-  const double base = copy_bytes();
-  model.vocab_size += 1;
-  const double per_token = copy_bytes() - base;  // the embedding's and lm_head's row
-  model.vocab_size += static_cast<int64_t>((ram / 8.5 - copy_bytes()) / per_token);
-  ASSERT_NEAR(copy_bytes() / ram, 1 / 8.5, 1e-4);
-  auto why = [&](const run_config& c, const topology& top) { return error_of([&] { host_memory_check(c, model, top, "local"); }); };
+  auto model_at = [&](double copies_fit) {
+    auto m = builtin_model_config(cfg, *tok);
+    auto copy_bytes = [&] { return 4.0 * double(fp8rl::models::model_param_layout(m).total); };
+    const double base = copy_bytes();
+    m.vocab_size += 1;
+    const double per_token = copy_bytes() - base;  // the embedding's and lm_head's row
+    m.vocab_size += static_cast<int64_t>((ram / copies_fit - copy_bytes()) / per_token);
+    EXPECT_NEAR(copy_bytes() / ram, 1 / copies_fit, 1e-4);
+    return m;
+  };
+  auto why = [&](const run_config& c, const fp8rl::models::model_config& m, const topology& top, uint64_t start = 0) {
+    return error_of([&] { host_memory_check(c, m, top, "local", start); });
+  };
   const topology local = topology_local(1, 1);
-  for (const int64_t staleness : {1, 2}) {
+  // one learner: 1 (two engines' weights) + 5 (3 + validation's 1 + calibration's 1) + the audit's
+  const auto model = model_at(8.5);
+  for (const int64_t staleness : {1, 2}) {  // 7, 8 copies
     cfg.max_staleness = staleness;
-    EXPECT_EQ(why(cfg, local), "") << staleness;
+    EXPECT_EQ(why(cfg, model, local), "") << staleness;
   }
-  cfg.max_staleness = 3;
-  const std::string three = why(cfg, local);
+  cfg.max_staleness = 3;  // 9
+  const std::string three = why(cfg, model, local);
   EXPECT_NE(three.find("the FP32 state of 1 learner(s) (" + std::to_string(fp8rl::models::model_param_layout(model).total) +
-                       " parameters: master weights, AdamW moments, gradients, rank 0's copy for calibration)"),
+                       " parameters: master weights, AdamW moments, learner0's copy for validation, rank 0's copy for calibration)"),
             std::string::npos) << three;
   EXPECT_NE(three.find("the weights of the 2 generation engine(s) under precision.generation fp8"), std::string::npos) << three;
-  EXPECT_NE(three.find("audit.every 1: the audit's copies of the last async.max_staleness 3 versions"), std::string::npos) << three;
+  EXPECT_NE(three.find("audit.every 1: the audit's copies of 3 version(s) (async.max_staleness 3)"), std::string::npos) << three;
   EXPECT_NE(three.find("set audit.every = 0 or lower async.max_staleness"), std::string::npos) << three;
   EXPECT_EQ(three.find("grpo.kl_beta"), std::string::npos) << three;
   EXPECT_EQ(three.find("lower rollout.slots"), std::string::npos) << three;  // the KV caches' fix: under a tenth of the need
-  cfg.audit_every = 0;
-  EXPECT_EQ(why(cfg, local), "");
-  cfg.audit_every = 2, cfg.max_staleness = 2, cfg.kl_beta = 0.01;
-  EXPECT_NE(why(cfg, local).find("grpo.kl_beta: the reference weights of each learner"), std::string::npos) << why(cfg, local);
-  cfg.kl_beta = 0, cfg.generation = "fp32";
-  EXPECT_NE(why(cfg, local).find("the weights of the 2 generation engine(s) under precision.generation fp32"), std::string::npos)
-      << why(cfg, local);
+  EXPECT_EQ(why(cfg, model, local, 198), "");  // two steps left: two copies held at most (8)
+  EXPECT_NE(why(cfg, model, local, 197), "");
+  cfg.audit_every = 0;  // 6
+  EXPECT_EQ(why(cfg, model, local), "");
+  cfg.audit_every = 2, cfg.max_staleness = 2, cfg.kl_beta = 0.01;  // 9
+  EXPECT_NE(why(cfg, model, local).find("grpo.kl_beta: the reference weights of each learner"), std::string::npos)
+      << why(cfg, model, local);
+  cfg.kl_beta = 0, cfg.generation = "fp32";  // 9
+  EXPECT_NE(why(cfg, model, local).find("the weights of the 2 generation engine(s) under precision.generation fp32"), std::string::npos)
+      << why(cfg, model, local);
+  // two learners, one audited version: 1 + 9 (6 + validation's 1 + the other rank's gradients 1 +
+  // calibration's 1) + 1 = 11 fit in 11.5 (a copy more -- calibration's or the audit's on each
+  // rank -- would not); the KL references, one a rank (13), not in 12.5; without validations
+  // between steps (eval.every 0) the gradients of both ranks instead: 10.5 fit in 10.75, 11 not
   cfg.generation = "fp8", cfg.max_staleness = 1;
   topology two = local;
   two.nodes[0].learners.push_back(two.nodes[0].learners[0]);
-  EXPECT_NE(why(cfg, two).find("the FP32 state of 2 learner(s)"), std::string::npos) << why(cfg, two);
+  EXPECT_EQ(why(cfg, model_at(11.5), two), "");
+  cfg.kl_beta = 0.01;
+  EXPECT_NE(why(cfg, model_at(12.5), two).find("the FP32 state of 2 learner(s) ("), std::string::npos) << why(cfg, model_at(12.5), two);
+  cfg.kl_beta = 0;
+  EXPECT_NE(why(cfg, model_at(10.75), two).find("learner0's copy for validation, the other ranks' gradients"), std::string::npos)
+      << why(cfg, model_at(10.75), two);
+  cfg.eval_every = 0;
+  EXPECT_EQ(why(cfg, model_at(10.75), two), "");
+  EXPECT_NE(why(cfg, model_at(10.25), two).find("master weights, AdamW moments, gradients, rank 0's copy for calibration"),
+            std::string::npos) << why(cfg, model_at(10.25), two);
+  // ... unless the final validation is the larger: FP32 generation's engines (2), 6 + calibration's
+  // 1 + validation's 1 (the other rank stopped) + the audit's 1 = 11, in 11.5
+  cfg.generation = "fp32";
+  EXPECT_EQ(why(cfg, model_at(11.5), two), "");
 }
 
 // Prompts must leave room for the longest response: builtin:add2's longest prompt ("99+99=" after

@@ -240,7 +240,7 @@ TEST(Precision, BundleBytesIsTheBundlesPayload) {
   sc.v = sc.k;
   for (const precision_policy& p : {precision_policy::named("fp32"), precision_policy::named("bf16"), precision_policy::named("fp8"),
                                     kept, precision_policy::named("fp8-kv")}) {
-    const bool attn = p.kv == kv_dtype::fp8;
+    const bool attn = p.kv == kv_dtype::fp8;  // (validate() ties fp8_attention to the FP8 KV cache)
     EXPECT_EQ(bundle_bytes(c, p), double(bundle_from_params(mp, p, 1, 1, attn ? &sc : nullptr).bytes())) << p.fingerprint();
   }
   EXPECT_LT(bundle_bytes(c, precision_policy::named("fp8")), bundle_bytes(c, kept));  // (the kept layers count 2 bytes a weight)
