@@ -144,9 +144,10 @@ host_tally host_tally_of(const topology& t, const std::string& node) {
 // freed), while with eval.every > 0 the other ranks may hold their next step's. Compute weights,
 // activations and messages come on top. Each engine checked its own cache, and two that each fit
 // were killed by the OOM killer; a learner ran out of memory only at its first steps. (Devices
-// other than cpu are refused before: a GPU backend's state would not all be host memory.)
-void host_memory_check(const run_config& cfg, const models::model_config& model, const topology& t, const std::string& node,
-                       uint64_t start_version) {
+// other than cpu are refused before: a GPU backend's state would not all be host memory.) Returns
+// the need, itemized, for the start's log.
+std::string host_memory_check(const run_config& cfg, const models::model_config& model, const topology& t, const std::string& node,
+                              uint64_t start_version) {
   const host_tally h = host_tally_of(t, node);
   const auto ec = recipe_engine_config(cfg);
   const double copy = 4.0 * double(models::model_param_layout(model).total);  // one FP32 copy of the weights
@@ -160,13 +161,14 @@ void host_memory_check(const run_config& cfg, const models::model_config& model,
   const double state = h.learners * 3 * copy + r0 * copy + (at_eval ? eval - kv1 - w1 : step);
   const double held = audited * copy, ref = cfg.kl_beta > 0 ? h.learners * copy : 0;
   const double need = kv + weights + state + held + ref, ram = models::machine_memory_bytes();
-  if (ram <= 0 || need <= ram) return;
   const double gib = double(1 << 30);
+  auto text = [&](double bytes) {
+    return bytes < gib / 10 ? fmt::format("{:.1f} MiB", bytes / (1 << 20)) : fmt::format("{:.1f} GiB", bytes / gib);
+  };
   std::string parts, fixes;  // every part; the fixes of those that are a tenth of the need or more
   auto part = [&](double bytes, const std::string& what, const char* fix) {
     if (bytes <= 0) return;
-    parts += fmt::format("{}{} {}", parts.empty() ? "" : "; ", what,
-                         bytes < gib / 10 ? fmt::format("{:.1f} MiB", bytes / (1 << 20)) : fmt::format("{:.1f} GiB", bytes / gib));
+    parts += fmt::format("{}{} {}", parts.empty() ? "" : "; ", what, text(bytes));
     if (bytes >= need / 10 && *fix) fixes += (fixes.empty() ? "" : "; ") + std::string(fix);
   };
   const std::string validation = at_eval ? ", learner0's validation" : "";
@@ -187,8 +189,11 @@ void host_memory_check(const run_config& cfg, const models::model_config& model,
                          cfg.max_staleness),
        "set audit.every = 0 or lower async.max_staleness");
   part(ref, "grpo.kl_beta: the reference weights of each learner", "set grpo.kl_beta = 0");
-  throw std::invalid_argument(fmt::format("host {} (node(s) {}) needs at least {:.1f} GiB, more than its {:.1f} GiB: {}: {}", h.host,
-                                          h.names, need / gib, ram / gib, parts, fixes));
+  if (ram <= 0 || need <= ram)
+    return fmt::format("host {} (node(s) {}): at least {} of its {:.1f} GiB for the run: {}", h.host, h.names, text(need), ram / gib,
+                       parts);
+  throw std::invalid_argument(fmt::format("host {} (node(s) {}) needs at least {}, more than its {:.1f} GiB: {}: {}", h.host, h.names,
+                                          text(need), ram / gib, parts, fixes));
 }
 
 // The built-in model (model.init = tiny) of a run: its size, the built-in task's characters, and
@@ -218,7 +223,7 @@ void warm_start_check(const run_config& cfg, const topology& t, const std::strin
   const auto tok = models::char_tokenizer_make(models::arithmetic_alphabet());
   bf16_names_check(recipe_rl_config(cfg).gen_policy, builtin_model_config(cfg, *tok), "the built-in model");
   examples_fit_check(cfg, *tok);
-  host_memory_check(cfg, builtin_model_config(cfg, *tok), t, node, 0);  // (a fresh run)
+  (void)host_memory_check(cfg, builtin_model_config(cfg, *tok), t, node, 0);  // (a fresh run; its start logs the need)
 }
 
 // A resumed run goes on at its checkpoint's prompt cursor: in another training set (a task file

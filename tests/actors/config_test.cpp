@@ -755,7 +755,7 @@ TEST(Preflight, KvMemoryCountsTheEnginesOfThisMachinesNodes) {
   huge.slots = 65536, huge.max_context = 1048576;
   const auto model = builtin_model_config(huge, *tok);
   auto why = [&](const run_config& cfg, const topology& top, const std::string& node) {
-    return error_of([&] { host_memory_check(cfg, model, top, node, 0); });
+    return error_of([&] { (void)host_memory_check(cfg, model, top, node, 0); });
   };
   EXPECT_NE(why(huge, t, "a").find("host 127.0.0.1 (node(s) a, b, c) needs at least "), std::string::npos) << why(huge, t, "a");
   EXPECT_NE(why(huge, t, "a").find("the KV caches of the 4 generation engine(s) (3 rollout(s), learner0's validation)"),
@@ -802,7 +802,7 @@ TEST(Preflight, HostMemoryCountsTheEnginesWeightsTheLearnersAndTheAuditsCopies) 
     return m;
   };
   auto why = [&](const run_config& c, const fp8rl::models::model_config& m, const topology& top, uint64_t start = 0) {
-    return error_of([&] { host_memory_check(c, m, top, "local", start); });
+    return error_of([&] { (void)host_memory_check(c, m, top, "local", start); });
   };
   const topology local = topology_local(1, 1);
   // one learner: 1 (two engines' weights) + 5 (3 + validation's 1 + calibration's 1) + the audit's
@@ -811,6 +811,9 @@ TEST(Preflight, HostMemoryCountsTheEnginesWeightsTheLearnersAndTheAuditsCopies) 
     cfg.max_staleness = staleness;
     EXPECT_EQ(why(cfg, model, local), "") << staleness;
   }
+  const std::string fits = host_memory_check(cfg, model, local, "local", 0);  // for the start's log: the same parts
+  EXPECT_EQ(fits.rfind("host 127.0.0.1 (node(s) local): at least ", 0), 0u) << fits;
+  EXPECT_NE(fits.find("audit.every 1: the audit's copies of 2 version(s) (async.max_staleness 2)"), std::string::npos) << fits;
   cfg.max_staleness = 3;  // 9
   const std::string three = why(cfg, model, local);
   EXPECT_NE(three.find("the FP32 state of 1 learner(s) (" + std::to_string(fp8rl::models::model_param_layout(model).total) +
