@@ -1,6 +1,9 @@
 // actors/env.cpp -- per-process actor environment.
 #include "actors/env.hpp"
 
+#include <charconv>
+#include <cstdlib>
+#include <cstring>
 #include <filesystem>
 #include <stdexcept>
 
@@ -73,6 +76,16 @@ std::unique_ptr<tbb::task_arena> arena_for(const device_spec& d) {
 std::unique_ptr<models::backend> backend_for(const device_spec& d) {
   if (const std::string why = device_problem(d); !why.empty()) throw std::invalid_argument(why);
   return models::make_cpu_backend();
+}
+
+std::optional<uint64_t> fault_env_number(const char* name) {
+  const char* v = std::getenv(name);
+  if (!v) return std::nullopt;
+  uint64_t n = 0;
+  const char* end = v + std::strlen(v);
+  if (const auto [ptr, ec] = std::from_chars(v, end, n); ec != std::errc{} || ptr != end)  // no sign, space or overflow
+    throw std::invalid_argument(std::string(name) + "='" + v + "': not a whole number");
+  return n;
 }
 
 }  // namespace fp8rl::actors

@@ -1,7 +1,7 @@
 // actors/env.hpp -- what every actor of a process shares: the recipe, the run directory, the
 // policy model's config and tokenizer, and the initial checkpoint every learner starts from.
 // defines: run_start, actor_env, env_make, backend_for, arena_for, actor_exception_error, actor_failures_named,
-//          actor_fail, device_problem, device_capacity_problem, node_tiles_problem
+//          actor_fail, device_problem, device_capacity_problem, node_tiles_problem, fault_env_number
 #pragma once
 #include <caf/error.hpp>
 #include <caf/scheduled_actor.hpp>
@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <exception>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -88,5 +89,8 @@ std::string device_capacity_problem(const device_spec& d, int cpus = tbb::info::
 // built-in model's SFT warm start (`warm_start`) precision.training and precision.generation. A
 // node without them needs no AMX (a rollout-only node was refused for a tiles training policy).
 std::string node_tiles_problem(const run_config& cfg, const node_spec& n, bool warm_start);
+// A fault test's setting: environment variable `name` as a whole number, nullopt when unset; a
+// value that is not one (a sign, a space, past 2^64) is refused: std::invalid_argument naming it.
+std::optional<uint64_t> fault_env_number(const char* name);
 
 }  // namespace fp8rl::actors

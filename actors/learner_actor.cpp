@@ -18,6 +18,7 @@
 #include <filesystem>
 #include <fstream>
 #include <map>
+#include <thread>
 #include <nlohmann/json.hpp>
 
 #include "actors/actors.hpp"
@@ -64,9 +65,26 @@ double secs(clk::time_point a) { return std::chrono::duration<double>(clk::now()
 
 constexpr size_t kAllreducePiece = size_t{1} << 30;  // elements per Gloo all-reduce call
 
+// A store whose waits take the run's timeout: Gloo's rendezvous waits for the other ranks' keys
+// with the store's default, 30 s (a rank whose first shard took 30 s longer failed the run).
+class timed_store : public gloo::rendezvous::Store {
+ public:
+  timed_store(gloo::rendezvous::Store& inner, std::chrono::milliseconds timeout) : inner_(inner), timeout_(timeout) {}
+  void set(const std::string& key, const std::vector<char>& data) override { inner_.set(key, data); }
+  std::vector<char> get(const std::string& key) override {
+    inner_.wait({key}, timeout_);
+    return inner_.get(key);
+  }
+  void wait(const std::vector<std::string>& keys) override { inner_.wait(keys, timeout_); }
+  void wait(const std::vector<std::string>& keys, const std::chrono::milliseconds& timeout) override { inner_.wait(keys, timeout); }
+
+ private:
+  gloo::rendezvous::Store& inner_;
+  std::chrono::milliseconds timeout_;
+};
+
 template <class T>
-void allreduce(learner_state& s, std::vector<T>& g) {
-  if (s.world == 1) return;
+void allreduce_gloo(learner_state& s, std::vector<T>& g) {
   if (!s.gloo) {
     gloo::transport::tcp::attr attr;
     attr.hostname = "127.0.0.1";
@@ -75,8 +93,11 @@ void allreduce(learner_state& s, std::vector<T>& g) {
     fs::create_directories(dir);
     gloo::rendezvous::FileStore store(dir.string());
     gloo::rendezvous::PrefixStore prefix(s.env->run_id, store);  // unique per launch
+    const std::chrono::milliseconds timeout = std::chrono::seconds(s.env->cfg.collective_timeout_s);
+    timed_store timed(prefix, timeout);
     auto ctx = std::make_shared<gloo::rendezvous::Context>(s.rank, s.world);
-    ctx->connectFullMesh(prefix, dev);
+    ctx->setTimeout(timeout);  // every all-reduce's wait
+    ctx->connectFullMesh(timed, dev);
     s.gloo = ctx;
   }
   // Gloo counts elements in an int: past 2^31 parameters one call reduced a prefix only, or
@@ -85,6 +106,22 @@ void allreduce(learner_state& s, std::vector<T>& g) {
     std::vector<T*> ptrs{g.data() + at};
     gloo::AllreduceRing<T> ar(s.gloo, ptrs, static_cast<int>(std::min(kAllreducePiece, g.size() - at)));
     ar.run();
+  }
+}
+
+// Sums g over the learner ranks (Gloo, ring). A rank waits up to run.collective_timeout_s for the
+// others -- with Gloo's own 30 s a rank whose shard took 30 s less than another's failed the run
+// (a large model's step on CPUs; between steps the ranks meet at the trajectory buffer instead) --
+// and a failure is named: rank, timeout, Gloo's reason. Throws.
+template <class T>
+void allreduce(learner_state& s, std::vector<T>& g) {
+  if (s.world == 1) return;
+  try {
+    allreduce_gloo(s, g);
+  } catch (const gloo::Exception& e) {
+    throw std::runtime_error(fmt::format("learner rank {} of {}: the all-reduce with the other rank(s) failed (each waits up to "
+                                         "run.collective_timeout_s = {} s for the others): {}",
+                                         s.rank, s.world, s.env->cfg.collective_timeout_s, e.what()));
   }
 }
 
@@ -262,6 +299,12 @@ msg::metrics_t learner_train_step(learner_state& s, const msg::batch_msg& b, clk
     };
     lo = models::learner_grpo(*s.run, *w, b.samples, s.env->rl.grpo, b.n_global, s.version, s.ref_w.get(), s.env->rl.proc,
                               sum_over_learners);
+    // fault tests: FP8RL_FAULT_RANK0_SLEEP_MS=T and FP8RL_FAULT_RANK0_SLEEP_AT_STEP=S, rank 0's step S
+    // takes T ms more (a larger shard) while the other ranks wait for it in the gradients' all-reduce
+    // (at the run's first step: Gloo's rendezvous)
+    if (const auto ms = fault_env_number("FP8RL_FAULT_RANK0_SLEEP_MS");
+        ms && s.rank == 0 && fault_env_number("FP8RL_FAULT_RANK0_SLEEP_AT_STEP") == s.version + 1)
+      std::this_thread::sleep_for(std::chrono::milliseconds(*ms));
     allreduce(s, lo.grads);
     if (s.world > 1) gather_metrics(s, b, lo);
     if (s.rank == 0 && s.env->cfg.audit_every > 0) {  // (rank 0 audits every shard's trajectories)

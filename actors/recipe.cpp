@@ -33,6 +33,9 @@ std::vector<recipe_key> recipe_keys(run_config& r) {
       {"run", "eval_every", &r.eval_every, "validation accuracy every N steps (0: only at the end)"},
       {"run", "checkpoint_every", &r.checkpoint_every, "checkpoint every N steps (0: only at the end); also at the step where a signal stops the run"},
       {"run", "keep_checkpoints", &r.keep_checkpoints, "checkpoints kept: the newest N (by step) in checkpoints/, older ones removed after each save (0: all)"},
+      {"run", "collective_timeout_s", &r.collective_timeout_s,
+       "seconds a learner rank waits for the others in an all-reduce within a step (several learners: a rank whose shard took "
+       "longer, a large model's step on CPUs); a rank whose process ended fails it at once"},
       {"run", "log_level", &r.log_level, "trace, debug, info, warn, error, off"},
       {"model", "init", &r.init, "'tiny' (built-in model + SFT warm start) or a Hugging Face model directory"},
       {"model", "size", &r.size, "built-in model size for init = tiny: tiny (hidden 128, 2 layers) or small (hidden 512, 8 layers)"},
@@ -434,6 +437,7 @@ void recipe_validate(const run_config& r) {
   if (r.checkpoint_every < 0) fail("run.checkpoint_every", "must be >= 0");
   if (r.trace_max_mb < 0 || r.trace_max_mb > (int64_t(1) << 40)) fail("trace.max_mb", "must be in [0, 2^40] (0: no cap)");
   if (r.keep_checkpoints < 0) fail("run.keep_checkpoints", "must be >= 0 (0 keeps all)");
+  if (r.collective_timeout_s < 1 || r.collective_timeout_s > 604800) fail("run.collective_timeout_s", "must be in [1, 604800] (a week)");
   if (r.val_size <= 0) fail("task.val_size", "must be > 0 (the run ends with a validation)");
   if (r.train_size <= 0) fail("task.train_size", "must be > 0");
   positive("model.sft_batch", r.sft_batch);

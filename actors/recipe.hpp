@@ -28,6 +28,7 @@ struct run_config {
   // [run]
   std::string name = "fp8rl";
   int64_t seed = 1, steps = 200, eval_every = 25, checkpoint_every = 50, keep_checkpoints = 5;
+  int64_t collective_timeout_s = 1800;  // a learner rank's wait for the others in an all-reduce
   std::string log_level = "info";
   // [model]
   std::string init = "tiny";  // "tiny" (built-in, SFT warm start) or a HF model directory

@@ -5,10 +5,7 @@
 #include <tbb/task_arena.h>
 
 #include <atomic>
-#include <charconv>
 #include <chrono>
-#include <cstdlib>
-#include <cstring>
 #include <deque>
 #include <map>
 #include <numeric>
@@ -26,13 +23,9 @@ namespace {
 // A value that is not a step number is refused (it fired at step 0).
 bool fault_exit_now(const std::string& name, uint64_t step) {
   static std::atomic<bool> fired{false};
-  static const char* const at = std::getenv("FP8RL_FAULT_ROLLOUT_EXIT_AT_STEP");  // read once
-  if (!at || name != "rollout0") return false;
-  uint64_t s = 0;
-  const char* end = at + std::strlen(at);
-  if (const auto [ptr, ec] = std::from_chars(at, end, s); ec != std::errc{} || ptr != end)  // no sign, space or overflow
-    throw std::invalid_argument(std::string("FP8RL_FAULT_ROLLOUT_EXIT_AT_STEP='") + at + "': not a step number");
-  return s == step && !fired.exchange(true);
+  if (name != "rollout0") return false;
+  const auto at = fault_env_number("FP8RL_FAULT_ROLLOUT_EXIT_AT_STEP");
+  return at && *at == step && !fired.exchange(true);
 }
 
 // Per-layer counts grown since `sent` (then `sent` = total).

@@ -110,6 +110,8 @@ TEST(Recipe, MalformedFilesAndOutOfRangeValuesNameTheirKey) {
            {"--run.checkpoint_every=-1", "run.checkpoint_every", "must be >= 0"},
            {"--run.keep_checkpoints=-1", "run.keep_checkpoints", "must be >= 0 (0 keeps all)"},
            {"--trace.max_mb=-1", "trace.max_mb", "must be in [0, 2^40] (0: no cap)"},
+           {"--run.collective_timeout_s=0", "run.collective_timeout_s", "must be in [1, 604800] (a week)"},
+           {"--run.collective_timeout_s=604801", "run.collective_timeout_s", "must be in [1, 604800] (a week)"},
            {"--precision.generation=fp9", "precision.generation", "unknown precision policy 'fp9' (fp32, bf16,"},
            {"--task.name=builtin:add9", "task.name", "task 'builtin:add9': built-in tasks are"},
            {"--model.sft_batch=0", "model.sft_batch", "must be > 0"},

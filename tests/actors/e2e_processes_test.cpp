@@ -233,7 +233,7 @@ TEST(E2E, FailedRolloutIsRestartedAndItsWorkRequeued) {
   const auto bad = fp8rl::test::run_command("FP8RL_FAULT_ROLLOUT_EXIT_AT_STEP=2x " + kBin + "/fp8rl train --run-dir " +
                                             (d / "bad").string() + " --run.steps=1 --model.sft_steps=2 --rollout.prompts_per_step=2");
   EXPECT_NE(bad.rc, 0) << bad.out;
-  EXPECT_NE(bad.out.find("FP8RL_FAULT_ROLLOUT_EXIT_AT_STEP='2x': not a step number"), std::string::npos) << bad.out;
+  EXPECT_NE(bad.out.find("FP8RL_FAULT_ROLLOUT_EXIT_AT_STEP='2x': not a whole number"), std::string::npos) << bad.out;
   fs::remove_all(d);
 }
 
@@ -575,6 +575,36 @@ TEST(E2E, ANodeGivesUpOnAControllerThatNeverStartsIt) {
   const auto bad = fp8rl::test::run_command(node + " --node-wait 0");
   EXPECT_NE(bad.rc, 0) << bad.out;
   EXPECT_NE(bad.out.find("option --node-wait: '0' is not a whole number of seconds in [1, 86400]"), std::string::npos) << bad.out;
+  fs::remove_all(d);
+}
+
+// Learner ranks wait for each other in an all-reduce up to run.collective_timeout_s: rank 0's
+// step made 2.5 s longer (a larger shard) fails a run that allows 1 s, naming the rank, the key
+// and Gloo's reason -- at the first step in the rendezvous (Gloo's store waited its own 30 s
+// whatever the setting: such a run went on), later in the gradients' all-reduce -- and a run that
+// allows 5 s trains through it.
+TEST(E2E, LearnerRanksWaitForEachOtherUpToTheCollectiveTimeout) {
+  const fs::path d = fresh_dir("collective");
+  const fs::path topo = d / "two-learners.conf";
+  std::ofstream(topo) << "[cluster]\nnodes=[{name=\"main\", host=\"127.0.0.1\", port=0, roles=[\"controller\", \"buffer\", "
+                         "\"reward\", \"weight_sync\", \"calibration\"], learners=[\"cpu:1\", \"cpu:1\"], rollouts=[\"cpu:1\"]}]\n";
+  auto train = [&](int at_step, int timeout_s, const std::string& dir) {
+    return fp8rl::test::run_command("FP8RL_FAULT_RANK0_SLEEP_MS=2500 FP8RL_FAULT_RANK0_SLEEP_AT_STEP=" + std::to_string(at_step) + " " +
+                                    kBin + "/fp8rl train --topology " + topo.string() + " --run-dir " + (d / dir).string() +
+                                    " --run.steps=3 --run.eval_every=0 --model.sft_steps=60 --run.collective_timeout_s=" +
+                                    std::to_string(timeout_s));
+  };
+  const std::string named = "learner1: step failed: learner rank 1 of 2: the all-reduce with the other rank(s) failed (each waits up "
+                            "to run.collective_timeout_s = 1 s for the others): ";
+  for (const auto& [at_step, why] : std::vector<std::pair<int, std::string>>{{1, "Wait timeout for key(s)"}, {2, "Read timeout"}}) {
+    const auto r = train(at_step, 1, "fails" + std::to_string(at_step));
+    EXPECT_EQ(r.rc, 1) << r.out;
+    EXPECT_NE(r.out.find(named), std::string::npos) << r.out;
+    EXPECT_NE(r.out.find(why, r.out.find(named)), std::string::npos) << r.out;
+  }
+  const auto ok = train(2, 5, "waits");
+  ASSERT_EQ(ok.rc, 0) << ok.out;
+  EXPECT_EQ(metrics(d / "waits").size(), 3u);
   fs::remove_all(d);
 }
 
