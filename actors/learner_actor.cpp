@@ -18,6 +18,7 @@
 #include <filesystem>
 #include <fstream>
 #include <map>
+#include <optional>
 #include <thread>
 #include <nlohmann/json.hpp>
 
@@ -56,9 +57,23 @@ struct learner_state {
   models::dataset train, val;
   std::shared_ptr<gloo::Context> gloo;
   std::map<uint64_t, audit_version> audit_held;  // (rank 0) this version's and the last max_staleness versions'
+  std::optional<std::pair<uint64_t, uint64_t>> fault_sleep;  // (fault tests) rank 0's step and ms, learner_fault_sleep
   models::model_params ref;                                  // KL reference (grpo.kl_beta > 0) and
   std::unique_ptr<models::model_weights> ref_w;              // its compute weights, built once
 };
+
+// Fault tests: FP8RL_FAULT_RANK0_SLEEP_MS=T and FP8RL_FAULT_RANK0_SLEEP_AT_STEP=S make rank 0's
+// step S take T ms more before the gradients' all-reduce (a larger shard) while the other ranks
+// wait for it there -- at the run's first step in Gloo's rendezvous, unless
+// grpo.seq_logprob_error_threshold > 0 met them inside learner_grpo before. One without the other
+// is refused; read once, at the learner's start.
+std::optional<std::pair<uint64_t, uint64_t>> learner_fault_sleep() {
+  const auto ms = fault_env_number("FP8RL_FAULT_RANK0_SLEEP_MS"), at = fault_env_number("FP8RL_FAULT_RANK0_SLEEP_AT_STEP");
+  if (ms.has_value() != at.has_value())
+    throw std::invalid_argument("FP8RL_FAULT_RANK0_SLEEP_MS and FP8RL_FAULT_RANK0_SLEEP_AT_STEP go together");
+  if (!ms) return std::nullopt;
+  return std::pair{*at, *ms};
+}
 
 using clk = std::chrono::steady_clock;
 double secs(clk::time_point a) { return std::chrono::duration<double>(clk::now() - a).count(); }
@@ -112,16 +127,23 @@ void allreduce_gloo(learner_state& s, std::vector<T>& g) {
 // Sums g over the learner ranks (Gloo, ring). A rank waits up to run.collective_timeout_s for the
 // others -- with Gloo's own 30 s a rank whose shard took 30 s less than another's failed the run
 // (a large model's step on CPUs; between steps the ranks meet at the trajectory buffer instead) --
-// and a failure is named: rank, timeout, Gloo's reason. Throws.
+// and a failure is named: rank, Gloo's reason, the timeout where it ran out. Once connected, a
+// rank whose process ended fails the others at once; in the first meeting (the run's first
+// all-reduce) the others wait out the timeout, and a rank arriving after one gave up waits it
+// again for that one's key. Throws.
 template <class T>
 void allreduce(learner_state& s, std::vector<T>& g) {
   if (s.world == 1) return;
   try {
     allreduce_gloo(s, g);
-  } catch (const gloo::Exception& e) {
-    throw std::runtime_error(fmt::format("learner rank {} of {}: the all-reduce with the other rank(s) failed (each waits up to "
-                                         "run.collective_timeout_s = {} s for the others): {}",
-                                         s.rank, s.world, s.env->cfg.collective_timeout_s, e.what()));
+  } catch (const std::exception& e) {  // Gloo's IoException, EnforceNotMet (its store, device), system_error
+    const std::string what = e.what();
+    const bool timed_out = what.find("imeout") != std::string::npos || what.find("imed out") != std::string::npos;
+    throw std::runtime_error(fmt::format("learner rank {} of {}: the all-reduce with the other rank(s) failed{}: {}", s.rank, s.world,
+                                         timed_out ? fmt::format(" (each waits up to run.collective_timeout_s = {} s for the others)",
+                                                                 s.env->cfg.collective_timeout_s)
+                                                   : "",
+                                         what));
   }
 }
 
@@ -299,12 +321,8 @@ msg::metrics_t learner_train_step(learner_state& s, const msg::batch_msg& b, clk
     };
     lo = models::learner_grpo(*s.run, *w, b.samples, s.env->rl.grpo, b.n_global, s.version, s.ref_w.get(), s.env->rl.proc,
                               sum_over_learners);
-    // fault tests: FP8RL_FAULT_RANK0_SLEEP_MS=T and FP8RL_FAULT_RANK0_SLEEP_AT_STEP=S, rank 0's step S
-    // takes T ms more (a larger shard) while the other ranks wait for it in the gradients' all-reduce
-    // (at the run's first step: Gloo's rendezvous)
-    if (const auto ms = fault_env_number("FP8RL_FAULT_RANK0_SLEEP_MS");
-        ms && s.rank == 0 && fault_env_number("FP8RL_FAULT_RANK0_SLEEP_AT_STEP") == s.version + 1)
-      std::this_thread::sleep_for(std::chrono::milliseconds(*ms));
+    if (s.rank == 0 && s.fault_sleep && s.fault_sleep->first == s.version + 1)  // (fault tests, learner_fault_sleep)
+      std::this_thread::sleep_for(std::chrono::milliseconds(s.fault_sleep->second));
     allreduce(s, lo.grads);
     if (s.world > 1) gather_metrics(s, b, lo);
     if (s.rank == 0 && s.env->cfg.audit_every > 0) {  // (rank 0 audits every shard's trajectories)
@@ -399,6 +417,7 @@ msg::learner_actor spawn_learner(caf::actor_system& sys, std::shared_ptr<const a
       st.ref_w = models::model_weights_build(*st.be, st.ref.cfg, env->rl.train_policy.training(), {&st.ref, nullptr, nullptr}, false);
     }
     st.end_version = static_cast<uint64_t>(env->cfg.steps);
+    st.fault_sleep = learner_fault_sleep();
     const auto task = models::task_spec_parse(env->cfg.task);
     st.train = models::task_load(task, false, env->cfg.train_size, static_cast<uint64_t>(env->cfg.seed));
     st.val = models::task_load(task, true, env->cfg.val_size, static_cast<uint64_t>(env->cfg.seed));

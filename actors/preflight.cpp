@@ -145,7 +145,8 @@ host_tally host_tally_of(const topology& t, const std::string& node) {
 // activations and messages come on top. Each engine checked its own cache, and two that each fit
 // were killed by the OOM killer; a learner ran out of memory only at its first steps. (Devices
 // other than cpu are refused before: a GPU backend's state would not all be host memory.) Returns
-// the need, itemized, for the start's log.
+// the need, itemized, for the start's log: from the host's first node, "" from the others and
+// where nothing is counted.
 std::string host_memory_check(const run_config& cfg, const models::model_config& model, const topology& t, const std::string& node,
                               uint64_t start_version) {
   const host_tally h = host_tally_of(t, node);
@@ -189,9 +190,11 @@ std::string host_memory_check(const run_config& cfg, const models::model_config&
                          cfg.max_staleness),
        "set audit.every = 0 or lower async.max_staleness");
   part(ref, "grpo.kl_beta: the reference weights of each learner", "set grpo.kl_beta = 0");
-  if (ram <= 0 || need <= ram)
-    return fmt::format("host {} (node(s) {}): at least {} of its {:.1f} GiB for the run: {}", h.host, h.names, text(need), ram / gib,
-                       parts);
+  if (ram <= 0 || need <= ram) {  // said by the host's first node (its other processes count the same)
+    if (parts.empty() || h.names.substr(0, h.names.find(',')) != node) return "";
+    return fmt::format("host {} (node(s) {}): at least {} of {} for the run: {}", h.host, h.names, text(need),
+                       ram > 0 ? fmt::format("its {:.1f} GiB", ram / gib) : std::string("its memory (unknown)"), parts);
+  }
   throw std::invalid_argument(fmt::format("host {} (node(s) {}) needs at least {}, more than its {:.1f} GiB: {}: {}", h.host, h.names,
                                           text(need), ram / gib, parts, fixes));
 }

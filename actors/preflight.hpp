@@ -19,7 +19,8 @@ models::model_config builtin_model_config(const run_config& cfg, const models::t
 // The generation engines' KV caches and weights and the learners' FP32 state on node's host (every
 // node of the topology there), a run starting at start_version, within the host's memory; throws
 // std::invalid_argument naming the keys that size each part (rollout.slots, model.max_context,
-// precision.generation, audit.every, async.max_staleness, grpo.kl_beta). Returns the need, itemized.
+// precision.generation, audit.every, async.max_staleness, grpo.kl_beta). Returns the need, itemized
+// (from the host's first node; "" from the others).
 [[nodiscard]] std::string host_memory_check(const run_config& cfg, const models::model_config& model, const topology& t,
                                             const std::string& node, uint64_t start_version);
 // Both task splits' prompts fit the context with a response; some training answer can be

@@ -35,7 +35,7 @@ std::vector<recipe_key> recipe_keys(run_config& r) {
       {"run", "keep_checkpoints", &r.keep_checkpoints, "checkpoints kept: the newest N (by step) in checkpoints/, older ones removed after each save (0: all)"},
       {"run", "collective_timeout_s", &r.collective_timeout_s,
        "seconds a learner rank waits for the others in an all-reduce within a step (several learners: a rank whose shard took "
-       "longer, a large model's step on CPUs); a rank whose process ended fails it at once"},
+       "longer, a large model's step on CPUs); once connected, a rank whose process ended fails the others at once"},
       {"run", "log_level", &r.log_level, "trace, debug, info, warn, error, off"},
       {"model", "init", &r.init, "'tiny' (built-in model + SFT warm start) or a Hugging Face model directory"},
       {"model", "size", &r.size, "built-in model size for init = tiny: tiny (hidden 128, 2 layers) or small (hidden 512, 8 layers)"},

@@ -24,7 +24,7 @@ namespace {
 bool fault_exit_now(const std::string& name, uint64_t step) {
   static std::atomic<bool> fired{false};
   if (name != "rollout0") return false;
-  const auto at = fault_env_number("FP8RL_FAULT_ROLLOUT_EXIT_AT_STEP");
+  static const auto at = fault_env_number("FP8RL_FAULT_ROLLOUT_EXIT_AT_STEP");  // read once (a refusal: at each call)
   return at && *at == step && !fired.exchange(true);
 }
 

@@ -137,7 +137,8 @@ msg::node_agent_actor::behavior_type node_agent(msg::node_agent_actor::stateful_
           }
           auto env = env_make(cfg, init.node, init.run_dir, init.init_dir, run_start{init.start_version, init.start_cursor}, init.run_id);
           // this host's engines and learners, before any is allocated
-          log_get("train")->info("{}", host_memory_check(cfg, env->model, t, init.node, init.start_version));
+          if (const std::string need = host_memory_check(cfg, env->model, t, init.node, init.start_version); !need.empty())
+            log_get("train")->info("{}", need);
           if (cfg.trace)
             trace_writer::process().open((fs::path(init.run_dir) / "traces" / (init.node + ".jsonl")).string(), init.node,
                                          uint64_t(cfg.trace_max_mb) << 20);
@@ -778,7 +779,8 @@ int train_main(int argc, char** argv) {
   }
   const std::string run_id = cfg.name + "-" + std::to_string(trace_now_us()) + "-" + std::to_string(::getpid());
   auto env = env_make(cfg, node, run_dir, init_dir, start, run_id);
-  log_get("train")->info("{}", host_memory_check(cfg, env->model, topo, node, start_version));
+  if (const std::string need = host_memory_check(cfg, env->model, topo, node, start_version); !need.empty())
+    log_get("train")->info("{}", need);
   run_preflight(*env, c.resume, start.restart);  // every file the actors will read or write, before any of them starts
   // a signal now gives the start up (before recipe.conf marks a run); later, the run starts and
   // stops at its first step. An --overwrite's earlier run is deleted once the new run has recorded

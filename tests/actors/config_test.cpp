@@ -816,6 +816,12 @@ TEST(Preflight, HostMemoryCountsTheEnginesWeightsTheLearnersAndTheAuditsCopies) 
   const std::string fits = host_memory_check(cfg, model, local, "local", 0);  // for the start's log: the same parts
   EXPECT_EQ(fits.rfind("host 127.0.0.1 (node(s) local): at least ", 0), 0u) << fits;
   EXPECT_NE(fits.find("audit.every 1: the audit's copies of 2 version(s) (async.max_staleness 2)"), std::string::npos) << fits;
+  topology nodes;  // two processes on this machine: the line is the host's, said by its first node only
+  nodes.nodes = {node_of("a", "127.0.0.1", 0, {"controller", "buffer", "reward", "weight_sync", "calibration"}, {"cpu:1"}, {"cpu:1"}),
+                 node_of("b", "localhost", 47500, {}, {}, {"cpu:1"})};
+  const auto tiny = builtin_model_config(cfg, *tok);
+  EXPECT_EQ(host_memory_check(cfg, tiny, nodes, "a", 0).rfind("host 127.0.0.1 (node(s) a, b): at least ", 0), 0u);
+  EXPECT_EQ(host_memory_check(cfg, tiny, nodes, "b", 0), "");
   cfg.max_staleness = 3;  // 9
   const std::string three = why(cfg, model, local);
   EXPECT_NE(three.find("the FP32 state of 1 learner(s) (" + std::to_string(fp8rl::models::model_param_layout(model).total) +

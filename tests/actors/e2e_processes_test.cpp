@@ -579,32 +579,37 @@ TEST(E2E, ANodeGivesUpOnAControllerThatNeverStartsIt) {
 }
 
 // Learner ranks wait for each other in an all-reduce up to run.collective_timeout_s: rank 0's
-// step made 2.5 s longer (a larger shard) fails a run that allows 1 s, naming the rank, the key
-// and Gloo's reason -- at the first step in the rendezvous (Gloo's store waited its own 30 s
-// whatever the setting: such a run went on), later in the gradients' all-reduce -- and a run that
-// allows 5 s trains through it.
+// step made 5 s longer (a larger shard) fails a run that allows 2 s (Gloo's store counts whole
+// seconds: its wait ends at ~3 s), naming the rank, the key and Gloo's reason -- at the first step
+// in the rendezvous (Gloo's store waited its own 30 s whatever the setting: such a run went on),
+// at the second in the gradients' all-reduce (after step 1's metrics) -- and a run that allows 30 s
+// trains through a 2.5 s wait. A sleep without its step is refused.
 TEST(E2E, LearnerRanksWaitForEachOtherUpToTheCollectiveTimeout) {
   const fs::path d = fresh_dir("collective");
   const fs::path topo = d / "two-learners.conf";
   std::ofstream(topo) << "[cluster]\nnodes=[{name=\"main\", host=\"127.0.0.1\", port=0, roles=[\"controller\", \"buffer\", "
                          "\"reward\", \"weight_sync\", \"calibration\"], learners=[\"cpu:1\", \"cpu:1\"], rollouts=[\"cpu:1\"]}]\n";
-  auto train = [&](int at_step, int timeout_s, const std::string& dir) {
-    return fp8rl::test::run_command("FP8RL_FAULT_RANK0_SLEEP_MS=2500 FP8RL_FAULT_RANK0_SLEEP_AT_STEP=" + std::to_string(at_step) + " " +
-                                    kBin + "/fp8rl train --topology " + topo.string() + " --run-dir " + (d / dir).string() +
+  auto train = [&](const std::string& fault, int timeout_s, const std::string& dir) {
+    return fp8rl::test::run_command(fault + " " + kBin + "/fp8rl train --topology " + topo.string() + " --run-dir " + (d / dir).string() +
                                     " --run.steps=3 --run.eval_every=0 --model.sft_steps=60 --run.collective_timeout_s=" +
                                     std::to_string(timeout_s));
   };
   const std::string named = "learner1: step failed: learner rank 1 of 2: the all-reduce with the other rank(s) failed (each waits up "
-                            "to run.collective_timeout_s = 1 s for the others): ";
+                            "to run.collective_timeout_s = 2 s for the others): ";
   for (const auto& [at_step, why] : std::vector<std::pair<int, std::string>>{{1, "Wait timeout for key(s)"}, {2, "Read timeout"}}) {
-    const auto r = train(at_step, 1, "fails" + std::to_string(at_step));
+    const std::string dir = "fails" + std::to_string(at_step);
+    const auto r = train("FP8RL_FAULT_RANK0_SLEEP_MS=5000 FP8RL_FAULT_RANK0_SLEEP_AT_STEP=" + std::to_string(at_step), 2, dir);
     EXPECT_EQ(r.rc, 1) << r.out;
     EXPECT_NE(r.out.find(named), std::string::npos) << r.out;
     EXPECT_NE(r.out.find(why, r.out.find(named)), std::string::npos) << r.out;
+    EXPECT_EQ(metrics(d / dir).size(), size_t(at_step - 1)) << r.out;
   }
-  const auto ok = train(2, 5, "waits");
+  const auto ok = train("FP8RL_FAULT_RANK0_SLEEP_MS=2500 FP8RL_FAULT_RANK0_SLEEP_AT_STEP=2", 30, "waits");
   ASSERT_EQ(ok.rc, 0) << ok.out;
   EXPECT_EQ(metrics(d / "waits").size(), 3u);
+  const auto half = train("FP8RL_FAULT_RANK0_SLEEP_MS=10", 30, "half");
+  EXPECT_NE(half.rc, 0) << half.out;
+  EXPECT_NE(half.out.find("FP8RL_FAULT_RANK0_SLEEP_MS and FP8RL_FAULT_RANK0_SLEEP_AT_STEP go together"), std::string::npos) << half.out;
   fs::remove_all(d);
 }
 
