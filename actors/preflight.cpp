@@ -132,6 +132,31 @@ host_tally host_tally_of(const topology& t, const std::string& node) {
   return h;
 }
 
+// The parts of a host's need (bytes; see host_memory_check), and the engines counted.
+struct host_need {
+  double kv = 0, weights = 0, state = 0, held = 0, ref = 0, engines = 0, audited = 0;
+  bool at_eval = false;  // the peak is learner0's validation, not a step's gradients
+  double total() const { return kv + weights + state + held + ref; }
+};
+
+host_need host_need_of(const run_config& cfg, const models::model_config& model, const host_tally& h, uint64_t start_version) {
+  const auto ec = recipe_engine_config(cfg);
+  const double copy = 4.0 * double(models::model_param_layout(model).total);  // one FP32 copy of the weights
+  const double kv1 = models::engine_kv_bytes(model, ec), w1 = models::bundle_bytes(model, ec.policy), r0 = h.rank0;
+  const uint64_t left = static_cast<uint64_t>(cfg.steps) > start_version ? static_cast<uint64_t>(cfg.steps) - start_version : 0;
+  host_need n;
+  n.audited = cfg.audit_every > 0 ? r0 * double(std::min(static_cast<uint64_t>(cfg.max_staleness), left)) : 0;
+  const double step = h.learners * copy, eval = r0 * (kv1 + w1 + copy) + (cfg.eval_every > 0 ? (h.learners - r0) * copy : 0);
+  n.at_eval = h.rank0 && eval >= step;
+  n.engines = h.rollouts + (n.at_eval ? 1 : 0);
+  n.kv = n.engines * kv1;
+  n.weights = n.engines * w1;
+  n.state = h.learners * 3 * copy + r0 * copy + (n.at_eval ? eval - kv1 - w1 : step);
+  n.held = n.audited * copy;
+  n.ref = cfg.kl_beta > 0 ? h.learners * copy : 0;
+  return n;
+}
+
 }  // namespace
 
 // What a host's memory must hold for a run, at the least and at its peak, named by the keys that
@@ -150,19 +175,8 @@ host_tally host_tally_of(const topology& t, const std::string& node) {
 std::string host_memory_check(const run_config& cfg, const models::model_config& model, const topology& t, const std::string& node,
                               uint64_t start_version) {
   const host_tally h = host_tally_of(t, node);
-  const auto ec = recipe_engine_config(cfg);
-  const double copy = 4.0 * double(models::model_param_layout(model).total);  // one FP32 copy of the weights
-  const double kv1 = models::engine_kv_bytes(model, ec), w1 = models::bundle_bytes(model, ec.policy), r0 = h.rank0;
-  const uint64_t left = static_cast<uint64_t>(cfg.steps) > start_version ? static_cast<uint64_t>(cfg.steps) - start_version : 0;
-  const double audited = cfg.audit_every > 0 ? r0 * double(std::min(static_cast<uint64_t>(cfg.max_staleness), left)) : 0;
-  const double step = h.learners * copy, eval = r0 * (kv1 + w1 + copy) + (cfg.eval_every > 0 ? (h.learners - r0) * copy : 0);
-  const bool at_eval = h.rank0 && eval >= step;
-  const double engines = h.rollouts + (at_eval ? 1 : 0);
-  const double kv = engines * kv1, weights = engines * w1;
-  const double state = h.learners * 3 * copy + r0 * copy + (at_eval ? eval - kv1 - w1 : step);
-  const double held = audited * copy, ref = cfg.kl_beta > 0 ? h.learners * copy : 0;
-  const double need = kv + weights + state + held + ref, ram = models::machine_memory_bytes();
-  const double gib = double(1 << 30);
+  const host_need n = host_need_of(cfg, model, h, start_version);
+  const double need = n.total(), ram = models::machine_memory_bytes(), gib = double(1 << 30);
   auto text = [&](double bytes) {
     return bytes < gib / 10 ? fmt::format("{:.1f} MiB", bytes / (1 << 20)) : fmt::format("{:.1f} GiB", bytes / gib);
   };
@@ -172,24 +186,23 @@ std::string host_memory_check(const run_config& cfg, const models::model_config&
     parts += fmt::format("{}{} {}", parts.empty() ? "" : "; ", what, text(bytes));
     if (bytes >= need / 10 && *fix) fixes += (fixes.empty() ? "" : "; ") + std::string(fix);
   };
-  const std::string validation = at_eval ? ", learner0's validation" : "";
-  part(kv,
+  part(n.kv,
        fmt::format("rollout.slots {} x model.max_context {}: the KV caches of the {} generation engine(s) ({} rollout(s){})",
-                   cfg.slots, cfg.max_context, engines, h.rollouts, validation),
+                   cfg.slots, cfg.max_context, n.engines, h.rollouts, n.at_eval ? ", learner0's validation" : ""),
        "lower rollout.slots or model.max_context");
-  part(weights, fmt::format("the weights of the {} generation engine(s) under precision.generation {}", engines, ec.policy.name),
+  part(n.weights, fmt::format("the weights of the {} generation engine(s) under precision.generation {}", n.engines, cfg.generation),
        h.rollouts > 0 ? "place rollouts on other hosts" : "");
-  const std::string transient = !at_eval                                     ? "gradients"
-                                : cfg.eval_every > 0 && h.learners > r0 ? "learner0's copy for validation, the other ranks' gradients"
-                                                                          : "learner0's copy for validation";
-  part(state,
-       fmt::format("the FP32 state of {} learner(s) ({:.0f} parameters: master weights, AdamW moments, {}{})", h.learners, copy / 4,
-                   transient, h.rank0 ? ", rank 0's copy for calibration" : ""),
+  const std::string transient = !n.at_eval                                         ? "gradients"
+                                : cfg.eval_every > 0 && h.learners > double(h.rank0) ? "learner0's copy for validation, the other ranks' gradients"
+                                                                                     : "learner0's copy for validation";
+  part(n.state,
+       fmt::format("the FP32 state of {} learner(s) ({} parameters: master weights, AdamW moments, {}{})", h.learners,
+                   models::model_param_layout(model).total, transient, h.rank0 ? ", rank 0's copy for calibration" : ""),
        "place learners on other hosts");
-  part(held, fmt::format("audit.every {}: the audit's copies of {} version(s) (async.max_staleness {})", cfg.audit_every, audited,
-                         cfg.max_staleness),
+  part(n.held, fmt::format("audit.every {}: the audit's copies of {} version(s) (async.max_staleness {})", cfg.audit_every, n.audited,
+                           cfg.max_staleness),
        "set audit.every = 0 or lower async.max_staleness");
-  part(ref, "grpo.kl_beta: the reference weights of each learner", "set grpo.kl_beta = 0");
+  part(n.ref, "grpo.kl_beta: the reference weights of each learner", "set grpo.kl_beta = 0");
   if (ram <= 0 || need <= ram) {  // said by the host's first node (its other processes count the same)
     if (parts.empty() || h.names.substr(0, h.names.find(',')) != node) return "";
     return fmt::format("host {} (node(s) {}): at least {} of {} for the run: {}", h.host, h.names, text(need),
