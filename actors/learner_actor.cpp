@@ -81,7 +81,7 @@ double secs(clk::time_point a) { return std::chrono::duration<double>(clk::now()
 constexpr size_t kAllreducePiece = size_t{1} << 30;  // elements per Gloo all-reduce call
 
 // A store whose waits take the run's timeout: Gloo's rendezvous waits for the other ranks' keys
-// with the store's default, 30 s (a rank whose first shard took 30 s longer failed the run).
+// with the store's default, 30 s (the ranks 30 s ahead of another at the first all-reduce failed the run).
 class timed_store : public gloo::rendezvous::Store {
  public:
   timed_store(gloo::rendezvous::Store& inner, std::chrono::milliseconds timeout) : inner_(inner), timeout_(timeout) {}
