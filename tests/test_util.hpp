@@ -1,6 +1,9 @@
 // tests/test_util.hpp -- seeded random data and small helpers shared by the test suites.
 #pragma once
 #include <csignal>
+#include <fcntl.h>
+#include <linux/fs.h>
+#include <sys/ioctl.h>
 #include <cstdint>
 #include <cstring>
 #include <filesystem>
@@ -18,6 +21,19 @@
 #include "quant/cpu_isa.hpp"
 
 namespace fp8rl::test {
+
+// Sets or clears a file's or directory's immutable flag (FS_IMMUTABLE_FL: not even root removes it
+// or writes in it); false where the file system or the process's capabilities do not allow it.
+inline bool immutable_set(const std::filesystem::path& f, bool on) {
+  const int fd = ::open(f.c_str(), O_RDONLY);
+  if (fd < 0) return false;
+  int flags = 0;
+  bool ok = ::ioctl(fd, FS_IOC_GETFLAGS, &flags) == 0;
+  flags = on ? flags | FS_IMMUTABLE_FL : flags & ~FS_IMMUTABLE_FL;
+  ok = ok && ::ioctl(fd, FS_IOC_SETFLAGS, &flags) == 0;
+  ::close(fd);
+  return ok;
+}
 
 // Limits the ISA the kernels dispatch to for a scope; the limit is lifted again however the scope
 // ends (a failed ASSERT returns early: the rest of the binary must not stay on the limited path).

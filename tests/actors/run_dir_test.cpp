@@ -2,10 +2,7 @@
 // overwritten unasked (what counts as one, a start's error not hidden by a pending signal, signals
 // passed on by a parent), plots and metrics that cannot be written, calibration batch files, a
 // resume moving the rows after its checkpoint aside, and a trace writer that cannot write.
-#include <fcntl.h>
 #include <gtest/gtest.h>
-#include <linux/fs.h>
-#include <sys/ioctl.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -437,21 +434,6 @@ TEST(RunDir, CheckpointsPruneKeepsTheNewestByStep) {
   EXPECT_EQ(checkpoints_prune(d.string(), 1, 10), d.string() + ": cannot list it (No such file or directory)");
 }
 
-namespace {
-// Sets or clears a file's immutable flag (FS_IMMUTABLE_FL: not even root removes it); false where
-// the file system or the process's capabilities do not allow it.
-bool immutable_set(const fs::path& f, bool on) {
-  const int fd = ::open(f.c_str(), O_RDONLY);
-  if (fd < 0) return false;
-  int flags = 0;
-  bool ok = ::ioctl(fd, FS_IOC_GETFLAGS, &flags) == 0;
-  flags = on ? flags | FS_IMMUTABLE_FL : flags & ~FS_IMMUTABLE_FL;
-  ok = ok && ::ioctl(fd, FS_IOC_SETFLAGS, &flags) == 0;
-  ::close(fd);
-  return ok;
-}
-}  // namespace
-
 // An old checkpoint that cannot be removed is named in the warning the learner logs, and pruning
 // goes on with the others: step_2 holds an immutable file, step_1 is removed after it.
 TEST(RunDir, CheckpointsPruneNamesACheckpointItCannotRemoveAndGoesOn) {
@@ -460,12 +442,12 @@ TEST(RunDir, CheckpointsPruneNamesACheckpointItCannotRemoveAndGoesOn) {
   for (const char* n : {"step_1", "step_2", "step_3"}) fs::create_directories(d / n);
   const fs::path stuck = d / "step_2" / "model.safetensors";
   std::ofstream(stuck) << "x";
-  if (!immutable_set(stuck, true)) {
+  if (!fp8rl::test::immutable_set(stuck, true)) {
     fs::remove_all(d);
     GTEST_SKIP() << "the immutable flag cannot be set in " << d << " (file system or capabilities)";
   }
   const std::string err = checkpoints_prune(d.string(), 1, 3);
-  immutable_set(stuck, false);
+  fp8rl::test::immutable_set(stuck, false);
   EXPECT_EQ(err.rfind("could not remove an old checkpoint (run.keep_checkpoints): " + (d / "step_2").string() + ": ", 0), 0u) << err;
   EXPECT_NE(err.find("Operation not permitted"), std::string::npos) << err;
   EXPECT_FALSE(fs::exists(d / "step_1"));  // removed after step_2's failure

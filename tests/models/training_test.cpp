@@ -299,6 +299,30 @@ TEST(Training, CheckpointReplacementKeepsAWholeCheckpoint) {
   fs::remove_all(dir);
 }
 
+// A save where nothing can be written is refused before any work (the SFT command checks its
+// --out first): the nearest existing directory above DIR is named with why (an immutable
+// directory: even root cannot write in it).
+TEST(Training, ACheckpointSaveCheckNamesADirectoryItCannotWriteIn) {
+  namespace fs = std::filesystem;
+  const fs::path d = fs::temp_directory_path() / ("fp8rl_save_check_" + std::to_string(::getpid()));
+  fs::remove_all(d);
+  fs::create_directories(d);
+  EXPECT_NO_THROW(checkpoint_save_check((d / "a" / "ck").string()));
+  if (!fp8rl::test::immutable_set(d, true)) {
+    fs::remove_all(d);
+    GTEST_SKIP() << "the immutable flag cannot be set on " << d << " (file system or capabilities)";
+  }
+  std::string err;
+  try {
+    checkpoint_save_check((d / "a" / "ck").string());
+  } catch (const std::invalid_argument& e) {
+    err = e.what();
+  }
+  fp8rl::test::immutable_set(d, false);
+  EXPECT_EQ(err, (d / "a" / "ck").string() + ": cannot write in " + d.string() + " (Operation not permitted)");
+  fs::remove_all(d);
+}
+
 // A disk that fills while a checkpoint is written fails the save naming the file, and the previous
 // checkpoint stays whole. RLIMIT_FSIZE one byte short of model.safetensors makes the failure come
 // at the stream's final flush, in its close (a check before the close saw nothing; the cut file
