@@ -135,16 +135,18 @@ host_tally host_tally_of(const topology& t, const std::string& node) {
 // The parts of a host's need (bytes; see host_memory_check), and the engines counted.
 struct host_need {
   double kv = 0, weights = 0, state = 0, held = 0, ref = 0, engines = 0, audited = 0;
+  int64_t params = 0;    // the model's parameters
   bool at_eval = false;  // the peak is learner0's validation, not a step's gradients
   double total() const { return kv + weights + state + held + ref; }
 };
 
 host_need host_need_of(const run_config& cfg, const models::model_config& model, const host_tally& h, uint64_t start_version) {
   const auto ec = recipe_engine_config(cfg);
-  const double copy = 4.0 * double(models::model_param_layout(model).total);  // one FP32 copy of the weights
+  host_need n;
+  n.params = models::model_param_layout(model).total;
+  const double copy = 4.0 * double(n.params);  // one FP32 copy of the weights
   const double kv1 = models::engine_kv_bytes(model, ec), w1 = models::bundle_bytes(model, ec.policy), r0 = h.rank0;
   const uint64_t left = static_cast<uint64_t>(cfg.steps) > start_version ? static_cast<uint64_t>(cfg.steps) - start_version : 0;
-  host_need n;
   n.audited = cfg.audit_every > 0 ? r0 * double(std::min(static_cast<uint64_t>(cfg.max_staleness), left)) : 0;
   const double step = h.learners * copy, eval = r0 * (kv1 + w1 + copy) + (cfg.eval_every > 0 ? (h.learners - r0) * copy : 0);
   n.at_eval = h.rank0 && eval >= step;
@@ -197,7 +199,7 @@ std::string host_memory_check(const run_config& cfg, const models::model_config&
                                                                                      : "learner0's copy for validation";
   part(n.state,
        fmt::format("the FP32 state of {} learner(s) ({} parameters: master weights, AdamW moments, {}{})", h.learners,
-                   models::model_param_layout(model).total, transient, h.rank0 ? ", rank 0's copy for calibration" : ""),
+                   n.params, transient, h.rank0 ? ", rank 0's copy for calibration" : ""),
        "place learners on other hosts");
   part(n.held, fmt::format("audit.every {}: the audit's copies of {} version(s) (async.max_staleness {})", cfg.audit_every, n.audited,
                            cfg.max_staleness),
